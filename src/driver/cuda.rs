@@ -1,0 +1,335 @@
+//! The device seam over the CUDA driver API (`cudarc::driver::result` and `sys`).
+//!
+//! This is the only module that calls the driver for the engine's own operations. The library is
+//! loaded at run time, so the crate builds and its simulated tests run on machines without CUDA;
+//! [`CudaDriver::open`] probes for the library first, because cudarc panics when a dynamically
+//! loaded library is missing.
+
+use super::{ContextHandle, DevicePtr, Driver, EventHandle};
+use crate::error::{DeviceId, DeviceKind, DriverError, Error};
+use cudarc::driver::{result, sys};
+use std::ffi::c_void;
+use std::mem::MaybeUninit;
+
+/// One CUDA device's primary context, a non-blocking stream and a memory pool of its own.
+pub(crate) struct CudaDriver {
+    device: sys::CUdevice,
+    id: DeviceId,
+    name: String,
+    ctx: sys::CUcontext,
+    stream: sys::CUstream,
+    pool: sys::CUmemoryPool,
+}
+
+// SAFETY: the handles are plain driver handles that the CUDA driver API accepts from any thread
+// once the owning context is current; the engine makes its context current around every call
+// (see `engine::Shared::enter`) and serialises calls through a mutex.
+unsafe impl Send for CudaDriver {}
+
+/// Whether the CUDA driver library can be loaded on this machine.
+pub(crate) fn driver_present() -> bool {
+    // SAFETY: `is_culib_present` only attempts to `dlopen` candidate library names; it does not
+    // call into the library.
+    unsafe { sys::is_culib_present() }
+}
+
+/// Number of CUDA devices, after making sure the driver is present and initialised.
+pub(crate) fn device_count() -> Result<usize, Error> {
+    if !driver_present() {
+        return Err(Error::NoDriver {
+            detail: format!(
+                "none of {:?} could be loaded",
+                cudarc::get_lib_name_candidates("cuda")
+            ),
+        });
+    }
+    result::init().map_err(|e| Error::Driver {
+        call: "cuInit",
+        source: DriverError::from_raw(e.0),
+    })?;
+    let count = result::device::get_count().map_err(|e| Error::Driver {
+        call: "cuDeviceGetCount",
+        source: DriverError::from_raw(e.0),
+    })?;
+    Ok(usize::try_from(count).unwrap_or(0))
+}
+
+fn check(call: &'static str, code: sys::CUresult) -> Result<(), Error> {
+    DriverError::check(code).map_err(Error::driver(call))
+}
+
+impl CudaDriver {
+    /// Opens device `ordinal`: retains its primary context, creates a non-blocking stream and a
+    /// device memory pool that keeps freed memory for reuse.
+    pub(crate) fn open(ordinal: usize) -> Result<Self, Error> {
+        let count = device_count()?;
+        if ordinal >= count {
+            return Err(Error::NoSuchDevice { ordinal, count });
+        }
+        let raw_ordinal =
+            i32::try_from(ordinal).map_err(|_| Error::NoSuchDevice { ordinal, count })?;
+        let device = result::device::get(raw_ordinal).map_err(|e| Error::Driver {
+            call: "cuDeviceGet",
+            source: DriverError::from_raw(e.0),
+        })?;
+        let name = result::device::get_name(device).unwrap_or_else(|_| "unknown".into());
+
+        let mut ctx = MaybeUninit::uninit();
+        // SAFETY: `device` came from `cuDeviceGet`; the out pointer is valid for one write.
+        check("cuDevicePrimaryCtxRetain", unsafe {
+            sys::cuDevicePrimaryCtxRetain(ctx.as_mut_ptr(), device)
+        })?;
+        // SAFETY: written by the successful call above.
+        let ctx = unsafe { ctx.assume_init() };
+
+        let mut this = CudaDriver {
+            device,
+            id: DeviceId {
+                kind: DeviceKind::Cuda,
+                ordinal,
+                instance: 0,
+            },
+            name,
+            ctx,
+            stream: std::ptr::null_mut(),
+            pool: std::ptr::null_mut(),
+        };
+        // From here on, `Drop` releases what was made if a later step fails.
+        let previous = current_raw().map_err(Error::driver("cuCtxGetCurrent"))?;
+        // SAFETY: `ctx` is the retained primary context.
+        check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(ctx) })?;
+        let made = this.make_stream_and_pool();
+        // SAFETY: `previous` was current on this thread a moment ago (or null, which unbinds).
+        let restored = check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(previous) });
+        made?;
+        restored?;
+        Ok(this)
+    }
+
+    fn make_stream_and_pool(&mut self) -> Result<(), Error> {
+        self.stream =
+            result::stream::create(result::stream::StreamKind::NonBlocking).map_err(|e| {
+                Error::Driver {
+                    call: "cuStreamCreate",
+                    source: DriverError::from_raw(e.0),
+                }
+            })?;
+        // SAFETY: an all-zero `CUmemPoolProps` is its documented default (reserved bytes zero);
+        // the fields that matter are set below.
+        let mut props: sys::CUmemPoolProps = unsafe { std::mem::zeroed() };
+        props.allocType = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+        props.handleTypes = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE;
+        props.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+        props.location.id = self.device;
+        let mut pool = MaybeUninit::uninit();
+        // SAFETY: `props` is a fully initialised pool description; out pointer valid.
+        check("cuMemPoolCreate", unsafe {
+            sys::cuMemPoolCreate(pool.as_mut_ptr(), &props)
+        })?;
+        // SAFETY: written by the successful call above.
+        self.pool = unsafe { pool.assume_init() };
+        // Keep freed memory in the pool instead of returning it to the OS at every synchronize:
+        // a stream-ordered allocator is only fast while it reuses.
+        let mut threshold: u64 = u64::MAX;
+        // SAFETY: the attribute takes a `cuuint64_t`, which `threshold` is.
+        check("cuMemPoolSetAttribute", unsafe {
+            sys::cuMemPoolSetAttribute(
+                self.pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                (&mut threshold as *mut u64).cast::<c_void>(),
+            )
+        })
+    }
+}
+
+fn current_raw() -> Result<sys::CUcontext, DriverError> {
+    let mut ctx = MaybeUninit::uninit();
+    // SAFETY: out pointer valid for one write.
+    DriverError::check(unsafe { sys::cuCtxGetCurrent(ctx.as_mut_ptr()) })?;
+    // SAFETY: written by the successful call above.
+    Ok(unsafe { ctx.assume_init() })
+}
+
+impl Drop for CudaDriver {
+    fn drop(&mut self) {
+        // Errors are ignored: drop never reports. The engine has already synchronised the stream
+        // on its successful teardown path; the driver releases the stream and pool lazily if work
+        // is still pending (as cuStreamDestroy and cuMemPoolDestroy document).
+        let previous = current_raw().unwrap_or(std::ptr::null_mut());
+        // SAFETY: `ctx` is retained until the release below.
+        unsafe {
+            sys::cuCtxSetCurrent(self.ctx);
+        }
+        if !self.stream.is_null() {
+            // SAFETY: the stream was created by this driver and is destroyed once.
+            unsafe {
+                sys::cuStreamDestroy_v2(self.stream);
+            }
+        }
+        if !self.pool.is_null() {
+            // SAFETY: the pool was created by this driver and is destroyed once.
+            unsafe {
+                sys::cuMemPoolDestroy(self.pool);
+            }
+        }
+        // SAFETY: restores whatever was current before (null unbinds), then releases the one
+        // primary-context reference this driver retained.
+        unsafe {
+            sys::cuCtxSetCurrent(if previous == self.ctx {
+                std::ptr::null_mut()
+            } else {
+                previous
+            });
+            sys::cuDevicePrimaryCtxRelease_v2(self.device);
+        }
+    }
+}
+
+impl Driver for CudaDriver {
+    fn device(&self) -> DeviceId {
+        self.id
+    }
+
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn context(&self) -> ContextHandle {
+        ContextHandle(self.ctx as u64)
+    }
+
+    fn stream_handle(&self) -> u64 {
+        self.stream as u64
+    }
+
+    fn current_context(&self) -> Result<ContextHandle, DriverError> {
+        current_raw().map(|c| ContextHandle(c as u64))
+    }
+
+    fn set_current_context(&self, ctx: ContextHandle) -> Result<(), DriverError> {
+        // SAFETY: the handle is either null (unbinds), this driver's retained context, or one the
+        // caller observed current on this thread.
+        DriverError::check(unsafe { sys::cuCtxSetCurrent(ctx.0 as sys::CUcontext) })
+    }
+
+    fn alloc(&mut self, bytes: usize) -> Result<DevicePtr, DriverError> {
+        let mut ptr = MaybeUninit::uninit();
+        // SAFETY: pool and stream belong to this driver's context, which the engine made current.
+        DriverError::check(unsafe {
+            sys::cuMemAllocFromPoolAsync(ptr.as_mut_ptr(), bytes, self.pool, self.stream)
+        })?;
+        // SAFETY: written by the successful call above.
+        Ok(unsafe { ptr.assume_init() })
+    }
+
+    unsafe fn free(&mut self, ptr: DevicePtr) -> Result<(), DriverError> {
+        // SAFETY: the caller guarantees `ptr` is a live allocation of this driver.
+        DriverError::check(unsafe { sys::cuMemFreeAsync(ptr, self.stream) })
+    }
+
+    unsafe fn copy_htod(
+        &mut self,
+        dst: DevicePtr,
+        src: *const u8,
+        bytes: usize,
+    ) -> Result<(), DriverError> {
+        // SAFETY: the caller guarantees both ranges stay valid until the copy completes.
+        DriverError::check(unsafe {
+            sys::cuMemcpyHtoDAsync_v2(dst, src.cast::<c_void>(), bytes, self.stream)
+        })
+    }
+
+    unsafe fn copy_dtoh(
+        &mut self,
+        dst: *mut u8,
+        src: DevicePtr,
+        bytes: usize,
+    ) -> Result<(), DriverError> {
+        // SAFETY: the caller guarantees both ranges stay valid until the copy completes.
+        DriverError::check(unsafe {
+            sys::cuMemcpyDtoHAsync_v2(dst.cast::<c_void>(), src, bytes, self.stream)
+        })
+    }
+
+    unsafe fn copy_dtod(
+        &mut self,
+        dst: DevicePtr,
+        src: DevicePtr,
+        bytes: usize,
+    ) -> Result<(), DriverError> {
+        // SAFETY: the caller guarantees both ranges are live and disjoint.
+        DriverError::check(unsafe { sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, self.stream) })
+    }
+
+    fn event_create(&mut self) -> Result<EventHandle, DriverError> {
+        let mut ev = MaybeUninit::uninit();
+        // SAFETY: out pointer valid; the flag disables timing, which makes record and query cheaper.
+        DriverError::check(unsafe {
+            sys::cuEventCreate(
+                ev.as_mut_ptr(),
+                sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32,
+            )
+        })?;
+        // SAFETY: written by the successful call above.
+        Ok(EventHandle(unsafe { ev.assume_init() } as u64))
+    }
+
+    fn event_record(&mut self, event: EventHandle) -> Result<(), DriverError> {
+        // SAFETY: handles of this driver only reach here (`EventHandle` is crate-private and
+        // minted by `event_create`); the event is live until `event_destroy`.
+        DriverError::check(unsafe { sys::cuEventRecord(event.0 as sys::CUevent, self.stream) })
+    }
+
+    fn event_query(&mut self, event: EventHandle) -> Result<bool, DriverError> {
+        // SAFETY: as in `event_record`.
+        match unsafe { sys::cuEventQuery(event.0 as sys::CUevent) } {
+            sys::CUresult::CUDA_SUCCESS => Ok(true),
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            other => Err(DriverError::from_raw(other)),
+        }
+    }
+
+    fn event_synchronize(&mut self, event: EventHandle) -> Result<(), DriverError> {
+        // SAFETY: as in `event_record`.
+        DriverError::check(unsafe { sys::cuEventSynchronize(event.0 as sys::CUevent) })
+    }
+
+    unsafe fn event_destroy(&mut self, event: EventHandle) -> Result<(), DriverError> {
+        // SAFETY: the caller guarantees the event is live and not used again.
+        DriverError::check(unsafe { sys::cuEventDestroy_v2(event.0 as sys::CUevent) })
+    }
+
+    fn host_alloc(&mut self, bytes: usize) -> Result<*mut u8, DriverError> {
+        let mut ptr = MaybeUninit::uninit();
+        // SAFETY: out pointer valid. PORTABLE makes the memory pinned for every context, so a
+        // buffer stays usable whichever context is current when it is used.
+        DriverError::check(unsafe {
+            sys::cuMemHostAlloc(
+                ptr.as_mut_ptr(),
+                bytes.max(1),
+                sys::CU_MEMHOSTALLOC_PORTABLE,
+            )
+        })?;
+        // SAFETY: written by the successful call above.
+        Ok(unsafe { ptr.assume_init() }.cast::<u8>())
+    }
+
+    unsafe fn host_free(&mut self, ptr: *mut u8) -> Result<(), DriverError> {
+        // SAFETY: the caller guarantees `ptr` came from `host_alloc` and is idle.
+        DriverError::check(unsafe { sys::cuMemFreeHost(ptr.cast::<c_void>()) })
+    }
+
+    fn stream_synchronize(&mut self) -> Result<(), DriverError> {
+        // SAFETY: the stream is live for the driver's lifetime.
+        DriverError::check(unsafe { sys::cuStreamSynchronize(self.stream) })
+    }
+
+    fn stream_query(&mut self) -> Result<bool, DriverError> {
+        // SAFETY: the stream is live for the driver's lifetime.
+        match unsafe { sys::cuStreamQuery(self.stream) } {
+            sys::CUresult::CUDA_SUCCESS => Ok(true),
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            other => Err(DriverError::from_raw(other)),
+        }
+    }
+}

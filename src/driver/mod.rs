@@ -1,0 +1,124 @@
+//! The device seam: the one trait through which every device operation goes.
+//!
+//! Everything above this module speaks to a [`Driver`], never to the CUDA driver API itself. Two
+//! implementations exist: [`cuda::CudaDriver`] over `cudarc::driver::result` for real GPUs, and
+//! (feature `sim`) the simulated device in [`sim`], which keeps device memory in host memory,
+//! runs its stream only when its clock advances, and injects faults on request. Because the
+//! lifecycle code above the seam is the same for both, CI without a GPU checks what the GPU runs.
+//!
+//! A driver object is one device, one context and one stream: the engine's. Its methods take
+//! `&mut self` because the engine serialises access to it.
+
+pub(crate) mod cuda;
+#[cfg(any(test, feature = "sim"))]
+pub mod sim;
+
+use crate::error::{DeviceId, DriverError};
+
+/// A device address.
+pub(crate) type DevicePtr = u64;
+
+/// An event owned by a driver. Created by [`Driver::event_create`], valid until
+/// [`Driver::event_destroy`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct EventHandle(pub(crate) u64);
+
+/// A context, as the raw handle value (`CUcontext` for CUDA). Zero means "no context".
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct ContextHandle(pub(crate) u64);
+
+/// One device, one context and one stream, behind a seam with two implementations.
+///
+/// Asynchronous operations are queued on the driver's stream in call order. Their `unsafe`
+/// contracts are CUDA's: memory named by a queued operation must stay valid until the operation
+/// has completed, which only an event recorded after it (or a stream synchronize) proves.
+pub(crate) trait Driver: Send {
+    /// The device this driver drives.
+    fn device(&self) -> DeviceId;
+    /// The device's name, as the driver reports it.
+    fn name(&self) -> &str;
+    /// The engine's context.
+    fn context(&self) -> ContextHandle;
+    /// The engine's stream, as the raw handle value.
+    fn stream_handle(&self) -> u64;
+    /// The context current on the calling thread.
+    fn current_context(&self) -> Result<ContextHandle, DriverError>;
+    /// Makes `ctx` current on the calling thread (`NONE` unbinds).
+    fn set_current_context(&self, ctx: ContextHandle) -> Result<(), DriverError>;
+
+    /// Allocates `bytes` of device memory, ordered on the stream.
+    fn alloc(&mut self, bytes: usize) -> Result<DevicePtr, DriverError>;
+    /// Frees an allocation, ordered on the stream.
+    ///
+    /// # Safety
+    /// `ptr` came from [`Driver::alloc`] on this driver and is not freed twice; no operation
+    /// queued later uses it.
+    unsafe fn free(&mut self, ptr: DevicePtr) -> Result<(), DriverError>;
+    /// Queues a host-to-device copy.
+    ///
+    /// # Safety
+    /// `src..src+bytes` is readable host memory and `dst..dst+bytes` lies in one live allocation;
+    /// both stay valid, and the source unchanged, until the copy completes.
+    unsafe fn copy_htod(
+        &mut self,
+        dst: DevicePtr,
+        src: *const u8,
+        bytes: usize,
+    ) -> Result<(), DriverError>;
+    /// Queues a device-to-host copy.
+    ///
+    /// # Safety
+    /// `dst..dst+bytes` is writable host memory that nothing reads or writes until the copy
+    /// completes; `src..src+bytes` lies in one live allocation.
+    unsafe fn copy_dtoh(
+        &mut self,
+        dst: *mut u8,
+        src: DevicePtr,
+        bytes: usize,
+    ) -> Result<(), DriverError>;
+    /// Queues a device-to-device copy.
+    ///
+    /// # Safety
+    /// Both ranges lie in live allocations and do not overlap.
+    unsafe fn copy_dtod(
+        &mut self,
+        dst: DevicePtr,
+        src: DevicePtr,
+        bytes: usize,
+    ) -> Result<(), DriverError>;
+
+    /// Creates an event with timing disabled.
+    fn event_create(&mut self) -> Result<EventHandle, DriverError>;
+    /// Records `event` at the current end of the stream.
+    fn event_record(&mut self, event: EventHandle) -> Result<(), DriverError>;
+    /// Whether the work before the event's last record has completed. Never waits.
+    /// `Ok(false)` means not yet; `Err` means the device reported a failure.
+    fn event_query(&mut self, event: EventHandle) -> Result<bool, DriverError>;
+    /// Waits until the work before the event's last record has completed.
+    fn event_synchronize(&mut self, event: EventHandle) -> Result<(), DriverError>;
+    /// Destroys an event.
+    ///
+    /// # Safety
+    /// `event` came from [`Driver::event_create`] on this driver and is not used afterwards.
+    unsafe fn event_destroy(&mut self, event: EventHandle) -> Result<(), DriverError>;
+
+    /// Allocates `bytes` of page-locked host memory.
+    fn host_alloc(&mut self, bytes: usize) -> Result<*mut u8, DriverError>;
+    /// Frees page-locked host memory.
+    ///
+    /// # Safety
+    /// `ptr` came from [`Driver::host_alloc`] on this driver, is freed once, and no queued
+    /// operation may still touch it.
+    unsafe fn host_free(&mut self, ptr: *mut u8) -> Result<(), DriverError>;
+
+    /// Waits until everything queued on the stream has completed.
+    fn stream_synchronize(&mut self) -> Result<(), DriverError>;
+    /// Whether everything queued on the stream has completed. Never waits.
+    fn stream_query(&mut self) -> Result<bool, DriverError>;
+
+    /// The simulated device behind this driver, if it is one.
+    #[cfg(any(test, feature = "sim"))]
+    fn as_sim(&self) -> Option<sim::SimDevice> {
+        None
+    }
+}

@@ -1,0 +1,653 @@
+//! The simulated device: the device seam implemented in host memory, deterministically.
+//!
+//! It exists so that every route's lifecycle code runs in CI, which has no GPU, exactly as it
+//! runs on a real device, and so users can test their own pipelines the same way. It models what
+//! the lifecycle types must be right about:
+//!
+//! - **Asynchrony.** Copies, frees and event records are queued on the stream in call order and
+//!   take effect only when the device clock advances ([`SimDevice::advance`]) or something waits
+//!   (an event or stream synchronize). A copy that has not completed has not written its
+//!   destination, and a host-to-device copy reads its source when it runs, not when it is queued.
+//! - **Events.** A query reports completion only once every operation queued before the record
+//!   has run.
+//! - **Faults.** [`SimDevice::fail_nth`] makes the n-th call of an operation return a driver
+//!   error; [`SimDevice::fail_event`] makes a recorded event report an error once the device
+//!   reaches it.
+//! - **Use-after-free of DMA memory.** Freeing pinned host memory that a queued copy still names
+//!   is recorded as a [violation](SimDevice::violations) and the memory is kept (never freed), so
+//!   a lifecycle bug is reported by the tests instead of corrupting memory.
+//!
+//! Contexts are modelled per thread, so the context-restoring rules of raw scopes are testable
+//! too ([`thread_context`], [`set_thread_context`], [`SimDevice::foreign_context`]).
+
+use super::{ContextHandle, DevicePtr, Driver, EventHandle};
+use crate::error::{DeviceId, DeviceKind, DriverError};
+use std::alloc::Layout;
+use std::cell::Cell;
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// How to build a simulated device.
+#[derive(Clone, Debug)]
+pub struct SimConfig {
+    /// The ordinal the device reports.
+    pub ordinal: usize,
+    /// Device memory capacity in bytes; allocations beyond it fail with `CUDA_ERROR_OUT_OF_MEMORY`.
+    pub memory_bytes: usize,
+    /// Pinned host memory capacity in bytes; allocations beyond it fail likewise.
+    pub pinned_bytes: usize,
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        SimConfig {
+            ordinal: 0,
+            memory_bytes: 4 << 30,
+            pinned_bytes: 4 << 30,
+        }
+    }
+}
+
+/// A device operation, as fault injection and call counting name it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[non_exhaustive]
+pub enum SimOp {
+    /// Stream-ordered device allocation.
+    Alloc,
+    /// Stream-ordered device free.
+    Free,
+    /// Host-to-device copy enqueue.
+    CopyHtoD,
+    /// Device-to-host copy enqueue.
+    CopyDtoH,
+    /// Device-to-device copy enqueue.
+    CopyDtoD,
+    /// Event creation.
+    EventCreate,
+    /// Event record.
+    EventRecord,
+    /// Event query.
+    EventQuery,
+    /// Event synchronize (a host wait).
+    EventSynchronize,
+    /// Event destruction.
+    EventDestroy,
+    /// Pinned host allocation.
+    HostAlloc,
+    /// Pinned host free.
+    HostFree,
+    /// Stream synchronize (a host wait).
+    StreamSynchronize,
+    /// Stream query.
+    StreamQuery,
+}
+
+static NEXT_INSTANCE: AtomicU64 = AtomicU64::new(1);
+static NEXT_CONTEXT: AtomicU64 = AtomicU64::new(0x5100_0000);
+
+thread_local! {
+    static CURRENT: Cell<u64> = const { Cell::new(0) };
+}
+
+/// The simulated context current on this thread (`None` when none is).
+pub fn thread_context() -> Option<u64> {
+    let c = CURRENT.with(Cell::get);
+    (c != 0).then_some(c)
+}
+
+/// Makes a simulated context current on this thread, or unbinds with `None`.
+pub fn set_thread_context(ctx: Option<u64>) {
+    CURRENT.with(|c| c.set(ctx.unwrap_or(0)));
+}
+
+enum Job {
+    HtoD {
+        dst: DevicePtr,
+        src: *const u8,
+        bytes: usize,
+    },
+    DtoH {
+        dst: *mut u8,
+        src: DevicePtr,
+        bytes: usize,
+    },
+    DtoD {
+        dst: DevicePtr,
+        src: DevicePtr,
+        bytes: usize,
+    },
+    Free(DevicePtr),
+    Marker,
+}
+
+impl Job {
+    /// The host range this job touches, if any.
+    fn host_range(&self) -> Option<(usize, usize)> {
+        match *self {
+            Job::HtoD { src, bytes, .. } => Some((src as usize, bytes)),
+            Job::DtoH { dst, bytes, .. } => Some((dst as usize, bytes)),
+            _ => None,
+        }
+    }
+}
+
+struct SimEvent {
+    /// Sequence number of the marker of the last record, if recorded.
+    recorded: Option<u64>,
+    /// The error this record reports once the device reaches it.
+    fault: Option<DriverError>,
+}
+
+struct State {
+    instance: u64,
+    ordinal: usize,
+    ctx: u64,
+    memory_bytes: usize,
+    pinned_bytes: usize,
+    mem: BTreeMap<DevicePtr, Vec<u8>>,
+    device_used: usize,
+    next_addr: DevicePtr,
+    queue: VecDeque<(u64, Job)>,
+    next_seq: u64,
+    /// Every job with a sequence number below this has run.
+    done_seq: u64,
+    events: HashMap<u64, SimEvent>,
+    next_event: u64,
+    host: HashMap<usize, usize>,
+    host_used: usize,
+    calls: BTreeMap<SimOp, u64>,
+    faults: Vec<(SimOp, u64, DriverError)>,
+    event_faults: Vec<(u64, DriverError)>,
+    violations: Vec<String>,
+    completed_jobs: u64,
+}
+
+// SAFETY: the raw host pointers in queued jobs are addresses the engine guarantees (through the
+// seam's unsafe contracts) to stay valid until the job runs, on whichever thread runs it; the
+// state is only reached through the mutex.
+unsafe impl Send for State {}
+
+/// A handle to a simulated device: its clock, its fault injection and its accounting.
+///
+/// Clones share the device. The engine that drives it holds one; tests hold another (from
+/// [`CudaEngine::sim`](crate::CudaEngine::sim)) to advance the clock and inject faults between
+/// engine operations.
+#[derive(Clone)]
+pub struct SimDevice {
+    state: Arc<Mutex<State>>,
+}
+
+impl std::fmt::Debug for SimDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let s = self.lock();
+        f.debug_struct("SimDevice")
+            .field("instance", &s.instance)
+            .field("ordinal", &s.ordinal)
+            .field("queued", &s.queue.len())
+            .finish()
+    }
+}
+
+impl SimDevice {
+    /// Creates a simulated device.
+    pub fn new(config: SimConfig) -> Self {
+        let state = State {
+            instance: NEXT_INSTANCE.fetch_add(1, Ordering::Relaxed),
+            ordinal: config.ordinal,
+            ctx: NEXT_CONTEXT.fetch_add(1, Ordering::Relaxed),
+            memory_bytes: config.memory_bytes,
+            pinned_bytes: config.pinned_bytes,
+            mem: BTreeMap::new(),
+            device_used: 0,
+            next_addr: 0x7f00_0000_0000,
+            queue: VecDeque::new(),
+            next_seq: 0,
+            done_seq: 0,
+            events: HashMap::new(),
+            next_event: 1,
+            host: HashMap::new(),
+            host_used: 0,
+            calls: BTreeMap::new(),
+            faults: Vec::new(),
+            event_faults: Vec::new(),
+            violations: Vec::new(),
+            completed_jobs: 0,
+        };
+        SimDevice {
+            state: Arc::new(Mutex::new(state)),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Runs up to `n` queued operations, in order. Returns how many ran.
+    pub fn advance(&self, n: usize) -> usize {
+        let mut s = self.lock();
+        let mut ran = 0;
+        while ran < n && s.run_one() {
+            ran += 1;
+        }
+        ran
+    }
+
+    /// Runs every queued operation.
+    pub fn advance_all(&self) -> usize {
+        self.advance(usize::MAX)
+    }
+
+    /// How many operations are queued and not yet run.
+    pub fn queued(&self) -> usize {
+        self.lock().queue.len()
+    }
+
+    /// How many queued operations have run since the device was made.
+    pub fn completed(&self) -> u64 {
+        self.lock().completed_jobs
+    }
+
+    /// Makes the `n`-th call of `op` from now (`n >= 1`) fail with `error`.
+    pub fn fail_nth(&self, op: SimOp, n: u64, error: DriverError) {
+        let mut s = self.lock();
+        let at = s.calls.get(&op).copied().unwrap_or(0) + n.max(1);
+        s.faults.push((op, at, error));
+    }
+
+    /// Makes the event of the `n`-th event record from now (`n >= 1`) report `error` once the
+    /// device reaches it, as a failed kernel or copy before it would.
+    pub fn fail_event(&self, n: u64, error: DriverError) {
+        let mut s = self.lock();
+        let at = s.calls.get(&SimOp::EventRecord).copied().unwrap_or(0) + n.max(1);
+        s.event_faults.push((at, error));
+    }
+
+    /// Removes every pending fault.
+    pub fn clear_faults(&self) {
+        let mut s = self.lock();
+        s.faults.clear();
+        s.event_faults.clear();
+    }
+
+    /// How many times `op` has been called.
+    pub fn calls(&self, op: SimOp) -> u64 {
+        self.lock().calls.get(&op).copied().unwrap_or(0)
+    }
+
+    /// Live pinned host allocations: (count, bytes).
+    pub fn pinned_live(&self) -> (usize, usize) {
+        let s = self.lock();
+        (s.host.len(), s.host_used)
+    }
+
+    /// Live device allocations: (count, bytes), counting frees that have run.
+    pub fn device_live(&self) -> (usize, usize) {
+        let s = self.lock();
+        (s.mem.len(), s.device_used)
+    }
+
+    /// Live events (created and not destroyed).
+    pub fn events_live(&self) -> usize {
+        self.lock().events.len()
+    }
+
+    /// Lifecycle violations the device observed, such as pinned memory freed while a queued copy
+    /// still named it. A correct engine leaves this empty.
+    pub fn violations(&self) -> Vec<String> {
+        self.lock().violations.clone()
+    }
+
+    /// Whether `ptr` is the start of a live pinned host allocation of this device.
+    pub fn is_pinned_live(&self, ptr: *const u8) -> bool {
+        self.lock().host.contains_key(&(ptr as usize))
+    }
+
+    /// A fresh context that belongs to no engine, for testing that raw scopes restore whatever
+    /// was current before them.
+    pub fn foreign_context() -> u64 {
+        NEXT_CONTEXT.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// This device's own context handle.
+    pub fn context(&self) -> u64 {
+        self.lock().ctx
+    }
+
+    /// Reads device memory directly, bypassing the stream (for assertions in tests): the bytes
+    /// the device holds now, as of the operations that have run.
+    pub fn peek(&self, ptr: u64, bytes: usize) -> Option<Vec<u8>> {
+        let s = self.lock();
+        let (base, block) = s.mem.range(..=ptr).next_back()?;
+        let off = usize::try_from(ptr - base).ok()?;
+        block.get(off..off.checked_add(bytes)?).map(<[u8]>::to_vec)
+    }
+}
+
+impl State {
+    fn enter(&mut self, op: SimOp) -> Result<(), DriverError> {
+        let n = self.calls.entry(op).or_insert(0);
+        *n += 1;
+        let n = *n;
+        if let Some(i) = self.faults.iter().position(|f| f.0 == op && f.1 == n) {
+            return Err(self.faults.remove(i).2);
+        }
+        Ok(())
+    }
+
+    fn push(&mut self, job: Job) -> u64 {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        self.queue.push_back((seq, job));
+        seq
+    }
+
+    fn block_mut(&mut self, ptr: DevicePtr, bytes: usize) -> Option<&mut [u8]> {
+        let (base, block) = self.mem.range_mut(..=ptr).next_back()?;
+        let off = usize::try_from(ptr - *base).ok()?;
+        block.get_mut(off..off.checked_add(bytes)?)
+    }
+
+    fn run_one(&mut self) -> bool {
+        let Some((seq, job)) = self.queue.pop_front() else {
+            return false;
+        };
+        match job {
+            Job::HtoD { dst, src, bytes } => match self.block_mut(dst, bytes) {
+                Some(d) => {
+                    // SAFETY: the seam's contract keeps `src..src+bytes` readable until this job
+                    // has run; `d` is device memory owned by the simulator, disjoint from it.
+                    unsafe { std::ptr::copy_nonoverlapping(src, d.as_mut_ptr(), bytes) }
+                }
+                None => self.violations.push(format!(
+                    "host-to-device copy into unmapped device range {dst:#x}+{bytes}"
+                )),
+            },
+            Job::DtoH { dst, src, bytes } => match self.block_mut(src, bytes) {
+                Some(s) => {
+                    // SAFETY: the seam's contract keeps `dst..dst+bytes` writable and untouched
+                    // by the host until this job has run; `s` is simulator-owned memory.
+                    unsafe { std::ptr::copy_nonoverlapping(s.as_ptr(), dst, bytes) }
+                }
+                None => self.violations.push(format!(
+                    "device-to-host copy from unmapped device range {src:#x}+{bytes}"
+                )),
+            },
+            Job::DtoD { dst, src, bytes } => {
+                let data = self.block_mut(src, bytes).map(|s| s.to_vec());
+                match (data, self.block_mut(dst, bytes)) {
+                    (Some(data), Some(d)) => d.copy_from_slice(&data),
+                    _ => self.violations.push(format!(
+                        "device-to-device copy {src:#x} -> {dst:#x} of {bytes} bytes touches unmapped memory"
+                    )),
+                }
+            }
+            Job::Free(ptr) => match self.mem.remove(&ptr) {
+                Some(block) => self.device_used -= block.len(),
+                None => self
+                    .violations
+                    .push(format!("free of unknown device pointer {ptr:#x}")),
+            },
+            Job::Marker => {}
+        }
+        self.done_seq = seq + 1;
+        self.completed_jobs += 1;
+        true
+    }
+
+    fn run_until(&mut self, seq: u64) {
+        while self.done_seq <= seq && self.run_one() {}
+    }
+
+    fn event(&mut self, event: EventHandle) -> Result<&mut SimEvent, DriverError> {
+        self.events
+            .get_mut(&event.0)
+            .ok_or(DriverError::INVALID_VALUE)
+    }
+}
+
+/// The driver half of a simulated device: what an engine built with
+/// [`CudaEngine::simulated`](crate::CudaEngine::simulated) drives.
+pub(crate) struct SimDriver {
+    device: SimDevice,
+    id: DeviceId,
+    ctx: u64,
+}
+
+impl SimDriver {
+    pub(crate) fn new(device: SimDevice) -> Self {
+        let (instance, ordinal, ctx) = {
+            let s = device.lock();
+            (s.instance, s.ordinal, s.ctx)
+        };
+        SimDriver {
+            device,
+            id: DeviceId {
+                kind: DeviceKind::Simulated,
+                ordinal,
+                instance,
+            },
+            ctx,
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.device.lock()
+    }
+}
+
+impl Driver for SimDriver {
+    fn device(&self) -> DeviceId {
+        self.id
+    }
+
+    fn name(&self) -> &str {
+        "cuferry simulated device"
+    }
+
+    fn context(&self) -> ContextHandle {
+        ContextHandle(self.ctx)
+    }
+
+    fn stream_handle(&self) -> u64 {
+        self.id.instance << 8 | 1
+    }
+
+    fn current_context(&self) -> Result<ContextHandle, DriverError> {
+        Ok(ContextHandle(CURRENT.with(Cell::get)))
+    }
+
+    fn set_current_context(&self, ctx: ContextHandle) -> Result<(), DriverError> {
+        CURRENT.with(|c| c.set(ctx.0));
+        Ok(())
+    }
+
+    fn alloc(&mut self, bytes: usize) -> Result<DevicePtr, DriverError> {
+        let mut s = self.lock();
+        s.enter(SimOp::Alloc)?;
+        if s.device_used.saturating_add(bytes) > s.memory_bytes {
+            return Err(DriverError::OUT_OF_MEMORY);
+        }
+        let ptr = s.next_addr;
+        // Keep allocations 256-byte aligned and apart, as the real allocator does.
+        s.next_addr += (bytes as u64).div_ceil(256).max(1) * 256 + 256;
+        s.mem.insert(ptr, vec![0xA5; bytes]);
+        s.device_used += bytes;
+        Ok(ptr)
+    }
+
+    unsafe fn free(&mut self, ptr: DevicePtr) -> Result<(), DriverError> {
+        let mut s = self.lock();
+        s.enter(SimOp::Free)?;
+        s.push(Job::Free(ptr));
+        Ok(())
+    }
+
+    unsafe fn copy_htod(
+        &mut self,
+        dst: DevicePtr,
+        src: *const u8,
+        bytes: usize,
+    ) -> Result<(), DriverError> {
+        let mut s = self.lock();
+        s.enter(SimOp::CopyHtoD)?;
+        s.push(Job::HtoD { dst, src, bytes });
+        Ok(())
+    }
+
+    unsafe fn copy_dtoh(
+        &mut self,
+        dst: *mut u8,
+        src: DevicePtr,
+        bytes: usize,
+    ) -> Result<(), DriverError> {
+        let mut s = self.lock();
+        s.enter(SimOp::CopyDtoH)?;
+        s.push(Job::DtoH { dst, src, bytes });
+        Ok(())
+    }
+
+    unsafe fn copy_dtod(
+        &mut self,
+        dst: DevicePtr,
+        src: DevicePtr,
+        bytes: usize,
+    ) -> Result<(), DriverError> {
+        let mut s = self.lock();
+        s.enter(SimOp::CopyDtoD)?;
+        s.push(Job::DtoD { dst, src, bytes });
+        Ok(())
+    }
+
+    fn event_create(&mut self) -> Result<EventHandle, DriverError> {
+        let mut s = self.lock();
+        s.enter(SimOp::EventCreate)?;
+        let id = s.next_event;
+        s.next_event += 1;
+        s.events.insert(
+            id,
+            SimEvent {
+                recorded: None,
+                fault: None,
+            },
+        );
+        Ok(EventHandle(id))
+    }
+
+    fn event_record(&mut self, event: EventHandle) -> Result<(), DriverError> {
+        let mut s = self.lock();
+        s.enter(SimOp::EventRecord)?;
+        s.event(event)?;
+        let n = s.calls[&SimOp::EventRecord];
+        let fault = s
+            .event_faults
+            .iter()
+            .position(|f| f.0 == n)
+            .map(|i| s.event_faults.remove(i).1);
+        let seq = s.push(Job::Marker);
+        let ev = s.event(event)?;
+        ev.recorded = Some(seq);
+        ev.fault = fault;
+        Ok(())
+    }
+
+    fn event_query(&mut self, event: EventHandle) -> Result<bool, DriverError> {
+        let mut s = self.lock();
+        s.enter(SimOp::EventQuery)?;
+        let done = s.done_seq;
+        let ev = s.event(event)?;
+        match ev.recorded {
+            None => Ok(true),
+            Some(seq) if seq < done => ev.fault.map_or(Ok(true), Err),
+            Some(_) => Ok(false),
+        }
+    }
+
+    fn event_synchronize(&mut self, event: EventHandle) -> Result<(), DriverError> {
+        let mut s = self.lock();
+        s.enter(SimOp::EventSynchronize)?;
+        let Some(seq) = s.event(event)?.recorded else {
+            return Ok(());
+        };
+        s.run_until(seq);
+        s.event(event)?.fault.map_or(Ok(()), Err)
+    }
+
+    unsafe fn event_destroy(&mut self, event: EventHandle) -> Result<(), DriverError> {
+        let mut s = self.lock();
+        s.enter(SimOp::EventDestroy)?;
+        s.events
+            .remove(&event.0)
+            .map(|_| ())
+            .ok_or(DriverError::INVALID_VALUE)
+    }
+
+    fn host_alloc(&mut self, bytes: usize) -> Result<*mut u8, DriverError> {
+        let mut s = self.lock();
+        s.enter(SimOp::HostAlloc)?;
+        let bytes = bytes.max(1);
+        if s.host_used.saturating_add(bytes) > s.pinned_bytes {
+            return Err(DriverError::OUT_OF_MEMORY);
+        }
+        let layout =
+            Layout::from_size_align(bytes, 4096).map_err(|_| DriverError::INVALID_VALUE)?;
+        // SAFETY: `layout` has a non-zero size.
+        let ptr = unsafe { std::alloc::alloc(layout) };
+        if ptr.is_null() {
+            return Err(DriverError::OUT_OF_MEMORY);
+        }
+        // Poison fresh memory so nothing can pass by reading what it never wrote.
+        // SAFETY: `ptr` is a fresh allocation of `bytes` bytes.
+        unsafe { std::ptr::write_bytes(ptr, 0xCD, bytes) };
+        s.host.insert(ptr as usize, bytes);
+        s.host_used += bytes;
+        Ok(ptr)
+    }
+
+    unsafe fn host_free(&mut self, ptr: *mut u8) -> Result<(), DriverError> {
+        let mut s = self.lock();
+        s.enter(SimOp::HostFree)?;
+        let addr = ptr as usize;
+        let Some(&bytes) = s.host.get(&addr) else {
+            s.violations
+                .push(format!("free of unknown pinned pointer {addr:#x}"));
+            return Err(DriverError::INVALID_VALUE);
+        };
+        let busy = s.queue.iter().any(|(_, job)| {
+            job.host_range()
+                .is_some_and(|(a, n)| a < addr + bytes && addr < a + n.max(1))
+        });
+        if busy {
+            // Keep the memory: freeing it would let the queued copy touch freed memory.
+            s.violations.push(format!(
+                "pinned buffer {addr:#x} ({bytes} bytes) freed while a queued copy still names it"
+            ));
+            return Ok(());
+        }
+        s.host.remove(&addr);
+        s.host_used -= bytes;
+        let layout =
+            Layout::from_size_align(bytes, 4096).map_err(|_| DriverError::INVALID_VALUE)?;
+        // SAFETY: `ptr` was allocated by `host_alloc` with this layout and is freed once (it was
+        // just removed from the live set).
+        unsafe { std::alloc::dealloc(ptr, layout) };
+        Ok(())
+    }
+
+    fn stream_synchronize(&mut self) -> Result<(), DriverError> {
+        let mut s = self.lock();
+        s.enter(SimOp::StreamSynchronize)?;
+        while s.run_one() {}
+        Ok(())
+    }
+
+    fn stream_query(&mut self) -> Result<bool, DriverError> {
+        let mut s = self.lock();
+        s.enter(SimOp::StreamQuery)?;
+        Ok(s.queue.is_empty())
+    }
+
+    fn as_sim(&self) -> Option<SimDevice> {
+        Some(self.device.clone())
+    }
+}

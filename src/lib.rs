@@ -1,0 +1,56 @@
+//! # cuferry
+//!
+//! A safe CUDA engine and the routes that move data between host and device, with their
+//! lifecycles encoded in types.
+//!
+//! - [`CudaEngine`]: one device, one context, one stream, held by the caller. Operations borrow
+//!   it `&mut`; [`CudaEngine::flush`] is a submission boundary, [`CudaEngine::synchronize`] the
+//!   explicit host barrier; [`CudaEngine::with_raw`] hands out the raw context, stream and device
+//!   pointers inside a scope that restores the caller's context on return, error and unwind.
+//! - [`DeviceTensor`]: a compact, shaped, stream-ordered device allocation of an [`Element`].
+//! - Blocking routes: [`upload_tensor`], [`download_tensor`], [`download_tensor_into`].
+//!
+//! Every route runs against a deterministic simulated device (feature `sim`, module [`sim`]) with
+//! fault injection, so lifecycle code is tested without a GPU.
+//!
+//! ```
+//! # fn main() -> Result<(), cuferry::Error> {
+//! use cuferry::{download_tensor, upload_tensor, CudaEngine};
+//! # let mut engine = CudaEngine::simulated(Default::default());
+//! # /*
+//! let mut engine = CudaEngine::open(0)?;
+//! # */
+//! let x = upload_tensor(&mut engine, &[1.0f32, 2.0, 3.0, 4.0], &[2, 2])?;
+//! let y = engine.copy_tensor(&x)?; // queued device-to-device copy, no host wait
+//! engine.flush()?; // reports failures so far, does not wait
+//! assert_eq!(download_tensor(&mut engine, &y)?, [1.0, 2.0, 3.0, 4.0]);
+//! engine.synchronize()?; // the explicit host barrier
+//! # Ok(()) }
+//! ```
+
+#![deny(missing_docs)]
+#![warn(clippy::undocumented_unsafe_blocks)]
+
+mod driver;
+mod element;
+mod engine;
+mod error;
+mod raw;
+mod tensor;
+mod transfer;
+
+pub use element::{DType, Element};
+pub use engine::CudaEngine;
+pub use error::{DeviceId, DeviceKind, DriverError, Error, Result};
+pub use raw::{RawContext, RawDevicePtr, RawScope, RawStream};
+pub use tensor::DeviceTensor;
+pub use transfer::{download_tensor, download_tensor_into, upload_tensor};
+
+/// The simulated device (feature `sim`).
+#[cfg(any(test, feature = "sim"))]
+pub mod sim {
+    pub use crate::driver::sim::{set_thread_context, thread_context, SimConfig, SimDevice, SimOp};
+}
+
+/// `f16` and `bf16`, re-exported from the `half` crate.
+pub use half::{bf16, f16};

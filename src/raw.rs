@@ -1,0 +1,201 @@
+//! Raw scopes: the engine's context, stream and device pointers, for code that calls CUDA
+//! itself (a hand-written kernel, a vendor library the crate does not wrap).
+//!
+//! A raw scope makes the engine's context current on the calling thread for the duration of a
+//! closure and restores the previous one afterwards: on return, on `Err`, and on unwind. The
+//! handles it gives out carry the scope's lifetime, so none can be kept past it, and are neither
+//! `Send` nor `Sync`, because the context is current only on this thread. Entering a scope is not
+//! a host barrier: work queued inside it is ordered on the engine's stream with everything else.
+
+use crate::driver::ContextHandle;
+use crate::element::Element;
+use crate::engine::{CudaEngine, Shared};
+use crate::error::{Error, Result};
+use crate::tensor::DeviceTensor;
+use std::marker::PhantomData;
+
+/// Marks a handle as tied to the scope `'s` and to the calling thread.
+type ScopeMarker<'s> = PhantomData<(&'s mut (), *mut ())>;
+
+/// The engine's context, valid inside one raw scope.
+#[derive(Clone, Copy, Debug)]
+pub struct RawContext<'s> {
+    raw: u64,
+    _scope: ScopeMarker<'s>,
+}
+
+impl RawContext<'_> {
+    /// The `CUcontext` (for a simulated engine, an opaque non-null token).
+    pub fn as_raw(&self) -> cudarc::driver::sys::CUcontext {
+        self.raw as cudarc::driver::sys::CUcontext
+    }
+}
+
+/// The engine's stream, valid inside one raw scope.
+///
+/// Work queued on it runs in order with the engine's own operations.
+#[derive(Clone, Copy, Debug)]
+pub struct RawStream<'s> {
+    raw: u64,
+    _scope: ScopeMarker<'s>,
+}
+
+impl RawStream<'_> {
+    /// The `CUstream`.
+    pub fn as_raw(&self) -> cudarc::driver::sys::CUstream {
+        self.raw as cudarc::driver::sys::CUstream
+    }
+}
+
+/// A tensor's device address, valid inside one raw scope and while the tensor is borrowed.
+#[derive(Clone, Copy, Debug)]
+pub struct RawDevicePtr<'s> {
+    raw: u64,
+    bytes: usize,
+    _scope: ScopeMarker<'s>,
+}
+
+impl RawDevicePtr<'_> {
+    /// The `CUdeviceptr`.
+    pub fn as_raw(&self) -> cudarc::driver::sys::CUdeviceptr {
+        self.raw
+    }
+
+    /// The length of the allocation behind it, in bytes.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+}
+
+/// What a raw scope's closure receives. See [`CudaEngine::with_raw`].
+pub struct RawScope<'s> {
+    shared: &'s Shared,
+    context: u64,
+    stream: u64,
+    _scope: ScopeMarker<'s>,
+}
+
+impl<'s> RawScope<'s> {
+    /// The engine's context, current on this thread for the whole scope.
+    pub fn context(&self) -> RawContext<'s> {
+        RawContext {
+            raw: self.context,
+            _scope: PhantomData,
+        }
+    }
+
+    /// The engine's stream.
+    pub fn stream(&self) -> RawStream<'s> {
+        RawStream {
+            raw: self.stream,
+            _scope: PhantomData,
+        }
+    }
+
+    /// The device address of a tensor, for reading. The tensor stays borrowed for the scope.
+    ///
+    /// # Errors
+    /// [`Error::WrongDevice`] or [`Error::WrongEngine`] when the tensor is not this engine's.
+    pub fn device_ptr<T: Element>(&self, tensor: &'s DeviceTensor<T>) -> Result<RawDevicePtr<'s>> {
+        self.shared
+            .check_owner(tensor.device(), tensor.engine_id())?;
+        Ok(RawDevicePtr {
+            raw: tensor.raw_ptr(),
+            bytes: tensor.byte_len(),
+            _scope: PhantomData,
+        })
+    }
+
+    /// The device address of a tensor, for writing. The tensor stays borrowed mutably for the
+    /// scope, so nothing else can read or write it meanwhile.
+    ///
+    /// # Errors
+    /// [`Error::WrongDevice`] or [`Error::WrongEngine`] when the tensor is not this engine's.
+    pub fn device_ptr_mut<T: Element>(
+        &self,
+        tensor: &'s mut DeviceTensor<T>,
+    ) -> Result<RawDevicePtr<'s>> {
+        self.device_ptr(tensor)
+    }
+}
+
+impl std::fmt::Debug for RawScope<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RawScope")
+            .field("device", &self.shared.device)
+            .field("context", &self.context)
+            .field("stream", &self.stream)
+            .finish()
+    }
+}
+
+/// Restores the context that was current before a raw scope, on every exit path.
+struct Restore<'a> {
+    shared: &'a Shared,
+    previous: ContextHandle,
+}
+
+impl Drop for Restore<'_> {
+    fn drop(&mut self) {
+        let mut st = self.shared.lock_raw();
+        if let Err(source) = st.driver.set_current_context(self.previous) {
+            st.defer(Error::Driver {
+                call: "cuCtxSetCurrent (restore after raw scope)",
+                source,
+            });
+        }
+    }
+}
+
+impl CudaEngine {
+    /// Runs `f` with the engine's raw context, stream and tensor pointers.
+    ///
+    /// Saves the calling thread's current context, makes the engine's current, and restores the
+    /// previous one when `f` returns, returns `Err`, or unwinds. Not a host barrier.
+    ///
+    /// ```
+    /// # fn main() -> Result<(), cuferry::Error> {
+    /// # let mut engine = cuferry::CudaEngine::simulated(Default::default());
+    /// let tensor = cuferry::upload_tensor(&mut engine, &[1.0f32, 2.0, 3.0], &[3])?;
+    /// let bytes = engine.with_raw(|raw| {
+    ///     let ptr = raw.device_ptr(&tensor)?;
+    ///     // ... queue work on raw.stream().as_raw() with raw CUDA calls ...
+    ///     Ok::<_, cuferry::Error>(ptr.bytes())
+    /// })?;
+    /// assert_eq!(bytes, 12);
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    /// Whatever `f` returns, or [`Error::Driver`] (converted into `E`) when the context cannot
+    /// be made current.
+    pub fn with_raw<R, E>(
+        &mut self,
+        f: impl for<'s> FnOnce(&RawScope<'s>) -> Result<R, E>,
+    ) -> Result<R, E>
+    where
+        E: From<Error>,
+    {
+        let shared: &Shared = &self.shared;
+        let (previous, context, stream) = {
+            let st = shared.lock_raw();
+            let previous = st
+                .driver
+                .current_context()
+                .map_err(Error::driver("cuCtxGetCurrent"))?;
+            let context = st.driver.context();
+            st.driver
+                .set_current_context(context)
+                .map_err(Error::driver("cuCtxSetCurrent"))?;
+            (previous, context.0, st.driver.stream_handle())
+        };
+        let _restore = Restore { shared, previous };
+        let scope = RawScope {
+            shared,
+            context,
+            stream,
+            _scope: PhantomData,
+        };
+        f(&scope)
+    }
+}

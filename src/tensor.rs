@@ -1,0 +1,210 @@
+//! `DeviceTensor<T>`: a compact, shaped device allocation owned by one engine.
+//!
+//! A tensor is allocated stream-ordered on its engine's stream from the engine's memory pool,
+//! and freed the same way when dropped, so its memory is reused by later work on that stream
+//! without a host barrier and is never released while earlier queued work still uses it.
+//! Copying is explicit ([`CudaEngine::copy_tensor`], [`CudaEngine::copy_into`]): a queued
+//! device-to-device copy, never an implicit clone.
+
+use crate::driver::DevicePtr;
+use crate::element::{byte_len, DType, Element};
+use crate::engine::{CudaEngine, Shared};
+use crate::error::{DeviceId, Error, Result};
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+/// A compact, shaped tensor of `T` in device memory, owned by one engine.
+///
+/// The element count is the product of the shape (an empty shape is a scalar: one element).
+/// Dropping it frees its memory on the engine's stream, after everything queued before.
+pub struct DeviceTensor<T: Element> {
+    ptr: DevicePtr,
+    len: usize,
+    shape: Box<[usize]>,
+    owner: Arc<Shared>,
+    _element: PhantomData<T>,
+}
+
+impl<T: Element> std::fmt::Debug for DeviceTensor<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceTensor")
+            .field("dtype", &T::DTYPE)
+            .field("shape", &self.shape)
+            .field("device", &self.owner.device)
+            .finish()
+    }
+}
+
+/// The element count a shape describes, checked.
+pub(crate) fn shape_len(shape: &[usize]) -> Result<usize> {
+    shape
+        .iter()
+        .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+        .ok_or(Error::SizeOverflow {
+            what: "tensor shape",
+            count: usize::MAX,
+            element_bytes: 1,
+        })
+}
+
+impl<T: Element> DeviceTensor<T> {
+    /// Allocates an uninitialised tensor on `engine`'s stream. A zero-element tensor allocates
+    /// nothing.
+    pub(crate) fn alloc(engine: &mut CudaEngine, shape: &[usize]) -> Result<Self> {
+        let len = shape_len(shape)?;
+        let bytes = byte_len::<T>(len, "device tensor")?;
+        let ptr = if bytes == 0 {
+            0
+        } else {
+            let mut st = engine.enter()?;
+            st.driver
+                .alloc(bytes)
+                .map_err(Error::driver("cuMemAllocFromPoolAsync"))?
+        };
+        Ok(DeviceTensor {
+            ptr,
+            len,
+            shape: shape.into(),
+            owner: Arc::clone(&engine.shared),
+            _element: PhantomData,
+        })
+    }
+
+    /// The number of elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the tensor has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The shape.
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        T::DTYPE
+    }
+
+    /// The size in bytes.
+    pub fn byte_len(&self) -> usize {
+        self.len * T::DTYPE.size_bytes()
+    }
+
+    /// The device it lives on.
+    pub fn device(&self) -> DeviceId {
+        self.owner.device
+    }
+
+    /// The engine that owns it (see [`CudaEngine::id`]).
+    pub fn engine_id(&self) -> u64 {
+        self.owner.engine_id
+    }
+
+    /// Gives the tensor a new shape with the same element count. No data moves.
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] when the element counts differ.
+    pub fn reshape(mut self, shape: &[usize]) -> Result<Self> {
+        let expected = shape_len(shape)?;
+        if expected != self.len {
+            return Err(Error::ShapeMismatch {
+                shape: shape.to_vec(),
+                expected,
+                actual: self.len,
+            });
+        }
+        self.shape = shape.into();
+        Ok(self)
+    }
+
+    pub(crate) fn raw_ptr(&self) -> DevicePtr {
+        self.ptr
+    }
+
+    /// Checks that the tensor belongs to `engine`.
+    pub(crate) fn check_engine(&self, engine: &CudaEngine) -> Result<()> {
+        engine
+            .shared
+            .check_owner(self.owner.device, self.owner.engine_id)
+    }
+}
+
+impl<T: Element> Drop for DeviceTensor<T> {
+    fn drop(&mut self) {
+        if self.ptr == 0 {
+            return;
+        }
+        // Leaked (never freed) when the context cannot be entered; see `enter_for_drop`.
+        if let Some(mut st) = self.owner.enter_for_drop() {
+            // SAFETY: `ptr` is this tensor's own allocation, freed exactly once here; the free is
+            // ordered after every operation already queued on the stream that may use it.
+            if let Err(source) = unsafe { st.driver.free(self.ptr) } {
+                st.defer(Error::Driver {
+                    call: "cuMemFreeAsync",
+                    source,
+                });
+            }
+        }
+    }
+}
+
+impl CudaEngine {
+    /// Allocates a tensor of the given shape whose contents are unspecified until written.
+    ///
+    /// # Errors
+    /// [`Error::SizeOverflow`] for a shape too large to address, [`Error::Driver`] when the
+    /// allocation fails.
+    pub fn alloc_tensor<T: Element>(&mut self, shape: &[usize]) -> Result<DeviceTensor<T>> {
+        DeviceTensor::alloc(self, shape)
+    }
+
+    /// Queues a device-to-device copy of `source` into a new tensor of the same shape.
+    ///
+    /// # Errors
+    /// [`Error::WrongDevice`]/[`Error::WrongEngine`] when `source` is not this engine's;
+    /// [`Error::Driver`] when allocation or the copy enqueue fails.
+    pub fn copy_tensor<T: Element>(&mut self, source: &DeviceTensor<T>) -> Result<DeviceTensor<T>> {
+        source.check_engine(self)?;
+        let mut out = DeviceTensor::alloc(self, source.shape())?;
+        self.copy_into(source, &mut out)?;
+        Ok(out)
+    }
+
+    /// Queues a device-to-device copy of `source` into `destination`.
+    ///
+    /// # Errors
+    /// [`Error::LengthMismatch`] when the element counts differ; [`Error::WrongDevice`] or
+    /// [`Error::WrongEngine`] when either is not this engine's; [`Error::Driver`] when the
+    /// enqueue fails.
+    pub fn copy_into<T: Element>(
+        &mut self,
+        source: &DeviceTensor<T>,
+        destination: &mut DeviceTensor<T>,
+    ) -> Result<()> {
+        source.check_engine(self)?;
+        destination.check_engine(self)?;
+        if source.len() != destination.len() {
+            return Err(Error::LengthMismatch {
+                what: "device-to-device copy",
+                left: source.len(),
+                right: destination.len(),
+            });
+        }
+        if source.is_empty() {
+            return Ok(());
+        }
+        let mut st = self.enter()?;
+        // SAFETY: both are live allocations of this engine of `byte_len` bytes, distinct (one is
+        // borrowed shared, the other exclusively); their frees are queued after this copy.
+        unsafe {
+            st.driver
+                .copy_dtod(destination.ptr, source.ptr, source.byte_len())
+        }
+        .map_err(Error::driver("cuMemcpyDtoDAsync"))
+    }
+}
