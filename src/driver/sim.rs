@@ -651,3 +651,155 @@ impl Driver for SimDriver {
         Some(self.device.clone())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn driver() -> (SimDriver, SimDevice) {
+        let dev = SimDevice::new(SimConfig::default());
+        (SimDriver::new(dev.clone()), dev)
+    }
+
+    #[test]
+    fn copies_complete_only_when_the_clock_advances() {
+        let (mut d, dev) = driver();
+        let src: Vec<u8> = (0..64u8).map(|i| i.wrapping_mul(7).wrapping_add(3)).collect();
+        let mut back = vec![0xEEu8; 64];
+        let ptr = d.alloc(64).unwrap();
+        // SAFETY: `src` and `back` outlive every job; the test runs all jobs before reading.
+        unsafe {
+            d.copy_htod(ptr, src.as_ptr(), 64).unwrap();
+            d.copy_dtoh(back.as_mut_ptr(), ptr, 64).unwrap();
+        }
+        assert_eq!(dev.queued(), 2);
+        assert_eq!(back, vec![0xEE; 64], "nothing ran yet");
+        assert_eq!(dev.advance(1), 1);
+        assert_eq!(dev.peek(ptr, 64).unwrap(), src, "the upload ran");
+        assert_eq!(back, vec![0xEE; 64], "the download did not");
+        dev.advance(1);
+        assert_eq!(back, src);
+        assert_eq!(dev.advance(5), 0);
+    }
+
+    #[test]
+    fn an_upload_reads_its_source_when_it_runs() {
+        let (mut d, dev) = driver();
+        let mut src = vec![1u8; 8];
+        let ptr = d.alloc(8).unwrap();
+        // SAFETY: `src` outlives the job, which runs below.
+        unsafe { d.copy_htod(ptr, src.as_ptr(), 8).unwrap() };
+        src.iter_mut().for_each(|b| *b = 9);
+        dev.advance_all();
+        assert_eq!(dev.peek(ptr, 8).unwrap(), vec![9; 8]);
+    }
+
+    #[test]
+    fn events_report_completion_in_stream_order() {
+        let (mut d, dev) = driver();
+        let a = d.event_create().unwrap();
+        let b = d.event_create().unwrap();
+        assert!(d.event_query(a).unwrap(), "an unrecorded event is complete");
+        let ptr = d.alloc(4).unwrap();
+        let src = [1u8, 2, 3, 4];
+        // SAFETY: `src` outlives the job.
+        unsafe { d.copy_htod(ptr, src.as_ptr(), 4).unwrap() };
+        d.event_record(a).unwrap();
+        // SAFETY: as above.
+        unsafe { d.copy_htod(ptr, src.as_ptr(), 4).unwrap() };
+        d.event_record(b).unwrap();
+        assert!(!d.event_query(a).unwrap());
+        assert!(!d.event_query(b).unwrap());
+        dev.advance(2);
+        assert!(d.event_query(a).unwrap());
+        assert!(!d.event_query(b).unwrap());
+        d.event_synchronize(b).unwrap();
+        assert!(d.event_query(b).unwrap());
+        assert_eq!(dev.queued(), 0);
+    }
+
+    #[test]
+    fn event_synchronize_runs_only_up_to_its_event() {
+        let (mut d, dev) = driver();
+        let a = d.event_create().unwrap();
+        d.event_record(a).unwrap();
+        let ptr = d.alloc(4).unwrap();
+        // SAFETY: `ptr` is live; the free is the last use.
+        unsafe { d.free(ptr).unwrap() };
+        d.event_synchronize(a).unwrap();
+        assert_eq!(dev.queued(), 1, "the later free is still queued");
+        assert_eq!(dev.device_live(), (1, 4));
+        d.stream_synchronize().unwrap();
+        assert_eq!(dev.device_live(), (0, 0));
+    }
+
+    #[test]
+    fn the_nth_call_fails_with_the_injected_error() {
+        let (mut d, dev) = driver();
+        dev.fail_nth(SimOp::Alloc, 2, DriverError::OUT_OF_MEMORY);
+        assert!(d.alloc(8).is_ok());
+        assert_eq!(d.alloc(8), Err(DriverError::OUT_OF_MEMORY));
+        assert!(d.alloc(8).is_ok(), "a fault fires once");
+        assert_eq!(dev.calls(SimOp::Alloc), 3);
+    }
+
+    #[test]
+    fn an_event_fault_is_reported_once_the_device_reaches_it() {
+        let (mut d, dev) = driver();
+        let e = d.event_create().unwrap();
+        dev.fail_event(1, DriverError::LAUNCH_FAILED);
+        d.event_record(e).unwrap();
+        assert_eq!(d.event_query(e), Ok(false), "not reached: not ready, not failed");
+        dev.advance_all();
+        assert_eq!(d.event_query(e), Err(DriverError::LAUNCH_FAILED));
+        assert_eq!(d.event_synchronize(e), Err(DriverError::LAUNCH_FAILED));
+        d.event_record(e).unwrap();
+        d.event_synchronize(e).unwrap();
+    }
+
+    #[test]
+    fn freeing_pinned_memory_under_a_queued_copy_is_a_violation_and_keeps_it() {
+        let (mut d, dev) = driver();
+        let host = d.host_alloc(16).unwrap();
+        let ptr = d.alloc(16).unwrap();
+        // SAFETY: `host` is a live sim allocation; the test checks the sim refuses to free it.
+        unsafe {
+            d.copy_dtoh(host, ptr, 16).unwrap();
+            d.host_free(host).unwrap();
+        }
+        assert_eq!(dev.violations().len(), 1);
+        assert!(dev.is_pinned_live(host));
+        dev.advance_all();
+        // SAFETY: the copy has run; nothing names the memory now.
+        unsafe { d.host_free(host).unwrap() };
+        assert!(!dev.is_pinned_live(host));
+        assert_eq!(dev.pinned_live(), (0, 0));
+    }
+
+    #[test]
+    fn device_memory_is_bounded() {
+        let dev = SimDevice::new(SimConfig {
+            memory_bytes: 100,
+            ..SimConfig::default()
+        });
+        let mut d = SimDriver::new(dev);
+        let a = d.alloc(60).unwrap();
+        assert_eq!(d.alloc(60), Err(DriverError::OUT_OF_MEMORY));
+        // SAFETY: `a` is live and unused.
+        unsafe { d.free(a).unwrap() };
+        d.stream_synchronize().unwrap();
+        assert!(d.alloc(60).is_ok());
+    }
+
+    #[test]
+    fn contexts_are_per_thread() {
+        let (d, _dev) = driver();
+        set_thread_context(None);
+        d.set_current_context(d.context()).unwrap();
+        assert_eq!(thread_context(), Some(d.context().0));
+        std::thread::spawn(|| assert_eq!(thread_context(), None))
+            .join()
+            .unwrap();
+        set_thread_context(None);
+    }
+}

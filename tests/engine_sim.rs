@@ -1,0 +1,281 @@
+//! The engine's rules, checked on the simulated device.
+
+use cuferry::sim::{set_thread_context, thread_context, SimConfig, SimDevice, SimOp};
+use cuferry::{
+    download_tensor, download_tensor_into, upload_tensor, CudaEngine, DType, DriverError, Error,
+};
+
+fn engine() -> (CudaEngine, SimDevice) {
+    let engine = CudaEngine::simulated(SimConfig::default());
+    let sim = engine.sim().expect("simulated engine");
+    (engine, sim)
+}
+
+fn distinct(n: usize) -> Vec<f32> {
+    (0..n).map(|i| i as f32 * 1.5 + 0.25).collect()
+}
+
+#[test]
+fn flush_does_not_wait_and_synchronize_does() {
+    let (mut engine, sim) = engine();
+    let x = upload_tensor(&mut engine, &distinct(16), &[4, 4]).unwrap();
+    let _y = engine.copy_tensor(&x).unwrap();
+    let queued = sim.queued();
+    assert!(queued > 0, "the copy is queued");
+    engine.flush().unwrap();
+    assert_eq!(sim.queued(), queued, "flush is not a host barrier");
+    engine.synchronize().unwrap();
+    assert_eq!(sim.queued(), 0, "synchronize is");
+}
+
+#[test]
+fn a_device_to_device_copy_round_trips() {
+    let (mut engine, _sim) = engine();
+    let data = distinct(1000);
+    let x = upload_tensor(&mut engine, &data, &[10, 100]).unwrap();
+    let y = engine.copy_tensor(&x).unwrap();
+    assert_eq!(y.shape(), &[10, 100]);
+    assert_eq!(y.dtype(), DType::F32);
+    drop(x);
+    assert_eq!(download_tensor(&mut engine, &y).unwrap(), data);
+}
+
+#[test]
+fn a_copy_into_a_shorter_tensor_is_refused() {
+    let (mut engine, _sim) = engine();
+    let x = upload_tensor(&mut engine, &distinct(8), &[8]).unwrap();
+    let mut y = engine.alloc_tensor::<f32>(&[7]).unwrap();
+    assert!(matches!(
+        engine.copy_into(&x, &mut y),
+        Err(Error::LengthMismatch { left: 8, right: 7, .. })
+    ));
+}
+
+#[test]
+fn a_shape_that_does_not_match_the_data_is_refused() {
+    let (mut engine, _sim) = engine();
+    let err = upload_tensor(&mut engine, &distinct(6), &[2, 4]).unwrap_err();
+    assert!(matches!(err, Error::ShapeMismatch { expected: 8, actual: 6, .. }));
+    assert!(err.to_string().contains("[2, 4]"), "{err}");
+}
+
+#[test]
+fn tensors_of_another_engine_are_refused() {
+    let (mut a, _) = engine();
+    let (mut b, _) = engine();
+    let x = upload_tensor(&mut a, &distinct(4), &[4]).unwrap();
+    assert!(matches!(download_tensor(&mut b, &x), Err(Error::WrongDevice { .. })));
+    let sim = a.sim().unwrap();
+    let mut c = CudaEngine::simulated_on(&sim);
+    assert!(matches!(download_tensor(&mut c, &x), Err(Error::WrongEngine { .. })));
+}
+
+#[test]
+fn dropping_a_tensor_frees_it_in_stream_order() {
+    let (mut engine, sim) = engine();
+    let x = upload_tensor(&mut engine, &distinct(256), &[256]).unwrap();
+    let _y = engine.copy_tensor(&x).unwrap();
+    drop(x);
+    assert_eq!(sim.device_live().0, 2, "the free waits behind the copy");
+    engine.synchronize().unwrap();
+    assert_eq!(sim.device_live(), (1, 1024));
+}
+
+#[test]
+fn tensors_outliving_their_engine_are_freed_on_its_device() {
+    let (mut engine, sim) = engine();
+    let x = upload_tensor(&mut engine, &distinct(4), &[4]).unwrap();
+    drop(engine);
+    drop(x);
+    sim.advance_all();
+    assert_eq!(sim.device_live(), (0, 0));
+    assert!(sim.violations().is_empty());
+}
+
+#[test]
+fn with_raw_restores_the_context_on_return() {
+    let (mut engine, sim) = engine();
+    let foreign = SimDevice::foreign_context();
+    set_thread_context(Some(foreign));
+    let seen = engine
+        .with_raw(|raw| {
+            assert_eq!(thread_context(), Some(raw.context().as_raw() as u64));
+            Ok::<_, Error>(raw.context().as_raw() as u64)
+        })
+        .unwrap();
+    assert_eq!(seen, sim.context());
+    assert_eq!(thread_context(), Some(foreign));
+    set_thread_context(None);
+    engine.with_raw(|_| Ok::<_, Error>(())).unwrap();
+    assert_eq!(thread_context(), None, "no context before, none after");
+}
+
+#[test]
+fn with_raw_restores_the_context_on_err() {
+    let (mut engine, sim) = engine();
+    let foreign = SimDevice::foreign_context();
+    set_thread_context(Some(foreign));
+    let r: Result<(), Error> = engine.with_raw(|_| {
+        assert_eq!(thread_context(), Some(sim.context()));
+        Err(Error::ZeroLength { what: "test" })
+    });
+    assert!(matches!(r, Err(Error::ZeroLength { .. })));
+    assert_eq!(thread_context(), Some(foreign));
+    set_thread_context(None);
+}
+
+#[test]
+fn with_raw_restores_the_context_on_unwind() {
+    let (mut engine, _sim) = engine();
+    let foreign = SimDevice::foreign_context();
+    set_thread_context(Some(foreign));
+    let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let _ = engine.with_raw(|_| -> Result<(), Error> { panic!("inside the raw scope") });
+    }));
+    assert!(caught.is_err());
+    assert_eq!(thread_context(), Some(foreign));
+    set_thread_context(None);
+    // The engine is still usable after the unwind.
+    engine.synchronize().unwrap();
+}
+
+#[test]
+fn with_raw_is_not_a_host_barrier() {
+    let (mut engine, sim) = engine();
+    let x = upload_tensor(&mut engine, &distinct(4), &[4]).unwrap();
+    let _y = engine.copy_tensor(&x).unwrap();
+    let queued = sim.queued();
+    let bytes = engine
+        .with_raw(|raw| Ok::<_, Error>(raw.device_ptr(&x)?.bytes()))
+        .unwrap();
+    assert_eq!(bytes, 16);
+    assert_eq!(sim.queued(), queued);
+}
+
+#[test]
+fn with_raw_refuses_another_engines_tensor() {
+    let (mut a, _) = engine();
+    let (mut b, _) = engine();
+    let x = upload_tensor(&mut a, &distinct(4), &[4]).unwrap();
+    let r = b.with_raw(|raw| raw.device_ptr(&x).map(|p| p.bytes()));
+    assert!(matches!(r, Err(Error::WrongDevice { .. })));
+}
+
+#[test]
+fn flush_reports_a_failed_free_recorded_at_drop() {
+    let (mut engine, sim) = engine();
+    let x = upload_tensor(&mut engine, &distinct(4), &[4]).unwrap();
+    sim.fail_nth(SimOp::Free, 1, DriverError::INVALID_VALUE);
+    drop(x);
+    let err = engine.flush().unwrap_err();
+    assert!(matches!(err, Error::Deferred { count: 1, .. }), "{err}");
+    engine.flush().unwrap();
+}
+
+#[test]
+fn synchronize_reports_a_device_fault() {
+    let (mut engine, sim) = engine();
+    sim.fail_nth(SimOp::StreamSynchronize, 1, DriverError::ILLEGAL_ADDRESS);
+    let err = engine.synchronize().unwrap_err();
+    assert!(matches!(
+        err,
+        Error::DeviceFault {
+            source: DriverError::ILLEGAL_ADDRESS,
+            ..
+        }
+    ));
+    assert!(err.to_string().contains("CUDA_ERROR_ILLEGAL_ADDRESS"), "{err}");
+}
+
+#[test]
+fn flush_reports_an_asynchronous_failure_without_waiting() {
+    let (mut engine, sim) = engine();
+    let x = upload_tensor(&mut engine, &distinct(4), &[4]).unwrap();
+    let _y = engine.copy_tensor(&x).unwrap();
+    sim.fail_nth(SimOp::StreamQuery, 1, DriverError::LAUNCH_FAILED);
+    assert!(matches!(engine.flush(), Err(Error::DeviceFault { .. })));
+    assert_eq!(sim.queued(), 1);
+}
+
+#[test]
+fn a_failed_allocation_is_a_typed_error() {
+    let (mut engine, sim) = engine();
+    sim.fail_nth(SimOp::Alloc, 1, DriverError::OUT_OF_MEMORY);
+    let err = engine.alloc_tensor::<u64>(&[3]).unwrap_err();
+    assert!(matches!(
+        err,
+        Error::Driver {
+            source: DriverError::OUT_OF_MEMORY,
+            ..
+        }
+    ));
+}
+
+#[test]
+fn a_failed_download_wait_leaks_rather_than_frees() {
+    let (mut engine, sim) = engine();
+    let x = upload_tensor(&mut engine, &distinct(64), &[64]).unwrap();
+    sim.fail_event(1, DriverError::LAUNCH_FAILED);
+    let err = download_tensor(&mut engine, &x).unwrap_err();
+    assert!(matches!(err, Error::DeviceFault { .. }), "{err}");
+    assert!(sim.violations().is_empty());
+}
+
+#[test]
+fn zero_and_one_element_tensors_round_trip() {
+    let (mut engine, _) = engine();
+    let empty = upload_tensor::<f64>(&mut engine, &[], &[0]).unwrap();
+    assert!(empty.is_empty());
+    assert_eq!(download_tensor(&mut engine, &empty).unwrap(), Vec::<f64>::new());
+    let one = upload_tensor(&mut engine, &[7.5f64], &[]).unwrap();
+    assert_eq!(one.len(), 1);
+    assert_eq!(download_tensor(&mut engine, &one).unwrap(), [7.5]);
+}
+
+#[test]
+fn bool_tensors_are_decoded_and_refused_by_download_into() {
+    let (mut engine, _) = engine();
+    let data: Vec<bool> = (0..33).map(|i| i % 3 == 0).collect();
+    let t = upload_tensor(&mut engine, &data, &[33]).unwrap();
+    assert_eq!(download_tensor(&mut engine, &t).unwrap(), data);
+    let err = download_tensor_into(&mut engine, &t, Vec::new()).unwrap_err();
+    assert!(matches!(
+        err,
+        Error::UnsupportedElement {
+            dtype: DType::Bool,
+            ..
+        }
+    ));
+}
+
+#[test]
+fn reshape_keeps_the_element_count() {
+    let (mut engine, _) = engine();
+    let t = upload_tensor(&mut engine, &distinct(12), &[3, 4]).unwrap();
+    let t = t.reshape(&[2, 6]).unwrap();
+    assert_eq!(t.shape(), &[2, 6]);
+    assert!(matches!(t.reshape(&[5]), Err(Error::ShapeMismatch { .. })));
+}
+
+#[test]
+fn dropping_the_engine_waits_and_never_panics_even_when_the_wait_fails() {
+    let (mut engine, sim) = engine();
+    let x = upload_tensor(&mut engine, &distinct(4), &[4]).unwrap();
+    let _y = engine.copy_tensor(&x).unwrap();
+    sim.fail_nth(SimOp::StreamSynchronize, 1, DriverError::LAUNCH_FAILED);
+    drop(engine);
+    assert_eq!(sim.queued(), 1, "the failed wait left the copy queued");
+    drop(x);
+    sim.advance_all();
+    assert!(sim.violations().is_empty());
+}
+
+#[test]
+fn opening_a_real_device_without_a_driver_says_so() {
+    match CudaEngine::open(0) {
+        Err(Error::NoDriver { detail }) => assert!(detail.contains("libcuda"), "{detail}"),
+        // On a GPU machine the driver is present: opening succeeds or names the ordinal.
+        Ok(_) | Err(Error::NoSuchDevice { .. }) => {}
+        Err(other) => panic!("unexpected error {other}"),
+    }
+}

@@ -1,0 +1,96 @@
+//! The engine's rules on a real device.
+
+use crate::common::{current_context, distinct_f32, open, ForeignContext};
+use cuferry::{download_tensor, upload_tensor, CudaEngine, Error};
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn open_flush_synchronize_and_drop() {
+    let mut engine = open();
+    assert!(!engine.device_name().is_empty());
+    let x = upload_tensor(&mut engine, &distinct_f32(1 << 16), &[256, 256]).unwrap();
+    let _y = engine.copy_tensor(&x).unwrap();
+    engine.flush().unwrap();
+    engine.synchronize().unwrap();
+    drop(engine);
+    // A tensor that outlives its engine is still freed on its device.
+    drop(x);
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn device_to_device_copy_round_trips_distinct_values() {
+    let mut engine = open();
+    for n in [0usize, 1, 2, 1000, (1 << 20) + 3] {
+        let data = distinct_f32(n);
+        let x = upload_tensor(&mut engine, &data, &[n]).unwrap();
+        let y = engine.copy_tensor(&x).unwrap();
+        drop(x);
+        assert_eq!(download_tensor(&mut engine, &y).unwrap(), data, "n = {n}");
+    }
+    engine.synchronize().unwrap();
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_missing_ordinal_is_a_typed_error() {
+    let count = CudaEngine::device_count().unwrap();
+    match CudaEngine::open(count + 7) {
+        Err(Error::NoSuchDevice { ordinal, count: c }) => {
+            assert_eq!(ordinal, count + 7);
+            assert_eq!(c, count);
+        }
+        other => panic!("expected NoSuchDevice, got {other:?}"),
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn with_raw_restores_a_foreign_context_on_return_err_and_unwind() {
+    let foreign = ForeignContext::new();
+    let mut engine = open();
+    assert_eq!(current_context(), foreign.0, "open restores the caller's context");
+
+    let inside = engine
+        .with_raw(|raw| {
+            assert_eq!(current_context(), raw.context().as_raw());
+            Ok::<_, Error>(raw.context().as_raw())
+        })
+        .unwrap();
+    assert_ne!(inside, foreign.0);
+    assert_eq!(current_context(), foreign.0, "restored on return");
+
+    let r: Result<(), Error> = engine.with_raw(|_| Err(Error::ZeroLength { what: "test" }));
+    assert!(r.is_err());
+    assert_eq!(current_context(), foreign.0, "restored on Err");
+
+    let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let _ = engine.with_raw(|_| -> Result<(), Error> { panic!("unwinding out of a raw scope") });
+    }));
+    assert!(caught.is_err());
+    assert_eq!(current_context(), foreign.0, "restored on unwind");
+
+    // Ordinary operations leave the caller's context current too.
+    let x = upload_tensor(&mut engine, &distinct_f32(10), &[10]).unwrap();
+    assert_eq!(download_tensor(&mut engine, &x).unwrap(), distinct_f32(10));
+    assert_eq!(current_context(), foreign.0);
+    drop(x);
+    drop(engine);
+    assert_eq!(current_context(), foreign.0);
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn with_raw_exposes_the_engine_stream_and_pointers() {
+    let mut engine = open();
+    let x = upload_tensor(&mut engine, &distinct_f32(64), &[64]).unwrap();
+    let (stream, ptr, bytes) = engine
+        .with_raw(|raw| {
+            let p = raw.device_ptr(&x)?;
+            Ok::<_, Error>((raw.stream().as_raw() as usize, p.as_raw(), p.bytes()))
+        })
+        .unwrap();
+    assert_ne!(stream, 0, "the engine's own stream, not the legacy default stream");
+    assert_ne!(ptr, 0);
+    assert_eq!(bytes, 256);
+}
