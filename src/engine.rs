@@ -12,6 +12,8 @@
 
 use crate::driver::{ContextHandle, Driver, EventHandle};
 use crate::error::{DeviceId, Error, Result};
+use crate::pinned::{PinnedPool, PinnedPoolStats};
+use crate::retire::{EventPool, RetireQueue, RetirementStats};
 use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -35,6 +37,12 @@ pub(crate) struct State {
     pub(crate) torn_down: bool,
     /// The event blocking routes record and wait on, made on first use.
     sync_event: Option<EventHandle>,
+    /// Idle pinned host blocks for reuse.
+    pub(crate) pinned: PinnedPool,
+    /// Idle events for reuse.
+    pub(crate) events: EventPool,
+    /// Resources waiting for their event before release.
+    pub(crate) retire: RetireQueue,
 }
 
 impl State {
@@ -229,6 +237,9 @@ impl CudaEngine {
                     deferred: Vec::new(),
                     torn_down: false,
                     sync_event: None,
+                    pinned: PinnedPool::default(),
+                    events: EventPool::default(),
+                    retire: RetireQueue::default(),
                 }),
             }),
         }
@@ -295,33 +306,81 @@ impl CudaEngine {
     /// # Errors
     /// [`Error::DeviceFault`] when queued work failed, [`Error::Deferred`] for failures recorded
     /// while values were dropped.
+    ///
+    /// After the wait it releases every retired record whose event proved completion.
     pub fn synchronize(&mut self) -> Result<()> {
-        let mut st = self.enter()?;
+        let mut guard = self.enter()?;
+        let st = &mut *guard;
         st.driver
             .stream_synchronize()
             .map_err(|source| Error::DeviceFault {
                 what: "work queued on the engine's stream",
                 source,
             })?;
-        st.take_deferred()
+        let released = st.retire.drain_all(&mut *st.driver, &mut st.events);
+        let deferred = st.take_deferred();
+        drop(guard);
+        drop(released);
+        deferred
+    }
+
+    /// The pinned pool's idle-byte budget: idle pinned memory beyond it is freed.
+    pub fn pinned_pool_budget(&self) -> usize {
+        self.shared.lock_raw().pinned.stats().budget_bytes
+    }
+
+    /// Sets the pinned pool's idle-byte budget and trims the pool to it at once.
+    ///
+    /// # Errors
+    /// [`Error::Driver`] when the engine's context cannot be made current.
+    pub fn set_pinned_pool_budget(&mut self, bytes: usize) -> Result<()> {
+        let mut st = self.enter()?;
+        let st = &mut *st;
+        st.pinned.set_budget(&mut *st.driver, bytes);
+        Ok(())
+    }
+
+    /// The pinned pool's counters.
+    pub fn pinned_pool_stats(&self) -> PinnedPoolStats {
+        self.shared.lock_raw().pinned.stats()
+    }
+
+    /// The retirement queue's counters.
+    pub fn retirement_stats(&self) -> RetirementStats {
+        self.shared.lock_raw().retire.stats()
+    }
+
+    /// How many events the engine has created (events are pooled and reused).
+    pub fn events_created(&self) -> u64 {
+        self.shared.lock_raw().events.created()
     }
 }
 
 impl Drop for CudaEngine {
     fn drop(&mut self) {
-        let Some(mut st) = self.shared.enter_for_drop() else {
+        let Some(mut guard) = self.shared.enter_for_drop() else {
             return;
         };
         // Never panics, never reports. A failed wait means the device may still touch memory
-        // queued work names, so nothing of that is released (later issues' pools follow the
-        // same rule).
+        // that queued work names, so every retired record is forgotten (leaked), never freed.
+        let st = &mut *guard;
         st.torn_down = true;
         if st.driver.stream_synchronize().is_err() {
+            st.retire.forget_all();
             return;
         }
+        let released = st.retire.drain_all(&mut *st.driver, &mut st.events);
+        // Records whose event failed stay unreleased for good.
+        st.retire.forget_failed();
+        st.pinned.trim_to(&mut *st.driver, 0);
+        st.events.destroy_all(&mut *st.driver);
         if let Some(event) = st.sync_event.take() {
             // SAFETY: the engine's own event, idle after the synchronize, destroyed once.
             let _ = unsafe { st.driver.event_destroy(event) };
         }
+        drop(guard);
+        // Released resources drop after the lock is gone (their drops take it); buffers among
+        // them are freed at once since the engine is torn down.
+        drop(released);
     }
 }

@@ -9,6 +9,9 @@
 //!   pointers inside a scope that restores the caller's context on return, error and unwind.
 //! - [`DeviceTensor`]: a compact, shaped, stream-ordered device allocation of an [`Element`].
 //! - Blocking routes: [`upload_tensor`], [`download_tensor`], [`download_tensor_into`].
+//! - Pending routes over [`PinnedHostBuffer`]s handed over by value: [`upload_pending`],
+//!   [`download_pending`], returning a [`Pending`] transfer in state [`InFlight`] until it is
+//!   [`Returned`].
 //!
 //! Every route runs against a deterministic simulated device (feature `sim`, module [`sim`]) with
 //! fault injection, so lifecycle code is tested without a GPU.
@@ -35,16 +38,24 @@ mod driver;
 mod element;
 mod engine;
 mod error;
+mod pinned;
 mod raw;
+mod retire;
 mod tensor;
 mod transfer;
 
 pub use element::{DType, Element};
 pub use engine::CudaEngine;
 pub use error::{DeviceId, DeviceKind, DriverError, Error, Result};
+pub use pinned::{PinnedHostBuffer, PinnedPoolStats};
 pub use raw::{RawContext, RawDevicePtr, RawScope, RawStream};
+pub use retire::RetirementStats;
 pub use tensor::DeviceTensor;
-pub use transfer::{download_tensor, download_tensor_into, upload_tensor};
+pub use transfer::{
+    download_pending, download_tensor, download_tensor_into, upload_pending, upload_tensor,
+    Direction, Download, InFlight, Pending, PendingDownload, PendingUpload, RejectReason, Returned,
+    TransferPackage, TransferState, TransferSubmitError, TryWait, Upload,
+};
 
 /// The simulated device (feature `sim`).
 #[cfg(any(test, feature = "sim"))]

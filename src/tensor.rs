@@ -122,6 +122,10 @@ impl<T: Element> DeviceTensor<T> {
         Ok(self)
     }
 
+    pub(crate) fn owner(&self) -> &Arc<Shared> {
+        &self.owner
+    }
+
     pub(crate) fn raw_ptr(&self) -> DevicePtr {
         self.ptr
     }

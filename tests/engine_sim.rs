@@ -47,7 +47,11 @@ fn a_copy_into_a_shorter_tensor_is_refused() {
     let mut y = engine.alloc_tensor::<f32>(&[7]).unwrap();
     assert!(matches!(
         engine.copy_into(&x, &mut y),
-        Err(Error::LengthMismatch { left: 8, right: 7, .. })
+        Err(Error::LengthMismatch {
+            left: 8,
+            right: 7,
+            ..
+        })
     ));
 }
 
@@ -55,7 +59,14 @@ fn a_copy_into_a_shorter_tensor_is_refused() {
 fn a_shape_that_does_not_match_the_data_is_refused() {
     let (mut engine, _sim) = engine();
     let err = upload_tensor(&mut engine, &distinct(6), &[2, 4]).unwrap_err();
-    assert!(matches!(err, Error::ShapeMismatch { expected: 8, actual: 6, .. }));
+    assert!(matches!(
+        err,
+        Error::ShapeMismatch {
+            expected: 8,
+            actual: 6,
+            ..
+        }
+    ));
     assert!(err.to_string().contains("[2, 4]"), "{err}");
 }
 
@@ -64,10 +75,16 @@ fn tensors_of_another_engine_are_refused() {
     let (mut a, _) = engine();
     let (mut b, _) = engine();
     let x = upload_tensor(&mut a, &distinct(4), &[4]).unwrap();
-    assert!(matches!(download_tensor(&mut b, &x), Err(Error::WrongDevice { .. })));
+    assert!(matches!(
+        download_tensor(&mut b, &x),
+        Err(Error::WrongDevice { .. })
+    ));
     let sim = a.sim().unwrap();
     let mut c = CudaEngine::simulated_on(&sim);
-    assert!(matches!(download_tensor(&mut c, &x), Err(Error::WrongEngine { .. })));
+    assert!(matches!(
+        download_tensor(&mut c, &x),
+        Err(Error::WrongEngine { .. })
+    ));
 }
 
 #[test]
@@ -184,7 +201,10 @@ fn synchronize_reports_a_device_fault() {
             ..
         }
     ));
-    assert!(err.to_string().contains("CUDA_ERROR_ILLEGAL_ADDRESS"), "{err}");
+    assert!(
+        err.to_string().contains("CUDA_ERROR_ILLEGAL_ADDRESS"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -226,7 +246,10 @@ fn zero_and_one_element_tensors_round_trip() {
     let (mut engine, _) = engine();
     let empty = upload_tensor::<f64>(&mut engine, &[], &[0]).unwrap();
     assert!(empty.is_empty());
-    assert_eq!(download_tensor(&mut engine, &empty).unwrap(), Vec::<f64>::new());
+    assert_eq!(
+        download_tensor(&mut engine, &empty).unwrap(),
+        Vec::<f64>::new()
+    );
     let one = upload_tensor(&mut engine, &[7.5f64], &[]).unwrap();
     assert_eq!(one.len(), 1);
     assert_eq!(download_tensor(&mut engine, &one).unwrap(), [7.5]);

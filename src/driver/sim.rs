@@ -664,7 +664,9 @@ mod tests {
     #[test]
     fn copies_complete_only_when_the_clock_advances() {
         let (mut d, dev) = driver();
-        let src: Vec<u8> = (0..64u8).map(|i| i.wrapping_mul(7).wrapping_add(3)).collect();
+        let src: Vec<u8> = (0..64u8)
+            .map(|i| i.wrapping_mul(7).wrapping_add(3))
+            .collect();
         let mut back = vec![0xEEu8; 64];
         let ptr = d.alloc(64).unwrap();
         // SAFETY: `src` and `back` outlive every job; the test runs all jobs before reading.
@@ -685,7 +687,7 @@ mod tests {
     #[test]
     fn an_upload_reads_its_source_when_it_runs() {
         let (mut d, dev) = driver();
-        let mut src = vec![1u8; 8];
+        let mut src = [1u8; 8];
         let ptr = d.alloc(8).unwrap();
         // SAFETY: `src` outlives the job, which runs below.
         unsafe { d.copy_htod(ptr, src.as_ptr(), 8).unwrap() };
@@ -749,7 +751,11 @@ mod tests {
         let e = d.event_create().unwrap();
         dev.fail_event(1, DriverError::LAUNCH_FAILED);
         d.event_record(e).unwrap();
-        assert_eq!(d.event_query(e), Ok(false), "not reached: not ready, not failed");
+        assert_eq!(
+            d.event_query(e),
+            Ok(false),
+            "not reached: not ready, not failed"
+        );
         dev.advance_all();
         assert_eq!(d.event_query(e), Err(DriverError::LAUNCH_FAILED));
         assert_eq!(d.event_synchronize(e), Err(DriverError::LAUNCH_FAILED));

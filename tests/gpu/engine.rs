@@ -49,7 +49,11 @@ fn a_missing_ordinal_is_a_typed_error() {
 fn with_raw_restores_a_foreign_context_on_return_err_and_unwind() {
     let foreign = ForeignContext::new();
     let mut engine = open();
-    assert_eq!(current_context(), foreign.0, "open restores the caller's context");
+    assert_eq!(
+        current_context(),
+        foreign.0,
+        "open restores the caller's context"
+    );
 
     let inside = engine
         .with_raw(|raw| {
@@ -65,7 +69,8 @@ fn with_raw_restores_a_foreign_context_on_return_err_and_unwind() {
     assert_eq!(current_context(), foreign.0, "restored on Err");
 
     let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        let _ = engine.with_raw(|_| -> Result<(), Error> { panic!("unwinding out of a raw scope") });
+        let _ =
+            engine.with_raw(|_| -> Result<(), Error> { panic!("unwinding out of a raw scope") });
     }));
     assert!(caught.is_err());
     assert_eq!(current_context(), foreign.0, "restored on unwind");
@@ -90,7 +95,10 @@ fn with_raw_exposes_the_engine_stream_and_pointers() {
             Ok::<_, Error>((raw.stream().as_raw() as usize, p.as_raw(), p.bytes()))
         })
         .unwrap();
-    assert_ne!(stream, 0, "the engine's own stream, not the legacy default stream");
+    assert_ne!(
+        stream, 0,
+        "the engine's own stream, not the legacy default stream"
+    );
     assert_ne!(ptr, 0);
     assert_eq!(bytes, 256);
 }
