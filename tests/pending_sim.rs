@@ -2,8 +2,8 @@
 
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{
-    download_pending, download_tensor, download_tensor_into, upload_pending, upload_tensor, CudaEngine,
-    DriverError, Error, PinnedHostBuffer, RejectReason, TransferSubmitError, TryWait,
+    download_pending, download_tensor, download_tensor_into, upload_pending, upload_tensor,
+    CudaEngine, DriverError, Error, PinnedHostBuffer, RejectReason, TransferSubmitError, TryWait,
 };
 
 fn engine() -> (CudaEngine, SimDevice) {
@@ -13,7 +13,9 @@ fn engine() -> (CudaEngine, SimDevice) {
 }
 
 fn distinct(n: usize) -> Vec<u32> {
-    (0..n as u32).map(|i| i.wrapping_mul(2_654_435_761) | 1).collect()
+    (0..n as u32)
+        .map(|i| i.wrapping_mul(2_654_435_761) | 1)
+        .collect()
 }
 
 #[test]
@@ -35,7 +37,10 @@ fn a_warm_pool_reuses_pinned_memory() {
     assert_eq!(b.as_slice().as_ptr(), ptr);
     assert_eq!(sim.calls(SimOp::HostAlloc), 1);
     let stats = engine.pinned_pool_stats();
-    assert_eq!((stats.allocations, stats.reuses, stats.leased_blocks), (1, 1, 1));
+    assert_eq!(
+        (stats.allocations, stats.reuses, stats.leased_blocks),
+        (1, 1, 1)
+    );
 }
 
 #[test]
@@ -106,7 +111,10 @@ fn resubmission_allocates_nothing() {
     let (mut engine, sim) = engine();
     let dest = engine.alloc_tensor::<u32>(&[256]).unwrap();
     let source = PinnedHostBuffer::<u32>::new(&mut engine, 256).unwrap();
-    let mut returned = upload_pending(&mut engine, source, dest).unwrap().wait().unwrap();
+    let mut returned = upload_pending(&mut engine, source, dest)
+        .unwrap()
+        .wait()
+        .unwrap();
     download_tensor(&mut engine, returned.tensor()).unwrap(); // warms the blocking route's event
     let (allocs, host, events) = (
         sim.calls(SimOp::Alloc),
@@ -117,7 +125,10 @@ fn resubmission_allocates_nothing() {
         let data: Vec<u32> = (0..256).map(|i| i * 7 + round + 1).collect();
         returned.buffer_mut().as_mut_slice().copy_from_slice(&data);
         returned = returned.resubmit(&mut engine).unwrap().wait().unwrap();
-        assert_eq!(download_tensor(&mut engine, returned.tensor()).unwrap(), data);
+        assert_eq!(
+            download_tensor(&mut engine, returned.tensor()).unwrap(),
+            data
+        );
     }
     assert_eq!(sim.calls(SimOp::Alloc), allocs);
     assert_eq!(sim.calls(SimOp::HostAlloc), host);
@@ -136,7 +147,13 @@ fn rejected_packages_come_back_untouched() {
     let TransferSubmitError::Rejected { package, reason } = err else {
         panic!("expected a rejection");
     };
-    assert_eq!(reason, RejectReason::LengthMismatch { buffer: 10, tensor: 11 });
+    assert_eq!(
+        reason,
+        RejectReason::LengthMismatch {
+            buffer: 10,
+            tensor: 11
+        }
+    );
     assert_eq!(package.buffer.as_slice(), &data[..]);
     assert_eq!(package.tensor.len(), 11);
 
@@ -190,11 +207,17 @@ fn dropping_an_in_flight_handle_detaches_it_until_its_event_proves_completion() 
     let dest = engine.alloc_tensor::<u32>(&[64]).unwrap();
     drop(upload_pending(&mut engine, buffer, dest).unwrap());
     assert_eq!(engine.retirement_stats().pending, 1);
-    assert!(sim.is_pinned_live(ptr), "not released while the copy is queued");
+    assert!(
+        sim.is_pinned_live(ptr),
+        "not released while the copy is queued"
+    );
     engine.flush().unwrap();
     assert!(sim.is_pinned_live(ptr), "flush does not retire");
     engine.synchronize().unwrap();
-    assert!(!sim.is_pinned_live(ptr), "released by the drain after completion");
+    assert!(
+        !sim.is_pinned_live(ptr),
+        "released by the drain after completion"
+    );
     assert_eq!(engine.retirement_stats().released, 1);
     assert!(sim.violations().is_empty());
 }
@@ -221,7 +244,10 @@ fn a_failed_wait_retains_everything_and_says_why() {
     let ptr = buffer.as_slice().as_ptr().cast::<u8>();
     let value = upload_tensor(&mut engine, &distinct(64), &[64]).unwrap();
     sim.fail_event(1, DriverError::LAUNCH_FAILED);
-    let err = download_pending(&mut engine, value, buffer).unwrap().wait().unwrap_err();
+    let err = download_pending(&mut engine, value, buffer)
+        .unwrap()
+        .wait()
+        .unwrap_err();
     assert!(matches!(
         err,
         Error::DeviceFault {
@@ -234,7 +260,10 @@ fn a_failed_wait_retains_everything_and_says_why() {
     assert_eq!(stats.retained, 1);
     assert_eq!(stats.first_failure.unwrap().1, DriverError::LAUNCH_FAILED);
     drop(engine);
-    assert!(sim.is_pinned_live(ptr), "retained for good, even at teardown");
+    assert!(
+        sim.is_pinned_live(ptr),
+        "retained for good, even at teardown"
+    );
     let (live, _) = sim.device_live();
     assert_eq!(live, 1, "the device value is retained too");
 }
@@ -267,10 +296,19 @@ fn two_transfers_complete_independently() {
     assert!(pa.is_ready().unwrap());
     assert!(!pb.is_ready().unwrap());
     let ra = pa.wait().unwrap();
-    assert!(!pb.is_ready().unwrap(), "waiting for one leaves the other in flight");
+    assert!(
+        !pb.is_ready().unwrap(),
+        "waiting for one leaves the other in flight"
+    );
     let rb = pb.wait().unwrap();
-    assert_eq!(download_tensor(&mut engine, ra.tensor()).unwrap(), distinct(32));
-    assert_eq!(download_tensor(&mut engine, rb.tensor()).unwrap(), distinct(48));
+    assert_eq!(
+        download_tensor(&mut engine, ra.tensor()).unwrap(),
+        distinct(32)
+    );
+    assert_eq!(
+        download_tensor(&mut engine, rb.tensor()).unwrap(),
+        distinct(48)
+    );
 }
 
 #[test]
@@ -285,7 +323,10 @@ fn an_engine_dropped_with_transfers_in_flight_resolves_them() {
     drop(upload_pending(&mut engine, detached_buf, detached_dest).unwrap());
     drop(engine);
     let mut pending = pending;
-    assert!(pending.is_ready().unwrap(), "teardown waited for the stream");
+    assert!(
+        pending.is_ready().unwrap(),
+        "teardown waited for the stream"
+    );
     let returned = pending.wait().unwrap();
     assert_eq!(returned.buffer().as_slice(), &data[..]);
     drop(returned);

@@ -1,0 +1,290 @@
+//! Transfer routes beside the raw driver doing the same copy, in the same run.
+//!
+//! Run on a GPU machine: `cargo bench --bench transfer_paths`. Groups:
+//! - `pending_upload`, `pending_download`: resubmit-and-wait of a pinned transfer against
+//!   `cuMemcpy{HtoD,DtoH}Async` + `cuEventRecord` + `cuEventSynchronize` on the same stream;
+//! - `download_into`: `download_tensor_into` with a reused `Vec` against a raw pageable
+//!   `cuMemcpyDtoHAsync` into the same `Vec` + wait;
+//! - `submit_16B`: the host time of submitting a 16-byte pending upload against the raw async
+//!   copy plus event record (the waits are excluded from both);
+//! - `pinned_8MiB`: a `PinnedHostBuffer` from a warm pool against a fresh `cuMemHostAlloc`.
+//!
+//! Without a GPU the bench prints a note and measures nothing.
+
+// criterion's macros generate undocumented public items.
+#![allow(missing_docs)]
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use cudarc::driver::sys;
+use cuferry::{
+    download_pending, download_tensor_into, upload_pending, CudaEngine, PinnedHostBuffer,
+};
+use std::ffi::c_void;
+use std::time::{Duration, Instant};
+
+const SIZES: [(usize, &str); 5] = [
+    (16, "16B"),
+    (64, "64B"),
+    (32 << 10, "32KiB"),
+    (8 << 20, "8MiB"),
+    (256 << 20, "256MiB"),
+];
+
+/// Raw driver resources for the baselines, on the engine's context and stream.
+struct Raw {
+    stream: sys::CUstream,
+    event: sys::CUevent,
+}
+
+impl Raw {
+    fn new(engine: &mut CudaEngine) -> Self {
+        let (ctx, stream) = engine
+            .with_raw(|r| {
+                Ok::<_, cuferry::Error>((
+                    r.context().as_raw() as usize,
+                    r.stream().as_raw() as usize,
+                ))
+            })
+            .unwrap();
+        let mut event = std::ptr::null_mut();
+        // SAFETY: `ctx` is the engine's live context; it stays current on this thread for the
+        // bench, which the engine's own operations accept (they find their context current).
+        unsafe {
+            assert_eq!(
+                sys::cuCtxSetCurrent(ctx as sys::CUcontext),
+                sys::CUresult::CUDA_SUCCESS
+            );
+            let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+            assert_eq!(
+                sys::cuEventCreate(&mut event, flags),
+                sys::CUresult::CUDA_SUCCESS
+            );
+        }
+        Raw {
+            stream: stream as sys::CUstream,
+            event,
+        }
+    }
+
+    fn device(&self, bytes: usize) -> sys::CUdeviceptr {
+        let mut ptr = 0;
+        // SAFETY: the engine's context is current; out pointer valid.
+        let code = unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes) };
+        assert_eq!(code, sys::CUresult::CUDA_SUCCESS);
+        ptr
+    }
+
+    fn pinned(&self, bytes: usize) -> *mut u8 {
+        let mut ptr = std::ptr::null_mut();
+        // SAFETY: out pointer valid.
+        let code = unsafe { sys::cuMemHostAlloc(&mut ptr, bytes, 0) };
+        assert_eq!(code, sys::CUresult::CUDA_SUCCESS);
+        // SAFETY: fresh allocation of `bytes` bytes; filled so the copies move real data.
+        unsafe { std::ptr::write_bytes(ptr.cast::<u8>(), 0x5A, bytes) };
+        ptr.cast()
+    }
+
+    fn htod(&self, dst: sys::CUdeviceptr, src: *const u8, bytes: usize) {
+        // SAFETY: `dst` and `src` hold `bytes` bytes and outlive the wait in `wait`.
+        unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src.cast::<c_void>(), bytes, self.stream) };
+        // SAFETY: the event and stream are live.
+        unsafe { sys::cuEventRecord(self.event, self.stream) };
+    }
+
+    fn dtoh(&self, dst: *mut u8, src: sys::CUdeviceptr, bytes: usize) {
+        // SAFETY: as in `htod`.
+        unsafe { sys::cuMemcpyDtoHAsync_v2(dst.cast::<c_void>(), src, bytes, self.stream) };
+        // SAFETY: the event and stream are live.
+        unsafe { sys::cuEventRecord(self.event, self.stream) };
+    }
+
+    fn wait(&self) {
+        // SAFETY: the event is live.
+        let code = unsafe { sys::cuEventSynchronize(self.event) };
+        assert_eq!(code, sys::CUresult::CUDA_SUCCESS);
+    }
+}
+
+fn pending(c: &mut Criterion, engine: &mut CudaEngine, raw: &Raw) {
+    for upload in [true, false] {
+        let mut group = c.benchmark_group(if upload {
+            "pending_upload"
+        } else {
+            "pending_download"
+        });
+        for (bytes, label) in SIZES {
+            group.throughput(Throughput::Bytes(bytes as u64));
+            let n = bytes / 4;
+            let buffer = PinnedHostBuffer::<f32>::from_slice(engine, &vec![1.5; n]).unwrap();
+            let tensor = engine.alloc_tensor::<f32>(&[n]).unwrap();
+            let mut returned = Some(if upload {
+                Either::Up(
+                    upload_pending(engine, buffer, tensor)
+                        .unwrap()
+                        .wait()
+                        .unwrap(),
+                )
+            } else {
+                Either::Down(
+                    download_pending(engine, tensor, buffer)
+                        .unwrap()
+                        .wait()
+                        .unwrap(),
+                )
+            });
+            group.bench_function(BenchmarkId::new("cuferry", label), |b| {
+                b.iter(|| {
+                    let r = returned.take().unwrap();
+                    returned = Some(match r {
+                        Either::Up(r) => Either::Up(r.resubmit(engine).unwrap().wait().unwrap()),
+                        Either::Down(r) => {
+                            Either::Down(r.resubmit(engine).unwrap().wait().unwrap())
+                        }
+                    });
+                });
+            });
+            drop(returned);
+            let host = raw.pinned(bytes);
+            let dev = raw.device(bytes);
+            group.bench_function(BenchmarkId::new("raw_pinned", label), |b| {
+                b.iter(|| {
+                    if upload {
+                        raw.htod(dev, host, bytes)
+                    } else {
+                        raw.dtoh(host, dev, bytes)
+                    }
+                    raw.wait();
+                })
+            });
+            // SAFETY: both were allocated above and are idle after the last wait.
+            unsafe {
+                sys::cuMemFreeHost(host.cast());
+                sys::cuMemFree_v2(dev);
+            }
+        }
+        group.finish();
+    }
+}
+
+enum Either {
+    Up(cuferry::Pending<cuferry::Upload, f32, cuferry::Returned>),
+    Down(cuferry::Pending<cuferry::Download, f32, cuferry::Returned>),
+}
+
+fn download_into(c: &mut Criterion, engine: &mut CudaEngine, raw: &Raw) {
+    let mut group = c.benchmark_group("download_into");
+    for (bytes, label) in SIZES {
+        group.throughput(Throughput::Bytes(bytes as u64));
+        let n = bytes / 4;
+        let tensor = cuferry::upload_tensor(engine, &vec![2.5f32; n], &[n]).unwrap();
+        let mut out = Some(Vec::<f32>::with_capacity(n));
+        group.bench_function(BenchmarkId::new("cuferry", label), |b| {
+            b.iter(|| {
+                out = Some(download_tensor_into(engine, &tensor, out.take().unwrap()).unwrap())
+            })
+        });
+        let dev = raw.device(bytes);
+        let mut host = vec![0f32; n];
+        group.bench_function(BenchmarkId::new("raw_pageable", label), |b| {
+            b.iter(|| {
+                raw.dtoh(host.as_mut_ptr().cast(), dev, bytes);
+                raw.wait();
+            })
+        });
+        // SAFETY: allocated above, idle after the last wait.
+        unsafe { sys::cuMemFree_v2(dev) };
+    }
+    group.finish();
+}
+
+fn submit_cost(c: &mut Criterion, engine: &mut CudaEngine, raw: &Raw) {
+    let mut group = c.benchmark_group("submit_16B");
+    let buffer = PinnedHostBuffer::<f32>::from_slice(engine, &[1.0, 2.0, 3.0, 4.0]).unwrap();
+    let tensor = engine.alloc_tensor::<f32>(&[4]).unwrap();
+    let mut returned = Some(
+        upload_pending(engine, buffer, tensor)
+            .unwrap()
+            .wait()
+            .unwrap(),
+    );
+    group.bench_function("cuferry_upload_pending", |b| {
+        b.iter_custom(|iters| {
+            let mut total = Duration::ZERO;
+            for _ in 0..iters {
+                let r = returned.take().unwrap();
+                let start = Instant::now();
+                let in_flight = r.resubmit(engine).unwrap();
+                total += start.elapsed();
+                returned = Some(in_flight.wait().unwrap());
+            }
+            total
+        })
+    });
+    let host = raw.pinned(16);
+    let dev = raw.device(16);
+    group.bench_function("raw_copy_and_record", |b| {
+        b.iter_custom(|iters| {
+            let mut total = Duration::ZERO;
+            for _ in 0..iters {
+                let start = Instant::now();
+                raw.htod(dev, host, 16);
+                total += start.elapsed();
+                raw.wait();
+            }
+            total
+        })
+    });
+    group.finish();
+}
+
+fn pinned_alloc(c: &mut Criterion, engine: &mut CudaEngine, raw: &Raw) {
+    let mut group = c.benchmark_group("pinned_8MiB");
+    drop(PinnedHostBuffer::<u8>::new(engine, 8 << 20).unwrap()); // warm the pool
+    group.bench_function("cuferry_warm_pool", |b| {
+        b.iter(|| drop(PinnedHostBuffer::<u8>::new(engine, 8 << 20).unwrap()))
+    });
+    group.bench_function("raw_cuMemHostAlloc", |b| {
+        b.iter(|| {
+            let mut ptr = std::ptr::null_mut();
+            // SAFETY: out pointer valid; the allocation is freed at once.
+            unsafe {
+                assert_eq!(
+                    sys::cuMemHostAlloc(&mut ptr, 8 << 20, 0),
+                    sys::CUresult::CUDA_SUCCESS
+                );
+                sys::cuMemFreeHost(ptr);
+            }
+        })
+    });
+    let _ = raw;
+    group.finish();
+}
+
+fn benches(c: &mut Criterion) {
+    let mut engine = match CudaEngine::open(0) {
+        Ok(engine) => engine,
+        Err(e) => {
+            eprintln!("transfer_paths: no CUDA device ({e}); nothing measured");
+            return;
+        }
+    };
+    let raw = Raw::new(&mut engine);
+    pending(c, &mut engine, &raw);
+    download_into(c, &mut engine, &raw);
+    submit_cost(c, &mut engine, &raw);
+    pinned_alloc(c, &mut engine, &raw);
+}
+
+fn config() -> Criterion {
+    Criterion::default()
+        .sample_size(10)
+        .warm_up_time(Duration::from_millis(300))
+        .measurement_time(Duration::from_millis(1200))
+}
+
+criterion_group! {
+    name = transfer;
+    config = config();
+    targets = benches
+}
+criterion_main!(transfer);
