@@ -8,12 +8,23 @@ use cuferry::{
 
 const BIG: usize = 64 << 20; // bytes
 
-/// Whether `ptr` is still page-locked memory the driver knows.
+/// Whether `ptr` is still page-locked memory the driver knows (asked with device 0's primary
+/// context current, then the thread's context restored).
 fn is_pinned(ptr: *const u8) -> bool {
+    use cudarc::driver::sys;
+    let previous = crate::common::current_context();
+    let mut ctx = std::ptr::null_mut();
     let mut flags = 0u32;
-    // SAFETY: cuMemHostGetFlags only inspects the address and writes `flags`.
-    let code = unsafe { cudarc::driver::sys::cuMemHostGetFlags(&mut flags, ptr as *mut _) };
-    code == cudarc::driver::sys::CUresult::CUDA_SUCCESS
+    // SAFETY: device 0 exists (the test opened it); the primary context is retained for the
+    // query and released after; cuMemHostGetFlags only inspects the address and writes `flags`.
+    unsafe {
+        assert_eq!(sys::cuDevicePrimaryCtxRetain(&mut ctx, 0), sys::CUresult::CUDA_SUCCESS);
+        sys::cuCtxSetCurrent(ctx);
+        let code = sys::cuMemHostGetFlags(&mut flags, ptr as *mut _);
+        sys::cuCtxSetCurrent(previous);
+        sys::cuDevicePrimaryCtxRelease_v2(0);
+        code == sys::CUresult::CUDA_SUCCESS
+    }
 }
 
 #[test]
