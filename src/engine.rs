@@ -10,10 +10,11 @@
 //! shared core alive through an `Arc`, so a value dropped after the engine still frees its memory
 //! on the right device, stream-ordered, and never early.
 
-use crate::driver::{ContextHandle, Driver, EventHandle};
+use crate::driver::{ContextHandle, Driver};
 use crate::error::{DeviceId, Error, Result};
 use crate::pinned::{PinnedPool, PinnedPoolStats};
 use crate::retire::{EventPool, RetireQueue, RetirementStats};
+use crate::transfer::staging::StagingRing;
 use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -35,44 +36,20 @@ pub(crate) struct State {
     pub(crate) deferred: Vec<Error>,
     /// Set once the engine has been dropped.
     pub(crate) torn_down: bool,
-    /// The event blocking routes record and wait on, made on first use.
-    sync_event: Option<EventHandle>,
     /// Idle pinned host blocks for reuse.
     pub(crate) pinned: PinnedPool,
     /// Idle events for reuse.
     pub(crate) events: EventPool,
     /// Resources waiting for their event before release.
     pub(crate) retire: RetireQueue,
+    /// The pinned staging ring of the blocking routes.
+    pub(crate) staging: StagingRing,
 }
 
 impl State {
     /// Records a failure for the next `flush` or `synchronize`.
     pub(crate) fn defer(&mut self, error: Error) {
         self.deferred.push(error);
-    }
-
-    /// Waits until everything queued so far has completed, through the engine's own event
-    /// (a cheaper wait than a stream synchronize, and the same proof).
-    ///
-    /// If the event cannot be recorded, it falls back to a stream synchronize, so on `Ok` the
-    /// queued work has completed either way.
-    pub(crate) fn wait_stream(&mut self, what: &'static str) -> Result<()> {
-        let fault = |source| Error::DeviceFault { what, source };
-        let event = match self.sync_event {
-            Some(event) => event,
-            None => {
-                let event = self
-                    .driver
-                    .event_create()
-                    .map_err(Error::driver("cuEventCreate"))?;
-                self.sync_event = Some(event);
-                event
-            }
-        };
-        match self.driver.event_record(event) {
-            Ok(()) => self.driver.event_synchronize(event).map_err(fault),
-            Err(_) => self.driver.stream_synchronize().map_err(fault),
-        }
     }
 
     fn take_deferred(&mut self) -> Result<()> {
@@ -236,10 +213,10 @@ impl CudaEngine {
                     driver,
                     deferred: Vec::new(),
                     torn_down: false,
-                    sync_event: None,
                     pinned: PinnedPool::default(),
                     events: EventPool::default(),
                     retire: RetireQueue::default(),
+                    staging: StagingRing::default(),
                 }),
             }),
         }
@@ -373,11 +350,8 @@ impl Drop for CudaEngine {
         // Records whose event failed stay unreleased for good.
         st.retire.forget_failed();
         st.pinned.trim_to(&mut *st.driver, 0);
+        st.staging.free_idle(&mut *st.driver);
         st.events.destroy_all(&mut *st.driver);
-        if let Some(event) = st.sync_event.take() {
-            // SAFETY: the engine's own event, idle after the synchronize, destroyed once.
-            let _ = unsafe { st.driver.event_destroy(event) };
-        }
         drop(guard);
         // Released resources drop after the lock is gone (their drops take it); buffers among
         // them are freed at once since the engine is torn down.

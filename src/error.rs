@@ -232,6 +232,12 @@ pub enum Error {
         /// The first one.
         first: Box<Error>,
     },
+    /// Every slot of the engine's staging ring is leased.
+    #[error("all {depth} staging slots of the engine's ring are leased")]
+    StagingExhausted {
+        /// The ring's depth.
+        depth: usize,
+    },
     /// An engine setting is out of range.
     #[error("invalid setting {setting} = {value}: {reason}")]
     InvalidSetting {

@@ -12,6 +12,8 @@
 //! - Pending routes over [`PinnedHostBuffer`]s handed over by value: [`upload_pending`],
 //!   [`download_pending`], returning a [`Pending`] transfer in state [`InFlight`] until it is
 //!   [`Returned`].
+//! - [`StagingLease`]: the `Proven/Unproven` typestate behind the blocking routes' bounded,
+//!   pipelined pinned staging, public for hand-built chunked pipelines.
 //!
 //! Every route runs against a deterministic simulated device (feature `sim`, module [`sim`]) with
 //! fault injection, so lifecycle code is tested without a GPU.
@@ -55,6 +57,9 @@ pub use transfer::{
     download_pending, download_tensor, download_tensor_into, upload_pending, upload_tensor,
     Direction, Download, InFlight, Pending, PendingDownload, PendingUpload, RejectReason, Returned,
     TransferPackage, TransferState, TransferSubmitError, TryWait, Upload,
+};
+pub use transfer::{
+    BeginError, LeaseState, Proven, StagingConfig, StagingLease, StagingStats, Unproven,
 };
 
 /// The simulated device (feature `sim`).

@@ -1,20 +1,200 @@
-//! Blocking routes: ordinary host memory in, ordinary host memory out.
+//! Blocking routes: ordinary host memory in, ordinary host memory out, at the PCIe limit.
 //!
 //! Each route returns only when the caller's host memory is no longer touched by the device: an
 //! upload has read its source, a download has written its destination. Device-side ordering is
 //! the stream's: an upload is visible to every later operation on the engine.
+//!
+//! Three size bands, all through pinned staging (the device only reaches full speed from
+//! page-locked memory, and the caller's memory is pageable):
+//! - **16 bytes or less:** the engine's pinned scalar slot: one tiny copy and one event wait.
+//! - **Up to `cutoff_bytes`:** one staged copy through one ring slot.
+//! - **Above:** a pipeline over the bounded ring of [`StagingLease`]s: host threads copy chunk
+//!   k+1 into its slot while the DMA of chunk k runs; each chunk has its own event, and a slot
+//!   is reused only after its event proved the previous chunk complete.
+//!
+//! A failure after the first enqueue retires every unproven lease (with the destination tensor,
+//! on uploads) into the retirement queue, so nothing is freed while DMA may still touch it, and
+//! the route returns the error.
 
+use super::staging::{BeginError, Proven, StagingLease, Unproven};
 use crate::element::{as_bytes, byte_len, DType, Element};
 use crate::engine::CudaEngine;
 use crate::error::{Error, Result};
 use crate::tensor::{shape_len, DeviceTensor};
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+/// Bytes one host-copy task handles at least: below this, splitting costs more than it gains.
+const MIN_COPY_PART: usize = 256 << 10;
+
+/// A raw pointer that may cross to the copy threads: each task touches a disjoint range.
+#[derive(Clone, Copy)]
+struct SendPtr(*mut u8);
+// SAFETY: tasks spawned from one `par_bytes` call touch disjoint ranges of memory that outlives
+// the scope they run in.
+unsafe impl Send for SendPtr {}
+// SAFETY: as above.
+unsafe impl Sync for SendPtr {}
+impl SendPtr {
+    fn get(self) -> *mut u8 {
+        self.0
+    }
+}
+
+/// Runs `f(offset, len)` over `bytes` split into parts, on the engine's copy threads when the
+/// range is large enough.
+fn par_bytes(pool: Option<&rayon::ThreadPool>, bytes: usize, f: impl Fn(usize, usize) + Sync) {
+    let parts = match pool {
+        Some(pool) if bytes >= 2 * MIN_COPY_PART => {
+            (bytes / MIN_COPY_PART).min(pool.current_num_threads())
+        }
+        _ => 1,
+    };
+    if parts <= 1 {
+        f(0, bytes);
+        return;
+    }
+    let part = bytes.div_ceil(parts).next_multiple_of(64);
+    let f = &f;
+    if let Some(pool) = pool {
+        pool.scope(|scope| {
+            let mut offset = 0;
+            while offset < bytes {
+                let len = part.min(bytes - offset);
+                scope.spawn(move |_| f(offset, len));
+                offset += len;
+            }
+        });
+    }
+}
+
+/// Copies `bytes` bytes from `src` to `dst` with the engine's copy threads.
+///
+/// # Safety
+/// `src..src+bytes` is readable and `dst..dst+bytes` writable for the call, and they do not
+/// overlap.
+unsafe fn par_copy(pool: Option<&rayon::ThreadPool>, dst: *mut u8, src: *const u8, bytes: usize) {
+    let (d, s) = (SendPtr(dst), SendPtr(src.cast_mut()));
+    par_bytes(pool, bytes, |off, len| {
+        // SAFETY: the caller's contract; `off..off+len` lies inside both ranges, and each task's
+        // range is disjoint from every other's.
+        unsafe { std::ptr::copy_nonoverlapping(s.get().add(off), d.get().add(off), len) }
+    });
+}
+
+/// Decodes `bytes` device bytes at `src` into `bool`s at `dst` (`byte != 0`).
+///
+/// # Safety
+/// As [`par_copy`], with `dst` pointing at `bytes` `bool` slots.
+unsafe fn par_decode_bool(
+    pool: Option<&rayon::ThreadPool>,
+    dst: *mut u8,
+    src: *const u8,
+    bytes: usize,
+) {
+    let (d, s) = (SendPtr(dst), SendPtr(src.cast_mut()));
+    par_bytes(pool, bytes, |off, len| {
+        for i in off..off + len {
+            // SAFETY: `i` lies inside both ranges; writing 0 or 1 makes a valid `bool`.
+            unsafe { *d.get().add(i) = u8::from(*s.get().add(i) != 0) };
+        }
+    });
+}
+
+/// The copy pool, when this transfer is large enough to split.
+fn pool_for(engine: &mut CudaEngine, bytes: usize) -> Result<Option<Arc<rayon::ThreadPool>>> {
+    if bytes < 2 * MIN_COPY_PART {
+        return Ok(None);
+    }
+    Ok(Some(engine.enter()?.copy_pool()?))
+}
+
+/// The lease for the next chunk: a new one while the ring has room, else the oldest in flight
+/// once proven.
+fn next_lease(
+    engine: &mut CudaEngine,
+    in_flight: &mut VecDeque<StagingLease<Unproven>>,
+) -> Result<StagingLease<Proven>> {
+    let depth = engine.staging_config().ring_depth;
+    if in_flight.len() < depth {
+        match engine.staging_lease() {
+            Ok(lease) => return Ok(lease),
+            Err(Error::StagingExhausted { .. }) if !in_flight.is_empty() => {}
+            Err(e) => return Err(e),
+        }
+    }
+    let oldest = in_flight
+        .pop_front()
+        .ok_or(Error::StagingExhausted { depth })?;
+    oldest.end_chunk().map_err(|(lease, error)| {
+        in_flight.push_front(lease);
+        error
+    })
+}
+
+/// Retires every unproven lease; the last (newest) keeps `resource` alive with it.
+fn retire_all<R: Send + 'static>(mut in_flight: VecDeque<StagingLease<Unproven>>, resource: R) {
+    let last = in_flight.pop_back();
+    for lease in in_flight {
+        lease.retire();
+    }
+    match last {
+        Some(lease) => lease.retire_with(resource),
+        None => drop(resource),
+    }
+}
+
+/// Waits for every lease in flight and releases them; on failure retires the rest with
+/// `resource`.
+fn finish<R: Send + 'static>(
+    mut in_flight: VecDeque<StagingLease<Unproven>>,
+    resource: R,
+) -> Result<R> {
+    while let Some(lease) = in_flight.pop_front() {
+        match lease.end_chunk() {
+            Ok(proven) => proven.release(),
+            Err((lease, error)) => {
+                in_flight.push_front(lease);
+                retire_all(in_flight, resource);
+                return Err(error);
+            }
+        }
+    }
+    Ok(resource)
+}
+
+/// Chunk size in elements for a transfer of `bytes` bytes of `T`.
+fn chunk_elems<T: Element>(engine: &CudaEngine, bytes: usize) -> usize {
+    let config = engine.staging_config();
+    let chunk = if bytes <= 16 {
+        16
+    } else if bytes <= config.cutoff_bytes {
+        config.cutoff_bytes
+    } else {
+        config.chunk_bytes
+    };
+    (chunk / T::DTYPE.size_bytes()).max(1)
+}
+
+fn lease_for(
+    engine: &mut CudaEngine,
+    bytes: usize,
+    in_flight: &mut VecDeque<StagingLease<Unproven>>,
+) -> Result<StagingLease<Proven>> {
+    if bytes <= 16 {
+        engine.scalar_lease()
+    } else {
+        next_lease(engine, in_flight)
+    }
+}
 
 /// Uploads `data` into a new device tensor of the given shape, and returns once `data` has been
 /// read.
 ///
 /// # Errors
 /// [`Error::ShapeMismatch`] when `shape` does not describe `data.len()` elements;
-/// [`Error::Driver`] or [`Error::DeviceFault`] when the device refuses or fails.
+/// [`Error::Driver`] or [`Error::DeviceFault`] when the device refuses or fails (everything a
+/// queued copy may still touch is then retired, not freed).
 pub fn upload_tensor<T: Element>(
     engine: &mut CudaEngine,
     data: &[T],
@@ -28,22 +208,52 @@ pub fn upload_tensor<T: Element>(
             actual: data.len(),
         });
     }
-    let tensor = DeviceTensor::alloc(engine, shape)?;
+    let mut tensor = DeviceTensor::alloc(engine, shape)?;
     if data.is_empty() {
         return Ok(tensor);
     }
-    let bytes = as_bytes(data);
-    let mut st = engine.enter()?;
-    // SAFETY: `bytes` stays borrowed (and so unchanged and alive) until `wait_stream` below has
-    // proven the copy complete; the tensor is a fresh allocation of exactly `bytes.len()` bytes.
-    unsafe {
-        st.driver
-            .copy_htod(tensor.raw_ptr(), bytes.as_ptr(), bytes.len())
+    let src = as_bytes(data);
+    let size = T::DTYPE.size_bytes();
+    let per_chunk = chunk_elems::<T>(engine, src.len());
+    let pool = pool_for(engine, src.len())?;
+    let mut in_flight = VecDeque::new();
+    let mut offset = 0;
+    while offset < data.len() {
+        let n = per_chunk.min(data.len() - offset);
+        let mut lease = match lease_for(engine, src.len(), &mut in_flight) {
+            Ok(lease) => lease,
+            Err(error) => {
+                retire_all(in_flight, tensor);
+                return Err(error);
+            }
+        };
+        let part = &src[offset * size..(offset + n) * size];
+        // SAFETY: the lease is proven (its memory is ours) and holds at least `part.len()` bytes
+        // (`per_chunk` elements fit a slot); `part` is borrowed for the call.
+        unsafe {
+            par_copy(
+                pool.as_deref(),
+                lease.as_mut_bytes().as_mut_ptr(),
+                part.as_ptr(),
+                part.len(),
+            )
+        };
+        match lease.begin_upload(engine, &mut tensor, offset, n) {
+            Ok(unproven) => in_flight.push_back(unproven),
+            Err(BeginError::NotQueued { lease, error }) => {
+                lease.release();
+                retire_all(in_flight, tensor);
+                return Err(error);
+            }
+            Err(BeginError::Unproven { lease, error }) => {
+                in_flight.push_back(lease);
+                retire_all(in_flight, tensor);
+                return Err(error);
+            }
+        }
+        offset += n;
     }
-    .map_err(Error::driver("cuMemcpyHtoDAsync"))?;
-    st.wait_stream("blocking upload")?;
-    drop(st);
-    Ok(tensor)
+    finish(in_flight, tensor)
 }
 
 /// Downloads a tensor into a new `Vec`, and returns once the data has arrived.
@@ -58,16 +268,8 @@ pub fn download_tensor<T: Element>(
     tensor: &DeviceTensor<T>,
 ) -> Result<Vec<T>> {
     tensor.check_engine(engine)?;
-    if T::DTYPE == DType::Bool {
-        let mut raw = Vec::<u8>::with_capacity(tensor.len());
-        download_raw(engine, tensor, &mut raw)?;
-        let decoded: Vec<bool> = raw.iter().map(|&b| b != 0).collect();
-        // `T` is `bool` here (checked through the sealed `DTYPE` above).
-        let any: Box<dyn std::any::Any> = Box::new(decoded);
-        return Ok(*any.downcast::<Vec<T>>().expect("DTYPE Bool is bool"));
-    }
     let mut out = Vec::with_capacity(tensor.len());
-    download_raw(engine, tensor, &mut out)?;
+    download_staged(engine, tensor, &mut out)?;
     Ok(out)
 }
 
@@ -76,9 +278,7 @@ pub fn download_tensor<T: Element>(
 ///
 /// # Errors
 /// [`Error::UnsupportedElement`] for `bool`, because raw device bytes need not be 0 or 1 (use
-/// [`download_tensor`], which decodes them); otherwise as [`download_tensor`]. On error the
-/// buffer is returned to nobody only when the device may still write it (it is then leaked,
-/// never freed).
+/// [`download_tensor`], which decodes them); otherwise as [`download_tensor`].
 pub fn download_tensor_into<T: Element>(
     engine: &mut CudaEngine,
     tensor: &DeviceTensor<T>,
@@ -95,37 +295,101 @@ pub fn download_tensor_into<T: Element>(
     tensor.check_engine(engine)?;
     buffer.clear();
     buffer.reserve_exact(tensor.len());
-    download_raw(engine, tensor, &mut buffer)?;
+    download_staged(engine, tensor, &mut buffer)?;
     Ok(buffer)
 }
 
-/// Copies the tensor's bytes into `out`'s spare capacity (which must hold `tensor.len()`
-/// elements of `U`, where `U` has `T`'s size and accepts any bit pattern) and sets its length.
-fn download_raw<T: Element, U: Element>(
+/// Fills `out`'s spare capacity (at least `tensor.len()` elements) through staging and sets its
+/// length. The device writes only staging memory, so `out` is never touched by DMA.
+fn download_staged<T: Element>(
     engine: &mut CudaEngine,
     tensor: &DeviceTensor<T>,
-    out: &mut Vec<U>,
+    out: &mut Vec<T>,
 ) -> Result<()> {
-    debug_assert!(U::DTYPE.any_bit_pattern() && U::DTYPE.size_bytes() == T::DTYPE.size_bytes());
     debug_assert!(out.is_empty() && out.capacity() >= tensor.len());
-    let bytes = byte_len::<T>(tensor.len(), "download")?;
+    let total = tensor.len();
+    let bytes = byte_len::<T>(total, "download")?;
     if bytes == 0 {
         return Ok(());
     }
-    let mut st = engine.enter()?;
-    // SAFETY: `out` has capacity for `bytes` bytes and is exclusively borrowed until the wait
-    // below proves the copy complete; the tensor is a live allocation of `bytes` bytes.
-    unsafe {
-        st.driver
-            .copy_dtoh(out.as_mut_ptr().cast::<u8>(), tensor.raw_ptr(), bytes)
+    let size = T::DTYPE.size_bytes();
+    let per_chunk = chunk_elems::<T>(engine, bytes);
+    let pool = pool_for(engine, bytes)?;
+    let depth = if bytes <= 16 {
+        1
+    } else {
+        engine.staging_config().ring_depth
+    };
+    let dst = out.as_mut_ptr().cast::<u8>();
+    let mut in_flight: VecDeque<(StagingLease<Unproven>, usize, usize)> = VecDeque::new();
+    let mut next = 0;
+    let fail = |in_flight: VecDeque<(StagingLease<Unproven>, usize, usize)>, error| {
+        in_flight
+            .into_iter()
+            .for_each(|(lease, _, _)| lease.retire());
+        Err(error)
+    };
+    // Prime the ring, then keep it full: each proven slot is copied out and reused for the next
+    // chunk.
+    let mut spare: Option<StagingLease<Proven>> = None;
+    loop {
+        while in_flight.len() < depth && next < total {
+            let lease = match spare.take() {
+                Some(lease) => lease,
+                None if bytes <= 16 => engine.scalar_lease()?,
+                None => match engine.staging_lease() {
+                    Ok(lease) => lease,
+                    Err(Error::StagingExhausted { .. }) if !in_flight.is_empty() => break,
+                    Err(error) => return fail(in_flight, error),
+                },
+            };
+            let n = per_chunk.min(total - next);
+            match lease.begin_download(engine, tensor, next, n) {
+                Ok(unproven) => in_flight.push_back((unproven, next, n)),
+                Err(BeginError::NotQueued { lease, error }) => {
+                    lease.release();
+                    return fail(in_flight, error);
+                }
+                Err(BeginError::Unproven { lease, error }) => {
+                    in_flight.push_back((lease, next, n));
+                    return fail(in_flight, error);
+                }
+            }
+            next += n;
+        }
+        let Some((lease, offset, n)) = in_flight.pop_front() else {
+            break;
+        };
+        let proven = match lease.end_chunk() {
+            Ok(proven) => proven,
+            Err((lease, error)) => {
+                in_flight.push_front((lease, offset, n));
+                return fail(in_flight, error);
+            }
+        };
+        let src = proven.as_bytes().as_ptr();
+        // SAFETY: the lease is proven, so the chunk's bytes have arrived in its memory; `dst`
+        // has capacity for `total` elements and `offset + n <= total`; the ranges are disjoint
+        // (pinned staging vs the caller's vector).
+        unsafe {
+            let at = dst.add(offset * size);
+            if T::DTYPE == DType::Bool {
+                par_decode_bool(pool.as_deref(), at, src, n * size);
+            } else {
+                par_copy(pool.as_deref(), at, src, n * size);
+            }
+        }
+        if next < total {
+            spare = Some(proven);
+        } else {
+            proven.release();
+        }
     }
-    .map_err(Error::driver("cuMemcpyDtoHAsync"))?;
-    if let Err(e) = st.wait_stream("blocking download") {
-        // The device may still write the buffer: give its storage up rather than free it.
-        std::mem::forget(std::mem::take(out));
-        return Err(e);
+    if let Some(lease) = spare {
+        lease.release();
     }
-    // SAFETY: the copy wrote all `tensor.len()` elements, each a valid `U` (any bit pattern).
-    unsafe { out.set_len(tensor.len()) };
+    // SAFETY: every chunk `0..total` was written above, each element a valid `T` (any bit
+    // pattern, or a decoded 0/1 for bool).
+    unsafe { out.set_len(total) };
     Ok(())
 }

@@ -7,10 +7,14 @@
 
 pub(crate) mod blocking;
 pub(crate) mod pending;
+pub(crate) mod staging;
 
 pub use blocking::{download_tensor, download_tensor_into, upload_tensor};
 pub use pending::{
     download_pending, upload_pending, Direction, Download, InFlight, Pending, PendingDownload,
     PendingUpload, RejectReason, Returned, TransferPackage, TransferState, TransferSubmitError,
     TryWait, Upload,
+};
+pub use staging::{
+    BeginError, LeaseState, Proven, StagingConfig, StagingLease, StagingStats, Unproven,
 };

@@ -18,7 +18,10 @@ fn is_pinned(ptr: *const u8) -> bool {
     // SAFETY: device 0 exists (the test opened it); the primary context is retained for the
     // query and released after; cuMemHostGetFlags only inspects the address and writes `flags`.
     unsafe {
-        assert_eq!(sys::cuDevicePrimaryCtxRetain(&mut ctx, 0), sys::CUresult::CUDA_SUCCESS);
+        assert_eq!(
+            sys::cuDevicePrimaryCtxRetain(&mut ctx, 0),
+            sys::CUresult::CUDA_SUCCESS
+        );
         sys::cuCtxSetCurrent(ctx);
         let code = sys::cuMemHostGetFlags(&mut flags, ptr as *mut _);
         sys::cuCtxSetCurrent(previous);
