@@ -9,6 +9,14 @@
 //!   copy plus event record (the waits are excluded from both);
 //! - `pinned_8MiB`: a `PinnedHostBuffer` from a warm pool against a fresh `cuMemHostAlloc`.
 //!
+//! - `blocking_upload`, `blocking_download`: `upload_tensor` / `download_tensor` from and to
+//!   ordinary `Vec`s, beside the raw pageable `cuMemcpy{HtoD,DtoH}` (synchronous) and the raw
+//!   pinned async copy + event wait, at 16 B to 1 GiB;
+//! - `blocking_4_threads`: four threads, each with its own engine, each uploading and
+//!   downloading 64 MiB;
+//! - `staging_sweep`: `upload_tensor` / `download_tensor` at 256 MiB under several staging
+//!   settings (chunk size, copy threads), which is how the defaults were chosen.
+//!
 //! Without a GPU the bench prints a note and measures nothing.
 
 // criterion's macros generate undocumented public items.
@@ -260,6 +268,127 @@ fn pinned_alloc(c: &mut Criterion, engine: &mut CudaEngine, raw: &Raw) {
     group.finish();
 }
 
+const BLOCKING_SIZES: [(usize, &str); 8] = [
+    (16, "16B"),
+    (64, "64B"),
+    (32 << 10, "32KiB"),
+    (8 << 20, "8MiB"),
+    ((8 << 20) + 8, "8MiB+8B"),
+    (64 << 20, "64MiB"),
+    (256 << 20, "256MiB"),
+    (1 << 30, "1GiB"),
+];
+
+fn blocking(c: &mut Criterion, engine: &mut CudaEngine, raw: &Raw) {
+    for upload in [true, false] {
+        let mut group = c.benchmark_group(if upload {
+            "blocking_upload"
+        } else {
+            "blocking_download"
+        });
+        for (bytes, label) in BLOCKING_SIZES {
+            group.throughput(Throughput::Bytes(bytes as u64));
+            let n = bytes / 4;
+            let host: Vec<f32> = (0..n).map(|i| i as f32 + 0.5).collect();
+            let tensor = cuferry::upload_tensor(engine, &host, &[n]).unwrap();
+            group.bench_function(BenchmarkId::new("cuferry", label), |b| {
+                if upload {
+                    b.iter(|| drop(cuferry::upload_tensor(engine, &host, &[n]).unwrap()))
+                } else {
+                    b.iter(|| drop(cuferry::download_tensor(engine, &tensor).unwrap()))
+                }
+            });
+            drop(tensor);
+            let dev = raw.device(bytes);
+            let mut pageable = host.clone();
+            group.bench_function(BenchmarkId::new("raw_pageable", label), |b| {
+                b.iter(|| {
+                    // SAFETY: `dev` and `pageable` hold `bytes` bytes; the synchronous copies
+                    // return when done.
+                    let code = unsafe {
+                        if upload {
+                            sys::cuMemcpyHtoD_v2(dev, pageable.as_ptr().cast(), bytes)
+                        } else {
+                            sys::cuMemcpyDtoH_v2(pageable.as_mut_ptr().cast(), dev, bytes)
+                        }
+                    };
+                    assert_eq!(code, sys::CUresult::CUDA_SUCCESS);
+                })
+            });
+            let pinned = raw.pinned(bytes);
+            group.bench_function(BenchmarkId::new("raw_pinned", label), |b| {
+                b.iter(|| {
+                    if upload {
+                        raw.htod(dev, pinned, bytes)
+                    } else {
+                        raw.dtoh(pinned, dev, bytes)
+                    }
+                    raw.wait();
+                })
+            });
+            // SAFETY: both were allocated above and are idle after the last wait.
+            unsafe {
+                sys::cuMemFreeHost(pinned.cast());
+                sys::cuMemFree_v2(dev);
+            }
+        }
+        group.finish();
+    }
+}
+
+fn four_threads(c: &mut Criterion) {
+    let mut group = c.benchmark_group("blocking_4_threads");
+    let n = (64 << 20) / 4;
+    group.throughput(Throughput::Bytes(4 * 2 * (n as u64) * 4));
+    let host: Vec<f32> = (0..n).map(|i| i as f32 + 0.5).collect();
+    let mut engines: Vec<CudaEngine> = (0..4).map(|_| CudaEngine::open(0).unwrap()).collect();
+    group.bench_function("cuferry_64MiB_up_and_down", |b| {
+        b.iter(|| {
+            std::thread::scope(|s| {
+                for engine in engines.iter_mut() {
+                    let host = &host;
+                    s.spawn(move || {
+                        let t = cuferry::upload_tensor(engine, host, &[n]).unwrap();
+                        drop(cuferry::download_tensor(engine, &t).unwrap());
+                    });
+                }
+            })
+        })
+    });
+    group.finish();
+}
+
+fn staging_sweep(c: &mut Criterion, engine: &mut CudaEngine) {
+    let mut group = c.benchmark_group("staging_sweep");
+    let bytes = 256 << 20;
+    let n = bytes / 4;
+    group.throughput(Throughput::Bytes(bytes as u64));
+    let host: Vec<f32> = (0..n).map(|i| i as f32 + 0.5).collect();
+    let original = engine.staging_config();
+    for (chunk_mib, threads) in [(2, 8), (4, 4), (4, 8), (4, 12), (8, 8), (16, 12)] {
+        let mut config = original;
+        config.chunk_bytes = chunk_mib << 20;
+        config.copy_threads = threads;
+        engine.set_staging_config(config).unwrap();
+        let label = format!("chunk{chunk_mib}MiB_threads{threads}");
+        let tensor = cuferry::upload_tensor(engine, &host, &[n]).unwrap();
+        group.bench_function(BenchmarkId::new("upload", &label), |b| {
+            b.iter(|| drop(cuferry::upload_tensor(engine, &host, &[n]).unwrap()))
+        });
+        group.bench_function(BenchmarkId::new("download", &label), |b| {
+            b.iter(|| drop(cuferry::download_tensor(engine, &tensor).unwrap()))
+        });
+        let mut out = Some(Vec::<f32>::with_capacity(n));
+        group.bench_function(BenchmarkId::new("download_into", &label), |b| {
+            b.iter(|| {
+                out = Some(download_tensor_into(engine, &tensor, out.take().unwrap()).unwrap())
+            })
+        });
+    }
+    engine.set_staging_config(original).unwrap();
+    group.finish();
+}
+
 fn benches(c: &mut Criterion) {
     let mut engine = match CudaEngine::open(0) {
         Ok(engine) => engine,
@@ -273,6 +402,9 @@ fn benches(c: &mut Criterion) {
     download_into(c, &mut engine, &raw);
     submit_cost(c, &mut engine, &raw);
     pinned_alloc(c, &mut engine, &raw);
+    blocking(c, &mut engine, &raw);
+    staging_sweep(c, &mut engine);
+    four_threads(c);
 }
 
 fn config() -> Criterion {

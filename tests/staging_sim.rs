@@ -3,8 +3,8 @@
 
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{
-    bf16, download_tensor, download_tensor_into, f16, upload_tensor, CudaEngine, DriverError, Element, Error,
-    StagingConfig,
+    bf16, download_tensor, download_tensor_into, f16, upload_tensor, CudaEngine, DriverError,
+    Element, Error, StagingConfig,
 };
 
 const CHUNK: usize = 4096;
@@ -26,8 +26,22 @@ fn engine() -> (CudaEngine, SimDevice) {
 /// Element counts on both sides of every boundary for an element of `size` bytes.
 fn sizes(size: usize) -> Vec<usize> {
     let e = |bytes: usize| bytes / size;
-    let mut v = vec![0, 1, e(16), e(16) + 1, e(CUTOFF) - 1, e(CUTOFF), e(CUTOFF) + 1];
-    v.extend([e(CHUNK) - 1, e(CHUNK), e(CHUNK) + 1, e(CHUNK) * 3 + e(CHUNK) / 2 + 1, e(CHUNK) * 7 + 3]);
+    let mut v = vec![
+        0,
+        1,
+        e(16),
+        e(16) + 1,
+        e(CUTOFF) - 1,
+        e(CUTOFF),
+        e(CUTOFF) + 1,
+    ];
+    v.extend([
+        e(CHUNK) - 1,
+        e(CHUNK),
+        e(CHUNK) + 1,
+        e(CHUNK) * 3 + e(CHUNK) / 2 + 1,
+        e(CHUNK) * 7 + 3,
+    ]);
     v.retain(|&n| n > 0 || size == 1);
     v.sort_unstable();
     v.dedup();
@@ -39,7 +53,12 @@ fn check<T: Element>(make: impl Fn(usize) -> T) {
     for n in sizes(T::DTYPE.size_bytes()) {
         let data: Vec<T> = (0..n).map(&make).collect();
         let t = upload_tensor(&mut engine, &data, &[n]).unwrap();
-        assert_eq!(download_tensor(&mut engine, &t).unwrap(), data, "{} n={n}", T::DTYPE);
+        assert_eq!(
+            download_tensor(&mut engine, &t).unwrap(),
+            data,
+            "{} n={n}",
+            T::DTYPE
+        );
         if T::DTYPE.any_bit_pattern() {
             let out = download_tensor_into(&mut engine, &t, Vec::with_capacity(n + 1)).unwrap();
             assert_eq!(out, data, "{} into n={n}", T::DTYPE);
@@ -85,13 +104,19 @@ fn staging_settings_are_validated() {
     config.ring_depth = 0;
     assert!(matches!(
         engine.set_staging_config(config),
-        Err(Error::InvalidSetting { setting: "ring_depth", .. })
+        Err(Error::InvalidSetting {
+            setting: "ring_depth",
+            ..
+        })
     ));
     let mut config = engine.staging_config();
     config.cutoff_bytes = config.chunk_bytes + 1;
     assert!(matches!(
         engine.set_staging_config(config),
-        Err(Error::InvalidSetting { setting: "cutoff_bytes", .. })
+        Err(Error::InvalidSetting {
+            setting: "cutoff_bytes",
+            ..
+        })
     ));
 }
 
@@ -103,7 +128,11 @@ fn fault_case(upload: bool, op: SimOp, nth: u64) {
     let (mut engine, sim) = engine();
     let n = CHUNKS * CHUNK / 4;
     let data: Vec<u32> = (0..n as u32).map(|i| i * 3 + 1).collect();
-    let source = if upload { None } else { Some(upload_tensor(&mut engine, &data, &[n]).unwrap()) };
+    let source = if upload {
+        None
+    } else {
+        Some(upload_tensor(&mut engine, &data, &[n]).unwrap())
+    };
     // Start from an empty ring, so slot acquisition allocates.
     let config = engine.staging_config();
     engine.set_staging_config(config).unwrap();
@@ -129,10 +158,21 @@ fn fault_case(upload: bool, op: SimOp, nth: u64) {
     assert_eq!(staging.leased, 0, "{op:?} #{nth}: no lease left out");
     assert_eq!(retire.pending, 0, "{op:?} #{nth}: drained at synchronize");
     let expect_retained = usize::from(op == SimOp::EventSynchronize);
-    assert_eq!(retire.retained, expect_retained, "{op:?} #{nth}: only a failed wait retains");
+    assert_eq!(
+        retire.retained, expect_retained,
+        "{op:?} #{nth}: only a failed wait retains"
+    );
     // Pinned accounting: ring slots plus slots retained for good; nothing else is alive.
-    assert_eq!(sim.pinned_live().0, staging.slots + retire.retained, "{op:?} #{nth}");
-    assert!(sim.violations().is_empty(), "{op:?} #{nth}: {:?}", sim.violations());
+    assert_eq!(
+        sim.pinned_live().0,
+        staging.slots + retire.retained,
+        "{op:?} #{nth}"
+    );
+    assert!(
+        sim.violations().is_empty(),
+        "{op:?} #{nth}: {:?}",
+        sim.violations()
+    );
     // The engine still works.
     let t = upload_tensor(&mut engine, &data, &[n]).unwrap();
     assert_eq!(download_tensor(&mut engine, &t).unwrap(), data);
@@ -172,14 +212,24 @@ fn a_staging_lease_can_drive_a_hand_built_pipeline() {
     let mut tensor = engine.alloc_tensor::<u8>(&[100]).unwrap();
     let mut lease = engine.staging_lease().unwrap();
     lease.as_mut_bytes()[..100].copy_from_slice(&(1..=100).collect::<Vec<u8>>());
-    let unproven = lease.begin_upload(&mut engine, &mut tensor, 0, 100).unwrap();
+    let unproven = lease
+        .begin_upload(&mut engine, &mut tensor, 0, 100)
+        .unwrap();
     assert_eq!(sim.queued(), 2);
     let proven = unproven.end_chunk().unwrap();
     proven.release();
-    assert_eq!(download_tensor(&mut engine, &tensor).unwrap(), (1..=100).collect::<Vec<u8>>());
+    assert_eq!(
+        download_tensor(&mut engine, &tensor).unwrap(),
+        (1..=100).collect::<Vec<u8>>()
+    );
     // The ring is exclusive and bounded.
-    let leases: Vec<_> = (0..DEPTH).map(|_| engine.staging_lease().unwrap()).collect();
-    assert!(matches!(engine.staging_lease(), Err(Error::StagingExhausted { depth: DEPTH })));
+    let leases: Vec<_> = (0..DEPTH)
+        .map(|_| engine.staging_lease().unwrap())
+        .collect();
+    assert!(matches!(
+        engine.staging_lease(),
+        Err(Error::StagingExhausted { depth: DEPTH })
+    ));
     drop(leases);
     assert_eq!(engine.staging_stats().leased, 0);
 }
