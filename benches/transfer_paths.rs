@@ -365,7 +365,7 @@ fn staging_sweep(c: &mut Criterion, engine: &mut CudaEngine) {
     group.throughput(Throughput::Bytes(bytes as u64));
     let host: Vec<f32> = (0..n).map(|i| i as f32 + 0.5).collect();
     let original = engine.staging_config();
-    for (chunk_mib, threads) in [(2, 8), (4, 4), (4, 8), (4, 12), (8, 8), (16, 12)] {
+    for (chunk_mib, threads) in [(4, 8), (8, 12), (16, 8), (16, 12), (32, 12)] {
         let mut config = original;
         config.chunk_bytes = chunk_mib << 20;
         config.copy_threads = threads;

@@ -49,9 +49,9 @@ pub struct StagingConfig {
 impl Default for StagingConfig {
     fn default() -> Self {
         StagingConfig {
-            chunk_bytes: 4 << 20,
+            chunk_bytes: 16 << 20,
             ring_depth: 4,
-            copy_threads: 8,
+            copy_threads: 12,
             cutoff_bytes: 1 << 20,
         }
     }
