@@ -36,5 +36,5 @@ fn a_refused_resubmission_does_not_hand_its_event_to_the_refusing_engine() {
     let tensor = b.alloc_tensor::<f32>(&[4]).unwrap();
     let pending = upload_pending(&mut b, buffer, tensor).expect("b's own upload is queued");
     assert_eq!(sim_b.calls(SimOp::EventCreate), 1, "b made its own event");
-    pending.wait().unwrap();
+    let (_buffer, _tensor) = pending.wait().unwrap().into_parts();
 }
