@@ -1,0 +1,850 @@
+//! Model test: pending transfers, the retirement queue and the pinned pool, against a pure
+//! reference model, on the simulated device.
+//!
+//! The reference model keeps, for each engine the test opened, the device clock (operations
+//! queued and run), the retirement queue in order, and the fate of every pinned buffer: held by
+//! the test, retired (detached, waiting for its event), retained (its event failed), leaked
+//! (`mem::forget`, or proof impossible) or freed. The pinned pool's budget is zero, so a buffer
+//! the engine releases is freed at once and "released" is observable on the simulated device.
+//!
+//! After every step the test checks that the simulated device's live pinned allocations are
+//! exactly the buffers the model says are not freed (so nothing is released before its event
+//! completed, nothing whose event failed is ever released, and completed records are released by
+//! the next drain), that the pool's and the retirement queue's counters balance, that the device
+//! clock agrees, and that the device saw no lifecycle violation (a free under a queued copy).
+
+use cuferry::sim::{SimConfig, SimDevice};
+use cuferry::{
+    download_pending, upload_pending, CudaEngine, DeviceTensor, Direction, DriverError, Error,
+    InFlight, Pending, PinnedHostBuffer, RejectReason, Returned, TransferSubmitError, TryWait,
+};
+use proptest::prelude::*;
+use proptest::sample::select;
+use proptest::test_runner::Config;
+use proptest_state_machine::{prop_state_machine, ReferenceStateMachine, StateMachineTest};
+use std::collections::VecDeque;
+
+// ---------------------------------------------------------------------------------------------
+// The reference model.
+// ---------------------------------------------------------------------------------------------
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Dir {
+    Up,
+    Down,
+}
+
+/// Where a pinned buffer is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Fate {
+    /// In one of the test's slots: an idle buffer and tensor, or a transfer.
+    Held,
+    /// Detached into its engine's retirement queue, waiting for its event.
+    Retired,
+    /// Its event reported a failure: kept by the engine, never freed.
+    Retained,
+    /// Forgotten with its transfer, or a dropped transfer whose failure was found after
+    /// teardown: never freed.
+    Leaked,
+    /// Freed back to the driver.
+    Freed,
+}
+
+#[derive(Clone, Debug)]
+struct Buf {
+    /// The engine (index into `Model::engines`) whose pool it came from.
+    engine: usize,
+    fate: Fate,
+}
+
+/// What the test holds at one index. Each slot owns one buffer and a tensor of the same length
+/// (the pair travels together); `pair` is the buffer's index in `Model::bufs`.
+#[derive(Clone, Debug)]
+enum Slot {
+    Gone,
+    Idle {
+        pair: usize,
+    },
+    InFlight {
+        pair: usize,
+        dir: Dir,
+        marker: u64,
+        faulty: bool,
+    },
+    Returned {
+        pair: usize,
+        dir: Dir,
+    },
+}
+
+#[derive(Clone, Debug)]
+struct Record {
+    pair: usize,
+    marker: u64,
+    faulty: bool,
+}
+
+/// One engine and its simulated device.
+#[derive(Clone, Debug, Default)]
+struct Engine {
+    /// Operations queued on the device so far (the next operation's sequence number).
+    next_seq: u64,
+    /// Operations run so far: every operation with a smaller sequence number has run.
+    done_seq: u64,
+    /// Detached transfers waiting for their event, oldest first.
+    retire: VecDeque<Record>,
+    /// Records whose event failed.
+    retained: usize,
+    released: u64,
+    allocations: u64,
+    frees: u64,
+    torn_down: bool,
+    /// The next event record reports a failure.
+    fault_next: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Query {
+    NotReady,
+    Ready,
+    Failed,
+}
+
+impl Engine {
+    fn query(&self, marker: u64, faulty: bool) -> Query {
+        match (marker < self.done_seq, faulty) {
+            (false, _) => Query::NotReady,
+            (true, false) => Query::Ready,
+            (true, true) => Query::Failed,
+        }
+    }
+
+    /// Queues a copy and the event record after it; returns the record's sequence number.
+    fn queue_transfer(&mut self) -> (u64, bool) {
+        let marker = self.next_seq + 1;
+        self.next_seq += 2;
+        (marker, std::mem::take(&mut self.fault_next))
+    }
+}
+
+#[derive(Clone, Debug)]
+struct Model {
+    /// Every engine opened; the last is the current one, the others are torn down.
+    engines: Vec<Engine>,
+    bufs: Vec<Buf>,
+    slots: Vec<Slot>,
+}
+
+#[derive(Clone, Debug)]
+enum Transition {
+    /// A fresh buffer (from the pool) and tensor, handed to a transfer.
+    SubmitFresh {
+        dir: Dir,
+        len: usize,
+    },
+    /// An idle buffer and tensor handed to a transfer (refused if they belong to a torn-down
+    /// engine).
+    SubmitIdle {
+        slot: usize,
+        dir: Dir,
+    },
+    /// A returned transfer queued again (refused if it belongs to a torn-down engine).
+    Resubmit {
+        slot: usize,
+    },
+    /// Drop whatever the slot holds: an in-flight transfer detaches into the retirement queue.
+    Drop {
+        slot: usize,
+    },
+    /// `mem::forget` an in-flight transfer.
+    Forget {
+        slot: usize,
+    },
+    IsReady {
+        slot: usize,
+    },
+    Wait {
+        slot: usize,
+    },
+    TryWait {
+        slot: usize,
+    },
+    IntoParts {
+        slot: usize,
+    },
+    /// Run up to `ops` queued device operations.
+    Advance {
+        ops: usize,
+    },
+    /// The next event record reports `CUDA_ERROR_LAUNCH_FAILED` once the device reaches it.
+    FailNextEvent,
+    Synchronize,
+    /// Drop the engine (handles may outlive it) and open a new one.
+    Teardown,
+}
+
+impl Model {
+    fn current(&self) -> usize {
+        self.engines.len() - 1
+    }
+
+    fn engine_of(&self, pair: usize) -> usize {
+        self.bufs[pair].engine
+    }
+
+    /// The buffer and tensor are dropped: the buffer is freed at once (zero budget), the
+    /// tensor's free is queued on its device.
+    fn drop_pair(&mut self, pair: usize) {
+        let e = self.bufs[pair].engine;
+        self.bufs[pair].fate = Fate::Freed;
+        self.engines[e].frees += 1;
+        self.engines[e].next_seq += 1;
+    }
+
+    /// The retirement queue's poll: releases completed records, retains failed ones; with
+    /// `front_only`, stops at the first record that is not complete.
+    fn poll(&mut self, e: usize, front_only: bool) {
+        let mut keep = VecDeque::new();
+        let mut release = Vec::new();
+        let engine = &mut self.engines[e];
+        while let Some(record) = engine.retire.pop_front() {
+            match engine.query(record.marker, record.faulty) {
+                Query::Ready => {
+                    engine.released += 1;
+                    release.push(record.pair);
+                }
+                Query::Failed => {
+                    engine.retained += 1;
+                    self.bufs[record.pair].fate = Fate::Retained;
+                }
+                Query::NotReady => {
+                    keep.push_back(record);
+                    if front_only {
+                        break;
+                    }
+                }
+            }
+        }
+        keep.append(&mut engine.retire);
+        engine.retire = keep;
+        for pair in release {
+            self.drop_pair(pair);
+        }
+    }
+
+    fn slots_where(&self, f: impl Fn(&Slot) -> bool) -> Vec<usize> {
+        (0..self.slots.len())
+            .filter(|&i| f(&self.slots[i]))
+            .collect()
+    }
+}
+
+fn is_idle(s: &Slot) -> bool {
+    matches!(s, Slot::Idle { .. })
+}
+fn is_in_flight(s: &Slot) -> bool {
+    matches!(s, Slot::InFlight { .. })
+}
+fn is_returned(s: &Slot) -> bool {
+    matches!(s, Slot::Returned { .. })
+}
+fn is_held(s: &Slot) -> bool {
+    !matches!(s, Slot::Gone)
+}
+
+fn dir() -> impl Strategy<Value = Dir> {
+    prop_oneof![Just(Dir::Up), Just(Dir::Down)]
+}
+
+struct RetirementModel;
+
+impl ReferenceStateMachine for RetirementModel {
+    type State = Model;
+    type Transition = Transition;
+
+    fn init_state() -> BoxedStrategy<Model> {
+        Just(Model {
+            engines: vec![Engine::default()],
+            bufs: Vec::new(),
+            slots: Vec::new(),
+        })
+        .boxed()
+    }
+
+    fn transitions(state: &Model) -> BoxedStrategy<Transition> {
+        use Transition as T;
+        let mut choices: Vec<(u32, BoxedStrategy<T>)> = vec![
+            (
+                4,
+                (dir(), 1..=64usize)
+                    .prop_map(|(dir, len)| T::SubmitFresh { dir, len })
+                    .boxed(),
+            ),
+            (4, (0..6usize).prop_map(|ops| T::Advance { ops }).boxed()),
+            (2, Just(T::Synchronize).boxed()),
+            (2, Just(T::Teardown).boxed()),
+        ];
+        if !state.engines[state.current()].fault_next {
+            choices.push((2, Just(T::FailNextEvent).boxed()));
+        }
+        let idle = state.slots_where(is_idle);
+        let in_flight = state.slots_where(is_in_flight);
+        let returned = state.slots_where(is_returned);
+        let held = state.slots_where(is_held);
+        if !idle.is_empty() {
+            choices.push((
+                4,
+                (select(idle), dir())
+                    .prop_map(|(slot, dir)| T::SubmitIdle { slot, dir })
+                    .boxed(),
+            ));
+        }
+        if !in_flight.is_empty() {
+            let s = || select(in_flight.clone());
+            choices.push((2, s().prop_map(|slot| T::IsReady { slot }).boxed()));
+            choices.push((4, s().prop_map(|slot| T::Wait { slot }).boxed()));
+            choices.push((3, s().prop_map(|slot| T::TryWait { slot }).boxed()));
+            choices.push((1, s().prop_map(|slot| T::Forget { slot }).boxed()));
+        }
+        if !returned.is_empty() {
+            let s = || select(returned.clone());
+            choices.push((4, s().prop_map(|slot| T::Resubmit { slot }).boxed()));
+            choices.push((3, s().prop_map(|slot| T::IntoParts { slot }).boxed()));
+        }
+        if !held.is_empty() {
+            choices.push((3, select(held).prop_map(|slot| T::Drop { slot }).boxed()));
+        }
+        proptest::strategy::Union::new_weighted(choices).boxed()
+    }
+
+    fn preconditions(state: &Model, t: &Transition) -> bool {
+        let slot = |i: usize| state.slots.get(i);
+        match *t {
+            Transition::SubmitIdle { slot: i, .. } => slot(i).is_some_and(is_idle),
+            Transition::Resubmit { slot: i } | Transition::IntoParts { slot: i } => {
+                slot(i).is_some_and(is_returned)
+            }
+            Transition::Drop { slot: i } => slot(i).is_some_and(is_held),
+            Transition::Forget { slot: i }
+            | Transition::IsReady { slot: i }
+            | Transition::Wait { slot: i }
+            | Transition::TryWait { slot: i } => slot(i).is_some_and(is_in_flight),
+            Transition::FailNextEvent => !state.engines[state.current()].fault_next,
+            Transition::SubmitFresh { .. }
+            | Transition::Advance { .. }
+            | Transition::Synchronize
+            | Transition::Teardown => true,
+        }
+    }
+
+    fn apply(mut state: Model, t: &Transition) -> Model {
+        let cur = state.current();
+        match *t {
+            Transition::SubmitFresh { dir, .. } => {
+                // `PinnedHostBuffer::new` polls the front of the retirement queue first.
+                state.poll(cur, true);
+                state.engines[cur].allocations += 1;
+                let pair = state.bufs.len();
+                state.bufs.push(Buf {
+                    engine: cur,
+                    fate: Fate::Held,
+                });
+                let (marker, faulty) = state.engines[cur].queue_transfer();
+                state.slots.push(Slot::InFlight {
+                    pair,
+                    dir,
+                    marker,
+                    faulty,
+                });
+            }
+            Transition::SubmitIdle { slot, dir } => {
+                let Slot::Idle { pair } = state.slots[slot] else {
+                    unreachable!()
+                };
+                if state.engine_of(pair) == cur {
+                    let (marker, faulty) = state.engines[cur].queue_transfer();
+                    state.slots[slot] = Slot::InFlight {
+                        pair,
+                        dir,
+                        marker,
+                        faulty,
+                    };
+                } // else refused: the pair stays idle
+            }
+            Transition::Resubmit { slot } => {
+                let Slot::Returned { pair, dir } = state.slots[slot] else {
+                    unreachable!()
+                };
+                state.slots[slot] = if state.engine_of(pair) == cur {
+                    let (marker, faulty) = state.engines[cur].queue_transfer();
+                    Slot::InFlight {
+                        pair,
+                        dir,
+                        marker,
+                        faulty,
+                    }
+                } else {
+                    Slot::Idle { pair } // refused: the package comes back
+                };
+            }
+            Transition::Drop { slot } => {
+                match std::mem::replace(&mut state.slots[slot], Slot::Gone) {
+                    Slot::Idle { pair } | Slot::Returned { pair, .. } => state.drop_pair(pair),
+                    Slot::InFlight {
+                        pair,
+                        marker,
+                        faulty,
+                        ..
+                    } => {
+                        let e = state.engine_of(pair);
+                        if !state.engines[e].torn_down {
+                            state.bufs[pair].fate = Fate::Retired;
+                            state.engines[e].retire.push_back(Record {
+                                pair,
+                                marker,
+                                faulty,
+                            });
+                        } else if faulty {
+                            // After teardown the drop waits for the event itself; a failure
+                            // leaks the transfer.
+                            state.bufs[pair].fate = Fate::Leaked;
+                        } else {
+                            state.drop_pair(pair);
+                        }
+                    }
+                    Slot::Gone => unreachable!(),
+                }
+            }
+            Transition::Forget { slot } => {
+                let Slot::InFlight { pair, .. } =
+                    std::mem::replace(&mut state.slots[slot], Slot::Gone)
+                else {
+                    unreachable!()
+                };
+                state.bufs[pair].fate = Fate::Leaked;
+            }
+            Transition::IsReady { .. } => {}
+            Transition::Wait { slot } => {
+                let Slot::InFlight {
+                    pair,
+                    dir,
+                    marker,
+                    faulty,
+                } = state.slots[slot]
+                else {
+                    unreachable!()
+                };
+                let e = state.engine_of(pair);
+                let engine = &mut state.engines[e];
+                engine.done_seq = engine.done_seq.max(marker + 1);
+                state.slots[slot] = if faulty {
+                    engine.retained += 1;
+                    state.bufs[pair].fate = Fate::Retained;
+                    Slot::Gone
+                } else {
+                    Slot::Returned { pair, dir }
+                };
+            }
+            Transition::TryWait { slot } => {
+                let Slot::InFlight {
+                    pair,
+                    dir,
+                    marker,
+                    faulty,
+                } = state.slots[slot]
+                else {
+                    unreachable!()
+                };
+                let e = state.engine_of(pair);
+                match state.engines[e].query(marker, faulty) {
+                    Query::NotReady => {}
+                    Query::Ready => state.slots[slot] = Slot::Returned { pair, dir },
+                    Query::Failed => {
+                        state.engines[e].retained += 1;
+                        state.bufs[pair].fate = Fate::Retained;
+                        state.slots[slot] = Slot::Gone;
+                    }
+                }
+            }
+            Transition::IntoParts { slot } => {
+                let Slot::Returned { pair, .. } = state.slots[slot] else {
+                    unreachable!()
+                };
+                state.slots[slot] = Slot::Idle { pair };
+            }
+            Transition::Advance { ops } => {
+                let engine = &mut state.engines[cur];
+                engine.done_seq = (engine.done_seq + ops as u64).min(engine.next_seq);
+            }
+            Transition::FailNextEvent => state.engines[cur].fault_next = true,
+            Transition::Synchronize => {
+                let engine = &mut state.engines[cur];
+                engine.done_seq = engine.next_seq;
+                state.poll(cur, false);
+            }
+            Transition::Teardown => {
+                let engine = &mut state.engines[cur];
+                engine.torn_down = true;
+                engine.done_seq = engine.next_seq;
+                state.poll(cur, false);
+                state.engines.push(Engine::default());
+            }
+        }
+        state
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The system under test.
+// ---------------------------------------------------------------------------------------------
+
+type Tensor = DeviceTensor<f32>;
+type Buffer = PinnedHostBuffer<f32>;
+
+enum SutSlot {
+    Gone,
+    Idle(Buffer, Tensor),
+    UpInFlight(Pending<cuferry::Upload, f32, InFlight>),
+    DownInFlight(Pending<cuferry::Download, f32, InFlight>),
+    UpReturned(Pending<cuferry::Upload, f32, Returned>),
+    DownReturned(Pending<cuferry::Download, f32, Returned>),
+}
+
+struct Sut {
+    engine: CudaEngine,
+    /// The simulated device of every engine opened, by engine index.
+    sims: Vec<SimDevice>,
+    slots: Vec<SutSlot>,
+    /// The address of every buffer, by buffer index.
+    ptrs: Vec<usize>,
+}
+
+fn open_engine() -> (CudaEngine, SimDevice) {
+    let mut engine = CudaEngine::simulated(SimConfig::default());
+    // With no idle budget every released buffer is freed at once, so release is observable.
+    engine.set_pinned_pool_budget(0).unwrap();
+    let sim = engine.sim().expect("a simulated engine");
+    (engine, sim)
+}
+
+/// Per-index distinct values, never zero.
+fn distinct(len: usize) -> Vec<f32> {
+    (0..len).map(|i| i as f32 * 0.75 + 1.25).collect()
+}
+
+fn in_flight_slot<D: Direction>(p: Pending<D, f32, InFlight>) -> SutSlot {
+    // Dispatch on the direction marker through `Any`: the two directions are distinct types.
+    let any: Box<dyn std::any::Any> = Box::new(p);
+    match any.downcast::<Pending<cuferry::Upload, f32, InFlight>>() {
+        Ok(up) => SutSlot::UpInFlight(*up),
+        Err(any) => SutSlot::DownInFlight(
+            *any.downcast()
+                .expect("a pending transfer is an upload or a download"),
+        ),
+    }
+}
+
+fn returned_slot<D: Direction>(p: Pending<D, f32, Returned>) -> SutSlot {
+    let any: Box<dyn std::any::Any> = Box::new(p);
+    match any.downcast::<Pending<cuferry::Upload, f32, Returned>>() {
+        Ok(up) => SutSlot::UpReturned(*up),
+        Err(any) => SutSlot::DownReturned(
+            *any.downcast()
+                .expect("a pending transfer is an upload or a download"),
+        ),
+    }
+}
+
+fn submit(engine: &mut CudaEngine, dir: Dir, buffer: Buffer, tensor: Tensor) -> SutSlot {
+    let submitted = match dir {
+        Dir::Up => upload_pending(engine, buffer, tensor).map(in_flight_slot),
+        Dir::Down => download_pending(engine, tensor, buffer).map(in_flight_slot),
+    };
+    match submitted {
+        Ok(slot) => slot,
+        Err(TransferSubmitError::Rejected {
+            package,
+            reason: RejectReason::WrongDevice { .. },
+        }) => SutSlot::Idle(package.buffer, package.tensor),
+        Err(other) => panic!("unexpected submission failure: {other}"),
+    }
+}
+
+fn expect_fault(e: &Error) {
+    assert!(
+        matches!(
+            e,
+            Error::DeviceFault {
+                source: DriverError::LAUNCH_FAILED,
+                ..
+            }
+        ),
+        "expected the injected fault, got {e}"
+    );
+}
+
+/// Waits on an in-flight transfer; the model says whether it comes back.
+fn wait<D: Direction>(p: Pending<D, f32, InFlight>, comes_back: bool) -> SutSlot {
+    match p.wait() {
+        Ok(r) => {
+            assert!(comes_back, "wait succeeded on a failed event");
+            returned_slot(r)
+        }
+        Err(e) => {
+            assert!(!comes_back, "wait failed: {e}");
+            expect_fault(&e);
+            SutSlot::Gone
+        }
+    }
+}
+
+fn try_wait<D: Direction>(p: Pending<D, f32, InFlight>, expected: &Slot) -> SutSlot {
+    match (p.try_wait(), expected) {
+        (Ok(TryWait::InFlight(p)), Slot::InFlight { .. }) => in_flight_slot(p),
+        (Ok(TryWait::Returned(r)), Slot::Returned { .. }) => returned_slot(r),
+        (Err(e), Slot::Gone) => {
+            expect_fault(&e);
+            SutSlot::Gone
+        }
+        (Ok(TryWait::InFlight(_)), _) => panic!("try_wait: not ready, model says {expected:?}"),
+        (Ok(TryWait::Returned(_)), _) => panic!("try_wait: returned, model says {expected:?}"),
+        (Err(e), _) => panic!("try_wait failed ({e}), model says {expected:?}"),
+    }
+}
+
+fn is_ready<D: Direction>(p: &mut Pending<D, f32, InFlight>, expected: Query) {
+    match (p.is_ready(), expected) {
+        (Ok(false), Query::NotReady) | (Ok(true), Query::Ready) => {}
+        (Err(e), Query::Failed) => expect_fault(&e),
+        (got, _) => panic!("is_ready returned {got:?}, model says {expected:?}"),
+    }
+}
+
+struct RetirementTest;
+
+impl StateMachineTest for RetirementTest {
+    type SystemUnderTest = Sut;
+    type Reference = RetirementModel;
+
+    fn init_test(_: &Model) -> Sut {
+        let (engine, sim) = open_engine();
+        Sut {
+            engine,
+            sims: vec![sim],
+            slots: Vec::new(),
+            ptrs: Vec::new(),
+        }
+    }
+
+    fn apply(mut sut: Sut, model: &Model, t: Transition) -> Sut {
+        match t {
+            Transition::SubmitFresh { dir, len } => {
+                let buffer = Buffer::from_slice(&mut sut.engine, &distinct(len)).unwrap();
+                sut.ptrs.push(buffer.as_slice().as_ptr() as usize);
+                let tensor = sut.engine.alloc_tensor::<f32>(&[len]).unwrap();
+                let slot = submit(&mut sut.engine, dir, buffer, tensor);
+                assert!(
+                    !matches!(slot, SutSlot::Idle(..)),
+                    "a fresh pair is refused"
+                );
+                sut.slots.push(slot);
+            }
+            Transition::SubmitIdle { slot, dir } => {
+                let SutSlot::Idle(buffer, tensor) =
+                    std::mem::replace(&mut sut.slots[slot], SutSlot::Gone)
+                else {
+                    panic!("slot {slot} is not idle")
+                };
+                let got = submit(&mut sut.engine, dir, buffer, tensor);
+                assert_eq!(
+                    matches!(got, SutSlot::Idle(..)),
+                    is_idle(&model.slots[slot]),
+                    "refused iff the pair belongs to a torn-down engine"
+                );
+                sut.slots[slot] = got;
+            }
+            Transition::Resubmit { slot } => {
+                let refused = |e: TransferSubmitError<f32>| match e {
+                    TransferSubmitError::Rejected {
+                        package,
+                        reason: RejectReason::WrongDevice { .. },
+                    } => SutSlot::Idle(package.buffer, package.tensor),
+                    other => panic!("unexpected resubmission failure: {other}"),
+                };
+                let got = match std::mem::replace(&mut sut.slots[slot], SutSlot::Gone) {
+                    SutSlot::UpReturned(r) => r
+                        .resubmit(&mut sut.engine)
+                        .map_or_else(refused, SutSlot::UpInFlight),
+                    SutSlot::DownReturned(r) => r
+                        .resubmit(&mut sut.engine)
+                        .map_or_else(refused, SutSlot::DownInFlight),
+                    _ => panic!("slot {slot} is not returned"),
+                };
+                assert_eq!(
+                    matches!(got, SutSlot::Idle(..)),
+                    is_idle(&model.slots[slot]),
+                    "refused iff the transfer belongs to a torn-down engine"
+                );
+                sut.slots[slot] = got;
+            }
+            Transition::Drop { slot } => {
+                let held = std::mem::replace(&mut sut.slots[slot], SutSlot::Gone);
+                assert!(!matches!(held, SutSlot::Gone));
+                drop(held);
+            }
+            Transition::Forget { slot } => {
+                match std::mem::replace(&mut sut.slots[slot], SutSlot::Gone) {
+                    SutSlot::UpInFlight(p) => std::mem::forget(p),
+                    SutSlot::DownInFlight(p) => std::mem::forget(p),
+                    _ => panic!("slot {slot} is not in flight"),
+                }
+            }
+            Transition::IsReady { slot } => {
+                let Slot::InFlight {
+                    pair,
+                    marker,
+                    faulty,
+                    ..
+                } = model.slots[slot]
+                else {
+                    panic!("model slot {slot} is not in flight")
+                };
+                let expected = model.engines[model.engine_of(pair)].query(marker, faulty);
+                match &mut sut.slots[slot] {
+                    SutSlot::UpInFlight(p) => is_ready(p, expected),
+                    SutSlot::DownInFlight(p) => is_ready(p, expected),
+                    _ => panic!("slot {slot} is not in flight"),
+                }
+            }
+            Transition::Wait { slot } => {
+                let comes_back = is_returned(&model.slots[slot]);
+                sut.slots[slot] = match std::mem::replace(&mut sut.slots[slot], SutSlot::Gone) {
+                    SutSlot::UpInFlight(p) => wait(p, comes_back),
+                    SutSlot::DownInFlight(p) => wait(p, comes_back),
+                    _ => panic!("slot {slot} is not in flight"),
+                };
+            }
+            Transition::TryWait { slot } => {
+                let expected = &model.slots[slot];
+                sut.slots[slot] = match std::mem::replace(&mut sut.slots[slot], SutSlot::Gone) {
+                    SutSlot::UpInFlight(p) => try_wait(p, expected),
+                    SutSlot::DownInFlight(p) => try_wait(p, expected),
+                    _ => panic!("slot {slot} is not in flight"),
+                };
+            }
+            Transition::IntoParts { slot } => {
+                let (buffer, tensor) = match std::mem::replace(&mut sut.slots[slot], SutSlot::Gone)
+                {
+                    SutSlot::UpReturned(r) => r.into_parts(),
+                    SutSlot::DownReturned(r) => r.into_parts(),
+                    _ => panic!("slot {slot} is not returned"),
+                };
+                sut.slots[slot] = SutSlot::Idle(buffer, tensor);
+            }
+            Transition::Advance { ops } => {
+                let sim = sut.sims.last().unwrap();
+                let queued = sim.queued();
+                assert_eq!(sim.advance(ops), ops.min(queued));
+            }
+            Transition::FailNextEvent => {
+                sut.sims
+                    .last()
+                    .unwrap()
+                    .fail_event(1, DriverError::LAUNCH_FAILED);
+            }
+            Transition::Synchronize => sut.engine.synchronize().unwrap(),
+            Transition::Teardown => {
+                let (engine, sim) = open_engine();
+                drop(std::mem::replace(&mut sut.engine, engine));
+                sut.sims.push(sim);
+            }
+        }
+        sut
+    }
+
+    fn check_invariants(sut: &Sut, model: &Model) {
+        assert_eq!(sut.sims.len(), model.engines.len());
+        for (e, (sim, engine)) in sut.sims.iter().zip(&model.engines).enumerate() {
+            assert_eq!(sim.violations(), Vec::<String>::new(), "engine {e}");
+            assert_eq!(
+                sim.queued() as u64,
+                engine.next_seq - engine.done_seq,
+                "engine {e}: device clock"
+            );
+            let mine = || (0..model.bufs.len()).filter(|&b| model.bufs[b].engine == e);
+            let live: Vec<usize> = mine()
+                .filter(|&b| model.bufs[b].fate != Fate::Freed)
+                .collect();
+            for &b in &live {
+                assert!(
+                    sim.is_pinned_live(sut.ptrs[b] as *const u8),
+                    "engine {e}: buffer {b} ({:?}) was freed",
+                    model.bufs[b].fate
+                );
+            }
+            let live_ptrs: Vec<usize> = live.iter().map(|&b| sut.ptrs[b]).collect();
+            for b in mine().filter(|&b| model.bufs[b].fate == Fate::Freed) {
+                if !live_ptrs.contains(&sut.ptrs[b]) {
+                    assert!(
+                        !sim.is_pinned_live(sut.ptrs[b] as *const u8),
+                        "engine {e}: buffer {b} should have been released"
+                    );
+                }
+            }
+            assert_eq!(
+                sim.pinned_live().0,
+                live.len(),
+                "engine {e}: live pinned blocks"
+            );
+        }
+
+        let engine = model.engines.last().unwrap();
+        let live = model
+            .bufs
+            .iter()
+            .filter(|b| b.engine == model.current() && b.fate != Fate::Freed)
+            .count();
+        let pool = sut.engine.pinned_pool_stats();
+        assert_eq!(pool.idle_blocks, 0);
+        assert_eq!(pool.idle_bytes, 0);
+        assert_eq!(pool.reuses, 0);
+        assert_eq!(pool.leased_blocks, live, "leased blocks");
+        assert_eq!(pool.allocations, engine.allocations, "allocations");
+        assert_eq!(pool.frees, engine.frees, "frees");
+        let retire = sut.engine.retirement_stats();
+        assert_eq!(retire.pending, engine.retire.len(), "pending records");
+        assert_eq!(retire.retained, engine.retained, "retained records");
+        assert_eq!(retire.released, engine.released, "released records");
+        assert_eq!(
+            retire.first_failure.is_some(),
+            engine.retained > 0,
+            "first failure"
+        );
+    }
+
+    fn teardown(sut: Sut) {
+        let Sut {
+            engine,
+            sims,
+            slots,
+            ..
+        } = sut;
+        // The engine goes first, so every remaining handle outlives it.
+        drop(engine);
+        drop(slots);
+        for (e, sim) in sims.iter().enumerate() {
+            assert_eq!(sim.violations(), Vec::<String>::new(), "engine {e}");
+        }
+    }
+}
+
+prop_state_machine! {
+    #![proptest_config(Config {
+        cases: 128,
+        failure_persistence: None,
+        ..Config::default()
+    })]
+
+    #[test]
+    fn retirement_follows_the_reference_model(sequential 1..30 => RetirementTest);
+}
