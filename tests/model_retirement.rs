@@ -10,10 +10,14 @@
 //! After every step the test checks that the simulated device's live pinned allocations are
 //! exactly the buffers the model says are not freed (so nothing is released before its event
 //! completed, nothing whose event failed is ever released, and completed records are released by
-//! the next drain), that the pool's and the retirement queue's counters balance, that the device
-//! clock agrees, and that the device saw no lifecycle violation (a free under a queued copy).
+//! the next drain), that the pool's and the retirement queue's counters balance, that events are
+//! neither leaked nor lost (created, pooled, destroyed), that the device clock agrees, and that
+//! the device saw no lifecycle violation (a free under a queued copy).
+//!
+//! Faults are injected through the simulated device: an event that reports a failure once the
+//! device reaches it, a copy enqueue that fails, an event record that fails.
 
-use cuferry::sim::{SimConfig, SimDevice};
+use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{
     download_pending, upload_pending, CudaEngine, DeviceTensor, Direction, DriverError, Error,
     InFlight, Pending, PinnedHostBuffer, RejectReason, Returned, TransferSubmitError, TryWait,
@@ -99,8 +103,16 @@ struct Engine {
     allocations: u64,
     frees: u64,
     torn_down: bool,
-    /// The next event record reports a failure.
+    /// The next event record reports a failure once the device reaches it.
     fault_next: bool,
+    /// The next copy enqueue fails, per direction (`Dir as usize`).
+    fail_copy: [bool; 2],
+    /// The next event record call fails.
+    fail_record: bool,
+    /// Events created by the engine, idle in its pool, and alive on the device.
+    events_created: u64,
+    events_idle: usize,
+    events_live: usize,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -119,11 +131,48 @@ impl Engine {
         }
     }
 
-    /// Queues a copy and the event record after it; returns the record's sequence number.
-    fn queue_transfer(&mut self) -> (u64, bool) {
-        let marker = self.next_seq + 1;
-        self.next_seq += 2;
-        (marker, std::mem::take(&mut self.fault_next))
+    fn take_event(&mut self) {
+        if self.events_idle > 0 {
+            self.events_idle -= 1;
+        } else {
+            self.events_created += 1;
+            self.events_live += 1;
+        }
+    }
+
+    /// A transfer's completed event goes back to the pool, or is destroyed after teardown.
+    fn release_event(&mut self) {
+        if self.torn_down {
+            self.events_live -= 1;
+        } else {
+            self.events_idle += 1;
+        }
+    }
+
+    /// A submission that passed validation: takes an event unless it brings its own, queues
+    /// the copy and records the event. Returns the record's sequence number and whether it
+    /// fails, or `None` when the driver refused (the package comes back, the event goes to the
+    /// pool).
+    fn submit(&mut self, dir: Dir, own_event: bool) -> Option<(u64, bool)> {
+        if !own_event {
+            self.take_event();
+        }
+        if std::mem::take(&mut self.fail_copy[dir as usize]) {
+            self.events_idle += 1;
+            return None;
+        }
+        self.next_seq += 1;
+        if std::mem::take(&mut self.fail_record) {
+            // The failed record call still counts, so an event fault aimed at it is lost; the
+            // engine proves the queued copy complete with a stream synchronize.
+            self.fault_next = false;
+            self.done_seq = self.next_seq;
+            self.events_idle += 1;
+            return None;
+        }
+        let marker = self.next_seq;
+        self.next_seq += 1;
+        Some((marker, std::mem::take(&mut self.fault_next)))
     }
 }
 
@@ -178,6 +227,12 @@ enum Transition {
     },
     /// The next event record reports `CUDA_ERROR_LAUNCH_FAILED` once the device reaches it.
     FailNextEvent,
+    /// The next copy enqueue in direction `dir` fails.
+    FailNextCopy {
+        dir: Dir,
+    },
+    /// The next event record call fails.
+    FailNextRecord,
     Synchronize,
     /// Drop the engine (handles may outlive it) and open a new one.
     Teardown,
@@ -211,6 +266,7 @@ impl Model {
             match engine.query(record.marker, record.faulty) {
                 Query::Ready => {
                     engine.released += 1;
+                    engine.events_idle += 1;
                     release.push(record.pair);
                 }
                 Query::Failed => {
@@ -284,8 +340,22 @@ impl ReferenceStateMachine for RetirementModel {
             (2, Just(T::Synchronize).boxed()),
             (2, Just(T::Teardown).boxed()),
         ];
-        if !state.engines[state.current()].fault_next {
+        let engine = &state.engines[state.current()];
+        if !engine.fault_next {
             choices.push((2, Just(T::FailNextEvent).boxed()));
+        }
+        if !engine.fail_record {
+            choices.push((1, Just(T::FailNextRecord).boxed()));
+        }
+        let dirs: Vec<Dir> = [Dir::Up, Dir::Down]
+            .into_iter()
+            .filter(|&d| !engine.fail_copy[d as usize])
+            .collect();
+        if !dirs.is_empty() {
+            choices.push((
+                1,
+                select(dirs).prop_map(|dir| T::FailNextCopy { dir }).boxed(),
+            ));
         }
         let idle = state.slots_where(is_idle);
         let in_flight = state.slots_where(is_in_flight);
@@ -330,6 +400,10 @@ impl ReferenceStateMachine for RetirementModel {
             | Transition::Wait { slot: i }
             | Transition::TryWait { slot: i } => slot(i).is_some_and(is_in_flight),
             Transition::FailNextEvent => !state.engines[state.current()].fault_next,
+            Transition::FailNextRecord => !state.engines[state.current()].fail_record,
+            Transition::FailNextCopy { dir } => {
+                !state.engines[state.current()].fail_copy[dir as usize]
+            }
             Transition::SubmitFresh { .. }
             | Transition::Advance { .. }
             | Transition::Synchronize
@@ -349,47 +423,62 @@ impl ReferenceStateMachine for RetirementModel {
                     engine: cur,
                     fate: Fate::Held,
                 });
-                let (marker, faulty) = state.engines[cur].queue_transfer();
-                state.slots.push(Slot::InFlight {
-                    pair,
-                    dir,
-                    marker,
-                    faulty,
-                });
+                let slot = match state.engines[cur].submit(dir, false) {
+                    Some((marker, faulty)) => Slot::InFlight {
+                        pair,
+                        dir,
+                        marker,
+                        faulty,
+                    },
+                    None => Slot::Idle { pair },
+                };
+                state.slots.push(slot);
             }
             Transition::SubmitIdle { slot, dir } => {
                 let Slot::Idle { pair } = state.slots[slot] else {
                     unreachable!()
                 };
+                // Refused (another engine's pair) or failed, the pair stays idle.
                 if state.engine_of(pair) == cur {
-                    let (marker, faulty) = state.engines[cur].queue_transfer();
-                    state.slots[slot] = Slot::InFlight {
-                        pair,
-                        dir,
-                        marker,
-                        faulty,
-                    };
-                } // else refused: the pair stays idle
+                    if let Some((marker, faulty)) = state.engines[cur].submit(dir, false) {
+                        state.slots[slot] = Slot::InFlight {
+                            pair,
+                            dir,
+                            marker,
+                            faulty,
+                        };
+                    }
+                }
             }
             Transition::Resubmit { slot } => {
                 let Slot::Returned { pair, dir } = state.slots[slot] else {
                     unreachable!()
                 };
-                state.slots[slot] = if state.engine_of(pair) == cur {
-                    let (marker, faulty) = state.engines[cur].queue_transfer();
-                    Slot::InFlight {
-                        pair,
-                        dir,
-                        marker,
-                        faulty,
+                let e = state.engine_of(pair);
+                state.slots[slot] = if e == cur {
+                    match state.engines[cur].submit(dir, true) {
+                        Some((marker, faulty)) => Slot::InFlight {
+                            pair,
+                            dir,
+                            marker,
+                            faulty,
+                        },
+                        None => Slot::Idle { pair },
                     }
                 } else {
-                    Slot::Idle { pair } // refused: the package comes back
+                    // Refused: the package comes back, the event goes home.
+                    state.engines[e].release_event();
+                    Slot::Idle { pair }
                 };
             }
             Transition::Drop { slot } => {
                 match std::mem::replace(&mut state.slots[slot], Slot::Gone) {
-                    Slot::Idle { pair } | Slot::Returned { pair, .. } => state.drop_pair(pair),
+                    Slot::Idle { pair } => state.drop_pair(pair),
+                    Slot::Returned { pair, .. } => {
+                        let e = state.engine_of(pair);
+                        state.engines[e].release_event();
+                        state.drop_pair(pair);
+                    }
                     Slot::InFlight {
                         pair,
                         marker,
@@ -409,6 +498,7 @@ impl ReferenceStateMachine for RetirementModel {
                             // leaks the transfer.
                             state.bufs[pair].fate = Fate::Leaked;
                         } else {
+                            state.engines[e].events_live -= 1;
                             state.drop_pair(pair);
                         }
                     }
@@ -470,6 +560,8 @@ impl ReferenceStateMachine for RetirementModel {
                 let Slot::Returned { pair, .. } = state.slots[slot] else {
                     unreachable!()
                 };
+                let e = state.engine_of(pair);
+                state.engines[e].release_event();
                 state.slots[slot] = Slot::Idle { pair };
             }
             Transition::Advance { ops } => {
@@ -477,6 +569,8 @@ impl ReferenceStateMachine for RetirementModel {
                 engine.done_seq = (engine.done_seq + ops as u64).min(engine.next_seq);
             }
             Transition::FailNextEvent => state.engines[cur].fault_next = true,
+            Transition::FailNextRecord => state.engines[cur].fail_record = true,
+            Transition::FailNextCopy { dir } => state.engines[cur].fail_copy[dir as usize] = true,
             Transition::Synchronize => {
                 let engine = &mut state.engines[cur];
                 engine.done_seq = engine.next_seq;
@@ -487,6 +581,9 @@ impl ReferenceStateMachine for RetirementModel {
                 engine.torn_down = true;
                 engine.done_seq = engine.next_seq;
                 state.poll(cur, false);
+                // Idle events are destroyed; those of live transfers stay until released.
+                let engine = &mut state.engines[cur];
+                engine.events_live -= std::mem::take(&mut engine.events_idle);
                 state.engines.push(Engine::default());
             }
         }
@@ -555,19 +652,55 @@ fn returned_slot<D: Direction>(p: Pending<D, f32, Returned>) -> SutSlot {
     }
 }
 
-fn submit(engine: &mut CudaEngine, dir: Dir, buffer: Buffer, tensor: Tensor) -> SutSlot {
-    let submitted = match dir {
-        Dir::Up => upload_pending(engine, buffer, tensor).map(in_flight_slot),
-        Dir::Down => download_pending(engine, tensor, buffer).map(in_flight_slot),
-    };
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Outcome {
+    Queued,
+    /// Refused: the pair belongs to a torn-down engine.
+    Rejected,
+    /// The injected driver failure (copy enqueue or event record).
+    Failed,
+}
+
+/// What the model says a submission did, from the slot it left behind.
+fn expected_outcome(model: &Model, after: &Slot) -> Outcome {
+    match *after {
+        Slot::InFlight { .. } => Outcome::Queued,
+        Slot::Idle { pair } if model.engine_of(pair) == model.current() => Outcome::Failed,
+        Slot::Idle { .. } => Outcome::Rejected,
+        _ => panic!("a submission leaves {after:?}"),
+    }
+}
+
+fn settle(submitted: Result<SutSlot, TransferSubmitError<f32>>) -> (SutSlot, Outcome) {
     match submitted {
-        Ok(slot) => slot,
+        Ok(slot) => (slot, Outcome::Queued),
         Err(TransferSubmitError::Rejected {
             package,
             reason: RejectReason::WrongDevice { .. },
-        }) => SutSlot::Idle(package.buffer, package.tensor),
+        }) => (
+            SutSlot::Idle(package.buffer, package.tensor),
+            Outcome::Rejected,
+        ),
+        Err(TransferSubmitError::Failed {
+            package,
+            error:
+                Error::Driver {
+                    source: DriverError::INVALID_VALUE,
+                    ..
+                },
+        }) => (
+            SutSlot::Idle(package.buffer, package.tensor),
+            Outcome::Failed,
+        ),
         Err(other) => panic!("unexpected submission failure: {other}"),
     }
+}
+
+fn submit(engine: &mut CudaEngine, dir: Dir, buffer: Buffer, tensor: Tensor) -> (SutSlot, Outcome) {
+    settle(match dir {
+        Dir::Up => upload_pending(engine, buffer, tensor).map(in_flight_slot),
+        Dir::Down => download_pending(engine, tensor, buffer).map(in_flight_slot),
+    })
 }
 
 fn expect_fault(e: &Error) {
@@ -642,12 +775,10 @@ impl StateMachineTest for RetirementTest {
                 let buffer = Buffer::from_slice(&mut sut.engine, &distinct(len)).unwrap();
                 sut.ptrs.push(buffer.as_slice().as_ptr() as usize);
                 let tensor = sut.engine.alloc_tensor::<f32>(&[len]).unwrap();
-                let slot = submit(&mut sut.engine, dir, buffer, tensor);
-                assert!(
-                    !matches!(slot, SutSlot::Idle(..)),
-                    "a fresh pair is refused"
-                );
-                sut.slots.push(slot);
+                let (got, outcome) = submit(&mut sut.engine, dir, buffer, tensor);
+                let expected = expected_outcome(model, model.slots.last().unwrap());
+                assert_eq!(outcome, expected, "fresh submission");
+                sut.slots.push(got);
             }
             Transition::SubmitIdle { slot, dir } => {
                 let SutSlot::Idle(buffer, tensor) =
@@ -655,36 +786,25 @@ impl StateMachineTest for RetirementTest {
                 else {
                     panic!("slot {slot} is not idle")
                 };
-                let got = submit(&mut sut.engine, dir, buffer, tensor);
-                assert_eq!(
-                    matches!(got, SutSlot::Idle(..)),
-                    is_idle(&model.slots[slot]),
-                    "refused iff the pair belongs to a torn-down engine"
-                );
+                let (got, outcome) = submit(&mut sut.engine, dir, buffer, tensor);
+                let expected = expected_outcome(model, &model.slots[slot]);
+                assert_eq!(outcome, expected, "submission of idle slot {slot}");
                 sut.slots[slot] = got;
             }
             Transition::Resubmit { slot } => {
-                let refused = |e: TransferSubmitError<f32>| match e {
-                    TransferSubmitError::Rejected {
-                        package,
-                        reason: RejectReason::WrongDevice { .. },
-                    } => SutSlot::Idle(package.buffer, package.tensor),
-                    other => panic!("unexpected resubmission failure: {other}"),
-                };
-                let got = match std::mem::replace(&mut sut.slots[slot], SutSlot::Gone) {
-                    SutSlot::UpReturned(r) => r
-                        .resubmit(&mut sut.engine)
-                        .map_or_else(refused, SutSlot::UpInFlight),
-                    SutSlot::DownReturned(r) => r
-                        .resubmit(&mut sut.engine)
-                        .map_or_else(refused, SutSlot::DownInFlight),
-                    _ => panic!("slot {slot} is not returned"),
-                };
-                assert_eq!(
-                    matches!(got, SutSlot::Idle(..)),
-                    is_idle(&model.slots[slot]),
-                    "refused iff the transfer belongs to a torn-down engine"
+                let (got, outcome) = settle(
+                    match std::mem::replace(&mut sut.slots[slot], SutSlot::Gone) {
+                        SutSlot::UpReturned(r) => {
+                            r.resubmit(&mut sut.engine).map(SutSlot::UpInFlight)
+                        }
+                        SutSlot::DownReturned(r) => {
+                            r.resubmit(&mut sut.engine).map(SutSlot::DownInFlight)
+                        }
+                        _ => panic!("slot {slot} is not returned"),
+                    },
                 );
+                let expected = expected_outcome(model, &model.slots[slot]);
+                assert_eq!(outcome, expected, "resubmission of slot {slot}");
                 sut.slots[slot] = got;
             }
             Transition::Drop { slot } => {
@@ -752,6 +872,18 @@ impl StateMachineTest for RetirementTest {
                     .unwrap()
                     .fail_event(1, DriverError::LAUNCH_FAILED);
             }
+            Transition::FailNextCopy { dir } => {
+                let op = match dir {
+                    Dir::Up => SimOp::CopyHtoD,
+                    Dir::Down => SimOp::CopyDtoH,
+                };
+                let sim = sut.sims.last().unwrap();
+                sim.fail_nth(op, 1, DriverError::INVALID_VALUE);
+            }
+            Transition::FailNextRecord => {
+                let sim = sut.sims.last().unwrap();
+                sim.fail_nth(SimOp::EventRecord, 1, DriverError::INVALID_VALUE);
+            }
             Transition::Synchronize => sut.engine.synchronize().unwrap(),
             Transition::Teardown => {
                 let (engine, sim) = open_engine();
@@ -796,6 +928,11 @@ impl StateMachineTest for RetirementTest {
                 live.len(),
                 "engine {e}: live pinned blocks"
             );
+            assert_eq!(
+                sim.events_live(),
+                engine.events_live,
+                "engine {e}: live events"
+            );
         }
 
         let engine = model.engines.last().unwrap();
@@ -811,6 +948,11 @@ impl StateMachineTest for RetirementTest {
         assert_eq!(pool.leased_blocks, live, "leased blocks");
         assert_eq!(pool.allocations, engine.allocations, "allocations");
         assert_eq!(pool.frees, engine.frees, "frees");
+        assert_eq!(
+            sut.engine.events_created(),
+            engine.events_created,
+            "events created"
+        );
         let retire = sut.engine.retirement_stats();
         assert_eq!(retire.pending, engine.retire.len(), "pending records");
         assert_eq!(retire.retained, engine.retained, "retained records");
