@@ -4,11 +4,14 @@
 //! The reference model keeps, for each engine the test opened, the device clock (operations
 //! queued and run), the retirement queue in order, and the fate of every pinned buffer: held by
 //! the test, retired (detached, waiting for its event), retained (its event failed), leaked
-//! (`mem::forget`, or proof impossible) or freed. The pinned pool's budget is zero, so a buffer
-//! the engine releases is freed at once and "released" is observable on the simulated device.
+//! (`mem::forget`, or proof impossible), back in the pool, or freed. Each case runs either with a
+//! zero pool budget, so a buffer the engine releases is freed at once and "released" is
+//! observable on the simulated device buffer by buffer, or with the default budget, so released
+//! blocks are kept and reused, and "released" is observable in the pool's counters.
 //!
 //! After every step the test checks that the simulated device's live pinned allocations are
-//! exactly the buffers the model says are not freed (so nothing is released before its event
+//! exactly the buffers the model says are owned, plus the pool's idle blocks (so nothing is
+//! released before its event
 //! completed, nothing whose event failed is ever released, and completed records are released by
 //! the next drain), that the pool's and the retirement queue's counters balance, that events are
 //! neither leaked nor lost (created, pooled, destroyed), that the device clock agrees, and that
@@ -50,9 +53,22 @@ enum Fate {
     /// Forgotten with its transfer, or a dropped transfer whose failure was found after
     /// teardown: never freed.
     Leaked,
+    /// Released to its engine's pool: the block is idle there, or reused by a later buffer.
+    Pooled,
     /// Freed back to the driver.
     Freed,
 }
+
+impl Fate {
+    /// Whether someone (the test, a transfer, the engine's retirement queue) still owns the
+    /// buffer, so its memory must be live.
+    fn owned(self) -> bool {
+        !matches!(self, Fate::Pooled | Fate::Freed)
+    }
+}
+
+/// Every buffer of this test is one granule of pinned memory.
+const BLOCK_BYTES: usize = 4096;
 
 #[derive(Clone, Debug)]
 struct Buf {
@@ -109,6 +125,12 @@ struct Engine {
     fail_copy: [bool; 2],
     /// The next event record call fails.
     fail_record: bool,
+    /// Whether the pinned pool keeps released blocks (default budget) instead of freeing them
+    /// at once (zero budget).
+    pooled: bool,
+    /// Idle blocks in the pinned pool.
+    idle_blocks: usize,
+    reuses: u64,
     /// Events created by the engine, idle in its pool, and alive on the device.
     events_created: u64,
     events_idle: usize,
@@ -180,6 +202,8 @@ impl Engine {
 struct Model {
     /// Every engine opened; the last is the current one, the others are torn down.
     engines: Vec<Engine>,
+    /// Whether engines keep released pinned blocks for reuse (see `Engine::pooled`).
+    pooled: bool,
     bufs: Vec<Buf>,
     slots: Vec<Slot>,
 }
@@ -247,18 +271,27 @@ impl Model {
         self.bufs[pair].engine
     }
 
-    /// The buffer and tensor are dropped: the buffer is freed at once (zero budget), the
-    /// tensor's free is queued on its device.
+    /// The buffer and tensor are dropped: the buffer goes back to its pool (kept idle, or
+    /// freed at once with a zero budget or after teardown), the tensor's free is queued on its
+    /// device.
     fn drop_pair(&mut self, pair: usize) {
         let e = self.bufs[pair].engine;
-        self.bufs[pair].fate = Fate::Freed;
-        self.engines[e].frees += 1;
-        self.engines[e].next_seq += 1;
+        let engine = &mut self.engines[e];
+        if engine.pooled && !engine.torn_down {
+            engine.idle_blocks += 1;
+            self.bufs[pair].fate = Fate::Pooled;
+        } else {
+            engine.frees += 1;
+            self.bufs[pair].fate = Fate::Freed;
+        }
+        engine.next_seq += 1;
     }
 
     /// The retirement queue's poll: releases completed records, retains failed ones; with
-    /// `front_only`, stops at the first record that is not complete.
-    fn poll(&mut self, e: usize, front_only: bool) {
+    /// `front_only`, stops at the first record that is not complete. Returns the released
+    /// pairs, which the engine drops once it has let go of its lock (`drop_pair`).
+    #[must_use]
+    fn poll(&mut self, e: usize, front_only: bool) -> Vec<usize> {
         let mut keep = VecDeque::new();
         let mut release = Vec::new();
         let engine = &mut self.engines[e];
@@ -283,7 +316,11 @@ impl Model {
         }
         keep.append(&mut engine.retire);
         engine.retire = keep;
-        for pair in release {
+        release
+    }
+
+    fn drop_pairs(&mut self, pairs: Vec<usize>) {
+        for pair in pairs {
             self.drop_pair(pair);
         }
     }
@@ -319,12 +356,17 @@ impl ReferenceStateMachine for RetirementModel {
     type Transition = Transition;
 
     fn init_state() -> BoxedStrategy<Model> {
-        Just(Model {
-            engines: vec![Engine::default()],
-            bufs: Vec::new(),
-            slots: Vec::new(),
-        })
-        .boxed()
+        any::<bool>()
+            .prop_map(|pooled| Model {
+                engines: vec![Engine {
+                    pooled,
+                    ..Engine::default()
+                }],
+                pooled,
+                bufs: Vec::new(),
+                slots: Vec::new(),
+            })
+            .boxed()
     }
 
     fn transitions(state: &Model) -> BoxedStrategy<Transition> {
@@ -415,9 +457,17 @@ impl ReferenceStateMachine for RetirementModel {
         let cur = state.current();
         match *t {
             Transition::SubmitFresh { dir, .. } => {
-                // `PinnedHostBuffer::new` polls the front of the retirement queue first.
-                state.poll(cur, true);
-                state.engines[cur].allocations += 1;
+                // `PinnedHostBuffer::new` polls the front of the retirement queue first; what
+                // that releases goes back to the pool only after the new block is chosen.
+                let released = state.poll(cur, true);
+                let engine = &mut state.engines[cur];
+                if engine.idle_blocks > 0 {
+                    engine.idle_blocks -= 1;
+                    engine.reuses += 1;
+                } else {
+                    engine.allocations += 1;
+                }
+                state.drop_pairs(released);
                 let pair = state.bufs.len();
                 state.bufs.push(Buf {
                     engine: cur,
@@ -574,17 +624,29 @@ impl ReferenceStateMachine for RetirementModel {
             Transition::Synchronize => {
                 let engine = &mut state.engines[cur];
                 engine.done_seq = engine.next_seq;
-                state.poll(cur, false);
+                let released = state.poll(cur, false);
+                state.drop_pairs(released);
             }
             Transition::Teardown => {
                 let engine = &mut state.engines[cur];
                 engine.torn_down = true;
                 engine.done_seq = engine.next_seq;
-                state.poll(cur, false);
-                // Idle events are destroyed; those of live transfers stay until released.
+                let released = state.poll(cur, false);
+                // Idle events and idle pinned blocks are destroyed; those of live transfers stay
+                // until released. Then the released pairs drop, freed at once.
                 let engine = &mut state.engines[cur];
                 engine.events_live -= std::mem::take(&mut engine.events_idle);
-                state.engines.push(Engine::default());
+                engine.frees += std::mem::take(&mut engine.idle_blocks) as u64;
+                for buf in &mut state.bufs {
+                    if buf.engine == cur && buf.fate == Fate::Pooled {
+                        buf.fate = Fate::Freed;
+                    }
+                }
+                state.drop_pairs(released);
+                state.engines.push(Engine {
+                    pooled: state.pooled,
+                    ..Engine::default()
+                });
             }
         }
         state
@@ -616,10 +678,13 @@ struct Sut {
     ptrs: Vec<usize>,
 }
 
-fn open_engine() -> (CudaEngine, SimDevice) {
+fn open_engine(pooled: bool) -> (CudaEngine, SimDevice) {
     let mut engine = CudaEngine::simulated(SimConfig::default());
-    // With no idle budget every released buffer is freed at once, so release is observable.
-    engine.set_pinned_pool_budget(0).unwrap();
+    if !pooled {
+        // With no idle budget every released buffer is freed at once, so release is
+        // observable on the device buffer by buffer.
+        engine.set_pinned_pool_budget(0).unwrap();
+    }
     let sim = engine.sim().expect("a simulated engine");
     (engine, sim)
 }
@@ -759,8 +824,8 @@ impl StateMachineTest for RetirementTest {
     type SystemUnderTest = Sut;
     type Reference = RetirementModel;
 
-    fn init_test(_: &Model) -> Sut {
-        let (engine, sim) = open_engine();
+    fn init_test(model: &Model) -> Sut {
+        let (engine, sim) = open_engine(model.pooled);
         Sut {
             engine,
             sims: vec![sim],
@@ -886,7 +951,7 @@ impl StateMachineTest for RetirementTest {
             }
             Transition::Synchronize => sut.engine.synchronize().unwrap(),
             Transition::Teardown => {
-                let (engine, sim) = open_engine();
+                let (engine, sim) = open_engine(model.pooled);
                 drop(std::mem::replace(&mut sut.engine, engine));
                 sut.sims.push(sim);
             }
@@ -904,9 +969,7 @@ impl StateMachineTest for RetirementTest {
                 "engine {e}: device clock"
             );
             let mine = || (0..model.bufs.len()).filter(|&b| model.bufs[b].engine == e);
-            let live: Vec<usize> = mine()
-                .filter(|&b| model.bufs[b].fate != Fate::Freed)
-                .collect();
+            let live: Vec<usize> = mine().filter(|&b| model.bufs[b].fate.owned()).collect();
             for &b in &live {
                 assert!(
                     sim.is_pinned_live(sut.ptrs[b] as *const u8),
@@ -925,7 +988,7 @@ impl StateMachineTest for RetirementTest {
             }
             assert_eq!(
                 sim.pinned_live().0,
-                live.len(),
+                live.len() + engine.idle_blocks,
                 "engine {e}: live pinned blocks"
             );
             assert_eq!(
@@ -939,12 +1002,16 @@ impl StateMachineTest for RetirementTest {
         let live = model
             .bufs
             .iter()
-            .filter(|b| b.engine == model.current() && b.fate != Fate::Freed)
+            .filter(|b| b.engine == model.current() && b.fate.owned())
             .count();
         let pool = sut.engine.pinned_pool_stats();
-        assert_eq!(pool.idle_blocks, 0);
-        assert_eq!(pool.idle_bytes, 0);
-        assert_eq!(pool.reuses, 0);
+        assert_eq!(pool.idle_blocks, engine.idle_blocks, "idle blocks");
+        assert_eq!(
+            pool.idle_bytes,
+            engine.idle_blocks * BLOCK_BYTES,
+            "idle bytes"
+        );
+        assert_eq!(pool.reuses, engine.reuses, "reuses");
         assert_eq!(pool.leased_blocks, live, "leased blocks");
         assert_eq!(pool.allocations, engine.allocations, "allocations");
         assert_eq!(pool.frees, engine.frees, "frees");
