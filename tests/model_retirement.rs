@@ -11,11 +11,11 @@
 //!
 //! After every step the test checks that the simulated device's live pinned allocations are
 //! exactly the buffers the model says are owned, plus the pool's idle blocks (so nothing is
-//! released before its event
-//! completed, nothing whose event failed is ever released, and completed records are released by
-//! the next drain), that the pool's and the retirement queue's counters balance, that events are
-//! neither leaked nor lost (created, pooled, destroyed), that the device clock agrees, and that
-//! the device saw no lifecycle violation (a free under a queued copy).
+//! released before its event completed, nothing whose event failed is ever released, and
+//! completed records are released by the next drain), that the pool's and the retirement queue's
+//! counters balance, that events are neither leaked nor lost (created, pooled, destroyed), that
+//! the device clock agrees, and that the device saw no lifecycle violation (a free under a
+//! queued copy).
 //!
 //! Faults are injected through the simulated device: an event that reports a failure once the
 //! device reaches it, a copy enqueue that fails, an event record that fails.
