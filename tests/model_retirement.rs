@@ -18,7 +18,9 @@
 //! queued copy).
 //!
 //! Faults are injected through the simulated device: an event that reports a failure once the
-//! device reaches it, a copy enqueue that fails, an event record that fails.
+//! device reaches it, a copy enqueue that fails, an event record that fails, a stream
+//! synchronize that fails (in `synchronize`, in the teardown's final wait, or in the fallback
+//! wait after a failed event record, which leaves the submission retained).
 
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{
@@ -125,6 +127,8 @@ struct Engine {
     fail_copy: [bool; 2],
     /// The next event record call fails.
     fail_record: bool,
+    /// The next stream synchronize fails.
+    fail_stream_sync: bool,
     /// Whether the pinned pool keeps released blocks (default budget) instead of freeing them
     /// at once (zero budget).
     pooled: bool,
@@ -172,30 +176,47 @@ impl Engine {
     }
 
     /// A submission that passed validation: takes an event unless it brings its own, queues
-    /// the copy and records the event. Returns the record's sequence number and whether it
-    /// fails, or `None` when the driver refused (the package comes back, the event goes to the
-    /// pool).
-    fn submit(&mut self, dir: Dir, own_event: bool) -> Option<(u64, bool)> {
+    /// the copy and records the event.
+    fn submit(&mut self, dir: Dir, own_event: bool) -> Submitted {
         if !own_event {
             self.take_event();
         }
         if std::mem::take(&mut self.fail_copy[dir as usize]) {
             self.events_idle += 1;
-            return None;
+            return Submitted::Failed;
         }
         self.next_seq += 1;
         if std::mem::take(&mut self.fail_record) {
             // The failed record call still counts, so an event fault aimed at it is lost; the
-            // engine proves the queued copy complete with a stream synchronize.
+            // engine proves the queued copy complete with a stream synchronize, or retains it.
             self.fault_next = false;
+            if std::mem::take(&mut self.fail_stream_sync) {
+                self.retained += 1;
+                return Submitted::Retained;
+            }
             self.done_seq = self.next_seq;
             self.events_idle += 1;
-            return None;
+            return Submitted::Failed;
         }
         let marker = self.next_seq;
         self.next_seq += 1;
-        Some((marker, std::mem::take(&mut self.fault_next)))
+        Submitted::Queued {
+            marker,
+            faulty: std::mem::take(&mut self.fault_next),
+        }
     }
+}
+
+/// What a submission that passed validation did.
+enum Submitted {
+    Queued {
+        marker: u64,
+        faulty: bool,
+    },
+    /// The driver refused: the package comes back, the event goes to the pool.
+    Failed,
+    /// Queued but untracked and unprovable: the engine retains package and event.
+    Retained,
 }
 
 #[derive(Clone, Debug)]
@@ -257,6 +278,9 @@ enum Transition {
     },
     /// The next event record call fails.
     FailNextRecord,
+    /// The next stream synchronize fails (a `synchronize`, a teardown, or the fallback wait of
+    /// a failed event record).
+    FailNextStreamSync,
     Synchronize,
     /// Drop the engine (handles may outlive it) and open a new one.
     Teardown,
@@ -317,6 +341,24 @@ impl Model {
         keep.append(&mut engine.retire);
         engine.retire = keep;
         release
+    }
+
+    /// Submits `pair` on the current engine; returns what the slot holds afterwards.
+    fn submit_pair(&mut self, pair: usize, dir: Dir, own_event: bool) -> Slot {
+        let cur = self.current();
+        match self.engines[cur].submit(dir, own_event) {
+            Submitted::Queued { marker, faulty } => Slot::InFlight {
+                pair,
+                dir,
+                marker,
+                faulty,
+            },
+            Submitted::Failed => Slot::Idle { pair },
+            Submitted::Retained => {
+                self.bufs[pair].fate = Fate::Retained;
+                Slot::Gone
+            }
+        }
     }
 
     fn drop_pairs(&mut self, pairs: Vec<usize>) {
@@ -389,6 +431,9 @@ impl ReferenceStateMachine for RetirementModel {
         if !engine.fail_record {
             choices.push((1, Just(T::FailNextRecord).boxed()));
         }
+        if !engine.fail_stream_sync {
+            choices.push((1, Just(T::FailNextStreamSync).boxed()));
+        }
         let dirs: Vec<Dir> = [Dir::Up, Dir::Down]
             .into_iter()
             .filter(|&d| !engine.fail_copy[d as usize])
@@ -443,6 +488,7 @@ impl ReferenceStateMachine for RetirementModel {
             | Transition::TryWait { slot: i } => slot(i).is_some_and(is_in_flight),
             Transition::FailNextEvent => !state.engines[state.current()].fault_next,
             Transition::FailNextRecord => !state.engines[state.current()].fail_record,
+            Transition::FailNextStreamSync => !state.engines[state.current()].fail_stream_sync,
             Transition::FailNextCopy { dir } => {
                 !state.engines[state.current()].fail_copy[dir as usize]
             }
@@ -473,31 +519,16 @@ impl ReferenceStateMachine for RetirementModel {
                     engine: cur,
                     fate: Fate::Held,
                 });
-                let slot = match state.engines[cur].submit(dir, false) {
-                    Some((marker, faulty)) => Slot::InFlight {
-                        pair,
-                        dir,
-                        marker,
-                        faulty,
-                    },
-                    None => Slot::Idle { pair },
-                };
+                let slot = state.submit_pair(pair, dir, false);
                 state.slots.push(slot);
             }
             Transition::SubmitIdle { slot, dir } => {
                 let Slot::Idle { pair } = state.slots[slot] else {
                     unreachable!()
                 };
-                // Refused (another engine's pair) or failed, the pair stays idle.
+                // Refused (another engine's pair): the pair stays idle.
                 if state.engine_of(pair) == cur {
-                    if let Some((marker, faulty)) = state.engines[cur].submit(dir, false) {
-                        state.slots[slot] = Slot::InFlight {
-                            pair,
-                            dir,
-                            marker,
-                            faulty,
-                        };
-                    }
+                    state.slots[slot] = state.submit_pair(pair, dir, false);
                 }
             }
             Transition::Resubmit { slot } => {
@@ -506,15 +537,7 @@ impl ReferenceStateMachine for RetirementModel {
                 };
                 let e = state.engine_of(pair);
                 state.slots[slot] = if e == cur {
-                    match state.engines[cur].submit(dir, true) {
-                        Some((marker, faulty)) => Slot::InFlight {
-                            pair,
-                            dir,
-                            marker,
-                            faulty,
-                        },
-                        None => Slot::Idle { pair },
-                    }
+                    state.submit_pair(pair, dir, true)
                 } else {
                     // Refused: the package comes back, the event goes home.
                     state.engines[e].release_event();
@@ -543,13 +566,17 @@ impl ReferenceStateMachine for RetirementModel {
                                 marker,
                                 faulty,
                             });
-                        } else if faulty {
+                        } else {
                             // After teardown the drop waits for the event itself; a failure
                             // leaks the transfer.
-                            state.bufs[pair].fate = Fate::Leaked;
-                        } else {
-                            state.engines[e].events_live -= 1;
-                            state.drop_pair(pair);
+                            let engine = &mut state.engines[e];
+                            engine.done_seq = engine.done_seq.max(marker + 1);
+                            if faulty {
+                                state.bufs[pair].fate = Fate::Leaked;
+                            } else {
+                                engine.events_live -= 1;
+                                state.drop_pair(pair);
+                            }
                         }
                     }
                     Slot::Gone => unreachable!(),
@@ -620,12 +647,29 @@ impl ReferenceStateMachine for RetirementModel {
             }
             Transition::FailNextEvent => state.engines[cur].fault_next = true,
             Transition::FailNextRecord => state.engines[cur].fail_record = true,
+            Transition::FailNextStreamSync => state.engines[cur].fail_stream_sync = true,
             Transition::FailNextCopy { dir } => state.engines[cur].fail_copy[dir as usize] = true,
             Transition::Synchronize => {
                 let engine = &mut state.engines[cur];
+                if std::mem::take(&mut engine.fail_stream_sync) {
+                    return state; // the wait fails: nothing runs, nothing is released
+                }
                 engine.done_seq = engine.next_seq;
                 let released = state.poll(cur, false);
                 state.drop_pairs(released);
+            }
+            Transition::Teardown if state.engines[cur].fail_stream_sync => {
+                // The final wait fails: every detached record is leaked, nothing is released or
+                // freed (idle blocks and events included), and the queue stays as it is.
+                let engine = &mut state.engines[cur];
+                engine.torn_down = true;
+                for record in std::mem::take(&mut engine.retire) {
+                    state.bufs[record.pair].fate = Fate::Leaked;
+                }
+                state.engines.push(Engine {
+                    pooled: state.pooled,
+                    ..Engine::default()
+                });
             }
             Transition::Teardown => {
                 let engine = &mut state.engines[cur];
@@ -724,6 +768,8 @@ enum Outcome {
     Rejected,
     /// The injected driver failure (copy enqueue or event record).
     Failed,
+    /// Queued, then untrackable: the engine keeps the package.
+    Retained,
 }
 
 /// What the model says a submission did, from the slot it left behind.
@@ -732,7 +778,8 @@ fn expected_outcome(model: &Model, after: &Slot) -> Outcome {
         Slot::InFlight { .. } => Outcome::Queued,
         Slot::Idle { pair } if model.engine_of(pair) == model.current() => Outcome::Failed,
         Slot::Idle { .. } => Outcome::Rejected,
-        _ => panic!("a submission leaves {after:?}"),
+        Slot::Gone => Outcome::Retained,
+        Slot::Returned { .. } => panic!("a submission leaves {after:?}"),
     }
 }
 
@@ -757,6 +804,13 @@ fn settle(submitted: Result<SutSlot, TransferSubmitError<f32>>) -> (SutSlot, Out
             SutSlot::Idle(package.buffer, package.tensor),
             Outcome::Failed,
         ),
+        Err(TransferSubmitError::Retained {
+            error:
+                Error::Driver {
+                    source: DriverError::INVALID_VALUE,
+                    ..
+                },
+        }) => (SutSlot::Gone, Outcome::Retained),
         Err(other) => panic!("unexpected submission failure: {other}"),
     }
 }
@@ -949,7 +1003,17 @@ impl StateMachineTest for RetirementTest {
                 let sim = sut.sims.last().unwrap();
                 sim.fail_nth(SimOp::EventRecord, 1, DriverError::INVALID_VALUE);
             }
-            Transition::Synchronize => sut.engine.synchronize().unwrap(),
+            Transition::FailNextStreamSync => {
+                let sim = sut.sims.last().unwrap();
+                sim.fail_nth(SimOp::StreamSynchronize, 1, DriverError::LAUNCH_FAILED);
+            }
+            Transition::Synchronize => {
+                // Whether it fails (an injected stream-synchronize fault) shows in the clock and
+                // the retirement counters, which the invariants compare with the model.
+                if let Err(e) = sut.engine.synchronize() {
+                    expect_fault(&e);
+                }
+            }
             Transition::Teardown => {
                 let (engine, sim) = open_engine(model.pooled);
                 drop(std::mem::replace(&mut sut.engine, engine));
