@@ -439,9 +439,11 @@ fn submit<D: Direction, T: Element>(
     let found_device = package.tensor.device();
     let found_engine = package.tensor.engine_id();
     let owner_check = engine.shared.check_owner(found_device, found_engine);
-    let returned_event = |engine: &CudaEngine| {
+    // A resubmitted transfer's event belongs to the engine that made it (the tensor's owner),
+    // which is not `engine` when the submission is refused for a wrong device or engine.
+    let returned_event = |package: &TransferPackage<T>| {
         if let Some(event) = event {
-            release_event(&engine.shared, event);
+            release_event(package.tensor.owner(), event);
         }
     };
     let reason = match owner_check {
@@ -462,14 +464,14 @@ fn submit<D: Direction, T: Element>(
         _ => None,
     };
     if let Some(reason) = reason {
-        returned_event(engine);
+        returned_event(&package);
         return reject(package, reason);
     }
     let bytes = package.tensor.byte_len();
     let mut st = match engine.shared.enter() {
         Ok(st) => st,
         Err(error) => {
-            returned_event(engine);
+            returned_event(&package);
             return Err(TransferSubmitError::Failed { package, error });
         }
     };

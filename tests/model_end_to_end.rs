@@ -1,0 +1,834 @@
+//! Model test, end to end: pending uploads, downloads and resubmissions of per-index distinct
+//! data (never zeros) through pinned buffers and device tensors, with device-to-device copies,
+//! blocking reads and random device advances, on the simulated device.
+//!
+//! The reference model knows what every buffer and every device tensor holds (or that it is
+//! unspecified: a fresh tensor, a fresh uninitialised buffer), and the device clock. Every
+//! download that comes back, every blocking read and every buffer the test looks at must hold
+//! exactly what the model says; transfers must be ready exactly when the clock has passed their
+//! event.
+
+use cuferry::sim::SimDevice;
+use cuferry::{
+    download_pending, download_tensor, upload_pending, upload_tensor, CudaEngine, DeviceTensor,
+    Direction, Download, InFlight, Pending, PinnedHostBuffer, Returned, TryWait, Upload,
+};
+use proptest::prelude::*;
+use proptest::sample::select;
+use proptest::test_runner::Config;
+use proptest_state_machine::{prop_state_machine, ReferenceStateMachine, StateMachineTest};
+
+// ---------------------------------------------------------------------------------------------
+// The reference model.
+// ---------------------------------------------------------------------------------------------
+
+/// The lengths in play: 1, a few, and one past a page of `f32`s.
+const LENS: [usize; 3] = [1, 5, 1025];
+
+/// Per-index distinct values, never zero, distinct across salts (exact in `f32`).
+fn distinct(len: usize, salt: u16) -> Vec<f32> {
+    (0..len)
+        .map(|i| f32::from(salt) * 2048.0 + i as f32 + 0.5)
+        .collect()
+}
+
+/// Contents: `None` when unspecified.
+type Data = Option<Vec<f32>>;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Dir {
+    Up,
+    Down,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Place {
+    /// Held by the test on its own.
+    Idle,
+    /// Owned by transfer `h`.
+    InTransfer(usize),
+    Dropped,
+}
+
+#[derive(Clone, Debug)]
+struct Obj {
+    len: usize,
+    data: Data,
+    place: Place,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum HState {
+    InFlight { marker: u64 },
+    Returned,
+    Gone,
+}
+
+#[derive(Clone, Debug)]
+struct Transfer {
+    dir: Dir,
+    buf: usize,
+    ten: usize,
+    state: HState,
+}
+
+#[derive(Clone, Debug, Default)]
+struct Model {
+    next_seq: u64,
+    done_seq: u64,
+    bufs: Vec<Obj>,
+    tens: Vec<Obj>,
+    transfers: Vec<Transfer>,
+}
+
+#[derive(Clone, Debug)]
+enum Transition {
+    /// `PinnedHostBuffer::from_slice` with distinct data.
+    NewBuffer {
+        len: usize,
+        salt: u16,
+    },
+    /// `PinnedHostBuffer::new`: contents unspecified (maybe a reused pool block).
+    NewEmptyBuffer {
+        len: usize,
+    },
+    /// `alloc_tensor`: contents unspecified.
+    NewTensor {
+        len: usize,
+    },
+    /// `upload_tensor` (blocking) with distinct data.
+    UploadTensor {
+        len: usize,
+        salt: u16,
+    },
+    Upload {
+        buf: usize,
+        ten: usize,
+    },
+    Download {
+        ten: usize,
+        buf: usize,
+    },
+    IsReady {
+        h: usize,
+    },
+    Wait {
+        h: usize,
+    },
+    TryWait {
+        h: usize,
+    },
+    /// Refill a returned transfer's buffer through `buffer_mut`.
+    Refill {
+        h: usize,
+        salt: u16,
+    },
+    Resubmit {
+        h: usize,
+    },
+    IntoParts {
+        h: usize,
+    },
+    DropReturned {
+        h: usize,
+    },
+    /// A queued device-to-device copy between two idle tensors.
+    CopyInto {
+        src: usize,
+        dst: usize,
+    },
+    /// A queued device-to-device copy from a returned transfer's tensor into an idle tensor.
+    CopyFromReturned {
+        h: usize,
+        dst: usize,
+    },
+    /// A blocking download of an idle tensor.
+    ReadTensor {
+        ten: usize,
+    },
+    /// A blocking download of a returned transfer's tensor.
+    ReadReturned {
+        h: usize,
+    },
+    /// Compare an idle buffer with the model.
+    CheckBuffer {
+        buf: usize,
+    },
+    DropBuffer {
+        buf: usize,
+    },
+    DropTensor {
+        ten: usize,
+    },
+    Advance {
+        ops: usize,
+    },
+    Synchronize,
+}
+
+impl Model {
+    fn idle(objs: &[Obj]) -> impl Iterator<Item = usize> + '_ {
+        (0..objs.len()).filter(move |&i| objs[i].place == Place::Idle)
+    }
+
+    /// Idle (first, second) pairs of equal length.
+    fn matching(first: &[Obj], second: &[Obj]) -> Vec<(usize, usize)> {
+        let mut out = Vec::new();
+        for a in Self::idle(first) {
+            for b in Self::idle(second) {
+                if first[a].len == second[b].len {
+                    out.push((a, b));
+                }
+            }
+        }
+        out
+    }
+
+    fn transfers_where(&self, f: impl Fn(&Transfer) -> bool) -> Vec<usize> {
+        (0..self.transfers.len())
+            .filter(|&h| f(&self.transfers[h]))
+            .collect()
+    }
+
+    /// Queues a copy and an event record; returns the record's sequence number.
+    fn queue_transfer(&mut self) -> u64 {
+        self.next_seq += 2;
+        self.next_seq - 1
+    }
+
+    /// A blocking route: a copy, an event record, and a wait for it (everything queued runs).
+    fn blocking(&mut self) {
+        self.next_seq += 2;
+        self.done_seq = self.next_seq;
+    }
+
+    /// The copy of transfer `h` (applied at submission: nothing else can reach either side
+    /// until the transfer returns, and the stream runs in order).
+    fn copy(&mut self, h: usize) {
+        let t = &self.transfers[h];
+        match t.dir {
+            Dir::Up => self.tens[t.ten].data = self.bufs[t.buf].data.clone(),
+            Dir::Down => self.bufs[t.buf].data = self.tens[t.ten].data.clone(),
+        }
+    }
+
+    fn returned_ten(&self, h: usize) -> usize {
+        self.transfers[h].ten
+    }
+}
+
+fn is_in_flight(t: &Transfer) -> bool {
+    matches!(t.state, HState::InFlight { .. })
+}
+fn is_returned(t: &Transfer) -> bool {
+    t.state == HState::Returned
+}
+
+fn len() -> impl Strategy<Value = usize> {
+    select(LENS.to_vec())
+}
+/// Salts below the ones `init_state` uses; all keep `distinct` exact in `f32`.
+fn salt() -> impl Strategy<Value = u16> {
+    1..2000u16
+}
+
+struct EndToEndModel;
+
+impl ReferenceStateMachine for EndToEndModel {
+    type State = Model;
+    type Transition = Transition;
+
+    /// One buffer and one uploaded tensor of each length, so transfers start at once.
+    fn init_state() -> BoxedStrategy<Model> {
+        let mut m = Model::default();
+        for (i, &len) in LENS.iter().enumerate() {
+            let salt = 2000 + 2 * i as u16;
+            m = Self::apply(m, &Transition::NewBuffer { len, salt });
+            m = Self::apply(
+                m,
+                &Transition::UploadTensor {
+                    len,
+                    salt: salt + 1,
+                },
+            );
+        }
+        Just(m).boxed()
+    }
+
+    fn transitions(m: &Model) -> BoxedStrategy<Transition> {
+        use Transition as T;
+        let mut c: Vec<(u32, BoxedStrategy<T>)> = vec![
+            (
+                2,
+                (len(), salt())
+                    .prop_map(|(len, salt)| T::NewBuffer { len, salt })
+                    .boxed(),
+            ),
+            (1, len().prop_map(|len| T::NewEmptyBuffer { len }).boxed()),
+            (1, len().prop_map(|len| T::NewTensor { len }).boxed()),
+            (
+                1,
+                (len(), salt())
+                    .prop_map(|(len, salt)| T::UploadTensor { len, salt })
+                    .boxed(),
+            ),
+            (3, (0..5usize).prop_map(|ops| T::Advance { ops }).boxed()),
+            (1, Just(T::Synchronize).boxed()),
+        ];
+        let up = Model::matching(&m.bufs, &m.tens);
+        if !up.is_empty() {
+            c.push((
+                8,
+                select(up)
+                    .prop_map(|(buf, ten)| T::Upload { buf, ten })
+                    .boxed(),
+            ));
+        }
+        let down = Model::matching(&m.tens, &m.bufs);
+        if !down.is_empty() {
+            c.push((
+                8,
+                select(down)
+                    .prop_map(|(ten, buf)| T::Download { ten, buf })
+                    .boxed(),
+            ));
+        }
+        let copies = Model::matching(&m.tens, &m.tens);
+        let copies: Vec<_> = copies.into_iter().filter(|(a, b)| a != b).collect();
+        if !copies.is_empty() {
+            c.push((
+                2,
+                select(copies)
+                    .prop_map(|(src, dst)| T::CopyInto { src, dst })
+                    .boxed(),
+            ));
+        }
+        let in_flight = m.transfers_where(is_in_flight);
+        if !in_flight.is_empty() {
+            let s = || select(in_flight.clone());
+            c.push((1, s().prop_map(|h| T::IsReady { h }).boxed()));
+            c.push((4, s().prop_map(|h| T::Wait { h }).boxed()));
+            c.push((3, s().prop_map(|h| T::TryWait { h }).boxed()));
+        }
+        let returned = m.transfers_where(is_returned);
+        if !returned.is_empty() {
+            let s = || select(returned.clone());
+            let uploads = m.transfers_where(|t| is_returned(t) && t.dir == Dir::Up);
+            if !uploads.is_empty() {
+                c.push((
+                    4,
+                    (select(uploads), salt())
+                        .prop_map(|(h, salt)| T::Refill { h, salt })
+                        .boxed(),
+                ));
+            }
+            c.push((4, s().prop_map(|h| T::Resubmit { h }).boxed()));
+            c.push((2, s().prop_map(|h| T::IntoParts { h }).boxed()));
+            c.push((2, s().prop_map(|h| T::DropReturned { h }).boxed()));
+            c.push((3, s().prop_map(|h| T::ReadReturned { h }).boxed()));
+            let from: Vec<(usize, usize)> = returned
+                .iter()
+                .flat_map(|&h| {
+                    let len = m.tens[m.returned_ten(h)].len;
+                    Model::idle(&m.tens)
+                        .filter(move |&d| m.tens[d].len == len)
+                        .map(move |d| (h, d))
+                })
+                .collect();
+            if !from.is_empty() {
+                c.push((
+                    3,
+                    select(from)
+                        .prop_map(|(h, dst)| T::CopyFromReturned { h, dst })
+                        .boxed(),
+                ));
+            }
+        }
+        let idle_bufs: Vec<usize> = Model::idle(&m.bufs).collect();
+        if !idle_bufs.is_empty() {
+            c.push((
+                2,
+                select(idle_bufs.clone())
+                    .prop_map(|buf| T::CheckBuffer { buf })
+                    .boxed(),
+            ));
+            c.push((
+                1,
+                select(idle_bufs)
+                    .prop_map(|buf| T::DropBuffer { buf })
+                    .boxed(),
+            ));
+        }
+        let idle_tens: Vec<usize> = Model::idle(&m.tens).collect();
+        if !idle_tens.is_empty() {
+            c.push((
+                2,
+                select(idle_tens.clone())
+                    .prop_map(|ten| T::ReadTensor { ten })
+                    .boxed(),
+            ));
+            c.push((
+                1,
+                select(idle_tens)
+                    .prop_map(|ten| T::DropTensor { ten })
+                    .boxed(),
+            ));
+        }
+        proptest::strategy::Union::new_weighted(c).boxed()
+    }
+
+    fn preconditions(m: &Model, t: &Transition) -> bool {
+        let idle = |objs: &[Obj], i: usize| objs.get(i).is_some_and(|o| o.place == Place::Idle);
+        let tr = |h: usize| m.transfers.get(h);
+        match *t {
+            Transition::Upload { buf, ten } | Transition::Download { ten, buf } => {
+                idle(&m.bufs, buf) && idle(&m.tens, ten) && m.bufs[buf].len == m.tens[ten].len
+            }
+            Transition::CopyInto { src, dst } => {
+                src != dst
+                    && idle(&m.tens, src)
+                    && idle(&m.tens, dst)
+                    && m.tens[src].len == m.tens[dst].len
+            }
+            Transition::CopyFromReturned { h, dst } => {
+                tr(h).is_some_and(is_returned)
+                    && idle(&m.tens, dst)
+                    && m.tens[m.returned_ten(h)].len == m.tens[dst].len
+            }
+            Transition::IsReady { h } | Transition::Wait { h } | Transition::TryWait { h } => {
+                tr(h).is_some_and(is_in_flight)
+            }
+            Transition::Refill { h, .. } => {
+                tr(h).is_some_and(|t| is_returned(t) && t.dir == Dir::Up)
+            }
+            Transition::Resubmit { h }
+            | Transition::IntoParts { h }
+            | Transition::DropReturned { h }
+            | Transition::ReadReturned { h } => tr(h).is_some_and(is_returned),
+            Transition::CheckBuffer { buf } | Transition::DropBuffer { buf } => idle(&m.bufs, buf),
+            Transition::ReadTensor { ten } | Transition::DropTensor { ten } => idle(&m.tens, ten),
+            Transition::NewBuffer { .. }
+            | Transition::NewEmptyBuffer { .. }
+            | Transition::NewTensor { .. }
+            | Transition::UploadTensor { .. }
+            | Transition::Advance { .. }
+            | Transition::Synchronize => true,
+        }
+    }
+
+    fn apply(mut m: Model, t: &Transition) -> Model {
+        let obj = |len, data| Obj {
+            len,
+            data,
+            place: Place::Idle,
+        };
+        match *t {
+            Transition::NewBuffer { len, salt } => m.bufs.push(obj(len, Some(distinct(len, salt)))),
+            Transition::NewEmptyBuffer { len } => m.bufs.push(obj(len, None)),
+            Transition::NewTensor { len } => m.tens.push(obj(len, None)),
+            Transition::UploadTensor { len, salt } => {
+                m.blocking();
+                m.tens.push(obj(len, Some(distinct(len, salt))));
+            }
+            Transition::Upload { buf, ten } | Transition::Download { ten, buf } => {
+                let h = m.transfers.len();
+                let dir = if matches!(t, Transition::Upload { .. }) {
+                    Dir::Up
+                } else {
+                    Dir::Down
+                };
+                let marker = m.queue_transfer();
+                m.transfers.push(Transfer {
+                    dir,
+                    buf,
+                    ten,
+                    state: HState::InFlight { marker },
+                });
+                m.bufs[buf].place = Place::InTransfer(h);
+                m.tens[ten].place = Place::InTransfer(h);
+                m.copy(h);
+            }
+            Transition::IsReady { .. } => {}
+            Transition::Wait { h } => {
+                let HState::InFlight { marker } = m.transfers[h].state else {
+                    unreachable!()
+                };
+                m.done_seq = m.done_seq.max(marker + 1);
+                m.transfers[h].state = HState::Returned;
+            }
+            Transition::TryWait { h } => {
+                let HState::InFlight { marker } = m.transfers[h].state else {
+                    unreachable!()
+                };
+                if marker < m.done_seq {
+                    m.transfers[h].state = HState::Returned;
+                }
+            }
+            Transition::Refill { h, salt } => {
+                let b = m.transfers[h].buf;
+                m.bufs[b].data = Some(distinct(m.bufs[b].len, salt));
+            }
+            Transition::Resubmit { h } => {
+                let marker = m.queue_transfer();
+                m.transfers[h].state = HState::InFlight { marker };
+                m.copy(h);
+            }
+            Transition::IntoParts { h } | Transition::DropReturned { h } => {
+                let keep = matches!(t, Transition::IntoParts { .. });
+                let Transfer { buf, ten, .. } = m.transfers[h];
+                m.transfers[h].state = HState::Gone;
+                let place = if keep { Place::Idle } else { Place::Dropped };
+                m.bufs[buf].place = place;
+                m.tens[ten].place = place;
+                if !keep {
+                    m.next_seq += 1; // the tensor's free
+                }
+            }
+            Transition::CopyInto { src, dst } => {
+                m.next_seq += 1;
+                m.tens[dst].data = m.tens[src].data.clone();
+            }
+            Transition::CopyFromReturned { h, dst } => {
+                m.next_seq += 1;
+                let src = m.returned_ten(h);
+                m.tens[dst].data = m.tens[src].data.clone();
+            }
+            Transition::ReadTensor { .. } | Transition::ReadReturned { .. } => m.blocking(),
+            Transition::CheckBuffer { .. } => {}
+            Transition::DropBuffer { buf } => m.bufs[buf].place = Place::Dropped,
+            Transition::DropTensor { ten } => {
+                m.tens[ten].place = Place::Dropped;
+                m.next_seq += 1;
+            }
+            Transition::Advance { ops } => {
+                m.done_seq = (m.done_seq + ops as u64).min(m.next_seq);
+            }
+            Transition::Synchronize => m.done_seq = m.next_seq,
+        }
+        m
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The system under test.
+// ---------------------------------------------------------------------------------------------
+
+enum Handle {
+    Gone,
+    UpInFlight(Pending<Upload, f32, InFlight>),
+    DownInFlight(Pending<Download, f32, InFlight>),
+    UpReturned(Pending<Upload, f32, Returned>),
+    DownReturned(Pending<Download, f32, Returned>),
+}
+
+struct Sut {
+    engine: CudaEngine,
+    sim: SimDevice,
+    bufs: Vec<Option<PinnedHostBuffer<f32>>>,
+    tens: Vec<Option<DeviceTensor<f32>>>,
+    handles: Vec<Handle>,
+    /// The model after the last step, for the final checks.
+    model: Model,
+}
+
+fn assert_data(what: &str, got: &[f32], expected: &Data) {
+    if let Some(expected) = expected {
+        assert!(
+            got == expected.as_slice(),
+            "{what}: got {:?}…, expected {:?}…",
+            &got[..got.len().min(4)],
+            &expected[..expected.len().min(4)]
+        );
+    }
+}
+
+impl Handle {
+    fn returned(&self) -> (&PinnedHostBuffer<f32>, &DeviceTensor<f32>) {
+        match self {
+            Handle::UpReturned(r) => (r.buffer(), r.tensor()),
+            Handle::DownReturned(r) => (r.buffer(), r.tensor()),
+            _ => panic!("not a returned transfer"),
+        }
+    }
+}
+
+fn returned<D: Direction>(r: Pending<D, f32, Returned>) -> Handle {
+    let any: Box<dyn std::any::Any> = Box::new(r);
+    match any.downcast::<Pending<Upload, f32, Returned>>() {
+        Ok(up) => Handle::UpReturned(*up),
+        Err(any) => Handle::DownReturned(*any.downcast().expect("upload or download")),
+    }
+}
+
+fn in_flight<D: Direction>(p: Pending<D, f32, InFlight>) -> Handle {
+    let any: Box<dyn std::any::Any> = Box::new(p);
+    match any.downcast::<Pending<Upload, f32, InFlight>>() {
+        Ok(up) => Handle::UpInFlight(*up),
+        Err(any) => Handle::DownInFlight(*any.downcast().expect("upload or download")),
+    }
+}
+
+fn try_wait<D: Direction>(p: Pending<D, f32, InFlight>, ready: bool) -> Handle {
+    match p.try_wait().unwrap() {
+        TryWait::Returned(r) => {
+            assert!(ready, "try_wait returned before the event");
+            returned(r)
+        }
+        TryWait::InFlight(p) => {
+            assert!(!ready, "try_wait not ready after the event");
+            in_flight(p)
+        }
+    }
+}
+
+impl Sut {
+    fn take(&mut self, h: usize) -> Handle {
+        std::mem::replace(&mut self.handles[h], Handle::Gone)
+    }
+
+    /// A transfer just came back: a download's buffer must hold what the model says.
+    fn check_returned(&self, h: usize, m: &Model) {
+        if let Handle::DownReturned(r) = &self.handles[h] {
+            let b = m.transfers[h].buf;
+            assert_data(
+                &format!("download {h} into buffer {b}"),
+                r.buffer().as_slice(),
+                &m.bufs[b].data,
+            );
+        }
+    }
+}
+
+struct EndToEndTest;
+
+impl StateMachineTest for EndToEndTest {
+    type SystemUnderTest = Sut;
+    type Reference = EndToEndModel;
+
+    fn init_test(m: &Model) -> Sut {
+        let mut engine = CudaEngine::simulated(Default::default());
+        let sim = engine.sim().expect("a simulated engine");
+        // As `EndToEndModel::init_state` built them.
+        let bufs = m
+            .bufs
+            .iter()
+            .map(|b| {
+                Some(PinnedHostBuffer::from_slice(&mut engine, b.data.as_ref().unwrap()).unwrap())
+            })
+            .collect();
+        let tens = m
+            .tens
+            .iter()
+            .map(|t| {
+                let data = t.data.as_ref().unwrap();
+                Some(upload_tensor(&mut engine, data, &[data.len()]).unwrap())
+            })
+            .collect();
+        Sut {
+            engine,
+            sim,
+            bufs,
+            tens,
+            handles: Vec::new(),
+            model: m.clone(),
+        }
+    }
+
+    fn apply(mut sut: Sut, m: &Model, t: Transition) -> Sut {
+        let e = &mut sut.engine;
+        match t {
+            Transition::NewBuffer { len, salt } => sut.bufs.push(Some(
+                PinnedHostBuffer::from_slice(e, &distinct(len, salt)).unwrap(),
+            )),
+            Transition::NewEmptyBuffer { len } => {
+                sut.bufs.push(Some(PinnedHostBuffer::new(e, len).unwrap()))
+            }
+            Transition::NewTensor { len } => sut.tens.push(Some(e.alloc_tensor(&[len]).unwrap())),
+            Transition::UploadTensor { len, salt } => sut.tens.push(Some(
+                upload_tensor(e, &distinct(len, salt), &[len]).unwrap(),
+            )),
+            Transition::Upload { buf, ten } => {
+                let b = sut.bufs[buf].take().unwrap();
+                let t = sut.tens[ten].take().unwrap();
+                sut.handles
+                    .push(Handle::UpInFlight(upload_pending(e, b, t).unwrap()));
+            }
+            Transition::Download { ten, buf } => {
+                let b = sut.bufs[buf].take().unwrap();
+                let t = sut.tens[ten].take().unwrap();
+                sut.handles
+                    .push(Handle::DownInFlight(download_pending(e, t, b).unwrap()));
+            }
+            Transition::IsReady { h } => {
+                let HState::InFlight { marker } = m.transfers[h].state else {
+                    panic!("model transfer {h} is not in flight")
+                };
+                let expected = marker < m.done_seq;
+                let got = match &mut sut.handles[h] {
+                    Handle::UpInFlight(p) => p.is_ready().unwrap(),
+                    Handle::DownInFlight(p) => p.is_ready().unwrap(),
+                    _ => panic!("transfer {h} is not in flight"),
+                };
+                assert_eq!(got, expected, "is_ready of transfer {h}");
+            }
+            Transition::Wait { h } => {
+                sut.handles[h] = match sut.take(h) {
+                    Handle::UpInFlight(p) => Handle::UpReturned(p.wait().unwrap()),
+                    Handle::DownInFlight(p) => Handle::DownReturned(p.wait().unwrap()),
+                    _ => panic!("transfer {h} is not in flight"),
+                };
+                sut.check_returned(h, m);
+            }
+            Transition::TryWait { h } => {
+                let ready = is_returned(&m.transfers[h]);
+                sut.handles[h] = match sut.take(h) {
+                    Handle::UpInFlight(p) => try_wait(p, ready),
+                    Handle::DownInFlight(p) => try_wait(p, ready),
+                    _ => panic!("transfer {h} is not in flight"),
+                };
+                sut.check_returned(h, m);
+            }
+            Transition::Refill { h, salt } => {
+                let Handle::UpReturned(r) = &mut sut.handles[h] else {
+                    panic!("transfer {h} is not a returned upload")
+                };
+                let slice = r.buffer_mut().as_mut_slice();
+                slice.copy_from_slice(&distinct(slice.len(), salt));
+            }
+            Transition::Resubmit { h } => {
+                sut.handles[h] = match std::mem::replace(&mut sut.handles[h], Handle::Gone) {
+                    Handle::UpReturned(r) => Handle::UpInFlight(r.resubmit(e).unwrap()),
+                    Handle::DownReturned(r) => Handle::DownInFlight(r.resubmit(e).unwrap()),
+                    _ => panic!("transfer {h} is not returned"),
+                };
+            }
+            Transition::IntoParts { h } => {
+                let (b, t) = match sut.take(h) {
+                    Handle::UpReturned(r) => r.into_parts(),
+                    Handle::DownReturned(r) => r.into_parts(),
+                    _ => panic!("transfer {h} is not returned"),
+                };
+                let Transfer { buf, ten, .. } = m.transfers[h];
+                sut.bufs[buf] = Some(b);
+                sut.tens[ten] = Some(t);
+            }
+            Transition::DropReturned { h } => {
+                let handle = sut.take(h);
+                assert!(matches!(
+                    handle,
+                    Handle::UpReturned(_) | Handle::DownReturned(_)
+                ));
+                drop(handle);
+            }
+            Transition::CopyInto { src, dst } => {
+                let mut d = sut.tens[dst].take().unwrap();
+                e.copy_into(sut.tens[src].as_ref().unwrap(), &mut d)
+                    .unwrap();
+                sut.tens[dst] = Some(d);
+            }
+            Transition::CopyFromReturned { h, dst } => {
+                let d = sut.tens[dst].as_mut().unwrap();
+                e.copy_into(sut.handles[h].returned().1, d).unwrap();
+            }
+            Transition::ReadTensor { ten } => {
+                let got = download_tensor(e, sut.tens[ten].as_ref().unwrap()).unwrap();
+                assert_data(&format!("tensor {ten}"), &got, &m.tens[ten].data);
+            }
+            Transition::ReadReturned { h } => {
+                let got = download_tensor(e, sut.handles[h].returned().1).unwrap();
+                let ten = m.transfers[h].ten;
+                assert_data(
+                    &format!("tensor {ten} of transfer {h}"),
+                    &got,
+                    &m.tens[ten].data,
+                );
+            }
+            Transition::CheckBuffer { buf } => assert_data(
+                &format!("buffer {buf}"),
+                sut.bufs[buf].as_ref().unwrap().as_slice(),
+                &m.bufs[buf].data,
+            ),
+            Transition::DropBuffer { buf } => drop(sut.bufs[buf].take().unwrap()),
+            Transition::DropTensor { ten } => drop(sut.tens[ten].take().unwrap()),
+            Transition::Advance { ops } => {
+                let queued = sut.sim.queued();
+                assert_eq!(sut.sim.advance(ops), ops.min(queued));
+            }
+            Transition::Synchronize => e.synchronize().unwrap(),
+        }
+        sut.model = m.clone();
+        sut
+    }
+
+    fn check_invariants(sut: &Sut, m: &Model) {
+        assert_eq!(sut.sim.violations(), Vec::<String>::new());
+        assert_eq!(
+            sut.sim.queued() as u64,
+            m.next_seq - m.done_seq,
+            "device clock"
+        );
+        for (h, t) in m.transfers.iter().enumerate() {
+            let ok = match (&sut.handles[h], t.state) {
+                (Handle::UpInFlight(_), HState::InFlight { .. }) => t.dir == Dir::Up,
+                (Handle::DownInFlight(_), HState::InFlight { .. }) => t.dir == Dir::Down,
+                (Handle::UpReturned(_), HState::Returned) => t.dir == Dir::Up,
+                (Handle::DownReturned(_), HState::Returned) => t.dir == Dir::Down,
+                (Handle::Gone, HState::Gone) => true,
+                _ => false,
+            };
+            assert!(ok, "transfer {h} is not in the model's state {t:?}");
+        }
+        let stats = sut.engine.retirement_stats();
+        assert_eq!((stats.pending, stats.retained), (0, 0));
+    }
+
+    fn teardown(mut sut: Sut) {
+        // Every transfer comes back, every download holds the model's data, and every tensor
+        // holds the model's data.
+        let m = sut.model.clone();
+        for h in 0..sut.handles.len() {
+            let handle = match sut.take(h) {
+                Handle::UpInFlight(p) => Handle::UpReturned(p.wait().unwrap()),
+                Handle::DownInFlight(p) => Handle::DownReturned(p.wait().unwrap()),
+                other => other,
+            };
+            sut.handles[h] = handle;
+            sut.check_returned(h, &m);
+            if let Handle::UpReturned(_) | Handle::DownReturned(_) = sut.handles[h] {
+                let ten = m.transfers[h].ten;
+                let got = download_tensor(&mut sut.engine, sut.handles[h].returned().1).unwrap();
+                assert_data(&format!("tensor {ten}"), &got, &m.tens[ten].data);
+            }
+        }
+        for (ten, t) in sut.tens.iter().enumerate() {
+            if let Some(t) = t {
+                let got = download_tensor(&mut sut.engine, t).unwrap();
+                assert_data(&format!("tensor {ten}"), &got, &m.tens[ten].data);
+            }
+        }
+        let Sut {
+            engine,
+            sim,
+            bufs,
+            tens,
+            handles,
+            ..
+        } = sut;
+        drop((handles, bufs, tens));
+        drop(engine);
+        assert_eq!(sim.violations(), Vec::<String>::new());
+        assert_eq!(sim.pinned_live(), (0, 0), "every pinned block freed");
+        assert_eq!(sim.device_live(), (0, 0), "every tensor freed");
+    }
+}
+
+prop_state_machine! {
+    #![proptest_config(Config {
+        cases: 128,
+        failure_persistence: None,
+        ..Config::default()
+    })]
+
+    #[test]
+    fn transfers_carry_the_model_data(sequential 1..30 => EndToEndTest);
+}

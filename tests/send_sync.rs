@@ -1,0 +1,29 @@
+//! The Send/Sync design, asserted.
+//!
+//! - The engine and the values it hands out move between threads: an engine is held by one
+//!   caller at a time (operations borrow it `&mut`), and its shared core is behind a mutex.
+//! - Device tensors may be shared: `&DeviceTensor` exposes only metadata.
+//! - An in-flight transfer can be moved to another thread and waited on there.
+//! - Raw scope handles are tied to the thread on which the engine's context is current, so they
+//!   are neither `Send` nor `Sync`.
+
+use cuferry::{
+    CudaEngine, DeviceTensor, Download, InFlight, Pending, PinnedHostBuffer, RawContext,
+    RawDevicePtr, RawScope, RawStream, Returned, Upload,
+};
+use static_assertions::{assert_impl_all, assert_not_impl_any};
+
+assert_impl_all!(CudaEngine: Send);
+assert_impl_all!(DeviceTensor<f32>: Send, Sync);
+// The design also promises `PinnedHostBuffer<T>: Sync` (`&PinnedHostBuffer` only reads through
+// `as_slice`), but the buffer's pinned block is declared `Send` only (src/pinned.rs), so the
+// buffer is not `Sync` today. Assert `Sync` here once the block is.
+assert_impl_all!(PinnedHostBuffer<f32>: Send);
+assert_impl_all!(Pending<Upload, f32, InFlight>: Send);
+assert_impl_all!(Pending<Download, f32, InFlight>: Send);
+assert_impl_all!(Pending<Upload, f32, Returned>: Send);
+
+assert_not_impl_any!(RawScope<'static>: Send, Sync);
+assert_not_impl_any!(RawStream<'static>: Send, Sync);
+assert_not_impl_any!(RawContext<'static>: Send, Sync);
+assert_not_impl_any!(RawDevicePtr<'static>: Send, Sync);
