@@ -163,7 +163,15 @@ fn finish<R: Send + 'static>(
     Ok(resource)
 }
 
+/// The smallest chunk the pipeline splits a transfer into.
+const MIN_PIPELINE_CHUNK: usize = 1 << 20;
+
 /// Chunk size in elements for a transfer of `bytes` bytes of `T`.
+///
+/// A transfer that would fill fewer slots than the ring has is split into `ring_depth` smaller
+/// chunks (not below 1 MiB), so even a mid-size transfer overlaps its host copies with its DMA;
+/// this also keeps the per-byte cost smooth across the chunk size (no cliff one element above
+/// it).
 fn chunk_elems<T: Element>(engine: &CudaEngine, bytes: usize) -> usize {
     let config = engine.staging_config();
     let chunk = if bytes <= 16 {
@@ -171,9 +179,41 @@ fn chunk_elems<T: Element>(engine: &CudaEngine, bytes: usize) -> usize {
     } else if bytes <= config.cutoff_bytes {
         config.cutoff_bytes
     } else {
-        config.chunk_bytes
+        bytes
+            .div_ceil(config.ring_depth)
+            .max(MIN_PIPELINE_CHUNK.min(config.chunk_bytes))
+            .min(config.chunk_bytes)
     };
     (chunk / T::DTYPE.size_bytes()).max(1)
+}
+
+/// Prepares a fresh (never touched) destination of `bytes` bytes: asks for transparent huge
+/// pages and faults its pages in on the copy threads, while the first chunks' DMA runs.
+///
+/// # Safety
+/// `ptr..ptr+bytes` is writable memory the caller owns (a vector's spare capacity).
+unsafe fn prefault(pool: Option<&rayon::ThreadPool>, ptr: *mut u8, bytes: usize) {
+    const PAGE: usize = 4096;
+    #[cfg(target_os = "linux")]
+    if bytes >= 4 << 20 {
+        let start = (ptr as usize).next_multiple_of(PAGE);
+        let end = (ptr as usize + bytes) & !(PAGE - 1);
+        if end > start {
+            // SAFETY: the range lies inside memory the caller owns; MADV_HUGEPAGE only changes
+            // how the kernel backs it, never its contents. A refusal is harmless.
+            unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE) };
+        }
+    }
+    let base = SendPtr(ptr);
+    par_bytes(pool, bytes, |off, len| {
+        let mut at = off;
+        while at < off + len {
+            // SAFETY: `at` lies inside the caller's writable range; the byte is overwritten by
+            // the copy-out later, and writing it now only maps the page.
+            unsafe { std::ptr::write_volatile(base.get().add(at), 0) };
+            at = (at / PAGE + 1) * PAGE;
+        }
+    });
 }
 
 fn lease_for(
@@ -269,7 +309,7 @@ pub fn download_tensor<T: Element>(
 ) -> Result<Vec<T>> {
     tensor.check_engine(engine)?;
     let mut out = Vec::with_capacity(tensor.len());
-    download_staged(engine, tensor, &mut out)?;
+    download_staged(engine, tensor, &mut out, true)?;
     Ok(out)
 }
 
@@ -295,16 +335,18 @@ pub fn download_tensor_into<T: Element>(
     tensor.check_engine(engine)?;
     buffer.clear();
     buffer.reserve_exact(tensor.len());
-    download_staged(engine, tensor, &mut buffer)?;
+    download_staged(engine, tensor, &mut buffer, false)?;
     Ok(buffer)
 }
 
 /// Fills `out`'s spare capacity (at least `tensor.len()` elements) through staging and sets its
-/// length. The device writes only staging memory, so `out` is never touched by DMA.
+/// length. The device writes only staging memory, so `out` is never touched by DMA. A `fresh`
+/// vector (just allocated) has its pages faulted in while the first chunks' DMA runs.
 fn download_staged<T: Element>(
     engine: &mut CudaEngine,
     tensor: &DeviceTensor<T>,
     out: &mut Vec<T>,
+    fresh: bool,
 ) -> Result<()> {
     debug_assert!(out.is_empty() && out.capacity() >= tensor.len());
     let total = tensor.len();
@@ -332,6 +374,7 @@ fn download_staged<T: Element>(
     // Prime the ring, then keep it full: each proven slot is copied out and reused for the next
     // chunk.
     let mut spare: Option<StagingLease<Proven>> = None;
+    let mut fresh_pages = fresh && pool.is_some();
     loop {
         while in_flight.len() < depth && next < total {
             let lease = match spare.take() {
@@ -356,6 +399,10 @@ fn download_staged<T: Element>(
                 }
             }
             next += n;
+        }
+        if std::mem::take(&mut fresh_pages) {
+            // SAFETY: `dst` is `out`'s spare capacity of `bytes` bytes, which we own.
+            unsafe { prefault(pool.as_deref(), dst, bytes) };
         }
         let Some((lease, offset, n)) = in_flight.pop_front() else {
             break;

@@ -275,7 +275,12 @@ impl LeaseState for Unproven {
 
 /// The exclusive use of one pinned staging slot of an engine's ring, in state `S`.
 ///
-/// Get one with [`CudaEngine::staging_lease`]. See the [module docs](self) for the lifecycle.
+/// Get one with [`CudaEngine::staging_lease`]. In state [`Proven`] no queued copy names the
+/// slot: its memory is reachable and the lease can be released or begin a chunk. In state
+/// [`Unproven`] a copy was queued: nothing reaches the memory, and the only ways out are
+/// [`end_chunk`](StagingLease::end_chunk) (wait: `Proven` again) and
+/// [`retire`](StagingLease::retire) (to the retirement queue). Dropping an `Unproven` lease leaks
+/// its slot rather than free it.
 #[must_use = "a lease holds a staging slot; release a proven lease, retire an unproven one"]
 pub struct StagingLease<S: LeaseState> {
     /// `Some` until a transition or drop moves it out.
