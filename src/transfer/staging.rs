@@ -119,6 +119,8 @@ pub struct StagingStats {
     pub bytes: usize,
     /// Slots handed to the retirement queue (their replacements are allocated on demand).
     pub retired: u64,
+    /// Whether the 16-byte slot of the smallest band is allocated and idle.
+    pub scalar_slot: bool,
 }
 
 #[derive(Default)]
@@ -140,6 +142,7 @@ impl StagingRing {
             leased: self.leased,
             bytes: self.slots * self.config.chunk_bytes,
             retired: self.retired,
+            scalar_slot: self.scalar.is_some(),
         }
     }
 
