@@ -35,6 +35,10 @@ pub(crate) struct State {
     pub(crate) torn_down: bool,
     /// The event blocking routes record and wait on, made on first use.
     sync_event: Option<EventHandle>,
+    /// Compiled elementwise kernels, by operation and element type(s).
+    pub(crate) kernels: crate::kernels::KernelCache,
+    /// cuBLAS/cuSOLVER/cuTENSOR handles, made on first use and bound to the stream.
+    pub(crate) vendor: crate::vendor::VendorHandles,
 }
 
 impl State {
@@ -229,6 +233,8 @@ impl CudaEngine {
                     deferred: Vec::new(),
                     torn_down: false,
                     sync_event: None,
+                    kernels: Default::default(),
+                    vendor: Default::default(),
                 }),
             }),
         }
@@ -323,5 +329,14 @@ impl Drop for CudaEngine {
             // SAFETY: the engine's own event, idle after the synchronize, destroyed once.
             let _ = unsafe { st.driver.event_destroy(event) };
         }
+        // The stream is idle: no kernel or vendor call queued on it is pending.
+        let State {
+            driver,
+            kernels,
+            vendor,
+            ..
+        } = &mut *st;
+        vendor.release();
+        kernels.release(driver.as_mut());
     }
 }

@@ -35,9 +35,11 @@ mod driver;
 mod element;
 mod engine;
 mod error;
+mod kernels;
 mod raw;
 mod tensor;
 mod transfer;
+mod vendor;
 
 pub use element::{DType, Element};
 pub use engine::CudaEngine;
@@ -45,6 +47,7 @@ pub use error::{DeviceId, DeviceKind, DriverError, Error, Result};
 pub use raw::{RawContext, RawDevicePtr, RawScope, RawStream};
 pub use tensor::DeviceTensor;
 pub use transfer::{download_tensor, download_tensor_into, upload_tensor};
+pub use vendor::{BlasElement, GemmConfig, SolverStatus, TensorElement, Transpose};
 
 /// The simulated device (feature `sim`).
 #[cfg(any(test, feature = "sim"))]

@@ -5,6 +5,8 @@
 //! [`CudaDriver::open`] probes for the library first, because cudarc panics when a dynamically
 //! loaded library is missing.
 
+mod launch;
+
 use super::{ContextHandle, DevicePtr, Driver, EventHandle};
 use crate::error::{DeviceId, DeviceKind, DriverError, Error};
 use cudarc::driver::{result, sys};
