@@ -7,6 +7,9 @@
 
 mod launch;
 
+#[cfg(test)]
+pub(crate) use launch::nvrtc_present;
+
 use super::{ContextHandle, DevicePtr, Driver, EventHandle};
 use crate::error::{DeviceId, DeviceKind, DriverError, Error};
 use cudarc::driver::{result, sys};

@@ -274,7 +274,14 @@ mod tests {
             .iter()
             .flat_map(|f| f.to_le_bytes())
             .collect();
-        let out = run(spec(ElementwiseOp::Cast, DType::F32, DType::I16), &a, &[], 0, 4).unwrap();
+        let out = run(
+            spec(ElementwiseOp::Cast, DType::F32, DType::I16),
+            &a,
+            &[],
+            0,
+            4,
+        )
+        .unwrap();
         let got: Vec<i16> = out
             .chunks(2)
             .map(|c| i16::from_le_bytes([c[0], c[1]]))
@@ -284,15 +291,43 @@ mod tests {
 
     #[test]
     fn unsupported_operations_are_refused() {
-        assert!(run(spec(ElementwiseOp::Neg, DType::U32, DType::U32), &[0; 4], &[], 0, 1).is_none());
-        assert!(run(spec(ElementwiseOp::Add, DType::Bool, DType::Bool), &[1], &[1], 0, 1).is_none());
-        assert!(run(spec(ElementwiseOp::Add, DType::F32, DType::F64), &[0; 4], &[0; 4], 0, 1).is_none());
+        assert!(run(
+            spec(ElementwiseOp::Neg, DType::U32, DType::U32),
+            &[0; 4],
+            &[],
+            0,
+            1
+        )
+        .is_none());
+        assert!(run(
+            spec(ElementwiseOp::Add, DType::Bool, DType::Bool),
+            &[1],
+            &[1],
+            0,
+            1
+        )
+        .is_none());
+        assert!(run(
+            spec(ElementwiseOp::Add, DType::F32, DType::F64),
+            &[0; 4],
+            &[0; 4],
+            0,
+            1
+        )
+        .is_none());
     }
 
     #[test]
     fn fill_reads_the_scalar_bits() {
         let bits = u64::from(f16::from_f32(1.5).to_bits());
-        let out = run(spec(ElementwiseOp::Fill, DType::F16, DType::F16), &[], &[], bits, 2).unwrap();
+        let out = run(
+            spec(ElementwiseOp::Fill, DType::F16, DType::F16),
+            &[],
+            &[],
+            bits,
+            2,
+        )
+        .unwrap();
         assert_eq!(out, [0x00, 0x3e, 0x00, 0x3e]);
     }
 }

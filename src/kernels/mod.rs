@@ -40,9 +40,13 @@
 
 #[cfg(any(test, feature = "sim"))]
 pub(crate) mod emulate;
+#[cfg(test)]
+mod host_check;
 pub(crate) mod source;
 
-use crate::driver::launch::{ElementwiseArgs, ElementwiseOp, ElementwiseSpec, FunctionHandle, ModuleHandle, ModuleSource};
+use crate::driver::launch::{
+    ElementwiseArgs, ElementwiseOp, ElementwiseSpec, FunctionHandle, ModuleHandle, ModuleSource,
+};
 use crate::driver::Driver;
 use crate::element::{as_bytes, DType, Element};
 use crate::engine::{CudaEngine, State};
@@ -58,7 +62,11 @@ pub(crate) struct KernelCache {
 
 impl KernelCache {
     /// The kernel for `spec`, compiling and loading it on first use.
-    fn function(&mut self, driver: &mut dyn Driver, spec: ElementwiseSpec) -> Result<FunctionHandle> {
+    fn function(
+        &mut self,
+        driver: &mut dyn Driver,
+        spec: ElementwiseSpec,
+    ) -> Result<FunctionHandle> {
         if let Some(&(_, function)) = self.entries.get(&spec) {
             return Ok(function);
         }
@@ -141,12 +149,18 @@ impl CudaEngine {
     /// `args` satisfies [`Launch::launch_elementwise`](crate::driver::launch::Launch::launch_elementwise)'s
     /// contract for `spec`: the pointers name live allocations of this engine, of `len` elements
     /// of the spec's types, whose frees are queued (if at all) after this launch.
-    unsafe fn launch_elementwise(&mut self, spec: ElementwiseSpec, args: ElementwiseArgs) -> Result<()> {
+    unsafe fn launch_elementwise(
+        &mut self,
+        spec: ElementwiseSpec,
+        args: ElementwiseArgs,
+    ) -> Result<()> {
         if args.len == 0 {
             return Ok(());
         }
         let mut st = self.enter()?;
-        let State { driver, kernels, .. } = &mut *st;
+        let State {
+            driver, kernels, ..
+        } = &mut *st;
         let function = kernels.function(driver.as_mut(), spec)?;
         // SAFETY: the caller guarantees the pointer contract; `function` was compiled for `spec`.
         unsafe { driver.launch_elementwise(function, &args) }

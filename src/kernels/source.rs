@@ -41,6 +41,11 @@ fn kind(d: DType) -> Kind {
 }
 
 /// The C type a tensor of `d` is stored as.
+#[cfg(test)]
+pub(crate) fn storage_name(d: DType) -> &'static str {
+    storage(d)
+}
+
 fn storage(d: DType) -> &'static str {
     match d {
         DType::F32 => "float",

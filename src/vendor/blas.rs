@@ -336,9 +336,7 @@ impl CudaEngine {
         if k != k2 {
             return Err(Error::InvalidArgument {
                 operation: OP,
-                detail: format!(
-                    "inner dimensions differ: [{m}, {k}] times [{k2}, {n}]"
-                ),
+                detail: format!("inner dimensions differ: [{m}, {k}] times [{k2}, {n}]"),
             });
         }
         a.check_engine(self)?;

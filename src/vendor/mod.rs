@@ -133,7 +133,12 @@ impl Library {
     }
 
     /// A failure status of this library as an error.
-    pub(crate) fn status(self, call: &'static str, status: impl std::fmt::Debug, code: i64) -> Error {
+    pub(crate) fn status(
+        self,
+        call: &'static str,
+        status: impl std::fmt::Debug,
+        code: i64,
+    ) -> Error {
         Error::Vendor {
             library: self.name,
             call,

@@ -138,8 +138,18 @@ pub(super) mod calls {
         };
     }
 
-    potrf_call!(f32, cusolverDnSpotrf_bufferSize, cusolverDnSpotrf, cusolverDnSpotrs);
-    potrf_call!(f64, cusolverDnDpotrf_bufferSize, cusolverDnDpotrf, cusolverDnDpotrs);
+    potrf_call!(
+        f32,
+        cusolverDnSpotrf_bufferSize,
+        cusolverDnSpotrf,
+        cusolverDnSpotrs
+    );
+    potrf_call!(
+        f64,
+        cusolverDnDpotrf_bufferSize,
+        cusolverDnDpotrf,
+        cusolverDnDpotrs
+    );
 }
 
 /// The outcome of a queued cuSOLVER routine, still on the device: cuSOLVER's `info` values.
@@ -246,10 +256,13 @@ impl CudaEngine {
         let mut st = self.enter()?;
         let handle = cusolver(&mut st)?;
         let [size_call, potrf_call, potrs_call] = T::NAMES;
-        let status = |call| move |e: cudarc::cusolver::result::CusolverError| CUSOLVER.status(call, e.0, e.0 as i64);
+        let status = |call| {
+            move |e: cudarc::cusolver::result::CusolverError| CUSOLVER.status(call, e.0, e.0 as i64)
+        };
         // SAFETY: the handle is the engine's with its context current; `a` is a live `n × n`
         // allocation (checked above). The query reads no device memory.
-        let lwork = unsafe { T::buffer_size(handle, n32, a.raw_ptr(), n32) }.map_err(status(size_call))?;
+        let lwork =
+            unsafe { T::buffer_size(handle, n32, a.raw_ptr(), n32) }.map_err(status(size_call))?;
         let lwork_elems = usize::try_from(lwork.max(1)).unwrap_or(1);
         let work_bytes = crate::element::byte_len::<T>(lwork_elems, "cuSOLVER workspace")?;
         let work = st

@@ -213,7 +213,11 @@ impl CudaEngine {
             mode_ids.push(m.iter().map(|&ch| ch as i32).collect());
         }
         let identity = sys::cutensorOperator_t::CUTENSOR_OP_IDENTITY;
-        let (da, db, dc) = (made.descriptors[0], made.descriptors[1], made.descriptors[2]);
+        let (da, db, dc) = (
+            made.descriptors[0],
+            made.descriptors[1],
+            made.descriptors[2],
+        );
         // SAFETY: the descriptors are live and each mode list matches its descriptor's rank;
         // C doubles as D (cuTENSOR allows them to be identical).
         let operation = unsafe {

@@ -55,11 +55,12 @@ impl CudaDriver {
     fn target_arch(&self) -> Result<i32, Error> {
         let attr = |a| {
             // SAFETY: `self.device` came from `cuDeviceGet`; the attribute is a plain query.
-            unsafe { cudarc::driver::result::device::get_attribute(self.device, a) }
-                .map_err(|e| Error::Driver {
+            unsafe { cudarc::driver::result::device::get_attribute(self.device, a) }.map_err(|e| {
+                Error::Driver {
                     call: "cuDeviceGetAttribute",
                     source: DriverError::from_raw(e.0),
-                })
+                }
+            })
         };
         let major = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
         let minor = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
@@ -101,10 +102,18 @@ impl CudaDriver {
             status: nvrtc_status_name(status),
             log,
         };
-        let text = CString::new(source.cuda)
-            .map_err(|_| compile_error(nvrtc::nvrtcResult::NVRTC_ERROR_INVALID_INPUT, "source contains a NUL byte".into()))?;
-        let name = CString::new(source.name)
-            .map_err(|_| compile_error(nvrtc::nvrtcResult::NVRTC_ERROR_INVALID_INPUT, "name contains a NUL byte".into()))?;
+        let text = CString::new(source.cuda).map_err(|_| {
+            compile_error(
+                nvrtc::nvrtcResult::NVRTC_ERROR_INVALID_INPUT,
+                "source contains a NUL byte".into(),
+            )
+        })?;
+        let name = CString::new(source.name).map_err(|_| {
+            compile_error(
+                nvrtc::nvrtcResult::NVRTC_ERROR_INVALID_INPUT,
+                "name contains a NUL byte".into(),
+            )
+        })?;
         let mut raw = MaybeUninit::uninit();
         // SAFETY: NVRTC is present; `text` and `name` are NUL-terminated and outlive the program
         // (they are dropped after `program`, declared later in this scope); no headers are passed.
@@ -126,8 +135,14 @@ impl CudaDriver {
 
         let arch = self.target_arch()?;
         let options: Vec<CString> = if arch > 0 {
-            vec![CString::new(format!("--gpu-architecture=compute_{arch}"))
-                .map_err(|_| compile_error(nvrtc::nvrtcResult::NVRTC_ERROR_INVALID_OPTION, String::new()))?]
+            vec![
+                CString::new(format!("--gpu-architecture=compute_{arch}")).map_err(|_| {
+                    compile_error(
+                        nvrtc::nvrtcResult::NVRTC_ERROR_INVALID_OPTION,
+                        String::new(),
+                    )
+                })?,
+            ]
         } else {
             Vec::new()
         };
@@ -135,9 +150,8 @@ impl CudaDriver {
         let option_count = c_int::try_from(option_ptrs.len()).unwrap_or(0);
         // SAFETY: `program` is live; the option pointers are NUL-terminated strings that outlive
         // the call.
-        let status = unsafe {
-            nvrtc::nvrtcCompileProgram(program.0, option_count, option_ptrs.as_ptr())
-        };
+        let status =
+            unsafe { nvrtc::nvrtcCompileProgram(program.0, option_count, option_ptrs.as_ptr()) };
         if status != nvrtc::nvrtcResult::NVRTC_SUCCESS {
             // SAFETY: `program` is live and was compiled (unsuccessfully), so it has a log.
             let log = unsafe { cudarc::nvrtc::result::get_program_log(program.0) }
