@@ -242,6 +242,16 @@ pub enum Error {
         /// The second operand's shape.
         right: Vec<usize>,
     },
+    /// Another GPU runtime sharing the device (CubeCL) reported a failure at the boundary.
+    #[error("{runtime} failed during {what}: {detail}")]
+    Interop {
+        /// The runtime, for example `CubeCL`.
+        runtime: &'static str,
+        /// What the engine was doing.
+        what: &'static str,
+        /// The runtime's report.
+        detail: String,
+    },
     /// NVRTC could not compile a kernel. The log is NVRTC's own.
     #[error("NVRTC could not compile kernel {kernel}: {status}; log:\n{log}")]
     Compile {

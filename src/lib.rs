@@ -35,11 +35,12 @@ mod driver;
 mod element;
 mod engine;
 mod error;
-mod kernels;
+pub mod interop;
+pub mod kernels;
 mod raw;
 mod tensor;
 mod transfer;
-mod vendor;
+pub mod vendor;
 
 pub use element::{DType, Element};
 pub use engine::CudaEngine;
@@ -54,6 +55,9 @@ pub use vendor::{BlasElement, GemmConfig, SolverStatus, TensorElement, Transpose
 pub mod sim {
     pub use crate::driver::sim::{set_thread_context, thread_context, SimConfig, SimDevice, SimOp};
 }
+
+#[cfg(feature = "cubecl")]
+pub use interop::cubecl::{runtime as cubecl, CubeclScope};
 
 /// `f16` and `bf16`, re-exported from the `half` crate.
 pub use half::{bf16, f16};

@@ -13,7 +13,7 @@
 //! falls back to a CPU implementation.
 //!
 //! Matrices are column-major, as in BLAS and LAPACK: element `(i, j)` of a matrix with leading
-//! dimension `ld` is at index `i + j * ld`. [`CudaEngine::matmul`] is the exception: it takes
+//! dimension `ld` is at index `i + j * ld`. [`CudaEngine::matmul`](crate::CudaEngine::matmul) is the exception: it takes
 //! row-major 2-D tensors, the usual meaning of a tensor's shape, and maps them onto cuBLAS.
 
 pub(crate) mod blas;

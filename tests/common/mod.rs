@@ -380,7 +380,8 @@ pub fn check_ops<T: Reference>(engine: &mut CudaEngine, rng: &mut Rng, n: usize)
     let a = upload_tensor(engine, &a_host, &shape).unwrap();
     let b = upload_tensor(engine, &b_host, &shape).unwrap();
 
-    let binary: [(&str, fn(T, T) -> T); 4] = [
+    type Binary<T> = fn(T, T) -> T;
+    let binary: [(&str, Binary<T>); 4] = [
         ("add", T::add),
         ("sub", T::sub),
         ("mul", T::mul),

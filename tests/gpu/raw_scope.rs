@@ -30,10 +30,14 @@ fn unbind() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn raw_kernels_and_raw_cublas_interleave_with_eager_operations_in_stream_order() {
-    // SAFETY: probing only `dlopen`s.
-    assert!(unsafe { cudarc::nvrtc::sys::is_culib_present() }, "NVRTC missing");
+    // SAFETY: probing only `dlopen`s candidate library names.
+    let nvrtc = unsafe { cudarc::nvrtc::sys::is_culib_present() };
     // SAFETY: as above.
-    assert!(unsafe { cudarc::cublas::sys::is_culib_present() }, "cuBLAS missing");
+    let cublas = unsafe { cudarc::cublas::sys::is_culib_present() };
+    assert!(
+        nvrtc && cublas,
+        "NVRTC present: {nvrtc}, cuBLAS present: {cublas}"
+    );
     let mut engine = engine();
     let mut rng = Rng::new(5000);
     let n = 1 << 18;
@@ -139,12 +143,14 @@ fn with_raw_restores_the_callers_context_on_return_err_and_unwind() {
     let inside = engine
         .with_raw(|raw| Ok::<_, Error>((current(), raw.context().as_raw())))
         .unwrap();
-    assert_eq!(inside.0, Some(inside.1), "the engine's context is current inside");
+    assert_eq!(
+        inside.0,
+        Some(inside.1),
+        "the engine's context is current inside"
+    );
     assert_eq!(current(), None, "restored after return");
 
-    let err = engine.with_raw(|_| -> Result<(), Error> {
-        Err(Error::ZeroLength { what: "test" })
-    });
+    let err = engine.with_raw(|_| -> Result<(), Error> { Err(Error::ZeroLength { what: "test" }) });
     assert!(matches!(err, Err(Error::ZeroLength { .. })));
     assert_eq!(current(), None, "restored after Err");
 

@@ -116,7 +116,21 @@ fn gemm_case<T: Real>(engine: &mut CudaEngine, rng: &mut Rng, ta: Transpose, tb:
     let got = download_tensor(engine, &dc).unwrap();
     let f = |v: &[T]| v.iter().map(|x| x.to_f64()).collect::<Vec<_>>();
     let mut want = f(&c);
-    host_gemm(ta, tb, m, n, k, 1.5, &f(&a), lda, &f(&b), ldb, -0.25, &mut want, ldc);
+    host_gemm(
+        ta,
+        tb,
+        m,
+        n,
+        k,
+        1.5,
+        &f(&a),
+        lda,
+        &f(&b),
+        ldb,
+        -0.25,
+        &mut want,
+        ldc,
+    );
     assert_close(&format!("gemm {ta:?}/{tb:?}"), &got, &want, k as f64);
 }
 
@@ -146,7 +160,9 @@ fn matmul_case<T: Real>(engine: &mut CudaEngine, rng: &mut Rng) {
     let mut want = vec![0.0; m * n];
     for i in 0..m {
         for j in 0..n {
-            want[i * n + j] = (0..k).map(|p| a[i * k + p].to_f64() * b[p * n + j].to_f64()).sum();
+            want[i * n + j] = (0..k)
+                .map(|p| a[i * k + p].to_f64() * b[p * n + j].to_f64())
+                .sum();
         }
     }
     assert_close("matmul (row-major)", &got, &want, k as f64);
