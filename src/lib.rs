@@ -9,6 +9,10 @@
 //!   pointers inside a scope that restores the caller's context on return, error and unwind.
 //! - [`DeviceTensor`]: a compact, shaped, stream-ordered device allocation of an [`Element`].
 //! - Blocking routes: [`upload_tensor`], [`download_tensor`], [`download_tensor_into`].
+//! - Work on the engine's stream, with no host wait: elementwise kernels compiled once per engine
+//!   ([`CudaEngine::add`] and the rest; semantics and supported types in [`kernels`]), cuBLAS,
+//!   cuSOLVER and cuTENSOR bound to the stream ([`vendor`]), and CubeCL kernels (feature
+//!   `cubecl`, [`interop`]).
 //!
 //! Every route runs against a deterministic simulated device (feature `sim`, module [`sim`]) with
 //! fault injection, so lifecycle code is tested without a GPU.
