@@ -50,6 +50,110 @@ fn c_chars_to_string(chars: &[c_char]) -> String {
     String::from_utf8_lossy(&bytes).into_owned()
 }
 
+/// [`Error::Unavailable`] unless NVRTC can be loaded. Every NVRTC call is preceded by this,
+/// because cudarc panics when the library is missing.
+fn require_nvrtc() -> Result<(), Error> {
+    if nvrtc_present() {
+        return Ok(());
+    }
+    Err(Error::Unavailable {
+        library: "NVRTC",
+        detail: format!(
+            "none of {:?} could be loaded",
+            cudarc::get_lib_name_candidates("nvrtc")
+        ),
+    })
+}
+
+/// The newest architecture in `supported` the device (`device_arch`, e.g. 90) can run; 0 (let
+/// NVRTC choose its default) when none is.
+fn choose_arch(device_arch: i32, supported: &[c_int]) -> i32 {
+    supported
+        .iter()
+        .copied()
+        .filter(|&a| a <= device_arch)
+        .max()
+        .unwrap_or(0)
+}
+
+/// The virtual architectures this NVRTC can target. Empty when it cannot say. Call only after
+/// [`require_nvrtc`].
+fn nvrtc_archs() -> Vec<c_int> {
+    let mut count: c_int = 0;
+    // SAFETY: NVRTC is present (checked by the caller); the out pointer is valid.
+    let status = unsafe { nvrtc::nvrtcGetNumSupportedArchs(&mut count) };
+    if status != nvrtc::nvrtcResult::NVRTC_SUCCESS || count <= 0 {
+        return Vec::new();
+    }
+    let mut archs = vec![0 as c_int; usize::try_from(count).unwrap_or(0)];
+    // SAFETY: `archs` holds the `count` entries NVRTC reported it will write.
+    let status = unsafe { nvrtc::nvrtcGetSupportedArchs(archs.as_mut_ptr()) };
+    if status != nvrtc::nvrtcResult::NVRTC_SUCCESS {
+        return Vec::new();
+    }
+    archs
+}
+
+/// Compiles CUDA C++ to PTX (NUL-terminated) for virtual architecture `arch` (0: NVRTC's
+/// default).
+fn compile_ptx(source: &ModuleSource<'_>, arch: i32) -> Result<Vec<c_char>, Error> {
+    require_nvrtc()?;
+    let compile_error = |status: nvrtc::nvrtcResult, log: String| Error::Compile {
+        kernel: source.name.to_owned(),
+        status: nvrtc_status_name(status),
+        log,
+    };
+    let invalid = |what: &str| {
+        compile_error(
+            nvrtc::nvrtcResult::NVRTC_ERROR_INVALID_INPUT,
+            format!("{what} contains a NUL byte"),
+        )
+    };
+    let text = CString::new(source.cuda).map_err(|_| invalid("source"))?;
+    let name = CString::new(source.name).map_err(|_| invalid("name"))?;
+    let mut raw = MaybeUninit::uninit();
+    // SAFETY: NVRTC is present; `text` and `name` are NUL-terminated and outlive the program
+    // (declared before it, so dropped after it); no headers are passed.
+    let status = unsafe {
+        nvrtc::nvrtcCreateProgram(
+            raw.as_mut_ptr(),
+            text.as_ptr(),
+            name.as_ptr(),
+            0,
+            std::ptr::null(),
+            std::ptr::null(),
+        )
+    };
+    if status != nvrtc::nvrtcResult::NVRTC_SUCCESS {
+        return Err(compile_error(status, String::new()));
+    }
+    // SAFETY: written by the successful call above.
+    let program = Program(unsafe { raw.assume_init() });
+
+    let options: Vec<CString> = if arch > 0 {
+        vec![CString::new(format!("--gpu-architecture=compute_{arch}"))
+            .map_err(|_| invalid("option"))?]
+    } else {
+        Vec::new()
+    };
+    let option_ptrs: Vec<*const c_char> = options.iter().map(|o| o.as_ptr()).collect();
+    let option_count = c_int::try_from(option_ptrs.len()).unwrap_or(0);
+    // SAFETY: `program` is live; the option pointers are NUL-terminated strings that outlive
+    // the call.
+    let status =
+        unsafe { nvrtc::nvrtcCompileProgram(program.0, option_count, option_ptrs.as_ptr()) };
+    if status != nvrtc::nvrtcResult::NVRTC_SUCCESS {
+        // SAFETY: `program` is live and was compiled (unsuccessfully), so it has a log.
+        let log = unsafe { cudarc::nvrtc::result::get_program_log(program.0) }
+            .map(|chars| c_chars_to_string(&chars))
+            .unwrap_or_default();
+        return Err(compile_error(status, log));
+    }
+    // SAFETY: `program` is live and compiled successfully.
+    unsafe { cudarc::nvrtc::result::get_ptx(program.0) }
+        .map_err(|e| compile_error(e.0, String::new()))
+}
+
 impl CudaDriver {
     /// The newest virtual architecture NVRTC supports that the device can run.
     fn target_arch(&self) -> Result<i32, Error> {
@@ -64,110 +168,15 @@ impl CudaDriver {
         };
         let major = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
         let minor = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
-        let device_arch = major * 10 + minor;
-
-        let mut count: c_int = 0;
-        // SAFETY: NVRTC is present (checked by the caller); the out pointer is valid.
-        let status = unsafe { nvrtc::nvrtcGetNumSupportedArchs(&mut count) };
-        if status != nvrtc::nvrtcResult::NVRTC_SUCCESS || count <= 0 {
-            // No list to choose from: let NVRTC pick its default architecture.
-            return Ok(0);
-        }
-        let mut archs = vec![0 as c_int; usize::try_from(count).unwrap_or(0)];
-        // SAFETY: `archs` holds the `count` entries NVRTC reported it will write.
-        let status = unsafe { nvrtc::nvrtcGetSupportedArchs(archs.as_mut_ptr()) };
-        if status != nvrtc::nvrtcResult::NVRTC_SUCCESS {
-            return Ok(0);
-        }
-        Ok(archs
-            .into_iter()
-            .filter(|&a| a <= device_arch)
-            .max()
-            .unwrap_or(0))
-    }
-
-    /// Compiles CUDA C++ to PTX (NUL-terminated).
-    fn compile_ptx(&self, source: &ModuleSource<'_>) -> Result<Vec<c_char>, Error> {
-        if !nvrtc_present() {
-            return Err(Error::Unavailable {
-                library: "NVRTC",
-                detail: format!(
-                    "none of {:?} could be loaded",
-                    cudarc::get_lib_name_candidates("nvrtc")
-                ),
-            });
-        }
-        let compile_error = |status: nvrtc::nvrtcResult, log: String| Error::Compile {
-            kernel: source.name.to_owned(),
-            status: nvrtc_status_name(status),
-            log,
-        };
-        let text = CString::new(source.cuda).map_err(|_| {
-            compile_error(
-                nvrtc::nvrtcResult::NVRTC_ERROR_INVALID_INPUT,
-                "source contains a NUL byte".into(),
-            )
-        })?;
-        let name = CString::new(source.name).map_err(|_| {
-            compile_error(
-                nvrtc::nvrtcResult::NVRTC_ERROR_INVALID_INPUT,
-                "name contains a NUL byte".into(),
-            )
-        })?;
-        let mut raw = MaybeUninit::uninit();
-        // SAFETY: NVRTC is present; `text` and `name` are NUL-terminated and outlive the program
-        // (they are dropped after `program`, declared later in this scope); no headers are passed.
-        let status = unsafe {
-            nvrtc::nvrtcCreateProgram(
-                raw.as_mut_ptr(),
-                text.as_ptr(),
-                name.as_ptr(),
-                0,
-                std::ptr::null(),
-                std::ptr::null(),
-            )
-        };
-        if status != nvrtc::nvrtcResult::NVRTC_SUCCESS {
-            return Err(compile_error(status, String::new()));
-        }
-        // SAFETY: written by the successful call above.
-        let program = Program(unsafe { raw.assume_init() });
-
-        let arch = self.target_arch()?;
-        let options: Vec<CString> = if arch > 0 {
-            vec![
-                CString::new(format!("--gpu-architecture=compute_{arch}")).map_err(|_| {
-                    compile_error(
-                        nvrtc::nvrtcResult::NVRTC_ERROR_INVALID_OPTION,
-                        String::new(),
-                    )
-                })?,
-            ]
-        } else {
-            Vec::new()
-        };
-        let option_ptrs: Vec<*const c_char> = options.iter().map(|o| o.as_ptr()).collect();
-        let option_count = c_int::try_from(option_ptrs.len()).unwrap_or(0);
-        // SAFETY: `program` is live; the option pointers are NUL-terminated strings that outlive
-        // the call.
-        let status =
-            unsafe { nvrtc::nvrtcCompileProgram(program.0, option_count, option_ptrs.as_ptr()) };
-        if status != nvrtc::nvrtcResult::NVRTC_SUCCESS {
-            // SAFETY: `program` is live and was compiled (unsuccessfully), so it has a log.
-            let log = unsafe { cudarc::nvrtc::result::get_program_log(program.0) }
-                .map(|chars| c_chars_to_string(&chars))
-                .unwrap_or_default();
-            return Err(compile_error(status, log));
-        }
-        // SAFETY: `program` is live and compiled successfully.
-        unsafe { cudarc::nvrtc::result::get_ptx(program.0) }
-            .map_err(|e| compile_error(e.0, String::new()))
+        Ok(choose_arch(major * 10 + minor, &nvrtc_archs()))
     }
 }
 
 impl Launch for CudaDriver {
     fn module_compile(&mut self, source: &ModuleSource<'_>) -> Result<ModuleHandle, Error> {
-        let ptx = self.compile_ptx(source)?;
+        // Before `target_arch`, which asks NVRTC for its architectures.
+        require_nvrtc()?;
+        let ptx = compile_ptx(source, self.target_arch()?)?;
         if ptx.last() != Some(&0) {
             return Err(Error::Compile {
                 kernel: source.name.to_owned(),
@@ -264,6 +273,51 @@ mod tests {
     fn log_text_stops_at_nul() {
         let raw: Vec<c_char> = b"error: x\0junk".iter().map(|&b| b as c_char).collect();
         assert_eq!(c_chars_to_string(&raw), "error: x");
+    }
+
+    #[test]
+    fn the_newest_architecture_the_device_runs_is_chosen() {
+        assert_eq!(choose_arch(90, &[75, 80, 86, 89, 90, 100, 120]), 90);
+        assert_eq!(choose_arch(87, &[75, 80, 86, 89, 90]), 86);
+        assert_eq!(choose_arch(70, &[75, 80]), 0);
+        assert_eq!(choose_arch(90, &[]), 0);
+    }
+
+    #[test]
+    #[ignore = "needs NVRTC (libnvrtc) on the library path"]
+    fn nvrtc_compiles_to_nul_terminated_ptx_and_reports_errors_with_the_log() {
+        let good = ModuleSource {
+            name: "good",
+            cuda: "extern \"C\" __global__ void k(float* x) { x[0] = 1.0f; }",
+            builtin: None,
+        };
+        let archs = nvrtc_archs();
+        assert!(archs.contains(&90), "{archs:?}");
+        let ptx = compile_ptx(&good, choose_arch(90, &archs)).unwrap();
+        assert_eq!(ptx.last(), Some(&0));
+        let text = c_chars_to_string(&ptx);
+        assert!(
+            text.contains(".entry k") && text.contains(".target sm_90"),
+            "{text}"
+        );
+
+        let bad = ModuleSource {
+            name: "bad",
+            cuda: "extern \"C\" __global__ void k(float* x) { x[0] = undefined_name; }",
+            builtin: None,
+        };
+        match compile_ptx(&bad, 0) {
+            Err(Error::Compile {
+                kernel,
+                status,
+                log,
+            }) => {
+                assert_eq!(kernel, "bad");
+                assert_eq!(status, "NVRTC_ERROR_COMPILATION");
+                assert!(log.contains("undefined_name"), "{log}");
+            }
+            other => panic!("expected a compile error, got {other:?}"),
+        }
     }
 
     #[test]
