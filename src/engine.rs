@@ -44,12 +44,33 @@ pub(crate) struct State {
     pub(crate) retire: RetireQueue,
     /// The pinned staging ring of the blocking routes.
     pub(crate) staging: StagingRing,
+    /// Compiled elementwise kernels, by operation and element type(s).
+    pub(crate) kernels: crate::kernels::KernelCache,
+    /// cuBLAS/cuSOLVER/cuTENSOR handles, made on first use and bound to the stream.
+    pub(crate) vendor: crate::vendor::VendorHandles,
 }
 
 impl State {
     /// Records a failure for the next `flush` or `synchronize`.
     pub(crate) fn defer(&mut self, error: Error) {
         self.deferred.push(error);
+    }
+
+    /// Waits until everything queued so far has completed, through a pooled event (a cheaper
+    /// wait than a stream synchronize, and the same proof). If the event cannot be recorded it
+    /// falls back to a stream synchronize, so on `Ok` the queued work has completed either way.
+    pub(crate) fn wait_stream(&mut self, what: &'static str) -> Result<()> {
+        let fault = |source| Error::DeviceFault { what, source };
+        let event = self.events.take(&mut *self.driver)?;
+        let waited = match self.driver.event_record(event) {
+            Ok(()) => self.driver.event_synchronize(event).map_err(fault),
+            Err(_) => self.driver.stream_synchronize().map_err(fault),
+        };
+        if waited.is_ok() {
+            self.events.put(event);
+        }
+        // A failed event is not reused (its state is unknown); it is leaked.
+        waited
     }
 
     fn take_deferred(&mut self) -> Result<()> {
@@ -217,6 +238,8 @@ impl CudaEngine {
                     events: EventPool::default(),
                     retire: RetireQueue::default(),
                     staging: StagingRing::default(),
+                    kernels: Default::default(),
+                    vendor: Default::default(),
                 }),
             }),
         }
@@ -352,6 +375,9 @@ impl Drop for CudaEngine {
         st.pinned.trim_to(&mut *st.driver, 0);
         st.staging.free_idle(&mut *st.driver);
         st.events.destroy_all(&mut *st.driver);
+        // The stream is idle: no kernel or vendor call queued on it is pending.
+        st.vendor.release();
+        st.kernels.release(st.driver.as_mut());
         drop(guard);
         // Released resources drop after the lock is gone (their drops take it); buffers among
         // them are freed at once since the engine is torn down.

@@ -238,6 +238,64 @@ pub enum Error {
         /// The ring's depth.
         depth: usize,
     },
+    /// The operands of an elementwise operation have different shapes.
+    #[error("{operation}: operand shapes {left:?} and {right:?} differ")]
+    ShapesDiffer {
+        /// The operation.
+        operation: &'static str,
+        /// The first operand's shape.
+        left: Vec<usize>,
+        /// The second operand's shape.
+        right: Vec<usize>,
+    },
+    /// Another GPU runtime sharing the device (CubeCL) reported a failure at the boundary.
+    #[error("{runtime} failed during {what}: {detail}")]
+    Interop {
+        /// The runtime, for example `CubeCL`.
+        runtime: &'static str,
+        /// What the engine was doing.
+        what: &'static str,
+        /// The runtime's report.
+        detail: String,
+    },
+    /// NVRTC could not compile a kernel. The log is NVRTC's own.
+    #[error("NVRTC could not compile kernel {kernel}: {status}; log:\n{log}")]
+    Compile {
+        /// The kernel (or program) name.
+        kernel: String,
+        /// NVRTC's result code, by name.
+        status: String,
+        /// The compilation log.
+        log: String,
+    },
+    /// A vendor library call (cuBLAS, cuSOLVER, cuTENSOR) returned a failure status.
+    #[error("{library} call {call} failed with status {status} ({name})")]
+    Vendor {
+        /// The library, for example `cuBLAS`.
+        library: &'static str,
+        /// The call, for example `cublasSgemm_v2`.
+        call: &'static str,
+        /// The numeric status code.
+        status: i64,
+        /// The status, by name.
+        name: String,
+    },
+    /// An argument of an operation is out of range or inconsistent with another.
+    #[error("{operation}: {detail}")]
+    InvalidArgument {
+        /// The operation.
+        operation: &'static str,
+        /// What was wrong, naming the values involved.
+        detail: String,
+    },
+    /// A factorisation found the matrix not positive definite.
+    #[error("{operation}: the leading minor of order {order} is not positive definite")]
+    NotPositiveDefinite {
+        /// The operation, for example `cholesky_solve`.
+        operation: &'static str,
+        /// The order of the first leading minor that is not positive definite (1-based).
+        order: i64,
+    },
     /// An engine setting is out of range.
     #[error("invalid setting {setting} = {value}: {reason}")]
     InvalidSetting {

@@ -14,6 +14,10 @@
 //!   [`Returned`].
 //! - [`StagingLease`]: the `Proven/Unproven` typestate behind the blocking routes' bounded,
 //!   pipelined pinned staging, public for hand-built chunked pipelines.
+//! - Work on the engine's stream, with no host wait: elementwise kernels compiled once per engine
+//!   ([`CudaEngine::add`] and the rest; semantics and supported types in [`kernels`]), cuBLAS,
+//!   cuSOLVER and cuTENSOR bound to the stream ([`vendor`]), and CubeCL kernels (feature
+//!   `cubecl`, [`interop`]).
 //!
 //! Every route runs against a deterministic simulated device (feature `sim`, module [`sim`]) with
 //! fault injection, so lifecycle code is tested without a GPU.
@@ -40,11 +44,14 @@ mod driver;
 mod element;
 mod engine;
 mod error;
+pub mod interop;
+pub mod kernels;
 mod pinned;
 mod raw;
 mod retire;
 mod tensor;
 mod transfer;
+pub mod vendor;
 
 pub use element::{DType, Element};
 pub use engine::CudaEngine;
@@ -61,12 +68,16 @@ pub use transfer::{
 pub use transfer::{
     BeginError, LeaseState, Proven, StagingConfig, StagingLease, StagingStats, Unproven,
 };
+pub use vendor::{BlasElement, GemmConfig, SolverStatus, TensorElement, Transpose};
 
 /// The simulated device (feature `sim`).
 #[cfg(any(test, feature = "sim"))]
 pub mod sim {
     pub use crate::driver::sim::{set_thread_context, thread_context, SimConfig, SimDevice, SimOp};
 }
+
+#[cfg(feature = "cubecl")]
+pub use interop::cubecl::{runtime as cubecl, CubeclScope};
 
 /// `f16` and `bf16`, re-exported from the `half` crate.
 pub use half::{bf16, f16};

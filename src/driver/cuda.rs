@@ -5,6 +5,11 @@
 //! [`CudaDriver::open`] probes for the library first, because cudarc panics when a dynamically
 //! loaded library is missing.
 
+mod launch;
+
+#[cfg(test)]
+pub(crate) use launch::nvrtc_present;
+
 use super::{ContextHandle, DevicePtr, Driver, EventHandle};
 use crate::error::{DeviceId, DeviceKind, DriverError, Error};
 use cudarc::driver::{result, sys};

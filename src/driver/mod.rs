@@ -10,6 +10,7 @@
 //! `&mut self` because the engine serialises access to it.
 
 pub(crate) mod cuda;
+pub(crate) mod launch;
 #[cfg(any(test, feature = "sim"))]
 pub mod sim;
 
@@ -32,7 +33,9 @@ pub(crate) struct ContextHandle(pub(crate) u64);
 /// Asynchronous operations are queued on the driver's stream in call order. Their `unsafe`
 /// contracts are CUDA's: memory named by a queued operation must stay valid until the operation
 /// has completed, which only an event recorded after it (or a stream synchronize) proves.
-pub(crate) trait Driver: Send {
+///
+/// Compiling, loading and launching kernels is the [`launch::Launch`] half of the seam.
+pub(crate) trait Driver: Send + launch::Launch {
     /// The device this driver drives.
     fn device(&self) -> DeviceId;
     /// The device's name, as the driver reports it.

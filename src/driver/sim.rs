@@ -20,6 +20,8 @@
 //! Contexts are modelled per thread, so the context-restoring rules of raw scopes are testable
 //! too ([`thread_context`], [`set_thread_context`], [`SimDevice::foreign_context`]).
 
+mod launch;
+
 use super::{ContextHandle, DevicePtr, Driver, EventHandle};
 use crate::error::{DeviceId, DeviceKind, DriverError};
 use std::alloc::Layout;
@@ -81,6 +83,10 @@ pub enum SimOp {
     StreamSynchronize,
     /// Stream query.
     StreamQuery,
+    /// Module compile and load (the simulator accepts only the crate's built-in kernels).
+    ModuleLoad,
+    /// Kernel launch.
+    Launch,
 }
 
 static NEXT_INSTANCE: AtomicU64 = AtomicU64::new(1);
@@ -119,6 +125,11 @@ enum Job {
     },
     Free(DevicePtr),
     Marker,
+    /// A built-in elementwise kernel, emulated on the host when the stream reaches it.
+    Elementwise {
+        spec: crate::driver::launch::ElementwiseSpec,
+        args: crate::driver::launch::ElementwiseArgs,
+    },
 }
 
 impl Job {
@@ -161,6 +172,9 @@ struct State {
     event_faults: Vec<(u64, DriverError)>,
     violations: Vec<String>,
     completed_jobs: u64,
+    /// Loaded modules: the built-in kernel each holds, and its name.
+    modules: HashMap<u64, (crate::driver::launch::ElementwiseSpec, String)>,
+    next_module: u64,
 }
 
 // SAFETY: the raw host pointers in queued jobs are addresses the engine guarantees (through the
@@ -213,6 +227,8 @@ impl SimDevice {
             event_faults: Vec::new(),
             violations: Vec::new(),
             completed_jobs: 0,
+            modules: HashMap::new(),
+            next_module: 1,
         };
         SimDevice {
             state: Arc::new(Mutex::new(state)),
@@ -389,6 +405,7 @@ impl State {
                     .push(format!("free of unknown device pointer {ptr:#x}")),
             },
             Job::Marker => {}
+            Job::Elementwise { spec, args } => self.run_elementwise(spec, &args),
         }
         self.done_seq = seq + 1;
         self.completed_jobs += 1;

@@ -1,7 +1,21 @@
-//! Tests that need a CUDA device. Every test here is `#[ignore = "needs a CUDA device"]`: run
-//! them on a GPU machine with `cargo test --test gpu -- --ignored --test-threads=1`.
+//! GPU tests, in one integration target so one binary carries them all. Every test needs a CUDA
+//! device and is `#[ignore = "needs a CUDA device"]`: run them on a GPU machine with
+//! `cargo test --release --test gpu -- --ignored --test-threads=1`. Each opens device 0.
 
 mod common;
+#[path = "../common/mod.rs"]
+mod reference;
+
+#[cfg(feature = "cubecl")]
+mod cubecl;
 mod engine;
+mod kernels;
 mod pending;
+mod raw_scope;
 mod staging;
+mod vendor;
+
+/// Opens device 0, or fails the test with the reason.
+pub fn engine() -> cuferry::CudaEngine {
+    cuferry::CudaEngine::open(0).expect("CUDA device 0")
+}

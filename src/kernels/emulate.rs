@@ -1,0 +1,333 @@
+//! Host emulation of the built-in elementwise kernels, for the simulated device.
+//!
+//! The simulator cannot run PTX, so when its stream reaches a queued elementwise launch it runs
+//! this instead, on its own device memory, with the semantics `kernels::source` documents for the
+//! CUDA kernels. The crate's tests check both this and the GPU against a separate host reference.
+
+use crate::driver::launch::{ElementwiseOp, ElementwiseSpec};
+use crate::element::DType;
+use half::{bf16, f16};
+
+/// A value in transit between element types during a cast.
+#[derive(Clone, Copy)]
+enum Value {
+    Float(f64),
+    Int(i128),
+    Bool(bool),
+}
+
+/// One element type's behaviour under the emulated kernels.
+trait Emulated: Copy {
+    const BYTES: usize;
+    fn read(bytes: &[u8]) -> Self;
+    fn write(self, out: &mut Vec<u8>);
+    /// From a scalar argument's bits (zero-extended little-endian element bytes).
+    fn from_scalar(bits: u64) -> Self {
+        Self::read(&bits.to_le_bytes()[..Self::BYTES])
+    }
+    /// `op(self, rhs)` for the binary operations and `scale`; `None` where unsupported.
+    fn arith(self, op: ElementwiseOp, rhs: Self) -> Option<Self>;
+    fn neg(self) -> Option<Self>;
+    fn to_value(self) -> Value;
+    fn from_value(v: Value) -> Self;
+}
+
+macro_rules! float_emulated {
+    ($t:ty) => {
+        impl Emulated for $t {
+            const BYTES: usize = std::mem::size_of::<$t>();
+            fn read(bytes: &[u8]) -> Self {
+                <$t>::from_le_bytes(bytes.try_into().expect("element width"))
+            }
+            fn write(self, out: &mut Vec<u8>) {
+                out.extend_from_slice(&self.to_le_bytes());
+            }
+            fn arith(self, op: ElementwiseOp, rhs: Self) -> Option<Self> {
+                Some(match op {
+                    ElementwiseOp::Add => self + rhs,
+                    ElementwiseOp::Sub => self - rhs,
+                    ElementwiseOp::Mul | ElementwiseOp::Scale => self * rhs,
+                    ElementwiseOp::Div => self / rhs,
+                    _ => return None,
+                })
+            }
+            fn neg(self) -> Option<Self> {
+                Some(-self)
+            }
+            fn to_value(self) -> Value {
+                Value::Float(f64::from(self))
+            }
+            fn from_value(v: Value) -> Self {
+                match v {
+                    Value::Float(f) => f as $t,
+                    Value::Int(i) => i as $t,
+                    Value::Bool(b) => u8::from(b).into(),
+                }
+            }
+        }
+    };
+}
+float_emulated!(f32);
+float_emulated!(f64);
+
+macro_rules! half_emulated {
+    ($t:ty) => {
+        impl Emulated for $t {
+            const BYTES: usize = 2;
+            fn read(bytes: &[u8]) -> Self {
+                <$t>::from_bits(u16::from_le_bytes(bytes.try_into().expect("element width")))
+            }
+            fn write(self, out: &mut Vec<u8>) {
+                out.extend_from_slice(&self.to_bits().to_le_bytes());
+            }
+            fn arith(self, op: ElementwiseOp, rhs: Self) -> Option<Self> {
+                let (x, y) = (self.to_f32(), rhs.to_f32());
+                Some(<$t>::from_f32(match op {
+                    ElementwiseOp::Add => x + y,
+                    ElementwiseOp::Sub => x - y,
+                    ElementwiseOp::Mul | ElementwiseOp::Scale => x * y,
+                    ElementwiseOp::Div => x / y,
+                    _ => return None,
+                }))
+            }
+            fn neg(self) -> Option<Self> {
+                Some(<$t>::from_f32(-self.to_f32()))
+            }
+            fn to_value(self) -> Value {
+                Value::Float(self.to_f64())
+            }
+            fn from_value(v: Value) -> Self {
+                <$t>::from_f32(match v {
+                    Value::Float(f) => f as f32,
+                    Value::Int(i) => i as f32,
+                    Value::Bool(b) => f32::from(u8::from(b)),
+                })
+            }
+        }
+    };
+}
+half_emulated!(f16);
+half_emulated!(bf16);
+
+macro_rules! int_emulated {
+    ($t:ty, $signed:expr) => {
+        impl Emulated for $t {
+            const BYTES: usize = std::mem::size_of::<$t>();
+            fn read(bytes: &[u8]) -> Self {
+                <$t>::from_le_bytes(bytes.try_into().expect("element width"))
+            }
+            fn write(self, out: &mut Vec<u8>) {
+                out.extend_from_slice(&self.to_le_bytes());
+            }
+            fn arith(self, op: ElementwiseOp, rhs: Self) -> Option<Self> {
+                Some(match op {
+                    ElementwiseOp::Add => self.wrapping_add(rhs),
+                    ElementwiseOp::Sub => self.wrapping_sub(rhs),
+                    ElementwiseOp::Mul | ElementwiseOp::Scale => self.wrapping_mul(rhs),
+                    _ => return None,
+                })
+            }
+            fn neg(self) -> Option<Self> {
+                $signed.then(|| (0 as $t).wrapping_sub(self))
+            }
+            fn to_value(self) -> Value {
+                Value::Int(self as i128)
+            }
+            fn from_value(v: Value) -> Self {
+                match v {
+                    Value::Float(f) => f as $t,
+                    Value::Int(i) => i as $t,
+                    Value::Bool(b) => u8::from(b) as $t,
+                }
+            }
+        }
+    };
+}
+int_emulated!(i8, true);
+int_emulated!(i16, true);
+int_emulated!(i32, true);
+int_emulated!(i64, true);
+int_emulated!(u8, false);
+int_emulated!(u16, false);
+int_emulated!(u32, false);
+int_emulated!(u64, false);
+
+impl Emulated for bool {
+    const BYTES: usize = 1;
+    fn read(bytes: &[u8]) -> Self {
+        bytes[0] != 0
+    }
+    fn write(self, out: &mut Vec<u8>) {
+        out.push(u8::from(self));
+    }
+    fn arith(self, _: ElementwiseOp, _: Self) -> Option<Self> {
+        None
+    }
+    fn neg(self) -> Option<Self> {
+        None
+    }
+    fn to_value(self) -> Value {
+        Value::Bool(self)
+    }
+    fn from_value(v: Value) -> Self {
+        match v {
+            Value::Float(f) => f != 0.0,
+            Value::Int(i) => i != 0,
+            Value::Bool(b) => b,
+        }
+    }
+}
+
+/// Runs `op` over `len` elements of one type; `None` when the operation does not apply.
+fn same_type<T: Emulated>(
+    op: ElementwiseOp,
+    a: &[u8],
+    b: &[u8],
+    scalar: u64,
+    len: usize,
+) -> Option<Vec<u8>> {
+    let mut out = Vec::with_capacity(len * T::BYTES);
+    let at = |bytes: &[u8], i: usize| T::read(&bytes[i * T::BYTES..(i + 1) * T::BYTES]);
+    let s = T::from_scalar(scalar);
+    for i in 0..len {
+        let v = match op {
+            ElementwiseOp::Fill => s,
+            ElementwiseOp::Neg => at(a, i).neg()?,
+            ElementwiseOp::Scale => at(a, i).arith(op, s)?,
+            ElementwiseOp::Cast => at(a, i),
+            _ => at(a, i).arith(op, at(b, i))?,
+        };
+        v.write(&mut out);
+    }
+    Some(out)
+}
+
+fn cast_to<I: Emulated, O: Emulated>(a: &[u8], len: usize) -> Vec<u8> {
+    let mut out = Vec::with_capacity(len * O::BYTES);
+    for i in 0..len {
+        O::from_value(I::read(&a[i * I::BYTES..(i + 1) * I::BYTES]).to_value()).write(&mut out);
+    }
+    out
+}
+
+macro_rules! dispatch {
+    ($dtype:expr, $f:ident $(::<$($pre:ty),*>)? ($($arg:expr),*)) => {
+        match $dtype {
+            DType::F32 => $f::<$($($pre,)*)? f32>($($arg),*),
+            DType::F64 => $f::<$($($pre,)*)? f64>($($arg),*),
+            DType::F16 => $f::<$($($pre,)*)? f16>($($arg),*),
+            DType::BF16 => $f::<$($($pre,)*)? bf16>($($arg),*),
+            DType::I8 => $f::<$($($pre,)*)? i8>($($arg),*),
+            DType::I16 => $f::<$($($pre,)*)? i16>($($arg),*),
+            DType::I32 => $f::<$($($pre,)*)? i32>($($arg),*),
+            DType::I64 => $f::<$($($pre,)*)? i64>($($arg),*),
+            DType::U8 => $f::<$($($pre,)*)? u8>($($arg),*),
+            DType::U16 => $f::<$($($pre,)*)? u16>($($arg),*),
+            DType::U32 => $f::<$($($pre,)*)? u32>($($arg),*),
+            DType::U64 => $f::<$($($pre,)*)? u64>($($arg),*),
+            DType::Bool => $f::<$($($pre,)*)? bool>($($arg),*),
+        }
+    };
+}
+
+fn cast_from<I: Emulated>(output: DType, a: &[u8], len: usize) -> Vec<u8> {
+    dispatch!(output, cast_to::<I>(a, len))
+}
+
+/// Computes what the kernel for `spec` writes, given its operands' bytes (empty when unused).
+/// `None` when the spec is not a kernel the crate builds.
+pub(crate) fn run(
+    spec: ElementwiseSpec,
+    a: &[u8],
+    b: &[u8],
+    scalar: u64,
+    len: usize,
+) -> Option<Vec<u8>> {
+    if spec.op == ElementwiseOp::Cast && spec.input != spec.output {
+        return Some(dispatch!(spec.input, cast_from(spec.output, a, len)));
+    }
+    if spec.input != spec.output {
+        return None;
+    }
+    dispatch!(spec.input, same_type(spec.op, a, b, scalar, len))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(op: ElementwiseOp, input: DType, output: DType) -> ElementwiseSpec {
+        ElementwiseSpec { op, input, output }
+    }
+
+    #[test]
+    fn integer_arithmetic_wraps() {
+        let a = [250u8, 3];
+        let b = [10u8, 4];
+        let out = run(spec(ElementwiseOp::Add, DType::U8, DType::U8), &a, &b, 0, 2).unwrap();
+        assert_eq!(out, [4, 7]);
+    }
+
+    #[test]
+    fn casts_saturate_like_rust() {
+        let a: Vec<u8> = [1e10f32, -1e10, f32::NAN, -3.7]
+            .iter()
+            .flat_map(|f| f.to_le_bytes())
+            .collect();
+        let out = run(
+            spec(ElementwiseOp::Cast, DType::F32, DType::I16),
+            &a,
+            &[],
+            0,
+            4,
+        )
+        .unwrap();
+        let got: Vec<i16> = out
+            .chunks(2)
+            .map(|c| i16::from_le_bytes([c[0], c[1]]))
+            .collect();
+        assert_eq!(got, [i16::MAX, i16::MIN, 0, -3]);
+    }
+
+    #[test]
+    fn unsupported_operations_are_refused() {
+        assert!(run(
+            spec(ElementwiseOp::Neg, DType::U32, DType::U32),
+            &[0; 4],
+            &[],
+            0,
+            1
+        )
+        .is_none());
+        assert!(run(
+            spec(ElementwiseOp::Add, DType::Bool, DType::Bool),
+            &[1],
+            &[1],
+            0,
+            1
+        )
+        .is_none());
+        assert!(run(
+            spec(ElementwiseOp::Add, DType::F32, DType::F64),
+            &[0; 4],
+            &[0; 4],
+            0,
+            1
+        )
+        .is_none());
+    }
+
+    #[test]
+    fn fill_reads_the_scalar_bits() {
+        let bits = u64::from(f16::from_f32(1.5).to_bits());
+        let out = run(
+            spec(ElementwiseOp::Fill, DType::F16, DType::F16),
+            &[],
+            &[],
+            bits,
+            2,
+        )
+        .unwrap();
+        assert_eq!(out, [0x00, 0x3e, 0x00, 0x3e]);
+    }
+}

@@ -1,0 +1,244 @@
+//! Checks of the generated CUDA source that need no GPU.
+//!
+//! - The source of every built-in kernel is compiled for the *host* with the system C++
+//!   compiler (CUDA's qualifiers defined away, one thread covering the whole grid-stride loop)
+//!   and run on random bit patterns; its output must match the simulator's Rust emulation bit
+//!   for bit (NaNs compared as NaNs). This cross-checks two independent implementations of the
+//!   documented semantics, including the hand-written `f16`/`bf16` conversions, in CI.
+//! - An ignored test compiles every kernel with NVRTC (which needs no device, only the
+//!   library) to catch anything the host compiler accepts but NVRTC does not.
+
+use super::emulate;
+use super::source::{kernel_name, module_source};
+use crate::driver::launch::{ElementwiseOp, ElementwiseSpec};
+use crate::element::DType;
+use std::io::Write;
+use std::process::{Command, Stdio};
+
+const OPS: [ElementwiseOp; 7] = [
+    ElementwiseOp::Add,
+    ElementwiseOp::Sub,
+    ElementwiseOp::Mul,
+    ElementwiseOp::Div,
+    ElementwiseOp::Neg,
+    ElementwiseOp::Scale,
+    ElementwiseOp::Fill,
+];
+
+/// Every kernel the crate can build.
+fn all_specs() -> Vec<ElementwiseSpec> {
+    let mut specs = Vec::new();
+    for d in DType::ALL {
+        for op in OPS {
+            if super::unsupported(op, d).is_none() {
+                specs.push(ElementwiseSpec {
+                    op,
+                    input: d,
+                    output: d,
+                });
+            }
+        }
+        for to in DType::ALL {
+            specs.push(ElementwiseSpec {
+                op: ElementwiseOp::Cast,
+                input: d,
+                output: to,
+            });
+        }
+    }
+    specs
+}
+
+const HOST_STUBS: &str = r#"
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+#define __device__
+#define __forceinline__ inline
+#define __global__
+struct CfDim3 { unsigned long long x; };
+static const CfDim3 blockIdx = {0}, threadIdx = {0}, blockDim = {1}, gridDim = {1};
+static bool read_all(void* p, size_t n) { return n == 0 || fread(p, 1, n, stdin) == n; }
+"#;
+
+struct Xorshift(u64);
+
+impl Xorshift {
+    fn next(&mut self) -> u64 {
+        let mut x = self.0;
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        self.0 = x;
+        x
+    }
+}
+
+/// Random bytes for `len` elements of `d`: raw bit patterns for most, "ordinary" values for
+/// some, 0/1 for `bool` (a `DeviceTensor<bool>` the crate makes holds only those).
+fn random_operand(rng: &mut Xorshift, d: DType, len: usize) -> Vec<u8> {
+    let mut out = Vec::with_capacity(len * d.size_bytes());
+    for i in 0..len {
+        let bits = rng.next();
+        if d == DType::Bool {
+            out.push(u8::from(bits % 3 != 0));
+            continue;
+        }
+        let ordinary = i % 3 == 0;
+        let bytes: Vec<u8> = match d {
+            DType::F32 if ordinary => ((bits % 2001) as f32 / 8.0 - 125.0).to_le_bytes().to_vec(),
+            DType::F64 if ordinary => ((bits % 2001) as f64 / 8.0 - 125.0).to_le_bytes().to_vec(),
+            DType::F16 if ordinary => half::f16::from_f32((bits % 2001) as f32 / 8.0 - 125.0)
+                .to_le_bytes()
+                .to_vec(),
+            DType::BF16 if ordinary => half::bf16::from_f32((bits % 2001) as f32 / 8.0 - 125.0)
+                .to_le_bytes()
+                .to_vec(),
+            _ => bits.to_le_bytes()[..d.size_bytes()].to_vec(),
+        };
+        out.extend_from_slice(&bytes);
+    }
+    out
+}
+
+fn same_bits(d: DType, got: &[u8], want: &[u8]) -> bool {
+    let nan = |b: &[u8]| match d {
+        DType::F32 => f32::from_le_bytes(b.try_into().unwrap()).is_nan(),
+        DType::F64 => f64::from_le_bytes(b.try_into().unwrap()).is_nan(),
+        DType::F16 => half::f16::from_le_bytes(b.try_into().unwrap()).is_nan(),
+        DType::BF16 => half::bf16::from_le_bytes(b.try_into().unwrap()).is_nan(),
+        _ => false,
+    };
+    got == want || (nan(got) && nan(want))
+}
+
+#[test]
+fn generated_cuda_source_compiled_for_the_host_matches_the_emulation() {
+    let specs = all_specs();
+    let dir = std::env::temp_dir().join(format!("cuferry-host-check-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut src = String::from(HOST_STUBS);
+    for (i, &spec) in specs.iter().enumerate() {
+        src.push_str(&format!("namespace k{i} {{\n{}\n}}\n", module_source(spec)));
+    }
+    // Typed trampolines: each kernel takes its own pointer types.
+    for (i, &spec) in specs.iter().enumerate() {
+        src.push_str(&format!(
+            "static void call_{i}(void* o, const void* a, const void* b, unsigned long long s, unsigned long long n) {{ k{i}::{name}(({o}*)o, (const {a}*)a, (const {a}*)b, s, n); }}\n",
+            name = kernel_name(spec),
+            o = super::source::storage_name(spec.output),
+            a = super::source::storage_name(spec.input),
+        ));
+    }
+    src.push_str("int main() {\n");
+    for (i, &spec) in specs.iter().enumerate() {
+        let (isz, osz) = (spec.input.size_bytes(), spec.output.size_bytes());
+        src.push_str(&format!(
+            "  {{ unsigned long long n, s; if (!read_all(&n, 8) || !read_all(&s, 8)) return 2;\n    std::vector<unsigned char> a(n * {isz} + 8), b(n * {isz} + 8), o(n * {osz} + 8);\n    if (!read_all(a.data(), n * {isz}) || !read_all(b.data(), n * {isz})) return 3;\n    call_{i}(o.data(), a.data(), b.data(), s, n);\n    fwrite(o.data(), 1, n * {osz}, stdout); }}\n"
+        ));
+    }
+    src.push_str("  return 0;\n}\n");
+
+    let cpp = dir.join("kernels.cpp");
+    let exe = dir.join("kernels");
+    std::fs::write(&cpp, &src).unwrap();
+    let compiled = Command::new("c++")
+        .args(["-O0", "-ffp-contract=off", "-w", "-o"])
+        .arg(&exe)
+        .arg(&cpp)
+        .output()
+        .expect("a host C++ compiler (`c++`) is needed to check the kernel source");
+    assert!(
+        compiled.status.success(),
+        "the generated source does not compile for the host:\n{}",
+        String::from_utf8_lossy(&compiled.stderr)
+    );
+
+    let mut rng = Xorshift(0x1234_5678_9abc_def1);
+    let mut input = Vec::new();
+    let mut expected = Vec::new();
+    for &spec in &specs {
+        let len = 97usize;
+        let scalar_bytes = random_operand(&mut rng, spec.input, 1);
+        let mut scalar = [0u8; 8];
+        scalar[..scalar_bytes.len()].copy_from_slice(&scalar_bytes);
+        let scalar = u64::from_le_bytes(scalar);
+        let a = random_operand(&mut rng, spec.input, len);
+        let b = random_operand(&mut rng, spec.input, len);
+        input.extend_from_slice(&(len as u64).to_le_bytes());
+        input.extend_from_slice(&scalar.to_le_bytes());
+        input.extend_from_slice(&a);
+        input.extend_from_slice(&b);
+        let reads_b = matches!(
+            spec.op,
+            ElementwiseOp::Add | ElementwiseOp::Sub | ElementwiseOp::Mul | ElementwiseOp::Div
+        );
+        let want = emulate::run(spec, &a, if reads_b { &b } else { &[] }, scalar, len)
+            .expect("every spec is emulated");
+        expected.push((spec, len, want));
+    }
+    let mut child = Command::new(&exe)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    let writer = std::thread::spawn(move || stdin.write_all(&input));
+    let output = child.wait_with_output().unwrap();
+    writer.join().unwrap().unwrap();
+    assert!(
+        output.status.success(),
+        "host kernels exited with {}",
+        output.status
+    );
+
+    let mut at = 0;
+    let mut failures = Vec::new();
+    for (spec, len, want) in expected {
+        let osz = spec.output.size_bytes();
+        let got = &output.stdout[at..at + len * osz];
+        at += len * osz;
+        for i in 0..len {
+            let (g, w) = (&got[i * osz..(i + 1) * osz], &want[i * osz..(i + 1) * osz]);
+            if !same_bits(spec.output, g, w) {
+                failures.push(format!(
+                    "{spec:?} element {i}: CUDA source {g:02x?}, emulation {w:02x?}"
+                ));
+                break;
+            }
+        }
+    }
+    assert_eq!(at, output.stdout.len());
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(
+        failures.is_empty(),
+        "{} kernel(s) differ:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}
+
+/// Compiles every kernel with NVRTC. Needs the NVRTC library on the loader path (no GPU).
+#[test]
+#[ignore = "needs NVRTC (libnvrtc) on the library path"]
+fn every_kernel_compiles_with_nvrtc() {
+    use cudarc::nvrtc::result as nvrtc;
+    assert!(
+        crate::driver::cuda::nvrtc_present(),
+        "NVRTC could not be loaded"
+    );
+    for spec in all_specs() {
+        let src = std::ffi::CString::new(module_source(spec)).unwrap();
+        let prog = nvrtc::create_program(&src, None).unwrap();
+        // SAFETY: `prog` was just created and is destroyed once below.
+        let compiled = unsafe { nvrtc::compile_program(prog, &["--gpu-architecture=compute_90"]) };
+        if compiled.is_err() {
+            // SAFETY: `prog` is live.
+            let log = unsafe { nvrtc::get_program_log(prog) }.unwrap();
+            let log: String = log.iter().map(|&c| c as u8 as char).collect();
+            panic!("{spec:?} does not compile:\n{log}");
+        }
+        // SAFETY: `prog` is live and destroyed once.
+        unsafe { nvrtc::destroy_program(prog) }.unwrap();
+    }
+}

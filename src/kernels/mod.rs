@@ -1,0 +1,393 @@
+//! Elementwise kernels on the engine's stream: add, sub, mul, div, neg, scale, fill and cast.
+//!
+//! They exist so a chain of dependent operations is a chain of calls: each call validates its
+//! operands, allocates its output stream-ordered, queues one kernel on the engine's stream and
+//! returns without waiting for the device. Nothing waits until [`CudaEngine::synchronize`] or a
+//! blocking download.
+//!
+//! Each kernel is compiled with NVRTC the first time an engine needs it and cached in the engine
+//! by operation and element type(s), so steady-state calls cost one launch. The source is
+//! generated per type and is self-contained (see the semantics documented below).
+//!
+//! # Which element types each operation serves
+//!
+//! | operation | element types |
+//! | --- | --- |
+//! | [`add`](CudaEngine::add), [`sub`](CudaEngine::sub), [`mul`](CudaEngine::mul), [`scale`](CudaEngine::scale) | every type but `bool` |
+//! | [`div`](CudaEngine::div) | `f32`, `f64`, `f16`, `bf16` |
+//! | [`neg`](CudaEngine::neg) | `f32`, `f64`, `f16`, `bf16` and the signed integers |
+//! | [`fill`](CudaEngine::fill), [`full`](CudaEngine::full) | every type |
+//! | [`cast`](CudaEngine::cast) | every pair of types |
+//!
+//! Any other combination is [`Error::UnsupportedElement`], before anything is queued. Integer
+//! division is left out because division by zero has no defined result on the device; cast to a
+//! float type first.
+//!
+//! # Semantics
+//!
+//! - Integer arithmetic wraps (two's complement), like Rust's `wrapping_*`.
+//! - `f32`/`f64` arithmetic is IEEE 754 with round-to-nearest-even, no fused operations and no
+//!   flushing of subnormals, so it matches the host bit for bit.
+//! - `f16`/`bf16` arithmetic is computed in `f32` and rounded once, as the `half` crate does.
+//! - Casts follow Rust's `as`: float to integer truncates toward zero and saturates, NaN
+//!   becoming 0; integer to integer wraps; anything to `bool` tests `!= 0`; `bool` is 0 or 1.
+//!   Conversions to `f16`/`bf16` round through `f32`.
+//!
+//! # On the simulated device
+//!
+//! The simulator cannot run PTX: it emulates each built-in kernel on its own memory when its
+//! stream reaches the launch, so ordering and results are tested without a GPU.
+
+#[cfg(any(test, feature = "sim"))]
+pub(crate) mod emulate;
+#[cfg(test)]
+mod host_check;
+pub(crate) mod source;
+
+use crate::driver::launch::{
+    ElementwiseArgs, ElementwiseOp, ElementwiseSpec, FunctionHandle, ModuleHandle, ModuleSource,
+};
+use crate::driver::Driver;
+use crate::element::{as_bytes, DType, Element};
+use crate::engine::{CudaEngine, State};
+use crate::error::{Error, Result};
+use crate::tensor::DeviceTensor;
+use std::collections::HashMap;
+
+/// The engine's compiled elementwise kernels, by what they compute.
+#[derive(Default)]
+pub(crate) struct KernelCache {
+    entries: HashMap<ElementwiseSpec, (ModuleHandle, FunctionHandle)>,
+}
+
+impl KernelCache {
+    /// The kernel for `spec`, compiling and loading it on first use.
+    fn function(
+        &mut self,
+        driver: &mut dyn Driver,
+        spec: ElementwiseSpec,
+    ) -> Result<FunctionHandle> {
+        if let Some(&(_, function)) = self.entries.get(&spec) {
+            return Ok(function);
+        }
+        let name = source::kernel_name(spec);
+        let cuda = source::module_source(spec);
+        let module = driver.module_compile(&ModuleSource {
+            name: &name,
+            cuda: &cuda,
+            builtin: Some(spec),
+        })?;
+        let function = match driver.module_function(module, &name) {
+            Ok(function) => function,
+            Err(source) => {
+                // SAFETY: the module was loaded just above, nothing was launched from it, and
+                // it is not cached, so it is unloaded exactly once.
+                let _ = unsafe { driver.module_unload(module) };
+                return Err(Error::Driver {
+                    call: "cuModuleGetFunction",
+                    source,
+                });
+            }
+        };
+        self.entries.insert(spec, (module, function));
+        Ok(function)
+    }
+
+    /// How many kernels are cached.
+    pub(crate) fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Unloads every module. Call only once the stream is idle (no launch pending).
+    pub(crate) fn release(&mut self, driver: &mut dyn Driver) {
+        for (_, (module, _)) in self.entries.drain() {
+            // SAFETY: each cached module is unloaded once (drained from the cache); the caller
+            // guarantees the stream is idle, so no launch of its kernel is pending.
+            let _ = unsafe { driver.module_unload(module) };
+        }
+    }
+}
+
+/// Why `op` does not serve element type `dtype`, if it does not.
+fn unsupported(op: ElementwiseOp, dtype: DType) -> Option<&'static str> {
+    let float = matches!(dtype, DType::F32 | DType::F64 | DType::F16 | DType::BF16);
+    let signed = matches!(dtype, DType::I8 | DType::I16 | DType::I32 | DType::I64);
+    match op {
+        ElementwiseOp::Fill | ElementwiseOp::Cast => None,
+        _ if dtype == DType::Bool => Some("arithmetic on bool is not defined"),
+        ElementwiseOp::Div if !float => Some(
+            "integer division by zero has no defined result on the device; cast to a float type first",
+        ),
+        ElementwiseOp::Neg if !float && !signed => Some("an unsigned type has no negation"),
+        _ => None,
+    }
+}
+
+fn spec(op: ElementwiseOp, input: DType, output: DType) -> Result<ElementwiseSpec> {
+    if let Some(reason) = unsupported(op, input) {
+        return Err(Error::UnsupportedElement {
+            operation: op.name(),
+            dtype: input,
+            reason,
+        });
+    }
+    Ok(ElementwiseSpec { op, input, output })
+}
+
+/// The bits of a scalar, zero-extended to 64 bits (little-endian element bytes).
+fn scalar_bits<T: Element>(value: T) -> u64 {
+    let mut bytes = [0u8; 8];
+    let raw = as_bytes(std::slice::from_ref(&value));
+    bytes[..raw.len()].copy_from_slice(raw);
+    u64::from_le_bytes(bytes)
+}
+
+impl CudaEngine {
+    /// Queues the kernel for `spec` with `args`, compiling it on first use.
+    ///
+    /// # Safety
+    /// `args` satisfies [`Launch::launch_elementwise`](crate::driver::launch::Launch::launch_elementwise)'s
+    /// contract for `spec`: the pointers name live allocations of this engine, of `len` elements
+    /// of the spec's types, whose frees are queued (if at all) after this launch.
+    unsafe fn launch_elementwise(
+        &mut self,
+        spec: ElementwiseSpec,
+        args: ElementwiseArgs,
+    ) -> Result<()> {
+        if args.len == 0 {
+            return Ok(());
+        }
+        let mut st = self.enter()?;
+        let State {
+            driver, kernels, ..
+        } = &mut *st;
+        let function = kernels.function(driver.as_mut(), spec)?;
+        // SAFETY: the caller guarantees the pointer contract; `function` was compiled for `spec`.
+        unsafe { driver.launch_elementwise(function, &args) }
+            .map_err(Error::driver("cuLaunchKernel"))
+    }
+
+    fn binary<T: Element>(
+        &mut self,
+        op: ElementwiseOp,
+        a: &DeviceTensor<T>,
+        b: &DeviceTensor<T>,
+    ) -> Result<DeviceTensor<T>> {
+        let spec = spec(op, T::DTYPE, T::DTYPE)?;
+        a.check_engine(self)?;
+        b.check_engine(self)?;
+        if a.shape() != b.shape() {
+            return Err(Error::ShapesDiffer {
+                operation: op.name(),
+                left: a.shape().to_vec(),
+                right: b.shape().to_vec(),
+            });
+        }
+        let out = DeviceTensor::alloc(self, a.shape())?;
+        let args = ElementwiseArgs {
+            out: out.raw_ptr(),
+            a: a.raw_ptr(),
+            b: b.raw_ptr(),
+            scalar: 0,
+            len: a.len() as u64,
+        };
+        // SAFETY: `a`, `b` and `out` are live allocations of this engine with `len` elements of
+        // `T`; `a` and `b` stay borrowed for the call and `out` is returned to the caller, so
+        // every free is queued after the launch; `out` is fresh, so it overlaps neither operand.
+        unsafe { self.launch_elementwise(spec, args) }?;
+        Ok(out)
+    }
+
+    /// `a + b`, elementwise, into a new tensor. Queued on the engine's stream; does not wait.
+    ///
+    /// ```
+    /// # fn main() -> Result<(), cuferry::Error> {
+    /// # let mut engine = cuferry::CudaEngine::simulated(Default::default());
+    /// let seed = cuferry::upload_tensor(&mut engine, &[1.0f32, 2.0, 3.0, 4.0], &[4])?;
+    /// let mut state = engine.add(&seed, &seed)?;
+    /// for _ in 0..2 {
+    ///     state = engine.add(&state, &state)?; // no host wait between links
+    /// }
+    /// engine.flush()?;
+    /// assert_eq!(cuferry::download_tensor(&mut engine, &state)?, [8.0, 16.0, 24.0, 32.0]);
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::UnsupportedElement`] for `bool`; [`Error::ShapesDiffer`] when the shapes differ;
+    /// [`Error::WrongDevice`]/[`Error::WrongEngine`] for another engine's tensor;
+    /// [`Error::Unavailable`] when NVRTC is missing; [`Error::Compile`] or [`Error::Driver`] when
+    /// the kernel cannot be built or queued.
+    pub fn add<T: Element>(
+        &mut self,
+        a: &DeviceTensor<T>,
+        b: &DeviceTensor<T>,
+    ) -> Result<DeviceTensor<T>> {
+        self.binary(ElementwiseOp::Add, a, b)
+    }
+
+    /// `a - b`, elementwise, into a new tensor. Queued; does not wait.
+    ///
+    /// # Errors
+    /// As [`add`](Self::add).
+    pub fn sub<T: Element>(
+        &mut self,
+        a: &DeviceTensor<T>,
+        b: &DeviceTensor<T>,
+    ) -> Result<DeviceTensor<T>> {
+        self.binary(ElementwiseOp::Sub, a, b)
+    }
+
+    /// `a * b`, elementwise, into a new tensor. Queued; does not wait.
+    ///
+    /// # Errors
+    /// As [`add`](Self::add).
+    pub fn mul<T: Element>(
+        &mut self,
+        a: &DeviceTensor<T>,
+        b: &DeviceTensor<T>,
+    ) -> Result<DeviceTensor<T>> {
+        self.binary(ElementwiseOp::Mul, a, b)
+    }
+
+    /// `a / b`, elementwise, into a new tensor, for float types. Queued; does not wait.
+    ///
+    /// # Errors
+    /// [`Error::UnsupportedElement`] for integers and `bool`; otherwise as [`add`](Self::add).
+    pub fn div<T: Element>(
+        &mut self,
+        a: &DeviceTensor<T>,
+        b: &DeviceTensor<T>,
+    ) -> Result<DeviceTensor<T>> {
+        self.binary(ElementwiseOp::Div, a, b)
+    }
+
+    /// `-a`, elementwise, into a new tensor, for float and signed integer types. Queued; does
+    /// not wait.
+    ///
+    /// # Errors
+    /// [`Error::UnsupportedElement`] for unsigned integers and `bool`; otherwise as
+    /// [`add`](Self::add).
+    pub fn neg<T: Element>(&mut self, a: &DeviceTensor<T>) -> Result<DeviceTensor<T>> {
+        self.unary(spec(ElementwiseOp::Neg, T::DTYPE, T::DTYPE)?, a, 0)
+    }
+
+    /// `a * factor`, elementwise, into a new tensor. Queued; does not wait.
+    ///
+    /// # Errors
+    /// [`Error::UnsupportedElement`] for `bool`; otherwise as [`add`](Self::add).
+    pub fn scale<T: Element>(&mut self, a: &DeviceTensor<T>, factor: T) -> Result<DeviceTensor<T>> {
+        let spec = spec(ElementwiseOp::Scale, T::DTYPE, T::DTYPE)?;
+        self.unary(spec, a, scalar_bits(factor))
+    }
+
+    /// Converts every element to `U` (Rust's `as` semantics; see the [module docs](self)) into a
+    /// new tensor of the same shape. Queued; does not wait.
+    ///
+    /// ```
+    /// # fn main() -> Result<(), cuferry::Error> {
+    /// # let mut engine = cuferry::CudaEngine::simulated(Default::default());
+    /// let x = cuferry::upload_tensor(&mut engine, &[-1.5f32, 300.0, f32::NAN], &[3])?;
+    /// let y = engine.cast::<u8, _>(&x)?;
+    /// assert_eq!(cuferry::download_tensor(&mut engine, &y)?, [0, 255, 0]);
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    /// As [`add`](Self::add), except that every pair of element types is served.
+    pub fn cast<U: Element, T: Element>(&mut self, a: &DeviceTensor<T>) -> Result<DeviceTensor<U>> {
+        let spec = spec(ElementwiseOp::Cast, T::DTYPE, U::DTYPE)?;
+        a.check_engine(self)?;
+        let out = DeviceTensor::<U>::alloc(self, a.shape())?;
+        let args = ElementwiseArgs {
+            out: out.raw_ptr(),
+            a: a.raw_ptr(),
+            b: 0,
+            scalar: 0,
+            len: a.len() as u64,
+        };
+        // SAFETY: as in `binary`: `a` is borrowed through the call, `out` is fresh and returned.
+        unsafe { self.launch_elementwise(spec, args) }?;
+        Ok(out)
+    }
+
+    /// Writes `value` into every element of `tensor`. Queued; does not wait.
+    ///
+    /// # Errors
+    /// [`Error::WrongDevice`]/[`Error::WrongEngine`] for another engine's tensor; otherwise as
+    /// [`add`](Self::add).
+    pub fn fill<T: Element>(&mut self, tensor: &mut DeviceTensor<T>, value: T) -> Result<()> {
+        let spec = spec(ElementwiseOp::Fill, T::DTYPE, T::DTYPE)?;
+        tensor.check_engine(self)?;
+        let args = ElementwiseArgs {
+            out: tensor.raw_ptr(),
+            a: 0,
+            b: 0,
+            scalar: scalar_bits(value),
+            len: tensor.len() as u64,
+        };
+        // SAFETY: `tensor` is a live allocation of this engine, borrowed exclusively for the
+        // call; its free, if any, is queued later.
+        unsafe { self.launch_elementwise(spec, args) }
+    }
+
+    /// A new tensor of `shape` with every element `value`. Queued; does not wait.
+    ///
+    /// # Errors
+    /// As [`fill`](Self::fill), plus [`Error::SizeOverflow`] for a shape too large.
+    pub fn full<T: Element>(&mut self, shape: &[usize], value: T) -> Result<DeviceTensor<T>> {
+        let mut out = DeviceTensor::alloc(self, shape)?;
+        self.fill(&mut out, value)?;
+        Ok(out)
+    }
+
+    /// How many elementwise kernels this engine has compiled and cached.
+    pub fn cached_kernels(&self) -> usize {
+        self.shared.lock_raw().kernels.len()
+    }
+
+    fn unary<T: Element>(
+        &mut self,
+        spec: ElementwiseSpec,
+        a: &DeviceTensor<T>,
+        scalar: u64,
+    ) -> Result<DeviceTensor<T>> {
+        a.check_engine(self)?;
+        let out = DeviceTensor::alloc(self, a.shape())?;
+        let args = ElementwiseArgs {
+            out: out.raw_ptr(),
+            a: a.raw_ptr(),
+            b: 0,
+            scalar,
+            len: a.len() as u64,
+        };
+        // SAFETY: as in `binary`: `a` is borrowed through the call, `out` is fresh and returned.
+        unsafe { self.launch_elementwise(spec, args) }?;
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn support_matrix() {
+        for d in DType::ALL {
+            assert!(unsupported(ElementwiseOp::Fill, d).is_none());
+            assert!(unsupported(ElementwiseOp::Cast, d).is_none());
+        }
+        assert!(unsupported(ElementwiseOp::Add, DType::Bool).is_some());
+        assert!(unsupported(ElementwiseOp::Div, DType::I32).is_some());
+        assert!(unsupported(ElementwiseOp::Div, DType::BF16).is_none());
+        assert!(unsupported(ElementwiseOp::Neg, DType::U8).is_some());
+        assert!(unsupported(ElementwiseOp::Neg, DType::I8).is_none());
+    }
+
+    #[test]
+    fn scalar_bits_zero_extend() {
+        assert_eq!(scalar_bits(-1i8), 0xff);
+        assert_eq!(scalar_bits(1.0f32), u64::from(1.0f32.to_bits()));
+        assert_eq!(scalar_bits(true), 1);
+    }
+}

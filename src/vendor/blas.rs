@@ -1,0 +1,367 @@
+//! cuBLAS general matrix multiply on the engine's stream.
+//!
+//! [`CudaEngine::gemm`] is BLAS's `gemm`, column-major with explicit leading dimensions;
+//! [`CudaEngine::matmul`] multiplies row-major 2-D tensors into a new one. Both validate every
+//! dimension against the tensors' lengths before anything is queued, so a bad argument is a
+//! typed error, never an out-of-bounds read on the device.
+
+use super::{cublas, dim, CUBLAS};
+use crate::element::Element;
+use crate::engine::CudaEngine;
+use crate::error::{Error, Result};
+use crate::tensor::DeviceTensor;
+use cudarc::cublas::sys::{cublasHandle_t, cublasOperation_t};
+
+mod private {
+    use cudarc::cublas::result::CublasError;
+    use cudarc::cublas::sys::{cublasHandle_t, cublasOperation_t};
+
+    /// The per-type cuBLAS entry point. Not nameable outside the crate.
+    pub trait GemmCall: Sized {
+        /// The cuBLAS call's name, for errors.
+        const NAME: &'static str;
+        /// One.
+        const ONE: Self;
+        /// Calls `cublas?gemm_v2`.
+        ///
+        /// # Safety
+        /// cuBLAS's contract: a live handle, and device pointers valid for the given shapes.
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn gemm(
+            handle: cublasHandle_t,
+            transa: cublasOperation_t,
+            transb: cublasOperation_t,
+            m: i32,
+            n: i32,
+            k: i32,
+            alpha: &Self,
+            a: u64,
+            lda: i32,
+            b: u64,
+            ldb: i32,
+            beta: &Self,
+            c: u64,
+            ldc: i32,
+        ) -> Result<(), CublasError>;
+    }
+
+    impl GemmCall for f32 {
+        const NAME: &'static str = "cublasSgemm_v2";
+        const ONE: Self = 1.0;
+        unsafe fn gemm(
+            handle: cublasHandle_t,
+            transa: cublasOperation_t,
+            transb: cublasOperation_t,
+            m: i32,
+            n: i32,
+            k: i32,
+            alpha: &Self,
+            a: u64,
+            lda: i32,
+            b: u64,
+            ldb: i32,
+            beta: &Self,
+            c: u64,
+            ldc: i32,
+        ) -> Result<(), CublasError> {
+            // SAFETY: forwarded from the caller.
+            unsafe {
+                cudarc::cublas::result::sgemm(
+                    handle,
+                    transa,
+                    transb,
+                    m,
+                    n,
+                    k,
+                    alpha,
+                    a as *const f32,
+                    lda,
+                    b as *const f32,
+                    ldb,
+                    beta,
+                    c as *mut f32,
+                    ldc,
+                )
+            }
+        }
+    }
+
+    impl GemmCall for f64 {
+        const NAME: &'static str = "cublasDgemm_v2";
+        const ONE: Self = 1.0;
+        unsafe fn gemm(
+            handle: cublasHandle_t,
+            transa: cublasOperation_t,
+            transb: cublasOperation_t,
+            m: i32,
+            n: i32,
+            k: i32,
+            alpha: &Self,
+            a: u64,
+            lda: i32,
+            b: u64,
+            ldb: i32,
+            beta: &Self,
+            c: u64,
+            ldc: i32,
+        ) -> Result<(), CublasError> {
+            // SAFETY: forwarded from the caller.
+            unsafe {
+                cudarc::cublas::result::dgemm(
+                    handle,
+                    transa,
+                    transb,
+                    m,
+                    n,
+                    k,
+                    alpha,
+                    a as *const f64,
+                    lda,
+                    b as *const f64,
+                    ldb,
+                    beta,
+                    c as *mut f64,
+                    ldc,
+                )
+            }
+        }
+    }
+}
+
+/// An element type cuBLAS and cuSOLVER serve here: `f32` and `f64`. Sealed.
+pub trait BlasElement: Element + private::GemmCall + super::solver::calls::PotrfCall {}
+
+impl BlasElement for f32 {}
+impl BlasElement for f64 {}
+
+/// Whether a matrix operand is used as stored or transposed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Transpose {
+    /// Use the matrix as stored.
+    #[default]
+    No,
+    /// Use its transpose.
+    Yes,
+}
+
+impl Transpose {
+    fn op(self) -> cublasOperation_t {
+        match self {
+            Transpose::No => cublasOperation_t::CUBLAS_OP_N,
+            Transpose::Yes => cublasOperation_t::CUBLAS_OP_T,
+        }
+    }
+}
+
+/// A column-major `C = alpha * op(A) * op(B) + beta * C`, where `op(A)` is `m × k`, `op(B)` is
+/// `k × n` and `C` is `m × n`.
+///
+/// Leading dimensions are the distance between columns, in elements: a stored matrix with `r`
+/// rows needs `ld >= max(1, r)`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GemmConfig<T> {
+    /// How `A` is used.
+    pub transa: Transpose,
+    /// How `B` is used.
+    pub transb: Transpose,
+    /// Rows of `op(A)` and `C`.
+    pub m: usize,
+    /// Columns of `op(B)` and `C`.
+    pub n: usize,
+    /// Columns of `op(A)`, rows of `op(B)`.
+    pub k: usize,
+    /// The scale of the product.
+    pub alpha: T,
+    /// The scale of `C`'s previous contents (zero ignores them, NaNs included).
+    pub beta: T,
+    /// `A`'s leading dimension.
+    pub lda: usize,
+    /// `B`'s leading dimension.
+    pub ldb: usize,
+    /// `C`'s leading dimension.
+    pub ldc: usize,
+}
+
+impl<T: BlasElement> GemmConfig<T> {
+    /// A packed, untransposed product: `lda = m`, `ldb = k`, `ldc = m`.
+    pub fn new(m: usize, n: usize, k: usize, alpha: T, beta: T) -> Self {
+        GemmConfig {
+            transa: Transpose::No,
+            transb: Transpose::No,
+            m,
+            n,
+            k,
+            alpha,
+            beta,
+            lda: m.max(1),
+            ldb: k.max(1),
+            ldc: m.max(1),
+        }
+    }
+}
+
+/// Checks that a column-major `rows × cols` operand with leading dimension `ld` fits in `len`
+/// elements.
+fn check_operand(
+    operation: &'static str,
+    name: &'static str,
+    rows: usize,
+    cols: usize,
+    ld: usize,
+    len: usize,
+) -> Result<()> {
+    if ld < rows.max(1) {
+        return Err(Error::InvalidArgument {
+            operation,
+            detail: format!("leading dimension of {name} is {ld}, below its {rows} row(s)"),
+        });
+    }
+    let needed = if rows == 0 || cols == 0 {
+        0
+    } else {
+        ld.checked_mul(cols - 1)
+            .and_then(|x| x.checked_add(rows))
+            .ok_or_else(|| Error::InvalidArgument {
+                operation,
+                detail: format!("{name} of {rows}×{cols} with leading dimension {ld} overflows"),
+            })?
+    };
+    if len < needed {
+        return Err(Error::InvalidArgument {
+            operation,
+            detail: format!(
+                "{name} is {rows}×{cols} with leading dimension {ld}, which needs {needed} element(s), but the tensor has {len}"
+            ),
+        });
+    }
+    Ok(())
+}
+
+impl CudaEngine {
+    /// cuBLAS `gemm` on the engine's stream: `C = alpha * op(A) * op(B) + beta * C`,
+    /// column-major (see [`GemmConfig`]). Queued; does not wait.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when a dimension or leading dimension does not fit its tensor
+    /// or exceeds 32 bits; [`Error::WrongDevice`]/[`Error::WrongEngine`] for another engine's
+    /// tensor; [`Error::Unavailable`] when cuBLAS is missing or the engine is simulated;
+    /// [`Error::Vendor`] when cuBLAS refuses.
+    pub fn gemm<T: BlasElement>(
+        &mut self,
+        config: &GemmConfig<T>,
+        a: &DeviceTensor<T>,
+        b: &DeviceTensor<T>,
+        c: &mut DeviceTensor<T>,
+    ) -> Result<()> {
+        const OP: &str = "gemm";
+        a.check_engine(self)?;
+        b.check_engine(self)?;
+        c.check_engine(self)?;
+        let GemmConfig { m, n, k, .. } = *config;
+        let (a_rows, a_cols) = match config.transa {
+            Transpose::No => (m, k),
+            Transpose::Yes => (k, m),
+        };
+        let (b_rows, b_cols) = match config.transb {
+            Transpose::No => (k, n),
+            Transpose::Yes => (n, k),
+        };
+        check_operand(OP, "A", a_rows, a_cols, config.lda, a.len())?;
+        check_operand(OP, "B", b_rows, b_cols, config.ldb, b.len())?;
+        check_operand(OP, "C", m, n, config.ldc, c.len())?;
+        let dims = (
+            dim(OP, "m", m)?,
+            dim(OP, "n", n)?,
+            dim(OP, "k", k)?,
+            dim(OP, "lda", config.lda)?,
+            dim(OP, "ldb", config.ldb)?,
+            dim(OP, "ldc", config.ldc)?,
+        );
+        let mut st = self.enter()?;
+        let handle: cublasHandle_t = cublas(&mut st)?;
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        // SAFETY: the handle is the engine's, bound to its stream, with its context current;
+        // every operand was checked above to hold the elements cuBLAS reads or writes; `a` and
+        // `b` stay borrowed for the call and `c` exclusively, and their frees are queued (if at
+        // all) after this call on the same stream; alpha and beta are host scalars (the handle's
+        // default pointer mode), read before the call returns.
+        unsafe {
+            T::gemm(
+                handle,
+                config.transa.op(),
+                config.transb.op(),
+                dims.0,
+                dims.1,
+                dims.2,
+                &config.alpha,
+                a.raw_ptr(),
+                dims.3,
+                b.raw_ptr(),
+                dims.4,
+                &config.beta,
+                c.raw_ptr(),
+                dims.5,
+            )
+        }
+        .map_err(|e| CUBLAS.status(T::NAME, e.0, e.0 as i64))
+    }
+
+    /// The row-major product of 2-D tensors: `a` of shape `[m, k]` times `b` of shape `[k, n]`,
+    /// into a new tensor of shape `[m, n]`. Queued; does not wait.
+    ///
+    /// cuBLAS is column-major, so this computes `Cᵀ = Bᵀ·Aᵀ`, which in column-major storage is
+    /// exactly row-major `C = A·B`; no data is transposed.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when a tensor is not 2-D or the inner dimensions differ;
+    /// otherwise as [`gemm`](Self::gemm).
+    pub fn matmul<T: BlasElement>(
+        &mut self,
+        a: &DeviceTensor<T>,
+        b: &DeviceTensor<T>,
+    ) -> Result<DeviceTensor<T>> {
+        const OP: &str = "matmul";
+        let (&[m, k], &[k2, n]) = (a.shape(), b.shape()) else {
+            return Err(Error::InvalidArgument {
+                operation: OP,
+                detail: format!(
+                    "operands must be 2-D, got shapes {:?} and {:?}",
+                    a.shape(),
+                    b.shape()
+                ),
+            });
+        };
+        if k != k2 {
+            return Err(Error::InvalidArgument {
+                operation: OP,
+                detail: format!("inner dimensions differ: [{m}, {k}] times [{k2}, {n}]"),
+            });
+        }
+        a.check_engine(self)?;
+        b.check_engine(self)?;
+        let mut c = DeviceTensor::alloc(self, &[m, n])?;
+        let zero = T::default();
+        if k == 0 {
+            // An empty sum: C is zero. (cuBLAS would scale C by beta = 0 too.)
+            self.fill(&mut c, zero)?;
+            return Ok(c);
+        }
+        let one = T::ONE;
+        let config = GemmConfig {
+            transa: Transpose::No,
+            transb: Transpose::No,
+            m: n,
+            n: m,
+            k,
+            alpha: one,
+            beta: zero,
+            lda: n.max(1),
+            ldb: k.max(1),
+            ldc: n.max(1),
+        };
+        self.gemm(&config, b, a, &mut c)?;
+        Ok(c)
+    }
+}

@@ -1,0 +1,308 @@
+//! cuSOLVER on the engine's stream: the Cholesky solve of a symmetric positive definite system.
+//!
+//! [`CudaEngine::cholesky_solve`] factors `A = L·Lᵀ` (`potrf`) and solves `A·X = B` (`potrs`)
+//! in place, queued on the engine's stream with a workspace drawn from the engine's
+//! stream-ordered allocator. Whether the matrix was positive definite is only known on the
+//! device, so the call returns a [`SolverStatus`] holding cuSOLVER's device-side `info` instead
+//! of waiting for it; [`SolverStatus::check`] reads it when the caller chooses to wait.
+
+use super::{cusolver, dim, BlasElement, CUSOLVER};
+use crate::engine::CudaEngine;
+use crate::error::{Error, Result};
+use crate::tensor::DeviceTensor;
+use crate::transfer::download_tensor;
+
+pub(super) mod calls {
+    use cudarc::cusolver::result::CusolverError;
+    use cudarc::cusolver::sys::{self, cublasFillMode_t, cusolverDnHandle_t};
+
+    /// The per-type cuSOLVER entry points. Not nameable outside the crate.
+    pub trait PotrfCall: Sized {
+        /// The names of the calls, for errors: buffer size, factor, solve.
+        const NAMES: [&'static str; 3];
+        /// `cusolverDn?potrf_bufferSize`.
+        ///
+        /// # Safety
+        /// cuSOLVER's contract: a live handle and a device matrix of `n × n` with `lda`.
+        unsafe fn buffer_size(
+            handle: cusolverDnHandle_t,
+            n: i32,
+            a: u64,
+            lda: i32,
+        ) -> Result<i32, CusolverError>;
+        /// `cusolverDn?potrf`, lower triangle.
+        ///
+        /// # Safety
+        /// As `buffer_size`, plus a device workspace of `lwork` elements and a device `int`.
+        unsafe fn potrf(
+            handle: cusolverDnHandle_t,
+            n: i32,
+            a: u64,
+            lda: i32,
+            work: u64,
+            lwork: i32,
+            info: u64,
+        ) -> Result<(), CusolverError>;
+        /// `cusolverDn?potrs`, lower triangle.
+        ///
+        /// # Safety
+        /// As `potrf`, plus a device right-hand side of `n × nrhs` with `ldb`.
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn potrs(
+            handle: cusolverDnHandle_t,
+            n: i32,
+            nrhs: i32,
+            a: u64,
+            lda: i32,
+            b: u64,
+            ldb: i32,
+            info: u64,
+        ) -> Result<(), CusolverError>;
+    }
+
+    fn check(status: sys::cusolverStatus_t) -> Result<(), CusolverError> {
+        if status == sys::cusolverStatus_t::CUSOLVER_STATUS_SUCCESS {
+            Ok(())
+        } else {
+            Err(CusolverError(status))
+        }
+    }
+
+    const LOWER: cublasFillMode_t = cublasFillMode_t::CUBLAS_FILL_MODE_LOWER;
+
+    macro_rules! potrf_call {
+        ($t:ty, $size:ident, $potrf:ident, $potrs:ident) => {
+            impl PotrfCall for $t {
+                const NAMES: [&'static str; 3] =
+                    [stringify!($size), stringify!($potrf), stringify!($potrs)];
+                unsafe fn buffer_size(
+                    handle: cusolverDnHandle_t,
+                    n: i32,
+                    a: u64,
+                    lda: i32,
+                ) -> Result<i32, CusolverError> {
+                    let mut lwork = 0;
+                    // SAFETY: forwarded from the caller; `lwork` is a valid out pointer.
+                    check(unsafe { sys::$size(handle, LOWER, n, a as *mut $t, lda, &mut lwork) })?;
+                    Ok(lwork)
+                }
+                unsafe fn potrf(
+                    handle: cusolverDnHandle_t,
+                    n: i32,
+                    a: u64,
+                    lda: i32,
+                    work: u64,
+                    lwork: i32,
+                    info: u64,
+                ) -> Result<(), CusolverError> {
+                    // SAFETY: forwarded from the caller.
+                    check(unsafe {
+                        sys::$potrf(
+                            handle,
+                            LOWER,
+                            n,
+                            a as *mut $t,
+                            lda,
+                            work as *mut $t,
+                            lwork,
+                            info as *mut i32,
+                        )
+                    })
+                }
+                unsafe fn potrs(
+                    handle: cusolverDnHandle_t,
+                    n: i32,
+                    nrhs: i32,
+                    a: u64,
+                    lda: i32,
+                    b: u64,
+                    ldb: i32,
+                    info: u64,
+                ) -> Result<(), CusolverError> {
+                    // SAFETY: forwarded from the caller.
+                    check(unsafe {
+                        sys::$potrs(
+                            handle,
+                            LOWER,
+                            n,
+                            nrhs,
+                            a as *const $t,
+                            lda,
+                            b as *mut $t,
+                            ldb,
+                            info as *mut i32,
+                        )
+                    })
+                }
+            }
+        };
+    }
+
+    potrf_call!(
+        f32,
+        cusolverDnSpotrf_bufferSize,
+        cusolverDnSpotrf,
+        cusolverDnSpotrs
+    );
+    potrf_call!(
+        f64,
+        cusolverDnDpotrf_bufferSize,
+        cusolverDnDpotrf,
+        cusolverDnDpotrs
+    );
+}
+
+/// The outcome of a queued cuSOLVER routine, still on the device: cuSOLVER's `info` values.
+///
+/// Reading it is a host wait, so it is deferred to [`check`](Self::check), which the caller
+/// invokes when it chooses to wait. Dropping it unread is allowed: the solve still ran.
+#[must_use = "the solve may have failed; `check` reads cuSOLVER's verdict"]
+#[derive(Debug)]
+pub struct SolverStatus {
+    operation: &'static str,
+    /// `[potrf info, potrs info]`.
+    info: DeviceTensor<i32>,
+}
+
+impl SolverStatus {
+    /// Waits for the routine and reports its verdict.
+    ///
+    /// # Errors
+    /// [`Error::NotPositiveDefinite`] when the factorisation found a leading minor that is not
+    /// positive definite (the solution is then meaningless); [`Error::InvalidArgument`] when
+    /// cuSOLVER reports an invalid parameter; whatever the download reports.
+    pub fn check(self, engine: &mut CudaEngine) -> Result<()> {
+        let info = download_tensor(engine, &self.info)?;
+        for (step, &value) in info.iter().enumerate() {
+            if value > 0 && step == 0 {
+                return Err(Error::NotPositiveDefinite {
+                    operation: self.operation,
+                    order: i64::from(value),
+                });
+            }
+            if value != 0 {
+                return Err(Error::InvalidArgument {
+                    operation: self.operation,
+                    detail: format!(
+                        "cuSOLVER reports info = {value}: parameter {} is invalid",
+                        -value
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// The raw `info` values on the device: `[potrf, potrs]`.
+    pub fn into_info(self) -> DeviceTensor<i32> {
+        self.info
+    }
+}
+
+impl CudaEngine {
+    /// Solves `A·X = B` for a symmetric positive definite `A` by Cholesky factorisation, in
+    /// place, on the engine's stream. Queued; does not wait.
+    ///
+    /// - `a` is `n × n` (shape `[n, n]`). Only its lower triangle (column-major) is read, which,
+    ///   `A` being symmetric, is the same matrix in row-major terms. It is overwritten with the
+    ///   factor `L`.
+    /// - `b` holds `nrhs` right-hand sides of `n` elements each, one after another (column-major
+    ///   `n × nrhs`, which is row-major shape `[nrhs, n]`); `nrhs = b.len() / n`. It is
+    ///   overwritten with the solutions.
+    ///
+    /// The workspace comes from the engine's stream-ordered allocator and is released, ordered
+    /// after the solve, before this returns.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when `a` is not square or `b`'s length is not a positive
+    /// multiple of `n`; [`Error::WrongDevice`]/[`Error::WrongEngine`] for another engine's
+    /// tensor; [`Error::Unavailable`] when cuSOLVER is missing or the engine is simulated;
+    /// [`Error::Vendor`] when cuSOLVER refuses. A matrix that is not positive definite is
+    /// reported by [`SolverStatus::check`].
+    pub fn cholesky_solve<T: BlasElement>(
+        &mut self,
+        a: &mut DeviceTensor<T>,
+        b: &mut DeviceTensor<T>,
+    ) -> Result<SolverStatus> {
+        const OP: &str = "cholesky_solve";
+        a.check_engine(self)?;
+        b.check_engine(self)?;
+        let n = match *a.shape() {
+            [rows, cols] if rows == cols && rows > 0 => rows,
+            _ => {
+                return Err(Error::InvalidArgument {
+                    operation: OP,
+                    detail: format!("A must be square and non-empty, got shape {:?}", a.shape()),
+                })
+            }
+        };
+        if b.is_empty() || b.len() % n != 0 {
+            return Err(Error::InvalidArgument {
+                operation: OP,
+                detail: format!(
+                    "B has {} element(s), which is not a positive multiple of n = {n}",
+                    b.len()
+                ),
+            });
+        }
+        let nrhs = b.len() / n;
+        let (n32, nrhs32) = (dim(OP, "n", n)?, dim(OP, "nrhs", nrhs)?);
+        // Checked before allocating, so a missing library is reported as such.
+        {
+            let mut st = self.enter()?;
+            cusolver(&mut st)?;
+        }
+        let info = DeviceTensor::<i32>::alloc(self, &[2])?;
+        let mut st = self.enter()?;
+        let handle = cusolver(&mut st)?;
+        let [size_call, potrf_call, potrs_call] = T::NAMES;
+        let status = |call| {
+            move |e: cudarc::cusolver::result::CusolverError| CUSOLVER.status(call, e.0, e.0 as i64)
+        };
+        // SAFETY: the handle is the engine's with its context current; `a` is a live `n × n`
+        // allocation (checked above). The query reads no device memory.
+        let lwork =
+            unsafe { T::buffer_size(handle, n32, a.raw_ptr(), n32) }.map_err(status(size_call))?;
+        let lwork_elems = usize::try_from(lwork.max(1)).unwrap_or(1);
+        let work_bytes = crate::element::byte_len::<T>(lwork_elems, "cuSOLVER workspace")?;
+        let work = st
+            .driver
+            .alloc(work_bytes)
+            .map_err(Error::driver("cuMemAllocFromPoolAsync"))?;
+        // SAFETY: every pointer names a live allocation of this engine large enough for the
+        // call (a: n×n, b: n×nrhs, work: lwork elements, info: 2 ints); `a` and `b` are borrowed
+        // exclusively and `info` is owned here, so nothing else touches them; their frees are
+        // queued (if at all) after these calls, on the same stream the handle is bound to.
+        let solved = unsafe {
+            T::potrf(handle, n32, a.raw_ptr(), n32, work, lwork, info.raw_ptr())
+                .map_err(status(potrf_call))
+                .and_then(|()| {
+                    T::potrs(
+                        handle,
+                        n32,
+                        nrhs32,
+                        a.raw_ptr(),
+                        n32,
+                        b.raw_ptr(),
+                        n32,
+                        info.raw_ptr() + 4,
+                    )
+                    .map_err(status(potrs_call))
+                })
+        };
+        // SAFETY: `work` came from `alloc` above and is freed once, ordered after the calls that
+        // use it.
+        if let Err(source) = unsafe { st.driver.free(work) } {
+            st.defer(Error::Driver {
+                call: "cuMemFreeAsync",
+                source,
+            });
+        }
+        solved?;
+        drop(st);
+        Ok(SolverStatus {
+            operation: OP,
+            info,
+        })
+    }
+}

@@ -1,0 +1,458 @@
+//! Test support shared by the simulated-device tests and the GPU tests: a seeded PRNG, fresh
+//! random (never all-zero) inputs for every element type, and a host reference for the
+//! elementwise kernels written directly in Rust's own arithmetic.
+
+#![allow(dead_code)]
+
+use cuferry::{bf16, f16, DType, Element};
+
+/// xorshift64*: small, seeded, deterministic.
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Self {
+        Rng(seed.max(1).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        let mut x = self.0;
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        self.0 = x;
+        x.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+
+    /// Uniform in [-1, 1).
+    pub fn unit(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 52) as f64 - 1.0
+    }
+}
+
+/// A value as the reference converts it between types (Rust's `as`, through `f32` for `f16` and
+/// `bf16`).
+#[derive(Clone, Copy, Debug)]
+pub enum Hub {
+    Float(f64),
+    Int(i128),
+    Bool(bool),
+}
+
+/// The host reference for one element type.
+pub trait Reference: Element {
+    /// A fresh random value: never zero for numbers (so a missed write shows), occasionally
+    /// large (so casts saturate and integers wrap).
+    fn random(rng: &mut Rng) -> Self;
+    fn add(self, rhs: Self) -> Self;
+    fn sub(self, rhs: Self) -> Self;
+    fn mul(self, rhs: Self) -> Self;
+    /// Only called for float types.
+    fn div(self, rhs: Self) -> Self;
+    /// Only called for float and signed types.
+    fn neg(self) -> Self;
+    fn hub(self) -> Hub;
+    fn from_hub(h: Hub) -> Self;
+    /// Equal, treating any two NaNs as equal.
+    fn same(self, other: Self) -> bool {
+        self == other
+    }
+}
+
+fn random_float(rng: &mut Rng) -> f64 {
+    let scale = if rng.next_u64() % 8 == 0 { 1e9 } else { 100.0 };
+    let v = rng.unit() * scale;
+    if v == 0.0 {
+        0.5
+    } else {
+        v
+    }
+}
+
+impl Reference for f32 {
+    fn random(rng: &mut Rng) -> Self {
+        random_float(rng) as f32
+    }
+    fn add(self, rhs: Self) -> Self {
+        self + rhs
+    }
+    fn sub(self, rhs: Self) -> Self {
+        self - rhs
+    }
+    fn mul(self, rhs: Self) -> Self {
+        self * rhs
+    }
+    fn div(self, rhs: Self) -> Self {
+        self / rhs
+    }
+    fn neg(self) -> Self {
+        -self
+    }
+    fn hub(self) -> Hub {
+        Hub::Float(self as f64)
+    }
+    fn from_hub(h: Hub) -> Self {
+        match h {
+            Hub::Float(f) => f as f32,
+            Hub::Int(i) => i as f32,
+            Hub::Bool(b) => b as u8 as f32,
+        }
+    }
+    fn same(self, other: Self) -> bool {
+        (self.is_nan() && other.is_nan()) || self.to_bits() == other.to_bits()
+    }
+}
+
+impl Reference for f64 {
+    fn random(rng: &mut Rng) -> Self {
+        random_float(rng)
+    }
+    fn add(self, rhs: Self) -> Self {
+        self + rhs
+    }
+    fn sub(self, rhs: Self) -> Self {
+        self - rhs
+    }
+    fn mul(self, rhs: Self) -> Self {
+        self * rhs
+    }
+    fn div(self, rhs: Self) -> Self {
+        self / rhs
+    }
+    fn neg(self) -> Self {
+        -self
+    }
+    fn hub(self) -> Hub {
+        Hub::Float(self)
+    }
+    fn from_hub(h: Hub) -> Self {
+        match h {
+            Hub::Float(f) => f,
+            Hub::Int(i) => i as f64,
+            Hub::Bool(b) => b as u8 as f64,
+        }
+    }
+    fn same(self, other: Self) -> bool {
+        (self.is_nan() && other.is_nan()) || self.to_bits() == other.to_bits()
+    }
+}
+
+macro_rules! half_reference {
+    ($t:ty) => {
+        impl Reference for $t {
+            fn random(rng: &mut Rng) -> Self {
+                let v = <$t>::from_f64(rng.unit() * 100.0);
+                if v.to_f32() == 0.0 {
+                    <$t>::from_f32(0.5)
+                } else {
+                    v
+                }
+            }
+            // `half` computes in f32 and rounds once.
+            fn add(self, rhs: Self) -> Self {
+                self + rhs
+            }
+            fn sub(self, rhs: Self) -> Self {
+                self - rhs
+            }
+            fn mul(self, rhs: Self) -> Self {
+                self * rhs
+            }
+            fn div(self, rhs: Self) -> Self {
+                self / rhs
+            }
+            fn neg(self) -> Self {
+                -self
+            }
+            fn hub(self) -> Hub {
+                Hub::Float(self.to_f64())
+            }
+            fn from_hub(h: Hub) -> Self {
+                match h {
+                    Hub::Float(f) => <$t>::from_f32(f as f32),
+                    Hub::Int(i) => <$t>::from_f32(i as f32),
+                    Hub::Bool(b) => <$t>::from_f32(b as u8 as f32),
+                }
+            }
+            fn same(self, other: Self) -> bool {
+                (self.is_nan() && other.is_nan()) || self.to_bits() == other.to_bits()
+            }
+        }
+    };
+}
+half_reference!(f16);
+half_reference!(bf16);
+
+macro_rules! int_reference {
+    ($t:ty) => {
+        impl Reference for $t {
+            fn random(rng: &mut Rng) -> Self {
+                // Mostly small (so products are meaningful), sometimes full range (so they wrap).
+                let raw = rng.next_u64();
+                let v = if raw % 4 == 0 {
+                    raw as $t
+                } else {
+                    ((raw >> 8) % 100) as $t
+                };
+                if v == 0 {
+                    7 as $t
+                } else {
+                    v
+                }
+            }
+            fn add(self, rhs: Self) -> Self {
+                self.wrapping_add(rhs)
+            }
+            fn sub(self, rhs: Self) -> Self {
+                self.wrapping_sub(rhs)
+            }
+            fn mul(self, rhs: Self) -> Self {
+                self.wrapping_mul(rhs)
+            }
+            fn div(self, _: Self) -> Self {
+                unreachable!("integer division is not served")
+            }
+            fn neg(self) -> Self {
+                (0 as $t).wrapping_sub(self)
+            }
+            fn hub(self) -> Hub {
+                Hub::Int(self as i128)
+            }
+            fn from_hub(h: Hub) -> Self {
+                match h {
+                    Hub::Float(f) => f as $t,
+                    Hub::Int(i) => i as $t,
+                    Hub::Bool(b) => b as $t,
+                }
+            }
+        }
+    };
+}
+int_reference!(i8);
+int_reference!(i16);
+int_reference!(i32);
+int_reference!(i64);
+int_reference!(u8);
+int_reference!(u16);
+int_reference!(u32);
+int_reference!(u64);
+
+impl Reference for bool {
+    fn random(rng: &mut Rng) -> Self {
+        rng.next_u64() % 3 != 0
+    }
+    fn add(self, _: Self) -> Self {
+        unreachable!("arithmetic on bool is not served")
+    }
+    fn sub(self, _: Self) -> Self {
+        unreachable!("arithmetic on bool is not served")
+    }
+    fn mul(self, _: Self) -> Self {
+        unreachable!("arithmetic on bool is not served")
+    }
+    fn div(self, _: Self) -> Self {
+        unreachable!("arithmetic on bool is not served")
+    }
+    fn neg(self) -> Self {
+        unreachable!("arithmetic on bool is not served")
+    }
+    fn hub(self) -> Hub {
+        Hub::Bool(self)
+    }
+    fn from_hub(h: Hub) -> Self {
+        match h {
+            Hub::Float(f) => f != 0.0,
+            Hub::Int(i) => i != 0,
+            Hub::Bool(b) => b,
+        }
+    }
+}
+
+/// `n` fresh random values.
+pub fn random_vec<T: Reference>(rng: &mut Rng, n: usize) -> Vec<T> {
+    (0..n).map(|_| T::random(rng)).collect()
+}
+
+/// Asserts two slices are equal elementwise (NaNs equal), naming the first difference.
+pub fn assert_same<T: Reference>(what: &str, got: &[T], want: &[T]) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            g.same(*w),
+            "{what}: element {i} is {g:?}, expected {w:?} ({} of {})",
+            i,
+            got.len()
+        );
+    }
+}
+
+/// Whether an operation serves a type (the crate's documented support matrix).
+pub fn serves(op: &str, d: DType) -> bool {
+    let float = matches!(d, DType::F32 | DType::F64 | DType::F16 | DType::BF16);
+    let signed = matches!(d, DType::I8 | DType::I16 | DType::I32 | DType::I64);
+    match op {
+        "fill" | "cast" => true,
+        _ if d == DType::Bool => false,
+        "div" => float,
+        "neg" => float || signed,
+        _ => true,
+    }
+}
+
+/// Runs `$body` once per element type, with `$t` bound to it.
+#[macro_export]
+macro_rules! for_each_element {
+    ($t:ident => $body:block) => {{
+        {
+            type $t = f32;
+            $body
+        }
+        {
+            type $t = f64;
+            $body
+        }
+        {
+            type $t = cuferry::f16;
+            $body
+        }
+        {
+            type $t = cuferry::bf16;
+            $body
+        }
+        {
+            type $t = i8;
+            $body
+        }
+        {
+            type $t = i16;
+            $body
+        }
+        {
+            type $t = i32;
+            $body
+        }
+        {
+            type $t = i64;
+            $body
+        }
+        {
+            type $t = u8;
+            $body
+        }
+        {
+            type $t = u16;
+            $body
+        }
+        {
+            type $t = u32;
+            $body
+        }
+        {
+            type $t = u64;
+            $body
+        }
+        {
+            type $t = bool;
+            $body
+        }
+    }};
+}
+
+use cuferry::{download_tensor, upload_tensor, CudaEngine, Error};
+
+fn expect_unsupported<R: std::fmt::Debug>(what: &str, result: Result<R, Error>) {
+    match result {
+        Err(Error::UnsupportedElement { .. }) => {}
+        other => panic!("{what}: expected UnsupportedElement, got {other:?}"),
+    }
+}
+
+/// Checks every elementwise operation but `cast` on `n` fresh random elements of `T` against the
+/// host reference; operations `T` is not served by must be refused with `UnsupportedElement`.
+pub fn check_ops<T: Reference>(engine: &mut CudaEngine, rng: &mut Rng, n: usize) {
+    let name = T::DTYPE.name();
+    let a_host = random_vec::<T>(rng, n);
+    let b_host = random_vec::<T>(rng, n);
+    let shape = if n % 2 == 0 && n > 0 {
+        vec![2, n / 2]
+    } else {
+        vec![n]
+    };
+    let a = upload_tensor(engine, &a_host, &shape).unwrap();
+    let b = upload_tensor(engine, &b_host, &shape).unwrap();
+
+    type Binary<T> = fn(T, T) -> T;
+    let binary: [(&str, Binary<T>); 4] = [
+        ("add", T::add),
+        ("sub", T::sub),
+        ("mul", T::mul),
+        ("div", T::div),
+    ];
+    for (op, reference) in binary {
+        let result = match op {
+            "add" => engine.add(&a, &b),
+            "sub" => engine.sub(&a, &b),
+            "mul" => engine.mul(&a, &b),
+            _ => engine.div(&a, &b),
+        };
+        let what = format!("{op} {name} n={n}");
+        if !serves(op, T::DTYPE) {
+            expect_unsupported(&what, result);
+            continue;
+        }
+        let out = result.unwrap();
+        assert_eq!(out.shape(), &shape[..], "{what}: shape");
+        let want: Vec<T> = a_host
+            .iter()
+            .zip(&b_host)
+            .map(|(&x, &y)| reference(x, y))
+            .collect();
+        assert_same(&what, &download_tensor(engine, &out).unwrap(), &want);
+    }
+
+    let what = format!("neg {name} n={n}");
+    if serves("neg", T::DTYPE) {
+        let out = engine.neg(&a).unwrap();
+        let want: Vec<T> = a_host.iter().map(|&x| x.neg()).collect();
+        assert_same(&what, &download_tensor(engine, &out).unwrap(), &want);
+    } else {
+        expect_unsupported(&what, engine.neg(&a));
+    }
+
+    let factor = T::random(rng);
+    let what = format!("scale {name} by {factor:?} n={n}");
+    if serves("scale", T::DTYPE) {
+        let out = engine.scale(&a, factor).unwrap();
+        let want: Vec<T> = a_host.iter().map(|&x| x.mul(factor)).collect();
+        assert_same(&what, &download_tensor(engine, &out).unwrap(), &want);
+    } else {
+        expect_unsupported(&what, engine.scale(&a, factor));
+    }
+
+    let value = T::random(rng);
+    let what = format!("fill {name} with {value:?} n={n}");
+    let mut target = engine.copy_tensor(&b).unwrap();
+    engine.fill(&mut target, value).unwrap();
+    assert_same(
+        &what,
+        &download_tensor(engine, &target).unwrap(),
+        &vec![value; n],
+    );
+    let full = engine.full(&shape, value).unwrap();
+    assert_same(
+        &what,
+        &download_tensor(engine, &full).unwrap(),
+        &vec![value; n],
+    );
+}
+
+/// Checks `cast` from `T` to every element type on `n` fresh random elements.
+pub fn check_casts_from<T: Reference>(engine: &mut CudaEngine, rng: &mut Rng, n: usize) {
+    let host = random_vec::<T>(rng, n);
+    let a = upload_tensor(engine, &host, &[n]).unwrap();
+    crate::for_each_element!(U => {
+        let what = format!("cast {} -> {} n={n}", T::DTYPE.name(), U::DTYPE.name());
+        let out = engine.cast::<U, T>(&a).unwrap();
+        let want: Vec<U> = host.iter().map(|&x| U::from_hub(x.hub())).collect();
+        assert_same(&what, &download_tensor(engine, &out).unwrap(), &want);
+    });
+}
