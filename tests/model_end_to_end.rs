@@ -1,6 +1,8 @@
 //! Model test, end to end: pending uploads, downloads and resubmissions of per-index distinct
 //! data (never zeros) through pinned buffers and device tensors, with device-to-device copies,
-//! blocking reads and random device advances, on the simulated device.
+//! blocking reads, detached transfers and random device advances, on the simulated device. The
+//! pinned pool keeps its default budget, so blocks are reused: a block released too early would
+//! be handed out again while a copy still reads or writes it.
 //!
 //! The reference model knows what every buffer and every device tensor holds (or that it is
 //! unspecified: a fresh tensor, a fresh uninitialised buffer), and the device clock. Every
@@ -17,6 +19,7 @@ use proptest::prelude::*;
 use proptest::sample::select;
 use proptest::test_runner::Config;
 use proptest_state_machine::{prop_state_machine, ReferenceStateMachine, StateMachineTest};
+use std::collections::VecDeque;
 
 // ---------------------------------------------------------------------------------------------
 // The reference model.
@@ -76,6 +79,8 @@ struct Transfer {
 struct Model {
     next_seq: u64,
     done_seq: u64,
+    /// The events of detached transfers in the engine's retirement queue, oldest first.
+    retire: VecDeque<u64>,
     bufs: Vec<Obj>,
     tens: Vec<Obj>,
     transfers: Vec<Transfer>,
@@ -130,6 +135,11 @@ enum Transition {
         h: usize,
     },
     DropReturned {
+        h: usize,
+    },
+    /// Drop an in-flight transfer: it detaches into the retirement queue, and its buffer must
+    /// not return to the pool (and be handed out again) before its copy has run.
+    Detach {
         h: usize,
     },
     /// A queued device-to-device copy between two idle tensors.
@@ -210,6 +220,27 @@ impl Model {
             Dir::Up => self.tens[t.ten].data = self.bufs[t.buf].data.clone(),
             Dir::Down => self.bufs[t.buf].data = self.tens[t.ten].data.clone(),
         }
+    }
+
+    /// The retirement queue's poll (at `PinnedHostBuffer::new` and `synchronize`): releases the
+    /// detached transfers whose event has completed (each release queues its tensor's free);
+    /// with `front_only`, stops at the first that has not.
+    fn poll(&mut self, front_only: bool) {
+        let mut keep = VecDeque::new();
+        let mut released = 0;
+        while let Some(marker) = self.retire.pop_front() {
+            if marker < self.done_seq {
+                released += 1;
+            } else {
+                keep.push_back(marker);
+                if front_only {
+                    break;
+                }
+            }
+        }
+        keep.append(&mut self.retire);
+        self.retire = keep;
+        self.next_seq += released;
     }
 
     fn returned_ten(&self, h: usize) -> usize {
@@ -309,6 +340,7 @@ impl ReferenceStateMachine for EndToEndModel {
             c.push((1, s().prop_map(|h| T::IsReady { h }).boxed()));
             c.push((4, s().prop_map(|h| T::Wait { h }).boxed()));
             c.push((3, s().prop_map(|h| T::TryWait { h }).boxed()));
+            c.push((2, s().prop_map(|h| T::Detach { h }).boxed()));
         }
         let returned = m.transfers_where(is_returned);
         if !returned.is_empty() {
@@ -395,9 +427,10 @@ impl ReferenceStateMachine for EndToEndModel {
                     && idle(&m.tens, dst)
                     && m.tens[m.returned_ten(h)].len == m.tens[dst].len
             }
-            Transition::IsReady { h } | Transition::Wait { h } | Transition::TryWait { h } => {
-                tr(h).is_some_and(is_in_flight)
-            }
+            Transition::IsReady { h }
+            | Transition::Wait { h }
+            | Transition::TryWait { h }
+            | Transition::Detach { h } => tr(h).is_some_and(is_in_flight),
             Transition::Refill { h, .. } => {
                 tr(h).is_some_and(|t| is_returned(t) && t.dir == Dir::Up)
             }
@@ -423,8 +456,24 @@ impl ReferenceStateMachine for EndToEndModel {
             place: Place::Idle,
         };
         match *t {
-            Transition::NewBuffer { len, salt } => m.bufs.push(obj(len, Some(distinct(len, salt)))),
-            Transition::NewEmptyBuffer { len } => m.bufs.push(obj(len, None)),
+            Transition::NewBuffer { len, salt } => {
+                m.poll(true);
+                m.bufs.push(obj(len, Some(distinct(len, salt))));
+            }
+            Transition::NewEmptyBuffer { len } => {
+                m.poll(true);
+                m.bufs.push(obj(len, None));
+            }
+            Transition::Detach { h } => {
+                let HState::InFlight { marker } = m.transfers[h].state else {
+                    unreachable!()
+                };
+                let Transfer { buf, ten, .. } = m.transfers[h];
+                m.transfers[h].state = HState::Gone;
+                m.bufs[buf].place = Place::Dropped;
+                m.tens[ten].place = Place::Dropped;
+                m.retire.push_back(marker);
+            }
             Transition::NewTensor { len } => m.tens.push(obj(len, None)),
             Transition::UploadTensor { len, salt } => {
                 m.blocking();
@@ -503,7 +552,10 @@ impl ReferenceStateMachine for EndToEndModel {
             Transition::Advance { ops } => {
                 m.done_seq = (m.done_seq + ops as u64).min(m.next_seq);
             }
-            Transition::Synchronize => m.done_seq = m.next_seq,
+            Transition::Synchronize => {
+                m.done_seq = m.next_seq;
+                m.poll(false);
+            }
         }
         m
     }
@@ -712,6 +764,14 @@ impl StateMachineTest for EndToEndTest {
                 sut.bufs[buf] = Some(b);
                 sut.tens[ten] = Some(t);
             }
+            Transition::Detach { h } => {
+                let handle = sut.take(h);
+                assert!(matches!(
+                    handle,
+                    Handle::UpInFlight(_) | Handle::DownInFlight(_)
+                ));
+                drop(handle);
+            }
             Transition::DropReturned { h } => {
                 let handle = sut.take(h);
                 assert!(matches!(
@@ -779,7 +839,11 @@ impl StateMachineTest for EndToEndTest {
             assert!(ok, "transfer {h} is not in the model's state {t:?}");
         }
         let stats = sut.engine.retirement_stats();
-        assert_eq!((stats.pending, stats.retained), (0, 0));
+        assert_eq!(
+            (stats.pending, stats.retained),
+            (m.retire.len(), 0),
+            "retirement queue"
+        );
     }
 
     fn teardown(mut sut: Sut) {
@@ -816,6 +880,8 @@ impl StateMachineTest for EndToEndTest {
         } = sut;
         drop((handles, bufs, tens));
         drop(engine);
+        // Frees of tensors released by the teardown itself are queued after its final wait.
+        sim.advance_all();
         assert_eq!(sim.violations(), Vec::<String>::new());
         assert_eq!(sim.pinned_live(), (0, 0), "every pinned block freed");
         assert_eq!(sim.device_live(), (0, 0), "every tensor freed");
