@@ -59,6 +59,7 @@ impl State {
     /// Waits until everything queued so far has completed, through a pooled event (a cheaper
     /// wait than a stream synchronize, and the same proof). If the event cannot be recorded it
     /// falls back to a stream synchronize, so on `Ok` the queued work has completed either way.
+    #[cfg(feature = "cubecl")]
     pub(crate) fn wait_stream(&mut self, what: &'static str) -> Result<()> {
         let fault = |source| Error::DeviceFault { what, source };
         let event = self.events.take(&mut *self.driver)?;

@@ -34,6 +34,9 @@ pub(crate) struct Block {
 // SAFETY: a block is exclusively owned memory (by the pool or by one buffer); the raw pointer is
 // not aliased across threads without that ownership moving with it.
 unsafe impl Send for Block {}
+// SAFETY: shared access to a block only reads through `&self` (`PinnedHostBuffer::as_slice`,
+// whose `T` is `Sync`); every write needs `&mut`.
+unsafe impl Sync for Block {}
 
 impl Block {
     pub(crate) fn ptr(&self) -> *mut u8 {
@@ -162,49 +165,87 @@ impl PinnedPool {
 }
 
 impl State {
-    /// A pinned block of at least `bytes`, from the pool or freshly allocated. Under pressure (a
-    /// failed allocation) it releases completed retirement records and idle blocks and tries once
-    /// more. Returns released retirement resources for the caller to drop after unlocking.
-    pub(crate) fn acquire_pinned(&mut self, bytes: usize) -> Result<(Block, Vec<Resources>)> {
+    /// One attempt at a pinned block of at least `bytes`: from the pool, or freshly allocated.
+    ///
+    /// `Ok(None)` means the allocation failed on a first attempt: the caller drops the released
+    /// records (outside the lock, so their blocks return to the pool) and tries once more with
+    /// `under_pressure`, which takes from the pool first, then frees idle blocks to make room.
+    /// Released retirement resources come back for the caller to drop after unlocking, since
+    /// their drops take the engine's lock.
+    fn try_acquire_pinned(
+        &mut self,
+        bytes: usize,
+        capacity: usize,
+        under_pressure: bool,
+    ) -> (Result<Option<Block>>, Vec<Resources>) {
         // A cheap poll: release the oldest detached records if they are done.
-        let mut released = self.retire.poll(&mut *self.driver, &mut self.events, true);
+        let released = self.retire.poll(&mut *self.driver, &mut self.events, true);
         if let Some(block) = self.pinned.take_idle(bytes) {
             self.pinned.reuses += 1;
             self.pinned.leased += 1;
-            return Ok((block, released));
+            return (Ok(Some(block)), released);
         }
-        let capacity = bytes
-            .checked_next_multiple_of(GRANULE)
-            .ok_or(Error::SizeOverflow {
-                what: "pinned buffer",
-                count: bytes,
-                element_bytes: 1,
-            })?;
+        if under_pressure {
+            self.pinned.trim_to(&mut *self.driver, 0);
+        }
         let ptr = match self.driver.host_alloc(capacity) {
-            Ok(ptr) => ptr,
-            Err(_) => {
+            Ok(ptr) => NonNull::new(ptr),
+            Err(_) if !under_pressure => {
+                let mut released = released;
                 released.extend(self.retire.poll(&mut *self.driver, &mut self.events, false));
-                self.pinned.trim_to(&mut *self.driver, 0);
-                self.driver
-                    .host_alloc(capacity)
-                    .map_err(Error::driver("cuMemHostAlloc"))?
+                return (Ok(None), released);
+            }
+            Err(source) => {
+                let error = Error::Driver {
+                    call: "cuMemHostAlloc",
+                    source,
+                };
+                return (Err(error), released);
             }
         };
-        let ptr = NonNull::new(ptr).ok_or(Error::Driver {
-            call: "cuMemHostAlloc",
-            source: crate::DriverError::OUT_OF_MEMORY,
-        })?;
+        let Some(ptr) = ptr else {
+            let error = Error::Driver {
+                call: "cuMemHostAlloc",
+                source: crate::DriverError::OUT_OF_MEMORY,
+            };
+            return (Err(error), released);
+        };
         self.pinned.allocations += 1;
         self.pinned.leased += 1;
-        Ok((
-            Block {
-                ptr,
-                capacity,
-                init: 0,
-            },
-            released,
-        ))
+        let block = Block {
+            ptr,
+            capacity,
+            init: 0,
+        };
+        (Ok(Some(block)), released)
     }
+}
+
+/// A pinned block of at least `bytes` for `engine`: from its pool, freshly allocated, or, when
+/// allocation fails, after releasing completed retirement records and idle blocks.
+fn acquire_pinned(engine: &mut CudaEngine, bytes: usize) -> Result<Block> {
+    let capacity = bytes
+        .checked_next_multiple_of(GRANULE)
+        .ok_or(Error::SizeOverflow {
+            what: "pinned buffer",
+            count: bytes,
+            element_bytes: 1,
+        })?;
+    for under_pressure in [false, true] {
+        let (outcome, released) =
+            engine
+                .enter()?
+                .try_acquire_pinned(bytes, capacity, under_pressure);
+        // Outside the lock: released buffers go back to the pool (or are freed).
+        drop(released);
+        if let Some(block) = outcome? {
+            return Ok(block);
+        }
+    }
+    Err(Error::Driver {
+        call: "cuMemHostAlloc",
+        source: crate::DriverError::OUT_OF_MEMORY,
+    })
 }
 
 /// Page-locked host memory holding `len` elements of `T`, drawn from an engine's pool.
@@ -245,8 +286,7 @@ impl<T: Element> PinnedHostBuffer<T> {
             });
         }
         let bytes = byte_len::<T>(len, "pinned buffer")?;
-        let (mut block, released) = engine.enter()?.acquire_pinned(bytes)?;
-        drop(released);
+        let mut block = acquire_pinned(engine, bytes)?;
         let start = if T::DTYPE.any_bit_pattern() {
             block.init
         } else {

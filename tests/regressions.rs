@@ -1,5 +1,4 @@
-//! Regression tests for lifecycle bugs, each reduced to its scenario. Tests of bugs not yet fixed
-//! are `#[ignore]`d with the reason; run them with `cargo test --test regressions -- --ignored`.
+//! Regression tests for lifecycle bugs, each reduced to the scenario that found it.
 
 use cuferry::sim::{SimConfig, SimOp};
 use cuferry::{
@@ -105,7 +104,6 @@ fn completed_detached_uploads(engine: &mut CudaEngine, n: usize) {
 /// holds the released records and the caller holds the engine's lock; dropping the records
 /// there drops their pinned buffers and tensors, whose `Drop` takes the same lock: a deadlock.
 #[test]
-#[ignore = "known bug: acquire_pinned drops released records under the engine lock (deadlock)"]
 fn a_failed_pinned_allocation_after_releasing_records_returns() {
     within_ten_seconds(|| {
         let mut engine = CudaEngine::simulated(SimConfig::default());
@@ -135,7 +133,6 @@ fn a_failed_pinned_allocation_after_releasing_records_returns() {
 /// and tries again; the memory those transfers held must serve that retry. Today the released
 /// records are dropped only after the retry (and, on its failure, under the lock: see above).
 #[test]
-#[ignore = "known bug: records released under pinned pressure are not freed before the retry"]
 fn pinned_pressure_reuses_the_memory_of_completed_detached_transfers() {
     within_ten_seconds(|| {
         // Room for two 4 KiB pinned blocks, both held by completed detached uploads.

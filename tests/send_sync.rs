@@ -15,10 +15,8 @@ use static_assertions::{assert_impl_all, assert_not_impl_any};
 
 assert_impl_all!(CudaEngine: Send);
 assert_impl_all!(DeviceTensor<f32>: Send, Sync);
-// The design also promises `PinnedHostBuffer<T>: Sync` (`&PinnedHostBuffer` only reads through
-// `as_slice`), but the buffer's pinned block is declared `Send` only (src/pinned.rs), so the
-// buffer is not `Sync` today. Assert `Sync` here once the block is.
-assert_impl_all!(PinnedHostBuffer<f32>: Send);
+// `&PinnedHostBuffer` only reads through `as_slice`.
+assert_impl_all!(PinnedHostBuffer<f32>: Send, Sync);
 assert_impl_all!(Pending<Upload, f32, InFlight>: Send);
 assert_impl_all!(Pending<Download, f32, InFlight>: Send);
 assert_impl_all!(Pending<Upload, f32, Returned>: Send);

@@ -7,7 +7,10 @@
 //! - **Asynchrony.** Copies, frees and event records are queued on the stream in call order and
 //!   take effect only when the device clock advances ([`SimDevice::advance`]) or something waits
 //!   (an event or stream synchronize). A copy that has not completed has not written its
-//!   destination, and a host-to-device copy reads its source when it runs, not when it is queued.
+//!   destination, and a host-to-device copy from pinned memory reads its source when it runs, not
+//!   when it is queued. Copies with pageable host memory behave as CUDA documents: a
+//!   host-to-device copy stages its source before the call returns, a device-to-host copy
+//!   returns only once complete.
 //! - **Events.** A query reports completion only once every operation queued before the record
 //!   has run.
 //! - **Faults.** [`SimDevice::fail_nth`] makes the n-th call of an operation return a driver
@@ -112,6 +115,11 @@ enum Job {
         dst: DevicePtr,
         src: *const u8,
         bytes: usize,
+    },
+    /// A host-to-device copy from pageable memory, whose bytes were staged at the call.
+    HtoDStaged {
+        dst: DevicePtr,
+        data: Vec<u8>,
     },
     DtoH {
         dst: *mut u8,
@@ -351,6 +359,13 @@ impl State {
         Ok(())
     }
 
+    /// Whether `addr..addr+bytes` lies inside one live pinned allocation of this device.
+    fn is_pinned(&self, addr: usize, bytes: usize) -> bool {
+        self.host
+            .iter()
+            .any(|(&start, &len)| start <= addr && addr + bytes <= start + len)
+    }
+
     fn push(&mut self, job: Job) -> u64 {
         let seq = self.next_seq;
         self.next_seq += 1;
@@ -369,6 +384,13 @@ impl State {
             return false;
         };
         match job {
+            Job::HtoDStaged { dst, data } => match self.block_mut(dst, data.len()) {
+                Some(d) => d.copy_from_slice(&data),
+                None => self.violations.push(format!(
+                    "host-to-device copy into unmapped device range {dst:#x}+{}",
+                    data.len()
+                )),
+            },
             Job::HtoD { dst, src, bytes } => match self.block_mut(dst, bytes) {
                 Some(d) => {
                     // SAFETY: the seam's contract keeps `src..src+bytes` readable until this job
@@ -508,7 +530,16 @@ impl Driver for SimDriver {
     ) -> Result<(), DriverError> {
         let mut s = self.lock();
         s.enter(SimOp::CopyHtoD)?;
-        s.push(Job::HtoD { dst, src, bytes });
+        if s.is_pinned(src as usize, bytes) {
+            s.push(Job::HtoD { dst, src, bytes });
+        } else {
+            // CUDA stages a pageable source before the call returns (after a stream sync), so
+            // the caller may reuse it at once: model exactly that.
+            while s.run_one() {}
+            // SAFETY: the seam's contract makes `src..src+bytes` readable for the call.
+            let data = unsafe { std::slice::from_raw_parts(src, bytes) }.to_vec();
+            s.push(Job::HtoDStaged { dst, data });
+        }
         Ok(())
     }
 
@@ -520,7 +551,12 @@ impl Driver for SimDriver {
     ) -> Result<(), DriverError> {
         let mut s = self.lock();
         s.enter(SimOp::CopyDtoH)?;
+        let pageable = !s.is_pinned(dst as usize, bytes);
         s.push(Job::DtoH { dst, src, bytes });
+        if pageable {
+            // CUDA returns from a copy into pageable memory only once it has completed.
+            while s.run_one() {}
+        }
         Ok(())
     }
 
@@ -678,39 +714,69 @@ mod tests {
         (SimDriver::new(dev.clone()), dev)
     }
 
+    /// Pinned host memory of the simulated device, filled with `fill(i)`.
+    fn pinned(d: &mut SimDriver, bytes: usize, fill: impl Fn(usize) -> u8) -> &'static mut [u8] {
+        let ptr = d.host_alloc(bytes).unwrap();
+        // SAFETY: a fresh allocation of `bytes` bytes, leaked for the test's duration.
+        let slice = unsafe { std::slice::from_raw_parts_mut(ptr, bytes) };
+        slice.iter_mut().enumerate().for_each(|(i, b)| *b = fill(i));
+        slice
+    }
+
     #[test]
     fn copies_complete_only_when_the_clock_advances() {
         let (mut d, dev) = driver();
-        let src: Vec<u8> = (0..64u8)
-            .map(|i| i.wrapping_mul(7).wrapping_add(3))
-            .collect();
-        let mut back = vec![0xEEu8; 64];
+        let src = pinned(&mut d, 64, |i| (i as u8).wrapping_mul(7).wrapping_add(3));
+        let back = pinned(&mut d, 64, |_| 0xEE);
         let ptr = d.alloc(64).unwrap();
-        // SAFETY: `src` and `back` outlive every job; the test runs all jobs before reading.
+        // SAFETY: both host ranges are live pinned allocations; the test runs the jobs before
+        // reading them.
         unsafe {
             d.copy_htod(ptr, src.as_ptr(), 64).unwrap();
             d.copy_dtoh(back.as_mut_ptr(), ptr, 64).unwrap();
         }
         assert_eq!(dev.queued(), 2);
-        assert_eq!(back, vec![0xEE; 64], "nothing ran yet");
+        assert_eq!(back, &[0xEE; 64][..], "nothing ran yet");
         assert_eq!(dev.advance(1), 1);
         assert_eq!(dev.peek(ptr, 64).unwrap(), src, "the upload ran");
-        assert_eq!(back, vec![0xEE; 64], "the download did not");
+        assert_eq!(back, &[0xEE; 64][..], "the download did not");
         dev.advance(1);
         assert_eq!(back, src);
         assert_eq!(dev.advance(5), 0);
     }
 
     #[test]
-    fn an_upload_reads_its_source_when_it_runs() {
+    fn an_upload_from_pinned_memory_reads_its_source_when_it_runs() {
         let (mut d, dev) = driver();
-        let mut src = [1u8; 8];
+        let src = pinned(&mut d, 8, |_| 1);
         let ptr = d.alloc(8).unwrap();
-        // SAFETY: `src` outlives the job, which runs below.
+        // SAFETY: `src` is live pinned memory; the job runs below.
         unsafe { d.copy_htod(ptr, src.as_ptr(), 8).unwrap() };
         src.iter_mut().for_each(|b| *b = 9);
         dev.advance_all();
         assert_eq!(dev.peek(ptr, 8).unwrap(), vec![9; 8]);
+    }
+
+    #[test]
+    fn pageable_copies_behave_as_cuda_documents() {
+        let (mut d, dev) = driver();
+        let ptr = d.alloc(8).unwrap();
+        let mut src = [1u8; 8];
+        // SAFETY: `src` is readable for the call, which stages it.
+        unsafe { d.copy_htod(ptr, src.as_ptr(), 8).unwrap() };
+        src.iter_mut().for_each(|b| *b = 9);
+        assert_eq!(dev.queued(), 1, "the DMA itself is still queued");
+        dev.advance_all();
+        assert_eq!(
+            dev.peek(ptr, 8).unwrap(),
+            vec![1; 8],
+            "the staged bytes, not the later ones"
+        );
+        let mut back = [0u8; 8];
+        // SAFETY: `back` is writable for the call, which completes the copy before returning.
+        unsafe { d.copy_dtoh(back.as_mut_ptr(), ptr, 8).unwrap() };
+        assert_eq!(back, [1; 8]);
+        assert_eq!(dev.queued(), 0);
     }
 
     #[test]
@@ -720,8 +786,8 @@ mod tests {
         let b = d.event_create().unwrap();
         assert!(d.event_query(a).unwrap(), "an unrecorded event is complete");
         let ptr = d.alloc(4).unwrap();
-        let src = [1u8, 2, 3, 4];
-        // SAFETY: `src` outlives the job.
+        let src = pinned(&mut d, 4, |i| i as u8 + 1);
+        // SAFETY: `src` is live pinned memory.
         unsafe { d.copy_htod(ptr, src.as_ptr(), 4).unwrap() };
         d.event_record(a).unwrap();
         // SAFETY: as above.

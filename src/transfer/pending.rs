@@ -215,7 +215,7 @@ impl<T: Element> Inner<T> {
 /// and state `S`.
 ///
 /// In [`InFlight`] it owns both and gives access to neither; [`Returned`] gives both back.
-#[must_use = "dropping an in-flight transfer detaches it; wait for it to get the buffer and tensor back"]
+#[must_use = "a pending transfer owns its buffer and tensor: wait for it (in flight) or take them back with `into_parts` (returned)"]
 pub struct Pending<D: Direction, T: Element, S: TransferState> {
     /// `Some` until a transition or drop moves it out.
     inner: Option<Inner<T>>,
