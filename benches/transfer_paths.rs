@@ -14,6 +14,8 @@
 //!   pinned async copy + event wait, at 16 B to 1 GiB;
 //! - `blocking_4_threads`: four threads, each with its own engine, each uploading and
 //!   downloading 64 MiB;
+//! - `host_copy`: the host's own pageable-to-pinned copy bandwidth with one and with the staging
+//!   default's number of threads, the ceiling of a staged upload's host half;
 //! - `staging_sweep`: `upload_tensor` / `download_tensor` at 256 MiB under several staging
 //!   settings (chunk size, copy threads), which is how the defaults were chosen.
 //!
@@ -365,7 +367,7 @@ fn staging_sweep(c: &mut Criterion, engine: &mut CudaEngine) {
     group.throughput(Throughput::Bytes(bytes as u64));
     let host: Vec<f32> = (0..n).map(|i| i as f32 + 0.5).collect();
     let original = engine.staging_config();
-    for (chunk_mib, threads) in [(4, 8), (8, 12), (16, 8), (16, 12), (32, 12)] {
+    for (chunk_mib, threads) in [(4, 12), (8, 12), (16, 8), (16, 12), (16, 16), (32, 12)] {
         let mut config = original;
         config.chunk_bytes = chunk_mib << 20;
         config.copy_threads = threads;
@@ -389,6 +391,67 @@ fn staging_sweep(c: &mut Criterion, engine: &mut CudaEngine) {
     group.finish();
 }
 
+/// The host's own copy bandwidth from pageable into pinned memory, with one thread and with as
+/// many threads as the staging defaults use: the ceiling of the staged upload's host half.
+fn host_copy(c: &mut Criterion, raw: &Raw) {
+    let mut group = c.benchmark_group("host_copy");
+    let bytes = 256 << 20;
+    group.throughput(Throughput::Bytes(bytes as u64));
+    let src: Vec<u8> = (0..bytes).map(|i| i as u8).collect();
+    let dst = raw.pinned(bytes);
+    let threads = cuferry::StagingConfig::default().copy_threads;
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .unwrap();
+    let dst_addr = dst as usize;
+    group.bench_function("pageable_to_pinned_1_thread", |b| {
+        // SAFETY: `dst` holds `bytes` bytes and is idle.
+        b.iter(|| unsafe {
+            std::ptr::copy_nonoverlapping(src.as_ptr(), dst_addr as *mut u8, bytes)
+        })
+    });
+    group.bench_function(format!("pageable_to_pinned_{threads}_threads"), |b| {
+        b.iter(|| {
+            let part = bytes / threads;
+            pool.scope(|s| {
+                for t in 0..threads {
+                    let src = &src[t * part..(t + 1) * part];
+                    // SAFETY: each task writes its own disjoint part of `dst`.
+                    s.spawn(move |_| unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            src.as_ptr(),
+                            (dst_addr + t * part) as *mut u8,
+                            part,
+                        )
+                    });
+                }
+            })
+        })
+    });
+    group.bench_function(format!("pinned_to_pageable_{threads}_threads"), |b| {
+        let mut out = vec![0u8; bytes];
+        b.iter(|| {
+            let part = bytes / threads;
+            pool.scope(|s| {
+                for (t, chunk) in out.chunks_mut(part).enumerate() {
+                    // SAFETY: each task reads its own disjoint part of `dst`, which is idle.
+                    s.spawn(move |_| unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            (dst_addr + t * part) as *const u8,
+                            chunk.as_mut_ptr(),
+                            chunk.len(),
+                        )
+                    });
+                }
+            })
+        })
+    });
+    // SAFETY: allocated above, idle.
+    unsafe { sys::cuMemFreeHost(dst.cast()) };
+    group.finish();
+}
+
 fn benches(c: &mut Criterion) {
     let mut engine = match CudaEngine::open(0) {
         Ok(engine) => engine,
@@ -402,6 +465,7 @@ fn benches(c: &mut Criterion) {
     download_into(c, &mut engine, &raw);
     submit_cost(c, &mut engine, &raw);
     pinned_alloc(c, &mut engine, &raw);
+    host_copy(c, &raw);
     blocking(c, &mut engine, &raw);
     staging_sweep(c, &mut engine);
     four_threads(c);
