@@ -269,3 +269,27 @@ fn four_threads_with_their_own_engines_on_one_device() {
     });
     assert!(device.violations().is_empty());
 }
+
+#[test]
+fn large_transfers_split_their_host_copies_across_the_copy_threads() {
+    // Big enough for the parallel host copy (and the fresh-buffer prefault) to engage.
+    let mut engine = CudaEngine::simulated(SimConfig::default());
+    let mut config = StagingConfig::default();
+    config.chunk_bytes = 1 << 20;
+    config.cutoff_bytes = 64 << 10;
+    config.ring_depth = 3;
+    config.copy_threads = 4;
+    engine.set_staging_config(config).unwrap();
+    let n = (3 << 20) / 4 + 5;
+    let data: Vec<u32> = (0..n as u32)
+        .map(|i| i.wrapping_mul(2_654_435_761) | 1)
+        .collect();
+    let t = upload_tensor(&mut engine, &data, &[n]).unwrap();
+    assert_eq!(download_tensor(&mut engine, &t).unwrap(), data);
+    let reused = download_tensor_into(&mut engine, &t, Vec::with_capacity(n)).unwrap();
+    assert_eq!(reused, data);
+    let flags: Vec<bool> = (0..(5 << 20) + 3).map(|i| i % 7 == 2).collect();
+    let f = upload_tensor(&mut engine, &flags, &[flags.len()]).unwrap();
+    assert_eq!(download_tensor(&mut engine, &f).unwrap(), flags);
+    assert!(engine.sim().unwrap().violations().is_empty());
+}

@@ -248,14 +248,29 @@ pub fn upload_tensor<T: Element>(
             actual: data.len(),
         });
     }
-    let mut tensor = DeviceTensor::alloc(engine, shape)?;
+    let tensor = DeviceTensor::alloc(engine, shape)?;
     if data.is_empty() {
         return Ok(tensor);
     }
+    let pool = pool_for(engine, std::mem::size_of_val(data))?;
+    match pool {
+        // The loop runs on one of the copy threads, so splitting each chunk's host copy is a
+        // local spawn onto warm workers rather than an injection from outside the pool.
+        Some(pool) => pool.install(|| upload_chunks(engine, data, tensor, Some(&pool))),
+        None => upload_chunks(engine, data, tensor, None),
+    }
+}
+
+/// The chunk loop of [`upload_tensor`].
+fn upload_chunks<T: Element>(
+    engine: &mut CudaEngine,
+    data: &[T],
+    mut tensor: DeviceTensor<T>,
+    pool: Option<&rayon::ThreadPool>,
+) -> Result<DeviceTensor<T>> {
     let src = as_bytes(data);
     let size = T::DTYPE.size_bytes();
     let per_chunk = chunk_elems::<T>(engine, src.len());
-    let pool = pool_for(engine, src.len())?;
     let mut in_flight = VecDeque::new();
     let mut offset = 0;
     while offset < data.len() {
@@ -272,7 +287,7 @@ pub fn upload_tensor<T: Element>(
         // (`per_chunk` elements fit a slot); `part` is borrowed for the call.
         unsafe {
             par_copy(
-                pool.as_deref(),
+                pool,
                 lease.as_mut_bytes().as_mut_ptr(),
                 part.as_ptr(),
                 part.len(),
@@ -354,9 +369,25 @@ fn download_staged<T: Element>(
     if bytes == 0 {
         return Ok(());
     }
+    match pool_for(engine, bytes)? {
+        // As in `upload_tensor`: the loop runs on a copy thread.
+        Some(pool) => pool.install(|| download_chunks(engine, tensor, out, fresh, Some(&pool))),
+        None => download_chunks(engine, tensor, out, fresh, None),
+    }
+}
+
+/// The chunk loop of [`download_staged`].
+fn download_chunks<T: Element>(
+    engine: &mut CudaEngine,
+    tensor: &DeviceTensor<T>,
+    out: &mut Vec<T>,
+    fresh: bool,
+    pool: Option<&rayon::ThreadPool>,
+) -> Result<()> {
+    let total = tensor.len();
+    let bytes = total * T::DTYPE.size_bytes();
     let size = T::DTYPE.size_bytes();
     let per_chunk = chunk_elems::<T>(engine, bytes);
-    let pool = pool_for(engine, bytes)?;
     let depth = if bytes <= 16 {
         1
     } else {
@@ -402,7 +433,7 @@ fn download_staged<T: Element>(
         }
         if std::mem::take(&mut fresh_pages) {
             // SAFETY: `dst` is `out`'s spare capacity of `bytes` bytes, which we own.
-            unsafe { prefault(pool.as_deref(), dst, bytes) };
+            unsafe { prefault(pool, dst, bytes) };
         }
         let Some((lease, offset, n)) = in_flight.pop_front() else {
             break;
@@ -421,9 +452,9 @@ fn download_staged<T: Element>(
         unsafe {
             let at = dst.add(offset * size);
             if T::DTYPE == DType::Bool {
-                par_decode_bool(pool.as_deref(), at, src, n * size);
+                par_decode_bool(pool, at, src, n * size);
             } else {
-                par_copy(pool.as_deref(), at, src, n * size);
+                par_copy(pool, at, src, n * size);
             }
         }
         if next < total {
