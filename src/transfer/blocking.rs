@@ -187,34 +187,40 @@ fn chunk_elems<T: Element>(engine: &CudaEngine, bytes: usize) -> usize {
     (chunk / T::DTYPE.size_bytes()).max(1)
 }
 
-/// Prepares a fresh (never touched) destination of `bytes` bytes: asks for transparent huge
-/// pages and faults its pages in on the copy threads, while the first chunks' DMA runs.
-///
-/// # Safety
-/// `ptr..ptr+bytes` is writable memory the caller owns (a vector's spare capacity).
-unsafe fn prefault(pool: Option<&rayon::ThreadPool>, ptr: *mut u8, bytes: usize) {
+/// Fresh download buffers at least this large are backed by huge pages and populated ahead.
+const POPULATE_MIN: usize = 4 << 20;
+
+/// Prepares a fresh (never touched) destination of `bytes` bytes at `ptr`: asks for transparent
+/// huge pages, then populates its pages on the copy threads (`MADV_POPULATE_WRITE`) while the
+/// pipeline runs, so the copy-out does not stop at a page fault per page. Populating never
+/// changes contents, so it may race with the copy-out writing the same pages.
+#[cfg(target_os = "linux")]
+fn populate(scope: &rayon::Scope<'_>, ptr: SendPtr, bytes: usize) {
     const PAGE: usize = 4096;
-    #[cfg(target_os = "linux")]
-    if bytes >= 4 << 20 {
-        let start = (ptr as usize).next_multiple_of(PAGE);
-        let end = (ptr as usize + bytes) & !(PAGE - 1);
-        if end > start {
-            // SAFETY: the range lies inside memory the caller owns; MADV_HUGEPAGE only changes
-            // how the kernel backs it, never its contents. A refusal is harmless.
-            unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE) };
-        }
+    const PART: usize = 16 << 20;
+    let start = (ptr.get() as usize).next_multiple_of(PAGE);
+    let end = (ptr.get() as usize + bytes) & !(PAGE - 1);
+    if end <= start {
+        return;
     }
-    let base = SendPtr(ptr);
-    par_bytes(pool, bytes, |off, len| {
-        let mut at = off;
-        while at < off + len {
-            // SAFETY: `at` lies inside the caller's writable range; the byte is overwritten by
-            // the copy-out later, and writing it now only maps the page.
-            unsafe { std::ptr::write_volatile(base.get().add(at), 0) };
-            at = (at / PAGE + 1) * PAGE;
-        }
-    });
+    // SAFETY: the range lies inside memory the caller owns (a vector's spare capacity);
+    // MADV_HUGEPAGE only changes how the kernel backs it. A refusal is harmless.
+    unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE) };
+    let mut at = start;
+    while at < end {
+        let len = PART.min(end - at);
+        scope.spawn(move |_| {
+            // SAFETY: as above; MADV_POPULATE_WRITE maps the pages writable without changing
+            // their contents. Kernels without it refuse with EINVAL, which is harmless.
+            unsafe { libc::madvise(at as *mut libc::c_void, len, libc::MADV_POPULATE_WRITE) };
+        });
+        at += len;
+    }
 }
+
+/// Elsewhere the copy-out faults the pages in itself.
+#[cfg(not(target_os = "linux"))]
+fn populate(_scope: &rayon::Scope<'_>, _ptr: SendPtr, _bytes: usize) {}
 
 fn lease_for(
     engine: &mut CudaEngine,
@@ -376,7 +382,7 @@ fn download_staged<T: Element>(
     }
 }
 
-/// The chunk loop of [`download_staged`].
+/// The body of [`download_staged`], on the copy threads when there are any.
 fn download_chunks<T: Element>(
     engine: &mut CudaEngine,
     tensor: &DeviceTensor<T>,
@@ -386,14 +392,39 @@ fn download_chunks<T: Element>(
 ) -> Result<()> {
     let total = tensor.len();
     let bytes = total * T::DTYPE.size_bytes();
-    let size = T::DTYPE.size_bytes();
     let per_chunk = chunk_elems::<T>(engine, bytes);
     let depth = if bytes <= 16 {
         1
     } else {
         engine.staging_config().ring_depth
     };
-    let dst = out.as_mut_ptr().cast::<u8>();
+    let dst = SendPtr(out.as_mut_ptr().cast::<u8>());
+    match pool {
+        Some(pool) if fresh && bytes >= POPULATE_MIN => pool.scope(|scope| {
+            populate(scope, dst, bytes);
+            chunk_loop::<T>(engine, tensor, dst, per_chunk, depth, Some(pool))
+        }),
+        _ => chunk_loop::<T>(engine, tensor, dst, per_chunk, depth, pool),
+    }?;
+    // SAFETY: every chunk `0..total` was written by `chunk_loop`, each element a valid `T` (any
+    // bit pattern, or a decoded 0/1 for bool).
+    unsafe { out.set_len(total) };
+    Ok(())
+}
+
+/// Downloads `tensor` chunk by chunk through the ring into `dst` (room for `tensor.len()`
+/// elements): primes the ring, then copies out each proven slot and reuses it for the next chunk.
+fn chunk_loop<T: Element>(
+    engine: &mut CudaEngine,
+    tensor: &DeviceTensor<T>,
+    dst: SendPtr,
+    per_chunk: usize,
+    depth: usize,
+    pool: Option<&rayon::ThreadPool>,
+) -> Result<()> {
+    let total = tensor.len();
+    let bytes = total * T::DTYPE.size_bytes();
+    let size = T::DTYPE.size_bytes();
     let mut in_flight: VecDeque<(StagingLease<Unproven>, usize, usize)> = VecDeque::new();
     let mut next = 0;
     let fail = |in_flight: VecDeque<(StagingLease<Unproven>, usize, usize)>, error| {
@@ -405,7 +436,6 @@ fn download_chunks<T: Element>(
     // Prime the ring, then keep it full: each proven slot is copied out and reused for the next
     // chunk.
     let mut spare: Option<StagingLease<Proven>> = None;
-    let mut fresh_pages = fresh && pool.is_some();
     loop {
         while in_flight.len() < depth && next < total {
             let lease = match spare.take() {
@@ -431,10 +461,6 @@ fn download_chunks<T: Element>(
             }
             next += n;
         }
-        if std::mem::take(&mut fresh_pages) {
-            // SAFETY: `dst` is `out`'s spare capacity of `bytes` bytes, which we own.
-            unsafe { prefault(pool, dst, bytes) };
-        }
         let Some((lease, offset, n)) = in_flight.pop_front() else {
             break;
         };
@@ -450,7 +476,7 @@ fn download_chunks<T: Element>(
         // has capacity for `total` elements and `offset + n <= total`; the ranges are disjoint
         // (pinned staging vs the caller's vector).
         unsafe {
-            let at = dst.add(offset * size);
+            let at = dst.get().add(offset * size);
             if T::DTYPE == DType::Bool {
                 par_decode_bool(pool, at, src, n * size);
             } else {
@@ -466,8 +492,5 @@ fn download_chunks<T: Element>(
     if let Some(lease) = spare {
         lease.release();
     }
-    // SAFETY: every chunk `0..total` was written above, each element a valid `T` (any bit
-    // pattern, or a decoded 0/1 for bool).
-    unsafe { out.set_len(total) };
     Ok(())
 }
