@@ -1,7 +1,7 @@
-//! The session flow end to end on a real GPU: open the engine, a chain of queued device work
-//! and a flush, a pinned upload observed in flight, a pending download, `download_tensor_into`
-//! in a loop, and the final synchronize. Exits non-zero on any mismatch, and with a clear
-//! message on a machine without a GPU.
+//! The session flow end to end on a real GPU: open the engine, a chain of dependent adds and a
+//! flush (no host wait), a pinned upload observed in flight, a pending download, a blocking
+//! `download_tensor_into` in a loop, and the final synchronize. Exits non-zero on any mismatch,
+//! and with a clear message on a machine without a GPU.
 
 use cuferry::{
     download_pending, download_tensor_into, upload_pending, upload_tensor, CudaEngine,
@@ -15,12 +15,16 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
 
     let n = 1 << 20;
     let seed: Vec<f32> = (0..n).map(|i| i as f32 * 0.5 + 1.0).collect();
-    let mut state = upload_tensor(&mut engine, &seed, &[n])?;
-    for _ in 0..3 {
-        state = engine.copy_tensor(&state)?; // queued, no host wait
+    let seed_tensor = upload_tensor(&mut engine, &seed, &[n])?;
+    // state = seed + seed, then doubled twice more: each add reads the previous result, in
+    // stream order, with no host wait between them.
+    let mut state = engine.add(&seed_tensor, &seed_tensor)?;
+    for _ in 0..2 {
+        state = engine.add(&state, &state)?;
     }
     engine.flush()?;
-    println!("queued a chain of 3 device-to-device copies, flushed (no wait)");
+    println!("queued a chain of 3 dependent adds, flushed (no wait)");
+    let expected: Vec<f32> = seed.iter().map(|x| x * 8.0).collect();
 
     let mut source = PinnedHostBuffer::<f32>::new(&mut engine, n)?;
     source.as_mut_slice().copy_from_slice(&seed);
@@ -42,11 +46,11 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let mut out = Vec::with_capacity(n);
     for round in 0..4 {
         out = download_tensor_into(&mut engine, &state, out)?;
-        if out != seed {
+        if out != expected {
             return Err(format!("download_tensor_into round {round} does not match").into());
         }
     }
-    println!("download_tensor_into x4 into one reused Vec: ok");
+    println!("download_tensor_into x4 into one reused Vec: the chain computed 8 x seed");
     engine.synchronize()?;
     println!("synchronized; all checks passed");
     Ok(())
