@@ -13,6 +13,7 @@ use crate::engine::{CudaEngine, Shared};
 use crate::error::{Error, Result};
 use crate::tensor::DeviceTensor;
 use std::marker::PhantomData;
+use std::sync::Arc;
 
 /// Marks a handle as tied to the scope `'s` and to the calling thread.
 type ScopeMarker<'s> = PhantomData<(&'s mut (), *mut ())>;
@@ -129,18 +130,41 @@ impl std::fmt::Debug for RawScope<'_> {
     }
 }
 
-/// Restores the context that was current before a raw scope, on every exit path.
-struct Restore<'a> {
-    shared: &'a Shared,
+/// Makes an engine's context current on the calling thread for as long as it lives, and restores
+/// the context that was current before when dropped: on return, on `Err` and on unwind. Raw and
+/// CubeCL scopes are built on it.
+pub(crate) struct ContextScope {
+    shared: Arc<Shared>,
     previous: ContextHandle,
+    what: &'static str,
 }
 
-impl Drop for Restore<'_> {
+impl ContextScope {
+    /// Saves the current context and makes the engine's current. `what` names the scope in a
+    /// deferred restore failure.
+    pub(crate) fn enter(shared: &Arc<Shared>, what: &'static str) -> Result<Self> {
+        let st = shared.lock_raw();
+        let previous = st
+            .driver
+            .current_context()
+            .map_err(Error::driver("cuCtxGetCurrent"))?;
+        st.driver
+            .set_current_context(st.driver.context())
+            .map_err(Error::driver("cuCtxSetCurrent"))?;
+        Ok(ContextScope {
+            shared: Arc::clone(shared),
+            previous,
+            what,
+        })
+    }
+}
+
+impl Drop for ContextScope {
     fn drop(&mut self) {
         let mut st = self.shared.lock_raw();
         if let Err(source) = st.driver.set_current_context(self.previous) {
             st.defer(Error::Driver {
-                call: "cuCtxSetCurrent (restore after raw scope)",
+                call: self.what,
                 source,
             });
         }
@@ -176,20 +200,13 @@ impl CudaEngine {
     where
         E: From<Error>,
     {
+        let _restore =
+            ContextScope::enter(&self.shared, "cuCtxSetCurrent (restore after raw scope)")?;
         let shared: &Shared = &self.shared;
-        let (previous, context, stream) = {
+        let (context, stream) = {
             let st = shared.lock_raw();
-            let previous = st
-                .driver
-                .current_context()
-                .map_err(Error::driver("cuCtxGetCurrent"))?;
-            let context = st.driver.context();
-            st.driver
-                .set_current_context(context)
-                .map_err(Error::driver("cuCtxSetCurrent"))?;
-            (previous, context.0, st.driver.stream_handle())
+            (st.driver.context().0, st.driver.stream_handle())
         };
-        let _restore = Restore { shared, previous };
         let scope = RawScope {
             shared,
             context,

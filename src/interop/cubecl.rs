@@ -23,9 +23,8 @@
 //! A cross-stream event wait would avoid the host waits, but CubeCL 0.10 does not expose its
 //! streams, so a host wait is the only ordering it offers.
 
-use crate::driver::ContextHandle;
 use crate::element::{byte_len, Element};
-use crate::engine::{CudaEngine, Shared};
+use crate::engine::CudaEngine;
 use crate::error::{DeviceKind, Error, Result};
 use crate::tensor::{shape_len, DeviceTensor};
 use cubecl::client::ComputeClient;
@@ -158,24 +157,6 @@ impl<'e> CubeclScope<'e> {
     }
 }
 
-/// Restores the context current before a CubeCL scope, on every exit path.
-struct Restore<'a> {
-    shared: &'a Shared,
-    previous: ContextHandle,
-}
-
-impl Drop for Restore<'_> {
-    fn drop(&mut self) {
-        let mut st = self.shared.lock_raw();
-        if let Err(source) = st.driver.set_current_context(self.previous) {
-            st.defer(Error::Driver {
-                call: "cuCtxSetCurrent (restore after CubeCL scope)",
-                source,
-            });
-        }
-    }
-}
-
 impl CudaEngine {
     /// Runs `f` with a CubeCL client for this engine's device (feature `cubecl`).
     ///
@@ -203,22 +184,10 @@ impl CudaEngine {
             }
             .into());
         }
-        let shared = std::sync::Arc::clone(&self.shared);
-        let previous = {
-            let st = shared.lock_raw();
-            let previous = st
-                .driver
-                .current_context()
-                .map_err(Error::driver("cuCtxGetCurrent"))?;
-            st.driver
-                .set_current_context(st.driver.context())
-                .map_err(Error::driver("cuCtxSetCurrent"))?;
-            previous
-        };
-        let _restore = Restore {
-            shared: &shared,
-            previous,
-        };
+        let _restore = crate::raw::ContextScope::enter(
+            &self.shared,
+            "cuCtxSetCurrent (restore after CubeCL scope)",
+        )?;
         let client = CudaRuntime::client(&CudaDevice::new(self.device().ordinal()));
         let mut scope = CubeclScope {
             engine: self,

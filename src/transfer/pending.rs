@@ -269,6 +269,32 @@ impl<D: Direction, T: Element, S: TransferState> Pending<D, T, S> {
     }
 }
 
+/// Asks a transfer's event whether the copy completed, waiting for it when `block`. On a device
+/// failure everything the copy may touch is retained for the engine's lifetime and the error
+/// returned; when the context cannot be entered the transfer is detached instead.
+fn settle<D: Direction, T: Element>(inner: Inner<T>, block: bool) -> Result<(Inner<T>, bool)> {
+    let owner = inner.owner();
+    let mut st = match owner.enter() {
+        Ok(st) => st,
+        Err(e) => {
+            owner.lock_raw().retire.push(inner.into_record(D::NAME));
+            return Err(e);
+        }
+    };
+    let done = if block {
+        st.driver.event_synchronize(inner.event).map(|()| true)
+    } else {
+        st.driver.event_query(inner.event)
+    };
+    match done {
+        Ok(done) => Ok((inner, done)),
+        Err(source) => {
+            st.retire.retain_failed(inner.into_record(D::NAME), source);
+            Err(fault(D::NAME)(source))
+        }
+    }
+}
+
 fn fault(what: &'static str) -> impl FnOnce(crate::DriverError) -> Error {
     move |source| Error::DeviceFault { what, source }
 }
@@ -294,22 +320,8 @@ impl<D: Direction, T: Element> Pending<D, T, InFlight> {
     /// [`Error::DeviceFault`] when the device reports a failure: the buffer and tensor are then
     /// retained by the engine for its lifetime (the device may still touch them), never freed.
     pub fn wait(self) -> Result<Pending<D, T, Returned>> {
-        let inner = self.take();
-        let owner = inner.owner();
-        let mut st = match owner.enter() {
-            Ok(st) => st,
-            Err(e) => {
-                owner.lock_raw().retire.push(inner.into_record(D::NAME));
-                return Err(e);
-            }
-        };
-        match st.driver.event_synchronize(inner.event) {
-            Ok(()) => Ok(Pending::new(inner)),
-            Err(source) => {
-                st.retire.retain_failed(inner.into_record(D::NAME), source);
-                Err(fault(D::NAME)(source))
-            }
-        }
+        let (inner, _) = settle::<D, T>(self.take(), true)?;
+        Ok(Pending::new(inner))
     }
 
     /// Returns the transfer in state [`Returned`] if the copy has completed, or hands the
@@ -318,23 +330,12 @@ impl<D: Direction, T: Element> Pending<D, T, InFlight> {
     /// # Errors
     /// As [`wait`](Self::wait).
     pub fn try_wait(self) -> Result<TryWait<D, T>> {
-        let inner = self.take();
-        let owner = inner.owner();
-        let mut st = match owner.enter() {
-            Ok(st) => st,
-            Err(e) => {
-                owner.lock_raw().retire.push(inner.into_record(D::NAME));
-                return Err(e);
-            }
-        };
-        match st.driver.event_query(inner.event) {
-            Ok(true) => Ok(TryWait::Returned(Pending::new(inner))),
-            Ok(false) => Ok(TryWait::InFlight(Pending::new(inner))),
-            Err(source) => {
-                st.retire.retain_failed(inner.into_record(D::NAME), source);
-                Err(fault(D::NAME)(source))
-            }
-        }
+        let (inner, done) = settle::<D, T>(self.take(), false)?;
+        Ok(if done {
+            TryWait::Returned(Pending::new(inner))
+        } else {
+            TryWait::InFlight(Pending::new(inner))
+        })
     }
 }
 
