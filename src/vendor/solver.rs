@@ -259,10 +259,11 @@ impl CudaEngine {
         let status = |call| {
             move |e: cudarc::cusolver::result::CusolverError| CUSOLVER.status(call, e.0, e.0 as i64)
         };
+        let a_ptr = a.raw_ptr();
         // SAFETY: the handle is the engine's with its context current; `a` is a live `n × n`
         // allocation (checked above). The query reads no device memory.
-        let lwork =
-            unsafe { T::buffer_size(handle, n32, a.raw_ptr(), n32) }.map_err(status(size_call))?;
+        let lwork = unsafe { T::buffer_size(handle, n32, a_ptr, n32) };
+        let lwork = lwork.map_err(status(size_call))?;
         let lwork_elems = usize::try_from(lwork.max(1)).unwrap_or(1);
         let work_bytes = crate::element::byte_len::<T>(lwork_elems, "cuSOLVER workspace")?;
         let work = st

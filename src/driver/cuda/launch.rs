@@ -138,10 +138,10 @@ fn compile_ptx(source: &ModuleSource<'_>, arch: i32) -> Result<Vec<c_char>, Erro
     };
     let option_ptrs: Vec<*const c_char> = options.iter().map(|o| o.as_ptr()).collect();
     let option_count = c_int::try_from(option_ptrs.len()).unwrap_or(0);
+    let options = option_ptrs.as_ptr();
     // SAFETY: `program` is live; the option pointers are NUL-terminated strings that outlive
     // the call.
-    let status =
-        unsafe { nvrtc::nvrtcCompileProgram(program.0, option_count, option_ptrs.as_ptr()) };
+    let status = unsafe { nvrtc::nvrtcCompileProgram(program.0, option_count, options) };
     if status != nvrtc::nvrtcResult::NVRTC_SUCCESS {
         // SAFETY: `program` is live and was compiled (unsuccessfully), so it has a log.
         let log = unsafe { cudarc::nvrtc::result::get_program_log(program.0) }
