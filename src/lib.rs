@@ -22,6 +22,8 @@
 //! Every route runs against a deterministic simulated device (feature `sim`, module [`sim`]) with
 //! fault injection, so lifecycle code is tested without a GPU.
 //!
+//! The [`guide`] explains the engine, its routes and the rules they keep, chapter by chapter.
+//!
 //! ```
 //! # fn main() -> Result<(), cuferry::Error> {
 //! use cuferry::{download_tensor, upload_tensor, CudaEngine};
@@ -44,6 +46,7 @@ mod driver;
 mod element;
 mod engine;
 mod error;
+pub mod guide;
 pub mod interop;
 pub mod kernels;
 mod pinned;

@@ -1,0 +1,33 @@
+// The user guide: the Markdown chapters of `docs/guide/`, rendered as documentation and run as
+// doctests, so every snippet in the guide compiles and runs against the current API.
+#![doc = include_str!("../docs/guide/README.md")]
+
+pub mod engine {
+    // Opening an engine, ownership, Drop rules and the simulated device.
+    #![doc = include_str!("../docs/guide/engine.md")]
+}
+
+pub mod flush_and_synchronize {
+    // The submission boundary, the host barrier and every place the host waits.
+    #![doc = include_str!("../docs/guide/flush-and-synchronize.md")]
+}
+
+pub mod transfers {
+    // The blocking and pending routes, pinned buffers, staging settings and which route to use.
+    #![doc = include_str!("../docs/guide/transfers.md")]
+}
+
+pub mod lifecycles {
+    // The lifecycle types and the misuse they rule out, as compile-fail doctests.
+    #![doc = include_str!("../docs/guide/lifecycles.md")]
+}
+
+pub mod rules {
+    // The invariants every operation keeps.
+    #![doc = include_str!("../docs/guide/rules.md")]
+}
+
+pub mod unsupported {
+    // What is refused, and the typed error each refusal returns.
+    #![doc = include_str!("../docs/guide/unsupported.md")]
+}
