@@ -305,11 +305,13 @@ impl<S: LeaseState> std::fmt::Debug for StagingLease<S> {
     }
 }
 
-/// A [`StagingLease::begin_upload`] or [`StagingLease::begin_download`] that failed.
-#[derive(Debug)]
-#[non_exhaustive]
+/// A [`StagingLease::begin_upload`] or [`StagingLease::begin_download`] that failed. Either
+/// nothing was queued, or the copy was queued and cannot be proven: there is no third outcome,
+/// so a match on the two variants is exhaustive.
+#[derive(Debug, thiserror::Error)]
 pub enum BeginError {
     /// Nothing was queued: the lease comes back proven.
+    #[error("staging chunk not queued: {error}")]
     NotQueued {
         /// The lease, still proven.
         lease: StagingLease<Proven>,
@@ -318,6 +320,7 @@ pub enum BeginError {
     },
     /// The copy was queued but its event could not be recorded and the stream could not be
     /// proven idle: retire the lease.
+    #[error("staging chunk queued but not provable; retire the lease: {error}")]
     Unproven {
         /// The lease, unproven.
         lease: StagingLease<Unproven>,
