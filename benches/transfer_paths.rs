@@ -17,7 +17,8 @@
 //! - `host_copy`: the host's own pageable-to-pinned copy bandwidth with one and with the staging
 //!   default's number of threads, the ceiling of a staged upload's host half;
 //! - `staging_sweep`: `upload_tensor` / `download_tensor` at 256 MiB under several staging
-//!   settings (chunk size, copy threads), which is how the defaults were chosen.
+//!   settings (chunk size, copy threads), which is how the defaults were chosen;
+//! - `midsize_sweep`: 8 MiB transfers under several ring depths and copy-thread counts.
 //!
 //! Without a GPU the bench prints a note and measures nothing.
 
@@ -452,6 +453,36 @@ fn host_copy(c: &mut Criterion, raw: &Raw) {
     group.finish();
 }
 
+/// Mid-size transfers (8 MiB) under several ring depths and copy-thread counts: a transfer
+/// smaller than the ring is split into `ring_depth` chunks, so the depth sets the overlap.
+fn midsize_sweep(c: &mut Criterion, engine: &mut CudaEngine) {
+    let mut group = c.benchmark_group("midsize_sweep");
+    let bytes = 8 << 20;
+    let n = bytes / 4;
+    group.throughput(Throughput::Bytes(bytes as u64));
+    let host: Vec<f32> = (0..n).map(|i| i as f32 + 0.5).collect();
+    let original = engine.staging_config();
+    let tensor = cuferry::upload_tensor(engine, &host, &[n]).unwrap();
+    for (depth, threads) in [(4, 12), (8, 12), (4, 16), (8, 16)] {
+        let mut config = original;
+        config.ring_depth = depth;
+        config.copy_threads = threads;
+        engine.set_staging_config(config).unwrap();
+        let label = format!("depth{depth}_threads{threads}");
+        group.bench_function(BenchmarkId::new("upload", &label), |b| {
+            b.iter(|| drop(cuferry::upload_tensor(engine, &host, &[n]).unwrap()))
+        });
+        let mut out = Some(Vec::<f32>::with_capacity(n));
+        group.bench_function(BenchmarkId::new("download_into", &label), |b| {
+            b.iter(|| {
+                out = Some(download_tensor_into(engine, &tensor, out.take().unwrap()).unwrap())
+            })
+        });
+    }
+    engine.set_staging_config(original).unwrap();
+    group.finish();
+}
+
 fn benches(c: &mut Criterion) {
     let mut engine = match CudaEngine::open(0) {
         Ok(engine) => engine,
@@ -468,6 +499,7 @@ fn benches(c: &mut Criterion) {
     host_copy(c, &raw);
     blocking(c, &mut engine, &raw);
     staging_sweep(c, &mut engine);
+    midsize_sweep(c, &mut engine);
     four_threads(c);
 }
 
