@@ -114,8 +114,8 @@ fn pool_for(engine: &mut CudaEngine, bytes: usize) -> Result<Option<Arc<rayon::T
 fn next_lease(
     engine: &mut CudaEngine,
     in_flight: &mut VecDeque<StagingLease<Unproven>>,
+    depth: usize,
 ) -> Result<StagingLease<Proven>> {
-    let depth = engine.staging_config().ring_depth;
     if in_flight.len() < depth {
         match engine.staging_lease() {
             Ok(lease) => return Ok(lease),
@@ -166,15 +166,26 @@ fn finish<R: Send + 'static>(
 /// The smallest chunk the pipeline splits a transfer into.
 const MIN_PIPELINE_CHUNK: usize = 1 << 20;
 
-/// Chunk size in elements for a transfer of `bytes` bytes of `T`.
+/// How one transfer is cut up, decided once from the engine's staging settings.
+struct Plan {
+    /// Elements per chunk.
+    per_chunk: usize,
+    /// Chunks in flight at once.
+    depth: usize,
+    /// Whether the transfer goes through the 16-byte scalar slot.
+    scalar: bool,
+}
+
+/// The plan for a transfer of `bytes` bytes of `T`.
 ///
 /// A transfer that would fill fewer slots than the ring has is split into `ring_depth` smaller
 /// chunks (not below 1 MiB), so even a mid-size transfer overlaps its host copies with its DMA;
 /// this also keeps the per-byte cost smooth across the chunk size (no cliff one element above
 /// it).
-fn chunk_elems<T: Element>(engine: &CudaEngine, bytes: usize) -> usize {
+fn plan<T: Element>(engine: &CudaEngine, bytes: usize) -> Plan {
     let config = engine.staging_config();
-    let chunk = if bytes <= 16 {
+    let scalar = bytes <= 16;
+    let chunk = if scalar {
         16
     } else if bytes <= config.cutoff_bytes {
         config.cutoff_bytes
@@ -184,7 +195,11 @@ fn chunk_elems<T: Element>(engine: &CudaEngine, bytes: usize) -> usize {
             .max(MIN_PIPELINE_CHUNK.min(config.chunk_bytes))
             .min(config.chunk_bytes)
     };
-    (chunk / T::DTYPE.size_bytes()).max(1)
+    Plan {
+        per_chunk: (chunk / T::DTYPE.size_bytes()).max(1),
+        depth: if scalar { 1 } else { config.ring_depth },
+        scalar,
+    }
 }
 
 /// Fresh download buffers at least this large are backed by huge pages and populated ahead.
@@ -222,15 +237,16 @@ fn populate(scope: &rayon::Scope<'_>, ptr: SendPtr, bytes: usize) {
 #[cfg(not(target_os = "linux"))]
 fn populate(_scope: &rayon::Scope<'_>, _ptr: SendPtr, _bytes: usize) {}
 
+/// The lease for an upload's next chunk under `plan`.
 fn lease_for(
     engine: &mut CudaEngine,
-    bytes: usize,
+    plan: &Plan,
     in_flight: &mut VecDeque<StagingLease<Unproven>>,
 ) -> Result<StagingLease<Proven>> {
-    if bytes <= 16 {
+    if plan.scalar {
         engine.scalar_lease()
     } else {
-        next_lease(engine, in_flight)
+        next_lease(engine, in_flight, plan.depth)
     }
 }
 
@@ -276,12 +292,12 @@ fn upload_chunks<T: Element>(
 ) -> Result<DeviceTensor<T>> {
     let src = as_bytes(data);
     let size = T::DTYPE.size_bytes();
-    let per_chunk = chunk_elems::<T>(engine, src.len());
+    let plan = plan::<T>(engine, src.len());
     let mut in_flight = VecDeque::new();
     let mut offset = 0;
     while offset < data.len() {
-        let n = per_chunk.min(data.len() - offset);
-        let mut lease = match lease_for(engine, src.len(), &mut in_flight) {
+        let n = plan.per_chunk.min(data.len() - offset);
+        let mut lease = match lease_for(engine, &plan, &mut in_flight) {
             Ok(lease) => lease,
             Err(error) => {
                 retire_all(in_flight, tensor);
@@ -290,7 +306,7 @@ fn upload_chunks<T: Element>(
         };
         let part = &src[offset * size..(offset + n) * size];
         // SAFETY: the lease is proven (its memory is ours) and holds at least `part.len()` bytes
-        // (`per_chunk` elements fit a slot); `part` is borrowed for the call.
+        // (`plan.per_chunk` elements fit a slot); `part` is borrowed for the call.
         unsafe {
             par_copy(
                 pool,
@@ -392,19 +408,14 @@ fn download_chunks<T: Element>(
 ) -> Result<()> {
     let total = tensor.len();
     let bytes = total * T::DTYPE.size_bytes();
-    let per_chunk = chunk_elems::<T>(engine, bytes);
-    let depth = if bytes <= 16 {
-        1
-    } else {
-        engine.staging_config().ring_depth
-    };
+    let plan = plan::<T>(engine, bytes);
     let dst = SendPtr(out.as_mut_ptr().cast::<u8>());
     match pool {
         Some(pool) if fresh && bytes >= POPULATE_MIN => pool.scope(|scope| {
             populate(scope, dst, bytes);
-            chunk_loop::<T>(engine, tensor, dst, per_chunk, depth, Some(pool))
+            chunk_loop::<T>(engine, tensor, dst, &plan, Some(pool))
         }),
-        _ => chunk_loop::<T>(engine, tensor, dst, per_chunk, depth, pool),
+        _ => chunk_loop::<T>(engine, tensor, dst, &plan, pool),
     }?;
     // SAFETY: every chunk `0..total` was written by `chunk_loop`, each element a valid `T` (any
     // bit pattern, or a decoded 0/1 for bool).
@@ -418,12 +429,10 @@ fn chunk_loop<T: Element>(
     engine: &mut CudaEngine,
     tensor: &DeviceTensor<T>,
     dst: SendPtr,
-    per_chunk: usize,
-    depth: usize,
+    plan: &Plan,
     pool: Option<&rayon::ThreadPool>,
 ) -> Result<()> {
     let total = tensor.len();
-    let bytes = total * T::DTYPE.size_bytes();
     let size = T::DTYPE.size_bytes();
     let mut in_flight: VecDeque<(StagingLease<Unproven>, usize, usize)> = VecDeque::new();
     let mut next = 0;
@@ -437,17 +446,17 @@ fn chunk_loop<T: Element>(
     // chunk.
     let mut spare: Option<StagingLease<Proven>> = None;
     loop {
-        while in_flight.len() < depth && next < total {
+        while in_flight.len() < plan.depth && next < total {
             let lease = match spare.take() {
                 Some(lease) => lease,
-                None if bytes <= 16 => engine.scalar_lease()?,
+                None if plan.scalar => engine.scalar_lease()?,
                 None => match engine.staging_lease() {
                     Ok(lease) => lease,
                     Err(Error::StagingExhausted { .. }) if !in_flight.is_empty() => break,
                     Err(error) => return fail(in_flight, error),
                 },
             };
-            let n = per_chunk.min(total - next);
+            let n = plan.per_chunk.min(total - next);
             match lease.begin_download(engine, tensor, next, n) {
                 Ok(unproven) => in_flight.push_back((unproven, next, n)),
                 Err(BeginError::NotQueued { lease, error }) => {
