@@ -109,6 +109,34 @@ impl Raw {
         unsafe { sys::cuEventRecord(self.event, self.stream) };
     }
 
+    /// Benches the raw pinned copy of `bytes` between `host` and `dev` plus its wait, under
+    /// `raw_pinned/label`, then frees both.
+    fn bench_pinned_and_free(
+        &self,
+        group: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
+        label: &str,
+        upload: bool,
+        host: *mut u8,
+        dev: sys::CUdeviceptr,
+        bytes: usize,
+    ) {
+        group.bench_function(BenchmarkId::new("raw_pinned", label), |b| {
+            b.iter(|| {
+                if upload {
+                    self.htod(dev, host, bytes)
+                } else {
+                    self.dtoh(host, dev, bytes)
+                }
+                self.wait();
+            })
+        });
+        // SAFETY: both were allocated by this `Raw` and are idle after the last wait.
+        unsafe {
+            sys::cuMemFreeHost(host.cast());
+            sys::cuMemFree_v2(dev);
+        }
+    }
+
     fn wait(&self) {
         // SAFETY: the event is live.
         let code = unsafe { sys::cuEventSynchronize(self.event) };
@@ -157,21 +185,7 @@ fn pending(c: &mut Criterion, engine: &mut CudaEngine, raw: &Raw) {
             drop(returned);
             let host = raw.pinned(bytes);
             let dev = raw.device(bytes);
-            group.bench_function(BenchmarkId::new("raw_pinned", label), |b| {
-                b.iter(|| {
-                    if upload {
-                        raw.htod(dev, host, bytes)
-                    } else {
-                        raw.dtoh(host, dev, bytes)
-                    }
-                    raw.wait();
-                })
-            });
-            // SAFETY: both were allocated above and are idle after the last wait.
-            unsafe {
-                sys::cuMemFreeHost(host.cast());
-                sys::cuMemFree_v2(dev);
-            }
+            raw.bench_pinned_and_free(&mut group, label, upload, host, dev, bytes);
         }
         group.finish();
     }
@@ -319,21 +333,7 @@ fn blocking(c: &mut Criterion, engine: &mut CudaEngine, raw: &Raw) {
                 })
             });
             let pinned = raw.pinned(bytes);
-            group.bench_function(BenchmarkId::new("raw_pinned", label), |b| {
-                b.iter(|| {
-                    if upload {
-                        raw.htod(dev, pinned, bytes)
-                    } else {
-                        raw.dtoh(pinned, dev, bytes)
-                    }
-                    raw.wait();
-                })
-            });
-            // SAFETY: both were allocated above and are idle after the last wait.
-            unsafe {
-                sys::cuMemFreeHost(pinned.cast());
-                sys::cuMemFree_v2(dev);
-            }
+            raw.bench_pinned_and_free(&mut group, label, upload, pinned, dev, bytes);
         }
         group.finish();
     }
