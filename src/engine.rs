@@ -10,22 +10,32 @@
 //! shared core alive through an `Arc`, so a value dropped after the engine still frees its memory
 //! on the right device, stream-ordered, and never early.
 
-use crate::driver::{ContextHandle, Driver};
+use crate::driver::{ContextHandle, Driver, Waits};
 use crate::error::{DeviceId, Error, Result};
+use crate::lifecycle::retire::{EventPool, Poll, Resources, RetireQueue, RetirementStats};
 use crate::pinned::{PinnedPool, PinnedPoolStats};
-use crate::retire::{EventPool, RetireQueue, RetirementStats};
 use crate::transfer::staging::StagingRing;
+use std::cell::Cell;
 use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 static NEXT_ENGINE: AtomicU64 = AtomicU64::new(1);
 
+thread_local! {
+    /// How many engine locks this thread holds. A drop that would take an engine's lock while
+    /// this thread already holds one (only possible while a panic unwinds through a locked
+    /// section) leaks instead of deadlocking.
+    static LOCKS_HELD: Cell<usize> = const { Cell::new(0) };
+}
+
 /// The state shared between an engine and the values it handed out.
 pub(crate) struct Shared {
     /// Unique per engine, so values are never used on another engine's stream.
     pub(crate) engine_id: u64,
     pub(crate) device: DeviceId,
+    /// The driver's waiting half: host waits go through it without the lock.
+    pub(crate) waits: Arc<dyn Waits>,
     state: Mutex<State>,
 }
 
@@ -42,6 +52,9 @@ pub(crate) struct State {
     pub(crate) events: EventPool,
     /// Resources waiting for their event before release.
     pub(crate) retire: RetireQueue,
+    /// Resources proven free while the lock was held, dropped as soon as it is released (their
+    /// drops take the lock).
+    pub(crate) released: Vec<Resources>,
     /// The pinned staging ring of the blocking routes.
     pub(crate) staging: StagingRing,
     /// Compiled elementwise kernels, by operation and element type(s).
@@ -56,26 +69,17 @@ impl State {
         self.deferred.push(error);
     }
 
-    /// Waits until everything queued so far has completed, through a pooled event (a cheaper
-    /// wait than a stream synchronize, and the same proof). If the event cannot be recorded it
-    /// falls back to a stream synchronize, so on `Ok` the queued work has completed either way.
-    #[cfg(feature = "cubecl")]
-    pub(crate) fn wait_stream(&mut self, what: &'static str) -> Result<()> {
-        let fault = |source| Error::DeviceFault { what, source };
-        let event = self.events.take(&mut *self.driver)?;
-        let waited = match self.driver.event_record(event) {
-            Ok(()) => self.driver.event_synchronize(event).map_err(fault),
-            Err(_) => self.driver.stream_synchronize().map_err(fault),
-        };
-        if waited.is_ok() {
-            self.events.put(event);
-        }
-        // A failed event is not reused (its state is unknown); it is leaked.
-        waited
+    /// Releases what the retirement queue has proven complete, without waiting. The resources
+    /// are dropped once the lock is released.
+    pub(crate) fn poll_retired(&mut self, waits: &dyn Waits, mode: Poll) {
+        self.retire
+            .poll(waits, &mut self.events, &mut self.released, mode);
     }
 
+    /// Every failure recorded since the last boundary, as one error.
     fn take_deferred(&mut self) -> Result<()> {
         let mut errors = std::mem::take(&mut self.deferred);
+        errors.extend(self.retire.take_unreported());
         if errors.is_empty() {
             return Ok(());
         }
@@ -87,31 +91,62 @@ impl State {
     }
 }
 
+/// The engine's state, locked. Dropping it releases the lock first, then drops the resources
+/// released meanwhile, so their drops (which take the lock) never run under it, on unwind too.
+pub(crate) struct Locked<'a> {
+    guard: Option<MutexGuard<'a, State>>,
+}
+
+impl Deref for Locked<'_> {
+    type Target = State;
+    fn deref(&self) -> &State {
+        self.guard.as_ref().expect("a live lock holds its guard")
+    }
+}
+
+impl DerefMut for Locked<'_> {
+    fn deref_mut(&mut self) -> &mut State {
+        self.guard.as_mut().expect("a live lock holds its guard")
+    }
+}
+
+impl Drop for Locked<'_> {
+    fn drop(&mut self) {
+        let Some(mut guard) = self.guard.take() else {
+            return;
+        };
+        let released = std::mem::take(&mut guard.released);
+        drop(guard);
+        LOCKS_HELD.with(|held| held.set(held.get() - 1));
+        drop(released);
+    }
+}
+
 /// The engine's state, locked, with the engine's context current on this thread. Dropping it
 /// restores whatever context was current before.
 pub(crate) struct Entered<'a> {
-    guard: MutexGuard<'a, State>,
+    locked: Locked<'a>,
     previous: Option<ContextHandle>,
 }
 
 impl Deref for Entered<'_> {
     type Target = State;
     fn deref(&self) -> &State {
-        &self.guard
+        &self.locked
     }
 }
 
 impl DerefMut for Entered<'_> {
     fn deref_mut(&mut self) -> &mut State {
-        &mut self.guard
+        &mut self.locked
     }
 }
 
 impl Drop for Entered<'_> {
     fn drop(&mut self) {
         if let Some(previous) = self.previous {
-            if let Err(source) = self.guard.driver.set_current_context(previous) {
-                self.guard.defer(Error::Driver {
+            if let Err(source) = self.locked.driver.set_current_context(previous) {
+                self.locked.defer(Error::Driver {
                     call: "cuCtxSetCurrent (restore)",
                     source,
                 });
@@ -121,39 +156,60 @@ impl Drop for Entered<'_> {
 }
 
 impl Shared {
-    pub(crate) fn lock_raw(&self) -> MutexGuard<'_, State> {
+    /// Locks the state.
+    pub(crate) fn lock(&self) -> Locked<'_> {
         // A panic while the lock was held leaves no half-made driver state behind (every driver
-        // call is atomic), so a poisoned lock is still usable.
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        // call is atomic, and unproven resources are leaked, not released, on unwind), so a
+        // poisoned lock is still usable.
+        let guard = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        LOCKS_HELD.with(|held| held.set(held.get() + 1));
+        Locked { guard: Some(guard) }
+    }
+
+    /// Locks the state for a drop path: `None` when this thread already holds an engine lock
+    /// (a panic is unwinding through a locked section), and the caller then leaks instead.
+    pub(crate) fn lock_for_drop(&self) -> Option<Locked<'_>> {
+        if LOCKS_HELD.with(Cell::get) > 0 {
+            // Outside an unwind this is a bug: a value dropped under the lock would leak.
+            debug_assert!(
+                std::thread::panicking(),
+                "a value of an engine was dropped while an engine lock was held"
+            );
+            return None;
+        }
+        Some(self.lock())
     }
 
     /// Locks the state and makes the engine's context current for the duration.
     pub(crate) fn enter(&self) -> Result<Entered<'_>> {
-        let guard = self.lock_raw();
-        let ctx = guard.driver.context();
-        let current = guard
+        Self::enter_locked(self.lock())
+    }
+
+    fn enter_locked(locked: Locked<'_>) -> Result<Entered<'_>> {
+        let ctx = locked.driver.context();
+        let current = locked
             .driver
             .current_context()
             .map_err(Error::driver("cuCtxGetCurrent"))?;
         let previous = if current == ctx {
             None
         } else {
-            guard
+            locked
                 .driver
                 .set_current_context(ctx)
                 .map_err(Error::driver("cuCtxSetCurrent"))?;
             Some(current)
         };
-        Ok(Entered { guard, previous })
+        Ok(Entered { locked, previous })
     }
 
     /// Like [`Shared::enter`], for drop paths: on failure the caller leaks what it would have
     /// released, and the failure is recorded for the next boundary.
     pub(crate) fn enter_for_drop(&self) -> Option<Entered<'_>> {
-        match self.enter() {
+        match Self::enter_locked(self.lock_for_drop()?) {
             Ok(entered) => Some(entered),
-            Err(e) => {
-                self.lock_raw().defer(e);
+            Err(error) => {
+                self.lock().defer(error);
                 None
             }
         }
@@ -161,19 +217,20 @@ impl Shared {
 
     /// Checks that a value made by engine `engine_id` on `device` may be used on this engine.
     pub(crate) fn check_owner(&self, device: DeviceId, engine_id: u64) -> Result<()> {
-        if device != self.device {
-            return Err(Error::WrongDevice {
-                expected: self.device,
-                found: device,
-            });
-        }
         if engine_id != self.engine_id {
             return Err(Error::WrongEngine {
                 expected: self.engine_id,
+                expected_device: self.device,
                 found: engine_id,
+                found_device: device,
             });
         }
         Ok(())
+    }
+
+    /// Checks that `value` (anything that knows its engine) belongs to this engine.
+    pub(crate) fn check(&self, value: &Shared) -> Result<()> {
+        self.check_owner(value.device, value.engine_id)
     }
 }
 
@@ -231,6 +288,7 @@ impl CudaEngine {
             shared: Arc::new(Shared {
                 engine_id: NEXT_ENGINE.fetch_add(1, Ordering::Relaxed),
                 device,
+                waits: driver.waits(),
                 state: Mutex::new(State {
                     driver,
                     deferred: Vec::new(),
@@ -238,6 +296,7 @@ impl CudaEngine {
                     pinned: PinnedPool::default(),
                     events: EventPool::default(),
                     retire: RetireQueue::default(),
+                    released: Vec::new(),
                     staging: StagingRing::default(),
                     kernels: Default::default(),
                     vendor: Default::default(),
@@ -261,7 +320,7 @@ impl CudaEngine {
 
     /// The device's name, as the driver reports it.
     pub fn device_name(&self) -> String {
-        self.shared.lock_raw().driver.name().to_owned()
+        self.shared.lock().driver.name().to_owned()
     }
 
     /// A number unique to this engine among the engines of this process.
@@ -273,7 +332,7 @@ impl CudaEngine {
     /// inject faults and read its accounting through it.
     #[cfg(any(test, feature = "sim"))]
     pub fn sim(&self) -> Option<crate::sim::SimDevice> {
-        self.shared.lock_raw().driver.as_sim()
+        self.shared.lock().driver.as_sim()
     }
 
     pub(crate) fn enter(&mut self) -> Result<Entered<'_>> {
@@ -283,16 +342,21 @@ impl CudaEngine {
     /// A submission boundary: reports failures queued since the last boundary without waiting
     /// for the device.
     ///
-    /// It reports failures recorded while values were dropped, and asks the stream (without
-    /// waiting) whether earlier work failed asynchronously.
+    /// It releases whatever the retirement queue has proven complete, reports failures recorded
+    /// since the last boundary (drops, refused frees, detached work that failed), and asks the
+    /// stream (without waiting) whether earlier work failed asynchronously.
     ///
     /// # Errors
     /// [`Error::Deferred`] for recorded failures, [`Error::DeviceFault`] when the device reports a
     /// failure of queued work.
     pub fn flush(&mut self) -> Result<()> {
-        let mut st = self.enter()?;
+        let shared = &*self.shared;
+        let mut st = shared.enter()?;
+        st.poll_retired(&*shared.waits, Poll::All);
         st.take_deferred()?;
-        st.driver
+        drop(st);
+        shared
+            .waits
             .stream_query()
             .map_err(|source| Error::DeviceFault {
                 what: "work queued on the engine's stream",
@@ -304,30 +368,32 @@ impl CudaEngine {
     /// The host barrier: waits until everything queued on the engine's stream has completed,
     /// then reports any failure.
     ///
+    /// The wait holds no lock: values of this engine used on other threads meanwhile are not
+    /// blocked by it. After the wait it releases every retired record whose event proved
+    /// completion; a record whose event reports a failure is retained and reported.
+    ///
     /// # Errors
     /// [`Error::DeviceFault`] when queued work failed, [`Error::Deferred`] for failures recorded
-    /// while values were dropped.
-    ///
-    /// After the wait it releases every retired record whose event proved completion.
+    /// since the last boundary.
     pub fn synchronize(&mut self) -> Result<()> {
-        let mut guard = self.enter()?;
-        let st = &mut *guard;
-        st.driver
-            .stream_synchronize()
-            .map_err(|source| Error::DeviceFault {
-                what: "work queued on the engine's stream",
-                source,
-            })?;
-        let released = st.retire.drain_all(&mut *st.driver, &mut st.events);
+        let shared = &*self.shared;
+        let waited = shared.waits.stream_synchronize();
+        let mut st = shared.enter()?;
+        if waited.is_ok() {
+            st.poll_retired(&*shared.waits, Poll::Settle);
+        }
         let deferred = st.take_deferred();
-        drop(guard);
-        drop(released);
+        drop(st);
+        waited.map_err(|source| Error::DeviceFault {
+            what: "work queued on the engine's stream",
+            source,
+        })?;
         deferred
     }
 
     /// The pinned pool's idle-byte budget: idle pinned memory beyond it is freed.
     pub fn pinned_pool_budget(&self) -> usize {
-        self.shared.lock_raw().pinned.stats().budget_bytes
+        self.shared.lock().pinned.stats().budget_bytes
     }
 
     /// Sets the pinned pool's idle-byte budget and trims the pool to it at once.
@@ -343,45 +409,47 @@ impl CudaEngine {
 
     /// The pinned pool's counters.
     pub fn pinned_pool_stats(&self) -> PinnedPoolStats {
-        self.shared.lock_raw().pinned.stats()
+        self.shared.lock().pinned.stats()
     }
 
     /// The retirement queue's counters.
     pub fn retirement_stats(&self) -> RetirementStats {
-        self.shared.lock_raw().retire.stats()
+        self.shared.lock().retire.stats()
     }
 
     /// How many events the engine has created (events are pooled and reused).
     pub fn events_created(&self) -> u64 {
-        self.shared.lock_raw().events.created()
+        self.shared.lock().events.created()
     }
 }
 
 impl Drop for CudaEngine {
     fn drop(&mut self) {
-        let Some(mut guard) = self.shared.enter_for_drop() else {
+        let shared = &*self.shared;
+        // From here on values dropped elsewhere settle themselves instead of joining the queue.
+        match shared.lock_for_drop() {
+            Some(mut st) => st.torn_down = true,
+            None => return,
+        }
+        // Never panics, never reports. The wait holds no lock. If it fails, the device may
+        // still touch memory that queued work names: every record stays in the queue, where it
+        // is never released.
+        let waited = shared.waits.stream_synchronize();
+        let Some(mut guard) = shared.enter_for_drop() else {
             return;
         };
-        // Never panics, never reports. A failed wait means the device may still touch memory
-        // that queued work names, so every retired record is forgotten (leaked), never freed.
         let st = &mut *guard;
-        st.torn_down = true;
-        if st.driver.stream_synchronize().is_err() {
-            st.retire.forget_all();
+        if waited.is_err() {
             return;
         }
-        let released = st.retire.drain_all(&mut *st.driver, &mut st.events);
-        // Records whose event failed stay unreleased for good.
-        st.retire.forget_failed();
+        st.poll_retired(&*shared.waits, Poll::Settle);
         st.pinned.trim_to(&mut *st.driver, 0);
-        st.staging.free_idle(&mut *st.driver);
-        st.events.destroy_all(&mut *st.driver);
+        let _ = st.staging.free_idle(&mut *st.driver);
+        let _ = st.events.destroy_all(&mut *st.driver);
         // The stream is idle: no kernel or vendor call queued on it is pending.
         st.vendor.release();
         st.kernels.release(st.driver.as_mut());
-        drop(guard);
-        // Released resources drop after the lock is gone (their drops take it); buffers among
-        // them are freed at once since the engine is torn down.
-        drop(released);
+        // Released resources drop once the lock is gone; buffers among them are freed at once
+        // since the engine is torn down.
     }
 }

@@ -174,22 +174,19 @@ pub enum Error {
         /// The size of one element.
         element_bytes: usize,
     },
-    /// A value belongs to another device than the engine it was given to.
-    #[error("the value lives on {found}, but this engine drives {expected}")]
-    WrongDevice {
-        /// The engine's device.
-        expected: DeviceId,
-        /// The value's device.
-        found: DeviceId,
-    },
-    /// A value belongs to another engine than the one it was given to. Engines have separate
-    /// streams, so using one engine's value on another would race with its pending work.
-    #[error("the value belongs to engine #{found}, not to engine #{expected} (each engine has its own stream)")]
+    /// A value (tensor, pinned buffer, staging lease, pending transfer) belongs to another
+    /// engine than the one it was given to. Engines have separate streams (and maybe separate
+    /// devices), so using one engine's value on another would race with its pending work.
+    #[error("the value belongs to engine #{found} on {found_device}, not to engine #{expected} on {expected_device} (each engine has its own stream)")]
     WrongEngine {
         /// The engine the operation ran on.
         expected: u64,
+        /// That engine's device.
+        expected_device: DeviceId,
         /// The engine that owns the value.
         found: u64,
+        /// That engine's device.
+        found_device: DeviceId,
     },
     /// The element type is not served by the operation.
     #[error("{operation} does not support element type {dtype}: {reason}")]

@@ -49,9 +49,9 @@ mod error;
 pub mod guide;
 pub mod interop;
 pub mod kernels;
+mod lifecycle;
 mod pinned;
 mod raw;
-mod retire;
 mod tensor;
 mod transfer;
 pub mod vendor;
@@ -59,17 +59,17 @@ pub mod vendor;
 pub use element::{DType, Element};
 pub use engine::CudaEngine;
 pub use error::{DeviceId, DeviceKind, DriverError, Error, Result};
+pub use lifecycle::retire::RetirementStats;
 pub use pinned::{PinnedHostBuffer, PinnedPoolStats};
 pub use raw::{RawContext, RawDevicePtr, RawScope, RawStream};
-pub use retire::RetirementStats;
 pub use tensor::DeviceTensor;
 pub use transfer::{
     download_pending, download_tensor, download_tensor_into, upload_pending, upload_tensor,
-    Direction, Download, InFlight, Pending, PendingDownload, PendingUpload, RejectReason, Returned,
+    Direction, Download, InFlight, Pending, PendingDownload, PendingUpload, Returned,
     TransferPackage, TransferState, TransferSubmitError, TryWait, Upload,
 };
 pub use transfer::{
-    BeginError, LeaseState, Proven, StagingConfig, StagingLease, StagingStats, Unproven,
+    BeginError, LeaseState, Proven, StagingConfig, StagingLease, StagingStats, Unproven, Untracked,
 };
 pub use vendor::{BlasElement, GemmConfig, SolverStatus, TensorElement, Transpose};
 

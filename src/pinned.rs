@@ -11,10 +11,11 @@
 //! still touch it; it comes back from the transfer. Dropping it returns it to the pool, which is
 //! only reachable once no copy can touch it.
 
+use crate::driver::Waits;
 use crate::element::{byte_len, Element};
 use crate::engine::{CudaEngine, Shared, State};
 use crate::error::{Error, Result};
-use crate::retire::Resources;
+use crate::lifecycle::retire::Poll;
 use std::collections::BTreeMap;
 use std::marker::PhantomData;
 use std::ptr::NonNull;
@@ -167,23 +168,23 @@ impl PinnedPool {
 impl State {
     /// One attempt at a pinned block of at least `bytes`: from the pool, or freshly allocated.
     ///
-    /// `Ok(None)` means the allocation failed on a first attempt: the caller drops the released
-    /// records (outside the lock, so their blocks return to the pool) and tries once more with
-    /// `under_pressure`, which takes from the pool first, then frees idle blocks to make room.
-    /// Released retirement resources come back for the caller to drop after unlocking, since
-    /// their drops take the engine's lock.
+    /// `Ok(None)` means the allocation failed on a first attempt: everything the retirement
+    /// queue has proven is released (its blocks return to the pool once the lock is released)
+    /// and the caller tries once more `under_pressure`, which takes from the pool first, then
+    /// frees idle blocks to make room.
     fn try_acquire_pinned(
         &mut self,
+        waits: &dyn Waits,
         bytes: usize,
         capacity: usize,
         under_pressure: bool,
-    ) -> (Result<Option<Block>>, Vec<Resources>) {
+    ) -> Result<Option<Block>> {
         // A cheap poll: release the oldest detached records if they are done.
-        let released = self.retire.poll(&mut *self.driver, &mut self.events, true);
+        self.poll_retired(waits, Poll::Front);
         if let Some(block) = self.pinned.take_idle(bytes) {
             self.pinned.reuses += 1;
             self.pinned.leased += 1;
-            return (Ok(Some(block)), released);
+            return Ok(Some(block));
         }
         if under_pressure {
             self.pinned.trim_to(&mut *self.driver, 0);
@@ -191,33 +192,29 @@ impl State {
         let ptr = match self.driver.host_alloc(capacity) {
             Ok(ptr) => NonNull::new(ptr),
             Err(_) if !under_pressure => {
-                let mut released = released;
-                released.extend(self.retire.poll(&mut *self.driver, &mut self.events, false));
-                return (Ok(None), released);
+                self.poll_retired(waits, Poll::All);
+                return Ok(None);
             }
             Err(source) => {
-                let error = Error::Driver {
+                return Err(Error::Driver {
                     call: "cuMemHostAlloc",
                     source,
-                };
-                return (Err(error), released);
+                })
             }
         };
         let Some(ptr) = ptr else {
-            let error = Error::Driver {
+            return Err(Error::Driver {
                 call: "cuMemHostAlloc",
                 source: crate::DriverError::OUT_OF_MEMORY,
-            };
-            return (Err(error), released);
+            });
         };
         self.pinned.allocations += 1;
         self.pinned.leased += 1;
-        let block = Block {
+        Ok(Some(Block {
             ptr,
             capacity,
             init: 0,
-        };
-        (Ok(Some(block)), released)
+        }))
     }
 }
 
@@ -231,13 +228,14 @@ fn acquire_pinned(engine: &mut CudaEngine, bytes: usize) -> Result<Block> {
             count: bytes,
             element_bytes: 1,
         })?;
+    let shared = &*engine.shared;
     for under_pressure in [false, true] {
-        let (outcome, released) =
-            engine
+        // Released records drop when the lock does: their buffers go back to the pool before
+        // the second attempt.
+        let outcome =
+            shared
                 .enter()?
-                .try_acquire_pinned(bytes, capacity, under_pressure);
-        // Outside the lock: released buffers go back to the pool (or are freed).
-        drop(released);
+                .try_acquire_pinned(&*shared.waits, bytes, capacity, under_pressure);
         if let Some(block) = outcome? {
             return Ok(block);
         }
@@ -349,6 +347,11 @@ impl<T: Element> PinnedHostBuffer<T> {
         // SAFETY: as in `as_slice`; exclusive access follows `&mut self`, and no copy can touch
         // the buffer while the caller holds it (transfers take it by value).
         unsafe { std::slice::from_raw_parts_mut(self.block().ptr().cast::<T>(), self.len) }
+    }
+
+    /// The engine whose pool the buffer came from.
+    pub(crate) fn owner(&self) -> &Shared {
+        &self.owner
     }
 
     /// The start of the memory, for the transfer routes.

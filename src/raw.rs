@@ -96,7 +96,7 @@ impl<'s> RawScope<'s> {
     /// The device address of a tensor, for reading. The tensor stays borrowed for the scope.
     ///
     /// # Errors
-    /// [`Error::WrongDevice`] or [`Error::WrongEngine`] when the tensor is not this engine's.
+    /// [`Error::WrongEngine`] when the tensor is not this engine's.
     pub fn device_ptr<T: Element>(&self, tensor: &'s DeviceTensor<T>) -> Result<RawDevicePtr<'s>> {
         self.shared
             .check_owner(tensor.device(), tensor.engine_id())?;
@@ -111,7 +111,7 @@ impl<'s> RawScope<'s> {
     /// scope, so nothing else can read or write it meanwhile.
     ///
     /// # Errors
-    /// [`Error::WrongDevice`] or [`Error::WrongEngine`] when the tensor is not this engine's.
+    /// [`Error::WrongEngine`] when the tensor is not this engine's.
     pub fn device_ptr_mut<T: Element>(
         &self,
         tensor: &'s mut DeviceTensor<T>,
@@ -143,7 +143,7 @@ impl ContextScope {
     /// Saves the current context and makes the engine's current. `what` names the scope in a
     /// deferred restore failure.
     pub(crate) fn enter(shared: &Arc<Shared>, what: &'static str) -> Result<Self> {
-        let st = shared.lock_raw();
+        let st = shared.lock();
         let previous = st
             .driver
             .current_context()
@@ -161,7 +161,7 @@ impl ContextScope {
 
 impl Drop for ContextScope {
     fn drop(&mut self) {
-        let mut st = self.shared.lock_raw();
+        let mut st = self.shared.lock();
         if let Err(source) = st.driver.set_current_context(self.previous) {
             st.defer(Error::Driver {
                 call: self.what,
@@ -204,7 +204,7 @@ impl CudaEngine {
             ContextScope::enter(&self.shared, "cuCtxSetCurrent (restore after raw scope)")?;
         let shared: &Shared = &self.shared;
         let (context, stream) = {
-            let st = shared.lock_raw();
+            let st = shared.lock();
             (st.driver.context().0, st.driver.stream_handle())
         };
         let scope = RawScope {

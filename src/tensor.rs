@@ -9,7 +9,8 @@
 use crate::driver::DevicePtr;
 use crate::element::{byte_len, DType, Element};
 use crate::engine::{CudaEngine, Shared};
-use crate::error::{DeviceId, Error, Result};
+use crate::error::{DeviceId, DriverError, Error, Result};
+use crate::lifecycle::retire::Poll;
 use std::marker::PhantomData;
 use std::sync::Arc;
 
@@ -47,6 +48,28 @@ pub(crate) fn shape_len(shape: &[usize]) -> Result<usize> {
         })
 }
 
+/// Allocates `bytes` of device memory on the engine's stream. When the driver reports
+/// out-of-memory, everything the retirement queue has proven complete is released first (its
+/// device memory frees, stream-ordered, once the lock is released) and the allocation is tried
+/// once more.
+pub(crate) fn alloc_device(shared: &Shared, bytes: usize) -> Result<DevicePtr> {
+    let refused = |source| Error::Driver {
+        call: "cuMemAllocFromPoolAsync",
+        source,
+    };
+    {
+        let mut st = shared.enter()?;
+        match st.driver.alloc(bytes) {
+            Ok(ptr) => return Ok(ptr),
+            Err(source) if source == DriverError::OUT_OF_MEMORY && st.retire.has_pending() => {
+                st.poll_retired(&*shared.waits, Poll::All);
+            }
+            Err(source) => return Err(refused(source)),
+        }
+    } // Released records drop here, queueing the frees of their device memory.
+    shared.enter()?.driver.alloc(bytes).map_err(refused)
+}
+
 impl<T: Element> DeviceTensor<T> {
     /// Allocates an uninitialised tensor on `engine`'s stream. A zero-element tensor allocates
     /// nothing.
@@ -56,10 +79,7 @@ impl<T: Element> DeviceTensor<T> {
         let ptr = if bytes == 0 {
             0
         } else {
-            let mut st = engine.enter()?;
-            st.driver
-                .alloc(bytes)
-                .map_err(Error::driver("cuMemAllocFromPoolAsync"))?
+            alloc_device(&engine.shared, bytes)?
         };
         Ok(DeviceTensor {
             ptr,
@@ -122,7 +142,7 @@ impl<T: Element> DeviceTensor<T> {
         Ok(self)
     }
 
-    pub(crate) fn owner(&self) -> &Arc<Shared> {
+    pub(crate) fn owner(&self) -> &Shared {
         &self.owner
     }
 
@@ -170,7 +190,7 @@ impl CudaEngine {
     /// Queues a device-to-device copy of `source` into a new tensor of the same shape.
     ///
     /// # Errors
-    /// [`Error::WrongDevice`]/[`Error::WrongEngine`] when `source` is not this engine's;
+    /// [`Error::WrongEngine`] when `source` is not this engine's;
     /// [`Error::Driver`] when allocation or the copy enqueue fails.
     pub fn copy_tensor<T: Element>(&mut self, source: &DeviceTensor<T>) -> Result<DeviceTensor<T>> {
         source.check_engine(self)?;
@@ -182,8 +202,7 @@ impl CudaEngine {
     /// Queues a device-to-device copy of `source` into `destination`.
     ///
     /// # Errors
-    /// [`Error::LengthMismatch`] when the element counts differ; [`Error::WrongDevice`] or
-    /// [`Error::WrongEngine`] when either is not this engine's; [`Error::Driver`] when the
+    /// [`Error::LengthMismatch`] when the element counts differ; [`Error::WrongEngine`] when either is not this engine's; [`Error::Driver`] when the
     /// enqueue fails.
     pub fn copy_into<T: Element>(
         &mut self,

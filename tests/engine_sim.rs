@@ -77,7 +77,7 @@ fn tensors_of_another_engine_are_refused() {
     let x = upload_tensor(&mut a, &distinct(4), &[4]).unwrap();
     assert!(matches!(
         download_tensor(&mut b, &x),
-        Err(Error::WrongDevice { .. })
+        Err(Error::WrongEngine { .. })
     ));
     let sim = a.sim().unwrap();
     let mut c = CudaEngine::simulated_on(&sim);
@@ -175,7 +175,7 @@ fn with_raw_refuses_another_engines_tensor() {
     let (mut b, _) = engine();
     let x = upload_tensor(&mut a, &distinct(4), &[4]).unwrap();
     let r = b.with_raw(|raw| raw.device_ptr(&x).map(|p| p.bytes()));
-    assert!(matches!(r, Err(Error::WrongDevice { .. })));
+    assert!(matches!(r, Err(Error::WrongEngine { .. })));
 }
 
 #[test]

@@ -213,7 +213,7 @@ fn another_engines_tensor_is_refused() {
     let mut two = engine();
     let a = upload_tensor(&mut one, &[1.0f32], &[1]).unwrap();
     let b = upload_tensor(&mut two, &[1.0f32], &[1]).unwrap();
-    assert!(matches!(one.add(&a, &b), Err(Error::WrongDevice { .. })));
+    assert!(matches!(one.add(&a, &b), Err(Error::WrongEngine { .. })));
     let mut three = CudaEngine::simulated_on(&one.sim().unwrap());
     assert!(matches!(three.neg(&a), Err(Error::WrongEngine { .. })));
 }

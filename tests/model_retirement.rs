@@ -25,7 +25,7 @@
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{
     download_pending, upload_pending, CudaEngine, DeviceTensor, Direction, DriverError, Error,
-    InFlight, Pending, PinnedHostBuffer, RejectReason, Returned, TransferSubmitError, TryWait,
+    InFlight, Pending, PinnedHostBuffer, Returned, TransferSubmitError, TryWait,
 };
 use proptest::prelude::*;
 use proptest::sample::select;
@@ -178,24 +178,28 @@ impl Engine {
     /// A submission that passed validation: takes an event unless it brings its own, queues
     /// the copy and records the event.
     fn submit(&mut self, dir: Dir, own_event: bool) -> Submitted {
+        if std::mem::take(&mut self.fail_copy[dir as usize]) {
+            // Nothing was taken from the pool; a resubmission's own event goes back to it.
+            if own_event {
+                self.events_idle += 1;
+            }
+            return Submitted::Failed;
+        }
         if !own_event {
             self.take_event();
-        }
-        if std::mem::take(&mut self.fail_copy[dir as usize]) {
-            self.events_idle += 1;
-            return Submitted::Failed;
         }
         self.next_seq += 1;
         if std::mem::take(&mut self.fail_record) {
             // The failed record call still counts, so an event fault aimed at it is lost; the
-            // engine proves the queued copy complete with a stream synchronize, or retains it.
+            // event was not recorded, so it goes back to the pool. The engine proves the queued
+            // copy complete with a stream synchronize, or retains the package.
             self.fault_next = false;
+            self.events_idle += 1;
             if std::mem::take(&mut self.fail_stream_sync) {
                 self.retained += 1;
                 return Submitted::Retained;
             }
             self.done_seq = self.next_seq;
-            self.events_idle += 1;
             return Submitted::Failed;
         }
         let marker = self.next_seq;
@@ -326,11 +330,11 @@ impl Model {
                     engine.events_idle += 1;
                     release.push(record.pair);
                 }
-                Query::Failed => {
+                Query::Failed if !front_only => {
                     engine.retained += 1;
                     self.bufs[record.pair].fate = Fate::Retained;
                 }
-                Query::NotReady => {
+                Query::Failed | Query::NotReady => {
                     keep.push_back(record);
                     if front_only {
                         break;
@@ -788,7 +792,7 @@ fn settle(submitted: Result<SutSlot, TransferSubmitError<f32>>) -> (SutSlot, Out
         Ok(slot) => (slot, Outcome::Queued),
         Err(TransferSubmitError::Rejected {
             package,
-            reason: RejectReason::WrongDevice { .. },
+            error: Error::WrongEngine { .. },
         }) => (
             SutSlot::Idle(package.buffer, package.tensor),
             Outcome::Rejected,
@@ -822,10 +826,16 @@ fn submit(engine: &mut CudaEngine, dir: Dir, buffer: Buffer, tensor: Tensor) -> 
     })
 }
 
+/// The injected fault, reported directly or (for detached work found failed at a boundary) as
+/// the first of the deferred failures.
 fn expect_fault(e: &Error) {
+    let fault = match e {
+        Error::Deferred { first, .. } => first,
+        e => e,
+    };
     assert!(
         matches!(
-            e,
+            fault,
             Error::DeviceFault {
                 source: DriverError::LAUNCH_FAILED,
                 ..

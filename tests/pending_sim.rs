@@ -3,7 +3,7 @@
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{
     download_pending, download_tensor, download_tensor_into, upload_pending, upload_tensor,
-    CudaEngine, DriverError, Error, PinnedHostBuffer, RejectReason, TransferSubmitError, TryWait,
+    CudaEngine, DriverError, Error, PinnedHostBuffer, TransferSubmitError, TryWait,
 };
 
 fn engine() -> (CudaEngine, SimDevice) {
@@ -144,15 +144,19 @@ fn rejected_packages_come_back_untouched() {
     let queued = sim.queued();
     let err = upload_pending(&mut engine, buffer, dest).unwrap_err();
     assert_eq!(sim.queued(), queued, "nothing was queued");
-    let TransferSubmitError::Rejected { package, reason } = err else {
+    let TransferSubmitError::Rejected { package, error } = err else {
         panic!("expected a rejection");
     };
-    assert_eq!(
-        reason,
-        RejectReason::LengthMismatch {
-            buffer: 10,
-            tensor: 11
-        }
+    assert!(
+        matches!(
+            error,
+            Error::LengthMismatch {
+                left: 10,
+                right: 11,
+                ..
+            }
+        ),
+        "{error}"
     );
     assert_eq!(package.buffer.as_slice(), &data[..]);
     assert_eq!(package.tensor.len(), 11);
@@ -164,7 +168,7 @@ fn rejected_packages_come_back_untouched() {
     assert!(matches!(
         err,
         TransferSubmitError::Rejected {
-            reason: RejectReason::WrongDevice { .. },
+            error: Error::WrongEngine { .. },
             ..
         }
     ));
@@ -177,7 +181,7 @@ fn rejected_packages_come_back_untouched() {
     assert!(matches!(
         download_pending(&mut engine, flags, bbuf),
         Err(TransferSubmitError::Rejected {
-            reason: RejectReason::UnsupportedElement { .. },
+            error: Error::UnsupportedElement { .. },
             ..
         })
     ));
@@ -277,7 +281,22 @@ fn a_detached_record_whose_event_fails_is_never_released() {
     let dest = engine.alloc_tensor::<u32>(&[16]).unwrap();
     sim.fail_event(1, DriverError::LAUNCH_FAILED);
     drop(upload_pending(&mut engine, buffer, dest).unwrap());
-    engine.synchronize().unwrap();
+    // The failure of detached work is reported once, at the next boundary, naming the work.
+    match engine.synchronize() {
+        Err(Error::Deferred { count: 1, first }) => assert!(
+            matches!(
+                *first,
+                Error::DeviceFault {
+                    what: "pending upload",
+                    source: DriverError::LAUNCH_FAILED
+                }
+            ),
+            "{first}"
+        ),
+        other => panic!("expected the detached failure to be reported, got {other:?}"),
+    }
+    engine.synchronize().expect("reported once");
+    engine.flush().expect("reported once");
     assert_eq!(engine.retirement_stats().retained, 1);
     drop(engine);
     assert!(sim.is_pinned_live(ptr));

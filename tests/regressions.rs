@@ -2,8 +2,7 @@
 
 use cuferry::sim::{SimConfig, SimOp};
 use cuferry::{
-    upload_pending, CudaEngine, DriverError, Error, PinnedHostBuffer, RejectReason,
-    TransferSubmitError,
+    upload_pending, CudaEngine, DriverError, Error, PinnedHostBuffer, TransferSubmitError,
 };
 
 fn distinct(n: usize) -> Vec<f32> {
@@ -27,7 +26,7 @@ fn a_refused_resubmission_does_not_hand_its_event_to_the_refusing_engine() {
     assert!(matches!(
         refused,
         TransferSubmitError::Rejected {
-            reason: RejectReason::WrongDevice { .. },
+            error: Error::WrongEngine { .. },
             ..
         }
     ));
@@ -58,7 +57,7 @@ fn a_refused_resubmission_returns_its_event_to_its_own_engine() {
     assert!(matches!(
         refused,
         TransferSubmitError::Rejected {
-            reason: RejectReason::WrongEngine { .. },
+            error: Error::WrongEngine { .. },
             ..
         }
     ));

@@ -235,15 +235,29 @@ fn a_staging_lease_can_drive_a_hand_built_pipeline() {
 }
 
 #[test]
-fn a_dropped_unproven_lease_is_leaked_not_freed() {
+fn a_dropped_unproven_lease_is_retired_and_comes_back_only_once_proven() {
     let (mut engine, sim) = engine();
     let mut tensor = engine.alloc_tensor::<u8>(&[10]).unwrap();
     let lease = engine.staging_lease().unwrap();
     let ptr = lease.as_bytes().as_ptr();
     drop(lease.begin_upload(&mut engine, &mut tensor, 0, 10).unwrap());
-    engine.synchronize().unwrap();
+    // Not proven yet: the slot is still out of the ring, and no other lease can get it.
+    engine.flush().unwrap();
+    assert_eq!(engine.retirement_stats().pending, 1);
+    assert_eq!(engine.staging_stats().user_leased, 1);
+    let other = engine.staging_lease().unwrap();
+    assert_ne!(other.as_bytes().as_ptr(), ptr);
+    other.release();
+    // Once the device has run the copy, the next boundary gives the slot back.
+    sim.advance_all();
+    engine.flush().unwrap();
+    assert_eq!(engine.retirement_stats().pending, 0);
+    assert_eq!(engine.staging_stats().user_leased, 0);
     drop(engine);
-    assert!(sim.is_pinned_live(ptr));
+    assert!(
+        !sim.is_pinned_live(ptr),
+        "freed at teardown, after its proof"
+    );
     assert!(sim.violations().is_empty());
 }
 

@@ -10,11 +10,12 @@ mod launch;
 #[cfg(test)]
 pub(crate) use launch::nvrtc_present;
 
-use super::{ContextHandle, DevicePtr, Driver, EventHandle};
+use super::{ContextHandle, DevicePtr, Driver, EventHandle, Waits};
 use crate::error::{DeviceId, DeviceKind, DriverError, Error};
 use cudarc::driver::{result, sys};
 use std::ffi::c_void;
 use std::mem::MaybeUninit;
+use std::sync::Arc;
 
 /// One CUDA device's primary context, a non-blocking stream and a memory pool of its own.
 pub(crate) struct CudaDriver {
@@ -24,6 +25,7 @@ pub(crate) struct CudaDriver {
     ctx: sys::CUcontext,
     stream: sys::CUstream,
     pool: sys::CUmemoryPool,
+    waits: Arc<CudaWaits>,
 }
 
 // SAFETY: the handles are plain driver handles that the CUDA driver API accepts from any thread
@@ -98,6 +100,10 @@ impl CudaDriver {
             ctx,
             stream: std::ptr::null_mut(),
             pool: std::ptr::null_mut(),
+            waits: Arc::new(CudaWaits {
+                ctx,
+                stream: std::ptr::null_mut(),
+            }),
         };
         // From here on, `Drop` releases what was made if a later step fails.
         let previous = current_raw().map_err(Error::driver("cuCtxGetCurrent"))?;
@@ -108,6 +114,10 @@ impl CudaDriver {
         let restored = check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(previous) });
         made?;
         restored?;
+        this.waits = Arc::new(CudaWaits {
+            ctx,
+            stream: this.stream,
+        });
         Ok(this)
     }
 
@@ -285,20 +295,6 @@ impl Driver for CudaDriver {
         DriverError::check(unsafe { sys::cuEventRecord(event.0 as sys::CUevent, self.stream) })
     }
 
-    fn event_query(&mut self, event: EventHandle) -> Result<bool, DriverError> {
-        // SAFETY: as in `event_record`.
-        match unsafe { sys::cuEventQuery(event.0 as sys::CUevent) } {
-            sys::CUresult::CUDA_SUCCESS => Ok(true),
-            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
-            other => Err(DriverError::from_raw(other)),
-        }
-    }
-
-    fn event_synchronize(&mut self, event: EventHandle) -> Result<(), DriverError> {
-        // SAFETY: as in `event_record`.
-        DriverError::check(unsafe { sys::cuEventSynchronize(event.0 as sys::CUevent) })
-    }
-
     unsafe fn event_destroy(&mut self, event: EventHandle) -> Result<(), DriverError> {
         // SAFETY: the caller guarantees the event is live and not used again.
         DriverError::check(unsafe { sys::cuEventDestroy_v2(event.0 as sys::CUevent) })
@@ -324,17 +320,72 @@ impl Driver for CudaDriver {
         DriverError::check(unsafe { sys::cuMemFreeHost(ptr.cast::<c_void>()) })
     }
 
-    fn stream_synchronize(&mut self) -> Result<(), DriverError> {
-        // SAFETY: the stream is live for the driver's lifetime.
-        DriverError::check(unsafe { sys::cuStreamSynchronize(self.stream) })
+    fn waits(&self) -> Arc<dyn Waits> {
+        Arc::clone(&self.waits) as Arc<dyn Waits>
+    }
+}
+
+/// The waiting half of a [`CudaDriver`]: its context and stream, for waits made from any thread
+/// without the engine's lock.
+pub(crate) struct CudaWaits {
+    ctx: sys::CUcontext,
+    stream: sys::CUstream,
+}
+
+// SAFETY: CUDA driver handles may be used from any thread; every call below makes the context
+// current on the calling thread for its duration. The stream and context outlive this value:
+// the driver that owns them is dropped only after the engine's shared state, which holds the
+// only other reference, is gone (see `engine::Shared`).
+unsafe impl Send for CudaWaits {}
+// SAFETY: as above; the calls are thread-safe driver calls that take no `&mut` state.
+unsafe impl Sync for CudaWaits {}
+
+impl CudaWaits {
+    /// Runs `f` with the driver's context current, restoring the caller's afterwards.
+    fn in_context<R>(&self, f: impl FnOnce() -> Result<R, DriverError>) -> Result<R, DriverError> {
+        let previous = current_raw()?;
+        if previous == self.ctx {
+            return f();
+        }
+        // SAFETY: `ctx` is the driver's retained primary context.
+        DriverError::check(unsafe { sys::cuCtxSetCurrent(self.ctx) })?;
+        let result = f();
+        // SAFETY: `previous` was current on this thread a moment ago (or null, which unbinds).
+        let restored = DriverError::check(unsafe { sys::cuCtxSetCurrent(previous) });
+        let value = result?;
+        restored.map(|()| value)
+    }
+}
+
+/// A query's answer: success is done, `NOT_READY` is not yet, anything else a failure.
+fn ready(code: sys::CUresult) -> Result<bool, DriverError> {
+    match code {
+        sys::CUresult::CUDA_SUCCESS => Ok(true),
+        sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+        other => Err(DriverError::from_raw(other)),
+    }
+}
+
+impl Waits for CudaWaits {
+    fn event_query(&self, event: EventHandle) -> Result<bool, DriverError> {
+        // SAFETY: the event was created by this driver and is live while a caller holds it.
+        self.in_context(|| ready(unsafe { sys::cuEventQuery(event.0 as sys::CUevent) }))
     }
 
-    fn stream_query(&mut self) -> Result<bool, DriverError> {
+    fn event_synchronize(&self, event: EventHandle) -> Result<(), DriverError> {
+        self.in_context(|| {
+            // SAFETY: as in `event_query`.
+            DriverError::check(unsafe { sys::cuEventSynchronize(event.0 as sys::CUevent) })
+        })
+    }
+
+    fn stream_synchronize(&self) -> Result<(), DriverError> {
         // SAFETY: the stream is live for the driver's lifetime.
-        match unsafe { sys::cuStreamQuery(self.stream) } {
-            sys::CUresult::CUDA_SUCCESS => Ok(true),
-            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
-            other => Err(DriverError::from_raw(other)),
-        }
+        self.in_context(|| DriverError::check(unsafe { sys::cuStreamSynchronize(self.stream) }))
+    }
+
+    fn stream_query(&self) -> Result<bool, DriverError> {
+        // SAFETY: the stream is live for the driver's lifetime.
+        self.in_context(|| ready(unsafe { sys::cuStreamQuery(self.stream) }))
     }
 }

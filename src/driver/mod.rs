@@ -15,6 +15,7 @@ pub(crate) mod launch;
 pub mod sim;
 
 use crate::error::{DeviceId, DriverError};
+use std::sync::Arc;
 
 /// A device address.
 pub(crate) type DevicePtr = u64;
@@ -27,6 +28,23 @@ pub(crate) struct EventHandle(pub(crate) u64);
 /// A context, as the raw handle value (`CUcontext` for CUDA). Zero means "no context".
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) struct ContextHandle(pub(crate) u64);
+
+/// The half of the seam that asks about or waits for queued work: callable from any thread,
+/// without the engine's lock, so a host wait never blocks the engine's other users.
+///
+/// Each call makes the driver's context current for its duration when it needs one, and
+/// restores the caller's.
+pub(crate) trait Waits: Send + Sync {
+    /// Whether the work before the event's last record has completed. Never waits.
+    /// `Ok(false)` means not yet; `Err` means the device reported a failure.
+    fn event_query(&self, event: EventHandle) -> Result<bool, DriverError>;
+    /// Waits until the work before the event's last record has completed.
+    fn event_synchronize(&self, event: EventHandle) -> Result<(), DriverError>;
+    /// Waits until everything queued on the stream has completed.
+    fn stream_synchronize(&self) -> Result<(), DriverError>;
+    /// Whether everything queued on the stream has completed. Never waits.
+    fn stream_query(&self) -> Result<bool, DriverError>;
+}
 
 /// One device, one context and one stream, behind a seam with two implementations.
 ///
@@ -94,11 +112,6 @@ pub(crate) trait Driver: Send + launch::Launch {
     fn event_create(&mut self) -> Result<EventHandle, DriverError>;
     /// Records `event` at the current end of the stream.
     fn event_record(&mut self, event: EventHandle) -> Result<(), DriverError>;
-    /// Whether the work before the event's last record has completed. Never waits.
-    /// `Ok(false)` means not yet; `Err` means the device reported a failure.
-    fn event_query(&mut self, event: EventHandle) -> Result<bool, DriverError>;
-    /// Waits until the work before the event's last record has completed.
-    fn event_synchronize(&mut self, event: EventHandle) -> Result<(), DriverError>;
     /// Destroys an event.
     ///
     /// # Safety
@@ -114,10 +127,8 @@ pub(crate) trait Driver: Send + launch::Launch {
     /// operation may still touch it.
     unsafe fn host_free(&mut self, ptr: *mut u8) -> Result<(), DriverError>;
 
-    /// Waits until everything queued on the stream has completed.
-    fn stream_synchronize(&mut self) -> Result<(), DriverError>;
-    /// Whether everything queued on the stream has completed. Never waits.
-    fn stream_query(&mut self) -> Result<bool, DriverError>;
+    /// The waiting half of this driver, for waits made without the engine's lock.
+    fn waits(&self) -> Arc<dyn Waits>;
 
     /// The simulated device behind this driver, if it is one.
     #[cfg(any(test, feature = "sim"))]

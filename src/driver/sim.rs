@@ -25,13 +25,13 @@
 
 mod launch;
 
-use super::{ContextHandle, DevicePtr, Driver, EventHandle};
+use super::{ContextHandle, DevicePtr, Driver, EventHandle, Waits};
 use crate::error::{DeviceId, DeviceKind, DriverError};
 use std::alloc::Layout;
 use std::cell::Cell;
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 /// How to build a simulated device.
 #[derive(Clone, Debug)]
@@ -177,6 +177,10 @@ struct State {
     host_used: usize,
     calls: BTreeMap<SimOp, u64>,
     faults: Vec<(SimOp, u64, DriverError)>,
+    /// Calls that panic instead of returning: (operation, call number).
+    panics: Vec<(SimOp, u64)>,
+    /// Whether only `advance` runs queued work (waits block instead).
+    clock_held: bool,
     event_faults: Vec<(u64, DriverError)>,
     violations: Vec<String>,
     completed_jobs: u64,
@@ -197,7 +201,13 @@ unsafe impl Send for State {}
 /// engine operations.
 #[derive(Clone)]
 pub struct SimDevice {
-    state: Arc<Mutex<State>>,
+    inner: Arc<Inner>,
+}
+
+/// The device's state, and a signal for waits blocked on a held clock.
+struct Inner {
+    state: Mutex<State>,
+    progress: Condvar,
 }
 
 impl std::fmt::Debug for SimDevice {
@@ -232,6 +242,8 @@ impl SimDevice {
             host_used: 0,
             calls: BTreeMap::new(),
             faults: Vec::new(),
+            panics: Vec::new(),
+            clock_held: false,
             event_faults: Vec::new(),
             violations: Vec::new(),
             completed_jobs: 0,
@@ -239,12 +251,15 @@ impl SimDevice {
             next_module: 1,
         };
         SimDevice {
-            state: Arc::new(Mutex::new(state)),
+            inner: Arc::new(Inner {
+                state: Mutex::new(state),
+                progress: Condvar::new(),
+            }),
         }
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        self.inner.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Runs up to `n` queued operations, in order. Returns how many ran.
@@ -254,7 +269,32 @@ impl SimDevice {
         while ran < n && s.run_one() {
             ran += 1;
         }
+        self.inner.progress.notify_all();
         ran
+    }
+
+    /// Holds the device clock: from now on only [`advance`](Self::advance) (from any thread)
+    /// runs queued work, and host waits (event and stream synchronize) block until the clock
+    /// reaches what they wait for, as waits on a busy GPU do. Copies with pageable host memory
+    /// still complete within their call, as CUDA documents. `false` lets waits run the stream
+    /// themselves again.
+    pub fn hold_clock(&self, held: bool) {
+        self.lock().clock_held = held;
+        self.inner.progress.notify_all();
+    }
+
+    /// Makes the `n`-th call of `op` from now (`n >= 1`) panic inside the driver, as a driver
+    /// library with a missing symbol does, to test that no panic releases memory a queued copy
+    /// may still touch.
+    pub fn panic_nth(&self, op: SimOp, n: u64) {
+        let mut s = self.lock();
+        let at = s
+            .calls
+            .get(&op)
+            .copied()
+            .unwrap_or(0)
+            .saturating_add(n.max(1));
+        s.panics.push((op, at));
     }
 
     /// Runs every queued operation.
@@ -275,7 +315,12 @@ impl SimDevice {
     /// Makes the `n`-th call of `op` from now (`n >= 1`) fail with `error`.
     pub fn fail_nth(&self, op: SimOp, n: u64, error: DriverError) {
         let mut s = self.lock();
-        let at = s.calls.get(&op).copied().unwrap_or(0) + n.max(1);
+        let at = s
+            .calls
+            .get(&op)
+            .copied()
+            .unwrap_or(0)
+            .saturating_add(n.max(1));
         s.faults.push((op, at, error));
     }
 
@@ -283,7 +328,12 @@ impl SimDevice {
     /// device reaches it, as a failed kernel or copy before it would.
     pub fn fail_event(&self, n: u64, error: DriverError) {
         let mut s = self.lock();
-        let at = s.calls.get(&SimOp::EventRecord).copied().unwrap_or(0) + n.max(1);
+        let at = s
+            .calls
+            .get(&SimOp::EventRecord)
+            .copied()
+            .unwrap_or(0)
+            .saturating_add(n.max(1));
         s.event_faults.push((at, error));
     }
 
@@ -292,6 +342,7 @@ impl SimDevice {
         let mut s = self.lock();
         s.faults.clear();
         s.event_faults.clear();
+        s.panics.clear();
     }
 
     /// How many times `op` has been called.
@@ -353,6 +404,10 @@ impl State {
         let n = self.calls.entry(op).or_insert(0);
         *n += 1;
         let n = *n;
+        if let Some(i) = self.panics.iter().position(|p| *p == (op, n)) {
+            self.panics.remove(i);
+            panic!("simulated driver panic in {op:?} (call {n})");
+        }
         if let Some(i) = self.faults.iter().position(|f| f.0 == op && f.1 == n) {
             return Err(self.faults.remove(i).2);
         }
@@ -536,6 +591,7 @@ impl Driver for SimDriver {
             // CUDA stages a pageable source before the call returns (after a stream sync), so
             // the caller may reuse it at once: model exactly that.
             while s.run_one() {}
+            self.device.inner.progress.notify_all();
             // SAFETY: the seam's contract makes `src..src+bytes` readable for the call.
             let data = unsafe { std::slice::from_raw_parts(src, bytes) }.to_vec();
             s.push(Job::HtoDStaged { dst, data });
@@ -556,6 +612,7 @@ impl Driver for SimDriver {
         if pageable {
             // CUDA returns from a copy into pageable memory only once it has completed.
             while s.run_one() {}
+            self.device.inner.progress.notify_all();
         }
         Ok(())
     }
@@ -602,28 +659,6 @@ impl Driver for SimDriver {
         ev.recorded = Some(seq);
         ev.fault = fault;
         Ok(())
-    }
-
-    fn event_query(&mut self, event: EventHandle) -> Result<bool, DriverError> {
-        let mut s = self.lock();
-        s.enter(SimOp::EventQuery)?;
-        let done = s.done_seq;
-        let ev = s.event(event)?;
-        match ev.recorded {
-            None => Ok(true),
-            Some(seq) if seq < done => ev.fault.map_or(Ok(true), Err),
-            Some(_) => Ok(false),
-        }
-    }
-
-    fn event_synchronize(&mut self, event: EventHandle) -> Result<(), DriverError> {
-        let mut s = self.lock();
-        s.enter(SimOp::EventSynchronize)?;
-        let Some(seq) = s.event(event)?.recorded else {
-            return Ok(());
-        };
-        s.run_until(seq);
-        s.event(event)?.fault.map_or(Ok(()), Err)
     }
 
     unsafe fn event_destroy(&mut self, event: EventHandle) -> Result<(), DriverError> {
@@ -687,21 +722,79 @@ impl Driver for SimDriver {
         Ok(())
     }
 
-    fn stream_synchronize(&mut self) -> Result<(), DriverError> {
-        let mut s = self.lock();
-        s.enter(SimOp::StreamSynchronize)?;
-        while s.run_one() {}
-        Ok(())
-    }
-
-    fn stream_query(&mut self) -> Result<bool, DriverError> {
-        let mut s = self.lock();
-        s.enter(SimOp::StreamQuery)?;
-        Ok(s.queue.is_empty())
+    fn waits(&self) -> Arc<dyn Waits> {
+        Arc::new(SimWaits {
+            device: self.device.clone(),
+        })
     }
 
     fn as_sim(&self) -> Option<SimDevice> {
         Some(self.device.clone())
+    }
+}
+
+/// The waiting half of a simulated device. A wait runs the stream up to what it waits for,
+/// unless the clock is held ([`SimDevice::hold_clock`]): then it blocks until another thread
+/// advances the clock that far, as a real wait blocks until the device gets there.
+struct SimWaits {
+    device: SimDevice,
+}
+
+impl SimWaits {
+    /// Waits until every job before `seq` has run, running them unless the clock is held.
+    fn wait_until<'a>(&'a self, mut s: MutexGuard<'a, State>, seq: u64) -> MutexGuard<'a, State> {
+        if !s.clock_held {
+            s.run_until(seq);
+            self.device.inner.progress.notify_all();
+            return s;
+        }
+        while s.done_seq <= seq && !s.queue.is_empty() {
+            s = self
+                .device
+                .inner
+                .progress
+                .wait(s)
+                .unwrap_or_else(|e| e.into_inner());
+        }
+        s
+    }
+}
+
+impl Waits for SimWaits {
+    fn event_query(&self, event: EventHandle) -> Result<bool, DriverError> {
+        let mut s = self.device.lock();
+        s.enter(SimOp::EventQuery)?;
+        let done = s.done_seq;
+        let ev = s.event(event)?;
+        match ev.recorded {
+            None => Ok(true),
+            Some(seq) if seq < done => ev.fault.map_or(Ok(true), Err),
+            Some(_) => Ok(false),
+        }
+    }
+
+    fn event_synchronize(&self, event: EventHandle) -> Result<(), DriverError> {
+        let mut s = self.device.lock();
+        s.enter(SimOp::EventSynchronize)?;
+        let Some(seq) = s.event(event)?.recorded else {
+            return Ok(());
+        };
+        let mut s = self.wait_until(s, seq);
+        s.event(event)?.fault.map_or(Ok(()), Err)
+    }
+
+    fn stream_synchronize(&self) -> Result<(), DriverError> {
+        let mut s = self.device.lock();
+        s.enter(SimOp::StreamSynchronize)?;
+        let last = s.next_seq.saturating_sub(1);
+        drop(self.wait_until(s, last));
+        Ok(())
+    }
+
+    fn stream_query(&self) -> Result<bool, DriverError> {
+        let mut s = self.device.lock();
+        s.enter(SimOp::StreamQuery)?;
+        Ok(s.queue.is_empty())
     }
 }
 
@@ -784,7 +877,10 @@ mod tests {
         let (mut d, dev) = driver();
         let a = d.event_create().unwrap();
         let b = d.event_create().unwrap();
-        assert!(d.event_query(a).unwrap(), "an unrecorded event is complete");
+        assert!(
+            d.waits().event_query(a).unwrap(),
+            "an unrecorded event is complete"
+        );
         let ptr = d.alloc(4).unwrap();
         let src = pinned(&mut d, 4, |i| i as u8 + 1);
         // SAFETY: `src` is live pinned memory.
@@ -793,13 +889,13 @@ mod tests {
         // SAFETY: as above.
         unsafe { d.copy_htod(ptr, src.as_ptr(), 4).unwrap() };
         d.event_record(b).unwrap();
-        assert!(!d.event_query(a).unwrap());
-        assert!(!d.event_query(b).unwrap());
+        assert!(!d.waits().event_query(a).unwrap());
+        assert!(!d.waits().event_query(b).unwrap());
         dev.advance(2);
-        assert!(d.event_query(a).unwrap());
-        assert!(!d.event_query(b).unwrap());
-        d.event_synchronize(b).unwrap();
-        assert!(d.event_query(b).unwrap());
+        assert!(d.waits().event_query(a).unwrap());
+        assert!(!d.waits().event_query(b).unwrap());
+        d.waits().event_synchronize(b).unwrap();
+        assert!(d.waits().event_query(b).unwrap());
         assert_eq!(dev.queued(), 0);
     }
 
@@ -811,10 +907,10 @@ mod tests {
         let ptr = d.alloc(4).unwrap();
         // SAFETY: `ptr` is live; the free is the last use.
         unsafe { d.free(ptr).unwrap() };
-        d.event_synchronize(a).unwrap();
+        d.waits().event_synchronize(a).unwrap();
         assert_eq!(dev.queued(), 1, "the later free is still queued");
         assert_eq!(dev.device_live(), (1, 4));
-        d.stream_synchronize().unwrap();
+        d.waits().stream_synchronize().unwrap();
         assert_eq!(dev.device_live(), (0, 0));
     }
 
@@ -835,15 +931,18 @@ mod tests {
         dev.fail_event(1, DriverError::LAUNCH_FAILED);
         d.event_record(e).unwrap();
         assert_eq!(
-            d.event_query(e),
+            d.waits().event_query(e),
             Ok(false),
             "not reached: not ready, not failed"
         );
         dev.advance_all();
-        assert_eq!(d.event_query(e), Err(DriverError::LAUNCH_FAILED));
-        assert_eq!(d.event_synchronize(e), Err(DriverError::LAUNCH_FAILED));
+        assert_eq!(d.waits().event_query(e), Err(DriverError::LAUNCH_FAILED));
+        assert_eq!(
+            d.waits().event_synchronize(e),
+            Err(DriverError::LAUNCH_FAILED)
+        );
         d.event_record(e).unwrap();
-        d.event_synchronize(e).unwrap();
+        d.waits().event_synchronize(e).unwrap();
     }
 
     #[test]
@@ -876,7 +975,7 @@ mod tests {
         assert_eq!(d.alloc(60), Err(DriverError::OUT_OF_MEMORY));
         // SAFETY: `a` is live and unused.
         unsafe { d.free(a).unwrap() };
-        d.stream_synchronize().unwrap();
+        d.waits().stream_synchronize().unwrap();
         assert!(d.alloc(60).is_ok());
     }
 

@@ -28,11 +28,13 @@
 use crate::element::{byte_len, Element};
 use crate::engine::CudaEngine;
 use crate::error::{DeviceKind, Error, Result};
+use crate::lifecycle::fence::wait_for_queued;
 use crate::tensor::{shape_len, DeviceTensor};
 use cubecl::client::ComputeClient;
 use cubecl::cuda::{CudaDevice, CudaRuntime};
 use cubecl::server::Handle;
 use cubecl::Runtime;
+use std::sync::Arc;
 
 /// The CubeCL runtime this interop targets, re-exported so kernels use the same version.
 pub use cubecl as runtime;
@@ -90,7 +92,7 @@ impl<'e> CubeclScope<'e> {
     /// operation queued before (see the [module docs](self) for the cost).
     ///
     /// # Errors
-    /// [`Error::ZeroLength`] for an empty tensor; [`Error::WrongDevice`]/[`Error::WrongEngine`]
+    /// [`Error::ZeroLength`] for an empty tensor; [`Error::WrongEngine`]
     /// for another engine's tensor; [`Error::Interop`] when CubeCL fails;
     /// [`Error::Driver`]/[`Error::DeviceFault`] when the copy fails.
     pub fn import<T: Element>(&mut self, tensor: &DeviceTensor<T>) -> Result<Handle> {
@@ -104,15 +106,15 @@ impl<'e> CubeclScope<'e> {
         let handle = self.client.empty(bytes);
         let dst = self.address(&handle, "CubeCL buffer address")?;
         self.sync_cubecl("CubeCL sync before import")?;
-        let mut st = self.engine.enter()?;
+        let owner = Arc::clone(&self.engine.shared);
+        let mut st = owner.enter()?;
         // SAFETY: `dst` is a live CubeCL allocation of at least `bytes` bytes (the handle is
         // held, and CubeCL's stream is idle, so nothing else uses it); the tensor is a live
         // allocation of this engine of `bytes` bytes, borrowed for the call; the wait below
         // proves the copy complete before either is released or reused.
         unsafe { st.driver.copy_dtod(dst, tensor.raw_ptr(), bytes) }
             .map_err(Error::driver("cuMemcpyDtoDAsync"))?;
-        st.wait_stream("copy into a CubeCL buffer")?;
-        Ok(handle)
+        wait_for_queued(st, &owner, handle, "copy into a CubeCL buffer")
     }
 
     /// Copies a CubeCL buffer into a new tensor of `shape`, after every CubeCL operation queued
@@ -146,15 +148,15 @@ impl<'e> CubeclScope<'e> {
         }
         let src = self.address(handle, "CubeCL buffer address")?;
         self.sync_cubecl("CubeCL sync before export")?;
-        let mut st = self.engine.enter()?;
+        let owner = Arc::clone(&self.engine.shared);
+        let mut st = owner.enter()?;
         // SAFETY: `src` is a live CubeCL allocation of at least `bytes` bytes whose writers have
         // finished (CubeCL's stream is idle) and which stays alive while `handle` is borrowed;
         // `out` is a fresh allocation of `bytes` bytes; the wait below proves the copy complete
         // before CubeCL may reuse the buffer.
         unsafe { st.driver.copy_dtod(out.raw_ptr(), src, bytes) }
             .map_err(Error::driver("cuMemcpyDtoDAsync"))?;
-        st.wait_stream("copy out of a CubeCL buffer")?;
-        drop(st);
+        wait_for_queued(st, &owner, (), "copy out of a CubeCL buffer")?;
         Ok(out)
     }
 }

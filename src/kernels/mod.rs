@@ -215,7 +215,7 @@ impl CudaEngine {
     ///
     /// # Errors
     /// [`Error::UnsupportedElement`] for `bool`; [`Error::ShapesDiffer`] when the shapes differ;
-    /// [`Error::WrongDevice`]/[`Error::WrongEngine`] for another engine's tensor;
+    /// [`Error::WrongEngine`] for another engine's tensor;
     /// [`Error::Unavailable`] when NVRTC is missing; [`Error::Compile`] or [`Error::Driver`] when
     /// the kernel cannot be built or queued.
     pub fn add<T: Element>(
@@ -314,7 +314,7 @@ impl CudaEngine {
     /// Writes `value` into every element of `tensor`. Queued; does not wait.
     ///
     /// # Errors
-    /// [`Error::WrongDevice`]/[`Error::WrongEngine`] for another engine's tensor; otherwise as
+    /// [`Error::WrongEngine`] for another engine's tensor; otherwise as
     /// [`add`](Self::add).
     pub fn fill<T: Element>(&mut self, tensor: &mut DeviceTensor<T>, value: T) -> Result<()> {
         let spec = spec(ElementwiseOp::Fill, T::DTYPE, T::DTYPE)?;
@@ -343,7 +343,7 @@ impl CudaEngine {
 
     /// How many elementwise kernels this engine has compiled and cached.
     pub fn cached_kernels(&self) -> usize {
-        self.shared.lock_raw().kernels.len()
+        self.shared.lock().kernels.len()
     }
 
     fn unary<T: Element>(

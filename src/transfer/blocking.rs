@@ -109,31 +109,27 @@ fn pool_for(engine: &mut CudaEngine, bytes: usize) -> Result<Option<Arc<rayon::T
     Ok(Some(engine.enter()?.copy_pool()?))
 }
 
-/// The lease for the next chunk: a new one while the ring has room, else the oldest in flight
-/// once proven.
+/// The lease for the next chunk: a new one while fewer than `depth` chunks are in flight, else
+/// the oldest in flight once proven.
 fn next_lease(
     engine: &mut CudaEngine,
     in_flight: &mut VecDeque<StagingLease<Unproven>>,
     depth: usize,
 ) -> Result<StagingLease<Proven>> {
     if in_flight.len() < depth {
-        match engine.staging_lease() {
-            Ok(lease) => return Ok(lease),
-            Err(Error::StagingExhausted { .. }) if !in_flight.is_empty() => {}
-            Err(e) => return Err(e),
-        }
+        return engine.route_lease();
     }
     let oldest = in_flight
         .pop_front()
         .ok_or(Error::StagingExhausted { depth })?;
-    oldest.end_chunk().map_err(|(lease, error)| {
-        in_flight.push_front(lease);
-        error
-    })
+    oldest.end_chunk()
 }
 
 /// Retires every unproven lease; the last (newest) keeps `resource` alive with it.
-fn retire_all<R: Send + 'static>(mut in_flight: VecDeque<StagingLease<Unproven>>, resource: R) {
+fn retire_all<R: Send + Sync + 'static>(
+    mut in_flight: VecDeque<StagingLease<Unproven>>,
+    resource: R,
+) {
     let last = in_flight.pop_back();
     for lease in in_flight {
         lease.retire();
@@ -145,16 +141,15 @@ fn retire_all<R: Send + 'static>(mut in_flight: VecDeque<StagingLease<Unproven>>
 }
 
 /// Waits for every lease in flight and releases them; on failure retires the rest with
-/// `resource`.
-fn finish<R: Send + 'static>(
+/// `resource`. A chunk whose wait fails is retained by the engine.
+fn finish<R: Send + Sync + 'static>(
     mut in_flight: VecDeque<StagingLease<Unproven>>,
     resource: R,
 ) -> Result<R> {
     while let Some(lease) = in_flight.pop_front() {
         match lease.end_chunk() {
             Ok(proven) => proven.release(),
-            Err((lease, error)) => {
-                in_flight.push_front(lease);
+            Err(error) => {
                 retire_all(in_flight, resource);
                 return Err(error);
             }
@@ -322,8 +317,8 @@ fn upload_chunks<T: Element>(
                 retire_all(in_flight, tensor);
                 return Err(error);
             }
-            Err(BeginError::Unproven { lease, error }) => {
-                in_flight.push_back(lease);
+            Err(BeginError::Untracked { lease, error }) => {
+                lease.retire();
                 retire_all(in_flight, tensor);
                 return Err(error);
             }
@@ -338,7 +333,7 @@ fn upload_chunks<T: Element>(
 /// `bool` tensors are decoded byte by byte (`byte != 0`), since device bytes need not be 0 or 1.
 ///
 /// # Errors
-/// [`Error::WrongDevice`]/[`Error::WrongEngine`] when the tensor is not this engine's;
+/// [`Error::WrongEngine`] when the tensor is not this engine's;
 /// [`Error::Driver`] or [`Error::DeviceFault`] when the device refuses or fails.
 pub fn download_tensor<T: Element>(
     engine: &mut CudaEngine,
@@ -450,9 +445,8 @@ fn chunk_loop<T: Element>(
             let lease = match spare.take() {
                 Some(lease) => lease,
                 None if plan.scalar => engine.scalar_lease()?,
-                None => match engine.staging_lease() {
+                None => match engine.route_lease() {
                     Ok(lease) => lease,
-                    Err(Error::StagingExhausted { .. }) if !in_flight.is_empty() => break,
                     Err(error) => return fail(in_flight, error),
                 },
             };
@@ -463,8 +457,8 @@ fn chunk_loop<T: Element>(
                     lease.release();
                     return fail(in_flight, error);
                 }
-                Err(BeginError::Unproven { lease, error }) => {
-                    in_flight.push_back((lease, next, n));
+                Err(BeginError::Untracked { lease, error }) => {
+                    lease.retire();
                     return fail(in_flight, error);
                 }
             }
@@ -475,10 +469,7 @@ fn chunk_loop<T: Element>(
         };
         let proven = match lease.end_chunk() {
             Ok(proven) => proven,
-            Err((lease, error)) => {
-                in_flight.push_front((lease, offset, n));
-                return fail(in_flight, error);
-            }
+            Err(error) => return fail(in_flight, error),
         };
         let src = proven.as_bytes().as_ptr();
         // SAFETY: the lease is proven, so the chunk's bytes have arrived in its memory; `dst`

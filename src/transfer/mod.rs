@@ -12,9 +12,8 @@ pub(crate) mod staging;
 pub use blocking::{download_tensor, download_tensor_into, upload_tensor};
 pub use pending::{
     download_pending, upload_pending, Direction, Download, InFlight, Pending, PendingDownload,
-    PendingUpload, RejectReason, Returned, TransferPackage, TransferState, TransferSubmitError,
-    TryWait, Upload,
+    PendingUpload, Returned, TransferPackage, TransferState, TransferSubmitError, TryWait, Upload,
 };
 pub use staging::{
-    BeginError, LeaseState, Proven, StagingConfig, StagingLease, StagingStats, Unproven,
+    BeginError, LeaseState, Proven, StagingConfig, StagingLease, StagingStats, Unproven, Untracked,
 };

@@ -19,24 +19,25 @@
 // error is large by design and travels only on the refusal path.
 #![allow(clippy::result_large_err)]
 
-use crate::driver::EventHandle;
-use crate::element::{DType, Element};
-use crate::engine::{CudaEngine, Shared};
-use crate::error::{DeviceId, Error, Result};
+use crate::element::Element;
+use crate::engine::CudaEngine;
+use crate::error::{Error, Result};
+use crate::lifecycle::fence::{fence, Fenced, Fencing, IdleEvent};
 use crate::pinned::PinnedHostBuffer;
-use crate::retire::Record;
 use crate::tensor::DeviceTensor;
 use std::fmt;
 use std::marker::PhantomData;
-use std::sync::Arc;
 
 mod sealed {
     pub trait Direction {}
-    pub trait State {}
+    /// What a transfer in this state holds.
+    pub trait State {
+        type Hold<T: crate::Element>: Send + Sync;
+    }
 }
 
 /// The direction of a pending transfer. Sealed: [`Upload`] or [`Download`].
-pub trait Direction: sealed::Direction + Send + 'static {
+pub trait Direction: sealed::Direction + Send + Sync + 'static {
     /// Whether the copy goes host to device.
     const UPLOAD: bool;
     /// A name for messages.
@@ -44,7 +45,7 @@ pub trait Direction: sealed::Direction + Send + 'static {
 }
 
 /// The state of a pending transfer. Sealed: [`InFlight`] or [`Returned`].
-pub trait TransferState: sealed::State + Send + 'static {
+pub trait TransferState: sealed::State + Send + Sync + 'static {
     /// Whether the copy may still be running.
     const IN_FLIGHT: bool;
 }
@@ -64,8 +65,12 @@ pub enum Returned {}
 
 impl sealed::Direction for Upload {}
 impl sealed::Direction for Download {}
-impl sealed::State for InFlight {}
-impl sealed::State for Returned {}
+impl sealed::State for InFlight {
+    type Hold<T: Element> = Fenced<TransferPackage<T>>;
+}
+impl sealed::State for Returned {
+    type Hold<T: Element> = Landed<T>;
+}
 
 impl Direction for Upload {
     const UPLOAD: bool = true;
@@ -91,62 +96,10 @@ pub struct TransferPackage<T: Element> {
     pub tensor: DeviceTensor<T>,
 }
 
-/// Why a submission was refused. Nothing was queued.
-#[derive(Clone, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum RejectReason {
-    /// The buffer and the tensor hold different numbers of elements.
-    LengthMismatch {
-        /// Elements in the buffer.
-        buffer: usize,
-        /// Elements in the tensor.
-        tensor: usize,
-    },
-    /// The tensor holds no elements.
-    ZeroLength,
-    /// The tensor lives on another device.
-    WrongDevice {
-        /// The engine's device.
-        expected: DeviceId,
-        /// The tensor's device.
-        found: DeviceId,
-    },
-    /// The tensor belongs to another engine (another stream).
-    WrongEngine {
-        /// The engine the submission was made on.
-        expected: u64,
-        /// The tensor's engine.
-        found: u64,
-    },
-    /// The element type cannot travel this way: raw device bytes downloaded into a `bool`
-    /// buffer need not be 0 or 1.
-    UnsupportedElement {
-        /// The element type.
-        dtype: DType,
-    },
-}
-
-impl fmt::Display for RejectReason {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            RejectReason::LengthMismatch { buffer, tensor } => write!(
-                f,
-                "the buffer holds {buffer} element(s) but the tensor holds {tensor}"
-            ),
-            RejectReason::ZeroLength => f.write_str("the tensor holds no elements"),
-            RejectReason::WrongDevice { expected, found } => {
-                write!(f, "the tensor lives on {found}, but this engine drives {expected}")
-            }
-            RejectReason::WrongEngine { expected, found } => write!(
-                f,
-                "the tensor belongs to engine #{found}, not to engine #{expected}"
-            ),
-            RejectReason::UnsupportedElement { dtype } => write!(
-                f,
-                "{dtype} cannot be downloaded into pinned memory: raw device bytes need not be 0 or 1"
-            ),
-        }
-    }
+/// A returned transfer's parts, with its idle event kept for resubmission.
+pub struct Landed<T: Element> {
+    package: TransferPackage<T>,
+    event: IdleEvent,
 }
 
 /// A submission that did not produce an in-flight transfer.
@@ -154,14 +107,17 @@ impl fmt::Display for RejectReason {
 #[non_exhaustive]
 pub enum TransferSubmitError<T: Element> {
     /// Refused before anything was queued; the package comes back untouched.
-    #[error("transfer rejected: {reason}")]
+    #[error("transfer rejected: {error}")]
     Rejected {
         /// Everything that was submitted.
         package: TransferPackage<T>,
-        /// Why.
-        reason: RejectReason,
+        /// Why: [`Error::WrongEngine`] for a buffer or tensor of another engine,
+        /// [`Error::ZeroLength`], [`Error::LengthMismatch`] between buffer and tensor,
+        /// [`Error::UnsupportedElement`] for a `bool` download.
+        error: Error,
     },
-    /// The driver refused to queue the copy; nothing is in flight and the package comes back.
+    /// The driver refused to queue the copy, or the copy was queued and then proven complete
+    /// without an event; nothing is in flight and the package comes back.
     #[error("transfer could not be queued: {error}")]
     Failed {
         /// Everything that was submitted.
@@ -189,24 +145,13 @@ impl<T: Element> TransferSubmitError<T> {
             TransferSubmitError::Retained { .. } => None,
         }
     }
-}
 
-struct Inner<T: Element> {
-    buffer: PinnedHostBuffer<T>,
-    tensor: DeviceTensor<T>,
-    event: EventHandle,
-}
-
-impl<T: Element> Inner<T> {
-    fn owner(&self) -> Arc<Shared> {
-        Arc::clone(self.tensor.owner())
-    }
-
-    fn into_record(self, what: &'static str) -> Record {
-        Record {
-            event: self.event,
-            resources: Box::new((self.buffer, self.tensor)),
-            what,
+    /// The error, whatever became of the package.
+    pub fn error(&self) -> &Error {
+        match self {
+            TransferSubmitError::Rejected { error, .. }
+            | TransferSubmitError::Failed { error, .. }
+            | TransferSubmitError::Retained { error } => error,
         }
     }
 }
@@ -217,9 +162,8 @@ impl<T: Element> Inner<T> {
 /// In [`InFlight`] it owns both and gives access to neither; [`Returned`] gives both back.
 #[must_use = "a pending transfer owns its buffer and tensor: wait for it (in flight) or take them back with `into_parts` (returned)"]
 pub struct Pending<D: Direction, T: Element, S: TransferState> {
-    /// `Some` until a transition or drop moves it out.
-    inner: Option<Inner<T>>,
-    _marker: PhantomData<(D, S)>,
+    hold: <S as sealed::State>::Hold<T>,
+    _direction: PhantomData<D>,
 }
 
 /// A pending host-to-device transfer.
@@ -248,59 +192,16 @@ pub enum TryWait<D: Direction, T: Element> {
 }
 
 impl<D: Direction, T: Element, S: TransferState> Pending<D, T, S> {
-    fn new(inner: Inner<T>) -> Self {
+    fn new(hold: <S as sealed::State>::Hold<T>) -> Self {
         Pending {
-            inner: Some(inner),
-            _marker: PhantomData,
+            hold,
+            _direction: PhantomData,
         }
     }
-
-    fn take(mut self) -> Inner<T> {
-        // Invariant: `inner` is `Some` for every value reachable by the caller.
-        self.inner
-            .take()
-            .expect("a live pending transfer holds its parts")
-    }
-
-    fn inner(&self) -> &Inner<T> {
-        self.inner
-            .as_ref()
-            .expect("a live pending transfer holds its parts")
-    }
-}
-
-/// Asks a transfer's event whether the copy completed, waiting for it when `block`. On a device
-/// failure everything the copy may touch is retained for the engine's lifetime and the error
-/// returned; when the context cannot be entered the transfer is detached instead.
-fn settle<D: Direction, T: Element>(inner: Inner<T>, block: bool) -> Result<(Inner<T>, bool)> {
-    let owner = inner.owner();
-    let mut st = match owner.enter() {
-        Ok(st) => st,
-        Err(e) => {
-            owner.lock_raw().retire.push(inner.into_record(D::NAME));
-            return Err(e);
-        }
-    };
-    let done = if block {
-        st.driver.event_synchronize(inner.event).map(|()| true)
-    } else {
-        st.driver.event_query(inner.event)
-    };
-    match done {
-        Ok(done) => Ok((inner, done)),
-        Err(source) => {
-            st.retire.retain_failed(inner.into_record(D::NAME), source);
-            Err(fault(D::NAME)(source))
-        }
-    }
-}
-
-fn fault(what: &'static str) -> impl FnOnce(crate::DriverError) -> Error {
-    move |source| Error::DeviceFault { what, source }
 }
 
 impl<D: Direction, T: Element> Pending<D, T, InFlight> {
-    /// Whether the copy has completed. Never waits.
+    /// Whether the copy has completed. Never waits, and takes no engine lock.
     ///
     /// `Ok(false)` means not yet; a copy can complete before the first poll, so `Ok(true)` at once
     /// is not an error.
@@ -308,20 +209,18 @@ impl<D: Direction, T: Element> Pending<D, T, InFlight> {
     /// # Errors
     /// [`Error::DeviceFault`] when the device reports a failure of the copy (or of earlier work).
     pub fn is_ready(&mut self) -> Result<bool> {
-        let inner = self.inner();
-        let owner = inner.owner();
-        let mut st = owner.enter()?;
-        st.driver.event_query(inner.event).map_err(fault(D::NAME))
+        self.hold.is_ready()
     }
 
-    /// Waits for the copy and returns the transfer in state [`Returned`].
+    /// Waits for the copy and returns the transfer in state [`Returned`]. The wait holds no
+    /// engine lock: the engine's owner keeps working while another thread waits here.
     ///
     /// # Errors
     /// [`Error::DeviceFault`] when the device reports a failure: the buffer and tensor are then
     /// retained by the engine for its lifetime (the device may still touch them), never freed.
     pub fn wait(self) -> Result<Pending<D, T, Returned>> {
-        let (inner, _) = settle::<D, T>(self.take(), true)?;
-        Ok(Pending::new(inner))
+        let (package, event) = self.hold.wait_parts()?;
+        Ok(Pending::new(Landed { package, event }))
     }
 
     /// Returns the transfer in state [`Returned`] if the copy has completed, or hands the
@@ -330,40 +229,32 @@ impl<D: Direction, T: Element> Pending<D, T, InFlight> {
     /// # Errors
     /// As [`wait`](Self::wait).
     pub fn try_wait(self) -> Result<TryWait<D, T>> {
-        let (inner, done) = settle::<D, T>(self.take(), false)?;
-        Ok(if done {
-            TryWait::Returned(Pending::new(inner))
-        } else {
-            TryWait::InFlight(Pending::new(inner))
+        Ok(match self.hold.try_wait()? {
+            Ok((package, event)) => TryWait::Returned(Pending::new(Landed { package, event })),
+            Err(fenced) => TryWait::InFlight(Pending::new(fenced)),
         })
     }
 }
-
 impl<D: Direction, T: Element> Pending<D, T, Returned> {
     /// The pinned buffer: for a download, the data that arrived.
     pub fn buffer(&self) -> &PinnedHostBuffer<T> {
-        &self.inner().buffer
+        &self.hold.package.buffer
     }
 
     /// The pinned buffer, mutably: refill it before [`resubmit`](Self::resubmit)ting an upload.
     pub fn buffer_mut(&mut self) -> &mut PinnedHostBuffer<T> {
-        &mut self
-            .inner
-            .as_mut()
-            .expect("a live pending transfer holds its parts")
-            .buffer
+        &mut self.hold.package.buffer
     }
 
     /// The device tensor: for an upload, the destination now holding the data.
     pub fn tensor(&self) -> &DeviceTensor<T> {
-        &self.inner().tensor
+        &self.hold.package.tensor
     }
 
     /// Gives back the buffer and the tensor, in that order.
     pub fn into_parts(self) -> (PinnedHostBuffer<T>, DeviceTensor<T>) {
-        let inner = self.take();
-        release_event(&inner.owner(), inner.event);
-        (inner.buffer, inner.tensor)
+        let TransferPackage { buffer, tensor } = self.hold.package;
+        (buffer, tensor)
     }
 
     /// Queues the same copy again, between the same buffer and tensor, reusing the transfer's
@@ -377,116 +268,69 @@ impl<D: Direction, T: Element> Pending<D, T, Returned> {
         self,
         engine: &mut CudaEngine,
     ) -> Result<Pending<D, T, InFlight>, TransferSubmitError<T>> {
-        let inner = self.take();
-        let package = TransferPackage {
-            buffer: inner.buffer,
-            tensor: inner.tensor,
-        };
-        submit::<D, T>(engine, package, Some(inner.event))
+        let Landed { package, event } = self.hold;
+        submit::<D, T>(engine, package, Some(event))
     }
 }
 
-/// Returns a completed event to its engine's pool (destroys it after teardown).
-fn release_event(owner: &Shared, event: EventHandle) {
-    if let Some(mut st) = owner.enter_for_drop() {
-        let st = &mut *st;
-        if st.torn_down {
-            // SAFETY: the event's last record is complete and nothing uses it again.
-            let _ = unsafe { st.driver.event_destroy(event) };
-        } else {
-            st.events.put(event);
-        }
+/// Why a submission of `package` is refused, if it is.
+fn refusal<D: Direction, T: Element>(
+    engine: &CudaEngine,
+    package: &TransferPackage<T>,
+) -> Option<Error> {
+    let (buffer_len, tensor_len) = (package.buffer.len(), package.tensor.len());
+    if let Err(error) = engine
+        .shared
+        .check(package.tensor.owner())
+        .and_then(|()| engine.shared.check(package.buffer.owner()))
+    {
+        return Some(error);
     }
+    if tensor_len == 0 {
+        return Some(Error::ZeroLength {
+            what: "a pending transfer",
+        });
+    }
+    if buffer_len != tensor_len {
+        return Some(Error::LengthMismatch {
+            what: "pending transfer: elements in the buffer and in the tensor",
+            left: buffer_len,
+            right: tensor_len,
+        });
+    }
+    if !D::UPLOAD && !T::DTYPE.any_bit_pattern() {
+        return Some(Error::UnsupportedElement {
+            operation: "download_pending",
+            dtype: T::DTYPE,
+            reason:
+                "raw device bytes need not be 0 or 1, and a pinned buffer exposes them as they are",
+        });
+    }
+    None
 }
 
-impl<D: Direction, T: Element, S: TransferState> Drop for Pending<D, T, S> {
-    fn drop(&mut self) {
-        let Some(inner) = self.inner.take() else {
-            return;
-        };
-        let owner = inner.owner();
-        if !S::IN_FLIGHT {
-            release_event(&owner, inner.event);
-            return; // buffer and tensor drop here, after the lock is released
-        }
-        let Some(mut st) = owner.enter_for_drop() else {
-            std::mem::forget(inner);
-            return;
-        };
-        if !st.torn_down {
-            st.retire.push(inner.into_record(D::NAME));
-            return;
-        }
-        // The engine is gone and nobody drains its queue: resolve here, or leak.
-        if st.driver.event_synchronize(inner.event).is_ok() {
-            // SAFETY: the event's record is complete and nothing uses it again.
-            let _ = unsafe { st.driver.event_destroy(inner.event) };
-            drop(st);
-            drop(inner);
-        } else {
-            std::mem::forget(inner);
-        }
-    }
-}
-
-/// Validates and queues one copy. `event` is the transfer's own event on resubmission.
+/// Validates and queues one copy. `event` is the transfer's own idle event on resubmission; on a
+/// refusal it goes back to the engine that made it.
 fn submit<D: Direction, T: Element>(
     engine: &mut CudaEngine,
     package: TransferPackage<T>,
-    event: Option<EventHandle>,
+    event: Option<IdleEvent>,
 ) -> Result<Pending<D, T, InFlight>, TransferSubmitError<T>> {
-    let reject = |package, reason| Err(TransferSubmitError::Rejected { package, reason });
-    let (buffer_len, tensor_len) = (package.buffer.len(), package.tensor.len());
-    let found_device = package.tensor.device();
-    let found_engine = package.tensor.engine_id();
-    let owner_check = engine.shared.check_owner(found_device, found_engine);
-    // A resubmitted transfer's event belongs to the engine that made it (the tensor's owner),
-    // which is not `engine` when the submission is refused for a wrong device or engine.
-    let returned_event = |package: &TransferPackage<T>| {
-        if let Some(event) = event {
-            release_event(package.tensor.owner(), event);
-        }
-    };
-    let reason = match owner_check {
-        Err(Error::WrongDevice { expected, found }) => {
-            Some(RejectReason::WrongDevice { expected, found })
-        }
-        Err(Error::WrongEngine { expected, found }) => {
-            Some(RejectReason::WrongEngine { expected, found })
-        }
-        _ if tensor_len == 0 => Some(RejectReason::ZeroLength),
-        _ if buffer_len != tensor_len => Some(RejectReason::LengthMismatch {
-            buffer: buffer_len,
-            tensor: tensor_len,
-        }),
-        _ if !D::UPLOAD && !T::DTYPE.any_bit_pattern() => {
-            Some(RejectReason::UnsupportedElement { dtype: T::DTYPE })
-        }
-        _ => None,
-    };
-    if let Some(reason) = reason {
-        returned_event(&package);
-        return reject(package, reason);
+    if let Some(error) = refusal::<D, T>(engine, &package) {
+        return Err(TransferSubmitError::Rejected { package, error });
     }
-    let bytes = package.tensor.byte_len();
-    let mut st = match engine.shared.enter() {
+    let owner = &engine.shared;
+    let mut st = match owner.enter() {
         Ok(st) => st,
-        Err(error) => {
-            returned_event(&package);
-            return Err(TransferSubmitError::Failed { package, error });
-        }
-    };
-    let st = &mut *st;
-    let event = match event.map_or_else(|| st.events.take(&mut *st.driver), Ok) {
-        Ok(event) => event,
         Err(error) => return Err(TransferSubmitError::Failed { package, error }),
     };
+    let bytes = package.tensor.byte_len();
     let host = package.buffer.raw_ptr();
     let device = package.tensor.raw_ptr();
     let queued = if D::UPLOAD {
-        // SAFETY: the buffer and tensor move into the returned handle (or the retirement queue)
-        // and stay there, untouched by the host, until the event recorded below proves the copy
-        // complete; both hold exactly `bytes` bytes.
+        // SAFETY: the buffer and tensor move into the fence below (or come back only once the
+        // stream is proven idle), untouched by the host until the event proves the copy
+        // complete; both hold exactly `bytes` bytes, and both belong to this engine.
         unsafe { st.driver.copy_htod(device, host, bytes) }
             .map_err(Error::driver("cuMemcpyHtoDAsync"))
     } else {
@@ -495,38 +339,18 @@ fn submit<D: Direction, T: Element>(
             .map_err(Error::driver("cuMemcpyDtoHAsync"))
     };
     if let Err(error) = queued {
-        st.events.put(event);
         return Err(TransferSubmitError::Failed { package, error });
     }
-    let inner = Inner {
-        buffer: package.buffer,
-        tensor: package.tensor,
-        event,
-    };
-    if let Err(source) = st.driver.event_record(event) {
-        let error = Error::Driver {
-            call: "cuEventRecord",
-            source,
-        };
-        // The copy is queued but untracked: prove it complete the hard way, or retain it.
-        return match st.driver.stream_synchronize() {
-            Ok(()) => {
-                st.events.put(event);
-                Err(TransferSubmitError::Failed {
-                    package: TransferPackage {
-                        buffer: inner.buffer,
-                        tensor: inner.tensor,
-                    },
-                    error,
-                })
-            }
-            Err(wait) => {
-                st.retire.retain_failed(inner.into_record(D::NAME), wait);
-                Err(TransferSubmitError::Retained { error })
-            }
-        };
+    let event = event.map(IdleEvent::into_raw);
+    match fence(&mut st, owner, package, event, D::NAME) {
+        Fencing::Fenced(fenced) => Ok(Pending::new(fenced)),
+        Fencing::Proven(package, error) => Err(TransferSubmitError::Failed { package, error }),
+        Fencing::Untracked(untracked, error) => {
+            drop(st);
+            untracked.retain();
+            Err(TransferSubmitError::Retained { error })
+        }
     }
-    Ok(Pending::new(inner))
 }
 
 /// Queues a copy of `source` into `destination` and returns the transfer in flight.
@@ -537,7 +361,7 @@ fn submit<D: Direction, T: Element>(
 ///
 /// # Errors
 /// [`TransferSubmitError::Rejected`] (package untouched) for a length mismatch, a zero length or
-/// a tensor of another device or engine; [`TransferSubmitError::Failed`] when the driver refuses
+/// a buffer or tensor of another engine; [`TransferSubmitError::Failed`] when the driver refuses
 /// the copy; [`TransferSubmitError::Retained`] when the copy was queued but cannot be tracked.
 pub fn upload_pending<T: Element>(
     engine: &mut CudaEngine,
@@ -557,7 +381,7 @@ pub fn upload_pending<T: Element>(
 /// Queues a copy of `value` into `buffer` and returns the transfer in flight.
 ///
 /// # Errors
-/// As [`upload_pending`], and [`RejectReason::UnsupportedElement`] for `bool`.
+/// As [`upload_pending`], and [`Error::UnsupportedElement`] (rejected) for `bool`.
 pub fn download_pending<T: Element>(
     engine: &mut CudaEngine,
     value: DeviceTensor<T>,

@@ -12,19 +12,30 @@
 //! - [`Proven`]: no queued copy names the slot. Its memory is reachable
 //!   ([`as_bytes`](StagingLease::as_bytes), [`as_mut_bytes`](StagingLease::as_mut_bytes)), and it
 //!   can be [`release`](StagingLease::release)d or used to begin a chunk.
-//! - [`Unproven`]: a copy was queued. Nothing reaches the memory; the only ways out are
-//!   [`end_chunk`](StagingLease::end_chunk) (wait for the slot's event: `Proven` again) and
-//!   [`retire`](StagingLease::retire) (hand the slot, its event and any device resource to the
-//!   retirement queue, which releases them once the event proves completion). Dropping an
-//!   `Unproven` lease leaks its memory rather than free it.
+//! - [`Unproven`]: a copy was queued and an event recorded after it (the slot is
+//!   [fenced](crate::lifecycle)). Nothing reaches the memory; the ways out are
+//!   [`end_chunk`](StagingLease::end_chunk) (wait for the event: `Proven` again) and
+//!   [`retire`](StagingLease::retire) (hand the slot, and any device resource, to the retirement
+//!   queue, which returns them once the event proves completion). Dropping an `Unproven` lease
+//!   retires it.
+//! - [`Untracked`]: a copy was queued but neither an event nor a stream synchronize could prove
+//!   it complete. The only way out is [`retire`](StagingLease::retire), which retains the slot
+//!   for the engine's lifetime: there is no `end_chunk` to call.
+//!
+//! The ring's slots serve the blocking routes; leases taken with [`CudaEngine::staging_lease`]
+//! draw on a budget of their own (`ring_depth` at a time), so leases held or forgotten by a
+//! caller never starve the blocking routes.
 //!
 //! The lease is public so callers can build their own chunked pipelines.
 
-use crate::driver::EventHandle;
+// A failed begin hands the lease back by value inside its error, as `TrySendError<T>` does.
+#![allow(clippy::result_large_err)]
+
+use crate::driver::Driver;
 use crate::element::Element;
 use crate::engine::{CudaEngine, Shared, State};
 use crate::error::{DriverError, Error, Result};
-use crate::retire::Record;
+use crate::lifecycle::fence::{fence, Fenced, Fencing, IdleEvent, Untracked as Unfenced};
 use crate::tensor::DeviceTensor;
 use std::marker::PhantomData;
 use std::ptr::NonNull;
@@ -94,30 +105,44 @@ impl StagingConfig {
     }
 }
 
-/// One ring slot: a pinned chunk and its event.
+/// One pinned staging chunk.
 pub(crate) struct Slot {
     ptr: NonNull<u8>,
     bytes: usize,
-    event: EventHandle,
-    /// The 16-byte slot of the smallest band, outside the ring's accounting.
-    scalar: bool,
+    kind: SlotKind,
 }
 
-// SAFETY: a slot is exclusively owned (by the ring or by one lease); its pointer is not aliased
-// across threads without that ownership moving with it.
+/// Which budget a slot is drawn from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum SlotKind {
+    /// A chunk of the blocking routes' pipeline.
+    Route,
+    /// A chunk leased by a caller through [`CudaEngine::staging_lease`].
+    User,
+    /// The 16-byte slot of the smallest band.
+    Scalar,
+}
+
+// SAFETY: a slot is exclusively owned memory (by the ring or by one lease); its pointer is not
+// aliased across threads without that ownership moving with it.
 unsafe impl Send for Slot {}
+// SAFETY: shared access to a slot only reads through `&self` (`StagingLease<Proven>::as_bytes`);
+// every write needs `&mut`.
+unsafe impl Sync for Slot {}
 
 /// Counters for the staging ring.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct StagingStats {
-    /// Slots allocated and owned by the ring (idle or leased).
+    /// Chunk-sized slots allocated (idle, leased, or in flight).
     pub slots: usize,
-    /// Slots currently leased.
+    /// Slots out of the ring: leased, in flight, or retained.
     pub leased: usize,
-    /// Pinned bytes owned by the ring.
+    /// Of those, leased by callers through [`CudaEngine::staging_lease`].
+    pub user_leased: usize,
+    /// Pinned bytes in chunk-sized slots.
     pub bytes: usize,
-    /// Slots handed to the retirement queue (their replacements are allocated on demand).
+    /// Slots handed to the retirement queue by [`StagingLease::retire`].
     pub retired: u64,
     /// Whether the 16-byte slot of the smallest band is allocated and idle.
     pub scalar_slot: bool,
@@ -127,10 +152,14 @@ pub struct StagingStats {
 pub(crate) struct StagingRing {
     pub(crate) config: StagingConfig,
     idle: Vec<Slot>,
+    /// Chunk-sized slots allocated and not freed.
     slots: usize,
-    leased: usize,
+    /// Slots leased by the blocking routes.
+    route_out: usize,
+    /// Slots leased by callers.
+    user_out: usize,
     retired: u64,
-    /// The 16-byte pinned slot of the smallest band, with its own event.
+    /// The 16-byte pinned slot of the smallest band.
     scalar: Option<Slot>,
     pool: Option<Arc<rayon::ThreadPool>>,
 }
@@ -139,7 +168,8 @@ impl StagingRing {
     pub(crate) fn stats(&self) -> StagingStats {
         StagingStats {
             slots: self.slots,
-            leased: self.leased,
+            leased: self.route_out + self.user_out,
+            user_leased: self.user_out,
             bytes: self.slots * self.config.chunk_bytes,
             retired: self.retired,
             scalar_slot: self.scalar.is_some(),
@@ -147,36 +177,67 @@ impl StagingRing {
     }
 
     /// Frees idle slots (and the scalar slot); used at teardown after a successful wait and when
-    /// the configuration changes.
-    pub(crate) fn free_idle(&mut self, driver: &mut dyn crate::driver::Driver) {
-        for slot in self.idle.drain(..) {
-            free_slot(driver, slot);
-            self.slots -= 1;
+    /// the configuration changes. Returns the first refusal.
+    pub(crate) fn free_idle(&mut self, driver: &mut dyn Driver) -> Result<()> {
+        let mut first = Ok(());
+        let idle = std::mem::take(&mut self.idle);
+        for slot in idle.into_iter().chain(self.scalar.take()) {
+            if slot.kind != SlotKind::Scalar {
+                self.slots -= 1;
+            }
+            let freed = free_slot(driver, slot);
+            if first.is_ok() {
+                first = freed;
+            }
         }
-        if let Some(slot) = self.scalar.take() {
-            free_slot(driver, slot);
-        }
+        first
     }
 
-    /// Accounts for a slot leaving the ring for good (retired or leaked).
-    fn forget_slot(&mut self, slot: &Slot) {
-        if !slot.scalar {
-            self.leased -= 1;
+    /// Accounts for a slot that left the ring for good: retained because nothing proved its last
+    /// chunk complete.
+    fn forget(&mut self, kind: SlotKind) {
+        match kind {
+            SlotKind::Scalar => return,
+            SlotKind::Route => self.route_out -= 1,
+            SlotKind::User => self.user_out -= 1,
+        }
+        self.slots -= 1;
+    }
+
+    /// Takes a slot back from a lease. Returns a slot to free (outside the ring) when it is not
+    /// kept.
+    fn put(&mut self, slot: Slot, torn_down: bool) -> Option<Slot> {
+        match slot.kind {
+            SlotKind::Scalar => {
+                if torn_down || self.scalar.is_some() {
+                    return Some(slot);
+                }
+                self.scalar = Some(slot);
+                return None;
+            }
+            SlotKind::Route => self.route_out -= 1,
+            SlotKind::User => self.user_out -= 1,
+        }
+        let keep = !torn_down
+            && slot.bytes == self.config.chunk_bytes
+            && self.idle.len() < self.config.ring_depth;
+        if keep {
+            self.idle.push(slot);
+            None
+        } else {
             self.slots -= 1;
+            Some(slot)
         }
     }
 }
 
-fn free_slot(driver: &mut dyn crate::driver::Driver, slot: Slot) {
-    // SAFETY: an idle slot's last copy was proven complete (leases only return `Proven`), so
-    // nothing queued names its memory or event; both are freed once.
-    unsafe {
-        let _ = driver.host_free(slot.ptr.as_ptr());
-        let _ = driver.event_destroy(slot.event);
-    }
+fn free_slot(driver: &mut dyn Driver, slot: Slot) -> Result<()> {
+    // SAFETY: a slot comes back to the ring only from a proven lease (or a record whose event
+    // proved completion), so nothing queued names its memory; it is freed once.
+    unsafe { driver.host_free(slot.ptr.as_ptr()) }.map_err(Error::driver("cuMemFreeHost"))
 }
 
-fn new_slot(st: &mut State, bytes: usize, scalar: bool) -> Result<Slot> {
+fn new_slot(st: &mut State, bytes: usize, kind: SlotKind) -> Result<Slot> {
     let ptr = st
         .driver
         .host_alloc(bytes)
@@ -187,38 +248,31 @@ fn new_slot(st: &mut State, bytes: usize, scalar: bool) -> Result<Slot> {
     })?;
     // SAFETY: a fresh allocation of `bytes` bytes; zeroed once so its contents are initialised.
     unsafe { std::ptr::write_bytes(ptr.as_ptr(), 0, bytes) };
-    match st.driver.event_create() {
-        Ok(event) => Ok(Slot {
-            ptr,
-            bytes,
-            event,
-            scalar,
-        }),
-        Err(source) => {
-            // SAFETY: just allocated, never named by any copy.
-            let _ = unsafe { st.driver.host_free(ptr.as_ptr()) };
-            Err(Error::Driver {
-                call: "cuEventCreate (staging)",
-                source,
-            })
-        }
-    }
+    Ok(Slot { ptr, bytes, kind })
 }
 
 impl State {
-    /// Takes a ring slot: an idle one, or a new one while the ring is below its depth.
-    fn take_slot(&mut self) -> Result<Slot> {
-        if let Some(slot) = self.staging.idle.pop() {
-            self.staging.leased += 1;
-            return Ok(slot);
+    /// Takes a chunk-sized slot for `kind`: an idle one, or a new one. User leases are limited
+    /// to `ring_depth` at a time; the blocking routes bound their own depth.
+    fn take_slot(&mut self, kind: SlotKind) -> Result<Slot> {
+        if kind == SlotKind::User && self.staging.user_out >= self.staging.config.ring_depth {
+            return Err(Error::StagingExhausted {
+                depth: self.staging.config.ring_depth,
+            });
         }
-        let depth = self.staging.config.ring_depth;
-        if self.staging.slots >= depth {
-            return Err(Error::StagingExhausted { depth });
+        let mut slot = match self.staging.idle.pop() {
+            Some(slot) => slot,
+            None => {
+                let slot = new_slot(self, self.staging.config.chunk_bytes, kind)?;
+                self.staging.slots += 1;
+                slot
+            }
+        };
+        slot.kind = kind;
+        match kind {
+            SlotKind::User => self.staging.user_out += 1,
+            _ => self.staging.route_out += 1,
         }
-        let slot = new_slot(self, self.staging.config.chunk_bytes, false)?;
-        self.staging.slots += 1;
-        self.staging.leased += 1;
         Ok(slot)
     }
 
@@ -245,85 +299,141 @@ impl State {
     fn take_scalar(&mut self) -> Result<Slot> {
         match self.staging.scalar.take() {
             Some(slot) => Ok(slot),
-            None => new_slot(self, 16, true),
+            None => new_slot(self, 16, SlotKind::Scalar),
+        }
+    }
+}
+
+/// A slot out of the ring. Dropping it returns the slot to the ring; it is dropped only where
+/// no queued copy names the slot (a proven lease, or a retired record whose event proved
+/// completion).
+pub struct LeasedSlot {
+    slot: Option<Slot>,
+    owner: Arc<Shared>,
+}
+
+impl LeasedSlot {
+    fn slot(&self) -> &Slot {
+        // Invariant: `slot` is `Some` until `drop`.
+        self.slot
+            .as_ref()
+            .expect("a live leased slot holds its slot")
+    }
+}
+
+impl Drop for LeasedSlot {
+    fn drop(&mut self) {
+        let Some(slot) = self.slot.take() else {
+            return;
+        };
+        let Some(mut st) = self.owner.lock_for_drop() else {
+            return; // leaked: sound
+        };
+        let torn_down = st.torn_down;
+        let Some(slot) = st.staging.put(slot, torn_down) else {
+            return;
+        };
+        drop(st);
+        if let Some(mut st) = self.owner.enter_for_drop() {
+            if let Err(error) = free_slot(&mut *st.driver, slot) {
+                st.defer(error);
+            }
         }
     }
 }
 
 mod sealed {
-    pub trait LeaseState {}
+    /// What a lease in this state holds.
+    pub trait LeaseState {
+        type Hold: Send + Sync;
+    }
 }
 
-/// The state of a [`StagingLease`]. Sealed: [`Proven`] or [`Unproven`].
-pub trait LeaseState: sealed::LeaseState + Send + 'static {
-    /// Whether a queued copy may still name the slot.
-    const UNPROVEN: bool;
+/// The state of a [`StagingLease`]. Sealed: [`Proven`], [`Unproven`] or [`Untracked`].
+pub trait LeaseState: sealed::LeaseState + Send + Sync + 'static {
+    /// A name for messages.
+    const NAME: &'static str;
 }
 
 /// Lease state: no queued copy names the slot; its memory is reachable.
 #[derive(Debug)]
 pub enum Proven {}
-/// Lease state: a copy was queued; the slot's memory is unreachable until proven.
+/// Lease state: a copy was queued and an event recorded after it; the slot's memory is
+/// unreachable until [`end_chunk`](StagingLease::end_chunk) proves it complete.
 #[derive(Debug)]
 pub enum Unproven {}
+/// Lease state: a copy was queued and nothing could prove it complete; the lease can only be
+/// [`retire`](StagingLease::retire)d, which retains the slot for the engine's lifetime.
+#[derive(Debug)]
+pub enum Untracked {}
 
-impl sealed::LeaseState for Proven {}
-impl sealed::LeaseState for Unproven {}
+/// A proven lease's parts: the slot, and the idle event of its last chunk, reused by the next.
+pub struct ProvenSlot {
+    slot: LeasedSlot,
+    event: Option<IdleEvent>,
+}
+
+impl sealed::LeaseState for Proven {
+    type Hold = ProvenSlot;
+}
+impl sealed::LeaseState for Unproven {
+    type Hold = Fenced<LeasedSlot>;
+}
+impl sealed::LeaseState for Untracked {
+    type Hold = Unfenced<LeasedSlot>;
+}
 impl LeaseState for Proven {
-    const UNPROVEN: bool = false;
+    const NAME: &'static str = "proven";
 }
 impl LeaseState for Unproven {
-    const UNPROVEN: bool = true;
+    const NAME: &'static str = "unproven";
+}
+impl LeaseState for Untracked {
+    const NAME: &'static str = "untracked";
 }
 
-/// The exclusive use of one pinned staging slot of an engine's ring, in state `S`.
+/// The exclusive use of one pinned staging slot of an engine, in state `S`.
 ///
 /// Get one with [`CudaEngine::staging_lease`]. In state [`Proven`] no queued copy names the
 /// slot: its memory is reachable and the lease can be released or begin a chunk. In state
-/// [`Unproven`] a copy was queued: nothing reaches the memory, and the only ways out are
+/// [`Unproven`] a copy was queued: nothing reaches the memory, and the ways out are
 /// [`end_chunk`](StagingLease::end_chunk) (wait: `Proven` again) and
-/// [`retire`](StagingLease::retire) (to the retirement queue). Dropping an `Unproven` lease leaks
-/// its slot rather than free it.
-#[must_use = "a lease holds a staging slot; release a proven lease, retire an unproven one"]
+/// [`retire`](StagingLease::retire) (to the retirement queue; dropping does the same). In state
+/// [`Untracked`] only `retire` remains.
+#[must_use = "a lease holds a staging slot; release a proven lease, end or retire an unproven one"]
 pub struct StagingLease<S: LeaseState> {
-    /// `Some` until a transition or drop moves it out.
-    slot: Option<Slot>,
-    owner: Arc<Shared>,
-    /// The error the slot's event reported, if `end_chunk` failed: retiring then retains the
-    /// slot for good.
-    failed: Option<DriverError>,
+    hold: <S as sealed::LeaseState>::Hold,
     _state: PhantomData<S>,
 }
 
 impl<S: LeaseState> std::fmt::Debug for StagingLease<S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("StagingLease")
-            .field("unproven", &S::UNPROVEN)
-            .field("capacity", &self.slot.as_ref().map_or(0, |s| s.bytes))
-            .field("failed", &self.failed)
+            .field("state", &S::NAME)
             .finish()
     }
 }
 
 /// A [`StagingLease::begin_upload`] or [`StagingLease::begin_download`] that failed. Either
-/// nothing was queued, or the copy was queued and cannot be proven: there is no third outcome,
-/// so a match on the two variants is exhaustive.
+/// nothing is in flight, or the copy was queued and nothing can prove it complete: there is no
+/// third outcome, so a match on the two variants is exhaustive.
 #[derive(Debug, thiserror::Error)]
 pub enum BeginError {
-    /// Nothing was queued: the lease comes back proven.
+    /// Nothing is in flight: nothing was queued, or the copy was queued and a stream synchronize
+    /// proved it complete after its event could not be recorded. The lease comes back proven.
     #[error("staging chunk not queued: {error}")]
     NotQueued {
-        /// The lease, still proven.
+        /// The lease, proven.
         lease: StagingLease<Proven>,
         /// What failed.
         error: Error,
     },
     /// The copy was queued but its event could not be recorded and the stream could not be
-    /// proven idle: retire the lease.
+    /// synchronized: the lease can only be retired.
     #[error("staging chunk queued but not provable; retire the lease: {error}")]
-    Unproven {
-        /// The lease, unproven.
-        lease: StagingLease<Unproven>,
+    Untracked {
+        /// The lease, untracked.
+        lease: StagingLease<Untracked>,
         /// What failed.
         error: Error,
     },
@@ -333,43 +443,45 @@ impl BeginError {
     /// The underlying error.
     pub fn error(&self) -> &Error {
         match self {
-            BeginError::NotQueued { error, .. } | BeginError::Unproven { error, .. } => error,
+            BeginError::NotQueued { error, .. } | BeginError::Untracked { error, .. } => error,
         }
     }
 }
 
 impl<S: LeaseState> StagingLease<S> {
-    fn with(slot: Slot, owner: Arc<Shared>, failed: Option<DriverError>) -> Self {
+    fn new(hold: <S as sealed::LeaseState>::Hold) -> Self {
         StagingLease {
-            slot: Some(slot),
-            owner,
-            failed,
+            hold,
             _state: PhantomData,
         }
     }
+}
 
-    fn take(mut self) -> (Slot, Arc<Shared>, Option<DriverError>) {
-        let slot = self.slot.take().expect("a live lease holds its slot");
-        (slot, Arc::clone(&self.owner), self.failed)
+impl StagingLease<Proven> {
+    fn from_slot(slot: Slot, owner: &Arc<Shared>, event: Option<IdleEvent>) -> Self {
+        StagingLease::new(ProvenSlot {
+            slot: LeasedSlot {
+                slot: Some(slot),
+                owner: Arc::clone(owner),
+            },
+            event,
+        })
     }
 
     fn slot(&self) -> &Slot {
-        self.slot.as_ref().expect("a live lease holds its slot")
+        self.hold.slot.slot()
     }
 
     /// The slot's size in bytes.
     pub fn capacity(&self) -> usize {
         self.slot().bytes
     }
-}
 
-impl StagingLease<Proven> {
     /// The slot's memory.
     pub fn as_bytes(&self) -> &[u8] {
         let slot = self.slot();
         // SAFETY: the slot is `bytes` long, exclusively leased, and no queued copy names it
-        // (state `Proven`); its bytes are initialised: `new_slot` memory is zeroed on first lease
-        // (`CudaEngine::staging_lease` and the routes write before they read).
+        // (state `Proven`); its bytes are initialised (`new_slot` zeroes fresh memory).
         unsafe { std::slice::from_raw_parts(slot.ptr.as_ptr(), slot.bytes) }
     }
 
@@ -380,21 +492,17 @@ impl StagingLease<Proven> {
         unsafe { std::slice::from_raw_parts_mut(slot.ptr.as_ptr(), slot.bytes) }
     }
 
-    pub(crate) fn ptr(&self) -> *mut u8 {
-        self.slot().ptr.as_ptr()
-    }
-
     /// Returns the slot to the ring.
     pub fn release(self) {
-        drop(self); // a proven lease's drop returns it
+        drop(self); // the slot's drop returns it
     }
 
     /// Queues a copy of the slot's first `len` elements' bytes into `destination`, starting at
-    /// element `offset`, records the slot's event, and yields the lease [`Unproven`].
+    /// element `offset`, records an event after it, and yields the lease [`Unproven`].
     ///
     /// # Errors
-    /// [`BeginError::NotQueued`] (lease back, proven) for a range outside the tensor or the slot,
-    /// a tensor of another engine, or a refused enqueue; [`BeginError::Unproven`] when the copy
+    /// [`BeginError::NotQueued`] (lease back, proven) for an empty or out-of-range chunk, a lease
+    /// or tensor of another engine, or a refused enqueue; [`BeginError::Untracked`] when the copy
     /// was queued but cannot be tracked.
     pub fn begin_upload<T: Element>(
         self,
@@ -407,7 +515,7 @@ impl StagingLease<Proven> {
     }
 
     /// Queues a copy of `len` elements of `source`, starting at element `offset`, into the
-    /// slot's first bytes, records the slot's event, and yields the lease [`Unproven`].
+    /// slot's first bytes, records an event after it, and yields the lease [`Unproven`].
     ///
     /// # Errors
     /// As [`begin_upload`](Self::begin_upload).
@@ -421,6 +529,49 @@ impl StagingLease<Proven> {
         self.begin(engine, source, offset, len, false)
     }
 
+    /// Why a chunk of `len` elements at `offset` of `tensor` cannot be queued, if it cannot.
+    fn refusal<T: Element>(
+        &self,
+        engine: &CudaEngine,
+        tensor: &DeviceTensor<T>,
+        offset: usize,
+        len: usize,
+    ) -> Option<Error> {
+        let owners = engine
+            .shared
+            .check(&self.hold.slot.owner)
+            .and_then(|()| engine.shared.check(tensor.owner()));
+        if let Err(error) = owners {
+            return Some(error);
+        }
+        if len == 0 {
+            return Some(Error::ZeroLength {
+                what: "a staging chunk",
+            });
+        }
+        let size = T::DTYPE.size_bytes();
+        let end = offset.checked_add(len);
+        if end.is_none_or(|end| end > tensor.len()) {
+            return Some(Error::InvalidArgument {
+                operation: "staging chunk",
+                detail: format!(
+                    "elements {offset}..{offset}+{len} lie outside the tensor's {} element(s)",
+                    tensor.len()
+                ),
+            });
+        }
+        if len.saturating_mul(size) > self.capacity() {
+            return Some(Error::InvalidArgument {
+                operation: "staging chunk",
+                detail: format!(
+                    "{len} element(s) of {size} byte(s) exceed the slot's {} bytes",
+                    self.capacity()
+                ),
+            });
+        }
+        None
+    }
+
     fn begin<T: Element>(
         self,
         engine: &mut CudaEngine,
@@ -429,32 +580,21 @@ impl StagingLease<Proven> {
         len: usize,
         upload: bool,
     ) -> Result<StagingLease<Unproven>, BeginError> {
+        if let Some(error) = self.refusal(engine, tensor, offset, len) {
+            return Err(BeginError::NotQueued { lease: self, error });
+        }
         let size = T::DTYPE.size_bytes();
-        let in_range = offset
-            .checked_add(len)
-            .is_some_and(|end| end <= tensor.len())
-            && len * size <= self.capacity();
-        if !in_range {
-            let error = Error::LengthMismatch {
-                what: "staging chunk range (offset + len) against the tensor length",
-                left: offset.saturating_add(len),
-                right: tensor.len(),
-            };
-            return Err(BeginError::NotQueued { lease: self, error });
-        }
-        if let Err(error) = tensor.check_engine(engine) {
-            return Err(BeginError::NotQueued { lease: self, error });
-        }
         let bytes = len * size;
         let device = tensor.raw_ptr() + (offset * size) as u64;
-        let host = self.ptr();
-        let mut st = match engine.enter() {
+        let host = self.slot().ptr.as_ptr();
+        let owner = &engine.shared;
+        let mut st = match owner.enter() {
             Ok(st) => st,
             Err(error) => return Err(BeginError::NotQueued { lease: self, error }),
         };
         let queued = if upload {
-            // SAFETY: the slot holds `bytes` bytes and becomes unreachable (state `Unproven`)
-            // until its event proves the copy complete; the device range lies in the tensor,
+            // SAFETY: the slot holds at least `bytes` bytes and is fenced below (unreachable
+            // until its event proves the copy complete); the device range lies in the tensor,
             // whose free is stream-ordered after this copy.
             unsafe { st.driver.copy_htod(device, host, bytes) }
                 .map_err(Error::driver("cuMemcpyHtoDAsync"))
@@ -467,191 +607,129 @@ impl StagingLease<Proven> {
             drop(st);
             return Err(BeginError::NotQueued { lease: self, error });
         }
-        let event = self.slot().event;
-        match st.driver.event_record(event) {
-            Ok(()) => {
-                drop(st);
-                let (slot, owner, _) = self.take();
-                Ok(StagingLease::with(slot, owner, None))
-            }
-            Err(source) => {
-                let error = Error::Driver {
-                    call: "cuEventRecord (staging)",
-                    source,
-                };
-                // Prove the untracked copy complete the hard way, or hand the lease back
-                // unproven for retirement.
-                let proven = st.driver.stream_synchronize();
-                drop(st);
-                let (slot, owner, _) = self.take();
-                match proven {
-                    Ok(()) => Err(BeginError::NotQueued {
-                        lease: StagingLease::with(slot, owner, None),
-                        error,
-                    }),
-                    Err(wait) => Err(BeginError::Unproven {
-                        lease: StagingLease::with(slot, owner, Some(wait)),
-                        error,
-                    }),
-                }
-            }
+        let ProvenSlot { slot, event } = self.hold;
+        let event = event.map(IdleEvent::into_raw);
+        match fence(&mut st, owner, slot, event, "staging chunk") {
+            Fencing::Fenced(fenced) => Ok(StagingLease::new(fenced)),
+            Fencing::Proven(slot, error) => Err(BeginError::NotQueued {
+                lease: StagingLease::new(ProvenSlot { slot, event: None }),
+                error,
+            }),
+            Fencing::Untracked(untracked, error) => Err(BeginError::Untracked {
+                lease: StagingLease::new(untracked),
+                error,
+            }),
         }
     }
 }
 
 impl StagingLease<Unproven> {
-    /// Waits for the slot's event and yields the lease [`Proven`].
+    /// Waits for the chunk's event, holding no engine lock, and yields the lease [`Proven`].
     ///
     /// # Errors
-    /// When the wait fails, the lease comes back [`Unproven`] with the error: retire it (it is
-    /// then retained for the engine's lifetime, since its event failed).
-    pub fn end_chunk(self) -> Result<StagingLease<Proven>, (StagingLease<Unproven>, Error)> {
-        let event = self.slot().event;
-        let waited = match self.owner.enter() {
-            Ok(mut st) => st.driver.event_synchronize(event).map_err(|source| {
-                (
-                    Some(source),
-                    Error::DeviceFault {
-                        what: "staging chunk",
-                        source,
-                    },
-                )
-            }),
-            Err(e) => Err((None, e)),
-        };
-        let (slot, owner, _) = self.take();
-        match waited {
-            Ok(()) => Ok(StagingLease::with(slot, owner, None)),
-            Err((source, error)) => Err((StagingLease::with(slot, owner, source), error)),
-        }
+    /// [`Error::DeviceFault`] when the device reports a failure of the chunk (or of earlier
+    /// work): the slot is then retained for the engine's lifetime, never reused.
+    pub fn end_chunk(self) -> Result<StagingLease<Proven>> {
+        let kind = self.hold.resources().slot().kind;
+        let owner = Arc::clone(self.hold.owner());
+        let (slot, event) = self.hold.wait_parts().inspect_err(|_| {
+            owner.lock().staging.forget(kind);
+        })?;
+        Ok(StagingLease::new(ProvenSlot {
+            slot,
+            event: Some(event),
+        }))
     }
 
-    /// Hands the slot and its event to the engine's retirement queue, which releases them once
-    /// the event proves completion (or retains them for good if it reported an error). The ring
-    /// allocates a replacement slot on demand.
+    /// Hands the slot to the engine's retirement queue, which returns it to the ring once the
+    /// chunk's event proves completion. Dropping the lease does the same.
     pub fn retire(self) {
         self.retire_with(());
     }
 
     /// As [`retire`](Self::retire), keeping `resource` (for example the device tensor the chunk
     /// was copying into) alive until the same proof.
-    pub fn retire_with<R: Send + 'static>(self, resource: R) {
-        let (slot, owner, failed) = self.take();
-        let event = slot.event;
-        let retired = RetiredSlot {
-            ptr: slot.ptr,
-            owner: Arc::clone(&owner),
-        };
-        let record = Record {
-            event,
-            resources: Box::new((retired, resource)),
-            what: "staging chunk",
-        };
-        let mut st = owner.lock_raw();
-        st.staging.forget_slot(&slot);
-        st.staging.retired += 1;
-        match failed {
-            Some(error) => st.retire.retain_failed(record, error),
-            None => st.retire.push(record),
+    pub fn retire_with<R: Send + Sync + 'static>(self, resource: R) {
+        if let Some(mut st) = self.hold.owner().lock_for_drop() {
+            st.staging.retired += 1;
         }
+        drop(self.hold.attach(resource));
     }
 }
 
-/// A retired slot's memory: freed when its record is released (its event proved completion).
-struct RetiredSlot {
-    ptr: NonNull<u8>,
-    owner: Arc<Shared>,
-}
-
-// SAFETY: exclusively owned memory that no host code touches; only freed, once.
-unsafe impl Send for RetiredSlot {}
-
-impl Drop for RetiredSlot {
-    fn drop(&mut self) {
-        if let Some(mut st) = self.owner.enter_for_drop() {
-            // SAFETY: reached only when the record's event proved every copy naming the slot
-            // complete (records with failed events are forgotten, never dropped).
-            let _ = unsafe { st.driver.host_free(self.ptr.as_ptr()) };
-        }
+impl StagingLease<Untracked> {
+    /// Retains the slot for the engine's lifetime: nothing proved the chunk complete, so the
+    /// slot is never reused or freed. It stays counted as leased in
+    /// [`staging_stats`](CudaEngine::staging_stats) and as retained in
+    /// [`retirement_stats`](CudaEngine::retirement_stats).
+    pub fn retire(self) {
+        self.retire_with(());
     }
-}
 
-impl<S: LeaseState> Drop for StagingLease<S> {
-    fn drop(&mut self) {
-        let Some(slot) = self.slot.take() else {
-            return;
-        };
-        let mut st = self.owner.lock_raw();
-        if S::UNPROVEN {
-            // A copy may still name the slot: leak it, never free or reuse it.
-            st.staging.forget_slot(&slot);
-            return;
+    /// As [`retire`](Self::retire), retaining `resource` with it.
+    pub fn retire_with<R: Send + Sync + 'static>(self, resource: R) {
+        let kind = self.hold.resources().slot().kind;
+        if let Some(mut st) = self.hold.owner().lock_for_drop() {
+            st.staging.retired += 1;
+            st.staging.forget(kind);
         }
-        if slot.scalar && !st.torn_down && st.staging.scalar.is_none() {
-            st.staging.scalar = Some(slot);
-            return;
-        }
-        let fits = !slot.scalar && slot.bytes == st.staging.config.chunk_bytes && !st.torn_down;
-        if fits {
-            st.staging.leased -= 1;
-            st.staging.idle.push(slot);
-        } else {
-            if !slot.scalar {
-                st.staging.leased -= 1;
-                st.staging.slots -= 1;
-            }
-            drop(st);
-            if let Some(mut st) = self.owner.enter_for_drop() {
-                free_slot(&mut *st.driver, slot);
-            }
-        }
+        self.hold.attach(resource).retain();
     }
 }
 
 impl CudaEngine {
-    /// Leases one slot of the engine's staging ring, for building a chunked pipeline by hand.
+    /// Leases one staging slot of the engine, for building a chunked pipeline by hand.
+    ///
+    /// Callers' leases draw on a budget of their own, `ring_depth` at a time, so they never
+    /// starve the blocking routes.
     ///
     /// # Errors
-    /// [`Error::StagingExhausted`] when every slot is leased; [`Error::Driver`] when a new slot
-    /// cannot be allocated.
+    /// [`Error::StagingExhausted`] when `ring_depth` leases are out; [`Error::Driver`] when a new
+    /// slot cannot be allocated.
     pub fn staging_lease(&mut self) -> Result<StagingLease<Proven>> {
-        let slot = {
-            let mut st = self.enter()?;
-            st.take_slot()?
-        };
-        Ok(StagingLease::with(slot, Arc::clone(&self.shared), None))
+        self.lease(SlotKind::User)
+    }
+
+    /// Leases a slot of the blocking routes' pipeline.
+    pub(crate) fn route_lease(&mut self) -> Result<StagingLease<Proven>> {
+        self.lease(SlotKind::Route)
+    }
+
+    fn lease(&mut self, kind: SlotKind) -> Result<StagingLease<Proven>> {
+        let slot = self.enter()?.take_slot(kind)?;
+        Ok(StagingLease::from_slot(slot, &self.shared, None))
     }
 
     /// Leases the 16-byte slot of the smallest band.
     pub(crate) fn scalar_lease(&mut self) -> Result<StagingLease<Proven>> {
         let slot = self.enter()?.take_scalar()?;
-        Ok(StagingLease::with(slot, Arc::clone(&self.shared), None))
+        Ok(StagingLease::from_slot(slot, &self.shared, None))
     }
 
     /// The engine's staging settings.
     pub fn staging_config(&self) -> StagingConfig {
-        self.shared.lock_raw().staging.config
+        self.shared.lock().staging.config
     }
 
     /// Changes the staging settings. Idle slots of the old size are freed; the copy threads are
     /// rebuilt on next use.
     ///
     /// # Errors
-    /// [`Error::InvalidSetting`] for a value out of range (the settings are then unchanged).
+    /// [`Error::InvalidSetting`] for a value out of range (the settings are then unchanged);
+    /// [`Error::Driver`] when the driver refuses to free an idle slot (the settings change).
     pub fn set_staging_config(&mut self, config: StagingConfig) -> Result<()> {
         config.validate()?;
         let mut st = self.enter()?;
         let st = &mut *st;
-        st.staging.free_idle(&mut *st.driver);
         if st.staging.config.copy_threads != config.copy_threads {
             st.staging.pool = None;
         }
         st.staging.config = config;
-        Ok(())
+        st.staging.free_idle(&mut *st.driver)
     }
 
     /// The staging ring's counters.
     pub fn staging_stats(&self) -> StagingStats {
-        self.shared.lock_raw().staging.stats()
+        self.shared.lock().staging.stats()
     }
 }

@@ -243,7 +243,7 @@ impl CudaEngine {
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] when a dimension or leading dimension does not fit its tensor
-    /// or exceeds 32 bits; [`Error::WrongDevice`]/[`Error::WrongEngine`] for another engine's
+    /// or exceeds 32 bits; [`Error::WrongEngine`] for another engine's
     /// tensor; [`Error::Unavailable`] when cuBLAS is missing or the engine is simulated;
     /// [`Error::Vendor`] when cuBLAS refuses.
     pub fn gemm<T: BlasElement>(

@@ -215,7 +215,7 @@ impl CudaEngine {
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] when `a` is not square or `b`'s length is not a positive
-    /// multiple of `n`; [`Error::WrongDevice`]/[`Error::WrongEngine`] for another engine's
+    /// multiple of `n`; [`Error::WrongEngine`] for another engine's
     /// tensor; [`Error::Unavailable`] when cuSOLVER is missing or the engine is simulated;
     /// [`Error::Vendor`] when cuSOLVER refuses. A matrix that is not positive definite is
     /// reported by [`SolverStatus::check`].

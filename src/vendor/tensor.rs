@@ -122,7 +122,7 @@ impl CudaEngine {
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for a malformed expression, a mode count that differs from a
-    /// tensor's rank, or one mode with two extents; [`Error::WrongDevice`]/[`Error::WrongEngine`]
+    /// tensor's rank, or one mode with two extents; [`Error::WrongEngine`]
     /// for another engine's tensor; [`Error::Unavailable`] when cuTENSOR is not installed or
     /// the engine is simulated; [`Error::Vendor`] when cuTENSOR refuses.
     pub fn contract<T: TensorElement>(

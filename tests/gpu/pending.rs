@@ -3,7 +3,7 @@
 use crate::common::{distinct_f32, open};
 use cuferry::{
     bf16, download_pending, download_tensor, download_tensor_into, f16, upload_pending,
-    upload_tensor, CudaEngine, Element, PinnedHostBuffer, RejectReason, TransferSubmitError,
+    upload_tensor, CudaEngine, Element, Error, PinnedHostBuffer, TransferSubmitError,
 };
 
 const BIG: usize = 64 << 20; // bytes
@@ -134,15 +134,19 @@ fn rejected_packages_come_back_untouched() {
     let buffer = PinnedHostBuffer::from_slice(&mut engine, &data).unwrap();
     let dest = engine.alloc_tensor::<f32>(&[999]).unwrap();
     let err = upload_pending(&mut engine, buffer, dest).unwrap_err();
-    let TransferSubmitError::Rejected { package, reason } = err else {
+    let TransferSubmitError::Rejected { package, error } = err else {
         panic!("expected a rejection, got {err}");
     };
-    assert_eq!(
-        reason,
-        RejectReason::LengthMismatch {
-            buffer: 1000,
-            tensor: 999
-        }
+    assert!(
+        matches!(
+            error,
+            Error::LengthMismatch {
+                left: 1000,
+                right: 999,
+                ..
+            }
+        ),
+        "{error}"
     );
     assert_eq!(package.buffer.as_slice(), &data[..]);
     let mut other = open();
@@ -150,7 +154,7 @@ fn rejected_packages_come_back_untouched() {
     assert!(matches!(
         err,
         TransferSubmitError::Rejected {
-            reason: RejectReason::WrongEngine { .. },
+            error: Error::WrongEngine { .. },
             ..
         }
     ));

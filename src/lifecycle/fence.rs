@@ -1,0 +1,390 @@
+//! The one proof of completion: [`Fenced<R>`], resources bound to the event recorded after the
+//! queued work that may still touch them.
+//!
+//! Every value that lends memory to queued device work (a pending transfer's buffer and tensor,
+//! a staging chunk, a detached record, a read-back) holds it through this module, so the rules
+//! are written once:
+//!
+//! - A `Fenced<R>` is made only by recording an event after the work ([`fence`]). Making it has
+//!   exactly three outcomes ([`Fencing`]): fenced (the event is recorded), proven now (the event
+//!   could not be recorded but a stream synchronize proved the work complete: `R` comes back), or
+//!   untracked (neither worked: `R` is held by an [`Untracked`], whose only way out is to be
+//!   retained for the life of the engine, never released).
+//! - Readiness ([`Fenced::is_ready`]), waits ([`Fenced::wait`], [`Fenced::try_wait`]) and
+//!   detach-on-drop are methods of this type. Host waits happen outside the engine's lock, so a
+//!   thread waiting on one transfer never blocks the engine's owner.
+//! - `R` is held in `ManuallyDrop` everywhere the proof is still owed: a panic that unwinds
+//!   through any of these paths leaks `R` (sound) instead of releasing it, and never takes the
+//!   engine's lock while it is held.
+
+use crate::driver::EventHandle;
+use crate::engine::{Shared, State};
+use crate::error::{DriverError, Error, Result};
+use crate::lifecycle::retire::Record;
+use std::mem::ManuallyDrop;
+use std::sync::Arc;
+
+/// Resources `R` that queued device work may still touch, and the event recorded after that
+/// work. The only way to get `R` back is a proof: the event reports completion.
+///
+/// Dropping it detaches it into the engine's retirement queue, which releases `R` once the event
+/// proves completion; after the engine's teardown it waits in place. `mem::forget` leaks `R` and
+/// the event, which is sound.
+pub struct Fenced<R: Send + 'static> {
+    /// `Some` until a transition or drop moves it out.
+    inner: Option<Inner<R>>,
+}
+
+/// The parts of a fence. Dropping it leaks `resources` (`ManuallyDrop`): only a proof releases
+/// them, so a panic between the steps of a transition can never free memory the device may use.
+struct Inner<R> {
+    resources: ManuallyDrop<R>,
+    event: EventHandle,
+    owner: Arc<Shared>,
+    what: &'static str,
+}
+
+/// The outcome of fencing resources after queued work. There is no fourth case.
+pub(crate) enum Fencing<R: Send + 'static> {
+    /// The event is recorded after the work.
+    Fenced(Fenced<R>),
+    /// The event could not be recorded, but a stream synchronize proved the work complete:
+    /// the resources come back, with what failed.
+    Proven(R, Error),
+    /// Neither the event nor a stream synchronize worked: the work may still touch the
+    /// resources, which can only be retained.
+    Untracked(Untracked<R>, Error),
+}
+
+/// Records an event after everything queued so far on the engine's stream and binds `resources`
+/// to it. `event` is an idle event to reuse (a resubmission's); otherwise one comes from the
+/// engine's pool.
+///
+/// Called with the engine's state locked (the caller has just queued the work). The fallback
+/// stream synchronize, on the failure path only, waits with the lock held.
+pub(crate) fn fence<R: Send + 'static>(
+    st: &mut State,
+    owner: &Arc<Shared>,
+    resources: R,
+    event: Option<EventHandle>,
+    what: &'static str,
+) -> Fencing<R> {
+    let recorded = match event {
+        Some(event) => Ok(event),
+        None => st.events.take(&mut *st.driver),
+    }
+    .and_then(|event| match st.driver.event_record(event) {
+        Ok(()) => Ok(event),
+        Err(source) => {
+            // The event was not recorded, so its last record (if any) is complete: reusable.
+            st.events.put(event);
+            Err(Error::Driver {
+                call: "cuEventRecord",
+                source,
+            })
+        }
+    });
+    let error = match recorded {
+        Ok(event) => {
+            return Fencing::Fenced(Fenced {
+                inner: Some(Inner {
+                    resources: ManuallyDrop::new(resources),
+                    event,
+                    owner: Arc::clone(owner),
+                    what,
+                }),
+            })
+        }
+        Err(error) => error,
+    };
+    match owner.waits.stream_synchronize() {
+        Ok(()) => Fencing::Proven(resources, error),
+        Err(wait) => Fencing::Untracked(
+            Untracked {
+                resources: ManuallyDrop::new(resources),
+                owner: Arc::clone(owner),
+                what,
+                failure: wait,
+            },
+            error,
+        ),
+    }
+}
+
+impl<R: Send + 'static> Fenced<R> {
+    fn take(&mut self) -> Inner<R> {
+        // Invariant: `inner` is `Some` for every value a caller can reach.
+        self.inner.take().expect("a live fence holds its parts")
+    }
+
+    fn inner(&self) -> &Inner<R> {
+        self.inner.as_ref().expect("a live fence holds its parts")
+    }
+
+    /// The engine the fenced work was queued on.
+    pub(crate) fn owner(&self) -> &Arc<Shared> {
+        &self.inner().owner
+    }
+
+    /// The resources, for reading what they are (never for reaching memory the device may still
+    /// touch).
+    pub(crate) fn resources(&self) -> &R {
+        &self.inner().resources
+    }
+
+    /// Binds `extra` to the same proof: it is released with the resources, never before.
+    pub(crate) fn attach<X: Send + 'static>(mut self, extra: X) -> Fenced<(R, X)> {
+        let inner = self.take();
+        let resources = ManuallyDrop::into_inner(inner.resources);
+        Fenced {
+            inner: Some(Inner {
+                resources: ManuallyDrop::new((resources, extra)),
+                event: inner.event,
+                owner: inner.owner,
+                what: inner.what,
+            }),
+        }
+    }
+
+    /// Whether the work has completed. Never waits and takes no lock.
+    ///
+    /// # Errors
+    /// [`Error::DeviceFault`] when the device reports a failure of the work (or of earlier work).
+    pub(crate) fn is_ready(&self) -> Result<bool> {
+        let inner = self.inner();
+        inner
+            .owner
+            .waits
+            .event_query(inner.event)
+            .map_err(|source| Error::DeviceFault {
+                what: inner.what,
+                source,
+            })
+    }
+
+    /// Waits for the work, outside the engine's lock, gives the resources back and returns the
+    /// event to the engine's pool.
+    ///
+    /// # Errors
+    /// As [`wait_parts`](Self::wait_parts).
+    #[cfg(feature = "cubecl")]
+    pub(crate) fn wait(self) -> Result<R> {
+        let (resources, _event) = self.wait_parts()?;
+        Ok(resources)
+    }
+
+    /// Waits for the work, outside the engine's lock, and gives the resources back with the
+    /// (now idle) event, for reuse by the caller.
+    ///
+    /// # Errors
+    /// [`Error::DeviceFault`] when the device reports a failure: the resources are then retained
+    /// for the engine's lifetime (the device may still touch them), never released.
+    pub(crate) fn wait_parts(mut self) -> Result<(R, IdleEvent)> {
+        let inner = self.take();
+        let waited = inner.owner.waits.event_synchronize(inner.event);
+        match settle(inner, waited.map(|()| true))? {
+            Settled::Done(resources, event) => Ok((resources, event)),
+            Settled::NotYet(_) => unreachable!("a completed wait settles as done"),
+        }
+    }
+
+    /// Gives the resources back if the work has completed, or the fence if not. Never waits.
+    ///
+    /// # Errors
+    /// As [`wait_parts`](Self::wait_parts).
+    pub(crate) fn try_wait(mut self) -> Result<std::result::Result<(R, IdleEvent), Self>> {
+        let inner = self.take();
+        let done = inner.owner.waits.event_query(inner.event);
+        Ok(match settle(inner, done)? {
+            Settled::Done(resources, event) => Ok((resources, event)),
+            Settled::NotYet(inner) => Err(Fenced { inner: Some(inner) }),
+        })
+    }
+}
+
+/// What a wait or a query found.
+enum Settled<R> {
+    /// The work completed: the resources and the idle event.
+    Done(R, IdleEvent),
+    /// Not yet: the proof is still owed.
+    NotYet(Inner<R>),
+}
+
+/// The end of a wait or query: the resources on completion, the parts back when not yet, and
+/// on failure the resources retained and the failure reported.
+fn settle<R: Send + 'static>(
+    inner: Inner<R>,
+    done: std::result::Result<bool, DriverError>,
+) -> Result<Settled<R>> {
+    match done {
+        Ok(true) => Ok(Settled::Done(
+            ManuallyDrop::into_inner(inner.resources),
+            IdleEvent {
+                event: Some(inner.event),
+                owner: inner.owner,
+            },
+        )),
+        Ok(false) => Ok(Settled::NotYet(inner)),
+        Err(source) => {
+            let what = inner.what;
+            retain(inner, source);
+            Err(Error::DeviceFault { what, source })
+        }
+    }
+}
+
+/// Keeps a fence whose event reported a failure: its resources are never released.
+fn retain<R: Send + 'static>(inner: Inner<R>, failure: DriverError) {
+    let record = Record::new(inner.event, inner.resources, inner.what);
+    if let Some(mut st) = inner.owner.lock_for_drop() {
+        st.retire.retain_failed(record, failure);
+    }
+}
+
+impl<R: Send + 'static> Drop for Fenced<R> {
+    fn drop(&mut self) {
+        let Some(inner) = self.inner.take() else {
+            return;
+        };
+        let owner = Arc::clone(&inner.owner);
+        let Some(mut st) = owner.lock_for_drop() else {
+            return; // `inner` leaks: sound
+        };
+        if !st.torn_down {
+            st.retire
+                .push(Record::new(inner.event, inner.resources, inner.what));
+            return;
+        }
+        // The engine is gone and nobody drains its queue: prove completion here, outside the
+        // lock, or retain.
+        drop(st);
+        let waited = owner.waits.event_synchronize(inner.event);
+        if let Ok(Settled::Done(resources, event)) = settle(inner, waited.map(|()| true)) {
+            drop(event);
+            drop(resources);
+        }
+    }
+}
+
+/// An event whose last record is complete, owned until it is recorded again
+/// ([`into_raw`](Self::into_raw), for [`fence`]) or dropped (back to its engine's pool).
+pub struct IdleEvent {
+    /// `Some` until `into_raw` takes it.
+    event: Option<EventHandle>,
+    owner: Arc<Shared>,
+}
+
+impl IdleEvent {
+    /// The event, for recording again on its own engine.
+    pub(crate) fn into_raw(mut self) -> EventHandle {
+        self.event
+            .take()
+            .expect("a live idle event holds its handle")
+    }
+}
+
+impl Drop for IdleEvent {
+    fn drop(&mut self) {
+        let Some(event) = self.event.take() else {
+            return;
+        };
+        let Some(mut st) = self.owner.lock_for_drop() else {
+            return;
+        };
+        if !st.torn_down {
+            st.events.put(event);
+            return;
+        }
+        // The engine is gone: nobody will reuse or destroy pooled events.
+        drop(st);
+        if let Some(mut st) = self.owner.enter_for_drop() {
+            // SAFETY: the event's last record is complete and nothing uses it again.
+            if let Err(source) = unsafe { st.driver.event_destroy(event) } {
+                st.defer(Error::Driver {
+                    call: "cuEventDestroy",
+                    source,
+                });
+            }
+        }
+    }
+}
+
+/// Resources whose work was queued but could not be fenced or proven complete. No access, no
+/// release: [`retain`](Self::retain) (or dropping it) keeps them for the life of the engine and
+/// counts them in its retirement statistics.
+pub struct Untracked<R: Send + 'static> {
+    resources: ManuallyDrop<R>,
+    owner: Arc<Shared>,
+    what: &'static str,
+    failure: DriverError,
+}
+
+impl<R: Send + 'static> Untracked<R> {
+    /// The engine the work was queued on.
+    pub(crate) fn owner(&self) -> &Arc<Shared> {
+        &self.owner
+    }
+
+    /// Keeps the resources for the life of the engine, never released (same as dropping).
+    pub(crate) fn retain(self) {
+        drop(self);
+    }
+
+    /// The resources, for reading what they are (never for reaching their memory).
+    pub(crate) fn resources(&self) -> &R {
+        &self.resources
+    }
+
+    /// Retains `extra` with the resources.
+    pub(crate) fn attach<X: Send + 'static>(self, extra: X) -> Untracked<(R, X)> {
+        let mut this = ManuallyDrop::new(self);
+        // SAFETY: `this` is never dropped, so each field is moved out exactly once.
+        let (resources, owner) = unsafe {
+            (
+                ManuallyDrop::take(&mut this.resources),
+                std::ptr::read(&this.owner),
+            )
+        };
+        Untracked {
+            resources: ManuallyDrop::new((resources, extra)),
+            owner,
+            what: this.what,
+            failure: this.failure,
+        }
+    }
+}
+
+impl<R: Send + 'static> Drop for Untracked<R> {
+    fn drop(&mut self) {
+        if let Some(mut st) = self.owner.lock_for_drop() {
+            st.retire.count_untracked(self.what, self.failure);
+        }
+        // `self.resources` is `ManuallyDrop`: never dropped, so never released.
+    }
+}
+
+/// Proves everything queued on the engine so far complete, with `resources` lent to it: fences
+/// them, releases the lock, and waits outside it. For boundaries with another runtime, which can
+/// only be ordered by a host wait.
+///
+/// # Errors
+/// The record failure when neither an event nor a stream synchronize could prove completion
+/// (`resources` are then retained), or [`Error::DeviceFault`] when the work failed.
+#[cfg(feature = "cubecl")]
+pub(crate) fn wait_for_queued<R: Send + 'static>(
+    mut st: crate::engine::Entered<'_>,
+    owner: &Arc<Shared>,
+    resources: R,
+    what: &'static str,
+) -> Result<R> {
+    let fencing = fence(&mut st, owner, resources, None, what);
+    drop(st);
+    match fencing {
+        Fencing::Fenced(fenced) => fenced.wait(),
+        Fencing::Proven(resources, _) => Ok(resources),
+        Fencing::Untracked(untracked, error) => {
+            untracked.retain();
+            Err(error)
+        }
+    }
+}

@@ -1,0 +1,212 @@
+//! The retirement queue and the event pool.
+//!
+//! When a value that holds fenced resources goes away before its proof (an in-flight transfer
+//! dropped, a staging chunk retired), its [`Fenced`](super::fence::Fenced) detaches into this
+//! queue as a [`Record`]: the event and, type-erased, everything the device may still touch.
+//!
+//! A record is released only after its event reports completion. Dropping a record leaks its
+//! resources instead (they are held in `ManuallyDrop`), so no panic and no teardown path can
+//! release what was never proven. A record whose event reports a failure is retained for the
+//! engine's lifetime and reported once, at the next `flush` or `synchronize`.
+//!
+//! The queue is polled without waiting at `flush`, when an allocation fails, and cheaply (the
+//! oldest records only) when pinned memory is requested; `synchronize` and teardown settle it
+//! after waiting for the stream, outside the engine's lock. Released resources are not dropped
+//! here: they go to the engine's release list, dropped once its lock is released, because their
+//! drops take that lock.
+
+use crate::driver::{Driver, EventHandle, Waits};
+use crate::error::{DriverError, Error, Result};
+use std::any::Any;
+use std::collections::VecDeque;
+use std::mem::ManuallyDrop;
+
+/// Resources released from a record, to be dropped outside the engine's lock.
+pub(crate) type Resources = Box<dyn Any + Send>;
+
+/// An event and the resources the work before it may still touch. Dropping a record leaks the
+/// resources: only [`RetireQueue`] releases them, after the event proved completion.
+pub(crate) struct Record {
+    event: EventHandle,
+    resources: ManuallyDrop<Resources>,
+    what: &'static str,
+}
+
+impl Record {
+    /// A record of `resources`, still unproven, fenced by `event`.
+    pub(crate) fn new<R: Send + 'static>(
+        event: EventHandle,
+        resources: ManuallyDrop<R>,
+        what: &'static str,
+    ) -> Self {
+        let boxed: Resources = Box::new(ManuallyDrop::into_inner(resources));
+        Record {
+            event,
+            resources: ManuallyDrop::new(boxed),
+            what,
+        }
+    }
+}
+
+/// Counters for tests and diagnostics.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RetirementStats {
+    /// Records waiting for their event.
+    pub pending: usize,
+    /// Work whose completion could not be proven (its event reported an error, or no event could
+    /// be recorded and the stream could not be synchronized): its resources are retained for the
+    /// engine's lifetime.
+    pub retained: usize,
+    /// Records released since the engine was opened.
+    pub released: u64,
+    /// The first retained work and the error that made it unprovable.
+    pub first_failure: Option<(&'static str, DriverError)>,
+}
+
+/// How thoroughly a poll looks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Poll {
+    /// The oldest records, up to the first that is not complete: a cheap check on hot paths.
+    Front,
+    /// Every record. A query that fails is retried at a later poll.
+    All,
+    /// Every record, after the stream was synchronized: a query that fails twice is the
+    /// device's verdict, so the record is retained and the failure reported.
+    Settle,
+}
+
+#[derive(Default)]
+pub(crate) struct RetireQueue {
+    pending: VecDeque<Record>,
+    /// Records whose event failed: never released. Dropping them leaks their resources.
+    failed: Vec<(Record, DriverError)>,
+    /// Work that was never fenced: what it was and why.
+    untracked: Vec<(&'static str, DriverError)>,
+    released: u64,
+    /// Failures found after the fact, for the next boundary to report once.
+    unreported: Vec<Error>,
+}
+
+impl RetireQueue {
+    pub(crate) fn push(&mut self, record: Record) {
+        self.pending.push_back(record);
+    }
+
+    /// Keeps a record whose event reported `error` to a caller who was told.
+    pub(crate) fn retain_failed(&mut self, record: Record, error: DriverError) {
+        self.failed.push((record, error));
+    }
+
+    /// Counts work whose completion could not be tracked (its resources are leaked in place).
+    pub(crate) fn count_untracked(&mut self, what: &'static str, error: DriverError) {
+        self.untracked.push((what, error));
+    }
+
+    pub(crate) fn stats(&self) -> RetirementStats {
+        let first_failed = self.failed.first().map(|(r, e)| (r.what, *e));
+        RetirementStats {
+            pending: self.pending.len(),
+            retained: self.failed.len() + self.untracked.len(),
+            released: self.released,
+            first_failure: first_failed.or_else(|| self.untracked.first().copied()),
+        }
+    }
+
+    /// Failures found since the last call, to be reported once.
+    pub(crate) fn take_unreported(&mut self) -> Vec<Error> {
+        std::mem::take(&mut self.unreported)
+    }
+
+    /// Whether records are waiting for their event.
+    pub(crate) fn has_pending(&self) -> bool {
+        !self.pending.is_empty()
+    }
+
+    /// Releases every record whose event has completed, without waiting: its event goes back to
+    /// `events` and its resources onto `released`, for the caller to drop after unlocking.
+    ///
+    /// A record stays in the queue while its event is queried, so a panic inside a driver call
+    /// leaves every record in place (and a record dropped by the unwinding leaks).
+    pub(crate) fn poll(
+        &mut self,
+        waits: &dyn Waits,
+        events: &mut EventPool,
+        released: &mut Vec<Resources>,
+        mode: Poll,
+    ) {
+        let mut i = 0;
+        while let Some(record) = self.pending.get(i) {
+            let mut answer = waits.event_query(record.event);
+            if mode == Poll::Settle && answer.is_err() {
+                answer = waits.event_query(record.event);
+            }
+            match answer {
+                Ok(true) => {
+                    let record = self.pending.remove(i).expect("the record at `i` exists");
+                    events.put(record.event);
+                    released.push(ManuallyDrop::into_inner(record.resources));
+                    self.released += 1;
+                }
+                Ok(false) | Err(_) if mode == Poll::Front => return,
+                Ok(false) => i += 1,
+                Err(_) if mode == Poll::All => i += 1,
+                Err(source) => {
+                    let record = self.pending.remove(i).expect("the record at `i` exists");
+                    self.unreported.push(Error::DeviceFault {
+                        what: record.what,
+                        source,
+                    });
+                    self.failed.push((record, source));
+                }
+            }
+        }
+    }
+}
+
+/// Events with timing disabled, reused across transfers: creating one costs a driver call, and
+/// most operations need one.
+#[derive(Default)]
+pub(crate) struct EventPool {
+    free: Vec<EventHandle>,
+    created: u64,
+}
+
+impl EventPool {
+    pub(crate) fn take(&mut self, driver: &mut dyn Driver) -> Result<EventHandle> {
+        if let Some(event) = self.free.pop() {
+            return Ok(event);
+        }
+        let event = driver
+            .event_create()
+            .map_err(Error::driver("cuEventCreate"))?;
+        self.created += 1;
+        Ok(event)
+    }
+
+    /// Returns an event whose last record is complete (or that was never recorded).
+    pub(crate) fn put(&mut self, event: EventHandle) {
+        self.free.push(event);
+    }
+
+    pub(crate) fn created(&self) -> u64 {
+        self.created
+    }
+
+    /// Destroys the idle events (teardown, after a successful wait). Returns the first refusal.
+    pub(crate) fn destroy_all(&mut self, driver: &mut dyn Driver) -> Result<()> {
+        let mut first = Ok(());
+        for event in self.free.drain(..) {
+            // SAFETY: idle pool events are not recorded again and are destroyed once.
+            if let Err(source) = unsafe { driver.event_destroy(event) } {
+                if first.is_ok() {
+                    first = Err(Error::Driver {
+                        call: "cuEventDestroy",
+                        source,
+                    });
+                }
+            }
+        }
+        first
+    }
+}
