@@ -58,7 +58,7 @@ pub mod vendor;
 
 pub use element::{DType, Element};
 pub use engine::CudaEngine;
-pub use error::{DeviceId, DeviceKind, DriverError, Error, Result};
+pub use error::{DeviceId, DeviceKind, DriverError, Error, Refused, Result};
 pub use lifecycle::retire::RetirementStats;
 pub use pinned::{PinnedHostBuffer, PinnedPoolStats};
 pub use raw::{RawContext, RawDevicePtr, RawScope, RawStream};

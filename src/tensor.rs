@@ -9,7 +9,7 @@
 use crate::driver::DevicePtr;
 use crate::element::{byte_len, DType, Element};
 use crate::engine::{CudaEngine, Shared};
-use crate::error::{DeviceId, DriverError, Error, Result};
+use crate::error::{DeviceId, DriverError, Error, Refused, Result};
 use crate::lifecycle::retire::Poll;
 use std::marker::PhantomData;
 use std::sync::Arc;
@@ -128,15 +128,20 @@ impl<T: Element> DeviceTensor<T> {
     /// Gives the tensor a new shape with the same element count. No data moves.
     ///
     /// # Errors
-    /// [`Error::ShapeMismatch`] when the element counts differ.
-    pub fn reshape(mut self, shape: &[usize]) -> Result<Self> {
-        let expected = shape_len(shape)?;
-        if expected != self.len {
-            return Err(Error::ShapeMismatch {
+    /// [`Error::ShapeMismatch`] when the element counts differ, [`Error::SizeOverflow`] when the
+    /// shape's element count overflows; the tensor comes back in the [`Refused`], unchanged.
+    pub fn reshape(mut self, shape: &[usize]) -> Result<Self, Refused<Self>> {
+        let refusal = match shape_len(shape) {
+            Ok(expected) if expected == self.len => None,
+            Ok(expected) => Some(Error::ShapeMismatch {
                 shape: shape.to_vec(),
                 expected,
                 actual: self.len,
-            });
+            }),
+            Err(error) => Some(error),
+        };
+        if let Some(error) = refusal {
+            return Err(Refused { error, input: self });
         }
         self.shape = shape.into();
         Ok(self)

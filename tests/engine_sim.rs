@@ -261,14 +261,22 @@ fn bool_tensors_are_decoded_and_refused_by_download_into() {
     let data: Vec<bool> = (0..33).map(|i| i % 3 == 0).collect();
     let t = upload_tensor(&mut engine, &data, &[33]).unwrap();
     assert_eq!(download_tensor(&mut engine, &t).unwrap(), data);
-    let err = download_tensor_into(&mut engine, &t, Vec::new()).unwrap_err();
+    let mut mine = Vec::with_capacity(7);
+    mine.push(true);
+    let err = download_tensor_into(&mut engine, &t, mine).unwrap_err();
     assert!(matches!(
-        err,
+        err.error(),
         Error::UnsupportedElement {
             dtype: DType::Bool,
             ..
         }
     ));
+    let mine = err.into_input();
+    assert_eq!(
+        (mine.as_slice(), mine.capacity()),
+        (&[true][..], 7),
+        "handed back untouched"
+    );
 }
 
 #[test]
@@ -277,7 +285,21 @@ fn reshape_keeps_the_element_count() {
     let t = upload_tensor(&mut engine, &distinct(12), &[3, 4]).unwrap();
     let t = t.reshape(&[2, 6]).unwrap();
     assert_eq!(t.shape(), &[2, 6]);
-    assert!(matches!(t.reshape(&[5]), Err(Error::ShapeMismatch { .. })));
+    let refused = t.reshape(&[5]).unwrap_err();
+    assert!(matches!(refused.error(), Error::ShapeMismatch { .. }));
+    let t = refused.into_input();
+    assert_eq!(t.shape(), &[2, 6], "handed back unchanged");
+    let refused = t.reshape(&[usize::MAX, 2, 0, 3]).unwrap_err();
+    assert!(
+        matches!(refused.error(), Error::SizeOverflow { .. })
+            || matches!(refused.error(), Error::ShapeMismatch { .. })
+    );
+    assert_eq!(
+        download_tensor(&mut engine, &refused.into_input())
+            .unwrap()
+            .len(),
+        12
+    );
 }
 
 #[test]

@@ -4,12 +4,15 @@
 //!   caller at a time (operations borrow it `&mut`), and its shared core is behind a mutex.
 //! - Device tensors may be shared: `&DeviceTensor` exposes only metadata.
 //! - An in-flight transfer can be moved to another thread and waited on there.
+//! - Errors are plain values: every public error type is `Send + Sync + 'static`, so it becomes a
+//!   `Box<dyn Error + Send + Sync>` (or an `anyhow::Error`), even when it hands a value back.
 //! - Raw scope handles are tied to the thread on which the engine's context is current, so they
 //!   are neither `Send` nor `Sync`.
 
 use cuferry::{
-    CudaEngine, DeviceTensor, Download, InFlight, Pending, PinnedHostBuffer, RawContext,
-    RawDevicePtr, RawScope, RawStream, Returned, Upload,
+    BeginError, CudaEngine, DeviceTensor, Download, InFlight, Pending, PinnedHostBuffer, Proven,
+    RawContext, RawDevicePtr, RawScope, RawStream, Refused, Returned, StagingLease,
+    TransferSubmitError, Unproven, Untracked, Upload,
 };
 use static_assertions::{assert_impl_all, assert_not_impl_any};
 
@@ -19,7 +22,35 @@ assert_impl_all!(DeviceTensor<f32>: Send, Sync);
 assert_impl_all!(PinnedHostBuffer<f32>: Send, Sync);
 assert_impl_all!(Pending<Upload, f32, InFlight>: Send);
 assert_impl_all!(Pending<Download, f32, InFlight>: Send);
-assert_impl_all!(Pending<Upload, f32, Returned>: Send);
+assert_impl_all!(Pending<Upload, f32, Returned>: Send, Sync);
+assert_impl_all!(Pending<Download, f32, InFlight>: Sync);
+assert_impl_all!(StagingLease<Proven>: Send, Sync);
+assert_impl_all!(StagingLease<Unproven>: Send, Sync);
+assert_impl_all!(StagingLease<Untracked>: Send, Sync);
+
+assert_impl_all!(BeginError: Send, Sync, std::error::Error);
+assert_impl_all!(TransferSubmitError<f32>: Send, Sync, std::error::Error);
+assert_impl_all!(Refused<Vec<f32>>: Send, Sync, std::error::Error);
+assert_impl_all!(Refused<DeviceTensor<f32>>: Send, Sync, std::error::Error);
+
+/// Every error converts into the boxed error type that crosses threads.
+#[test]
+fn errors_travel_as_boxed_errors() {
+    fn boxed<E: std::error::Error + Send + Sync + 'static>(
+        e: E,
+    ) -> Box<dyn std::error::Error + Send + Sync> {
+        Box::new(e)
+    }
+    let mut engine = CudaEngine::simulated(Default::default());
+    let lease = engine.staging_lease().unwrap();
+    let mut other = CudaEngine::simulated(Default::default());
+    let mut tensor = other.alloc_tensor::<u8>(&[4]).unwrap();
+    let refused = lease
+        .begin_upload(&mut other, &mut tensor, 0, 4)
+        .unwrap_err();
+    let message = boxed(refused).to_string();
+    assert!(message.contains("belongs to engine"), "{message}");
+}
 
 assert_not_impl_any!(RawScope<'static>: Send, Sync);
 assert_not_impl_any!(RawStream<'static>: Send, Sync);

@@ -19,7 +19,7 @@
 use super::staging::{BeginError, Proven, StagingLease, Unproven};
 use crate::element::{as_bytes, byte_len, DType, Element};
 use crate::engine::CudaEngine;
-use crate::error::{Error, Result};
+use crate::error::{Error, Refused, Result};
 use crate::tensor::{shape_len, DeviceTensor};
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -350,25 +350,39 @@ pub fn download_tensor<T: Element>(
 ///
 /// # Errors
 /// [`Error::UnsupportedElement`] for `bool`, because raw device bytes need not be 0 or 1 (use
-/// [`download_tensor`], which decodes them); otherwise as [`download_tensor`].
+/// [`download_tensor`], which decodes them); otherwise as [`download_tensor`]. Every error hands
+/// the `Vec` back in the [`Refused`]: untouched when refused before anything was queued, emptied
+/// (its capacity kept) when the download failed.
 pub fn download_tensor_into<T: Element>(
     engine: &mut CudaEngine,
     tensor: &DeviceTensor<T>,
     mut buffer: Vec<T>,
-) -> Result<Vec<T>> {
-    if !T::DTYPE.any_bit_pattern() {
-        return Err(Error::UnsupportedElement {
+) -> Result<Vec<T>, Refused<Vec<T>>> {
+    let refused = if !T::DTYPE.any_bit_pattern() {
+        Some(Error::UnsupportedElement {
             operation: "download_tensor_into",
             dtype: T::DTYPE,
             reason:
                 "raw device bytes are not guaranteed to be 0 or 1; download_tensor decodes them",
+        })
+    } else {
+        tensor.check_engine(engine).err()
+    };
+    if let Some(error) = refused {
+        return Err(Refused {
+            error,
+            input: buffer,
         });
     }
-    tensor.check_engine(engine)?;
     buffer.clear();
     buffer.reserve_exact(tensor.len());
-    download_staged(engine, tensor, &mut buffer, false)?;
-    Ok(buffer)
+    match download_staged(engine, tensor, &mut buffer, false) {
+        Ok(()) => Ok(buffer),
+        Err(error) => Err(Refused {
+            error,
+            input: buffer,
+        }),
+    }
 }
 
 /// Fills `out`'s spare capacity (at least `tensor.len()` elements) through staging and sets its

@@ -146,6 +146,15 @@ impl<T: Element> TransferSubmitError<T> {
         }
     }
 
+    /// The error, dropping the package if it came back.
+    pub fn into_error(self) -> Error {
+        match self {
+            TransferSubmitError::Rejected { error, .. }
+            | TransferSubmitError::Failed { error, .. }
+            | TransferSubmitError::Retained { error } => error,
+        }
+    }
+
     /// The error, whatever became of the package.
     pub fn error(&self) -> &Error {
         match self {
