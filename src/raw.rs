@@ -6,6 +6,9 @@
 //! handles it gives out carry the scope's lifetime, so none can be kept past it, and are neither
 //! `Send` nor `Sync`, because the context is current only on this thread. Entering a scope is not
 //! a host barrier: work queued inside it is ordered on the engine's stream with everything else.
+//!
+//! The raw values are cudarc driver types, named through the crate's re-export
+//! `cuferry::cudarc`, the cudarc release these scopes speak.
 
 use crate::driver::ContextHandle;
 use crate::element::Element;
@@ -26,9 +29,10 @@ pub struct RawContext<'s> {
 }
 
 impl RawContext<'_> {
-    /// The `CUcontext` (for a simulated engine, an opaque non-null token).
-    pub fn as_raw(&self) -> cudarc::driver::sys::CUcontext {
-        self.raw as cudarc::driver::sys::CUcontext
+    /// The `CUcontext` (for a simulated engine, an opaque non-null token), typed through the
+    /// crate's cudarc re-export: `cuferry::cudarc::driver::sys::CUcontext`.
+    pub fn as_raw(&self) -> crate::cudarc::driver::sys::CUcontext {
+        self.raw as crate::cudarc::driver::sys::CUcontext
     }
 }
 
@@ -42,9 +46,10 @@ pub struct RawStream<'s> {
 }
 
 impl RawStream<'_> {
-    /// The `CUstream`.
-    pub fn as_raw(&self) -> cudarc::driver::sys::CUstream {
-        self.raw as cudarc::driver::sys::CUstream
+    /// The `CUstream`, typed through the crate's cudarc re-export:
+    /// `cuferry::cudarc::driver::sys::CUstream`.
+    pub fn as_raw(&self) -> crate::cudarc::driver::sys::CUstream {
+        self.raw as crate::cudarc::driver::sys::CUstream
     }
 }
 
@@ -57,8 +62,9 @@ pub struct RawDevicePtr<'s> {
 }
 
 impl RawDevicePtr<'_> {
-    /// The `CUdeviceptr`.
-    pub fn as_raw(&self) -> cudarc::driver::sys::CUdeviceptr {
+    /// The `CUdeviceptr` (a `u64`), typed through the crate's cudarc re-export:
+    /// `cuferry::cudarc::driver::sys::CUdeviceptr`.
+    pub fn as_raw(&self) -> crate::cudarc::driver::sys::CUdeviceptr {
         self.raw
     }
 
