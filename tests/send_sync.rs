@@ -21,7 +21,7 @@ assert_impl_all!(Pending<Upload, f32, InFlight>: Send);
 assert_impl_all!(Pending<Download, f32, InFlight>: Send);
 assert_impl_all!(Pending<Upload, f32, Returned>: Send);
 
-assert_not_impl_any!(RawScope<'static>: Send, Sync);
+assert_not_impl_any!(RawScope<'static, 'static>: Send, Sync);
 assert_not_impl_any!(RawStream<'static>: Send, Sync);
 assert_not_impl_any!(RawContext<'static>: Send, Sync);
 assert_not_impl_any!(RawDevicePtr<'static>: Send, Sync);
