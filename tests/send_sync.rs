@@ -6,10 +6,12 @@
 //! - An in-flight transfer can be moved to another thread and waited on there.
 //! - Raw scope handles are tied to the thread on which the engine's context is current, so they
 //!   are neither `Send` nor `Sync`.
+//! - Errors travel: `Error` and `DriverError` cross threads and live as long as needed, so they
+//!   fit `Box<dyn std::error::Error + Send + Sync>`, `anyhow` and a channel to another thread.
 
 use cuferry::{
-    CudaEngine, DeviceTensor, Download, InFlight, Pending, PinnedHostBuffer, RawContext,
-    RawDevicePtr, RawScope, RawStream, Returned, Upload,
+    CudaEngine, DeviceTensor, Download, DriverError, Error, InFlight, Pending, PinnedHostBuffer,
+    RawContext, RawDevicePtr, RawScope, RawStream, Returned, Upload,
 };
 use static_assertions::{assert_impl_all, assert_not_impl_any};
 
@@ -25,3 +27,8 @@ assert_not_impl_any!(RawScope<'static, 'static>: Send, Sync);
 assert_not_impl_any!(RawStream<'static>: Send, Sync);
 assert_not_impl_any!(RawContext<'static>: Send, Sync);
 assert_not_impl_any!(RawDevicePtr<'static>: Send, Sync);
+
+// `Any` is implemented exactly for `'static` types.
+assert_impl_all!(Error: Send, Sync, std::any::Any, std::error::Error);
+assert_impl_all!(DriverError: Send, Sync, std::any::Any, Copy, std::error::Error);
+assert_impl_all!(Box<dyn std::error::Error + Send + Sync + 'static>: From<Error>, From<DriverError>);
