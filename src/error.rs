@@ -5,65 +5,75 @@
 //! The enums are `#[non_exhaustive]`: new failure modes are added without breaking matches.
 
 use crate::element::DType;
-use cudarc::driver::sys::CUresult;
 use std::fmt;
 
 /// A CUDA driver result code other than success.
 ///
-/// It is a plain value: formatting it never calls into the driver, so it works on a machine with
-/// no CUDA library and from the simulated device alike.
+/// It is the crate's own type, not cudarc's: it holds the numeric `CUresult` value, so it is a
+/// plain value that formats without calling into the driver. That works on a machine with no
+/// CUDA library and from the simulated device alike, and the type does not change when the
+/// crate moves to another cudarc release. [`code`](Self::code) gives the number and
+/// [`name`](Self::name) the `CUDA_ERROR_*` name; `Display` and `Debug` print both, for example
+/// `CUDA_ERROR_OUT_OF_MEMORY (2)`.
+///
+/// ```
+/// use cuferry::DriverError;
+///
+/// let e = DriverError::from_code(2);
+/// assert_eq!(e, DriverError::OUT_OF_MEMORY);
+/// assert_eq!(e.name(), "CUDA_ERROR_OUT_OF_MEMORY");
+/// assert_eq!(e.to_string(), "CUDA_ERROR_OUT_OF_MEMORY (2)");
+/// ```
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
-pub struct DriverError(CUresult);
+pub struct DriverError(u32);
 
 impl DriverError {
-    /// `CUDA_ERROR_INVALID_VALUE`.
-    pub const INVALID_VALUE: Self = Self(CUresult::CUDA_ERROR_INVALID_VALUE);
-    /// `CUDA_ERROR_OUT_OF_MEMORY`.
-    pub const OUT_OF_MEMORY: Self = Self(CUresult::CUDA_ERROR_OUT_OF_MEMORY);
-    /// `CUDA_ERROR_LAUNCH_FAILED`: an asynchronous failure of earlier work on the stream.
-    pub const LAUNCH_FAILED: Self = Self(CUresult::CUDA_ERROR_LAUNCH_FAILED);
-    /// `CUDA_ERROR_ILLEGAL_ADDRESS`: a kernel or copy touched memory it must not.
-    pub const ILLEGAL_ADDRESS: Self = Self(CUresult::CUDA_ERROR_ILLEGAL_ADDRESS);
-    /// `CUDA_ERROR_INVALID_CONTEXT`.
-    pub const INVALID_CONTEXT: Self = Self(CUresult::CUDA_ERROR_INVALID_CONTEXT);
-    /// `CUDA_ERROR_NOT_SUPPORTED`.
-    pub const NOT_SUPPORTED: Self = Self(CUresult::CUDA_ERROR_NOT_SUPPORTED);
-    /// `CUDA_ERROR_UNKNOWN`.
-    pub const UNKNOWN: Self = Self(CUresult::CUDA_ERROR_UNKNOWN);
+    /// `CUDA_ERROR_INVALID_VALUE` (1).
+    pub const INVALID_VALUE: Self = Self(1);
+    /// `CUDA_ERROR_OUT_OF_MEMORY` (2).
+    pub const OUT_OF_MEMORY: Self = Self(2);
+    /// `CUDA_ERROR_LAUNCH_FAILED` (719): an asynchronous failure of earlier work on the stream.
+    pub const LAUNCH_FAILED: Self = Self(719);
+    /// `CUDA_ERROR_ILLEGAL_ADDRESS` (700): a kernel or copy touched memory it must not.
+    pub const ILLEGAL_ADDRESS: Self = Self(700);
+    /// `CUDA_ERROR_INVALID_CONTEXT` (201).
+    pub const INVALID_CONTEXT: Self = Self(201);
+    /// `CUDA_ERROR_NOT_SUPPORTED` (801).
+    pub const NOT_SUPPORTED: Self = Self(801);
+    /// `CUDA_ERROR_UNKNOWN` (999).
+    pub const UNKNOWN: Self = Self(999);
 
-    /// Wraps a raw driver result. `CUDA_SUCCESS` is mapped to `CUDA_ERROR_UNKNOWN`, since success
-    /// is not an error.
-    pub fn from_raw(code: CUresult) -> Self {
-        if code == CUresult::CUDA_SUCCESS {
+    /// The error with the numeric CUDA result code `code`, for example one a raw scope's own
+    /// driver call returned. `0` (`CUDA_SUCCESS`) is mapped to [`UNKNOWN`](Self::UNKNOWN), since
+    /// success is not an error. Numbers this crate does not know are kept as they are (their
+    /// [`name`](Self::name) is `CUDA_ERROR_UNRECOGNIZED`).
+    pub const fn from_code(code: u32) -> Self {
+        if code == 0 {
             Self::UNKNOWN
         } else {
             Self(code)
         }
     }
 
-    /// The raw driver result.
-    pub fn raw(self) -> CUresult {
+    /// The numeric CUDA result code, as `cuGetErrorName` documents it. Never `0`.
+    pub const fn code(self) -> u32 {
         self.0
     }
 
-    /// The numeric CUDA result code, as `cuGetErrorName` documents it.
-    pub fn code(self) -> u32 {
-        self.0 as u32
-    }
-
-    /// Converts a raw driver result: `Ok(())` for success.
-    pub(crate) fn check(code: CUresult) -> Result<(), Self> {
-        if code == CUresult::CUDA_SUCCESS {
-            Ok(())
-        } else {
-            Err(Self(code))
+    /// The result code's `CUDA_ERROR_*` name, for example `CUDA_ERROR_OUT_OF_MEMORY`, or
+    /// `CUDA_ERROR_UNRECOGNIZED` for a number the crate does not know. The names cover every
+    /// `CUresult` value of the CUDA headers the crate's cudarc release binds (CUDA 11.4 to 13.x).
+    pub fn name(self) -> &'static str {
+        match RESULT_NAMES.binary_search_by_key(&self.0, |&(code, _)| code) {
+            Ok(i) => RESULT_NAMES[i].1,
+            Err(_) => "CUDA_ERROR_UNRECOGNIZED",
         }
     }
 }
 
 impl fmt::Debug for DriverError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{:?} ({})", self.0, self.code())
+        write!(f, "{} ({})", self.name(), self.0)
     }
 }
 
@@ -74,6 +84,118 @@ impl fmt::Display for DriverError {
 }
 
 impl std::error::Error for DriverError {}
+
+/// Every `CUresult` error value that cudarc 0.19's driver bindings know (the union over the CUDA
+/// 11.4 to 13.x headers it binds), sorted by code for [`DriverError::name`]'s binary search.
+/// Written out from cudarc's `cudaError_enum`; the unit tests check the order and compare samples
+/// with cudarc's enum.
+static RESULT_NAMES: [(u32, &str); 105] = [
+    (1, "CUDA_ERROR_INVALID_VALUE"),
+    (2, "CUDA_ERROR_OUT_OF_MEMORY"),
+    (3, "CUDA_ERROR_NOT_INITIALIZED"),
+    (4, "CUDA_ERROR_DEINITIALIZED"),
+    (5, "CUDA_ERROR_PROFILER_DISABLED"),
+    (6, "CUDA_ERROR_PROFILER_NOT_INITIALIZED"),
+    (7, "CUDA_ERROR_PROFILER_ALREADY_STARTED"),
+    (8, "CUDA_ERROR_PROFILER_ALREADY_STOPPED"),
+    (34, "CUDA_ERROR_STUB_LIBRARY"),
+    (36, "CUDA_ERROR_CALL_REQUIRES_NEWER_DRIVER"),
+    (46, "CUDA_ERROR_DEVICE_UNAVAILABLE"),
+    (47, "CUDA_ERROR_MULTICAST_RESOURCE_FULL"),
+    (100, "CUDA_ERROR_NO_DEVICE"),
+    (101, "CUDA_ERROR_INVALID_DEVICE"),
+    (102, "CUDA_ERROR_DEVICE_NOT_LICENSED"),
+    (200, "CUDA_ERROR_INVALID_IMAGE"),
+    (201, "CUDA_ERROR_INVALID_CONTEXT"),
+    (202, "CUDA_ERROR_CONTEXT_ALREADY_CURRENT"),
+    (205, "CUDA_ERROR_MAP_FAILED"),
+    (206, "CUDA_ERROR_UNMAP_FAILED"),
+    (207, "CUDA_ERROR_ARRAY_IS_MAPPED"),
+    (208, "CUDA_ERROR_ALREADY_MAPPED"),
+    (209, "CUDA_ERROR_NO_BINARY_FOR_GPU"),
+    (210, "CUDA_ERROR_ALREADY_ACQUIRED"),
+    (211, "CUDA_ERROR_NOT_MAPPED"),
+    (212, "CUDA_ERROR_NOT_MAPPED_AS_ARRAY"),
+    (213, "CUDA_ERROR_NOT_MAPPED_AS_POINTER"),
+    (214, "CUDA_ERROR_ECC_UNCORRECTABLE"),
+    (215, "CUDA_ERROR_UNSUPPORTED_LIMIT"),
+    (216, "CUDA_ERROR_CONTEXT_ALREADY_IN_USE"),
+    (217, "CUDA_ERROR_PEER_ACCESS_UNSUPPORTED"),
+    (218, "CUDA_ERROR_INVALID_PTX"),
+    (219, "CUDA_ERROR_INVALID_GRAPHICS_CONTEXT"),
+    (220, "CUDA_ERROR_NVLINK_UNCORRECTABLE"),
+    (221, "CUDA_ERROR_JIT_COMPILER_NOT_FOUND"),
+    (222, "CUDA_ERROR_UNSUPPORTED_PTX_VERSION"),
+    (223, "CUDA_ERROR_JIT_COMPILATION_DISABLED"),
+    (224, "CUDA_ERROR_UNSUPPORTED_EXEC_AFFINITY"),
+    (225, "CUDA_ERROR_UNSUPPORTED_DEVSIDE_SYNC"),
+    (226, "CUDA_ERROR_CONTAINED"),
+    (227, "CUDA_ERROR_INSUFFICIENT_LOADER_VERSION"),
+    (300, "CUDA_ERROR_INVALID_SOURCE"),
+    (301, "CUDA_ERROR_FILE_NOT_FOUND"),
+    (302, "CUDA_ERROR_SHARED_OBJECT_SYMBOL_NOT_FOUND"),
+    (303, "CUDA_ERROR_SHARED_OBJECT_INIT_FAILED"),
+    (304, "CUDA_ERROR_OPERATING_SYSTEM"),
+    (400, "CUDA_ERROR_INVALID_HANDLE"),
+    (401, "CUDA_ERROR_ILLEGAL_STATE"),
+    (402, "CUDA_ERROR_LOSSY_QUERY"),
+    (500, "CUDA_ERROR_NOT_FOUND"),
+    (600, "CUDA_ERROR_NOT_READY"),
+    (700, "CUDA_ERROR_ILLEGAL_ADDRESS"),
+    (701, "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES"),
+    (702, "CUDA_ERROR_LAUNCH_TIMEOUT"),
+    (703, "CUDA_ERROR_LAUNCH_INCOMPATIBLE_TEXTURING"),
+    (704, "CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED"),
+    (705, "CUDA_ERROR_PEER_ACCESS_NOT_ENABLED"),
+    (708, "CUDA_ERROR_PRIMARY_CONTEXT_ACTIVE"),
+    (709, "CUDA_ERROR_CONTEXT_IS_DESTROYED"),
+    (710, "CUDA_ERROR_ASSERT"),
+    (711, "CUDA_ERROR_TOO_MANY_PEERS"),
+    (712, "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED"),
+    (713, "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED"),
+    (714, "CUDA_ERROR_HARDWARE_STACK_ERROR"),
+    (715, "CUDA_ERROR_ILLEGAL_INSTRUCTION"),
+    (716, "CUDA_ERROR_MISALIGNED_ADDRESS"),
+    (717, "CUDA_ERROR_INVALID_ADDRESS_SPACE"),
+    (718, "CUDA_ERROR_INVALID_PC"),
+    (719, "CUDA_ERROR_LAUNCH_FAILED"),
+    (720, "CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE"),
+    (721, "CUDA_ERROR_TENSOR_MEMORY_LEAK"),
+    (800, "CUDA_ERROR_NOT_PERMITTED"),
+    (801, "CUDA_ERROR_NOT_SUPPORTED"),
+    (802, "CUDA_ERROR_SYSTEM_NOT_READY"),
+    (803, "CUDA_ERROR_SYSTEM_DRIVER_MISMATCH"),
+    (804, "CUDA_ERROR_COMPAT_NOT_SUPPORTED_ON_DEVICE"),
+    (805, "CUDA_ERROR_MPS_CONNECTION_FAILED"),
+    (806, "CUDA_ERROR_MPS_RPC_FAILURE"),
+    (807, "CUDA_ERROR_MPS_SERVER_NOT_READY"),
+    (808, "CUDA_ERROR_MPS_MAX_CLIENTS_REACHED"),
+    (809, "CUDA_ERROR_MPS_MAX_CONNECTIONS_REACHED"),
+    (810, "CUDA_ERROR_MPS_CLIENT_TERMINATED"),
+    (811, "CUDA_ERROR_CDP_NOT_SUPPORTED"),
+    (812, "CUDA_ERROR_CDP_VERSION_MISMATCH"),
+    (900, "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED"),
+    (901, "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED"),
+    (902, "CUDA_ERROR_STREAM_CAPTURE_MERGE"),
+    (903, "CUDA_ERROR_STREAM_CAPTURE_UNMATCHED"),
+    (904, "CUDA_ERROR_STREAM_CAPTURE_UNJOINED"),
+    (905, "CUDA_ERROR_STREAM_CAPTURE_ISOLATION"),
+    (906, "CUDA_ERROR_STREAM_CAPTURE_IMPLICIT"),
+    (907, "CUDA_ERROR_CAPTURED_EVENT"),
+    (908, "CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD"),
+    (909, "CUDA_ERROR_TIMEOUT"),
+    (910, "CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE"),
+    (911, "CUDA_ERROR_EXTERNAL_DEVICE"),
+    (912, "CUDA_ERROR_INVALID_CLUSTER_SIZE"),
+    (913, "CUDA_ERROR_FUNCTION_NOT_LOADED"),
+    (914, "CUDA_ERROR_INVALID_RESOURCE_TYPE"),
+    (915, "CUDA_ERROR_INVALID_RESOURCE_CONFIGURATION"),
+    (916, "CUDA_ERROR_KEY_ROTATION"),
+    (917, "CUDA_ERROR_STREAM_DETACHED"),
+    (918, "CUDA_ERROR_GRAPH_RECAPTURE_FAILURE"),
+    (919, "CUDA_ERROR_FABRIC_NOT_READY"),
+    (999, "CUDA_ERROR_UNKNOWN"),
+];
 
 /// Which device an engine drives: the kind and its ordinal.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -354,5 +476,60 @@ impl<V> fmt::Debug for Refused<V> {
 impl<V> From<Refused<V>> for Error {
     fn from(refused: Refused<V>) -> Error {
         refused.error
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn result_names_are_sorted_unique_and_well_formed() {
+        for pair in RESULT_NAMES.windows(2) {
+            assert!(pair[0].0 < pair[1].0, "{:?} before {:?}", pair[0], pair[1]);
+        }
+        let mut names: Vec<_> = RESULT_NAMES.iter().map(|&(_, name)| name).collect();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), RESULT_NAMES.len(), "a name appears twice");
+        assert!(names.iter().all(|name| name.starts_with("CUDA_ERROR_")));
+    }
+
+    #[test]
+    fn every_listed_code_names_itself() {
+        for &(code, name) in &RESULT_NAMES {
+            let e = DriverError::from_code(code);
+            assert_eq!((e.code(), e.name()), (code, name));
+            assert_eq!(e.to_string(), format!("{name} ({code})"));
+        }
+    }
+
+    #[test]
+    fn constants_success_and_unknown_numbers() {
+        let consts = [
+            (DriverError::INVALID_VALUE, "CUDA_ERROR_INVALID_VALUE"),
+            (DriverError::OUT_OF_MEMORY, "CUDA_ERROR_OUT_OF_MEMORY"),
+            (DriverError::LAUNCH_FAILED, "CUDA_ERROR_LAUNCH_FAILED"),
+            (DriverError::ILLEGAL_ADDRESS, "CUDA_ERROR_ILLEGAL_ADDRESS"),
+            (DriverError::INVALID_CONTEXT, "CUDA_ERROR_INVALID_CONTEXT"),
+            (DriverError::NOT_SUPPORTED, "CUDA_ERROR_NOT_SUPPORTED"),
+            (DriverError::UNKNOWN, "CUDA_ERROR_UNKNOWN"),
+        ];
+        for (e, name) in consts {
+            assert_eq!(e.name(), name);
+        }
+        assert_eq!(
+            DriverError::from_code(0),
+            DriverError::UNKNOWN,
+            "success is no error"
+        );
+        let odd = DriverError::from_code(123_456);
+        assert_eq!(odd.code(), 123_456);
+        assert_eq!(odd.name(), "CUDA_ERROR_UNRECOGNIZED");
+        assert_eq!(format!("{odd:?}"), "CUDA_ERROR_UNRECOGNIZED (123456)");
+        assert_eq!(
+            format!("{:?}", DriverError::OUT_OF_MEMORY),
+            "CUDA_ERROR_OUT_OF_MEMORY (2)"
+        );
     }
 }

@@ -82,5 +82,19 @@ pub mod sim {
 #[cfg(feature = "cubecl")]
 pub use interop::cubecl::{runtime as cubecl, CubeclScope};
 
+/// The cudarc release the raw scopes speak, re-exported: cudarc 0.19 (`cudarc = "0.19"`, one
+/// `0.19.x` per build), with its bindings for CUDA 13.0 (feature `cuda-13000`) and the `driver`,
+/// `nvrtc`, `cublas`, `cusolver` and `cutensor` modules, loaded at run time.
+///
+/// The crate's own API names no cudarc type: errors are [`DriverError`], a plain CUDA result code.
+/// The one exception is the raw handles of [`CudaEngine::with_raw`]: [`RawContext::as_raw`],
+/// [`RawStream::as_raw`] and [`RawDevicePtr::as_raw`] return `cudarc::driver::sys::CUcontext`,
+/// `CUstream` and `CUdeviceptr` through this re-export. Code that calls CUDA inside a raw scope
+/// should name cudarc as `cuferry::cudarc` (or depend on the same `0.19` line, which Cargo
+/// unifies with this one), so its handle types are the ones the scope hands out; another cudarc
+/// release has types of the same names that do not match. Moving to another cudarc minor
+/// version is therefore a breaking change of this crate.
+pub use cudarc;
+
 /// `f16` and `bf16`, re-exported from the `half` crate.
 pub use half::{bf16, f16};

@@ -6,6 +6,11 @@
 //! handles it gives out carry the scope's lifetime, so none can be kept past it, and are neither
 //! `Send` nor `Sync`, because the context is current only on this thread. Entering a scope is not
 //! a host barrier: work queued inside it is ordered on the engine's stream with everything else.
+//!
+//! The scope's lifetime is a brand, invariant in every type that carries it, so a tensor lent to
+//! the scope stays borrowed until the closure returns; [`RawScope`] explains why it takes a
+//! second lifetime. The raw values are cudarc driver types, named through the crate's re-export
+//! `cuferry::cudarc`, the cudarc release these scopes speak.
 
 use crate::driver::ContextHandle;
 use crate::element::Element;
@@ -15,8 +20,13 @@ use crate::tensor::DeviceTensor;
 use std::marker::PhantomData;
 use std::sync::Arc;
 
-/// Marks a handle as tied to the scope `'s` and to the calling thread.
-type ScopeMarker<'s> = PhantomData<(&'s mut (), *mut ())>;
+/// Marks a handle as tied to the scope `'s` and to the calling thread: invariant in `'s` (the
+/// `fn(&'s ()) -> &'s ()`, so the brand can be neither shortened nor lengthened) and neither
+/// `Send` nor `Sync` (the `*mut ()`).
+type ScopeMarker<'s> = PhantomData<(fn(&'s ()) -> &'s (), *mut ())>;
+
+/// Marks the environment lifetime of a raw scope, invariant like the brand.
+type EnvMarker<'env> = PhantomData<fn(&'env ()) -> &'env ()>;
 
 /// The engine's context, valid inside one raw scope.
 #[derive(Clone, Copy, Debug)]
@@ -26,9 +36,10 @@ pub struct RawContext<'s> {
 }
 
 impl RawContext<'_> {
-    /// The `CUcontext` (for a simulated engine, an opaque non-null token).
-    pub fn as_raw(&self) -> cudarc::driver::sys::CUcontext {
-        self.raw as cudarc::driver::sys::CUcontext
+    /// The `CUcontext` (for a simulated engine, an opaque non-null token), typed through the
+    /// crate's cudarc re-export: `cuferry::cudarc::driver::sys::CUcontext`.
+    pub fn as_raw(&self) -> crate::cudarc::driver::sys::CUcontext {
+        self.raw as crate::cudarc::driver::sys::CUcontext
     }
 }
 
@@ -42,13 +53,15 @@ pub struct RawStream<'s> {
 }
 
 impl RawStream<'_> {
-    /// The `CUstream`.
-    pub fn as_raw(&self) -> cudarc::driver::sys::CUstream {
-        self.raw as cudarc::driver::sys::CUstream
+    /// The `CUstream`, typed through the crate's cudarc re-export:
+    /// `cuferry::cudarc::driver::sys::CUstream`.
+    pub fn as_raw(&self) -> crate::cudarc::driver::sys::CUstream {
+        self.raw as crate::cudarc::driver::sys::CUstream
     }
 }
 
-/// A tensor's device address, valid inside one raw scope and while the tensor is borrowed.
+/// A tensor's device address, valid inside one raw scope. The tensor stays borrowed until the
+/// scope ends, however soon the pointer itself is last used.
 #[derive(Clone, Copy, Debug)]
 pub struct RawDevicePtr<'s> {
     raw: u64,
@@ -57,8 +70,9 @@ pub struct RawDevicePtr<'s> {
 }
 
 impl RawDevicePtr<'_> {
-    /// The `CUdeviceptr`.
-    pub fn as_raw(&self) -> cudarc::driver::sys::CUdeviceptr {
+    /// The `CUdeviceptr` (a `u64`), typed through the crate's cudarc re-export:
+    /// `cuferry::cudarc::driver::sys::CUdeviceptr`.
+    pub fn as_raw(&self) -> crate::cudarc::driver::sys::CUdeviceptr {
         self.raw
     }
 
@@ -69,14 +83,32 @@ impl RawDevicePtr<'_> {
 }
 
 /// What a raw scope's closure receives. See [`CudaEngine::with_raw`].
-pub struct RawScope<'s> {
+///
+/// # The brand
+///
+/// The scope's lifetime `'s` is a brand: the closure must work for every `'s`
+/// (`for<'s> FnOnce(&'s RawScope<'s, 'env>)`), and every type that carries it is *invariant* in
+/// it, so the compiler can neither shorten nor lengthen it. A tensor handed to
+/// [`device_ptr`](Self::device_ptr) or [`device_ptr_mut`](Self::device_ptr_mut) is therefore
+/// borrowed for the whole scope, not only while the returned [`RawDevicePtr`] is used: raw work
+/// queued inside the scope may still read or write its memory after the last use of the pointer,
+/// so the tensor cannot be dropped, moved or borrowed mutably again until the closure has
+/// returned. Only tensors from outside the closure (which outlive the scope) can be lent at all.
+///
+/// The second lifetime, `'env`, is the closure's environment, as in [`std::thread::scope`]: the
+/// argument type `&'s RawScope<'s, 'env>` implies `'env: 's`, which is what lets the closure lend
+/// tensors it borrowed from its caller for `'s`. Without it, an invariant `'s` that the closure
+/// must accept for every lifetime would demand borrows for `'static`. Both are invariant. The
+/// closure never names either: `|raw| ...` is the whole signature.
+pub struct RawScope<'s, 'env: 's> {
     shared: &'s Shared,
     context: u64,
     stream: u64,
     _scope: ScopeMarker<'s>,
+    _env: EnvMarker<'env>,
 }
 
-impl<'s> RawScope<'s> {
+impl<'s, 'env> RawScope<'s, 'env> {
     /// The engine's context, current on this thread for the whole scope.
     pub fn context(&self) -> RawContext<'s> {
         RawContext {
@@ -93,7 +125,8 @@ impl<'s> RawScope<'s> {
         }
     }
 
-    /// The device address of a tensor, for reading. The tensor stays borrowed for the scope.
+    /// The device address of a tensor, for reading. The tensor stays borrowed until the scope
+    /// ends, so it cannot be dropped, moved or written meanwhile.
     ///
     /// # Errors
     /// [`Error::WrongEngine`] when the tensor is not this engine's.
@@ -107,8 +140,9 @@ impl<'s> RawScope<'s> {
         })
     }
 
-    /// The device address of a tensor, for writing. The tensor stays borrowed mutably for the
-    /// scope, so nothing else can read or write it meanwhile.
+    /// The device address of a tensor, for writing. The tensor stays borrowed mutably until the
+    /// scope ends, so nothing else can read, write, drop or move it meanwhile (not even another
+    /// `device_ptr` of the same tensor in this scope).
     ///
     /// # Errors
     /// [`Error::WrongEngine`] when the tensor is not this engine's.
@@ -120,7 +154,7 @@ impl<'s> RawScope<'s> {
     }
 }
 
-impl std::fmt::Debug for RawScope<'_> {
+impl std::fmt::Debug for RawScope<'_, '_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RawScope")
             .field("device", &self.shared.device)
@@ -177,6 +211,10 @@ impl CudaEngine {
     /// Saves the calling thread's current context, makes the engine's current, and restores the
     /// previous one when `f` returns, returns `Err`, or unwinds. Not a host barrier.
     ///
+    /// The engine stays borrowed for the whole call, so the closure cannot use it; tensors lent
+    /// with [`RawScope::device_ptr`] or [`RawScope::device_ptr_mut`] stay borrowed until the
+    /// closure returns ([the brand](RawScope#the-brand)).
+    ///
     /// ```
     /// # fn main() -> Result<(), cuferry::Error> {
     /// # let mut engine = cuferry::CudaEngine::simulated(Default::default());
@@ -193,9 +231,9 @@ impl CudaEngine {
     /// # Errors
     /// Whatever `f` returns, or [`Error::Driver`] (converted into `E`) when the context cannot
     /// be made current.
-    pub fn with_raw<R, E>(
+    pub fn with_raw<'env, R, E>(
         &mut self,
-        f: impl for<'s> FnOnce(&RawScope<'s>) -> Result<R, E>,
+        f: impl for<'s> FnOnce(&'s RawScope<'s, 'env>) -> Result<R, E>,
     ) -> Result<R, E>
     where
         E: From<Error>,
@@ -212,6 +250,7 @@ impl CudaEngine {
             context,
             stream,
             _scope: PhantomData,
+            _env: PhantomData,
         };
         f(&scope)
     }

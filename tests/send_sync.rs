@@ -4,15 +4,15 @@
 //!   caller at a time (operations borrow it `&mut`), and its shared core is behind a mutex.
 //! - Device tensors may be shared: `&DeviceTensor` exposes only metadata.
 //! - An in-flight transfer can be moved to another thread and waited on there.
-//! - Errors are plain values: every public error type is `Send + Sync + 'static`, so it becomes a
-//!   `Box<dyn Error + Send + Sync>` (or an `anyhow::Error`), even when it hands a value back.
 //! - Raw scope handles are tied to the thread on which the engine's context is current, so they
 //!   are neither `Send` nor `Sync`.
+//! - Errors travel: `Error` and `DriverError` cross threads and live as long as needed, so they
+//!   fit `Box<dyn std::error::Error + Send + Sync>`, `anyhow` and a channel to another thread.
 
 use cuferry::{
-    BeginError, CudaEngine, DeviceTensor, Download, InFlight, Pending, PinnedHostBuffer, Proven,
-    RawContext, RawDevicePtr, RawScope, RawStream, Refused, Returned, StagingLease,
-    TransferSubmitError, Unproven, Untracked, Upload,
+    BeginError, CudaEngine, DeviceTensor, Download, DriverError, Error, InFlight, Pending,
+    PinnedHostBuffer, Proven, RawContext, RawDevicePtr, RawScope, RawStream, Refused, Returned,
+    StagingLease, TransferSubmitError, Unproven, Untracked, Upload,
 };
 use static_assertions::{assert_impl_all, assert_not_impl_any};
 
@@ -52,7 +52,12 @@ fn errors_travel_as_boxed_errors() {
     assert!(message.contains("belongs to engine"), "{message}");
 }
 
-assert_not_impl_any!(RawScope<'static>: Send, Sync);
+assert_not_impl_any!(RawScope<'static, 'static>: Send, Sync);
 assert_not_impl_any!(RawStream<'static>: Send, Sync);
 assert_not_impl_any!(RawContext<'static>: Send, Sync);
 assert_not_impl_any!(RawDevicePtr<'static>: Send, Sync);
+
+// `Any` is implemented exactly for `'static` types.
+assert_impl_all!(Error: Send, Sync, std::any::Any, std::error::Error);
+assert_impl_all!(DriverError: Send, Sync, std::any::Any, Copy, std::error::Error);
+assert_impl_all!(Box<dyn std::error::Error + Send + Sync + 'static>: From<Error>, From<DriverError>);

@@ -61,6 +61,26 @@ pub(crate) fn device_count() -> Result<usize, Error> {
     Ok(usize::try_from(count).unwrap_or(0))
 }
 
+/// The one place a cudarc `CUresult` becomes the crate's own [`DriverError`]; crate-private, so
+/// no cudarc type reaches the public error API.
+impl DriverError {
+    /// Converts a raw driver result. `CUDA_SUCCESS` is mapped to `CUDA_ERROR_UNKNOWN`, since
+    /// success is not an error.
+    pub(crate) fn from_raw(code: sys::CUresult) -> Self {
+        // `CUresult` is a `#[repr(u32)]` enum whose discriminants are the CUDA result codes.
+        Self::from_code(code as u32)
+    }
+
+    /// Converts a raw driver result: `Ok(())` for success.
+    pub(crate) fn check(code: sys::CUresult) -> Result<(), Self> {
+        if code == sys::CUresult::CUDA_SUCCESS {
+            Ok(())
+        } else {
+            Err(Self::from_raw(code))
+        }
+    }
+}
+
 fn check(call: &'static str, code: sys::CUresult) -> Result<(), Error> {
     DriverError::check(code).map_err(Error::driver(call))
 }
@@ -387,5 +407,61 @@ impl Waits for CudaWaits {
     fn stream_query(&self) -> Result<bool, DriverError> {
         // SAFETY: the stream is live for the driver's lifetime.
         self.in_context(|| ready(unsafe { sys::cuStreamQuery(self.stream) }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::sys::CUresult;
+    use crate::error::DriverError;
+
+    #[test]
+    fn driver_errors_match_cudarcs_result_enum() {
+        let samples = [
+            CUresult::CUDA_ERROR_INVALID_VALUE,
+            CUresult::CUDA_ERROR_OUT_OF_MEMORY,
+            CUresult::CUDA_ERROR_NOT_INITIALIZED,
+            CUresult::CUDA_ERROR_STUB_LIBRARY,
+            CUresult::CUDA_ERROR_NO_DEVICE,
+            CUresult::CUDA_ERROR_INVALID_CONTEXT,
+            CUresult::CUDA_ERROR_INVALID_PTX,
+            CUresult::CUDA_ERROR_INVALID_HANDLE,
+            CUresult::CUDA_ERROR_NOT_FOUND,
+            CUresult::CUDA_ERROR_NOT_READY,
+            CUresult::CUDA_ERROR_ILLEGAL_ADDRESS,
+            CUresult::CUDA_ERROR_LAUNCH_FAILED,
+            CUresult::CUDA_ERROR_NOT_SUPPORTED,
+            CUresult::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED,
+            CUresult::CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE,
+            CUresult::CUDA_ERROR_KEY_ROTATION,
+            CUresult::CUDA_ERROR_UNKNOWN,
+        ];
+        for raw in samples {
+            let e = DriverError::from_raw(raw);
+            assert_eq!(e.code(), raw as u32);
+            assert_eq!(e.name(), format!("{raw:?}"), "code {}", raw as u32);
+            assert_eq!(DriverError::check(raw), Err(e));
+        }
+        assert_eq!(DriverError::check(CUresult::CUDA_SUCCESS), Ok(()));
+        assert_eq!(
+            DriverError::from_raw(CUresult::CUDA_SUCCESS),
+            DriverError::UNKNOWN
+        );
+        assert_eq!(
+            DriverError::from_raw(CUresult::CUDA_ERROR_OUT_OF_MEMORY),
+            DriverError::OUT_OF_MEMORY
+        );
+        assert_eq!(
+            DriverError::from_raw(CUresult::CUDA_ERROR_LAUNCH_FAILED),
+            DriverError::LAUNCH_FAILED
+        );
+        assert_eq!(
+            DriverError::from_raw(CUresult::CUDA_ERROR_ILLEGAL_ADDRESS),
+            DriverError::ILLEGAL_ADDRESS
+        );
+        assert_eq!(
+            DriverError::from_raw(CUresult::CUDA_ERROR_NOT_SUPPORTED),
+            DriverError::NOT_SUPPORTED
+        );
     }
 }

@@ -16,114 +16,138 @@ mod private {
     use cudarc::cublas::result::CublasError;
     use cudarc::cublas::sys::{cublasHandle_t, cublasOperation_t};
 
-    /// The per-type cuBLAS entry point. Not nameable outside the crate.
+    /// `cublas?gemm_v2` with device pointers as addresses.
+    ///
+    /// # Safety
+    /// cuBLAS's contract: a live handle, and device pointers valid for the given shapes.
+    pub(super) type GemmFn<T> = unsafe fn(
+        cublasHandle_t,
+        cublasOperation_t,
+        cublasOperation_t,
+        i32,
+        i32,
+        i32,
+        &T,
+        u64,
+        i32,
+        u64,
+        i32,
+        &T,
+        u64,
+        i32,
+    ) -> Result<(), CublasError>;
+
+    /// The per-type cuBLAS entry point. Not nameable outside the crate; its one item is a
+    /// [`Gemm`] table whose fields only the crate can read, so no cudarc type reaches the public
+    /// API through the sealed [`BlasElement`](super::BlasElement) bound.
     pub trait GemmCall: Sized {
+        /// The table.
+        const GEMM: Gemm<Self>;
+    }
+
+    /// What `gemm` needs to know of one element type.
+    pub struct Gemm<T> {
         /// The cuBLAS call's name, for errors.
-        const NAME: &'static str;
+        pub(super) name: &'static str,
         /// One.
-        const ONE: Self;
+        pub(super) one: T,
         /// Calls `cublas?gemm_v2`.
-        ///
-        /// # Safety
-        /// cuBLAS's contract: a live handle, and device pointers valid for the given shapes.
-        #[allow(clippy::too_many_arguments)]
-        unsafe fn gemm(
-            handle: cublasHandle_t,
-            transa: cublasOperation_t,
-            transb: cublasOperation_t,
-            m: i32,
-            n: i32,
-            k: i32,
-            alpha: &Self,
-            a: u64,
-            lda: i32,
-            b: u64,
-            ldb: i32,
-            beta: &Self,
-            c: u64,
-            ldc: i32,
-        ) -> Result<(), CublasError>;
+        pub(super) call: GemmFn<T>,
     }
 
     impl GemmCall for f32 {
-        const NAME: &'static str = "cublasSgemm_v2";
-        const ONE: Self = 1.0;
-        unsafe fn gemm(
-            handle: cublasHandle_t,
-            transa: cublasOperation_t,
-            transb: cublasOperation_t,
-            m: i32,
-            n: i32,
-            k: i32,
-            alpha: &Self,
-            a: u64,
-            lda: i32,
-            b: u64,
-            ldb: i32,
-            beta: &Self,
-            c: u64,
-            ldc: i32,
-        ) -> Result<(), CublasError> {
-            // SAFETY: forwarded from the caller.
-            unsafe {
-                cudarc::cublas::result::sgemm(
-                    handle,
-                    transa,
-                    transb,
-                    m,
-                    n,
-                    k,
-                    alpha,
-                    a as *const f32,
-                    lda,
-                    b as *const f32,
-                    ldb,
-                    beta,
-                    c as *mut f32,
-                    ldc,
-                )
-            }
-        }
+        const GEMM: Gemm<f32> = Gemm {
+            name: "cublasSgemm_v2",
+            one: 1.0,
+            call: sgemm,
+        };
     }
 
     impl GemmCall for f64 {
-        const NAME: &'static str = "cublasDgemm_v2";
-        const ONE: Self = 1.0;
-        unsafe fn gemm(
-            handle: cublasHandle_t,
-            transa: cublasOperation_t,
-            transb: cublasOperation_t,
-            m: i32,
-            n: i32,
-            k: i32,
-            alpha: &Self,
-            a: u64,
-            lda: i32,
-            b: u64,
-            ldb: i32,
-            beta: &Self,
-            c: u64,
-            ldc: i32,
-        ) -> Result<(), CublasError> {
-            // SAFETY: forwarded from the caller.
-            unsafe {
-                cudarc::cublas::result::dgemm(
-                    handle,
-                    transa,
-                    transb,
-                    m,
-                    n,
-                    k,
-                    alpha,
-                    a as *const f64,
-                    lda,
-                    b as *const f64,
-                    ldb,
-                    beta,
-                    c as *mut f64,
-                    ldc,
-                )
-            }
+        const GEMM: Gemm<f64> = Gemm {
+            name: "cublasDgemm_v2",
+            one: 1.0,
+            call: dgemm,
+        };
+    }
+
+    /// # Safety
+    /// As [`GemmFn`].
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn sgemm(
+        handle: cublasHandle_t,
+        transa: cublasOperation_t,
+        transb: cublasOperation_t,
+        m: i32,
+        n: i32,
+        k: i32,
+        alpha: &f32,
+        a: u64,
+        lda: i32,
+        b: u64,
+        ldb: i32,
+        beta: &f32,
+        c: u64,
+        ldc: i32,
+    ) -> Result<(), CublasError> {
+        // SAFETY: forwarded from the caller.
+        unsafe {
+            cudarc::cublas::result::sgemm(
+                handle,
+                transa,
+                transb,
+                m,
+                n,
+                k,
+                alpha,
+                a as *const f32,
+                lda,
+                b as *const f32,
+                ldb,
+                beta,
+                c as *mut f32,
+                ldc,
+            )
+        }
+    }
+
+    /// # Safety
+    /// As [`GemmFn`].
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn dgemm(
+        handle: cublasHandle_t,
+        transa: cublasOperation_t,
+        transb: cublasOperation_t,
+        m: i32,
+        n: i32,
+        k: i32,
+        alpha: &f64,
+        a: u64,
+        lda: i32,
+        b: u64,
+        ldb: i32,
+        beta: &f64,
+        c: u64,
+        ldc: i32,
+    ) -> Result<(), CublasError> {
+        // SAFETY: forwarded from the caller.
+        unsafe {
+            cudarc::cublas::result::dgemm(
+                handle,
+                transa,
+                transb,
+                m,
+                n,
+                k,
+                alpha,
+                a as *const f64,
+                lda,
+                b as *const f64,
+                ldb,
+                beta,
+                c as *mut f64,
+                ldc,
+            )
         }
     }
 }
@@ -288,7 +312,7 @@ impl CudaEngine {
         // all) after this call on the same stream; alpha and beta are host scalars (the handle's
         // default pointer mode), read before the call returns.
         unsafe {
-            T::gemm(
+            (T::GEMM.call)(
                 handle,
                 config.transa.op(),
                 config.transb.op(),
@@ -305,7 +329,7 @@ impl CudaEngine {
                 dims.5,
             )
         }
-        .map_err(|e| CUBLAS.status(T::NAME, e.0, e.0 as i64))
+        .map_err(|e| CUBLAS.status(T::GEMM.name, e.0, e.0 as i64))
     }
 
     /// The row-major product of 2-D tensors: `a` of shape `[m, k]` times `b` of shape `[k, n]`,
@@ -348,7 +372,7 @@ impl CudaEngine {
             self.fill(&mut c, zero)?;
             return Ok(c);
         }
-        let one = T::ONE;
+        let one = T::GEMM.one;
         let config = GemmConfig {
             transa: Transpose::No,
             transb: Transpose::No,

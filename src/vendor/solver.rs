@@ -16,48 +16,53 @@ pub(super) mod calls {
     use cudarc::cusolver::result::CusolverError;
     use cudarc::cusolver::sys::{self, cublasFillMode_t, cusolverDnHandle_t};
 
-    /// The per-type cuSOLVER entry points. Not nameable outside the crate.
+    /// The per-type cuSOLVER entry points. Not nameable outside the crate; its one item is a
+    /// [`Potrf`] table whose fields only the crate can read, so no cudarc type reaches the
+    /// public API through the sealed [`BlasElement`](super::BlasElement) bound.
     pub trait PotrfCall: Sized {
+        /// The table.
+        const POTRF: Potrf;
+    }
+
+    /// `cusolverDn?potrf_bufferSize`: handle, `n`, `A`, `lda`.
+    ///
+    /// # Safety
+    /// cuSOLVER's contract: a live handle and a device matrix of `n × n` with `lda`.
+    pub(in crate::vendor) type BufferSizeFn =
+        unsafe fn(cusolverDnHandle_t, i32, u64, i32) -> Result<i32, CusolverError>;
+
+    /// `cusolverDn?potrf`, lower triangle: handle, `n`, `A`, `lda`, workspace, `lwork`, `info`.
+    ///
+    /// # Safety
+    /// As [`BufferSizeFn`], plus a device workspace of `lwork` elements and a device `int`.
+    pub(in crate::vendor) type PotrfFn =
+        unsafe fn(cusolverDnHandle_t, i32, u64, i32, u64, i32, u64) -> Result<(), CusolverError>;
+
+    /// `cusolverDn?potrs`, lower triangle: handle, `n`, `nrhs`, `A`, `lda`, `B`, `ldb`, `info`.
+    ///
+    /// # Safety
+    /// As [`PotrfFn`], plus a device right-hand side of `n × nrhs` with `ldb`.
+    pub(in crate::vendor) type PotrsFn = unsafe fn(
+        cusolverDnHandle_t,
+        i32,
+        i32,
+        u64,
+        i32,
+        u64,
+        i32,
+        u64,
+    ) -> Result<(), CusolverError>;
+
+    /// What `cholesky_solve` needs to know of one element type. Device pointers are addresses.
+    pub struct Potrf {
         /// The names of the calls, for errors: buffer size, factor, solve.
-        const NAMES: [&'static str; 3];
+        pub(in crate::vendor) names: [&'static str; 3],
         /// `cusolverDn?potrf_bufferSize`.
-        ///
-        /// # Safety
-        /// cuSOLVER's contract: a live handle and a device matrix of `n × n` with `lda`.
-        unsafe fn buffer_size(
-            handle: cusolverDnHandle_t,
-            n: i32,
-            a: u64,
-            lda: i32,
-        ) -> Result<i32, CusolverError>;
-        /// `cusolverDn?potrf`, lower triangle.
-        ///
-        /// # Safety
-        /// As `buffer_size`, plus a device workspace of `lwork` elements and a device `int`.
-        unsafe fn potrf(
-            handle: cusolverDnHandle_t,
-            n: i32,
-            a: u64,
-            lda: i32,
-            work: u64,
-            lwork: i32,
-            info: u64,
-        ) -> Result<(), CusolverError>;
-        /// `cusolverDn?potrs`, lower triangle.
-        ///
-        /// # Safety
-        /// As `potrf`, plus a device right-hand side of `n × nrhs` with `ldb`.
-        #[allow(clippy::too_many_arguments)]
-        unsafe fn potrs(
-            handle: cusolverDnHandle_t,
-            n: i32,
-            nrhs: i32,
-            a: u64,
-            lda: i32,
-            b: u64,
-            ldb: i32,
-            info: u64,
-        ) -> Result<(), CusolverError>;
+        pub(in crate::vendor) buffer_size: BufferSizeFn,
+        /// `cusolverDn?potrf`.
+        pub(in crate::vendor) potrf: PotrfFn,
+        /// `cusolverDn?potrs`.
+        pub(in crate::vendor) potrs: PotrsFn,
     }
 
     fn check(status: sys::cusolverStatus_t) -> Result<(), CusolverError> {
@@ -73,67 +78,82 @@ pub(super) mod calls {
     macro_rules! potrf_call {
         ($t:ty, $size:ident, $potrf:ident, $potrs:ident) => {
             impl PotrfCall for $t {
-                const NAMES: [&'static str; 3] =
-                    [stringify!($size), stringify!($potrf), stringify!($potrs)];
-                unsafe fn buffer_size(
-                    handle: cusolverDnHandle_t,
-                    n: i32,
-                    a: u64,
-                    lda: i32,
-                ) -> Result<i32, CusolverError> {
-                    let mut lwork = 0;
-                    // SAFETY: forwarded from the caller; `lwork` is a valid out pointer.
-                    check(unsafe { sys::$size(handle, LOWER, n, a as *mut $t, lda, &mut lwork) })?;
-                    Ok(lwork)
-                }
-                unsafe fn potrf(
-                    handle: cusolverDnHandle_t,
-                    n: i32,
-                    a: u64,
-                    lda: i32,
-                    work: u64,
-                    lwork: i32,
-                    info: u64,
-                ) -> Result<(), CusolverError> {
-                    // SAFETY: forwarded from the caller.
-                    check(unsafe {
-                        sys::$potrf(
-                            handle,
-                            LOWER,
-                            n,
-                            a as *mut $t,
-                            lda,
-                            work as *mut $t,
-                            lwork,
-                            info as *mut i32,
-                        )
-                    })
-                }
-                unsafe fn potrs(
-                    handle: cusolverDnHandle_t,
-                    n: i32,
-                    nrhs: i32,
-                    a: u64,
-                    lda: i32,
-                    b: u64,
-                    ldb: i32,
-                    info: u64,
-                ) -> Result<(), CusolverError> {
-                    // SAFETY: forwarded from the caller.
-                    check(unsafe {
-                        sys::$potrs(
-                            handle,
-                            LOWER,
-                            n,
-                            nrhs,
-                            a as *const $t,
-                            lda,
-                            b as *mut $t,
-                            ldb,
-                            info as *mut i32,
-                        )
-                    })
-                }
+                const POTRF: Potrf = {
+                    /// # Safety
+                    /// As [`BufferSizeFn`].
+                    unsafe fn buffer_size(
+                        handle: cusolverDnHandle_t,
+                        n: i32,
+                        a: u64,
+                        lda: i32,
+                    ) -> Result<i32, CusolverError> {
+                        let mut lwork = 0;
+                        // SAFETY: forwarded from the caller; `lwork` is a valid out pointer.
+                        check(unsafe {
+                            sys::$size(handle, LOWER, n, a as *mut $t, lda, &mut lwork)
+                        })?;
+                        Ok(lwork)
+                    }
+                    /// # Safety
+                    /// As [`PotrfFn`].
+                    unsafe fn potrf(
+                        handle: cusolverDnHandle_t,
+                        n: i32,
+                        a: u64,
+                        lda: i32,
+                        work: u64,
+                        lwork: i32,
+                        info: u64,
+                    ) -> Result<(), CusolverError> {
+                        // SAFETY: forwarded from the caller.
+                        check(unsafe {
+                            sys::$potrf(
+                                handle,
+                                LOWER,
+                                n,
+                                a as *mut $t,
+                                lda,
+                                work as *mut $t,
+                                lwork,
+                                info as *mut i32,
+                            )
+                        })
+                    }
+                    /// # Safety
+                    /// As [`PotrsFn`].
+                    #[allow(clippy::too_many_arguments)]
+                    unsafe fn potrs(
+                        handle: cusolverDnHandle_t,
+                        n: i32,
+                        nrhs: i32,
+                        a: u64,
+                        lda: i32,
+                        b: u64,
+                        ldb: i32,
+                        info: u64,
+                    ) -> Result<(), CusolverError> {
+                        // SAFETY: forwarded from the caller.
+                        check(unsafe {
+                            sys::$potrs(
+                                handle,
+                                LOWER,
+                                n,
+                                nrhs,
+                                a as *const $t,
+                                lda,
+                                b as *mut $t,
+                                ldb,
+                                info as *mut i32,
+                            )
+                        })
+                    }
+                    Potrf {
+                        names: [stringify!($size), stringify!($potrf), stringify!($potrs)],
+                        buffer_size,
+                        potrf,
+                        potrs,
+                    }
+                };
             }
         };
     }
@@ -255,14 +275,15 @@ impl CudaEngine {
         let info = DeviceTensor::<i32>::alloc(self, &[2])?;
         let mut st = self.enter()?;
         let handle = cusolver(&mut st)?;
-        let [size_call, potrf_call, potrs_call] = T::NAMES;
+        let calls = T::POTRF;
+        let [size_call, potrf_call, potrs_call] = calls.names;
         let status = |call| {
             move |e: cudarc::cusolver::result::CusolverError| CUSOLVER.status(call, e.0, e.0 as i64)
         };
         let a_ptr = a.raw_ptr();
         // SAFETY: the handle is the engine's with its context current; `a` is a live `n × n`
         // allocation (checked above). The query reads no device memory.
-        let lwork = unsafe { T::buffer_size(handle, n32, a_ptr, n32) };
+        let lwork = unsafe { (calls.buffer_size)(handle, n32, a_ptr, n32) };
         let lwork = lwork.map_err(status(size_call))?;
         let lwork_elems = usize::try_from(lwork.max(1)).unwrap_or(1);
         let work_bytes = crate::element::byte_len::<T>(lwork_elems, "cuSOLVER workspace")?;
@@ -275,10 +296,10 @@ impl CudaEngine {
         // exclusively and `info` is owned here, so nothing else touches them; their frees are
         // queued (if at all) after these calls, on the same stream the handle is bound to.
         let solved = unsafe {
-            T::potrf(handle, n32, a.raw_ptr(), n32, work, lwork, info.raw_ptr())
+            (calls.potrf)(handle, n32, a.raw_ptr(), n32, work, lwork, info.raw_ptr())
                 .map_err(status(potrf_call))
                 .and_then(|()| {
-                    T::potrs(
+                    (calls.potrs)(
                         handle,
                         n32,
                         nrhs32,

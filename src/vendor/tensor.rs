@@ -16,22 +16,34 @@ use std::ffi::c_void;
 pub(super) mod calls {
     use cudarc::cutensor::sys::cudaDataType_t;
 
-    /// The per-type cuTENSOR constants. Not nameable outside the crate.
+    /// The per-type cuTENSOR constants. Not nameable outside the crate; its one item is a
+    /// [`TensorConsts`] table whose fields only the crate can read, so no cudarc type reaches
+    /// the public API through the sealed [`TensorElement`](super::TensorElement) bound.
     pub trait TensorType {
+        /// The table.
+        const TENSOR: TensorConsts;
+    }
+
+    /// What a contraction needs to know of one element type.
+    pub struct TensorConsts {
         /// The element's data type.
-        const DATA_TYPE: cudaDataType_t;
+        pub(in crate::vendor) data_type: cudaDataType_t,
         /// The exported compute-descriptor symbol, NUL-terminated.
-        const COMPUTE_SYMBOL: &'static [u8];
+        pub(in crate::vendor) compute_symbol: &'static [u8],
     }
 
     impl TensorType for f32 {
-        const DATA_TYPE: cudaDataType_t = cudaDataType_t::CUDA_R_32F;
-        const COMPUTE_SYMBOL: &'static [u8] = b"CUTENSOR_COMPUTE_DESC_32F\0";
+        const TENSOR: TensorConsts = TensorConsts {
+            data_type: cudaDataType_t::CUDA_R_32F,
+            compute_symbol: b"CUTENSOR_COMPUTE_DESC_32F\0",
+        };
     }
 
     impl TensorType for f64 {
-        const DATA_TYPE: cudaDataType_t = cudaDataType_t::CUDA_R_64F;
-        const COMPUTE_SYMBOL: &'static [u8] = b"CUTENSOR_COMPUTE_DESC_64F\0";
+        const TENSOR: TensorConsts = TensorConsts {
+            data_type: cudaDataType_t::CUDA_R_64F,
+            compute_symbol: b"CUTENSOR_COMPUTE_DESC_64F\0",
+        };
     }
 }
 
@@ -176,7 +188,7 @@ impl CudaEngine {
         let compute: sys::cutensorComputeDescriptor_t = unsafe {
             let lib = sys::culib();
             let symbol = lib
-                .get::<*const sys::cutensorComputeDescriptor_t>(T::COMPUTE_SYMBOL)
+                .get::<*const sys::cutensorComputeDescriptor_t>(T::TENSOR.compute_symbol)
                 .map_err(|e| Error::Unavailable {
                     library: "cuTENSOR",
                     detail: format!("compute descriptor symbol missing: {e}"),
@@ -204,7 +216,7 @@ impl CudaEngine {
                     rank,
                     extent.as_ptr(),
                     stride.as_ptr(),
-                    T::DATA_TYPE,
+                    T::TENSOR.data_type,
                     ALIGNMENT,
                 )
             }
