@@ -1,9 +1,41 @@
 #!/usr/bin/env bash
-# The test command: formatting, lints, documentation and every test that needs no GPU
-# (unit tests, simulated-device tests, the proptest models, the trybuild cases, doctests).
+# The test command: formatting, lints, documentation, every test that needs no GPU (unit tests,
+# simulated-device tests, the proptest models, the trybuild cases, doctests), the minimum
+# supported Rust version, and the package.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo fmt --all --check
 cargo clippy --all-targets --all-features -- -D warnings
 RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --all-features
 cargo test --all-features
+
+# MSRV: Cargo.toml's `rust-version` is a claim only if something builds with it. Check every
+# target with exactly that release (1.95 means 1.95.0). A missing toolchain is an error, not a
+# skip: CI's image has it. On a machine without it, CUFERRY_SKIP_MSRV=1 skips this step, loudly
+# (.ci/run never allows that).
+msrv=$(sed -n 's/^rust-version = "\([0-9.]*\)"$/\1/p' Cargo.toml)
+if [[ -z $msrv ]]; then
+  echo "error: no rust-version in Cargo.toml" >&2
+  exit 1
+fi
+toolchain=$msrv
+[[ $toolchain =~ ^[0-9]+\.[0-9]+$ ]] && toolchain=$toolchain.0
+installed=$(rustup toolchain list 2>/dev/null || true)
+if grep -q "^$toolchain-" <<<"$installed"; then
+  cargo "+$toolchain" check --locked --all-targets --all-features
+elif [[ ${CUFERRY_SKIP_MSRV:-} == 1 ]]; then
+  echo "warning: SKIPPED the MSRV check: toolchain $toolchain (rust-version $msrv) is not installed" >&2
+else
+  echo "error: rust-version is $msrv, but toolchain $toolchain is not installed, so it cannot be" >&2
+  echo "checked: rustup toolchain install $toolchain --profile minimal" >&2
+  echo "(or set CUFERRY_SKIP_MSRV=1 to skip this check on this machine)" >&2
+  exit 1
+fi
+
+# The package: everything the README and the guide link to, name or include must be in it
+# (scripts/check-package.sh), and it must build on its own from the packaged files with the
+# locked dependencies. The verifying build takes about 10 s here (2 cores) after the steps above,
+# which leave the dependencies built, and under 2 minutes from a cold target directory: well
+# inside CI's 90-minute budget, so CI verifies rather than only listing.
+bash scripts/check-package.sh
+cargo package --locked --allow-dirty

@@ -99,38 +99,47 @@ fn completed_detached_uploads(engine: &mut CudaEngine, n: usize) {
 }
 
 /// A pinned allocation that fails after the retirement queue released completed records must
-/// return its error. `State::acquire_pinned` (src/pinned.rs) returns early with `?` while it
-/// holds the released records and the caller holds the engine's lock; dropping the records
-/// there drops their pinned buffers and tensors, whose `Drop` takes the same lock: a deadlock.
+/// return its error. `State::acquire_pinned` (src/pinned.rs) once returned early with `?` while it
+/// held the released records and the caller held the engine's lock; dropping the records there
+/// dropped their pinned buffers and tensors, whose `Drop` takes the same lock: a deadlock.
+///
+/// Both allocation attempts fail and the released 4 KiB block cannot hold the 16 KiB asked for,
+/// so the one right outcome is the allocation's error. The retry under pressure frees the idle
+/// block first, so nothing pinned is left.
 #[test]
 fn a_failed_pinned_allocation_after_releasing_records_returns() {
     within_ten_seconds(|| {
         let mut engine = CudaEngine::simulated(SimConfig::default());
         completed_detached_uploads(&mut engine, 1);
         let sim = engine.sim().unwrap();
+        let host_allocs = sim.calls(SimOp::HostAlloc);
         sim.fail_nth(SimOp::HostAlloc, 1, DriverError::OUT_OF_MEMORY);
         sim.fail_nth(SimOp::HostAlloc, 2, DriverError::OUT_OF_MEMORY);
         // A larger buffer than the released ones, so the pool cannot serve it.
-        match PinnedHostBuffer::<f32>::new(&mut engine, 4096) {
-            Ok(_) => {}
-            Err(e) => assert!(
-                matches!(
-                    e,
-                    Error::Driver {
-                        source: DriverError::OUT_OF_MEMORY,
-                        ..
-                    }
-                ),
-                "{e}"
+        let err = PinnedHostBuffer::<f32>::new(&mut engine, 4096).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::Driver {
+                    call: "cuMemHostAlloc",
+                    source: DriverError::OUT_OF_MEMORY,
+                }
             ),
-        }
+            "{err}"
+        );
+        assert_eq!(sim.calls(SimOp::HostAlloc), host_allocs + 2, "one retry");
+        assert_eq!(engine.retirement_stats().released, 1);
+        assert_eq!(sim.pinned_live(), (0, 0), "the released block was freed");
         assert!(sim.violations().is_empty());
+        // The faults are spent: the same request now succeeds.
+        PinnedHostBuffer::<f32>::new(&mut engine, 4096).unwrap();
     });
 }
 
 /// Under pinned-memory pressure `PinnedHostBuffer::new` releases completed detached transfers
-/// and tries again; the memory those transfers held must serve that retry. Today the released
-/// records are dropped only after the retry (and, on its failure, under the lock: see above).
+/// and tries again; the memory those transfers held must serve that retry. The released records
+/// are dropped outside the engine's lock before the retry, so their blocks are back (here, with
+/// a budget of zero, freed) by the time it allocates.
 #[test]
 fn pinned_pressure_reuses_the_memory_of_completed_detached_transfers() {
     within_ten_seconds(|| {
@@ -143,6 +152,13 @@ fn pinned_pressure_reuses_the_memory_of_completed_detached_transfers() {
         completed_detached_uploads(&mut engine, 2);
         let buffer = PinnedHostBuffer::<f32>::new(&mut engine, 4);
         assert!(buffer.is_ok(), "{:?}", buffer.unwrap_err());
-        assert!(engine.sim().unwrap().violations().is_empty());
+        assert_eq!(engine.retirement_stats().released, 2);
+        let sim = engine.sim().unwrap();
+        assert_eq!(
+            sim.pinned_live(),
+            (1, 4096),
+            "only the new buffer holds pinned memory"
+        );
+        assert!(sim.violations().is_empty());
     });
 }

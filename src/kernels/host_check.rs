@@ -81,7 +81,7 @@ fn random_operand(rng: &mut Xorshift, d: DType, len: usize) -> Vec<u8> {
     for i in 0..len {
         let bits = rng.next();
         if d == DType::Bool {
-            out.push(u8::from(bits % 3 != 0));
+            out.push(u8::from(!bits.is_multiple_of(3)));
             continue;
         }
         let ordinary = i % 3 == 0;

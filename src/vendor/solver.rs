@@ -256,7 +256,7 @@ impl CudaEngine {
                 })
             }
         };
-        if b.is_empty() || b.len() % n != 0 {
+        if b.is_empty() || !b.len().is_multiple_of(n) {
             return Err(Error::InvalidArgument {
                 operation: OP,
                 detail: format!(

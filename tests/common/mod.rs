@@ -59,7 +59,11 @@ pub trait Reference: Element {
 }
 
 fn random_float(rng: &mut Rng) -> f64 {
-    let scale = if rng.next_u64() % 8 == 0 { 1e9 } else { 100.0 };
+    let scale = if rng.next_u64().is_multiple_of(8) {
+        1e9
+    } else {
+        100.0
+    };
     let v = rng.unit() * scale;
     if v == 0.0 {
         0.5
@@ -238,7 +242,7 @@ int_reference!(u64);
 
 impl Reference for bool {
     fn random(rng: &mut Rng) -> Self {
-        rng.next_u64() % 3 != 0
+        !rng.next_u64().is_multiple_of(3)
     }
     fn add(self, _: Self) -> Self {
         unreachable!("arithmetic on bool is not served")
@@ -372,7 +376,7 @@ pub fn check_ops<T: Reference>(engine: &mut CudaEngine, rng: &mut Rng, n: usize)
     let name = T::DTYPE.name();
     let a_host = random_vec::<T>(rng, n);
     let b_host = random_vec::<T>(rng, n);
-    let shape = if n % 2 == 0 && n > 0 {
+    let shape = if n.is_multiple_of(2) && n > 0 {
         vec![2, n / 2]
     } else {
         vec![n]
