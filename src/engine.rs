@@ -343,18 +343,20 @@ impl CudaEngine {
     /// for the device.
     ///
     /// It releases whatever the retirement queue has proven complete, reports failures recorded
-    /// since the last boundary (drops, refused frees, detached work that failed), and asks the
-    /// stream (without waiting) whether earlier work failed asynchronously.
+    /// since the last boundary (refused frees in drops, detached work that
+    /// [`synchronize`](Self::synchronize) or an allocation found failed), and asks the stream
+    /// (without waiting) whether earlier work failed asynchronously. A detached transfer whose
+    /// event query fails is not judged here: a single failed query is retried, and the verdict
+    /// comes with the next `synchronize`.
     ///
     /// # Errors
     /// [`Error::Deferred`] for recorded failures, [`Error::DeviceFault`] when the device reports a
     /// failure of queued work.
     pub fn flush(&mut self) -> Result<()> {
         let shared = &*self.shared;
-        let mut st = shared.enter()?;
-        st.poll_retired(&*shared.waits, Poll::All);
-        st.take_deferred()?;
-        drop(st);
+        // Released resources drop when the lock does; failures of their frees are reported here.
+        shared.enter()?.poll_retired(&*shared.waits, Poll::All);
+        shared.enter()?.take_deferred()?;
         shared
             .waits
             .stream_query()
@@ -377,18 +379,18 @@ impl CudaEngine {
     /// since the last boundary.
     pub fn synchronize(&mut self) -> Result<()> {
         let shared = &*self.shared;
-        let waited = shared.waits.stream_synchronize();
-        let mut st = shared.enter()?;
-        if waited.is_ok() {
-            st.poll_retired(&*shared.waits, Poll::Settle);
-        }
-        let deferred = st.take_deferred();
-        drop(st);
-        waited.map_err(|source| Error::DeviceFault {
-            what: "work queued on the engine's stream",
-            source,
-        })?;
-        deferred
+        // A failed wait is reported first; failures recorded before it stay for the next
+        // boundary rather than being lost behind it.
+        shared
+            .waits
+            .stream_synchronize()
+            .map_err(|source| Error::DeviceFault {
+                what: "work queued on the engine's stream",
+                source,
+            })?;
+        // Released resources drop when the lock does, before the failures are collected.
+        shared.enter()?.poll_retired(&*shared.waits, Poll::Settle);
+        shared.enter()?.take_deferred()
     }
 
     /// The pinned pool's idle-byte budget: idle pinned memory beyond it is freed.
@@ -399,12 +401,12 @@ impl CudaEngine {
     /// Sets the pinned pool's idle-byte budget and trims the pool to it at once.
     ///
     /// # Errors
-    /// [`Error::Driver`] when the engine's context cannot be made current.
+    /// [`Error::Driver`] when the engine's context cannot be made current, or when the driver
+    /// refuses to free an idle block (the budget is set; that block stays pinned, unused).
     pub fn set_pinned_pool_budget(&mut self, bytes: usize) -> Result<()> {
         let mut st = self.enter()?;
         let st = &mut *st;
-        st.pinned.set_budget(&mut *st.driver, bytes);
-        Ok(())
+        st.pinned.set_budget(&mut *st.driver, bytes)
     }
 
     /// The pinned pool's counters.
@@ -443,7 +445,7 @@ impl Drop for CudaEngine {
             return;
         }
         st.poll_retired(&*shared.waits, Poll::Settle);
-        st.pinned.trim_to(&mut *st.driver, 0);
+        let _ = st.pinned.trim_to(&mut *st.driver, 0);
         let _ = st.staging.free_idle(&mut *st.driver);
         let _ = st.events.destroy_all(&mut *st.driver);
         // The stream is idle: no kernel or vendor call queued on it is pending.

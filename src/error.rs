@@ -286,8 +286,8 @@ pub enum Error {
         /// The second length.
         right: usize,
     },
-    /// A size computation overflowed `usize`.
-    #[error("{what} overflows: {count} element(s) of {element_bytes} byte(s)")]
+    /// A byte size is larger than memory can be addressed (`isize::MAX` bytes).
+    #[error("{what} of {count} element(s) of {element_bytes} byte(s) exceeds the addressable limit of {} bytes", isize::MAX)]
     SizeOverflow {
         /// What was being sized.
         what: &'static str,
@@ -295,6 +295,16 @@ pub enum Error {
         count: usize,
         /// The size of one element.
         element_bytes: usize,
+    },
+    /// A shape whose element count (the product of its dimensions, none of them zero) does not
+    /// fit in `usize`.
+    #[error(
+        "shape {shape:?} holds more elements than fit in usize ({})",
+        usize::MAX
+    )]
+    ShapeOverflow {
+        /// The shape.
+        shape: Vec<usize>,
     },
     /// A value (tensor, pinned buffer, staging lease, pending transfer) belongs to another
     /// engine than the one it was given to. Engines have separate streams (and maybe separate

@@ -62,6 +62,9 @@ pub struct PinnedPoolStats {
     pub reuses: u64,
     /// Blocks freed back to the driver.
     pub frees: u64,
+    /// Frees the driver refused: that memory stays pinned, is never reused, and each refusal
+    /// was reported at a boundary.
+    pub refused_frees: u64,
 }
 
 pub(crate) struct PinnedPool {
@@ -72,6 +75,7 @@ pub(crate) struct PinnedPool {
     allocations: u64,
     reuses: u64,
     frees: u64,
+    refused_frees: u64,
 }
 
 /// The default idle budget: enough for a deep staging ring and a few large pending buffers.
@@ -87,6 +91,7 @@ impl Default for PinnedPool {
             allocations: 0,
             reuses: 0,
             frees: 0,
+            refused_frees: 0,
         }
     }
 }
@@ -101,6 +106,7 @@ impl PinnedPool {
             allocations: self.allocations,
             reuses: self.reuses,
             frees: self.frees,
+            refused_frees: self.refused_frees,
         }
     }
 
@@ -117,16 +123,35 @@ impl PinnedPool {
         Some(block)
     }
 
-    fn free_block(&mut self, driver: &mut dyn crate::driver::Driver, block: Block) {
+    /// Frees a block. A refusal leaves the memory with the driver (it is not counted as freed,
+    /// and never reused) and is returned for the caller to report.
+    fn free_block(&mut self, driver: &mut dyn crate::driver::Driver, block: Block) -> Result<()> {
         // SAFETY: idle blocks are owned by the pool alone and no queued copy names them: a block
         // only becomes idle when its buffer is dropped, which transfers make impossible while a
         // copy may still touch it.
-        let _ = unsafe { driver.host_free(block.ptr()) };
-        self.frees += 1;
+        match unsafe { driver.host_free(block.ptr()) } {
+            Ok(()) => {
+                self.frees += 1;
+                Ok(())
+            }
+            Err(source) => {
+                self.refused_frees += 1;
+                Err(Error::Driver {
+                    call: "cuMemFreeHost",
+                    source,
+                })
+            }
+        }
     }
 
-    /// Frees idle blocks, largest first, until at most `target` idle bytes remain.
-    pub(crate) fn trim_to(&mut self, driver: &mut dyn crate::driver::Driver, target: usize) {
+    /// Frees idle blocks, largest first, until at most `target` idle bytes remain. Returns the
+    /// first refusal; the trim goes on past it.
+    pub(crate) fn trim_to(
+        &mut self,
+        driver: &mut dyn crate::driver::Driver,
+        target: usize,
+    ) -> Result<()> {
+        let mut first = Ok(());
         while self.idle_bytes > target {
             let Some(mut entry) = self.idle.last_entry() else {
                 break;
@@ -137,31 +162,38 @@ impl PinnedPool {
             }
             if let Some(block) = block {
                 self.idle_bytes -= block.capacity;
-                self.free_block(driver, block);
+                let freed = self.free_block(driver, block);
+                if first.is_ok() {
+                    first = freed;
+                }
             }
         }
+        first
     }
 
-    pub(crate) fn set_budget(&mut self, driver: &mut dyn crate::driver::Driver, budget: usize) {
+    pub(crate) fn set_budget(
+        &mut self,
+        driver: &mut dyn crate::driver::Driver,
+        budget: usize,
+    ) -> Result<()> {
         self.budget = budget;
-        self.trim_to(driver, budget);
+        self.trim_to(driver, budget)
     }
 
-    /// Takes a block back. After teardown it is freed at once.
+    /// Takes a block back. After teardown it is freed at once. Returns a refused free.
     pub(crate) fn put(
         &mut self,
         driver: &mut dyn crate::driver::Driver,
         block: Block,
         torn_down: bool,
-    ) {
+    ) -> Result<()> {
         self.leased -= 1;
         if torn_down || block.capacity > self.budget {
-            self.free_block(driver, block);
-            return;
+            return self.free_block(driver, block);
         }
         self.idle_bytes += block.capacity;
         self.idle.entry(block.capacity).or_default().push(block);
-        self.trim_to(driver, self.budget);
+        self.trim_to(driver, self.budget)
     }
 }
 
@@ -187,7 +219,9 @@ impl State {
             return Ok(Some(block));
         }
         if under_pressure {
-            self.pinned.trim_to(&mut *self.driver, 0);
+            if let Err(error) = self.pinned.trim_to(&mut *self.driver, 0) {
+                self.defer(error);
+            }
         }
         let ptr = match self.driver.host_alloc(capacity) {
             Ok(ptr) => NonNull::new(ptr),
@@ -370,7 +404,10 @@ impl<T: Element> Drop for PinnedHostBuffer<T> {
         // When the context cannot be entered, the block is leaked (never freed).
         if let Some(mut st) = self.owner.enter_for_drop() {
             let st = &mut *st;
-            st.pinned.put(&mut *st.driver, block, st.torn_down);
+            let torn_down = st.torn_down;
+            if let Err(error) = st.pinned.put(&mut *st.driver, block, torn_down) {
+                st.defer(error);
+            }
         }
     }
 }

@@ -36,15 +36,19 @@ impl<T: Element> std::fmt::Debug for DeviceTensor<T> {
     }
 }
 
-/// The element count a shape describes, checked.
+/// The element count a shape describes: the product of its dimensions (one for the empty shape).
+///
+/// A shape with a zero dimension holds no elements, whatever its other dimensions are. Any other
+/// shape is checked on its full product, so the order of the dimensions never matters.
 pub(crate) fn shape_len(shape: &[usize]) -> Result<usize> {
+    if shape.contains(&0) {
+        return Ok(0);
+    }
     shape
         .iter()
         .try_fold(1usize, |acc, &d| acc.checked_mul(d))
-        .ok_or(Error::SizeOverflow {
-            what: "tensor shape",
-            count: usize::MAX,
-            element_bytes: 1,
+        .ok_or_else(|| Error::ShapeOverflow {
+            shape: shape.to_vec(),
         })
 }
 

@@ -562,10 +562,17 @@ impl Driver for SimDriver {
         if s.device_used.saturating_add(bytes) > s.memory_bytes {
             return Err(DriverError::OUT_OF_MEMORY);
         }
+        // Device memory lives in host memory here: an allocation the host cannot back is the
+        // device's out-of-memory, not an abort.
+        let mut block = Vec::new();
+        if block.try_reserve_exact(bytes).is_err() {
+            return Err(DriverError::OUT_OF_MEMORY);
+        }
+        block.resize(bytes, 0xA5);
         let ptr = s.next_addr;
         // Keep allocations 256-byte aligned and apart, as the real allocator does.
         s.next_addr += (bytes as u64).div_ceil(256).max(1) * 256 + 256;
-        s.mem.insert(ptr, vec![0xA5; bytes]);
+        s.mem.insert(ptr, block);
         s.device_used += bytes;
         Ok(ptr)
     }
