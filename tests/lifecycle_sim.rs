@@ -483,3 +483,129 @@ fn a_panic_inside_the_driver_never_releases_unproven_memory_or_deadlocks() {
     let _ = std::panic::take_hook();
     assert!(runs > 30, "only {runs} panic points");
 }
+
+/// Values that outlive their engine clean up in place: an unproven chunk retired after teardown
+/// and an in-flight transfer dropped after it wait for their own event and release everything,
+/// instead of joining a queue nobody drains.
+#[test]
+fn values_that_outlive_their_engine_clean_up_in_place() {
+    let (mut engine, sim) = engine();
+    let mut tensor = engine.alloc_tensor::<u8>(&[16]).unwrap();
+    let lease = engine.staging_lease().unwrap();
+    let unproven = lease.begin_upload(&mut engine, &mut tensor, 0, 16).unwrap();
+    let buffer = PinnedHostBuffer::from_slice(&mut engine, &[1u8; 16]).unwrap();
+    let dest = engine.alloc_tensor::<u8>(&[16]).unwrap();
+    let pending = upload_pending(&mut engine, buffer, dest).unwrap();
+    drop(engine);
+    unproven.retire_with(tensor);
+    drop(pending);
+    sim.advance_all(); // the stream-ordered frees queued by the releases
+    assert_eq!(sim.pinned_live().0, 0, "no pinned memory left");
+    assert_eq!(sim.device_live().0, 0, "no device memory left");
+    assert_eq!(sim.events_live(), 0, "no event left");
+    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+}
+
+/// A zero-length chunk queues nothing, on an empty tensor too (it used to queue a 0-byte copy at
+/// device address 0).
+#[test]
+fn a_zero_length_chunk_is_refused_and_queues_nothing() {
+    let (mut engine, sim) = engine();
+    let mut empty = engine.alloc_tensor::<u32>(&[0]).unwrap();
+    let queued = sim.queued();
+    let lease = engine.staging_lease().unwrap();
+    let lease = match lease.begin_upload(&mut engine, &mut empty, 0, 0) {
+        Err(BeginError::NotQueued {
+            lease,
+            error: Error::ZeroLength { .. },
+        }) => lease,
+        other => panic!("expected a zero-length refusal, got {other:?}"),
+    };
+    let lease = match lease.begin_download(&mut engine, &empty, 0, 0) {
+        Err(BeginError::NotQueued {
+            lease,
+            error: Error::ZeroLength { .. },
+        }) => lease,
+        other => panic!("expected a zero-length refusal, got {other:?}"),
+    };
+    lease.release();
+    assert_eq!(sim.queued(), queued, "nothing was queued");
+    assert_eq!(sim.calls(SimOp::CopyHtoD) + sim.calls(SimOp::CopyDtoH), 0);
+}
+
+/// Error messages state the values and the limit they broke; the shape check does not depend on
+/// the order of the dimensions.
+#[test]
+fn errors_name_the_values_and_the_shape_check_is_order_independent() {
+    let (mut engine, _sim) = engine();
+    let t = engine.alloc_tensor::<u8>(&[16]).unwrap();
+    let lease = engine.staging_lease().unwrap();
+    let capacity = lease.capacity();
+    let big = engine.alloc_tensor::<u8>(&[capacity + 8]).unwrap();
+    let lease = match lease.begin_download(&mut engine, &big, 0, capacity + 8) {
+        Err(BeginError::NotQueued { lease, error }) => {
+            let message = error.to_string();
+            assert!(
+                message.contains(&format!("{}", capacity + 8))
+                    && message.contains(&format!("{capacity}")),
+                "{message}"
+            );
+            lease
+        }
+        other => panic!("expected a refusal, got {other:?}"),
+    };
+    match lease.begin_download(&mut engine, &t, usize::MAX, 1) {
+        Err(BeginError::NotQueued { lease, error }) => {
+            let message = error.to_string();
+            assert!(message.contains(&usize::MAX.to_string()), "{message}");
+            assert!(message.contains("16 element"), "{message}");
+            lease.release();
+        }
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    // Zero dimensions make an empty tensor whatever the other dimensions are, in any order.
+    for shape in [[0, usize::MAX, 2], [usize::MAX, 2, 0], [2, 0, usize::MAX]] {
+        let t = engine.alloc_tensor::<u8>(&shape).unwrap();
+        assert!(t.is_empty(), "{shape:?}");
+    }
+    // Without a zero, an overflowing product is refused in any order, naming the shape.
+    for shape in [[usize::MAX, 2, 3], [3, 2, usize::MAX], [2, usize::MAX, 3]] {
+        match engine.alloc_tensor::<u8>(&shape) {
+            Err(e @ Error::ShapeOverflow { .. }) => {
+                assert!(e.to_string().contains(&format!("{shape:?}")), "{e}")
+            }
+            other => panic!("{shape:?}: expected ShapeOverflow, got {other:?}"),
+        }
+    }
+    // A byte size past the addressable limit names the count and the element size.
+    match engine.alloc_tensor::<u64>(&[usize::MAX / 4]) {
+        Err(e @ Error::SizeOverflow { .. }) => {
+            let message = e.to_string();
+            assert!(message.contains(&(usize::MAX / 4).to_string()), "{message}");
+            assert!(message.contains("8 byte"), "{message}");
+        }
+        other => panic!("expected SizeOverflow, got {other:?}"),
+    }
+}
+
+/// The simulator's own arithmetic never panics, and an allocation it cannot back is the
+/// device's out-of-memory.
+#[test]
+fn the_simulator_reports_what_it_cannot_back_and_never_overflows() {
+    let sim = SimDevice::new(SimConfig {
+        memory_bytes: usize::MAX,
+        ..SimConfig::default()
+    });
+    let mut engine = CudaEngine::simulated_on(&sim);
+    sim.fail_nth(SimOp::Alloc, u64::MAX, DriverError::UNKNOWN);
+    sim.fail_event(u64::MAX, DriverError::UNKNOWN);
+    sim.panic_nth(SimOp::Free, u64::MAX);
+    match engine.alloc_tensor::<u8>(&[isize::MAX as usize - 4096]) {
+        Err(Error::Driver {
+            source: DriverError::OUT_OF_MEMORY,
+            ..
+        }) => {}
+        other => panic!("expected out-of-memory, got {other:?}"),
+    }
+    sim.clear_faults();
+}

@@ -1618,7 +1618,7 @@ impl Sut {
         let (result, obs) = self.run(m, |s| {
             let (engine, tensor) = (s.engine.as_mut().expect("open"), &s.tensors[i].1);
             if into {
-                download_tensor_into(engine, tensor, vec![0xDEAD_BEEF_u32; 3])
+                download_tensor_into(engine, tensor, vec![0xDEAD_BEEF_u32; 3]).map_err(Error::from)
             } else {
                 download_tensor(engine, tensor)
             }
