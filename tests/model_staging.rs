@@ -124,14 +124,18 @@ fn run(case: &Case) -> Result<(), TestCaseError> {
     engine.synchronize().unwrap();
     let staging = engine.staging_stats();
     let retire = engine.retirement_stats();
-    prop_assert_eq!(staging.leased, 0);
-    prop_assert!(staging.slots <= case.depth);
+    // A slot whose chunk failed is retained: a ring slot stays out of the ring, counted as
+    // leased; the 16-byte slot of the smallest band (u32 data of at most 4 elements) is outside
+    // the ring's accounting.
+    let retained_scalar = usize::from(failed_wait && case.elems * 4 <= 16);
     prop_assert_eq!(retire.pending, 0);
     prop_assert_eq!(retire.retained, usize::from(failed_wait));
+    prop_assert_eq!(staging.leased, retire.retained - retained_scalar);
+    prop_assert!(staging.slots <= case.depth + retire.retained);
     let scalar = usize::from(staging.scalar_slot);
     prop_assert_eq!(
         sim.pinned_live().0,
-        staging.slots + retire.retained + scalar
+        staging.slots + scalar + retained_scalar
     );
     prop_assert!(sim.violations().is_empty(), "{:?}", sim.violations());
     // The engine keeps working after any failure.

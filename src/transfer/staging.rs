@@ -136,7 +136,8 @@ unsafe impl Sync for Slot {}
 pub struct StagingStats {
     /// Chunk-sized slots allocated (idle, leased, or in flight).
     pub slots: usize,
-    /// Slots out of the ring: leased, in flight, or retained.
+    /// Slots out of the ring: leased, in flight, or retained (a slot whose chunk could not be
+    /// proven complete never comes back, and stays counted here).
     pub leased: usize,
     /// Of those, leased by callers through [`CudaEngine::staging_lease`].
     pub user_leased: usize,
@@ -191,17 +192,6 @@ impl StagingRing {
             }
         }
         first
-    }
-
-    /// Accounts for a slot that left the ring for good: retained because nothing proved its last
-    /// chunk complete.
-    fn forget(&mut self, kind: SlotKind) {
-        match kind {
-            SlotKind::Scalar => return,
-            SlotKind::Route => self.route_out -= 1,
-            SlotKind::User => self.user_out -= 1,
-        }
-        self.slots -= 1;
     }
 
     /// Takes a slot back from a lease. Returns a slot to free (outside the ring) when it is not
@@ -628,13 +618,10 @@ impl StagingLease<Unproven> {
     ///
     /// # Errors
     /// [`Error::DeviceFault`] when the device reports a failure of the chunk (or of earlier
-    /// work): the slot is then retained for the engine's lifetime, never reused.
+    /// work): the slot is then retained for the engine's lifetime, never reused, and stays
+    /// counted as leased (against the caller's lease budget, for a caller's lease).
     pub fn end_chunk(self) -> Result<StagingLease<Proven>> {
-        let kind = self.hold.resources().slot().kind;
-        let owner = Arc::clone(self.hold.owner());
-        let (slot, event) = self.hold.wait_parts().inspect_err(|_| {
-            owner.lock().staging.forget(kind);
-        })?;
+        let (slot, event) = self.hold.wait_parts()?;
         Ok(StagingLease::new(ProvenSlot {
             slot,
             event: Some(event),
@@ -668,10 +655,8 @@ impl StagingLease<Untracked> {
 
     /// As [`retire`](Self::retire), retaining `resource` with it.
     pub fn retire_with<R: Send + Sync + 'static>(self, resource: R) {
-        let kind = self.hold.resources().slot().kind;
         if let Some(mut st) = self.hold.owner().lock_for_drop() {
             st.staging.retired += 1;
-            st.staging.forget(kind);
         }
         self.hold.attach(resource).retain();
     }
