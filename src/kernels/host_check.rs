@@ -10,7 +10,7 @@
 
 use super::emulate;
 use super::source::{kernel_name, module_source};
-use crate::driver::launch::{ElementwiseOp, ElementwiseSpec};
+use super::spec::{ElementwiseOp, ElementwiseSpec};
 use crate::element::DType;
 use std::io::Write;
 use std::process::{Command, Stdio};
