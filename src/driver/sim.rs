@@ -197,9 +197,8 @@ unsafe impl Send for State {}
 
 /// A handle to a simulated device: its clock, its fault injection and its accounting.
 ///
-/// Clones share the device. The engine that drives it holds one; tests hold another (from
-/// [`CudaEngine::sim`](crate::CudaEngine::sim)) to advance the clock and inject faults between
-/// engine operations.
+/// Clones share the device. The engine that drives it holds one; tests hold another (from the
+/// engine's `sim` method) to advance the clock and inject faults between engine operations.
 #[derive(Clone)]
 pub struct SimDevice {
     inner: Arc<Inner>,
@@ -505,8 +504,7 @@ impl State {
     }
 }
 
-/// The driver half of a simulated device: what an engine built with
-/// [`CudaEngine::simulated`](crate::CudaEngine::simulated) drives.
+/// The driver half of a simulated device: what a simulated engine drives.
 pub(crate) struct SimDriver {
     device: SimDevice,
     id: DeviceId,

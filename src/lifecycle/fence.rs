@@ -17,10 +17,10 @@
 //!   through any of these paths leaks `R` (sound) instead of releasing it, and never takes the
 //!   engine's lock while it is held.
 
+use super::retire::Record;
+use crate::core::engine::{Shared, State};
 use crate::driver::EventHandle;
-use crate::engine::{Shared, State};
 use crate::error::{DriverError, Error, Result};
-use crate::lifecycle::retire::Record;
 use std::mem::ManuallyDrop;
 use std::sync::Arc;
 
@@ -372,7 +372,7 @@ impl<R: Send + 'static> Drop for Untracked<R> {
 /// (`resources` are then retained), or [`Error::DeviceFault`] when the work failed.
 #[cfg(feature = "cubecl")]
 pub(crate) fn wait_for_queued<R: Send + 'static>(
-    mut st: crate::engine::Entered<'_>,
+    mut st: crate::core::engine::Entered<'_>,
     owner: &Arc<Shared>,
     resources: R,
     what: &'static str,

@@ -11,7 +11,7 @@
 use super::emulate;
 use super::source::{kernel_name, module_source};
 use super::spec::{ElementwiseOp, ElementwiseSpec};
-use crate::element::DType;
+use crate::dtype::DType;
 use std::io::Write;
 use std::process::{Command, Stdio};
 

@@ -9,7 +9,7 @@
 use super::source::kernel_name;
 use super::spec::{ElementwiseArgs, ElementwiseOp, ElementwiseSpec};
 use crate::driver::launch::{DeviceMemory, Emulation};
-use crate::element::DType;
+use crate::dtype::DType;
 use half::{bf16, f16};
 
 /// A value in transit between element types during a cast.

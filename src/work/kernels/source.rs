@@ -13,7 +13,7 @@
 //! - casts to `f16`/`bf16` round through `f32`; casts to `bool` test `!= 0`; `bool` reads as 0/1.
 
 use super::spec::{ElementwiseOp, ElementwiseSpec};
-use crate::element::DType;
+use crate::dtype::DType;
 
 /// How a storage type computes.
 #[derive(Clone, Copy, PartialEq, Eq)]

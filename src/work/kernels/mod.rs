@@ -40,6 +40,7 @@
 //! ordering and results are tested without a GPU. The device seam knows nothing about these
 //! kernels: a launch is a function, a grid, a block and five 8-byte parameters.
 
+pub(crate) mod cache;
 #[cfg(any(test, feature = "sim"))]
 pub(crate) mod emulate;
 #[cfg(test)]
@@ -47,71 +48,12 @@ mod host_check;
 pub(crate) mod source;
 pub(crate) mod spec;
 
-use crate::driver::launch::{FunctionHandle, ModuleHandle, ModuleSource};
-use crate::driver::Driver;
-use crate::element::{as_bytes, DType, Element};
-use crate::engine::{CudaEngine, State};
+use crate::core::engine::{CudaEngine, State};
+use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::tensor::DeviceTensor;
+use crate::memory::element::{as_bytes, Element};
+use crate::memory::tensor::DeviceTensor;
 use spec::{ElementwiseArgs, ElementwiseOp, ElementwiseSpec, BLOCK};
-use std::collections::HashMap;
-
-/// The engine's compiled elementwise kernels, by what they compute.
-#[derive(Default)]
-pub(crate) struct KernelCache {
-    entries: HashMap<ElementwiseSpec, (ModuleHandle, FunctionHandle)>,
-}
-
-impl KernelCache {
-    /// The kernel for `spec`, compiling and loading it on first use.
-    fn function(
-        &mut self,
-        driver: &mut dyn Driver,
-        spec: ElementwiseSpec,
-    ) -> Result<FunctionHandle> {
-        if let Some(&(_, function)) = self.entries.get(&spec) {
-            return Ok(function);
-        }
-        let name = source::kernel_name(spec);
-        let cuda = source::module_source(spec);
-        let module = driver.module_compile(&ModuleSource {
-            name: &name,
-            cuda: &cuda,
-            #[cfg(any(test, feature = "sim"))]
-            emulation: Some(std::sync::Arc::new(emulate::ElementwiseEmulation::new(
-                spec,
-            ))),
-        })?;
-        let function = match driver.module_function(module, &name) {
-            Ok(function) => function,
-            Err(source) => {
-                // SAFETY: the module was loaded just above, nothing was launched from it, and
-                // it is not cached, so it is unloaded exactly once.
-                let _ = unsafe { driver.module_unload(module) };
-                return Err(Error::Driver {
-                    call: "cuModuleGetFunction",
-                    source,
-                });
-            }
-        };
-        self.entries.insert(spec, (module, function));
-        Ok(function)
-    }
-
-    /// How many kernels are cached.
-    pub(crate) fn len(&self) -> usize {
-        self.entries.len()
-    }
-
-    /// Unloads every module. Call only once the stream is idle (no launch pending).
-    pub(crate) fn release(&mut self, driver: &mut dyn Driver) {
-        for (_, (module, _)) in self.entries.drain() {
-            // SAFETY: each cached module is unloaded once (drained from the cache); the caller
-            // guarantees the stream is idle, so no launch of its kernel is pending.
-            let _ = unsafe { driver.module_unload(module) };
-        }
-    }
-}
 
 /// Why `op` does not serve element type `dtype`, if it does not.
 fn unsupported(op: ElementwiseOp, dtype: DType) -> Option<&'static str> {

@@ -4,7 +4,7 @@
 //! and 8-byte parameters, so this module turns a spec and its operands into exactly that.
 
 use crate::driver::DevicePtr;
-use crate::element::DType;
+use crate::dtype::DType;
 
 /// Threads per block of the built-in elementwise kernels.
 pub(crate) const BLOCK: u32 = 256;
