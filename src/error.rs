@@ -4,7 +4,7 @@
 //! reading the source. Driver failures keep the CUDA result code and the call that produced it.
 //! The enums are `#[non_exhaustive]`: new failure modes are added without breaking matches.
 
-use crate::element::DType;
+use crate::dtype::DType;
 use std::fmt;
 
 /// A CUDA driver result code other than success.

@@ -16,7 +16,7 @@
 //!   pipelined pinned staging, public for hand-built chunked pipelines.
 //! - Work on the engine's stream, with no host wait: elementwise kernels compiled once per engine
 //!   ([`CudaEngine::add`] and the rest; semantics and supported types in [`kernels`]), cuBLAS,
-//!   cuSOLVER and cuTENSOR bound to the stream ([`vendor`]), and CubeCL kernels (feature
+//!   cuSOLVER and cuTENSOR bound to the stream ([`libs`]), and CubeCL kernels (feature
 //!   `cubecl`, [`interop`]).
 //!
 //! Every route runs against a deterministic simulated device (feature `sim`, module [`sim`]) with
@@ -42,45 +42,63 @@
 #![deny(missing_docs)]
 #![warn(clippy::undocumented_unsafe_blocks)]
 
+// The levels, lowest first; a module never imports a level above its own (`tests/levels.rs`
+// checks it). `error` and `dtype` sit below them all.
+//
+// The seam: the one trait that names device operations, and its two implementations.
 mod driver;
-mod element;
-mod engine;
+
+// The engine: one owner of the driver, one lock around it.
+mod core;
+
+// What the engine hands out: tensors, pinned buffers, and the pool and ring behind them.
+mod memory;
+
+// The proofs that the device is done with memory: fences, retirement, staging leases.
+mod lifecycle;
+
+// The host/device routes.
+mod routes;
+
+// What runs on the device: kernels, libraries, CubeCL, raw scopes.
+mod work;
+
+mod dtype;
 mod error;
 pub mod guide;
-pub mod interop;
-pub mod kernels;
-mod lifecycle;
-mod pinned;
-mod raw;
-mod tensor;
-mod transfer;
-pub mod vendor;
 
-pub use element::{DType, Element};
-pub use engine::CudaEngine;
+pub use work::{interop, kernels, libs};
+
+pub use crate::core::engine::CudaEngine;
+pub use dtype::DType;
 pub use error::{DeviceId, DeviceKind, DriverError, Error, Refused, Result};
+pub use lifecycle::lease::{BeginError, LeaseState, Proven, StagingLease, Unproven, Untracked};
 pub use lifecycle::retire::RetirementStats;
-pub use pinned::{PinnedHostBuffer, PinnedPoolStats};
-pub use raw::{RawContext, RawDevicePtr, RawScope, RawStream};
-pub use tensor::DeviceTensor;
-pub use transfer::{
+pub use memory::element::Element;
+pub use memory::pinned::PinnedHostBuffer;
+pub use memory::pool::PinnedPoolStats;
+pub use memory::ring::{StagingConfig, StagingStats};
+pub use memory::tensor::DeviceTensor;
+pub use routes::{
     download_pending, download_tensor, download_tensor_into, upload_pending, upload_tensor,
     Direction, Download, InFlight, Pending, PendingDownload, PendingUpload, Returned,
     TransferPackage, TransferState, TransferSubmitError, TryWait, Upload,
 };
-pub use transfer::{
-    BeginError, LeaseState, Proven, StagingConfig, StagingLease, StagingStats, Unproven, Untracked,
-};
-pub use vendor::{BlasElement, GemmConfig, SolverStatus, TensorElement, Transpose};
+pub use work::libs::{BlasElement, GemmConfig, SolverStatus, TensorElement, Transpose};
+pub use work::raw::{RawContext, RawDevicePtr, RawScope, RawStream};
 
 /// The simulated device (feature `sim`).
+///
+/// Open an engine on a fresh one with [`CudaEngine::simulated`], or several engines on one with
+/// [`CudaEngine::simulated_on`]; [`CudaEngine::sim`] hands out the [`SimDevice`](sim::SimDevice)
+/// behind an engine, to advance its clock and inject faults between engine operations.
 #[cfg(any(test, feature = "sim"))]
 pub mod sim {
     pub use crate::driver::sim::{set_thread_context, thread_context, SimConfig, SimDevice, SimOp};
 }
 
 #[cfg(feature = "cubecl")]
-pub use interop::cubecl::{runtime as cubecl, CubeclScope};
+pub use work::interop::cubecl::{runtime as cubecl, CubeclScope};
 
 /// The cudarc release the raw scopes speak, re-exported: cudarc 0.19 (`cudarc = "0.19"`, one
 /// `0.19.x` per build), with its bindings for CUDA 13.0 (feature `cuda-13000`) and the `driver`,

@@ -99,9 +99,10 @@ fn completed_detached_uploads(engine: &mut CudaEngine, n: usize) {
 }
 
 /// A pinned allocation that fails after the retirement queue released completed records must
-/// return its error. `State::acquire_pinned` (src/pinned.rs) once returned early with `?` while it
-/// held the released records and the caller held the engine's lock; dropping the records there
-/// dropped their pinned buffers and tensors, whose `Drop` takes the same lock: a deadlock.
+/// return its error. The pinned allocation (`src/memory/pinned.rs`) once returned early with `?`
+/// while it held the released records and the caller held the engine's lock; dropping the
+/// records there dropped their pinned buffers and tensors, whose `Drop` takes the same lock: a
+/// deadlock.
 ///
 /// Both allocation attempts fail and the released 4 KiB block cannot hold the 16 KiB asked for,
 /// so the one right outcome is the allocation's error. The retry under pressure frees the idle

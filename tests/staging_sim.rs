@@ -155,19 +155,19 @@ fn fault_case(upload: bool, op: SimOp, nth: u64) {
     engine.synchronize().unwrap();
     let staging = engine.staging_stats();
     let retire = engine.retirement_stats();
-    assert_eq!(staging.leased, 0, "{op:?} #{nth}: no lease left out");
     assert_eq!(retire.pending, 0, "{op:?} #{nth}: drained at synchronize");
     let expect_retained = usize::from(op == SimOp::EventSynchronize);
     assert_eq!(
         retire.retained, expect_retained,
         "{op:?} #{nth}: only a failed wait retains"
     );
-    // Pinned accounting: ring slots plus slots retained for good; nothing else is alive.
+    // Only a retained slot stays out of the ring, counted as leased.
     assert_eq!(
-        sim.pinned_live().0,
-        staging.slots + retire.retained,
-        "{op:?} #{nth}"
+        staging.leased, retire.retained,
+        "{op:?} #{nth}: no lease left out"
     );
+    // Pinned accounting: ring slots (retained ones among them); nothing else is alive.
+    assert_eq!(sim.pinned_live().0, staging.slots, "{op:?} #{nth}");
     assert!(
         sim.violations().is_empty(),
         "{op:?} #{nth}: {:?}",

@@ -1,16 +1,22 @@
 //! The kernel half of the device seam: compiling, loading and launching device code.
 //!
 //! It is a supertrait of [`Driver`](super::Driver) rather than more methods on it, so the two
-//! halves of the seam can grow independently. A real device compiles CUDA C++ with NVRTC, loads
-//! the PTX into the engine's context and launches it on the engine's stream. The simulated device
-//! cannot run PTX, so every module carries a description of the built-in kernel it holds
-//! ([`ElementwiseSpec`]); the simulator queues a host emulation of that kernel on its stream,
-//! which runs at the same point in stream order as the kernel would. Modules without such a
-//! description (user kernels) are refused there with a typed error.
+//! halves of the seam can grow independently. It names device operations only: a module is CUDA
+//! C++ source, a launch is a function, a grid, a block and the kernel's parameters. What a kernel
+//! computes is the business of the level that wrote it.
+//!
+//! A real device compiles the source with NVRTC, loads the PTX into the engine's context and
+//! launches it on the engine's stream. A device that cannot run PTX (the simulator) runs the
+//! module's [`Emulation`] instead, which the code that builds the module registers in its
+//! [`ModuleSource`]: the simulator queues it on its stream, so it runs at the same point in
+//! stream order as the kernel would, against the device's own memory. A module without an
+//! emulation (a user kernel) is refused there with a typed error.
 
+#[cfg(any(test, feature = "sim"))]
 use super::DevicePtr;
-use crate::element::DType;
 use crate::error::{DriverError, Error};
+#[cfg(any(test, feature = "sim"))]
+use std::sync::Arc;
 
 /// A loaded module, as the raw handle value (`CUmodule` for CUDA).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -20,76 +26,43 @@ pub(crate) struct ModuleHandle(pub(crate) u64);
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) struct FunctionHandle(pub(crate) u64);
 
-/// The operation a built-in elementwise kernel performs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub(crate) enum ElementwiseOp {
-    /// `out = a + b`
-    Add,
-    /// `out = a - b`
-    Sub,
-    /// `out = a * b`
-    Mul,
-    /// `out = a / b`
-    Div,
-    /// `out = -a`
-    Neg,
-    /// `out = a * scalar`
-    Scale,
-    /// `out = scalar`
-    Fill,
-    /// `out = a as Output`
-    Cast,
-}
-
-impl ElementwiseOp {
-    /// The operation's name, as kernel names and errors spell it.
-    pub(crate) const fn name(self) -> &'static str {
-        match self {
-            ElementwiseOp::Add => "add",
-            ElementwiseOp::Sub => "sub",
-            ElementwiseOp::Mul => "mul",
-            ElementwiseOp::Div => "div",
-            ElementwiseOp::Neg => "neg",
-            ElementwiseOp::Scale => "scale",
-            ElementwiseOp::Fill => "fill",
-            ElementwiseOp::Cast => "cast",
-        }
-    }
-}
-
-/// What a built-in elementwise kernel computes: the operation, the element type it reads and the
-/// element type it writes (equal except for casts).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub(crate) struct ElementwiseSpec {
-    pub(crate) op: ElementwiseOp,
-    pub(crate) input: DType,
-    pub(crate) output: DType,
-}
-
 /// Source for one module.
 pub(crate) struct ModuleSource<'a> {
     /// The program name, for logs and errors.
     pub(crate) name: &'a str,
     /// Self-contained CUDA C++ (no `#include`).
     pub(crate) cuda: &'a str,
-    /// The built-in kernel the module holds, for devices that emulate instead of running PTX.
-    pub(crate) builtin: Option<ElementwiseSpec>,
+    /// How a device that cannot run PTX runs the module's one kernel, if it can. A real device
+    /// ignores it.
+    #[cfg(any(test, feature = "sim"))]
+    pub(crate) emulation: Option<Arc<dyn Emulation>>,
 }
 
-/// The arguments of every built-in elementwise kernel, whatever its operation:
-/// `(out, a, b, scalar_bits, len)`. Unused operands are zero.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct ElementwiseArgs {
-    /// The output, `len` elements of the spec's output type.
-    pub(crate) out: DevicePtr,
-    /// The first operand, `len` elements of the input type (unused by `fill`).
-    pub(crate) a: DevicePtr,
-    /// The second operand (`add`, `sub`, `mul`, `div` only).
-    pub(crate) b: DevicePtr,
-    /// The scalar of `scale` and `fill`: the element's bits, zero-extended to 64 bits.
-    pub(crate) scalar: u64,
-    /// The element count.
-    pub(crate) len: u64,
+/// Device memory as an [`Emulation`] sees it while its launch runs: the bytes the device holds
+/// at that point in stream order.
+#[cfg(any(test, feature = "sim"))]
+pub(crate) trait DeviceMemory {
+    /// The `bytes` bytes at `ptr`, if they lie inside one live allocation.
+    fn read(&mut self, ptr: DevicePtr, bytes: usize) -> Option<Vec<u8>>;
+    /// Writes `data` at `ptr`. `false` (and nothing written) unless the range lies inside one
+    /// live allocation.
+    fn write(&mut self, ptr: DevicePtr, data: &[u8]) -> bool;
+}
+
+/// A host implementation of a module's one kernel, for devices that cannot run PTX.
+///
+/// Registered by the code that builds the module (in [`ModuleSource::emulation`]), so the
+/// seam names no kernel: the simulator only runs what it is given.
+#[cfg(any(test, feature = "sim"))]
+pub(crate) trait Emulation: Send + Sync {
+    /// The name of the kernel it stands for, as [`Launch::module_function`] looks it up.
+    fn name(&self) -> &str;
+    /// Runs the kernel once over the whole grid with `params`, the launch's parameters.
+    ///
+    /// # Errors
+    /// What went wrong (it touched memory outside every live allocation, or the parameters do
+    /// not fit the kernel), for the device to record as a violation.
+    fn run(&self, memory: &mut dyn DeviceMemory, params: &[u64]) -> Result<(), String>;
 }
 
 /// Compiling, loading and launching device code, on the driver's context and stream.
@@ -98,7 +71,7 @@ pub(crate) trait Launch {
     ///
     /// # Errors
     /// [`Error::Unavailable`] when NVRTC is missing (or, on the simulated device, when the module
-    /// is not a built-in kernel); [`Error::Compile`] with NVRTC's log; [`Error::Driver`] when the
+    /// carries no emulation); [`Error::Compile`] with NVRTC's log; [`Error::Driver`] when the
     /// driver refuses the PTX.
     fn module_compile(&mut self, source: &ModuleSource<'_>) -> Result<ModuleHandle, Error>;
 
@@ -116,16 +89,22 @@ pub(crate) trait Launch {
     /// queued launch of one of its kernels is still pending.
     unsafe fn module_unload(&mut self, module: ModuleHandle) -> Result<(), DriverError>;
 
-    /// Queues a built-in elementwise kernel on the stream.
+    /// Queues `function` on the stream over `grid` blocks of `block` threads (one-dimensional),
+    /// with `params` as its parameters: every parameter is one 8-byte word (a device pointer, or
+    /// a scalar's bits zero-extended), in the kernel's order.
     ///
     /// # Safety
-    /// `function` came from a module compiled from a built-in [`ElementwiseSpec`] on this
-    /// driver; every pointer the spec's operation reads or writes names a live allocation of at
-    /// least `len` elements of its type, and stays live until the launch completes; `out` does
-    /// not overlap `a` or `b` unless it is identical to them.
-    unsafe fn launch_elementwise(
+    /// `function` came from [`Launch::module_function`] on this driver and its module is still
+    /// loaded; the kernel's signature is exactly `params.len()` 8-byte parameters; `grid` and
+    /// `block` are non-zero and within the device's limits; every device range the kernel reads
+    /// or writes with these parameters lies in a live allocation that stays live until the
+    /// launch completes, and what it writes is not read or written by other queued work
+    /// meanwhile unless that work is ordered after it.
+    unsafe fn launch(
         &mut self,
         function: FunctionHandle,
-        args: &ElementwiseArgs,
+        grid: u32,
+        block: u32,
+        params: &[u64],
     ) -> Result<(), DriverError>;
 }

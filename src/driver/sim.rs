@@ -25,6 +25,7 @@
 
 mod launch;
 
+use super::launch::Emulation;
 use super::{ContextHandle, DevicePtr, Driver, EventHandle, Waits};
 use crate::error::{DeviceId, DeviceKind, DriverError};
 use std::alloc::Layout;
@@ -86,7 +87,7 @@ pub enum SimOp {
     StreamSynchronize,
     /// Stream query.
     StreamQuery,
-    /// Module compile and load (the simulator accepts only the crate's built-in kernels).
+    /// Module compile and load (the simulator accepts only modules that carry an emulation).
     ModuleLoad,
     /// Kernel launch.
     Launch,
@@ -133,10 +134,10 @@ enum Job {
     },
     Free(DevicePtr),
     Marker,
-    /// A built-in elementwise kernel, emulated on the host when the stream reaches it.
-    Elementwise {
-        spec: crate::driver::launch::ElementwiseSpec,
-        args: crate::driver::launch::ElementwiseArgs,
+    /// A kernel launch, run by its module's emulation when the stream reaches it.
+    Launch {
+        emulation: Arc<dyn Emulation>,
+        params: Vec<u64>,
     },
 }
 
@@ -184,8 +185,8 @@ struct State {
     event_faults: Vec<(u64, DriverError)>,
     violations: Vec<String>,
     completed_jobs: u64,
-    /// Loaded modules: the built-in kernel each holds, and its name.
-    modules: HashMap<u64, (crate::driver::launch::ElementwiseSpec, String)>,
+    /// Loaded modules, by handle: the emulation of the one kernel each holds.
+    modules: HashMap<u64, Arc<dyn Emulation>>,
     next_module: u64,
 }
 
@@ -196,9 +197,8 @@ unsafe impl Send for State {}
 
 /// A handle to a simulated device: its clock, its fault injection and its accounting.
 ///
-/// Clones share the device. The engine that drives it holds one; tests hold another (from
-/// [`CudaEngine::sim`](crate::CudaEngine::sim)) to advance the clock and inject faults between
-/// engine operations.
+/// Clones share the device. The engine that drives it holds one; tests hold another (from the
+/// engine's `sim` method) to advance the clock and inject faults between engine operations.
 #[derive(Clone)]
 pub struct SimDevice {
     inner: Arc<Inner>,
@@ -482,7 +482,11 @@ impl State {
                     .push(format!("free of unknown device pointer {ptr:#x}")),
             },
             Job::Marker => {}
-            Job::Elementwise { spec, args } => self.run_elementwise(spec, &args),
+            Job::Launch { emulation, params } => {
+                if let Err(violation) = emulation.run(self, &params) {
+                    self.violations.push(violation);
+                }
+            }
         }
         self.done_seq = seq + 1;
         self.completed_jobs += 1;
@@ -500,8 +504,7 @@ impl State {
     }
 }
 
-/// The driver half of a simulated device: what an engine built with
-/// [`CudaEngine::simulated`](crate::CudaEngine::simulated) drives.
+/// The driver half of a simulated device: what a simulated engine drives.
 pub(crate) struct SimDriver {
     device: SimDevice,
     id: DeviceId,
@@ -996,5 +999,75 @@ mod tests {
             .join()
             .unwrap();
         set_thread_context(None);
+    }
+
+    /// A kernel the seam knows nothing about: copies `params[2]` bytes from `params[1]` to
+    /// `params[0]`.
+    struct CopyKernel;
+
+    impl crate::driver::launch::Emulation for CopyKernel {
+        fn name(&self) -> &str {
+            "copy"
+        }
+
+        fn run(
+            &self,
+            memory: &mut dyn crate::driver::launch::DeviceMemory,
+            params: &[u64],
+        ) -> Result<(), String> {
+            let &[dst, src, bytes] = params else {
+                return Err("copy takes three parameters".into());
+            };
+            let data = memory
+                .read(src, bytes as usize)
+                .ok_or("copy reads unmapped memory")?;
+            if memory.write(dst, &data) {
+                Ok(())
+            } else {
+                Err("copy writes unmapped memory".into())
+            }
+        }
+    }
+
+    #[test]
+    fn a_launch_runs_its_modules_emulation_when_the_clock_reaches_it() {
+        use crate::driver::launch::{Launch, ModuleSource};
+        let (mut d, dev) = driver();
+        let refused = d.module_compile(&ModuleSource {
+            name: "user",
+            cuda: "",
+            emulation: None,
+        });
+        assert!(
+            matches!(refused, Err(crate::Error::Unavailable { .. })),
+            "{refused:?}"
+        );
+        let module = d
+            .module_compile(&ModuleSource {
+                name: "copy",
+                cuda: "",
+                emulation: Some(Arc::new(CopyKernel)),
+            })
+            .unwrap();
+        assert!(d.module_function(module, "other").is_err());
+        let function = d.module_function(module, "copy").unwrap();
+        let src = pinned(&mut d, 4, |i| i as u8 + 1);
+        let a = d.alloc(4).unwrap();
+        let b = d.alloc(4).unwrap();
+        // SAFETY: `src` is live pinned memory, `a` and `b` live allocations of 4 bytes; the test
+        // runs every job before reading.
+        unsafe {
+            d.copy_htod(a, src.as_ptr(), 4).unwrap();
+            d.launch(function, 1, 1, &[b, a, 4]).unwrap();
+            d.launch(function, 1, 1, &[b, 0x10, 4]).unwrap();
+        }
+        assert_eq!(dev.advance(2), 2);
+        assert_eq!(dev.peek(b, 4).unwrap(), [1, 2, 3, 4]);
+        assert!(dev.violations().is_empty());
+        dev.advance_all();
+        assert_eq!(dev.violations(), ["copy reads unmapped memory"]);
+        assert_eq!(dev.calls(SimOp::Launch), 2);
+        // SAFETY: loaded above, unloaded once, and both launches have run.
+        unsafe { d.module_unload(module).unwrap() };
     }
 }

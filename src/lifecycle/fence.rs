@@ -17,10 +17,10 @@
 //!   through any of these paths leaks `R` (sound) instead of releasing it, and never takes the
 //!   engine's lock while it is held.
 
+use super::retire::Record;
+use crate::core::engine::{Shared, State};
 use crate::driver::EventHandle;
-use crate::engine::{Shared, State};
 use crate::error::{DriverError, Error, Result};
-use crate::lifecycle::retire::Record;
 use std::mem::ManuallyDrop;
 use std::sync::Arc;
 
@@ -124,12 +124,6 @@ impl<R: Send + 'static> Fenced<R> {
     /// The engine the fenced work was queued on.
     pub(crate) fn owner(&self) -> &Arc<Shared> {
         &self.inner().owner
-    }
-
-    /// The resources, for reading what they are (never for reaching memory the device may still
-    /// touch).
-    pub(crate) fn resources(&self) -> &R {
-        &self.inner().resources
     }
 
     /// Binds `extra` to the same proof: it is released with the resources, never before.
@@ -330,11 +324,6 @@ impl<R: Send + 'static> Untracked<R> {
         drop(self);
     }
 
-    /// The resources, for reading what they are (never for reaching their memory).
-    pub(crate) fn resources(&self) -> &R {
-        &self.resources
-    }
-
     /// Retains `extra` with the resources.
     pub(crate) fn attach<X: Send + 'static>(self, extra: X) -> Untracked<(R, X)> {
         let mut this = ManuallyDrop::new(self);
@@ -372,7 +361,7 @@ impl<R: Send + 'static> Drop for Untracked<R> {
 /// (`resources` are then retained), or [`Error::DeviceFault`] when the work failed.
 #[cfg(feature = "cubecl")]
 pub(crate) fn wait_for_queued<R: Send + 'static>(
-    mut st: crate::engine::Entered<'_>,
+    mut st: crate::core::engine::Entered<'_>,
     owner: &Arc<Shared>,
     resources: R,
     what: &'static str,

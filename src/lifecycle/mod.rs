@@ -1,14 +1,22 @@
-//! Lifecycles: how the crate proves that the device is done with memory before anything safe
-//! can reach it again.
+//! The lifecycle level: how the crate proves that the device is done with memory before anything
+//! safe can reach it again.
 //!
 //! - [`fence`]: the one proof of completion, `Fenced<R>`, and the two other outcomes of trying to
 //!   make one (proven at once, or untracked and retained).
 //! - [`retire`]: where fenced resources wait when their owner went away before the proof, and
-//!   the pool of events the proofs are recorded with.
+//!   the pool of events the proofs are recorded with (engine state).
+//! - [`lease`]: the `StagingLease<Proven/Unproven/Untracked>` typestate over the staging ring's
+//!   slots, public for hand-built chunked pipelines.
 //!
 //! Pending transfers, staging leases, the CubeCL boundary and every detached value are built on
-//! these two, so the rules (no host wait under the engine's lock; a panic leaks, never
+//! the first two, so the rules (no host wait under the engine's lock; a panic leaks, never
 //! releases; a failure retains and is reported once) are written here and nowhere else.
+//!
+//! The level exists so those proofs sit apart from both the memory they guard (below: the
+//! memory level) and the routes that use them (above). It depends on the seam, the core, the
+//! memory level and the errors. `retire` is the engine's state and depends only on the seam and
+//! the errors (see [`core`](crate::core)).
 
 pub(crate) mod fence;
+pub(crate) mod lease;
 pub(crate) mod retire;

@@ -5,7 +5,7 @@
 //! an absent NVRTC is a typed [`Error::Unavailable`].
 
 use super::CudaDriver;
-use crate::driver::launch::{ElementwiseArgs, FunctionHandle, Launch, ModuleHandle, ModuleSource};
+use crate::driver::launch::{FunctionHandle, Launch, ModuleHandle, ModuleSource};
 use crate::error::{DriverError, Error};
 use cudarc::driver::sys;
 use cudarc::nvrtc::sys as nvrtc;
@@ -13,10 +13,8 @@ use std::ffi::{c_char, c_int, c_void, CString};
 use std::mem::MaybeUninit;
 use std::sync::OnceLock;
 
-/// Threads per block of the built-in elementwise kernels.
-const BLOCK: u32 = 256;
-/// The most blocks an elementwise launch uses; the kernels loop over the rest (grid stride).
-const MAX_BLOCKS: u64 = 1 << 20;
+/// Launches with up to this many parameters build their pointer array on the stack.
+const INLINE_PARAMS: usize = 8;
 
 /// Whether NVRTC can be loaded on this machine (probed once).
 pub(crate) fn nvrtc_present() -> bool {
@@ -220,45 +218,49 @@ impl Launch for CudaDriver {
         DriverError::check(unsafe { sys::cuModuleUnload(module.0 as sys::CUmodule) })
     }
 
-    unsafe fn launch_elementwise(
+    unsafe fn launch(
         &mut self,
         function: FunctionHandle,
-        args: &ElementwiseArgs,
+        grid: u32,
+        block: u32,
+        params: &[u64],
     ) -> Result<(), DriverError> {
-        if args.len == 0 {
-            return Ok(());
-        }
-        let blocks = args.len.div_ceil(u64::from(BLOCK)).min(MAX_BLOCKS);
-        let blocks = u32::try_from(blocks).map_err(|_| DriverError::INVALID_VALUE)?;
-        let mut out = args.out;
-        let mut a = args.a;
-        let mut b = args.b;
-        let mut scalar = args.scalar;
-        let mut len = args.len;
-        // The kernel's parameters, in order: (out, a, b, scalar_bits, len), each 8 bytes.
-        let mut params: [*mut c_void; 5] = [
-            (&mut out as *mut u64).cast(),
-            (&mut a as *mut u64).cast(),
-            (&mut b as *mut u64).cast(),
-            (&mut scalar as *mut u64).cast(),
-            (&mut len as *mut u64).cast(),
-        ];
-        // SAFETY: `function` is a built-in elementwise kernel whose signature is exactly the five
-        // 8-byte parameters above (see `kernels::source`); the parameter values live through the
-        // call (the driver copies them at launch); the caller guarantees the pointers' validity
-        // until the kernel completes; the stream belongs to the current context.
+        // `cuLaunchKernel` takes one pointer per parameter, to its value. It only reads through
+        // them, so they point straight into `params`.
+        let pointer = |p: &u64| (p as *const u64).cast_mut().cast::<c_void>();
+        let mut inline = [std::ptr::null_mut::<c_void>(); INLINE_PARAMS];
+        let mut heap = Vec::new();
+        let pointers: &mut [*mut c_void] = if params.len() <= INLINE_PARAMS {
+            for (slot, p) in inline.iter_mut().zip(params) {
+                *slot = pointer(p);
+            }
+            &mut inline[..params.len()]
+        } else {
+            heap.extend(params.iter().map(pointer));
+            &mut heap
+        };
+        let kernel_params = if pointers.is_empty() {
+            std::ptr::null_mut()
+        } else {
+            pointers.as_mut_ptr()
+        };
+        // SAFETY: `function` is a live kernel of this driver whose signature is exactly
+        // `params.len()` 8-byte parameters (the caller's contract); each pointer names one of
+        // them and lives through the call (the driver copies the values at launch); the caller
+        // guarantees the memory the kernel touches stays valid until it completes; the stream
+        // belongs to the current context.
         DriverError::check(unsafe {
             sys::cuLaunchKernel(
                 function.0 as sys::CUfunction,
-                blocks,
+                grid,
                 1,
                 1,
-                BLOCK,
+                block,
                 1,
                 1,
                 0,
                 self.stream,
-                params.as_mut_ptr(),
+                kernel_params,
                 std::ptr::null_mut(),
             )
         })
@@ -289,7 +291,7 @@ mod tests {
         let good = ModuleSource {
             name: "good",
             cuda: "extern \"C\" __global__ void k(float* x) { x[0] = 1.0f; }",
-            builtin: None,
+            emulation: None,
         };
         let archs = nvrtc_archs();
         assert!(archs.contains(&90), "{archs:?}");
@@ -304,7 +306,7 @@ mod tests {
         let bad = ModuleSource {
             name: "bad",
             cuda: "extern \"C\" __global__ void k(float* x) { x[0] = undefined_name; }",
-            builtin: None,
+            emulation: None,
         };
         match compile_ptx(&bad, 0) {
             Err(Error::Compile {

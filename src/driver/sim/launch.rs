@@ -1,57 +1,31 @@
 //! The kernel half of the seam on the simulated device.
 //!
-//! The simulator cannot run PTX. It accepts a module only when it holds one of the crate's
-//! built-in elementwise kernels, and a launch queues a job that emulates the kernel on the
-//! device's memory (`kernels::emulate`) when the device clock reaches it, so a kernel's output is
-//! unwritten until then, exactly as on a GPU. Any other module is refused with a typed
-//! [`Error::Unavailable`].
+//! The simulator cannot run PTX. It accepts a module only when the module carries an
+//! [`Emulation`] of its kernel (the crate's elementwise kernels register theirs), and a launch
+//! queues a job that runs the emulation against the device's memory when the device clock
+//! reaches it, so a kernel's output is unwritten until then, exactly as on a GPU. What the
+//! emulation touches outside every live allocation is recorded as a violation. Any other module
+//! is refused with a typed [`Error::Unavailable`].
 
 use super::{Job, SimDriver, SimOp, State};
-use crate::driver::launch::{
-    ElementwiseArgs, ElementwiseOp, ElementwiseSpec, FunctionHandle, Launch, ModuleHandle,
-    ModuleSource,
-};
+use crate::driver::launch::{DeviceMemory, FunctionHandle, Launch, ModuleHandle, ModuleSource};
+use crate::driver::DevicePtr;
 use crate::error::{DriverError, Error};
+use std::sync::Arc;
 
-impl State {
-    /// Runs a queued elementwise kernel: reads its operands, computes, writes its output.
-    pub(super) fn run_elementwise(&mut self, spec: ElementwiseSpec, args: &ElementwiseArgs) {
-        let Ok(len) = usize::try_from(args.len) else {
-            self.violations
-                .push(format!("elementwise launch of {} elements", args.len));
-            return;
-        };
-        let in_bytes = len * spec.input.size_bytes();
-        let out_bytes = len * spec.output.size_bytes();
-        let reads_a = spec.op != ElementwiseOp::Fill;
-        let reads_b = matches!(
-            spec.op,
-            ElementwiseOp::Add | ElementwiseOp::Sub | ElementwiseOp::Mul | ElementwiseOp::Div
-        );
-        let mut operand = |used: bool, ptr| -> Option<Vec<u8>> {
-            if !used {
-                return Some(Vec::new());
+/// What an emulation reads and writes: the device's memory as of the jobs that have run.
+impl DeviceMemory for State {
+    fn read(&mut self, ptr: DevicePtr, bytes: usize) -> Option<Vec<u8>> {
+        self.block_mut(ptr, bytes).map(|s| s.to_vec())
+    }
+
+    fn write(&mut self, ptr: DevicePtr, data: &[u8]) -> bool {
+        match self.block_mut(ptr, data.len()) {
+            Some(out) => {
+                out.copy_from_slice(data);
+                true
             }
-            self.block_mut(ptr, in_bytes).map(|s| s.to_vec())
-        };
-        let (Some(a), Some(b)) = (operand(reads_a, args.a), operand(reads_b, args.b)) else {
-            self.violations.push(format!(
-                "{:?} kernel reads unmapped device memory ({:#x}, {:#x}, {in_bytes} bytes)",
-                spec, args.a, args.b
-            ));
-            return;
-        };
-        let Some(result) = crate::kernels::emulate::run(spec, &a, &b, args.scalar, len) else {
-            self.violations
-                .push(format!("{spec:?} is not a kernel the crate builds"));
-            return;
-        };
-        match self.block_mut(args.out, out_bytes) {
-            Some(out) => out.copy_from_slice(&result),
-            None => self.violations.push(format!(
-                "{spec:?} kernel writes unmapped device memory {:#x}+{out_bytes}",
-                args.out
-            )),
+            None => false,
         }
     }
 }
@@ -61,19 +35,18 @@ impl Launch for SimDriver {
         let mut s = self.lock();
         s.enter(SimOp::ModuleLoad)
             .map_err(Error::driver("cuModuleLoadData"))?;
-        let Some(spec) = source.builtin else {
+        let Some(emulation) = &source.emulation else {
             return Err(Error::Unavailable {
                 library: "NVRTC",
                 detail: format!(
-                    "the simulated device cannot run PTX; it emulates only the crate's built-in kernels, not {}",
+                    "the simulated device cannot run PTX; it runs only modules that carry an emulation, not {}",
                     source.name
                 ),
             });
         };
         let id = s.next_module;
         s.next_module += 1;
-        s.modules
-            .insert(id, (spec, crate::kernels::source::kernel_name(spec)));
+        s.modules.insert(id, Arc::clone(emulation));
         Ok(ModuleHandle(id))
     }
 
@@ -85,7 +58,7 @@ impl Launch for SimDriver {
         let s = self.lock();
         match s.modules.get(&module.0) {
             // One kernel per module: the function handle is the module's.
-            Some((_, kernel)) if kernel == name => Ok(FunctionHandle(module.0)),
+            Some(emulation) if emulation.name() == name => Ok(FunctionHandle(module.0)),
             _ => Err(DriverError::from_raw(
                 cudarc::driver::sys::CUresult::CUDA_ERROR_NOT_FOUND,
             )),
@@ -100,19 +73,24 @@ impl Launch for SimDriver {
             .ok_or(DriverError::INVALID_VALUE)
     }
 
-    unsafe fn launch_elementwise(
+    unsafe fn launch(
         &mut self,
         function: FunctionHandle,
-        args: &ElementwiseArgs,
+        _grid: u32,
+        _block: u32,
+        params: &[u64],
     ) -> Result<(), DriverError> {
         let mut s = self.lock();
         s.enter(SimOp::Launch)?;
-        let spec = s
+        let emulation = s
             .modules
             .get(&function.0)
-            .map(|(spec, _)| *spec)
+            .map(Arc::clone)
             .ok_or(DriverError::INVALID_VALUE)?;
-        s.push(Job::Elementwise { spec, args: *args });
+        s.push(Job::Launch {
+            emulation,
+            params: params.to_vec(),
+        });
         Ok(())
     }
 }

@@ -16,11 +16,12 @@
 //! on uploads) into the retirement queue, so nothing is freed while DMA may still touch it, and
 //! the route returns the error.
 
-use super::staging::{BeginError, Proven, StagingLease, Unproven};
-use crate::element::{as_bytes, byte_len, DType, Element};
-use crate::engine::CudaEngine;
+use crate::core::engine::CudaEngine;
+use crate::dtype::DType;
 use crate::error::{Error, Refused, Result};
-use crate::tensor::{shape_len, DeviceTensor};
+use crate::lifecycle::lease::{BeginError, Proven, StagingLease, Unproven};
+use crate::memory::element::{as_bytes, byte_len, Element};
+use crate::memory::tensor::{shape_len, DeviceTensor};
 use std::collections::VecDeque;
 use std::sync::Arc;
 
@@ -106,7 +107,7 @@ fn pool_for(engine: &mut CudaEngine, bytes: usize) -> Result<Option<Arc<rayon::T
     if bytes < 2 * MIN_COPY_PART {
         return Ok(None);
     }
-    Ok(Some(engine.enter()?.copy_pool()?))
+    Ok(Some(engine.enter()?.staging.copy_pool()?))
 }
 
 /// The lease for the next chunk: a new one while fewer than `depth` chunks are in flight, else

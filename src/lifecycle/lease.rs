@@ -1,14 +1,9 @@
-//! Bounded pinned staging: the ring of chunks behind the blocking routes, and the
-//! `StagingLease<Proven/Unproven>` typestate that makes its lifecycle a compile-time rule.
+//! The `StagingLease<Proven/Unproven>` typestate that makes the lifecycle of a pinned staging
+//! slot a compile-time rule.
 //!
-//! A blocking route moves ordinary (pageable) host memory. The device's copy engines only reach
-//! the PCIe limit from page-locked memory, so the route stages through pinned chunks: host
-//! threads copy a chunk into a pinned slot while the DMA of the previous chunk runs. Each slot of
-//! the per-engine ring has its own event; the ring has a fixed depth, so the engine never holds
-//! more pinned staging memory than `depth × chunk` bytes.
-//!
-//! A [`StagingLease`] is the exclusive use of one slot. Its state says whether the slot's memory
-//! may be touched:
+//! The slots are those of the engine's staging ring (`memory::ring`), the pinned chunks behind
+//! the blocking routes. A [`StagingLease`] is the exclusive use of one slot, with the event of
+//! its last chunk. Its state says whether the slot's memory may be touched:
 //! - [`Proven`]: no queued copy names the slot. Its memory is reachable
 //!   ([`as_bytes`](StagingLease::as_bytes), [`as_mut_bytes`](StagingLease::as_mut_bytes)), and it
 //!   can be [`release`](StagingLease::release)d or used to begin a chunk.
@@ -31,268 +26,14 @@
 // A failed begin hands the lease back by value inside its error, as `TrySendError<T>` does.
 #![allow(clippy::result_large_err)]
 
-use crate::driver::Driver;
-use crate::element::Element;
-use crate::engine::{CudaEngine, Shared, State};
-use crate::error::{DriverError, Error, Result};
-use crate::lifecycle::fence::{fence, Fenced, Fencing, IdleEvent, Untracked as Unfenced};
-use crate::tensor::DeviceTensor;
+use super::fence::{fence, Fenced, Fencing, IdleEvent, Untracked as Unfenced};
+use crate::core::engine::{CudaEngine, Shared};
+use crate::error::{Error, Result};
+use crate::memory::element::Element;
+use crate::memory::ring::{free_slot, Slot, SlotKind, StagingConfig, StagingStats};
+use crate::memory::tensor::DeviceTensor;
 use std::marker::PhantomData;
-use std::ptr::NonNull;
 use std::sync::Arc;
-
-/// The staging settings of an engine. Defaults were chosen by measurement on an H200 (PCIe
-/// Gen5 x16, 16 host cores); see `docs/records/blocking-staging.md`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct StagingConfig {
-    /// Bytes per pinned staging chunk (one ring slot).
-    pub chunk_bytes: usize,
-    /// Slots in the ring: how many chunks may be in flight at once.
-    pub ring_depth: usize,
-    /// Host threads that copy into and out of staging chunks.
-    pub copy_threads: usize,
-    /// Transfers up to this many bytes go through one staged copy (one slot, no pipeline);
-    /// larger ones through the pipeline.
-    pub cutoff_bytes: usize,
-}
-
-impl Default for StagingConfig {
-    fn default() -> Self {
-        StagingConfig {
-            chunk_bytes: 16 << 20,
-            ring_depth: 4,
-            copy_threads: 12,
-            cutoff_bytes: 1 << 20,
-        }
-    }
-}
-
-impl StagingConfig {
-    fn validate(&self) -> Result<()> {
-        let bad = |setting, value, reason| {
-            Err(Error::InvalidSetting {
-                setting,
-                value,
-                reason,
-            })
-        };
-        if self.chunk_bytes < 4096 || self.chunk_bytes > 1 << 30 {
-            return bad(
-                "chunk_bytes",
-                self.chunk_bytes,
-                "must be between 4 KiB and 1 GiB",
-            );
-        }
-        if self.ring_depth == 0 || self.ring_depth > 64 {
-            return bad("ring_depth", self.ring_depth, "must be between 1 and 64");
-        }
-        if self.copy_threads == 0 || self.copy_threads > 256 {
-            return bad(
-                "copy_threads",
-                self.copy_threads,
-                "must be between 1 and 256",
-            );
-        }
-        if self.cutoff_bytes > self.chunk_bytes {
-            return bad(
-                "cutoff_bytes",
-                self.cutoff_bytes,
-                "must not exceed chunk_bytes (a single staged copy uses one chunk)",
-            );
-        }
-        Ok(())
-    }
-}
-
-/// One pinned staging chunk.
-pub(crate) struct Slot {
-    ptr: NonNull<u8>,
-    bytes: usize,
-    kind: SlotKind,
-}
-
-/// Which budget a slot is drawn from.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum SlotKind {
-    /// A chunk of the blocking routes' pipeline.
-    Route,
-    /// A chunk leased by a caller through [`CudaEngine::staging_lease`].
-    User,
-    /// The 16-byte slot of the smallest band.
-    Scalar,
-}
-
-// SAFETY: a slot is exclusively owned memory (by the ring or by one lease); its pointer is not
-// aliased across threads without that ownership moving with it.
-unsafe impl Send for Slot {}
-// SAFETY: shared access to a slot only reads through `&self` (`StagingLease<Proven>::as_bytes`);
-// every write needs `&mut`.
-unsafe impl Sync for Slot {}
-
-/// Counters for the staging ring.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct StagingStats {
-    /// Chunk-sized slots allocated (idle, leased, or in flight).
-    pub slots: usize,
-    /// Slots out of the ring: leased, in flight, or retained (a slot whose chunk could not be
-    /// proven complete never comes back, and stays counted here).
-    pub leased: usize,
-    /// Of those, leased by callers through [`CudaEngine::staging_lease`].
-    pub user_leased: usize,
-    /// Pinned bytes in chunk-sized slots.
-    pub bytes: usize,
-    /// Slots handed to the retirement queue by [`StagingLease::retire`].
-    pub retired: u64,
-    /// Whether the 16-byte slot of the smallest band is allocated and idle.
-    pub scalar_slot: bool,
-}
-
-#[derive(Default)]
-pub(crate) struct StagingRing {
-    pub(crate) config: StagingConfig,
-    idle: Vec<Slot>,
-    /// Chunk-sized slots allocated and not freed.
-    slots: usize,
-    /// Slots leased by the blocking routes.
-    route_out: usize,
-    /// Slots leased by callers.
-    user_out: usize,
-    retired: u64,
-    /// The 16-byte pinned slot of the smallest band.
-    scalar: Option<Slot>,
-    pool: Option<Arc<rayon::ThreadPool>>,
-}
-
-impl StagingRing {
-    pub(crate) fn stats(&self) -> StagingStats {
-        StagingStats {
-            slots: self.slots,
-            leased: self.route_out + self.user_out,
-            user_leased: self.user_out,
-            bytes: self.slots * self.config.chunk_bytes,
-            retired: self.retired,
-            scalar_slot: self.scalar.is_some(),
-        }
-    }
-
-    /// Frees idle slots (and the scalar slot); used at teardown after a successful wait and when
-    /// the configuration changes. Returns the first refusal.
-    pub(crate) fn free_idle(&mut self, driver: &mut dyn Driver) -> Result<()> {
-        let mut first = Ok(());
-        let idle = std::mem::take(&mut self.idle);
-        for slot in idle.into_iter().chain(self.scalar.take()) {
-            if slot.kind != SlotKind::Scalar {
-                self.slots -= 1;
-            }
-            let freed = free_slot(driver, slot);
-            if first.is_ok() {
-                first = freed;
-            }
-        }
-        first
-    }
-
-    /// Takes a slot back from a lease. Returns a slot to free (outside the ring) when it is not
-    /// kept.
-    fn put(&mut self, slot: Slot, torn_down: bool) -> Option<Slot> {
-        match slot.kind {
-            SlotKind::Scalar => {
-                if torn_down || self.scalar.is_some() {
-                    return Some(slot);
-                }
-                self.scalar = Some(slot);
-                return None;
-            }
-            SlotKind::Route => self.route_out -= 1,
-            SlotKind::User => self.user_out -= 1,
-        }
-        let keep = !torn_down
-            && slot.bytes == self.config.chunk_bytes
-            && self.idle.len() < self.config.ring_depth;
-        if keep {
-            self.idle.push(slot);
-            None
-        } else {
-            self.slots -= 1;
-            Some(slot)
-        }
-    }
-}
-
-fn free_slot(driver: &mut dyn Driver, slot: Slot) -> Result<()> {
-    // SAFETY: a slot comes back to the ring only from a proven lease (or a record whose event
-    // proved completion), so nothing queued names its memory; it is freed once.
-    unsafe { driver.host_free(slot.ptr.as_ptr()) }.map_err(Error::driver("cuMemFreeHost"))
-}
-
-fn new_slot(st: &mut State, bytes: usize, kind: SlotKind) -> Result<Slot> {
-    let ptr = st
-        .driver
-        .host_alloc(bytes)
-        .map_err(Error::driver("cuMemHostAlloc (staging)"))?;
-    let ptr = NonNull::new(ptr).ok_or(Error::Driver {
-        call: "cuMemHostAlloc (staging)",
-        source: DriverError::OUT_OF_MEMORY,
-    })?;
-    // SAFETY: a fresh allocation of `bytes` bytes; zeroed once so its contents are initialised.
-    unsafe { std::ptr::write_bytes(ptr.as_ptr(), 0, bytes) };
-    Ok(Slot { ptr, bytes, kind })
-}
-
-impl State {
-    /// Takes a chunk-sized slot for `kind`: an idle one, or a new one. User leases are limited
-    /// to `ring_depth` at a time; the blocking routes bound their own depth.
-    fn take_slot(&mut self, kind: SlotKind) -> Result<Slot> {
-        if kind == SlotKind::User && self.staging.user_out >= self.staging.config.ring_depth {
-            return Err(Error::StagingExhausted {
-                depth: self.staging.config.ring_depth,
-            });
-        }
-        let mut slot = match self.staging.idle.pop() {
-            Some(slot) => slot,
-            None => {
-                let slot = new_slot(self, self.staging.config.chunk_bytes, kind)?;
-                self.staging.slots += 1;
-                slot
-            }
-        };
-        slot.kind = kind;
-        match kind {
-            SlotKind::User => self.staging.user_out += 1,
-            _ => self.staging.route_out += 1,
-        }
-        Ok(slot)
-    }
-
-    /// The engine's host-copy thread pool, built on first use.
-    pub(crate) fn copy_pool(&mut self) -> Result<Arc<rayon::ThreadPool>> {
-        if let Some(pool) = &self.staging.pool {
-            return Ok(Arc::clone(pool));
-        }
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(self.staging.config.copy_threads)
-            .thread_name(|i| format!("cuferry-copy-{i}"))
-            .build()
-            .map_err(|_| Error::InvalidSetting {
-                setting: "copy_threads",
-                value: self.staging.config.copy_threads,
-                reason: "the host-copy threads could not be started",
-            })?;
-        let pool = Arc::new(pool);
-        self.staging.pool = Some(Arc::clone(&pool));
-        Ok(pool)
-    }
-
-    /// Takes the 16-byte scalar slot (made on first use).
-    fn take_scalar(&mut self) -> Result<Slot> {
-        match self.staging.scalar.take() {
-            Some(slot) => Ok(slot),
-            None => new_slot(self, 16, SlotKind::Scalar),
-        }
-    }
-}
 
 /// A slot out of the ring. Dropping it returns the slot to the ring; it is dropped only where
 /// no queued copy names the slot (a proven lease, or a retired record whose event proved
@@ -464,7 +205,7 @@ impl StagingLease<Proven> {
 
     /// The slot's size in bytes.
     pub fn capacity(&self) -> usize {
-        self.slot().bytes
+        self.slot().bytes()
     }
 
     /// The slot's memory.
@@ -472,14 +213,14 @@ impl StagingLease<Proven> {
         let slot = self.slot();
         // SAFETY: the slot is `bytes` long, exclusively leased, and no queued copy names it
         // (state `Proven`); its bytes are initialised (`new_slot` zeroes fresh memory).
-        unsafe { std::slice::from_raw_parts(slot.ptr.as_ptr(), slot.bytes) }
+        unsafe { std::slice::from_raw_parts(slot.ptr(), slot.bytes()) }
     }
 
     /// The slot's memory, mutably.
     pub fn as_mut_bytes(&mut self) -> &mut [u8] {
         let slot = self.slot();
         // SAFETY: as in `as_bytes`, with exclusive access through `&mut self`.
-        unsafe { std::slice::from_raw_parts_mut(slot.ptr.as_ptr(), slot.bytes) }
+        unsafe { std::slice::from_raw_parts_mut(slot.ptr(), slot.bytes()) }
     }
 
     /// Returns the slot to the ring.
@@ -576,7 +317,7 @@ impl StagingLease<Proven> {
         let size = T::DTYPE.size_bytes();
         let bytes = len * size;
         let device = tensor.raw_ptr() + (offset * size) as u64;
-        let host = self.slot().ptr.as_ptr();
+        let host = self.slot().ptr();
         let owner = &engine.shared;
         let mut st = match owner.enter() {
             Ok(st) => st,
@@ -638,7 +379,7 @@ impl StagingLease<Unproven> {
     /// was copying into) alive until the same proof.
     pub fn retire_with<R: Send + Sync + 'static>(self, resource: R) {
         if let Some(mut st) = self.hold.owner().lock_for_drop() {
-            st.staging.retired += 1;
+            st.staging.count_retired();
         }
         drop(self.hold.attach(resource));
     }
@@ -656,7 +397,7 @@ impl StagingLease<Untracked> {
     /// As [`retire`](Self::retire), retaining `resource` with it.
     pub fn retire_with<R: Send + Sync + 'static>(self, resource: R) {
         if let Some(mut st) = self.hold.owner().lock_for_drop() {
-            st.staging.retired += 1;
+            st.staging.count_retired();
         }
         self.hold.attach(resource).retain();
     }
@@ -681,19 +422,27 @@ impl CudaEngine {
     }
 
     fn lease(&mut self, kind: SlotKind) -> Result<StagingLease<Proven>> {
-        let slot = self.enter()?.take_slot(kind)?;
+        let slot = {
+            let mut st = self.enter()?;
+            let st = &mut *st;
+            st.staging.take_slot(&mut *st.driver, kind)?
+        };
         Ok(StagingLease::from_slot(slot, &self.shared, None))
     }
 
     /// Leases the 16-byte slot of the smallest band.
     pub(crate) fn scalar_lease(&mut self) -> Result<StagingLease<Proven>> {
-        let slot = self.enter()?.take_scalar()?;
+        let slot = {
+            let mut st = self.enter()?;
+            let st = &mut *st;
+            st.staging.take_scalar(&mut *st.driver)?
+        };
         Ok(StagingLease::from_slot(slot, &self.shared, None))
     }
 
     /// The engine's staging settings.
     pub fn staging_config(&self) -> StagingConfig {
-        self.shared.lock().staging.config
+        self.shared.lock().staging.config()
     }
 
     /// Changes the staging settings. Idle slots of the old size are freed; the copy threads are
@@ -706,11 +455,7 @@ impl CudaEngine {
         config.validate()?;
         let mut st = self.enter()?;
         let st = &mut *st;
-        if st.staging.config.copy_threads != config.copy_threads {
-            st.staging.pool = None;
-        }
-        st.staging.config = config;
-        st.staging.free_idle(&mut *st.driver)
+        st.staging.reconfigure(&mut *st.driver, config)
     }
 
     /// The staging ring's counters.

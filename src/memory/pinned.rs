@@ -11,191 +11,13 @@
 //! still touch it; it comes back from the transfer. Dropping it returns it to the pool, which is
 //! only reachable once no copy can touch it.
 
+use super::element::{byte_len, Element};
+use super::pool::{Block, GRANULE};
+use crate::core::engine::{CudaEngine, Shared, State};
 use crate::driver::Waits;
-use crate::element::{byte_len, Element};
-use crate::engine::{CudaEngine, Shared, State};
-use crate::error::{Error, Result};
-use crate::lifecycle::retire::Poll;
-use std::collections::BTreeMap;
+use crate::error::{DriverError, Error, Result};
 use std::marker::PhantomData;
-use std::ptr::NonNull;
 use std::sync::Arc;
-
-/// Pinned allocations are made in multiples of this, so nearby sizes share blocks.
-const GRANULE: usize = 4096;
-
-/// One pinned host allocation.
-pub(crate) struct Block {
-    ptr: NonNull<u8>,
-    capacity: usize,
-    /// How many leading bytes have been written at least once (fresh memory is uninitialised).
-    init: usize,
-}
-
-// SAFETY: a block is exclusively owned memory (by the pool or by one buffer); the raw pointer is
-// not aliased across threads without that ownership moving with it.
-unsafe impl Send for Block {}
-// SAFETY: shared access to a block only reads through `&self` (`PinnedHostBuffer::as_slice`,
-// whose `T` is `Sync`); every write needs `&mut`.
-unsafe impl Sync for Block {}
-
-impl Block {
-    pub(crate) fn ptr(&self) -> *mut u8 {
-        self.ptr.as_ptr()
-    }
-}
-
-/// Counters for the pinned pool.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct PinnedPoolStats {
-    /// Idle blocks kept for reuse.
-    pub idle_blocks: usize,
-    /// Bytes in idle blocks.
-    pub idle_bytes: usize,
-    /// Blocks handed out (in buffers, in flight, or retained).
-    pub leased_blocks: usize,
-    /// The idle-byte budget the pool trims to.
-    pub budget_bytes: usize,
-    /// Fresh `cuMemHostAlloc` calls made.
-    pub allocations: u64,
-    /// Requests served from idle blocks.
-    pub reuses: u64,
-    /// Blocks freed back to the driver.
-    pub frees: u64,
-    /// Frees the driver refused: that memory stays pinned, is never reused, and each refusal
-    /// was reported at a boundary.
-    pub refused_frees: u64,
-}
-
-pub(crate) struct PinnedPool {
-    idle: BTreeMap<usize, Vec<Block>>,
-    idle_bytes: usize,
-    leased: usize,
-    budget: usize,
-    allocations: u64,
-    reuses: u64,
-    frees: u64,
-    refused_frees: u64,
-}
-
-/// The default idle budget: enough for a deep staging ring and a few large pending buffers.
-pub(crate) const DEFAULT_PINNED_BUDGET: usize = 1 << 30;
-
-impl Default for PinnedPool {
-    fn default() -> Self {
-        PinnedPool {
-            idle: BTreeMap::new(),
-            idle_bytes: 0,
-            leased: 0,
-            budget: DEFAULT_PINNED_BUDGET,
-            allocations: 0,
-            reuses: 0,
-            frees: 0,
-            refused_frees: 0,
-        }
-    }
-}
-
-impl PinnedPool {
-    pub(crate) fn stats(&self) -> PinnedPoolStats {
-        PinnedPoolStats {
-            idle_blocks: self.idle.values().map(Vec::len).sum(),
-            idle_bytes: self.idle_bytes,
-            leased_blocks: self.leased,
-            budget_bytes: self.budget,
-            allocations: self.allocations,
-            reuses: self.reuses,
-            frees: self.frees,
-            refused_frees: self.refused_frees,
-        }
-    }
-
-    /// The smallest idle block that holds `bytes`, if one is no more than twice that size.
-    fn take_idle(&mut self, bytes: usize) -> Option<Block> {
-        let limit = bytes.saturating_mul(2).max(GRANULE);
-        let (&capacity, _) = self.idle.range(bytes..=limit).next()?;
-        let list = self.idle.get_mut(&capacity)?;
-        let block = list.pop()?;
-        if list.is_empty() {
-            self.idle.remove(&capacity);
-        }
-        self.idle_bytes -= capacity;
-        Some(block)
-    }
-
-    /// Frees a block. A refusal leaves the memory with the driver (it is not counted as freed,
-    /// and never reused) and is returned for the caller to report.
-    fn free_block(&mut self, driver: &mut dyn crate::driver::Driver, block: Block) -> Result<()> {
-        // SAFETY: idle blocks are owned by the pool alone and no queued copy names them: a block
-        // only becomes idle when its buffer is dropped, which transfers make impossible while a
-        // copy may still touch it.
-        match unsafe { driver.host_free(block.ptr()) } {
-            Ok(()) => {
-                self.frees += 1;
-                Ok(())
-            }
-            Err(source) => {
-                self.refused_frees += 1;
-                Err(Error::Driver {
-                    call: "cuMemFreeHost",
-                    source,
-                })
-            }
-        }
-    }
-
-    /// Frees idle blocks, largest first, until at most `target` idle bytes remain. Returns the
-    /// first refusal; the trim goes on past it.
-    pub(crate) fn trim_to(
-        &mut self,
-        driver: &mut dyn crate::driver::Driver,
-        target: usize,
-    ) -> Result<()> {
-        let mut first = Ok(());
-        while self.idle_bytes > target {
-            let Some(mut entry) = self.idle.last_entry() else {
-                break;
-            };
-            let block = entry.get_mut().pop();
-            if entry.get().is_empty() {
-                entry.remove();
-            }
-            if let Some(block) = block {
-                self.idle_bytes -= block.capacity;
-                let freed = self.free_block(driver, block);
-                if first.is_ok() {
-                    first = freed;
-                }
-            }
-        }
-        first
-    }
-
-    pub(crate) fn set_budget(
-        &mut self,
-        driver: &mut dyn crate::driver::Driver,
-        budget: usize,
-    ) -> Result<()> {
-        self.budget = budget;
-        self.trim_to(driver, budget)
-    }
-
-    /// Takes a block back. After teardown it is freed at once. Returns a refused free.
-    pub(crate) fn put(
-        &mut self,
-        driver: &mut dyn crate::driver::Driver,
-        block: Block,
-        torn_down: bool,
-    ) -> Result<()> {
-        self.leased -= 1;
-        if torn_down || block.capacity > self.budget {
-            return self.free_block(driver, block);
-        }
-        self.idle_bytes += block.capacity;
-        self.idle.entry(block.capacity).or_default().push(block);
-        self.trim_to(driver, self.budget)
-    }
-}
 
 impl State {
     /// One attempt at a pinned block of at least `bytes`: from the pool, or freshly allocated.
@@ -212,10 +34,8 @@ impl State {
         under_pressure: bool,
     ) -> Result<Option<Block>> {
         // A cheap poll: release the oldest detached records if they are done.
-        self.poll_retired(waits, Poll::Front);
-        if let Some(block) = self.pinned.take_idle(bytes) {
-            self.pinned.reuses += 1;
-            self.pinned.leased += 1;
+        self.release_completed_front(waits);
+        if let Some(block) = self.pinned.reuse(bytes) {
             return Ok(Some(block));
         }
         if under_pressure {
@@ -223,32 +43,21 @@ impl State {
                 self.defer(error);
             }
         }
-        let ptr = match self.driver.host_alloc(capacity) {
-            Ok(ptr) => NonNull::new(ptr),
-            Err(_) if !under_pressure => {
-                self.poll_retired(waits, Poll::All);
-                return Ok(None);
-            }
-            Err(source) => {
-                return Err(Error::Driver {
-                    call: "cuMemHostAlloc",
-                    source,
-                })
-            }
-        };
-        let Some(ptr) = ptr else {
-            return Err(Error::Driver {
+        match self.pinned.allocate(&mut *self.driver, capacity) {
+            Ok(Some(block)) => Ok(Some(block)),
+            Ok(None) => Err(Error::Driver {
                 call: "cuMemHostAlloc",
-                source: crate::DriverError::OUT_OF_MEMORY,
-            });
-        };
-        self.pinned.allocations += 1;
-        self.pinned.leased += 1;
-        Ok(Some(Block {
-            ptr,
-            capacity,
-            init: 0,
-        }))
+                source: DriverError::OUT_OF_MEMORY,
+            }),
+            Err(_) if !under_pressure => {
+                self.release_completed(waits);
+                Ok(None)
+            }
+            Err(source) => Err(Error::Driver {
+                call: "cuMemHostAlloc",
+                source,
+            }),
+        }
     }
 }
 
@@ -276,7 +85,7 @@ fn acquire_pinned(engine: &mut CudaEngine, bytes: usize) -> Result<Block> {
     }
     Err(Error::Driver {
         call: "cuMemHostAlloc",
-        source: crate::DriverError::OUT_OF_MEMORY,
+        source: DriverError::OUT_OF_MEMORY,
     })
 }
 

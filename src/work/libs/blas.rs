@@ -5,11 +5,12 @@
 //! dimension against the tensors' lengths before anything is queued, so a bad argument is a
 //! typed error, never an out-of-bounds read on the device.
 
-use super::{cublas, dim, CUBLAS};
-use crate::element::Element;
-use crate::engine::CudaEngine;
+use super::handles::CUBLAS;
+use super::{cublas, dim};
+use crate::core::engine::CudaEngine;
 use crate::error::{Error, Result};
-use crate::tensor::DeviceTensor;
+use crate::memory::element::Element;
+use crate::memory::tensor::DeviceTensor;
 use cudarc::cublas::sys::{cublasHandle_t, cublasOperation_t};
 
 mod private {

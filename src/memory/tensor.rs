@@ -6,11 +6,11 @@
 //! Copying is explicit ([`CudaEngine::copy_tensor`], [`CudaEngine::copy_into`]): a queued
 //! device-to-device copy, never an implicit clone.
 
+use super::element::{byte_len, Element};
+use crate::core::engine::{CudaEngine, Shared};
 use crate::driver::DevicePtr;
-use crate::element::{byte_len, DType, Element};
-use crate::engine::{CudaEngine, Shared};
+use crate::dtype::DType;
 use crate::error::{DeviceId, DriverError, Error, Refused, Result};
-use crate::lifecycle::retire::Poll;
 use std::marker::PhantomData;
 use std::sync::Arc;
 
@@ -66,7 +66,7 @@ pub(crate) fn alloc_device(shared: &Shared, bytes: usize) -> Result<DevicePtr> {
         match st.driver.alloc(bytes) {
             Ok(ptr) => return Ok(ptr),
             Err(source) if source == DriverError::OUT_OF_MEMORY && st.retire.has_pending() => {
-                st.poll_retired(&*shared.waits, Poll::All);
+                st.release_completed(&*shared.waits);
             }
             Err(source) => return Err(refused(source)),
         }

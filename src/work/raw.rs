@@ -12,13 +12,12 @@
 //! second lifetime. The raw values are cudarc driver types, named through the crate's re-export
 //! `cuferry::cudarc`, the cudarc release these scopes speak.
 
-use crate::driver::ContextHandle;
-use crate::element::Element;
-use crate::engine::{CudaEngine, Shared};
+use crate::core::context::ContextScope;
+use crate::core::engine::{CudaEngine, Shared};
 use crate::error::{Error, Result};
-use crate::tensor::DeviceTensor;
+use crate::memory::element::Element;
+use crate::memory::tensor::DeviceTensor;
 use std::marker::PhantomData;
-use std::sync::Arc;
 
 /// Marks a handle as tied to the scope `'s` and to the calling thread: invariant in `'s` (the
 /// `fn(&'s ()) -> &'s ()`, so the brand can be neither shortened nor lengthened) and neither
@@ -161,47 +160,6 @@ impl std::fmt::Debug for RawScope<'_, '_> {
             .field("context", &self.context)
             .field("stream", &self.stream)
             .finish()
-    }
-}
-
-/// Makes an engine's context current on the calling thread for as long as it lives, and restores
-/// the context that was current before when dropped: on return, on `Err` and on unwind. Raw and
-/// CubeCL scopes are built on it.
-pub(crate) struct ContextScope {
-    shared: Arc<Shared>,
-    previous: ContextHandle,
-    what: &'static str,
-}
-
-impl ContextScope {
-    /// Saves the current context and makes the engine's current. `what` names the scope in a
-    /// deferred restore failure.
-    pub(crate) fn enter(shared: &Arc<Shared>, what: &'static str) -> Result<Self> {
-        let st = shared.lock();
-        let previous = st
-            .driver
-            .current_context()
-            .map_err(Error::driver("cuCtxGetCurrent"))?;
-        st.driver
-            .set_current_context(st.driver.context())
-            .map_err(Error::driver("cuCtxSetCurrent"))?;
-        Ok(ContextScope {
-            shared: Arc::clone(shared),
-            previous,
-            what,
-        })
-    }
-}
-
-impl Drop for ContextScope {
-    fn drop(&mut self) {
-        let mut st = self.shared.lock();
-        if let Err(source) = st.driver.set_current_context(self.previous) {
-            st.defer(Error::Driver {
-                call: self.what,
-                source,
-            });
-        }
     }
 }
 

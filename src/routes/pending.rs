@@ -19,12 +19,12 @@
 // error is large by design and travels only on the refusal path.
 #![allow(clippy::result_large_err)]
 
-use crate::element::Element;
-use crate::engine::CudaEngine;
+use crate::core::engine::CudaEngine;
 use crate::error::{Error, Result};
 use crate::lifecycle::fence::{fence, Fenced, Fencing, IdleEvent};
-use crate::pinned::PinnedHostBuffer;
-use crate::tensor::DeviceTensor;
+use crate::memory::element::Element;
+use crate::memory::pinned::PinnedHostBuffer;
+use crate::memory::tensor::DeviceTensor;
 use std::fmt;
 use std::marker::PhantomData;
 

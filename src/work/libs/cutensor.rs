@@ -5,10 +5,11 @@
 //! varies fastest, as a tensor's shape says). cuTENSOR is not installed on every CUDA machine;
 //! where it is absent the call is a typed [`Error::Unavailable`] naming it.
 
-use super::{cutensor, BlasElement, CUTENSOR};
-use crate::engine::CudaEngine;
+use super::handles::CUTENSOR;
+use super::{cutensor, BlasElement};
+use crate::core::engine::CudaEngine;
 use crate::error::{Error, Result};
-use crate::tensor::DeviceTensor;
+use crate::memory::tensor::DeviceTensor;
 use cudarc::cutensor::sys;
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -27,9 +28,9 @@ pub(super) mod calls {
     /// What a contraction needs to know of one element type.
     pub struct TensorConsts {
         /// The element's data type.
-        pub(in crate::vendor) data_type: cudaDataType_t,
+        pub(in crate::work::libs) data_type: cudaDataType_t,
         /// The exported compute-descriptor symbol, NUL-terminated.
-        pub(in crate::vendor) compute_symbol: &'static [u8],
+        pub(in crate::work::libs) compute_symbol: &'static [u8],
     }
 
     impl TensorType for f32 {

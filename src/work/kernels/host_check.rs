@@ -10,8 +10,8 @@
 
 use super::emulate;
 use super::source::{kernel_name, module_source};
-use crate::driver::launch::{ElementwiseOp, ElementwiseSpec};
-use crate::element::DType;
+use super::spec::{ElementwiseOp, ElementwiseSpec};
+use crate::dtype::DType;
 use std::io::Write;
 use std::process::{Command, Stdio};
 

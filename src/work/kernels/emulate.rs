@@ -1,11 +1,15 @@
 //! Host emulation of the built-in elementwise kernels, for the simulated device.
 //!
-//! The simulator cannot run PTX, so when its stream reaches a queued elementwise launch it runs
-//! this instead, on its own device memory, with the semantics `kernels::source` documents for the
-//! CUDA kernels. The crate's tests check both this and the GPU against a separate host reference.
+//! The simulator cannot run PTX. Every module the kernel cache compiles carries an
+//! [`ElementwiseEmulation`] of its kernel, and when the simulator's stream reaches a launch it
+//! runs that instead, on its own device memory, with the semantics `kernels::source` documents
+//! for the CUDA kernels. The crate's tests check both this and the GPU against a separate host
+//! reference.
 
-use crate::driver::launch::{ElementwiseOp, ElementwiseSpec};
-use crate::element::DType;
+use super::source::kernel_name;
+use super::spec::{ElementwiseArgs, ElementwiseOp, ElementwiseSpec};
+use crate::driver::launch::{DeviceMemory, Emulation};
+use crate::dtype::DType;
 use half::{bf16, f16};
 
 /// A value in transit between element types during a cast.
@@ -252,6 +256,72 @@ pub(crate) fn run(
     dispatch!(spec.input, same_type(spec.op, a, b, scalar, len))
 }
 
+/// The emulation of one built-in elementwise kernel, registered with the module that holds it.
+pub(crate) struct ElementwiseEmulation {
+    spec: ElementwiseSpec,
+    /// The kernel's name, as the module exports it.
+    name: String,
+}
+
+impl ElementwiseEmulation {
+    pub(crate) fn new(spec: ElementwiseSpec) -> Self {
+        ElementwiseEmulation {
+            spec,
+            name: kernel_name(spec),
+        }
+    }
+}
+
+impl Emulation for ElementwiseEmulation {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Reads the operands the operation uses, computes, and writes the output, as the kernel
+    /// does with the parameters `(out, a, b, scalar_bits, len)`.
+    fn run(&self, memory: &mut dyn DeviceMemory, params: &[u64]) -> Result<(), String> {
+        let spec = self.spec;
+        let Some(args) = ElementwiseArgs::from_params(params) else {
+            return Err(format!(
+                "{spec:?} kernel launched with {} parameters, not {}",
+                params.len(),
+                ElementwiseArgs::PARAMS
+            ));
+        };
+        let Ok(len) = usize::try_from(args.len) else {
+            return Err(format!("elementwise launch of {} elements", args.len));
+        };
+        let in_bytes = len * spec.input.size_bytes();
+        let out_bytes = len * spec.output.size_bytes();
+        let mut operand = |used: bool, ptr| -> Option<Vec<u8>> {
+            if !used {
+                return Some(Vec::new());
+            }
+            memory.read(ptr, in_bytes)
+        };
+        let (Some(a), Some(b)) = (
+            operand(spec.op.reads_a(), args.a),
+            operand(spec.op.reads_b(), args.b),
+        ) else {
+            return Err(format!(
+                "{:?} kernel reads unmapped device memory ({:#x}, {:#x}, {in_bytes} bytes)",
+                spec, args.a, args.b
+            ));
+        };
+        let Some(result) = run(spec, &a, &b, args.scalar, len) else {
+            return Err(format!("{spec:?} is not a kernel the crate builds"));
+        };
+        if memory.write(args.out, &result) {
+            Ok(())
+        } else {
+            Err(format!(
+                "{spec:?} kernel writes unmapped device memory {:#x}+{out_bytes}",
+                args.out
+            ))
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -329,5 +399,68 @@ mod tests {
         )
         .unwrap();
         assert_eq!(out, [0x00, 0x3e, 0x00, 0x3e]);
+    }
+
+    /// Device memory of one allocation at `base`, for running an emulation without a device.
+    struct OneBlock {
+        base: u64,
+        bytes: Vec<u8>,
+    }
+
+    impl DeviceMemory for OneBlock {
+        fn read(&mut self, ptr: u64, bytes: usize) -> Option<Vec<u8>> {
+            let off = usize::try_from(ptr.checked_sub(self.base)?).ok()?;
+            self.bytes.get(off..off + bytes).map(<[u8]>::to_vec)
+        }
+
+        fn write(&mut self, ptr: u64, data: &[u8]) -> bool {
+            let Some(off) = ptr.checked_sub(self.base) else {
+                return false;
+            };
+            let off = off as usize;
+            match self.bytes.get_mut(off..off + data.len()) {
+                Some(out) => {
+                    out.copy_from_slice(data);
+                    true
+                }
+                None => false,
+            }
+        }
+    }
+
+    #[test]
+    fn the_emulation_runs_the_kernel_on_device_memory_from_its_parameters() {
+        let mut memory = OneBlock {
+            base: 0x1000,
+            bytes: vec![3, 4, 10, 20, 0xEE, 0xEE],
+        };
+        let add = ElementwiseEmulation::new(spec(ElementwiseOp::Add, DType::U8, DType::U8));
+        assert_eq!(add.name(), kernel_name(add.spec));
+        let args = ElementwiseArgs {
+            out: 0x1004,
+            a: 0x1000,
+            b: 0x1002,
+            scalar: 0,
+            len: 2,
+        };
+        add.run(&mut memory, &args.params()).unwrap();
+        assert_eq!(memory.bytes, [3, 4, 10, 20, 13, 24]);
+
+        let unmapped = ElementwiseArgs { b: 0x2000, ..args };
+        let error = add.run(&mut memory, &unmapped.params()).unwrap_err();
+        assert!(error.contains("reads unmapped device memory"), "{error}");
+        let unmapped = ElementwiseArgs {
+            out: 0x1005,
+            ..args
+        };
+        let error = add.run(&mut memory, &unmapped.params()).unwrap_err();
+        assert!(error.contains("writes unmapped device memory"), "{error}");
+        let error = add.run(&mut memory, &[0x1004]).unwrap_err();
+        assert!(error.contains("1 parameters, not 5"), "{error}");
+        assert_eq!(
+            memory.bytes,
+            [3, 4, 10, 20, 13, 24],
+            "failed runs write nothing"
+        );
     }
 }

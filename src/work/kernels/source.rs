@@ -12,8 +12,8 @@
 //! - float-to-integer casts truncate toward zero and saturate, NaN becoming 0 (Rust's `as`);
 //! - casts to `f16`/`bf16` round through `f32`; casts to `bool` test `!= 0`; `bool` reads as 0/1.
 
-use crate::driver::launch::{ElementwiseOp, ElementwiseSpec};
-use crate::element::DType;
+use super::spec::{ElementwiseOp, ElementwiseSpec};
+use crate::dtype::DType;
 
 /// How a storage type computes.
 #[derive(Clone, Copy, PartialEq, Eq)]

@@ -35,78 +35,25 @@
 //!
 //! # On the simulated device
 //!
-//! The simulator cannot run PTX: it emulates each built-in kernel on its own memory when its
-//! stream reaches the launch, so ordering and results are tested without a GPU.
+//! The simulator cannot run PTX. Each module this module compiles carries a host emulation of its
+//! kernel, which the simulator runs on its own memory when its stream reaches the launch, so
+//! ordering and results are tested without a GPU. The device seam knows nothing about these
+//! kernels: a launch is a function, a grid, a block and five 8-byte parameters.
 
+pub(crate) mod cache;
 #[cfg(any(test, feature = "sim"))]
 pub(crate) mod emulate;
 #[cfg(test)]
 mod host_check;
 pub(crate) mod source;
+pub(crate) mod spec;
 
-use crate::driver::launch::{
-    ElementwiseArgs, ElementwiseOp, ElementwiseSpec, FunctionHandle, ModuleHandle, ModuleSource,
-};
-use crate::driver::Driver;
-use crate::element::{as_bytes, DType, Element};
-use crate::engine::{CudaEngine, State};
+use crate::core::engine::{CudaEngine, State};
+use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::tensor::DeviceTensor;
-use std::collections::HashMap;
-
-/// The engine's compiled elementwise kernels, by what they compute.
-#[derive(Default)]
-pub(crate) struct KernelCache {
-    entries: HashMap<ElementwiseSpec, (ModuleHandle, FunctionHandle)>,
-}
-
-impl KernelCache {
-    /// The kernel for `spec`, compiling and loading it on first use.
-    fn function(
-        &mut self,
-        driver: &mut dyn Driver,
-        spec: ElementwiseSpec,
-    ) -> Result<FunctionHandle> {
-        if let Some(&(_, function)) = self.entries.get(&spec) {
-            return Ok(function);
-        }
-        let name = source::kernel_name(spec);
-        let cuda = source::module_source(spec);
-        let module = driver.module_compile(&ModuleSource {
-            name: &name,
-            cuda: &cuda,
-            builtin: Some(spec),
-        })?;
-        let function = match driver.module_function(module, &name) {
-            Ok(function) => function,
-            Err(source) => {
-                // SAFETY: the module was loaded just above, nothing was launched from it, and
-                // it is not cached, so it is unloaded exactly once.
-                let _ = unsafe { driver.module_unload(module) };
-                return Err(Error::Driver {
-                    call: "cuModuleGetFunction",
-                    source,
-                });
-            }
-        };
-        self.entries.insert(spec, (module, function));
-        Ok(function)
-    }
-
-    /// How many kernels are cached.
-    pub(crate) fn len(&self) -> usize {
-        self.entries.len()
-    }
-
-    /// Unloads every module. Call only once the stream is idle (no launch pending).
-    pub(crate) fn release(&mut self, driver: &mut dyn Driver) {
-        for (_, (module, _)) in self.entries.drain() {
-            // SAFETY: each cached module is unloaded once (drained from the cache); the caller
-            // guarantees the stream is idle, so no launch of its kernel is pending.
-            let _ = unsafe { driver.module_unload(module) };
-        }
-    }
-}
+use crate::memory::element::{as_bytes, Element};
+use crate::memory::tensor::DeviceTensor;
+use spec::{ElementwiseArgs, ElementwiseOp, ElementwiseSpec, BLOCK};
 
 /// Why `op` does not serve element type `dtype`, if it does not.
 fn unsupported(op: ElementwiseOp, dtype: DType) -> Option<&'static str> {
@@ -146,9 +93,9 @@ impl CudaEngine {
     /// Queues the kernel for `spec` with `args`, compiling it on first use.
     ///
     /// # Safety
-    /// `args` satisfies [`Launch::launch_elementwise`](crate::driver::launch::Launch::launch_elementwise)'s
-    /// contract for `spec`: the pointers name live allocations of this engine, of `len` elements
-    /// of the spec's types, whose frees are queued (if at all) after this launch.
+    /// Every pointer the spec's operation reads or writes names a live allocation of this
+    /// engine of at least `len` elements of its type, whose free is queued (if at all) after
+    /// this launch; `out` does not overlap `a` or `b` unless it is identical to them.
     unsafe fn launch_elementwise(
         &mut self,
         spec: ElementwiseSpec,
@@ -162,8 +109,11 @@ impl CudaEngine {
             driver, kernels, ..
         } = &mut *st;
         let function = kernels.function(driver.as_mut(), spec)?;
-        // SAFETY: the caller guarantees the pointer contract; `function` was compiled for `spec`.
-        unsafe { driver.launch_elementwise(function, &args) }
+        // SAFETY: `function` is the cached kernel compiled for `spec` (still loaded: the cache
+        // unloads only at teardown), whose signature is the five 8-byte parameters `params`
+        // packs; the grid is between 1 and `MAX_BLOCKS` blocks of `BLOCK` threads; the caller
+        // guarantees the pointer contract.
+        unsafe { driver.launch(function, args.grid(), BLOCK, &args.params()) }
             .map_err(Error::driver("cuLaunchKernel"))
     }
 

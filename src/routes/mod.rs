@@ -1,19 +1,20 @@
-//! The routes that move data between host and device.
+//! The routes level: the ways data moves between host and device.
 //!
 //! Blocking routes ([`upload_tensor`], [`download_tensor`], [`download_tensor_into`]) take
 //! ordinary host memory and return when the host memory may be reused. Pending routes
 //! ([`upload_pending`], [`download_pending`]) take pinned buffers by value and return a handle
 //! whose state is a type.
+//!
+//! The level exists so a route is only a composition: it moves values the memory level defines
+//! (tensors, pinned buffers, staging slots) under the proofs the lifecycle level defines
+//! (fences, leases), and adds no proof of its own. It may depend on everything below it (the
+//! seam, the core, memory, lifecycle) and on the errors; nothing below it depends on a route.
 
 pub(crate) mod blocking;
 pub(crate) mod pending;
-pub(crate) mod staging;
 
 pub use blocking::{download_tensor, download_tensor_into, upload_tensor};
 pub use pending::{
     download_pending, upload_pending, Direction, Download, InFlight, Pending, PendingDownload,
     PendingUpload, Returned, TransferPackage, TransferState, TransferSubmitError, TryWait, Upload,
-};
-pub use staging::{
-    BeginError, LeaseState, Proven, StagingConfig, StagingLease, StagingStats, Unproven, Untracked,
 };

@@ -6,11 +6,12 @@
 //! device, so the call returns a [`SolverStatus`] holding cuSOLVER's device-side `info` instead
 //! of waiting for it; [`SolverStatus::check`] reads it when the caller chooses to wait.
 
-use super::{cusolver, dim, BlasElement, CUSOLVER};
-use crate::engine::CudaEngine;
+use super::handles::CUSOLVER;
+use super::{cusolver, dim, BlasElement};
+use crate::core::engine::CudaEngine;
 use crate::error::{Error, Result};
-use crate::tensor::DeviceTensor;
-use crate::transfer::download_tensor;
+use crate::memory::tensor::DeviceTensor;
+use crate::routes::download_tensor;
 
 pub(super) mod calls {
     use cudarc::cusolver::result::CusolverError;
@@ -28,21 +29,21 @@ pub(super) mod calls {
     ///
     /// # Safety
     /// cuSOLVER's contract: a live handle and a device matrix of `n × n` with `lda`.
-    pub(in crate::vendor) type BufferSizeFn =
+    pub(in crate::work::libs) type BufferSizeFn =
         unsafe fn(cusolverDnHandle_t, i32, u64, i32) -> Result<i32, CusolverError>;
 
     /// `cusolverDn?potrf`, lower triangle: handle, `n`, `A`, `lda`, workspace, `lwork`, `info`.
     ///
     /// # Safety
     /// As [`BufferSizeFn`], plus a device workspace of `lwork` elements and a device `int`.
-    pub(in crate::vendor) type PotrfFn =
+    pub(in crate::work::libs) type PotrfFn =
         unsafe fn(cusolverDnHandle_t, i32, u64, i32, u64, i32, u64) -> Result<(), CusolverError>;
 
     /// `cusolverDn?potrs`, lower triangle: handle, `n`, `nrhs`, `A`, `lda`, `B`, `ldb`, `info`.
     ///
     /// # Safety
     /// As [`PotrfFn`], plus a device right-hand side of `n × nrhs` with `ldb`.
-    pub(in crate::vendor) type PotrsFn = unsafe fn(
+    pub(in crate::work::libs) type PotrsFn = unsafe fn(
         cusolverDnHandle_t,
         i32,
         i32,
@@ -56,13 +57,13 @@ pub(super) mod calls {
     /// What `cholesky_solve` needs to know of one element type. Device pointers are addresses.
     pub struct Potrf {
         /// The names of the calls, for errors: buffer size, factor, solve.
-        pub(in crate::vendor) names: [&'static str; 3],
+        pub(in crate::work::libs) names: [&'static str; 3],
         /// `cusolverDn?potrf_bufferSize`.
-        pub(in crate::vendor) buffer_size: BufferSizeFn,
+        pub(in crate::work::libs) buffer_size: BufferSizeFn,
         /// `cusolverDn?potrf`.
-        pub(in crate::vendor) potrf: PotrfFn,
+        pub(in crate::work::libs) potrf: PotrfFn,
         /// `cusolverDn?potrs`.
-        pub(in crate::vendor) potrs: PotrsFn,
+        pub(in crate::work::libs) potrs: PotrsFn,
     }
 
     fn check(status: sys::cusolverStatus_t) -> Result<(), CusolverError> {
@@ -286,7 +287,7 @@ impl CudaEngine {
         let lwork = unsafe { (calls.buffer_size)(handle, n32, a_ptr, n32) };
         let lwork = lwork.map_err(status(size_call))?;
         let lwork_elems = usize::try_from(lwork.max(1)).unwrap_or(1);
-        let work_bytes = crate::element::byte_len::<T>(lwork_elems, "cuSOLVER workspace")?;
+        let work_bytes = crate::memory::element::byte_len::<T>(lwork_elems, "cuSOLVER workspace")?;
         let work = st
             .driver
             .alloc(work_bytes)

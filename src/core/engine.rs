@@ -9,12 +9,22 @@
 //! Values the engine hands out (tensors, pinned buffers, pending transfers) keep the engine's
 //! shared core alive through an `Arc`, so a value dropped after the engine still frees its memory
 //! on the right device, stream-ordered, and never early.
+//!
+//! The state behind the lock ([`State`]) holds the subsystems' state: the pinned pool, the
+//! staging ring, the retirement queue and event pool, the kernel cache and the library handles.
+//! Their types live in their own levels and know only the driver seam; the code that uses them
+//! on a caller's behalf lives there too, as `impl CudaEngine` or `impl State` blocks.
 
 use crate::driver::{ContextHandle, Driver, Waits};
 use crate::error::{DeviceId, Error, Result};
+// The subsystems' state, which the engine holds and locks with the driver. Each of these files
+// depends only on the driver seam and the errors, never on the engine (see the level docs in
+// `core/mod.rs`).
 use crate::lifecycle::retire::{EventPool, Poll, Resources, RetireQueue, RetirementStats};
-use crate::pinned::{PinnedPool, PinnedPoolStats};
-use crate::transfer::staging::StagingRing;
+use crate::memory::pool::{PinnedPool, PinnedPoolStats};
+use crate::memory::ring::StagingRing;
+use crate::work::kernels::cache::KernelCache;
+use crate::work::libs::handles::LibraryHandles;
 use std::cell::Cell;
 use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -58,9 +68,9 @@ pub(crate) struct State {
     /// The pinned staging ring of the blocking routes.
     pub(crate) staging: StagingRing,
     /// Compiled elementwise kernels, by operation and element type(s).
-    pub(crate) kernels: crate::kernels::KernelCache,
+    pub(crate) kernels: KernelCache,
     /// cuBLAS/cuSOLVER/cuTENSOR handles, made on first use and bound to the stream.
-    pub(crate) vendor: crate::vendor::VendorHandles,
+    pub(crate) libs: LibraryHandles,
 }
 
 impl State {
@@ -71,9 +81,22 @@ impl State {
 
     /// Releases what the retirement queue has proven complete, without waiting. The resources
     /// are dropped once the lock is released.
-    pub(crate) fn poll_retired(&mut self, waits: &dyn Waits, mode: Poll) {
+    fn poll_retired(&mut self, waits: &dyn Waits, mode: Poll) {
         self.retire
             .poll(waits, &mut self.events, &mut self.released, mode);
+    }
+
+    /// Releases every retired record whose event reports completion, without waiting (a query
+    /// that fails is retried at a later poll). The resources are dropped once the lock is
+    /// released.
+    pub(crate) fn release_completed(&mut self, waits: &dyn Waits) {
+        self.poll_retired(waits, Poll::All);
+    }
+
+    /// Releases the oldest retired records, up to the first that is not complete: a cheap check
+    /// for hot paths.
+    pub(crate) fn release_completed_front(&mut self, waits: &dyn Waits) {
+        self.poll_retired(waits, Poll::Front);
     }
 
     /// Every failure recorded since the last boundary, as one error.
@@ -270,14 +293,14 @@ impl CudaEngine {
 
     /// Opens an engine on a fresh simulated device (feature `sim`).
     #[cfg(any(test, feature = "sim"))]
-    pub fn simulated(config: crate::sim::SimConfig) -> Self {
-        Self::simulated_on(&crate::sim::SimDevice::new(config))
+    pub fn simulated(config: crate::driver::sim::SimConfig) -> Self {
+        Self::simulated_on(&crate::driver::sim::SimDevice::new(config))
     }
 
     /// Opens another engine on an existing simulated device (feature `sim`), as
     /// [`open`](Self::open) twice with one ordinal opens two engines on one GPU.
     #[cfg(any(test, feature = "sim"))]
-    pub fn simulated_on(device: &crate::sim::SimDevice) -> Self {
+    pub fn simulated_on(device: &crate::driver::sim::SimDevice) -> Self {
         let driver = crate::driver::sim::SimDriver::new(device.clone());
         Self::from_driver(Box::new(driver))
     }
@@ -298,8 +321,8 @@ impl CudaEngine {
                     retire: RetireQueue::default(),
                     released: Vec::new(),
                     staging: StagingRing::default(),
-                    kernels: Default::default(),
-                    vendor: Default::default(),
+                    kernels: KernelCache::default(),
+                    libs: LibraryHandles::default(),
                 }),
             }),
         }
@@ -331,7 +354,7 @@ impl CudaEngine {
     /// The simulated device behind this engine, if it is one (feature `sim`): advance its clock,
     /// inject faults and read its accounting through it.
     #[cfg(any(test, feature = "sim"))]
-    pub fn sim(&self) -> Option<crate::sim::SimDevice> {
+    pub fn sim(&self) -> Option<crate::driver::sim::SimDevice> {
         self.shared.lock().driver.as_sim()
     }
 
@@ -448,8 +471,8 @@ impl Drop for CudaEngine {
         let _ = st.pinned.trim_to(&mut *st.driver, 0);
         let _ = st.staging.free_idle(&mut *st.driver);
         let _ = st.events.destroy_all(&mut *st.driver);
-        // The stream is idle: no kernel or vendor call queued on it is pending.
-        st.vendor.release();
+        // The stream is idle: no kernel or library call queued on it is pending.
+        st.libs.release();
         st.kernels.release(st.driver.as_mut());
         // Released resources drop once the lock is gone; buffers among them are freed at once
         // since the engine is torn down.

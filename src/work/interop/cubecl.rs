@@ -25,11 +25,11 @@
 //! A cross-stream event wait would avoid the host waits, but CubeCL 0.10 does not expose its
 //! streams, so a host wait is the only ordering it offers.
 
-use crate::element::{byte_len, Element};
-use crate::engine::CudaEngine;
+use crate::core::engine::CudaEngine;
 use crate::error::{DeviceKind, Error, Result};
 use crate::lifecycle::fence::wait_for_queued;
-use crate::tensor::{shape_len, DeviceTensor};
+use crate::memory::element::{byte_len, Element};
+use crate::memory::tensor::{shape_len, DeviceTensor};
 use cubecl::client::ComputeClient;
 use cubecl::cuda::{CudaDevice, CudaRuntime};
 use cubecl::server::Handle;
@@ -188,7 +188,7 @@ impl CudaEngine {
             }
             .into());
         }
-        let _restore = crate::raw::ContextScope::enter(
+        let _restore = crate::core::context::ContextScope::enter(
             &self.shared,
             "cuCtxSetCurrent (restore after CubeCL scope)",
         )?;

@@ -1,0 +1,20 @@
+//! The memory level: what device and pinned host memory the engine hands out, and the state it
+//! keeps to hand it out cheaply.
+//!
+//! - [`element`]: the sealed `Element` trait, the element types a tensor can hold.
+//! - [`tensor`]: `DeviceTensor<T>`, a shaped, stream-ordered device allocation.
+//! - [`pinned`]: `PinnedHostBuffer<T>`, page-locked host memory handed to transfers by value.
+//! - [`pool`]: the pinned pool the buffers come from (engine state).
+//! - [`ring`]: the staging ring's chunks, settings and counters (engine state).
+//!
+//! The level exists so that owning memory (allocating it on the engine's stream, returning it to
+//! a pool, freeing it stream-ordered) is written once, apart from the proofs of when the device
+//! is done with it, which are the lifecycle level's. It depends on the seam, the core and the
+//! errors. `pool` and `ring` are the engine's state and depend only on the seam and the errors
+//! (see [`core`](crate::core)).
+
+pub(crate) mod element;
+pub(crate) mod pinned;
+pub(crate) mod pool;
+pub(crate) mod ring;
+pub(crate) mod tensor;

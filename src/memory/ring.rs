@@ -1,0 +1,314 @@
+//! The staging ring's state: the pinned chunks behind the blocking routes, their settings and
+//! their counters.
+//!
+//! A blocking route moves ordinary (pageable) host memory. The device's copy engines only reach
+//! the PCIe limit from page-locked memory, so the route stages through pinned chunks: host
+//! threads copy a chunk into a pinned slot while the DMA of the previous chunk runs. The ring has
+//! a fixed depth, so the engine never holds more pinned staging memory than `depth × chunk`
+//! bytes. The slots serve the blocking routes; leases taken by callers draw on a budget of their
+//! own (`ring_depth` at a time), so leases held or forgotten by a caller never starve the routes.
+//!
+//! This is engine state, held by the engine and locked with the driver; it knows only the driver
+//! seam. Who may touch a slot's memory, and when, is the lease's typestate
+//! (`lifecycle::lease`).
+
+use crate::driver::Driver;
+use crate::error::{DriverError, Error, Result};
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+/// The staging settings of an engine. Defaults were chosen by measurement on an H200 (PCIe
+/// Gen5 x16, 16 host cores); see `docs/records/blocking-staging.md`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct StagingConfig {
+    /// Bytes per pinned staging chunk (one ring slot).
+    pub chunk_bytes: usize,
+    /// Slots in the ring: how many chunks may be in flight at once.
+    pub ring_depth: usize,
+    /// Host threads that copy into and out of staging chunks.
+    pub copy_threads: usize,
+    /// Transfers up to this many bytes go through one staged copy (one slot, no pipeline);
+    /// larger ones through the pipeline.
+    pub cutoff_bytes: usize,
+}
+
+impl Default for StagingConfig {
+    fn default() -> Self {
+        StagingConfig {
+            chunk_bytes: 16 << 20,
+            ring_depth: 4,
+            copy_threads: 12,
+            cutoff_bytes: 1 << 20,
+        }
+    }
+}
+
+impl StagingConfig {
+    /// Checks every setting's range.
+    pub(crate) fn validate(&self) -> Result<()> {
+        let bad = |setting, value, reason| {
+            Err(Error::InvalidSetting {
+                setting,
+                value,
+                reason,
+            })
+        };
+        if self.chunk_bytes < 4096 || self.chunk_bytes > 1 << 30 {
+            return bad(
+                "chunk_bytes",
+                self.chunk_bytes,
+                "must be between 4 KiB and 1 GiB",
+            );
+        }
+        if self.ring_depth == 0 || self.ring_depth > 64 {
+            return bad("ring_depth", self.ring_depth, "must be between 1 and 64");
+        }
+        if self.copy_threads == 0 || self.copy_threads > 256 {
+            return bad(
+                "copy_threads",
+                self.copy_threads,
+                "must be between 1 and 256",
+            );
+        }
+        if self.cutoff_bytes > self.chunk_bytes {
+            return bad(
+                "cutoff_bytes",
+                self.cutoff_bytes,
+                "must not exceed chunk_bytes (a single staged copy uses one chunk)",
+            );
+        }
+        Ok(())
+    }
+}
+
+/// One pinned staging chunk.
+pub(crate) struct Slot {
+    ptr: NonNull<u8>,
+    bytes: usize,
+    kind: SlotKind,
+}
+
+impl Slot {
+    /// The chunk's memory.
+    pub(crate) fn ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
+    /// The chunk's size in bytes.
+    pub(crate) fn bytes(&self) -> usize {
+        self.bytes
+    }
+}
+
+/// Which budget a slot is drawn from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum SlotKind {
+    /// A chunk of the blocking routes' pipeline.
+    Route,
+    /// A chunk leased by a caller, as a [`StagingLease`](crate::StagingLease).
+    User,
+    /// The 16-byte slot of the smallest band.
+    Scalar,
+}
+
+// SAFETY: a slot is exclusively owned memory (by the ring or by one lease); its pointer is not
+// aliased across threads without that ownership moving with it.
+unsafe impl Send for Slot {}
+// SAFETY: shared access to a slot only reads through `&self` (`StagingLease<Proven>::as_bytes`);
+// every write needs `&mut`.
+unsafe impl Sync for Slot {}
+
+/// Counters for the staging ring.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct StagingStats {
+    /// Chunk-sized slots allocated (idle, leased, or in flight).
+    pub slots: usize,
+    /// Slots out of the ring: leased, in flight, or retained (a slot whose chunk could not be
+    /// proven complete never comes back, and stays counted here).
+    pub leased: usize,
+    /// Of those, leased by callers as [`StagingLease`](crate::StagingLease)s.
+    pub user_leased: usize,
+    /// Pinned bytes in chunk-sized slots.
+    pub bytes: usize,
+    /// Slots handed to the retirement queue by
+    /// [`StagingLease::retire`](crate::StagingLease::retire).
+    pub retired: u64,
+    /// Whether the 16-byte slot of the smallest band is allocated and idle.
+    pub scalar_slot: bool,
+}
+
+/// The engine's staging ring: its settings, its idle slots, the counts of slots out on each
+/// budget, and the host-copy threads.
+#[derive(Default)]
+pub(crate) struct StagingRing {
+    config: StagingConfig,
+    idle: Vec<Slot>,
+    /// Chunk-sized slots allocated and not freed.
+    slots: usize,
+    /// Slots leased by the blocking routes.
+    route_out: usize,
+    /// Slots leased by callers.
+    user_out: usize,
+    retired: u64,
+    /// The 16-byte pinned slot of the smallest band.
+    scalar: Option<Slot>,
+    pool: Option<Arc<rayon::ThreadPool>>,
+}
+
+impl StagingRing {
+    /// The settings.
+    pub(crate) fn config(&self) -> StagingConfig {
+        self.config
+    }
+
+    /// Changes the settings (already validated). Idle slots of the old size are freed; the copy
+    /// threads are rebuilt on next use when their number changed.
+    ///
+    /// # Errors
+    /// The first refusal to free an idle slot (the settings change regardless).
+    pub(crate) fn reconfigure(
+        &mut self,
+        driver: &mut dyn Driver,
+        config: StagingConfig,
+    ) -> Result<()> {
+        if self.config.copy_threads != config.copy_threads {
+            self.pool = None;
+        }
+        self.config = config;
+        self.free_idle(driver)
+    }
+
+    pub(crate) fn stats(&self) -> StagingStats {
+        StagingStats {
+            slots: self.slots,
+            leased: self.route_out + self.user_out,
+            user_leased: self.user_out,
+            bytes: self.slots * self.config.chunk_bytes,
+            retired: self.retired,
+            scalar_slot: self.scalar.is_some(),
+        }
+    }
+
+    /// Frees idle slots (and the scalar slot); used at teardown after a successful wait and when
+    /// the configuration changes. Returns the first refusal.
+    pub(crate) fn free_idle(&mut self, driver: &mut dyn Driver) -> Result<()> {
+        let mut first = Ok(());
+        let idle = std::mem::take(&mut self.idle);
+        for slot in idle.into_iter().chain(self.scalar.take()) {
+            if slot.kind != SlotKind::Scalar {
+                self.slots -= 1;
+            }
+            let freed = free_slot(driver, slot);
+            if first.is_ok() {
+                first = freed;
+            }
+        }
+        first
+    }
+
+    /// Counts a slot handed to the retirement queue by a lease.
+    pub(crate) fn count_retired(&mut self) {
+        self.retired += 1;
+    }
+
+    /// Takes a slot back from a lease. Returns a slot to free (outside the ring) when it is not
+    /// kept.
+    pub(crate) fn put(&mut self, slot: Slot, torn_down: bool) -> Option<Slot> {
+        match slot.kind {
+            SlotKind::Scalar => {
+                if torn_down || self.scalar.is_some() {
+                    return Some(slot);
+                }
+                self.scalar = Some(slot);
+                return None;
+            }
+            SlotKind::Route => self.route_out -= 1,
+            SlotKind::User => self.user_out -= 1,
+        }
+        let keep = !torn_down
+            && slot.bytes == self.config.chunk_bytes
+            && self.idle.len() < self.config.ring_depth;
+        if keep {
+            self.idle.push(slot);
+            None
+        } else {
+            self.slots -= 1;
+            Some(slot)
+        }
+    }
+}
+
+/// Frees a slot's pinned memory.
+pub(crate) fn free_slot(driver: &mut dyn Driver, slot: Slot) -> Result<()> {
+    // SAFETY: a slot comes back to the ring only from a proven lease (or a record whose event
+    // proved completion), so nothing queued names its memory; it is freed once.
+    unsafe { driver.host_free(slot.ptr.as_ptr()) }.map_err(Error::driver("cuMemFreeHost"))
+}
+
+fn new_slot(driver: &mut dyn Driver, bytes: usize, kind: SlotKind) -> Result<Slot> {
+    let ptr = driver
+        .host_alloc(bytes)
+        .map_err(Error::driver("cuMemHostAlloc (staging)"))?;
+    let ptr = NonNull::new(ptr).ok_or(Error::Driver {
+        call: "cuMemHostAlloc (staging)",
+        source: DriverError::OUT_OF_MEMORY,
+    })?;
+    // SAFETY: a fresh allocation of `bytes` bytes; zeroed once so its contents are initialised.
+    unsafe { std::ptr::write_bytes(ptr.as_ptr(), 0, bytes) };
+    Ok(Slot { ptr, bytes, kind })
+}
+
+impl StagingRing {
+    /// Takes a chunk-sized slot for `kind`: an idle one, or a new one. User leases are limited
+    /// to `ring_depth` at a time; the blocking routes bound their own depth.
+    pub(crate) fn take_slot(&mut self, driver: &mut dyn Driver, kind: SlotKind) -> Result<Slot> {
+        if kind == SlotKind::User && self.user_out >= self.config.ring_depth {
+            return Err(Error::StagingExhausted {
+                depth: self.config.ring_depth,
+            });
+        }
+        let mut slot = match self.idle.pop() {
+            Some(slot) => slot,
+            None => {
+                let slot = new_slot(driver, self.config.chunk_bytes, kind)?;
+                self.slots += 1;
+                slot
+            }
+        };
+        slot.kind = kind;
+        match kind {
+            SlotKind::User => self.user_out += 1,
+            _ => self.route_out += 1,
+        }
+        Ok(slot)
+    }
+
+    /// The host-copy thread pool, built on first use.
+    pub(crate) fn copy_pool(&mut self) -> Result<Arc<rayon::ThreadPool>> {
+        if let Some(pool) = &self.pool {
+            return Ok(Arc::clone(pool));
+        }
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(self.config.copy_threads)
+            .thread_name(|i| format!("cuferry-copy-{i}"))
+            .build()
+            .map_err(|_| Error::InvalidSetting {
+                setting: "copy_threads",
+                value: self.config.copy_threads,
+                reason: "the host-copy threads could not be started",
+            })?;
+        let pool = Arc::new(pool);
+        self.pool = Some(Arc::clone(&pool));
+        Ok(pool)
+    }
+
+    /// Takes the 16-byte scalar slot (made on first use).
+    pub(crate) fn take_scalar(&mut self, driver: &mut dyn Driver) -> Result<Slot> {
+        match self.scalar.take() {
+            Some(slot) => Ok(slot),
+            None => new_slot(driver, 16, SlotKind::Scalar),
+        }
+    }
+}
