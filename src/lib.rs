@@ -72,7 +72,9 @@ pub use work::{interop, kernels, libs};
 pub use crate::core::engine::CudaEngine;
 pub use dtype::DType;
 pub use error::{DeviceId, DeviceKind, DriverError, Error, Refused, Result};
-pub use lifecycle::lease::{BeginError, LeaseState, Proven, StagingLease, Unproven, Untracked};
+pub use lifecycle::lease::{
+    BeginError, KeepAlive, LeaseState, Proven, StagingLease, Unproven, Untracked,
+};
 pub use lifecycle::retire::RetirementStats;
 pub use memory::element::Element;
 pub use memory::pinned::PinnedHostBuffer;

@@ -30,6 +30,7 @@ use super::fence::{fence, Fenced, Fencing, IdleEvent, Untracked as Unfenced};
 use crate::core::engine::{CudaEngine, Shared};
 use crate::error::{Error, Result};
 use crate::memory::element::Element;
+use crate::memory::pinned::PinnedHostBuffer;
 use crate::memory::ring::{free_slot, Slot, SlotKind, StagingConfig, StagingStats};
 use crate::memory::tensor::DeviceTensor;
 use std::marker::PhantomData;
@@ -354,6 +355,38 @@ impl StagingLease<Proven> {
     }
 }
 
+mod keep_alive {
+    pub trait Sealed {}
+}
+
+/// What a retired lease may keep alive until its proof: the crate's own device and host values,
+/// `()`, and pairs of them.
+///
+/// Sealed, because the retirement queue drops what it releases inside the engine: a value whose
+/// drop runs the caller's code (which could panic there), or one that holds an engine (which
+/// would then own itself and never be torn down), cannot be handed to it. Both are compile
+/// errors:
+///
+/// ```compile_fail,E0277
+/// # use cuferry::sim::SimConfig;
+/// # use cuferry::CudaEngine;
+/// let mut engine = CudaEngine::simulated(SimConfig::default());
+/// let mut tensor = engine.alloc_tensor::<u8>(&[8]).unwrap();
+/// let lease = engine.staging_lease().unwrap();
+/// let unproven = lease.begin_upload(&mut engine, &mut tensor, 0, 8).unwrap();
+/// unproven.retire_with(engine); // error[E0277]: `CudaEngine` is not `KeepAlive`
+/// ```
+pub trait KeepAlive: keep_alive::Sealed + Send + Sync + 'static {}
+
+impl keep_alive::Sealed for () {}
+impl KeepAlive for () {}
+impl<T: Element> keep_alive::Sealed for DeviceTensor<T> {}
+impl<T: Element> KeepAlive for DeviceTensor<T> {}
+impl<T: Element> keep_alive::Sealed for PinnedHostBuffer<T> {}
+impl<T: Element> KeepAlive for PinnedHostBuffer<T> {}
+impl<A: KeepAlive, B: KeepAlive> keep_alive::Sealed for (A, B) {}
+impl<A: KeepAlive, B: KeepAlive> KeepAlive for (A, B) {}
+
 impl StagingLease<Unproven> {
     /// Waits for the chunk's event, holding no engine lock, and yields the lease [`Proven`].
     ///
@@ -377,7 +410,7 @@ impl StagingLease<Unproven> {
 
     /// As [`retire`](Self::retire), keeping `resource` (for example the device tensor the chunk
     /// was copying into) alive until the same proof.
-    pub fn retire_with<R: Send + Sync + 'static>(self, resource: R) {
+    pub fn retire_with<R: KeepAlive>(self, resource: R) {
         if let Some(mut st) = self.hold.owner().lock_for_drop() {
             st.staging.count_retired();
         }
@@ -395,7 +428,7 @@ impl StagingLease<Untracked> {
     }
 
     /// As [`retire`](Self::retire), retaining `resource` with it.
-    pub fn retire_with<R: Send + Sync + 'static>(self, resource: R) {
+    pub fn retire_with<R: KeepAlive>(self, resource: R) {
         if let Some(mut st) = self.hold.owner().lock_for_drop() {
             st.staging.count_retired();
         }

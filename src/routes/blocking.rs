@@ -19,7 +19,7 @@
 use crate::core::engine::CudaEngine;
 use crate::dtype::DType;
 use crate::error::{Error, Refused, Result};
-use crate::lifecycle::lease::{BeginError, Proven, StagingLease, Unproven};
+use crate::lifecycle::lease::{BeginError, KeepAlive, Proven, StagingLease, Unproven};
 use crate::memory::element::{as_bytes, byte_len, Element};
 use crate::memory::tensor::{shape_len, DeviceTensor};
 use std::collections::VecDeque;
@@ -127,10 +127,7 @@ fn next_lease(
 }
 
 /// Retires every unproven lease; the last (newest) keeps `resource` alive with it.
-fn retire_all<R: Send + Sync + 'static>(
-    mut in_flight: VecDeque<StagingLease<Unproven>>,
-    resource: R,
-) {
+fn retire_all<R: KeepAlive>(mut in_flight: VecDeque<StagingLease<Unproven>>, resource: R) {
     let last = in_flight.pop_back();
     for lease in in_flight {
         lease.retire();
@@ -143,10 +140,7 @@ fn retire_all<R: Send + Sync + 'static>(
 
 /// Waits for every lease in flight and releases them; on failure retires the rest with
 /// `resource`. A chunk whose wait fails is retained by the engine.
-fn finish<R: Send + Sync + 'static>(
-    mut in_flight: VecDeque<StagingLease<Unproven>>,
-    resource: R,
-) -> Result<R> {
+fn finish<R: KeepAlive>(mut in_flight: VecDeque<StagingLease<Unproven>>, resource: R) -> Result<R> {
     while let Some(lease) = in_flight.pop_front() {
         match lease.end_chunk() {
             Ok(proven) => proven.release(),
