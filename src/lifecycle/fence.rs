@@ -69,6 +69,8 @@ pub(crate) fn fence<R: Send + 'static>(
     event: Option<EventHandle>,
     what: &'static str,
 ) -> Fencing<R> {
+    // From here until a proof, a panic (inside a driver call) leaks the resources.
+    let resources = ManuallyDrop::new(resources);
     let recorded = match event {
         Some(event) => Ok(event),
         None => st.events.take(&mut *st.driver),
@@ -88,7 +90,7 @@ pub(crate) fn fence<R: Send + 'static>(
         Ok(event) => {
             return Fencing::Fenced(Fenced {
                 inner: Some(Inner {
-                    resources: ManuallyDrop::new(resources),
+                    resources,
                     event,
                     owner: Arc::clone(owner),
                     what,
@@ -98,10 +100,10 @@ pub(crate) fn fence<R: Send + 'static>(
         Err(error) => error,
     };
     match owner.waits.stream_synchronize() {
-        Ok(()) => Fencing::Proven(resources, error),
+        Ok(()) => Fencing::Proven(ManuallyDrop::into_inner(resources), error),
         Err(wait) => Fencing::Untracked(
             Untracked {
-                resources: ManuallyDrop::new(resources),
+                resources,
                 owner: Arc::clone(owner),
                 what,
                 failure: wait,
