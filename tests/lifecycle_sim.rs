@@ -609,3 +609,24 @@ fn the_simulator_reports_what_it_cannot_back_and_never_overflows() {
     }
     sim.clear_faults();
 }
+
+/// A background query of a detached transfer that fails once is retried, not taken as the
+/// device's verdict: nothing is retained or reported, and the transfer is released once done.
+#[test]
+fn a_single_failed_background_query_is_retried() {
+    let (mut engine, sim) = engine();
+    let buffer = PinnedHostBuffer::from_slice(&mut engine, &distinct(64)).unwrap();
+    let dest = engine.alloc_tensor::<u32>(&[64]).unwrap();
+    drop(upload_pending(&mut engine, buffer, dest).unwrap()); // detached
+    sim.advance_all();
+    sim.fail_nth(SimOp::EventQuery, 1, DriverError::UNKNOWN);
+    engine.flush().expect("one failed query is no failure");
+    assert_eq!(
+        engine.retirement_stats().pending,
+        1,
+        "kept for a later poll"
+    );
+    engine.synchronize().expect("the retry proves it done");
+    let stats = engine.retirement_stats();
+    assert_eq!((stats.pending, stats.retained, stats.released), (0, 0, 1));
+}
