@@ -34,29 +34,48 @@
 //!    (a download: the tensor's contents as of the copy; a staging download: the source chunk).
 //!    Memory whose proof failed (its event reported a failure, or a wait or try-wait on it failed,
 //!    or its event could not be recorded and the stream could not be synchronized) is never
-//!    released at all. Everything the test holds is read at every step and must still hold what
-//!    the test last put there, and every live tensor's device memory must hold what the copies
-//!    the device has run put there.
-//! 2. **What is not retained is released.** After a `synchronize` whose stream wait succeeded
-//!    nothing waits in the retirement queue, `retirement_stats().retained` counts exactly the
-//!    transfers and chunks whose proof failed, the pinned pool has exactly the blocks out that the
-//!    test holds or that are retained or forgotten, and device memory holds exactly the live
-//!    tensors and those retained with failed work.
-//! 3. **Every refusal or failure is typed and names its cause.** An error is returned only when a
-//!    fault landed in the operation (or, at a boundary, since the last one) and it names that
-//!    fault's call and code; a submission that is rejected or fails hands back its package intact
-//!    (same buffer, same tensor, same contents, or for a copy that ran, the contents it made);
-//!    nothing returns wrong data; `is_ready`, `try_wait` and `flush` never wait; a refused device
-//!    free and a failing transfer or chunk the retirement queue finds are reported at the next
-//!    boundary (`synchronize` for the latter), and a boundary reports a failure once, not again.
+//!    released at all, and a pinned block whose free the driver refused stays pinned and is
+//!    never handed out again (a block the test gave back in a step that had a pinned free
+//!    refused, and that is still pinned once the pool holds no idle block, is such a block).
+//!    Everything the test holds is read at every step and must still hold what the test last
+//!    put there, and every live tensor's device memory must hold what the copies the device has
+//!    run put there.
+//! 2. **What is not retained is released, and what is retained stays counted.** After a
+//!    `synchronize` whose stream wait succeeded nothing waits in the retirement queue,
+//!    `retirement_stats().retained` counts exactly the transfers and chunks whose proof failed,
+//!    the pinned pool has exactly the blocks out that the test holds or that are retained or
+//!    forgotten, the staging ring has exactly the route slots out that were retained, and device
+//!    memory holds exactly the live tensors and those retained with failed work. A caller's lease
+//!    counts against the lease budget (`staging_stats().user_leased`, and `leased`) while it is
+//!    held, forgotten or retained, however its failure was found (a failed `end_chunk`, an
+//!    untracked chunk's `retire`, or the retirement queue for a lease dropped unproven), so
+//!    `ring_depth` of them exhaust `staging_lease`; a lease dropped unproven counts until the
+//!    retirement queue releases it. The pinned pool counts a refused free among its
+//!    `refused_frees`, never among its `frees`.
+//! 3. **Every refusal or failure is typed, names its cause, and is reported once.** An error is
+//!    returned only when a fault landed in the operation (or, at a boundary, since the last one)
+//!    and it names that fault's call and code; a submission that is rejected or fails hands back
+//!    its package intact (same buffer, same tensor, same contents, or for a copy that ran, the
+//!    contents it made); nothing returns wrong data; `is_ready`, `try_wait` and `flush` never
+//!    wait. A refused free (pinned or device) is one failure recorded for the next boundary,
+//!    which reports it in its `Error::Deferred` with every other failure recorded since the last
+//!    boundary that reported (the count is checked); a refused free of a release the boundary
+//!    made itself is reported by that same boundary. A failing transfer or chunk detached into
+//!    the retirement queue is reported by the next `synchronize` whose stream wait succeeds, one
+//!    failure each; `flush` never judges it, and a failed event query in a poll is no verdict
+//!    and is never reported. A `synchronize` whose stream wait fails reports that wait alone,
+//!    and everything owed before it stays owed to the next boundary. A boundary reports a
+//!    failure once, not again.
 //! 4. **Teardown leaves only what is kept.** When the engine's final wait succeeds, once every
 //!    value is gone the device holds no pinned memory but what was retained, forgotten, or whose
 //!    free the driver refused, and it saw no violation.
 //!
 //! Where the rules leave the engine a choice the model allows every outcome the rules allow and
-//! no other: a detached transfer may be released at any poll after its copy ran; a lease's slot
-//! retained after a failure may or may not still count against the caller's lease budget; a
-//! failed blocking upload keeps its destination tensor only if a chunk it retired was failing.
+//! no other: a detached transfer or lease may be released at any poll after its copy ran; a
+//! failed blocking upload keeps its destination tensor only if a chunk it retired was failing;
+//! failing detached work is reported with its event's failure or with a failed query of the
+//! `synchronize` that settled it (a failed query is asked again, and a failing event answered
+//! by a failed query is still the device's verdict).
 //!
 //! Two rules about the blocking routes are stated because the route's failures can only be
 //! counted through them: a route proves its chunks in the order it queued them, with one wait
@@ -64,10 +83,13 @@
 //! least one call, because two query failures in a row while `synchronize` settles a record are
 //! the device's verdict on it (a failing event gives that verdict at every query).
 //!
-//! Three breaches of the rules the model found are pinned by ignored tests at the end of this
-//! file, and tolerated by the model until they are fixed: a refused pinned free need not be
-//! reported, a failed stream wait in `synchronize` may drop the failures recorded before it, and a
-//! retained caller lease may or may not count against the lease budget.
+//! The rules the model once found broken (a refused pinned free went unreported, a failed stream
+//! wait in `synchronize` dropped the failures recorded before it, a retained caller lease counted
+//! against the lease budget only when the retirement queue found it) are stated by tests at the
+//! end of this file. One breach is pinned by an ignored test there and tolerated by the model
+//! until it is fixed: when the pinned pool frees several idle blocks at once and the driver
+//! refuses more than one, only the first refusal is recorded, so the refused pinned frees of one
+//! operation may be reported as fewer failures (never none).
 //!
 //! Each run also counts the outcomes it reached (every kind of submission and chunk outcome,
 //! failed proofs, failing detached work, failed routes, two or more faults in one transfer,
@@ -81,8 +103,8 @@ use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{
     download_pending, download_tensor, download_tensor_into, upload_pending, upload_tensor,
     BeginError, CudaEngine, DeviceTensor, DriverError, Error, PendingDownload, PendingUpload,
-    PinnedHostBuffer, Proven, Returned, StagingConfig, StagingLease, TransferSubmitError, TryWait,
-    Unproven,
+    PinnedHostBuffer, PinnedPoolStats, Proven, Returned, StagingConfig, StagingLease,
+    TransferSubmitError, TryWait, Unproven,
 };
 use proptest::collection::vec;
 use proptest::prelude::*;
@@ -452,6 +474,8 @@ struct Obs {
     completed_before: u64,
     completed_after: u64,
     queued_after: u64,
+    /// The pinned pool's counters before and after, while the engine is open.
+    pool: Option<(PinnedPoolStats, PinnedPoolStats)>,
 }
 
 impl Obs {
@@ -561,11 +585,16 @@ enum Seen {
     RouteRetiredFailingChunk,
     TwoFaultsInOneTransfer,
     LeasesExhausted,
+    ExhaustedByRetainedLease,
     TeardownWaitFailed,
     DroppedInFlightAfterTeardown,
+    DeferredReported,
+    BoundaryReportedOwnRefusal,
+    FailedWaitKeptFailures,
+    RefusedBlockKept,
 }
 
-const ALL_SEEN: [Seen; 21] = {
+const ALL_SEEN: [Seen; 26] = {
     use Seen::*;
     [
         SubmitInFlight,
@@ -587,8 +616,13 @@ const ALL_SEEN: [Seen; 21] = {
         RouteRetiredFailingChunk,
         TwoFaultsInOneTransfer,
         LeasesExhausted,
+        ExhaustedByRetainedLease,
         TeardownWaitFailed,
         DroppedInFlightAfterTeardown,
+        DeferredReported,
+        BoundaryReportedOwnRefusal,
+        FailedWaitKeptFailures,
+        RefusedBlockKept,
     ]
 };
 
@@ -617,6 +651,9 @@ enum Hold {
     Leaked,
     /// Given back with nothing queued on it.
     Released,
+    /// A pinned block given back whose free the driver refused: it stays pinned and is never
+    /// handed out again.
+    Refused,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -653,7 +690,7 @@ impl Host {
     /// job below `completed`.
     fn busy(&self, completed: u64) -> bool {
         match self.hold {
-            Hold::Held | Hold::Lent { .. } | Hold::Retained | Hold::Leaked => true,
+            Hold::Held | Hold::Lent { .. } | Hold::Retained | Hold::Leaked | Hold::Refused => true,
             Hold::Detached { copy, faulty } => faulty || completed <= copy,
             Hold::Released => false,
         }
@@ -779,15 +816,6 @@ fn verdict_allowed(copy: u64, faulty: bool, completed: u64, got: Verdict) -> boo
     }
 }
 
-/// Where a boundary (flush, synchronize) stands with failures.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Boundary {
-    /// Not a boundary.
-    No,
-    /// A boundary that returned `Ok` (true) or an error (false).
-    Returned(bool),
-}
-
 #[derive(Debug, Default)]
 struct Model {
     depth: usize,
@@ -808,15 +836,22 @@ struct Model {
     forgotten_leases: usize,
     /// Caller leases detached unproven: their copy position and whether their event fails.
     detached_leases: Vec<(u64, bool)>,
-    /// Caller leases retained: whether they still count against the budget is the engine's call.
+    /// Caller leases retained: each counts against the lease budget for the engine's lifetime.
     retained_leases: usize,
-    /// Failures the next boundary must report, and causes a boundary may report.
+    /// Pinned frees refused in the current step, and the hosts given back before it.
+    refused_pinned_in_step: usize,
+    released_before: BTreeSet<usize>,
+    /// Route chunks (beyond the scalar band) retained: each stays counted as a leased slot.
+    route_retained: usize,
+    /// Failures recorded for the next boundary, one deferred error each.
     must: Vec<Cause>,
-    soft: Vec<Cause>,
-    /// Detached work whose event fails, not yet settled by a `synchronize`.
+    /// Of those, refused pinned frees after the first of their operation: a pinned pool trim
+    /// records only its first refusal (pinned by an ignored test below), so each may be missing
+    /// from the count.
+    folded: usize,
+    /// Detached work whose event fails, not yet settled by a `synchronize` whose stream wait
+    /// succeeded: the next such `synchronize` retains and reports each once.
     unsettled: usize,
-    /// Whether the next `synchronize` must report them.
-    unsettled_must: bool,
     salt: u32,
 }
 
@@ -952,10 +987,18 @@ impl Model {
         t.writes.push((at, offset, words));
     }
 
-    /// Lease budget: (at least, at most) caller leases counted as out, besides those held.
-    fn leases_out(&self, held: usize) -> (usize, usize) {
-        let lo = held + self.forgotten_leases;
-        (lo, lo + self.detached_leases.len() + self.retained_leases)
+    /// Lease budget: (at least, at most) caller leases counted as out, given `held` and the
+    /// device at `completed`. Forgotten and retained leases count for good; a detached lease
+    /// counts until it is released, which may happen at any poll after its copy ran unless its
+    /// event fails (then it is retained and counts for good).
+    fn leases_out(&self, held: usize, completed: u64) -> (usize, usize) {
+        let sure = self
+            .detached_leases
+            .iter()
+            .filter(|&&(copy, faulty)| faulty || completed <= copy)
+            .count();
+        let lo = held + self.forgotten_leases + self.retained_leases + sure;
+        (lo, lo + self.detached_leases.len() - sure)
     }
 
     /// Blocks out of the pinned pool: held by the test, lent, retained or forgotten.
@@ -966,7 +1009,7 @@ impl Model {
             .filter(|h| match h.hold {
                 Hold::Held | Hold::Lent { .. } | Hold::Retained | Hold::Leaked => true,
                 Hold::Detached { faulty, .. } => faulty,
-                Hold::Released => false,
+                Hold::Released | Hold::Refused => false,
             })
             .count()
     }
@@ -990,7 +1033,6 @@ impl Model {
             self.pinned_kept += 1;
             self.device_kept += 1;
             self.unsettled += 1;
-            self.unsettled_must = true;
         }
     }
 
@@ -1036,7 +1078,6 @@ impl Model {
             self.retained += 1;
             self.pinned_kept += 1;
             self.unsettled += 1;
-            self.unsettled_must = true;
         }
     }
 
@@ -1048,9 +1089,20 @@ impl Model {
     }
 
     /// Faults that landed where the operation's own rules do not speak of them. A refused free
-    /// keeps its memory and is reported at the next boundary; a failed query in a poll is retried;
+    /// (pinned or device) keeps its memory and is one failure recorded for a boundary, as is a
+    /// refused event destroy (only ever made at teardown, when no boundary follows); a failed
+    /// event query in a poll is no verdict (the poll asks again later) and is never reported;
     /// anything else landing there means the operation made a call it has no business making.
-    fn absorb(&mut self, obs: &Obs, handled: &[Option<SimOp>], boundary: Boundary) -> Check {
+    ///
+    /// The pinned pool counts a refused free among its refusals, never among its frees.
+    fn absorb(&mut self, obs: &Obs, handled: &[Option<SimOp>]) -> Check {
+        let refused_pinned = obs
+            .fired
+            .iter()
+            .filter(|f| f.op == Some(SimOp::HostFree) && !handled.contains(&f.op))
+            .count();
+        self.folded += refused_pinned.saturating_sub(1);
+        self.refused_pinned_in_step += refused_pinned;
         for f in &obs.fired {
             if handled.contains(&f.op) {
                 continue;
@@ -1059,16 +1111,14 @@ impl Model {
             match f.op {
                 Some(SimOp::HostFree) => {
                     self.pinned_kept += 1;
-                    self.soft.push(cause);
+                    self.must.push(cause);
                 }
                 Some(SimOp::Free) => {
                     self.device_kept += 1;
-                    match boundary {
-                        Boundary::Returned(false) => self.soft.push(cause),
-                        _ => self.must.push(cause),
-                    }
+                    self.must.push(cause);
                 }
-                Some(SimOp::EventDestroy | SimOp::EventQuery) => self.soft.push(cause),
+                Some(SimOp::EventDestroy) => self.must.push(cause),
+                Some(SimOp::EventQuery) => {}
                 _ => {
                     return Err(TestCaseError::fail(format!(
                         "a fault landed in a call this operation has no business making: {f:?}"
@@ -1076,11 +1126,31 @@ impl Model {
                 }
             }
         }
+        if let Some((before, after)) = obs.pool {
+            let refused = obs
+                .fired
+                .iter()
+                .filter(|f| f.op == Some(SimOp::HostFree))
+                .count() as u64;
+            let freed = obs.calls(SimOp::HostFree) - refused;
+            ensure!(
+                after.refused_frees - before.refused_frees <= refused,
+                "the pinned pool counts {} refused free(s); {refused} cuMemFreeHost call(s) were \
+                 refused",
+                after.refused_frees - before.refused_frees
+            );
+            ensure!(
+                after.frees - before.frees <= freed,
+                "the pinned pool counts {} free(s); only {freed} cuMemFreeHost call(s) succeeded",
+                after.frees - before.frees
+            );
+        }
         Ok(())
     }
 
     /// The rules of a blocking route (upload or download), given the faults that landed in it.
-    fn route(&mut self, obs: &Obs, upload: bool, error: Option<&Error>) -> Check {
+    /// `scalar`: the transfer goes through the 16-byte slot, which no lease count covers.
+    fn route(&mut self, obs: &Obs, upload: bool, scalar: bool, error: Option<&Error>) -> Check {
         use SimOp::*;
         let fatal: Vec<Fired> = obs
             .fired
@@ -1137,13 +1207,15 @@ impl Model {
         let kept = retired_failing + usize::from(failed_wait.is_some()) + usize::from(untracked);
         self.retained += kept;
         self.pinned_kept += kept;
+        if !scalar {
+            self.route_retained += kept;
+        }
         if obs.fired.len() >= 2 {
             seen(Seen::TwoFaultsInOneTransfer);
         }
         if retired_failing > 0 {
             seen(Seen::RouteRetiredFailingChunk);
             self.unsettled += retired_failing;
-            self.unsettled_must = true;
             if upload {
                 // The destination goes with the newest chunk retired; kept if that one fails.
                 self.device_maybe += 1;
@@ -1152,44 +1224,88 @@ impl Model {
         Ok(())
     }
 
-    /// Everything a boundary may name.
-    fn boundary_causes(&self, obs: &Obs) -> Vec<Cause> {
+    /// What a boundary owes: the failures recorded since the last boundary that reported, those
+    /// of releases the boundary made itself (already absorbed into `must`), and, at a
+    /// `synchronize` whose wait succeeded, the failing detached work. It must report them all,
+    /// each once, in one `Error::Deferred` naming one of them first.
+    ///
+    /// Failing detached work is named by its event's failure, or by a failed query of the same
+    /// `synchronize`: a record whose query fails is asked again, and a failing event answered by
+    /// a failed query (before or after its own failure) is still the device's verdict on it.
+    fn report(&self, obs: &Obs, what: &str, result: &Result<(), Error>, settles: bool) -> Check {
         let mut causes = self.must.clone();
-        causes.extend(&self.soft);
-        causes.extend(obs.causes());
-        if self.unsettled > 0 {
+        let mut count = self.must.len();
+        if settles && self.unsettled > 0 {
             causes.push((None, DriverError::LAUNCH_FAILED));
+            causes.extend(
+                obs.fired
+                    .iter()
+                    .filter(|f| f.op == Some(SimOp::EventQuery))
+                    .map(|f| (f.op, f.code)),
+            );
+            count += self.unsettled;
         }
-        causes
-    }
-
-    fn flush(&mut self, obs: &Obs, result: &Result<(), Error>) -> Check {
-        let query = obs.call(SimOp::StreamQuery);
+        if count == 0 {
+            return Ok(());
+        }
         match result {
-            Ok(()) => ensure!(
-                self.must.is_empty() && query.is_none(),
-                "flush reported nothing, but must report {:?} (stream query fault: {query:?})",
-                self.must
-            ),
-            Err(e) => ensure!(
-                explains(&self.boundary_causes(obs), e),
-                "flush reported a failure nothing explains: {e:?}"
-            ),
+            Err(Error::Deferred { count: got, first }) => {
+                ensure!(
+                    count - self.folded <= *got && *got <= count,
+                    "{what} reported {got} failure(s); the rules say {count}, or down to {} when a \
+                     pool trim folds its refusals ({:?} and {} failing detached transfer(s) or \
+                     chunk(s))",
+                    count - self.folded,
+                    self.must,
+                    if settles { self.unsettled } else { 0 }
+                );
+                ensure!(
+                    explains(&causes, first),
+                    "{what} reported a failure nothing explains first: {first:?} (owed {causes:?})"
+                );
+                seen(Seen::DeferredReported);
+                Ok(())
+            }
+            other => Err(TestCaseError::fail(format!(
+                "{what} must report {:?} and {} failing detached transfer(s) or chunk(s), but \
+                 gave {other:?}",
+                self.must,
+                if settles { self.unsettled } else { 0 }
+            ))),
         }
-        ensure!(!obs.waited(), "flush waited for the device");
-        self.must.clear();
-        self.soft.clear();
-        if result.is_err() {
-            self.unsettled_must = false;
-        }
-        self.absorb(
-            obs,
-            &[Some(SimOp::StreamQuery), Some(SimOp::EventQuery)],
-            Boundary::Returned(result.is_ok()),
-        )
     }
 
-    /// Returns whether the stream wait succeeded, so the retirement queue was settled.
+    /// A `flush`: it releases what has completed, then reports every failure recorded so far
+    /// (those of its own releases too); with none, a failed stream query. It never waits and
+    /// never judges failing detached work (that is for `synchronize`).
+    fn flush(&mut self, obs: &Obs, result: &Result<(), Error>) -> Check {
+        ensure!(!obs.waited(), "flush waited for the device");
+        let owed_before = self.must.len();
+        self.absorb(obs, &[Some(SimOp::StreamQuery)])?;
+        if self.must.len() > owed_before {
+            seen(Seen::BoundaryReportedOwnRefusal);
+        }
+        let query = obs.call(SimOp::StreamQuery);
+        if self.must.is_empty() {
+            match (query, result) {
+                (None, Ok(())) => {}
+                (Some(q), Err(Error::DeviceFault { source, .. })) if *source == q.code => {}
+                (query, result) => {
+                    return Err(TestCaseError::fail(format!(
+                        "flush owed nothing (stream query fault: {query:?}), but gave {result:?}"
+                    )))
+                }
+            }
+        } else {
+            self.report(obs, "flush", result, false)?;
+        }
+        self.must.clear();
+        self.folded = 0;
+        Ok(())
+    }
+
+    /// A `synchronize`. Returns whether the stream wait succeeded, so the retirement queue was
+    /// settled.
     fn synchronize(
         &mut self,
         obs: &Obs,
@@ -1200,42 +1316,33 @@ impl Model {
                 matches!(result, Err(Error::DeviceFault { source, .. }) if *source == f.code),
                 "a failed stream wait must fail synchronize with its code: {result:?}"
             );
-            self.must.clear();
-            self.soft.clear();
-            self.absorb(
-                obs,
-                &[Some(SimOp::StreamSynchronize)],
-                Boundary::Returned(false),
-            )?;
+            // The failures recorded before the wait stay for the next boundary.
+            if !self.must.is_empty() || self.unsettled > 0 {
+                seen(Seen::FailedWaitKeptFailures);
+            }
+            self.absorb(obs, &[Some(SimOp::StreamSynchronize)])?;
             return Ok(false);
         }
-        let must = !self.must.is_empty() || (self.unsettled > 0 && self.unsettled_must);
-        match result {
-            Ok(()) => ensure!(
-                !must,
-                "synchronize reported nothing, but must report {:?} and {} failing detached \
-                 transfer(s) or chunk(s)",
-                self.must,
-                self.unsettled
-            ),
-            Err(e) => ensure!(
-                explains(&self.boundary_causes(obs), e),
-                "synchronize reported a failure nothing explains: {e:?}"
-            ),
+        let owed_before = self.must.len();
+        self.absorb(obs, &[])?;
+        if self.must.len() > owed_before {
+            seen(Seen::BoundaryReportedOwnRefusal);
+        }
+        if self.must.is_empty() && self.unsettled == 0 {
+            ensure!(
+                result.is_ok(),
+                "synchronize owed nothing but reported {result:?}"
+            );
+        } else {
+            self.report(obs, "synchronize", result, true)?;
         }
         self.must.clear();
-        self.soft.clear();
+        self.folded = 0;
         self.unsettled = 0;
-        self.unsettled_must = false;
         // Detached leases are now released, or retained if their event failed.
         let failing = self.detached_leases.iter().filter(|l| l.1).count();
         self.retained_leases += failing;
         self.detached_leases.clear();
-        self.absorb(
-            obs,
-            &[Some(SimOp::EventQuery)],
-            Boundary::Returned(result.is_ok()),
-        )?;
         Ok(true)
     }
 }
@@ -1358,8 +1465,10 @@ impl Sut {
         let before = calls(&self.sim);
         let completed_before = self.sim.completed();
         let next = completed_before + self.sim.queued() as u64;
+        let pool_before = self.engine.as_ref().map(CudaEngine::pinned_pool_stats);
         let out = f(self);
         let after = calls(&self.sim);
+        let pool_after = self.engine.as_ref().map(CudaEngine::pinned_pool_stats);
         let fired = m.observe(&before, &after);
         let obs = Obs {
             fired,
@@ -1368,6 +1477,7 @@ impl Sut {
             completed_before,
             completed_after: self.sim.completed(),
             queued_after: self.sim.queued() as u64,
+            pool: pool_before.zip(pool_after),
         };
         (out, obs)
     }
@@ -1392,7 +1502,7 @@ impl Sut {
                 let ((), obs) = self.run(m, |_| drop(buffer));
                 m.hosts[host].hold = Hold::Released;
                 ensure!(!obs.waited(), "dropping a buffer waited");
-                m.absorb(&obs, &[], Boundary::No)?;
+                m.absorb(&obs, &[])?;
             }
             Op::DropTensor(sel) => {
                 if self.tensors.is_empty() {
@@ -1401,7 +1511,7 @@ impl Sut {
                 let (tensor, t) = self.tensors.swap_remove(sel % self.tensors.len());
                 let ((), obs) = self.run(m, |_| drop(t));
                 m.tensors[tensor].live = false;
-                m.absorb(&obs, &[], Boundary::No)?;
+                m.absorb(&obs, &[])?;
             }
             Op::Submit {
                 upload,
@@ -1447,7 +1557,7 @@ impl Sut {
                     m.hosts[host].hold = Hold::Released;
                     m.tensors[tensor].live = false;
                 }
-                m.absorb(&obs, &[], Boundary::No)?;
+                m.absorb(&obs, &[])?;
             }
             Op::ForgetTransfer(sel) => {
                 let Some(i) = self.pick(sel, Xfer::in_flight) else {
@@ -1481,7 +1591,7 @@ impl Sut {
                 ensure!(!obs.waited(), "releasing a lease waited");
                 let host = m.leases[l].host;
                 m.hosts[host].hold = Hold::Released;
-                m.absorb(&obs, &[], Boundary::No)?;
+                m.absorb(&obs, &[])?;
             }
             Op::Retire { lease, with_tensor } => {
                 if self.unproven.is_empty() {
@@ -1501,7 +1611,7 @@ impl Sut {
                 });
                 ensure!(!obs.waited(), "retiring a lease waited");
                 m.detach_lease(l, id);
-                m.absorb(&obs, &[], Boundary::No)?;
+                m.absorb(&obs, &[])?;
             }
             Op::DropLease { lease, proven } => {
                 if proven && !self.proven.is_empty() {
@@ -1509,13 +1619,13 @@ impl Sut {
                     let ((), obs) = self.run(m, |_| drop(p));
                     let host = m.leases[l].host;
                     m.hosts[host].hold = Hold::Released;
-                    m.absorb(&obs, &[], Boundary::No)?;
+                    m.absorb(&obs, &[])?;
                 } else if !proven && !self.unproven.is_empty() {
                     let (l, u) = self.unproven.swap_remove(lease % self.unproven.len());
                     let ((), obs) = self.run(m, |_| drop(u));
                     ensure!(!obs.waited(), "dropping an unproven lease waited");
                     m.detach_lease(l, None);
-                    m.absorb(&obs, &[], Boundary::No)?;
+                    m.absorb(&obs, &[])?;
                 }
             }
             Op::ForgetLease { lease, proven } => {
@@ -1587,14 +1697,14 @@ impl Sut {
                 );
             }
         }
-        m.absorb(&obs, &[Some(SimOp::HostAlloc)], Boundary::No)
+        m.absorb(&obs, &[Some(SimOp::HostAlloc)])
     }
 
     fn new_tensor(&mut self, m: &mut Model, len: usize) -> Check {
         let data = pattern(m.salt(), len);
         let (result, obs) = self.run(m, |s| upload_tensor(s.engine(), &data, &[len]));
-        m.route(&obs, true, result.as_ref().err())?;
-        m.absorb(&obs, ROUTE_CALLS, Boundary::No)?;
+        m.route(&obs, true, len * 4 <= 16, result.as_ref().err())?;
+        m.absorb(&obs, ROUTE_CALLS)?;
         if let Ok(tensor) = result {
             let ptr = device_ptr(self.engine(), &tensor);
             ensure!(
@@ -1623,8 +1733,9 @@ impl Sut {
                 download_tensor(engine, tensor)
             }
         });
-        m.route(&obs, false, result.as_ref().err())?;
-        m.absorb(&obs, ROUTE_CALLS, Boundary::No)?;
+        let scalar = m.tensors[id].len * 4 <= 16;
+        m.route(&obs, false, scalar, result.as_ref().err())?;
+        m.absorb(&obs, ROUTE_CALLS)?;
         if let Ok(got) = result {
             ensure!(got == want, "a blocking download returned wrong data");
         }
@@ -1811,7 +1922,7 @@ impl Sut {
             // A resubmission reuses its own event: it never creates one.
             handled.push(Some(SimOp::EventCreate));
         }
-        m.absorb(obs, &handled, Boundary::No)
+        m.absorb(obs, &handled)
     }
 
     /// A package that came back: the same buffer with the contents the model expects, and the
@@ -1907,7 +2018,7 @@ impl Sut {
                 );
             }
         }
-        m.absorb(&obs, &[Some(SimOp::EventQuery)], Boundary::No)
+        m.absorb(&obs, &[Some(SimOp::EventQuery)])
     }
 
     fn try_wait(&mut self, m: &mut Model, sel: usize) -> Check {
@@ -1962,7 +2073,7 @@ impl Sut {
                 }
             }
         }
-        m.absorb(&obs, &[Some(SimOp::EventQuery)], Boundary::No)
+        m.absorb(&obs, &[Some(SimOp::EventQuery)])
     }
 
     fn wait(&mut self, m: &mut Model, sel: usize) -> Check {
@@ -2000,11 +2111,12 @@ impl Sut {
                 m.retain_transfer(host, tensor);
             }
         }
-        m.absorb(&obs, &[Some(SimOp::EventSynchronize)], Boundary::No)
+        m.absorb(&obs, &[Some(SimOp::EventSynchronize)])
     }
 
     fn lease(&mut self, m: &mut Model) -> Check {
-        let (lo, hi) = m.leases_out(self.proven.len() + self.unproven.len());
+        let held = self.proven.len() + self.unproven.len();
+        let (lo, hi) = m.leases_out(held, self.sim.completed());
         let (result, obs) = self.run(m, |s| s.engine().staging_lease());
         ensure!(!obs.waited(), "taking a lease waited");
         match result {
@@ -2026,6 +2138,9 @@ impl Sut {
             }
             Err(Error::StagingExhausted { depth }) => {
                 seen(Seen::LeasesExhausted);
+                if m.retained_leases > 0 {
+                    seen(Seen::ExhaustedByRetainedLease);
+                }
                 ensure!(
                     depth == m.depth && hi >= depth,
                     "staging_lease refused with at most {hi} of {depth} caller leases out"
@@ -2036,7 +2151,7 @@ impl Sut {
                 "staging_lease failed with no pinned allocation failing: {e:?}"
             ),
         }
-        m.absorb(&obs, &[Some(SimOp::HostAlloc)], Boundary::No)
+        m.absorb(&obs, &[Some(SimOp::HostAlloc)])
     }
 
     fn begin(
@@ -2191,7 +2306,6 @@ impl Sut {
                 Some(SimOp::StreamSynchronize),
                 None,
             ],
-            Boundary::No,
         )
     }
 
@@ -2259,7 +2373,7 @@ impl Sut {
                 m.retain_lease(l, None);
             }
         }
-        m.absorb(&obs, &[Some(SimOp::EventSynchronize)], Boundary::No)
+        m.absorb(&obs, &[Some(SimOp::EventSynchronize)])
     }
 
     fn synchronize(&mut self, m: &mut Model) -> Check {
@@ -2286,6 +2400,13 @@ impl Sut {
             stats.retained,
             m.retained
         );
+        let staging = engine.staging_stats();
+        ensure!(
+            staging.leased - staging.user_leased == m.route_retained,
+            "{} route slot(s) out of the ring after synchronize; the rules say {} (retained)",
+            staging.leased - staging.user_leased,
+            m.route_retained
+        );
         let pool = engine.pinned_pool_stats();
         ensure!(
             pool.leased_blocks == m.blocks_out(),
@@ -2304,6 +2425,26 @@ impl Sut {
             "the device saw violations: {violations:?}"
         );
         let completed = self.sim.completed();
+        // A step that gave blocks back and had a pinned free refused, leaving no idle block in
+        // the pool: each of those blocks was freed or refused a free, and one still pinned is
+        // refused, never to be handed out again.
+        let refused = std::mem::take(&mut m.refused_pinned_in_step) > 0;
+        if refused && self.engine().pinned_pool_stats().idle_blocks == 0 {
+            for i in 0..m.hosts.len() {
+                let h = &m.hosts[i];
+                if h.mem == Mem::Block
+                    && h.hold == Hold::Released
+                    && !m.released_before.contains(&i)
+                    && self.sim.is_pinned_live(h.addr as *const u8)
+                {
+                    seen(Seen::RefusedBlockKept);
+                    m.hosts[i].hold = Hold::Refused;
+                }
+            }
+        }
+        m.released_before = (0..m.hosts.len())
+            .filter(|&i| m.hosts[i].hold == Hold::Released)
+            .collect();
         for h in &m.hosts {
             if h.busy(completed) {
                 ensure!(
@@ -2343,7 +2484,7 @@ impl Sut {
                 t.ptr
             );
         }
-        let (lo, hi) = m.leases_out(self.proven.len() + self.unproven.len());
+        let (lo, hi) = m.leases_out(self.proven.len() + self.unproven.len(), completed);
         let out = self.engine().staging_stats().user_leased;
         ensure!(
             lo <= out && out <= hi,
@@ -2386,18 +2527,18 @@ impl Sut {
         if let Some((host, buffer)) = self.buffers.pop() {
             let ((), obs) = self.run(m, |_| drop(buffer));
             m.hosts[host].hold = Hold::Released;
-            return m.absorb(&obs, &[], Boundary::No);
+            return m.absorb(&obs, &[]);
         }
         if let Some((tensor, t)) = self.tensors.pop() {
             let ((), obs) = self.run(m, |_| drop(t));
             m.tensors[tensor].live = false;
-            return m.absorb(&obs, &[], Boundary::No);
+            return m.absorb(&obs, &[]);
         }
         if let Some((l, lease)) = self.proven.pop() {
             let ((), obs) = self.run(m, |_| drop(lease));
             let host = m.leases[l].host;
             m.hosts[host].hold = Hold::Released;
-            return m.absorb(&obs, &[], Boundary::No);
+            return m.absorb(&obs, &[]);
         }
         if let Some((x, handle)) = self.transfers.pop() {
             let in_flight = handle.in_flight();
@@ -2422,7 +2563,7 @@ impl Sut {
                 m.hosts[host].hold = Hold::Released;
                 m.tensors[tensor].live = false;
             }
-            return m.absorb(&obs, &[Some(SimOp::EventSynchronize)], Boundary::No);
+            return m.absorb(&obs, &[Some(SimOp::EventSynchronize)]);
         }
         if let Some((l, lease)) = self.unproven.pop() {
             let ((), obs) = self.run(m, |_| drop(lease));
@@ -2437,7 +2578,7 @@ impl Sut {
                 let host = m.leases[l].host;
                 m.hosts[host].hold = Hold::Released;
             }
-            return m.absorb(&obs, &[Some(SimOp::EventSynchronize)], Boundary::No);
+            return m.absorb(&obs, &[Some(SimOp::EventSynchronize)]);
         }
         Ok(())
     }
@@ -2490,7 +2631,7 @@ impl Sut {
         if !final_wait {
             seen(Seen::TeardownWaitFailed);
         }
-        m.absorb(&obs, &[Some(SimOp::StreamSynchronize)], Boundary::No)?;
+        m.absorb(&obs, &[Some(SimOp::StreamSynchronize)])?;
         while kept.held() > 0 {
             kept.drop_one(m, true)?;
         }
@@ -2631,40 +2772,64 @@ fn every_route_keeps_the_rules_under_injected_faults() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Breaches of the rules the model found in the engine, each reduced to its smallest case and
-// ignored until fixed. The model above tolerates them (a refused pinned free need not be
-// reported; a failed stream wait at `synchronize` may drop earlier failures; a retained caller
-// lease may or may not count against the lease budget) so that it keeps checking everything else.
+// The rules the model once found broken, each in its smallest case.
 // ---------------------------------------------------------------------------------------------
 
-/// Rule 3: a refused free is reported at the next boundary. The pinned pool ignores a refused
-/// `cuMemFreeHost` (and counts the block as freed), so the leaked memory is never reported.
+/// A staging configuration with the model's small chunks and `ring_depth` slots.
+fn small_staging(engine: &mut CudaEngine, ring_depth: usize) {
+    let mut config = StagingConfig::default();
+    config.chunk_bytes = CHUNK_BYTES;
+    config.cutoff_bytes = CUTOFF_BYTES;
+    config.ring_depth = ring_depth;
+    engine.set_staging_config(config).unwrap();
+}
+
+/// Whether `result` is one deferred failure of `call` with `code`.
+fn one_deferred(result: &Result<(), Error>, call: &str, code: DriverError) -> bool {
+    let Err(Error::Deferred { count: 1, first }) = result else {
+        return false;
+    };
+    matches!(&**first, Error::Driver { call: c, source } if *c == call && *source == code)
+}
+
+/// Rule 3: a refused free is reported at the next boundary, once. A refused `cuMemFreeHost`
+/// keeps its memory pinned, is counted among the pool's refused frees (not its frees), and the
+/// memory is never handed out again.
 #[test]
-#[ignore = "fails until: the pinned pool reports a refused cuMemFreeHost at the next boundary"]
 fn a_refused_pinned_free_is_reported_at_the_next_boundary() {
     let mut engine = CudaEngine::simulated(SimConfig::default());
     let sim = engine.sim().expect("a simulated engine");
     engine.set_pinned_pool_budget(0).unwrap(); // a released buffer is freed at once
     let buffer = PinnedHostBuffer::<u32>::new(&mut engine, 16).unwrap();
+    let refused = addr(&buffer);
     sim.fail_nth(SimOp::HostFree, 1, DriverError::INVALID_VALUE);
     drop(buffer);
     assert_eq!(sim.pinned_live().0, 1, "the refused free kept the memory");
-    assert!(
-        engine.flush().is_err(),
-        "the refused cuMemFreeHost was not reported"
-    );
+    let stats = engine.pinned_pool_stats();
     assert_eq!(
-        engine.pinned_pool_stats().frees,
-        0,
-        "the pool counts a refused free as a free"
+        (stats.frees, stats.refused_frees),
+        (0, 1),
+        "a refused free is counted as refused, not freed"
     );
+    let first = engine.flush();
+    assert!(
+        one_deferred(&first, "cuMemFreeHost", DriverError::INVALID_VALUE),
+        "the refused cuMemFreeHost is reported at the next boundary: {first:?}"
+    );
+    assert!(engine.flush().is_ok(), "a failure is reported once");
+    let again = PinnedHostBuffer::<u32>::new(&mut engine, 16).unwrap();
+    assert_ne!(
+        addr(&again),
+        refused,
+        "memory whose free was refused was handed out again"
+    );
+    assert_eq!(sim.pinned_live().0, 2);
 }
 
 /// Rule 3: a boundary reports the failures recorded since the last one. When the stream wait of
-/// `synchronize` fails, the failures recorded before it are taken and dropped, so a refused
-/// device free is never reported.
+/// `synchronize` fails, it reports the wait, and the failures recorded before it stay for the
+/// next boundary.
 #[test]
-#[ignore = "fails until: synchronize keeps deferred failures for the next boundary when its stream wait fails"]
 fn a_failed_stream_wait_does_not_drop_earlier_failures() {
     let mut engine = CudaEngine::simulated(SimConfig::default());
     let sim = engine.sim().expect("a simulated engine");
@@ -2674,47 +2839,164 @@ fn a_failed_stream_wait_does_not_drop_earlier_failures() {
     sim.fail_nth(SimOp::StreamSynchronize, 1, DriverError::UNKNOWN);
     let first = engine.synchronize();
     assert!(
-        matches!(first, Err(Error::DeviceFault { .. })),
+        matches!(first, Err(Error::DeviceFault { source, .. }) if source == DriverError::UNKNOWN),
         "the failed wait is reported: {first:?}"
     );
+    let second = engine.synchronize();
     assert!(
-        engine.synchronize().is_err(),
-        "the refused cuMemFreeAsync recorded before the failed wait was never reported"
+        one_deferred(&second, "cuMemFreeAsync", DriverError::INVALID_VALUE),
+        "the refused cuMemFreeAsync recorded before the failed wait is reported next: {second:?}"
+    );
+    assert!(engine.synchronize().is_ok(), "a failure is reported once");
+}
+
+/// Rule 3: a boundary that releases retired work reports the refused frees of those releases
+/// itself, not one boundary later: `flush` once the device ran the work, `synchronize` after
+/// its wait.
+#[test]
+fn a_boundary_reports_the_refused_frees_of_its_own_releases() {
+    let mut engine = CudaEngine::simulated(SimConfig::default());
+    let sim = engine.sim().expect("a simulated engine");
+    engine.set_pinned_pool_budget(0).unwrap(); // a released buffer is freed at once
+    for boundary in ["flush", "synchronize"] {
+        let buffer = PinnedHostBuffer::from_slice(&mut engine, &[3u32; 4]).unwrap();
+        let tensor = engine.alloc_tensor::<u32>(&[4]).unwrap();
+        drop(upload_pending(&mut engine, buffer, tensor).unwrap()); // detached in flight
+        sim.fail_nth(SimOp::HostFree, 1, DriverError::INVALID_VALUE);
+        let result = if boundary == "flush" {
+            sim.advance_all();
+            engine.flush()
+        } else {
+            engine.synchronize()
+        };
+        assert_eq!(
+            engine.retirement_stats().pending,
+            0,
+            "{boundary} released the work"
+        );
+        assert!(
+            one_deferred(&result, "cuMemFreeHost", DriverError::INVALID_VALUE),
+            "{boundary} reports the refused free of the buffer it released: {result:?}"
+        );
+        assert!(engine.synchronize().is_ok(), "a failure is reported once");
+    }
+    assert_eq!(engine.pinned_pool_stats().refused_frees, 2);
+}
+
+/// Rule 3: a failed event query while `flush` polls the retirement queue is no verdict: the
+/// record waits for a later poll and nothing is reported or retained.
+#[test]
+fn a_failed_query_in_a_flush_is_no_verdict() {
+    let mut engine = CudaEngine::simulated(SimConfig::default());
+    let sim = engine.sim().expect("a simulated engine");
+    let buffer = PinnedHostBuffer::from_slice(&mut engine, &[5u32; 4]).unwrap();
+    let tensor = engine.alloc_tensor::<u32>(&[4]).unwrap();
+    drop(upload_pending(&mut engine, buffer, tensor).unwrap());
+    sim.advance_all();
+    sim.fail_nth(SimOp::EventQuery, 1, DriverError::UNKNOWN);
+    let flushed = engine.flush();
+    assert!(flushed.is_ok(), "a failed query was reported: {flushed:?}");
+    let stats = engine.retirement_stats();
+    assert_eq!((stats.pending, stats.retained), (1, 0), "the record waits");
+    assert!(engine.flush().is_ok());
+    let stats = engine.retirement_stats();
+    assert_eq!(
+        (stats.pending, stats.retained),
+        (0, 0),
+        "a later poll released it"
     );
 }
 
-/// A caller's lease whose chunk cannot be proven is retained for the engine's lifetime, but
-/// whether its slot keeps counting against the caller's lease budget depends on how the failure
-/// was found: a failed `end_chunk` (and an untracked lease's `retire`, whose documentation says
-/// the slot "stays counted as leased") gives the budget back, while a dropped lease whose event
-/// fails keeps it for good, so `ring_depth` of those exhaust `staging_lease` for the engine's
-/// lifetime and the same number of failed `end_chunk`s do not.
+/// Rule 1: a caller's lease whose chunk cannot be proven is retained for the engine's lifetime
+/// and stays counted as leased however the failure was found: by `end_chunk`, by an untracked
+/// chunk's `retire`, or by the retirement queue for a lease dropped unproven. `ring_depth` such
+/// leases exhaust `staging_lease` for good.
 #[test]
-#[ignore = "fails until: a retained caller lease counts against the lease budget the same way however its failure was found"]
-fn a_retained_lease_counts_against_the_budget_one_way() {
+fn a_retained_lease_counts_against_the_budget_in_every_case() {
     let mut engine = CudaEngine::simulated(SimConfig::default());
     let sim = engine.sim().expect("a simulated engine");
-    let mut config = StagingConfig::default();
-    config.chunk_bytes = CHUNK_BYTES;
-    config.cutoff_bytes = CUTOFF_BYTES;
-    engine.set_staging_config(config).unwrap();
+    small_staging(&mut engine, 3);
     let mut tensor = upload_tensor(&mut engine, &[7u32; 8], &[8]).unwrap();
+    let counted = |engine: &CudaEngine| {
+        let stats = engine.staging_stats();
+        (stats.user_leased, stats.leased)
+    };
     // Found by the caller's wait.
     let lease = engine.staging_lease().unwrap();
     sim.fail_event(1, DriverError::LAUNCH_FAILED);
     let chunk = lease.begin_upload(&mut engine, &mut tensor, 0, 8).unwrap();
     assert!(chunk.end_chunk().is_err());
-    let by_wait = engine.staging_stats().user_leased;
+    assert_eq!(
+        counted(&engine),
+        (1, 1),
+        "a failed end_chunk keeps its slot counted"
+    );
+    // Neither an event nor a stream wait could track the chunk.
+    let lease = engine.staging_lease().unwrap();
+    sim.fail_nth(SimOp::EventRecord, 1, DriverError::INVALID_VALUE);
+    sim.fail_nth(SimOp::StreamSynchronize, 1, DriverError::UNKNOWN);
+    match lease.begin_upload(&mut engine, &mut tensor, 0, 8) {
+        Err(BeginError::Untracked { lease, .. }) => lease.retire(),
+        other => panic!("the chunk is untracked: {other:?}"),
+    }
+    assert_eq!(
+        counted(&engine),
+        (2, 2),
+        "an untracked retire keeps its slot counted"
+    );
     // Found by the retirement queue.
     let lease = engine.staging_lease().unwrap();
     sim.fail_event(1, DriverError::LAUNCH_FAILED);
     drop(lease.begin_upload(&mut engine, &mut tensor, 0, 8).unwrap());
     assert!(engine.synchronize().is_err());
-    assert_eq!(engine.retirement_stats().retained, 2);
-    let by_queue = engine.staging_stats().user_leased - by_wait;
+    assert_eq!(engine.retirement_stats().retained, 3);
     assert_eq!(
-        by_wait, by_queue,
-        "a retained lease found by end_chunk counts {by_wait} against the budget, one found by \
-         the retirement queue {by_queue}"
+        counted(&engine),
+        (3, 3),
+        "a failing dropped lease keeps its slot counted"
+    );
+    for _ in 0..2 {
+        assert!(
+            matches!(
+                engine.staging_lease(),
+                Err(Error::StagingExhausted { depth: 3 })
+            ),
+            "three retained leases exhaust a budget of three"
+        );
+        assert!(engine.synchronize().is_ok());
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Breaches of the rules the model found in the engine, each reduced to its smallest case and
+// ignored until fixed. The model tolerates them (several refused pinned frees in one operation
+// may count as fewer deferred failures, never none) so that it keeps checking everything else.
+// ---------------------------------------------------------------------------------------------
+
+/// Rule 3: every refused pinned free is a deferred failure. When an allocation fails and the
+/// pool frees its idle blocks to make room, a trim that the driver refuses twice records only
+/// its first refusal: the pool counts two refused frees, the next boundary reports one, and the
+/// second is never reported.
+#[test]
+#[ignore = "fails until: a pinned pool trim records every refused cuMemFreeHost, not only the first"]
+fn every_refused_free_of_a_pool_trim_is_reported() {
+    let mut engine = CudaEngine::simulated(SimConfig::default());
+    let sim = engine.sim().expect("a simulated engine");
+    let a = PinnedHostBuffer::<u32>::new(&mut engine, 1024).unwrap();
+    let b = PinnedHostBuffer::<u32>::new(&mut engine, 2048).unwrap();
+    drop((a, b)); // two idle blocks in the pool
+    sim.fail_nth(SimOp::HostAlloc, 1, DriverError::OUT_OF_MEMORY); // the pool trims to zero
+    sim.fail_nth(SimOp::HostFree, 1, DriverError::INVALID_VALUE);
+    sim.fail_nth(SimOp::HostFree, 2, DriverError::INVALID_VALUE);
+    let _c = PinnedHostBuffer::<u32>::new(&mut engine, 1 << 16).unwrap();
+    assert_eq!(engine.pinned_pool_stats().refused_frees, 2);
+    let reported = match engine.flush() {
+        Err(Error::Deferred { count, .. }) => count,
+        Err(_) => 1,
+        Ok(()) => 0,
+    };
+    assert_eq!(
+        reported, 2,
+        "two refused cuMemFreeHost calls, {reported} reported"
     );
 }
