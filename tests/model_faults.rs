@@ -86,10 +86,8 @@
 //! The rules the model once found broken (a refused pinned free went unreported, a failed stream
 //! wait in `synchronize` dropped the failures recorded before it, a retained caller lease counted
 //! against the lease budget only when the retirement queue found it) are stated by tests at the
-//! end of this file. One breach is pinned by an ignored test there and tolerated by the model
-//! until it is fixed: when the pinned pool frees several idle blocks at once and the driver
-//! refuses more than one, only the first refusal is recorded, so the refused pinned frees of one
-//! operation may be reported as fewer failures (never none).
+//! end of this file, with a fourth: when the pinned pool frees several idle blocks at once and the
+//! driver refuses more than one, every refusal is reported.
 //!
 //! Each run also counts the outcomes it reached (every kind of submission and chunk outcome,
 //! failed proofs, failing detached work, failed routes, two or more faults in one transfer,
@@ -845,10 +843,6 @@ struct Model {
     route_retained: usize,
     /// Failures recorded for the next boundary, one deferred error each.
     must: Vec<Cause>,
-    /// Of those, refused pinned frees after the first of their operation: a pinned pool trim
-    /// records only its first refusal (pinned by an ignored test below), so each may be missing
-    /// from the count.
-    folded: usize,
     /// Detached work whose event fails, not yet settled by a `synchronize` whose stream wait
     /// succeeded: the next such `synchronize` retains and reports each once.
     unsettled: usize,
@@ -1101,7 +1095,6 @@ impl Model {
             .iter()
             .filter(|f| f.op == Some(SimOp::HostFree) && !handled.contains(&f.op))
             .count();
-        self.folded += refused_pinned.saturating_sub(1);
         self.refused_pinned_in_step += refused_pinned;
         for f in &obs.fired {
             if handled.contains(&f.op) {
@@ -1251,11 +1244,9 @@ impl Model {
         match result {
             Err(Error::Deferred { count: got, first }) => {
                 ensure!(
-                    count - self.folded <= *got && *got <= count,
-                    "{what} reported {got} failure(s); the rules say {count}, or down to {} when a \
-                     pool trim folds its refusals ({:?} and {} failing detached transfer(s) or \
-                     chunk(s))",
-                    count - self.folded,
+                    *got == count,
+                    "{what} reported {got} failure(s); the rules say {count} ({:?} and {} failing \
+                     detached transfer(s) or chunk(s))",
                     self.must,
                     if settles { self.unsettled } else { 0 }
                 );
@@ -1300,7 +1291,6 @@ impl Model {
             self.report(obs, "flush", result, false)?;
         }
         self.must.clear();
-        self.folded = 0;
         Ok(())
     }
 
@@ -1337,7 +1327,6 @@ impl Model {
             self.report(obs, "synchronize", result, true)?;
         }
         self.must.clear();
-        self.folded = 0;
         self.unsettled = 0;
         // Detached leases are now released, or retained if their event failed.
         let failing = self.detached_leases.iter().filter(|l| l.1).count();
@@ -2968,17 +2957,14 @@ fn a_retained_lease_counts_against_the_budget_in_every_case() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Breaches of the rules the model found in the engine, each reduced to its smallest case and
-// ignored until fixed. The model tolerates them (several refused pinned frees in one operation
-// may count as fewer deferred failures, never none) so that it keeps checking everything else.
+// Breaches of the rules the model found in the engine, each reduced to its smallest case; each is
+// fixed, and its test stays to keep it fixed.
 // ---------------------------------------------------------------------------------------------
 
 /// Rule 3: every refused pinned free is a deferred failure. When an allocation fails and the
-/// pool frees its idle blocks to make room, a trim that the driver refuses twice records only
-/// its first refusal: the pool counts two refused frees, the next boundary reports one, and the
-/// second is never reported.
+/// pool frees its idle blocks to make room, a trim that the driver refuses twice reports both
+/// refusals (it used to record only the first).
 #[test]
-#[ignore = "fails until: a pinned pool trim records every refused cuMemFreeHost, not only the first"]
 fn every_refused_free_of_a_pool_trim_is_reported() {
     let mut engine = CudaEngine::simulated(SimConfig::default());
     let sim = engine.sim().expect("a simulated engine");

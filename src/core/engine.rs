@@ -421,15 +421,18 @@ impl CudaEngine {
         self.shared.lock().pinned.stats().budget_bytes
     }
 
-    /// Sets the pinned pool's idle-byte budget and trims the pool to it at once.
+    /// Sets the pinned pool's idle-byte budget and trims the pool to it at once. A free the
+    /// driver refuses leaves that block pinned and unused, and is reported at the next `flush` or
+    /// `synchronize`, like every refused free.
     ///
     /// # Errors
-    /// [`Error::Driver`] when the engine's context cannot be made current, or when the driver
-    /// refuses to free an idle block (the budget is set; that block stays pinned, unused).
+    /// [`Error::Driver`] when the engine's context cannot be made current.
     pub fn set_pinned_pool_budget(&mut self, bytes: usize) -> Result<()> {
         let mut st = self.enter()?;
         let st = &mut *st;
-        st.pinned.set_budget(&mut *st.driver, bytes)
+        st.pinned
+            .set_budget(&mut *st.driver, bytes, &mut st.deferred);
+        Ok(())
     }
 
     /// The pinned pool's counters.
@@ -468,7 +471,8 @@ impl Drop for CudaEngine {
             return;
         }
         st.poll_retired(&*shared.waits, Poll::Settle);
-        let _ = st.pinned.trim_to(&mut *st.driver, 0);
+        // Teardown never reports: refused frees leave their memory with the driver.
+        st.pinned.trim_to(&mut *st.driver, 0, &mut Vec::new());
         let _ = st.staging.free_idle(&mut *st.driver);
         let _ = st.events.destroy_all(&mut *st.driver);
         // The stream is idle: no kernel or library call queued on it is pending.

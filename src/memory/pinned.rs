@@ -39,9 +39,8 @@ impl State {
             return Ok(Some(block));
         }
         if under_pressure {
-            if let Err(error) = self.pinned.trim_to(&mut *self.driver, 0) {
-                self.defer(error);
-            }
+            self.pinned
+                .trim_to(&mut *self.driver, 0, &mut self.deferred);
         }
         match self.pinned.allocate(&mut *self.driver, capacity) {
             Ok(Some(block)) => Ok(Some(block)),
@@ -214,9 +213,8 @@ impl<T: Element> Drop for PinnedHostBuffer<T> {
         if let Some(mut st) = self.owner.enter_for_drop() {
             let st = &mut *st;
             let torn_down = st.torn_down;
-            if let Err(error) = st.pinned.put(&mut *st.driver, block, torn_down) {
-                st.defer(error);
-            }
+            st.pinned
+                .put(&mut *st.driver, block, torn_down, &mut st.deferred);
         }
     }
 }

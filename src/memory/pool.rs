@@ -157,10 +157,14 @@ impl PinnedPool {
         }
     }
 
-    /// Frees idle blocks, largest first, until at most `target` idle bytes remain. Returns the
-    /// first refusal; the trim goes on past it.
-    pub(crate) fn trim_to(&mut self, driver: &mut dyn Driver, target: usize) -> Result<(), Error> {
-        let mut first = Ok(());
+    /// Frees idle blocks, largest first, until at most `target` idle bytes remain. Every
+    /// refused free goes onto `refused`, for the caller to report; the trim goes on past it.
+    pub(crate) fn trim_to(
+        &mut self,
+        driver: &mut dyn Driver,
+        target: usize,
+        refused: &mut Vec<Error>,
+    ) {
         while self.idle_bytes > target {
             let Some(mut entry) = self.idle.last_entry() else {
                 break;
@@ -171,38 +175,37 @@ impl PinnedPool {
             }
             if let Some(block) = block {
                 self.idle_bytes -= block.capacity;
-                let freed = self.free_block(driver, block);
-                if first.is_ok() {
-                    first = freed;
-                }
+                refused.extend(self.free_block(driver, block).err());
             }
         }
-        first
     }
 
-    /// Sets the idle budget and trims to it. Returns a refused free.
+    /// Sets the idle budget and trims to it; refused frees go onto `refused`.
     pub(crate) fn set_budget(
         &mut self,
         driver: &mut dyn Driver,
         budget: usize,
-    ) -> Result<(), Error> {
+        refused: &mut Vec<Error>,
+    ) {
         self.budget = budget;
-        self.trim_to(driver, budget)
+        self.trim_to(driver, budget, refused);
     }
 
-    /// Takes a block back. After teardown it is freed at once. Returns a refused free.
+    /// Takes a block back. After teardown it is freed at once. Refused frees go onto `refused`.
     pub(crate) fn put(
         &mut self,
         driver: &mut dyn Driver,
         block: Block,
         torn_down: bool,
-    ) -> Result<(), Error> {
+        refused: &mut Vec<Error>,
+    ) {
         self.leased -= 1;
         if torn_down || block.capacity > self.budget {
-            return self.free_block(driver, block);
+            refused.extend(self.free_block(driver, block).err());
+            return;
         }
         self.idle_bytes += block.capacity;
         self.idle.entry(block.capacity).or_default().push(block);
-        self.trim_to(driver, self.budget)
+        self.trim_to(driver, self.budget, refused);
     }
 }
