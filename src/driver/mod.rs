@@ -29,6 +29,30 @@ pub(crate) struct EventHandle(pub(crate) u64);
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) struct ContextHandle(pub(crate) u64);
 
+/// Queues a copy between host memory and device memory: host to device when `upload`, else
+/// device to host. Errors name the driver call.
+///
+/// # Safety
+/// As [`Driver::copy_htod`] for an upload and [`Driver::copy_dtoh`] for a download: `host` and
+/// `device` each hold `bytes` bytes and stay valid, untouched by the host, until the copy has
+/// completed.
+pub(crate) unsafe fn copy_host(
+    driver: &mut dyn Driver,
+    upload: bool,
+    device: DevicePtr,
+    host: *mut u8,
+    bytes: usize,
+) -> Result<(), crate::error::Error> {
+    use crate::error::Error;
+    if upload {
+        // SAFETY: the caller's contract, for the host-to-device direction.
+        unsafe { driver.copy_htod(device, host, bytes) }.map_err(Error::driver("cuMemcpyHtoDAsync"))
+    } else {
+        // SAFETY: the caller's contract, for the device-to-host direction.
+        unsafe { driver.copy_dtoh(host, device, bytes) }.map_err(Error::driver("cuMemcpyDtoHAsync"))
+    }
+}
+
 /// The half of the seam that asks about or waits for queued work: callable from any thread,
 /// without the engine's lock, so a host wait never blocks the engine's other users.
 ///

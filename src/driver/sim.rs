@@ -288,12 +288,7 @@ impl SimDevice {
     /// may still touch.
     pub fn panic_nth(&self, op: SimOp, n: u64) {
         let mut s = self.lock();
-        let at = s
-            .calls
-            .get(&op)
-            .copied()
-            .unwrap_or(0)
-            .saturating_add(n.max(1));
+        let at = s.nth_call_from_now(op, n);
         s.panics.push((op, at));
     }
 
@@ -315,12 +310,7 @@ impl SimDevice {
     /// Makes the `n`-th call of `op` from now (`n >= 1`) fail with `error`.
     pub fn fail_nth(&self, op: SimOp, n: u64, error: DriverError) {
         let mut s = self.lock();
-        let at = s
-            .calls
-            .get(&op)
-            .copied()
-            .unwrap_or(0)
-            .saturating_add(n.max(1));
+        let at = s.nth_call_from_now(op, n);
         s.faults.push((op, at, error));
     }
 
@@ -328,12 +318,7 @@ impl SimDevice {
     /// device reaches it, as a failed kernel or copy before it would.
     pub fn fail_event(&self, n: u64, error: DriverError) {
         let mut s = self.lock();
-        let at = s
-            .calls
-            .get(&SimOp::EventRecord)
-            .copied()
-            .unwrap_or(0)
-            .saturating_add(n.max(1));
+        let at = s.nth_call_from_now(SimOp::EventRecord, n);
         s.event_faults.push((at, error));
     }
 
@@ -400,6 +385,16 @@ impl SimDevice {
 }
 
 impl State {
+    /// The number the `n`-th call of `op` from now (`n >= 1`) will have; saturates, never
+    /// overflows.
+    fn nth_call_from_now(&self, op: SimOp, n: u64) -> u64 {
+        self.calls
+            .get(&op)
+            .copied()
+            .unwrap_or(0)
+            .saturating_add(n.max(1))
+    }
+
     fn enter(&mut self, op: SimOp) -> Result<(), DriverError> {
         let n = self.calls.entry(op).or_insert(0);
         *n += 1;

@@ -28,6 +28,7 @@
 
 use super::fence::{fence, Fenced, Fencing, IdleEvent, Untracked as Unfenced};
 use crate::core::engine::{CudaEngine, Shared};
+use crate::driver::copy_host;
 use crate::error::{Error, Result};
 use crate::memory::element::Element;
 use crate::memory::pinned::PinnedHostBuffer;
@@ -324,17 +325,10 @@ impl StagingLease<Proven> {
             Ok(st) => st,
             Err(error) => return Err(BeginError::NotQueued { lease: self, error }),
         };
-        let queued = if upload {
-            // SAFETY: the slot holds at least `bytes` bytes and is fenced below (unreachable
-            // until its event proves the copy complete); the device range lies in the tensor,
-            // whose free is stream-ordered after this copy.
-            unsafe { st.driver.copy_htod(device, host, bytes) }
-                .map_err(Error::driver("cuMemcpyHtoDAsync"))
-        } else {
-            // SAFETY: as above, in the other direction.
-            unsafe { st.driver.copy_dtoh(host, device, bytes) }
-                .map_err(Error::driver("cuMemcpyDtoHAsync"))
-        };
+        // SAFETY: the slot holds at least `bytes` bytes and is fenced below (unreachable until
+        // its event proves the copy complete); the device range lies in the tensor, whose free
+        // is stream-ordered after this copy.
+        let queued = unsafe { copy_host(&mut *st.driver, upload, device, host, bytes) };
         if let Err(error) = queued {
             drop(st);
             return Err(BeginError::NotQueued { lease: self, error });

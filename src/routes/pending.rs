@@ -20,6 +20,7 @@
 #![allow(clippy::result_large_err)]
 
 use crate::core::engine::CudaEngine;
+use crate::driver::copy_host;
 use crate::error::{Error, Result};
 use crate::lifecycle::fence::{fence, Fenced, Fencing, IdleEvent};
 use crate::memory::element::Element;
@@ -336,17 +337,11 @@ fn submit<D: Direction, T: Element>(
     let bytes = package.tensor.byte_len();
     let host = package.buffer.raw_ptr();
     let device = package.tensor.raw_ptr();
-    let queued = if D::UPLOAD {
-        // SAFETY: the buffer and tensor move into the fence below (or come back only once the
-        // stream is proven idle), untouched by the host until the event proves the copy
-        // complete; both hold exactly `bytes` bytes, and both belong to this engine.
-        unsafe { st.driver.copy_htod(device, host, bytes) }
-            .map_err(Error::driver("cuMemcpyHtoDAsync"))
-    } else {
-        // SAFETY: as above; the host cannot read the buffer until the handle is `Returned`.
-        unsafe { st.driver.copy_dtoh(host, device, bytes) }
-            .map_err(Error::driver("cuMemcpyDtoHAsync"))
-    };
+    // SAFETY: the buffer and tensor move into the fence below (or come back only once the stream
+    // is proven idle), untouched by the host until the event proves the copy complete (the host
+    // cannot read the buffer before the handle is `Returned`); both hold exactly `bytes` bytes,
+    // and both belong to this engine.
+    let queued = unsafe { copy_host(&mut *st.driver, D::UPLOAD, device, host, bytes) };
     if let Err(error) = queued {
         return Err(TransferSubmitError::Failed { package, error });
     }
