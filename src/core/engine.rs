@@ -238,6 +238,20 @@ impl Shared {
         }
     }
 
+    /// A boundary's bookkeeping: releases what the retirement queue has proven (polled by
+    /// `mode`), then reports every failure recorded so far, those of the releases' own drops
+    /// included. Released resources drop outside the lock (their drops take it), so the lock is
+    /// taken a second time only when something was released.
+    fn release_and_report(&self, mode: Poll) -> Result<()> {
+        let mut st = self.enter()?;
+        st.poll_retired(&*self.waits, mode);
+        if !st.released.is_empty() {
+            drop(st);
+            st = self.enter()?;
+        }
+        st.take_deferred()
+    }
+
     /// Checks that a value made by engine `engine_id` on `device` may be used on this engine.
     pub(crate) fn check_owner(&self, device: DeviceId, engine_id: u64) -> Result<()> {
         if engine_id != self.engine_id {
@@ -377,9 +391,7 @@ impl CudaEngine {
     /// failure of queued work.
     pub fn flush(&mut self) -> Result<()> {
         let shared = &*self.shared;
-        // Released resources drop when the lock does; failures of their frees are reported here.
-        shared.enter()?.poll_retired(&*shared.waits, Poll::All);
-        shared.enter()?.take_deferred()?;
+        shared.release_and_report(Poll::All)?;
         shared
             .waits
             .stream_query()
@@ -411,9 +423,7 @@ impl CudaEngine {
                 what: "work queued on the engine's stream",
                 source,
             })?;
-        // Released resources drop when the lock does, before the failures are collected.
-        shared.enter()?.poll_retired(&*shared.waits, Poll::Settle);
-        shared.enter()?.take_deferred()
+        shared.release_and_report(Poll::Settle)
     }
 
     /// The pinned pool's idle-byte budget: idle pinned memory beyond it is freed.
