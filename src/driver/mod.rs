@@ -10,6 +10,7 @@
 //! `&mut self` because the engine serialises access to it.
 
 pub(crate) mod cuda;
+pub(crate) mod graph;
 pub(crate) mod launch;
 #[cfg(any(test, feature = "sim"))]
 pub mod sim;

@@ -41,6 +41,7 @@
 //! kernels: a launch is a function, a grid, a block and five 8-byte parameters.
 
 pub(crate) mod cache;
+pub(crate) mod fused;
 #[cfg(any(test, feature = "sim"))]
 pub(crate) mod emulate;
 #[cfg(test)]
