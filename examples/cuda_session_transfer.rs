@@ -2,6 +2,9 @@
 //! flush (no host wait), a pinned upload observed in flight, a pending download, a blocking
 //! `download_tensor_into` in a loop, and the final synchronize. Exits non-zero on any mismatch,
 //! and with a clear message on a machine without a GPU.
+//!
+//! `--simulated` runs the whole flow on the simulated device (feature `sim`), for machines
+//! without a GPU.
 
 use cuferry::{
     download_pending, download_tensor_into, upload_pending, upload_tensor, CudaEngine,
@@ -9,9 +12,23 @@ use cuferry::{
 };
 use std::process::ExitCode;
 
-fn run() -> Result<(), Box<dyn std::error::Error>> {
-    let mut engine = CudaEngine::open(0)?;
+fn open(simulated: bool) -> Result<CudaEngine, Box<dyn std::error::Error>> {
+    if simulated {
+        #[cfg(feature = "sim")]
+        {
+            println!("running on the simulated device (--simulated): no GPU is used");
+            return Ok(CudaEngine::simulated(Default::default()));
+        }
+        #[cfg(not(feature = "sim"))]
+        return Err("--simulated needs the `sim` feature: cargo run --example cuda_session_transfer --features sim -- --simulated".into());
+    }
+    let engine = CudaEngine::open(0)?;
     println!("opened {} ({})", engine.device(), engine.device_name());
+    Ok(engine)
+}
+
+fn run(simulated: bool) -> Result<(), Box<dyn std::error::Error>> {
+    let mut engine = open(simulated)?;
 
     let n = 1 << 20;
     let seed: Vec<f32> = (0..n).map(|i| i as f32 * 0.5 + 1.0).collect();
@@ -57,7 +74,8 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
 }
 
 fn main() -> ExitCode {
-    match run() {
+    let simulated = std::env::args().skip(1).any(|a| a == "--simulated");
+    match run(simulated) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("cuda_session_transfer: {e}");
@@ -65,7 +83,7 @@ fn main() -> ExitCode {
                 e.downcast_ref::<cuferry::Error>(),
                 Some(cuferry::Error::NoDriver { .. })
             ) {
-                eprintln!("this example needs a machine with an NVIDIA GPU and driver");
+                eprintln!("this example needs a machine with an NVIDIA GPU and driver; pass --simulated to run it on the simulated device");
             }
             ExitCode::FAILURE
         }

@@ -425,6 +425,34 @@ pub enum Error {
         /// The order of the first leading minor that is not positive definite (1-based).
         order: i64,
     },
+    /// A traced computation is ill-typed: operands of different element types or ranks, or a
+    /// scalar of another type than its tensor. Reported when the operation is traced.
+    #[error("{operation}: {detail}")]
+    Trace {
+        /// The traced operation.
+        operation: &'static str,
+        /// What did not match.
+        detail: String,
+    },
+    /// A traced computation cannot be compiled for the given input specifications: an input
+    /// without a specification, a specification that does not match its input, or shapes that
+    /// do not fit the operations.
+    #[error("cannot compile the program: {detail}")]
+    ProgramSpec {
+        /// What was wrong, naming the values involved.
+        detail: String,
+    },
+    /// An input handed to a prepared program does not match what the program was compiled for.
+    /// Nothing was run.
+    #[error("input {index} of the prepared program: expected {expected}, got {found}")]
+    ProgramInput {
+        /// The input's position.
+        index: usize,
+        /// What the program was compiled for (element type and shape, or the input count).
+        expected: String,
+        /// What was given.
+        found: String,
+    },
     /// An engine setting is out of range.
     #[error("invalid setting {setting} = {value}: {reason}")]
     InvalidSetting {

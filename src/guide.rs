@@ -17,6 +17,11 @@ pub mod transfers {
     #![doc = include_str!("../docs/guide/transfers.md")]
 }
 
+pub mod prepared_graphs {
+    // Tracing, compiling, preparing and running programs; borrowed outputs and the rules.
+    #![doc = include_str!("../docs/guide/prepared-graphs.md")]
+}
+
 pub mod lifecycles {
     // The lifecycle types and the misuse they rule out, as compile-fail doctests.
     #![doc = include_str!("../docs/guide/lifecycles.md")]

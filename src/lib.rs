@@ -67,7 +67,7 @@ mod dtype;
 mod error;
 pub mod guide;
 
-pub use work::{interop, kernels, libs};
+pub use work::{graph, interop, kernels, libs};
 
 pub use crate::core::engine::CudaEngine;
 pub use dtype::DType;

@@ -4,6 +4,7 @@
 //!   simulator runs in their place.
 //! - [`libs`]: cuBLAS, cuSOLVER and cuTENSOR bound to the engine's stream, and their handles.
 //! - [`interop`]: CubeCL kernels on engine data.
+//! - [`graph`]: traced programs, compiled, prepared for an engine and replayed as CUDA graphs.
 //! - [`raw`]: raw scopes, for code that calls CUDA itself.
 //!
 //! The level exists so the device seam names device operations only: a kernel is a function, a
@@ -13,6 +14,7 @@
 //! and depend only on the seam, the errors and engine-free files of this level (see
 //! [`core`](crate::core)).
 
+pub mod graph;
 pub mod interop;
 pub mod kernels;
 pub mod libs;

@@ -37,7 +37,7 @@ pub(crate) enum FusedOp {
 ///
 /// Its launch parameters are the output pointers (one per entry of `outputs`, in order), then
 /// the input pointers (one per entry of `inputs`), then the element count: all 8-byte words.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
 pub(crate) struct FusedKernel {
     /// The element type of each input parameter.
     pub(crate) inputs: Vec<DType>,

@@ -57,7 +57,7 @@ use crate::memory::tensor::DeviceTensor;
 use spec::{ElementwiseArgs, ElementwiseOp, ElementwiseSpec, BLOCK};
 
 /// Why `op` does not serve element type `dtype`, if it does not.
-fn unsupported(op: ElementwiseOp, dtype: DType) -> Option<&'static str> {
+pub(crate) fn unsupported(op: ElementwiseOp, dtype: DType) -> Option<&'static str> {
     let float = matches!(dtype, DType::F32 | DType::F64 | DType::F16 | DType::BF16);
     let signed = matches!(dtype, DType::I8 | DType::I16 | DType::I32 | DType::I64);
     match op {

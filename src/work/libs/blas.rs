@@ -390,3 +390,74 @@ impl CudaEngine {
         Ok(c)
     }
 }
+
+/// Queues the row-major product `c[m×n] = a[m×k] · b[k×n]` with the engine's cuBLAS handle, on
+/// its stream (or into the stream's capture): `Cᵀ = Bᵀ·Aᵀ` in column-major terms, as
+/// [`CudaEngine::matmul`] does. For prepared programs, which hold addresses rather than tensors.
+///
+/// # Safety
+/// `a`, `b` and `c` hold `m×k`, `k×n` and `m×n` elements of `dtype` in live allocations of the
+/// engine that stay live until the product completes, and `c` overlaps neither operand.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn row_major_product(
+    st: &mut crate::core::engine::Entered<'_>,
+    dtype: crate::dtype::DType,
+    m: usize,
+    k: usize,
+    n: usize,
+    a: u64,
+    b: u64,
+    c: u64,
+) -> Result<()> {
+    use crate::dtype::DType;
+    /// # Safety
+    /// As `row_major_product`, for `T`.
+    unsafe fn typed<T: BlasElement>(
+        handle: cublasHandle_t,
+        m: usize,
+        k: usize,
+        n: usize,
+        a: u64,
+        b: u64,
+        c: u64,
+    ) -> Result<()> {
+        const OP: &str = "matmul";
+        let (m, k, n) = (dim(OP, "m", m)?, dim(OP, "k", k)?, dim(OP, "n", n)?);
+        let (one, zero) = (T::GEMM.one, T::default());
+        // SAFETY: the handle is the engine's, bound to its stream, with its context current
+        // (the caller holds `Entered`); the caller guarantees the operands' extents and
+        // lifetimes; alpha and beta are host scalars read before the call returns.
+        unsafe {
+            (T::GEMM.call)(
+                handle,
+                Transpose::No.op(),
+                Transpose::No.op(),
+                n,
+                m,
+                k,
+                &one,
+                b,
+                n.max(1),
+                a,
+                k.max(1),
+                &zero,
+                c,
+                n.max(1),
+            )
+        }
+        .map_err(|e| CUBLAS.status(T::GEMM.name, e.0, e.0 as i64))
+    }
+    let handle = cublas(st)?;
+    // SAFETY: forwarded from the caller, for the type `dtype` names.
+    unsafe {
+        match dtype {
+            DType::F32 => typed::<f32>(handle, m, k, n, a, b, c),
+            DType::F64 => typed::<f64>(handle, m, k, n, a, b, c),
+            other => Err(Error::UnsupportedElement {
+                operation: "matmul",
+                dtype: other,
+                reason: "cuBLAS serves f32 and f64 here",
+            }),
+        }
+    }
+}

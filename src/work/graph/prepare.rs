@@ -1,0 +1,883 @@
+//! Preparing a program for one engine, and running it.
+//!
+//! [`CudaEngine::prepare`] binds a [`Program`] to the engine: it compiles (or finds in the
+//! engine's cache) every fused kernel, allocates the intermediate arena once, and captures each
+//! run of graph-safe steps into one CUDA graph on the engine's stream, which it instantiates.
+//! A step is graph-safe when every address it uses is the same on every run: fused kernels
+//! always are (their parameters are updated in the instantiated graph when an input or output
+//! moves), and a matrix product is when its operands and result are intermediates. A product
+//! that reads an input or an output address (which can change from run to run) runs as an eager
+//! cuBLAS call between graph launches, on the same stream.
+//!
+//! [`CudaEngine::run`] validates the inputs (element type, shape, engine) before anything is
+//! queued, allocates the new outputs, rewrites only the kernel-node parameters whose addresses
+//! changed since the last run, and launches: one graph launch for a program of elementwise
+//! operations. It returns as soon as the work is queued.
+//!
+//! A prepared program lends its arena and its graphs to the work it queued, so dropping it
+//! fences them (the crate's one proof of completion): they are released once the last run is
+//! proven complete, never before.
+
+use super::compile::{Loc, OutputKind, Program, Step};
+use crate::core::engine::{CudaEngine, Entered, Shared};
+use crate::driver::graph::{GraphExecHandle, GraphHandle, GraphNodeHandle};
+use crate::driver::launch::{FunctionHandle, ModuleHandle};
+use crate::driver::DevicePtr;
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::lifecycle::fence::{fence, Fencing};
+use crate::memory::element::Element;
+use crate::memory::tensor::DeviceTensor;
+use crate::work::kernels::fused::FusedKernel;
+use std::any::Any;
+use std::sync::Arc;
+
+/// An input of a run: a borrowed tensor of any element type.
+///
+/// Made from `&DeviceTensor<T>` with `From`, so `&[(&x).into()]` or [`Input::from`] builds a
+/// run's inputs.
+#[derive(Clone, Copy)]
+pub struct Input<'i> {
+    tensor: &'i (dyn Any + Send + Sync),
+    ptr: DevicePtr,
+    dtype: DType,
+    shape: &'i [usize],
+    owner: &'i Shared,
+}
+
+impl<'i, T: Element> From<&'i DeviceTensor<T>> for Input<'i> {
+    fn from(tensor: &'i DeviceTensor<T>) -> Self {
+        Input {
+            tensor,
+            ptr: tensor.raw_ptr(),
+            dtype: T::DTYPE,
+            shape: tensor.shape(),
+            owner: tensor.owner(),
+        }
+    }
+}
+
+impl std::fmt::Debug for Input<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Input")
+            .field("dtype", &self.dtype)
+            .field("shape", &self.shape)
+            .finish()
+    }
+}
+
+/// A new tensor a run computed, of the element type the program says.
+pub struct NewTensor {
+    tensor: Box<dyn Any + Send + Sync>,
+    dtype: DType,
+    shape: Vec<usize>,
+}
+
+impl std::fmt::Debug for NewTensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NewTensor")
+            .field("dtype", &self.dtype)
+            .field("shape", &self.shape)
+            .finish()
+    }
+}
+
+/// One output of a run.
+#[derive(Debug)]
+pub enum Output<'i> {
+    /// An input, or a view of one (a reshape), borrowed from that input: `input` is the input's
+    /// position, `shape` the view's shape.
+    Borrowed {
+        /// The input's position in the run's inputs.
+        input: usize,
+        /// The tensor whose elements this output names.
+        tensor: Input<'i>,
+        /// The output's shape (the input's own, or the view's).
+        shape: Vec<usize>,
+    },
+    /// A compact tensor the run wrote.
+    New(NewTensor),
+}
+
+impl<'i> Output<'i> {
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        match self {
+            Output::Borrowed { tensor, .. } => tensor.dtype,
+            Output::New(t) => t.dtype,
+        }
+    }
+
+    /// The output's shape.
+    pub fn shape(&self) -> &[usize] {
+        match self {
+            Output::Borrowed { shape, .. } => shape,
+            Output::New(t) => &t.shape,
+        }
+    }
+
+    /// Whether the output is borrowed from an input.
+    pub fn is_borrowed(&self) -> bool {
+        matches!(self, Output::Borrowed { .. })
+    }
+
+    /// The tensor holding the output's elements, if it is of element type `T`: the new tensor,
+    /// or the input it borrows (whose shape is the input's; see [`shape`](Self::shape) for a
+    /// view's).
+    pub fn as_tensor<T: Element>(&self) -> Option<&DeviceTensor<T>> {
+        match self {
+            Output::Borrowed { tensor, .. } => tensor.tensor.downcast_ref(),
+            Output::New(t) => t.tensor.downcast_ref(),
+        }
+    }
+
+    /// The new tensor, if the output is new and of element type `T`; otherwise the output comes
+    /// back unchanged.
+    pub fn into_tensor<T: Element>(self) -> std::result::Result<DeviceTensor<T>, Self> {
+        match self {
+            Output::New(t) if t.dtype == T::DTYPE => match t.tensor.downcast::<DeviceTensor<T>>() {
+                Ok(tensor) => Ok(*tensor),
+                Err(_) => unreachable!("a new tensor of dtype T is a DeviceTensor<T>"),
+            },
+            other => Err(other),
+        }
+    }
+}
+
+/// A kernel node's parameter: fixed at prepare, or the address of an input or output.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Param {
+    Fixed(u64),
+    Input(usize),
+    Output(usize),
+}
+
+/// A fused kernel captured into a graph, and the parameters it was last given.
+struct KernelNode {
+    node: GraphNodeHandle,
+    function: FunctionHandle,
+    grid: u32,
+    template: Vec<Param>,
+    /// What the instantiated graph holds now; `None` when unknown (after a failed update).
+    current: Option<Vec<u64>>,
+}
+
+/// What a run does, in order.
+enum Segment {
+    /// Launch the instantiated graph `graph` (an index into the resources' graphs) after
+    /// updating its kernel nodes.
+    Graph { graph: usize, nodes: Vec<KernelNode> },
+    /// A product outside any graph.
+    Eager {
+        dtype: DType,
+        m: usize,
+        k: usize,
+        n: usize,
+        a: Param,
+        b: Param,
+        c: Param,
+    },
+}
+
+/// What the device may still touch after a run: released only once that is proven.
+struct Lent {
+    owner: Arc<Shared>,
+    arena: Option<DeviceTensor<u8>>,
+    graphs: Vec<(GraphHandle, GraphExecHandle)>,
+    /// The simulated device's matrix-product module, if the program needed one.
+    module: Option<ModuleHandle>,
+}
+
+impl Drop for Lent {
+    fn drop(&mut self) {
+        if self.graphs.is_empty() && self.module.is_none() {
+            return; // the arena frees itself
+        }
+        let Some(mut st) = self.owner.enter_for_drop() else {
+            return; // leaked: sound
+        };
+        for (graph, exec) in self.graphs.drain(..) {
+            // SAFETY: each executable graph and graph is destroyed once, here; the executable
+            // graph first. Dropping `Lent` happens only when no run can be queued any more.
+            if let Err(source) = unsafe { st.driver.exec_destroy(exec) } {
+                st.defer(Error::Driver {
+                    call: "cuGraphExecDestroy",
+                    source,
+                });
+            }
+            // SAFETY: as above; the only executable graph made from it is destroyed.
+            if let Err(source) = unsafe { st.driver.graph_destroy(graph) } {
+                st.defer(Error::Driver {
+                    call: "cuGraphDestroy",
+                    source,
+                });
+            }
+        }
+        if let Some(module) = self.module.take() {
+            // SAFETY: the module is this program's own, unloaded once; `Lent` is dropped only
+            // after every run that launched its kernel was proven complete (or none ran).
+            let _ = unsafe { st.driver.module_unload(module) };
+        }
+    }
+}
+
+/// Counters of a prepared program, for tests and diagnostics.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PreparedStats {
+    /// Runs queued.
+    pub runs: u64,
+    /// Graph launches queued.
+    pub graph_launches: u64,
+    /// Kernel-node parameter updates made (one per node whose addresses changed).
+    pub parameter_updates: u64,
+    /// Library calls made outside a graph.
+    pub eager_calls: u64,
+    /// Instantiated graphs the program holds.
+    pub graphs: usize,
+}
+
+/// A [`Program`] prepared for one engine: its kernels loaded, its intermediates allocated, its
+/// graphs instantiated. Run it with [`CudaEngine::run`] on that engine, as often as needed.
+///
+/// Dropping it releases the arena and the graphs once the last run is proven complete (they go
+/// to the engine's retirement queue, like a dropped transfer); `mem::forget` leaks them, which
+/// is sound.
+pub struct Prepared {
+    owner: Arc<Shared>,
+    inputs: Vec<(DType, Vec<usize>)>,
+    outputs: Vec<(DType, Vec<usize>, OutputKind)>,
+    segments: Vec<Segment>,
+    lent: Option<Lent>,
+    stats: PreparedStats,
+}
+
+impl std::fmt::Debug for Prepared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Prepared")
+            .field("engine", &self.owner.engine_id)
+            .field("inputs", &self.inputs)
+            .field("stats", &self.stats)
+            .finish()
+    }
+}
+
+impl Prepared {
+    /// Counters: runs, graph launches, parameter updates, eager library calls.
+    pub fn stats(&self) -> PreparedStats {
+        self.stats
+    }
+
+    /// The engine this program is prepared for, as [`DeviceTensor::engine_id`] names it.
+    pub fn engine_id(&self) -> u64 {
+        self.owner.engine_id
+    }
+}
+
+impl Drop for Prepared {
+    fn drop(&mut self) {
+        let Some(lent) = self.lent.take() else {
+            return;
+        };
+        if self.stats.runs == 0 {
+            drop(lent); // nothing was ever queued with it
+            return;
+        }
+        let Some(mut st) = self.owner.enter_for_drop() else {
+            std::mem::forget(lent); // sound: leaked, never released early
+            return;
+        };
+        let fencing = fence(&mut st, &self.owner, lent, None, "prepared program");
+        match fencing {
+            Fencing::Fenced(fenced) => {
+                drop(st);
+                drop(fenced); // detaches into the retirement queue
+            }
+            Fencing::Proven(lent, error) => {
+                st.defer(error);
+                drop(st);
+                drop(lent);
+            }
+            Fencing::Untracked(untracked, error) => {
+                st.defer(error);
+                drop(st);
+                untracked.retain();
+            }
+        }
+    }
+}
+
+/// Allocates a new tensor of a run-time element type.
+fn alloc_any(
+    engine: &mut CudaEngine,
+    dtype: DType,
+    shape: &[usize],
+) -> Result<(Box<dyn Any + Send + Sync>, DevicePtr)> {
+    fn typed<T: Element>(
+        engine: &mut CudaEngine,
+        shape: &[usize],
+    ) -> Result<(Box<dyn Any + Send + Sync>, DevicePtr)> {
+        let t = DeviceTensor::<T>::alloc(engine, shape)?;
+        let ptr = t.raw_ptr();
+        Ok((Box::new(t), ptr))
+    }
+    match dtype {
+        DType::F32 => typed::<f32>(engine, shape),
+        DType::F64 => typed::<f64>(engine, shape),
+        DType::F16 => typed::<half::f16>(engine, shape),
+        DType::BF16 => typed::<half::bf16>(engine, shape),
+        DType::I8 => typed::<i8>(engine, shape),
+        DType::I16 => typed::<i16>(engine, shape),
+        DType::I32 => typed::<i32>(engine, shape),
+        DType::I64 => typed::<i64>(engine, shape),
+        DType::U8 => typed::<u8>(engine, shape),
+        DType::U16 => typed::<u16>(engine, shape),
+        DType::U32 => typed::<u32>(engine, shape),
+        DType::U64 => typed::<u64>(engine, shape),
+        DType::Bool => typed::<bool>(engine, shape),
+    }
+}
+
+fn resolve(param: Param, inputs: &[DevicePtr], outputs: &[DevicePtr]) -> u64 {
+    match param {
+        Param::Fixed(v) => v,
+        Param::Input(i) => inputs[i],
+        Param::Output(o) => outputs[o],
+    }
+}
+
+/// Whether a location's address is the same on every run.
+fn fixed(loc: Loc) -> bool {
+    matches!(loc, Loc::Slot(_))
+}
+
+impl CudaEngine {
+    /// Prepares `program` for this engine: compiles its fused kernels (or finds them in the
+    /// engine's kernel cache), allocates its intermediates once and captures its steps into
+    /// CUDA graphs, instantiated and ready to replay. Queues nothing that runs.
+    ///
+    /// The engine is the runtime: a prepared program belongs to the engine it was prepared on,
+    /// shares its stream, kernel cache and library handles, and is refused by any other.
+    ///
+    /// # Errors
+    /// [`Error::Unavailable`] when NVRTC (or, for a program with matrix products, cuBLAS) is
+    /// missing; [`Error::Compile`] or [`Error::Driver`] when a kernel cannot be built, memory
+    /// cannot be allocated or a graph cannot be captured or instantiated. Nothing is kept.
+    pub fn prepare(&mut self, program: &Program) -> Result<Prepared> {
+        let arena = if program.arena_bytes > 0 {
+            Some(DeviceTensor::<u8>::alloc(self, &[program.arena_bytes])?)
+        } else {
+            None
+        };
+        let base = arena.as_ref().map_or(0, |a| a.raw_ptr());
+        let mut lent = Lent {
+            owner: Arc::clone(&self.shared),
+            arena,
+            graphs: Vec::new(),
+            module: None,
+        };
+        let param = |loc: Loc| match loc {
+            Loc::Slot(offset) => Param::Fixed(base + offset as u64),
+            Loc::Input(i) => Param::Input(i),
+            Loc::Output(o) => Param::Output(o),
+        };
+        let mut segments = Vec::new();
+        {
+            let mut st = self.enter()?;
+            let has_products = program
+                .steps
+                .iter()
+                .any(|s| matches!(s, Step::Matmul { .. }));
+            if has_products {
+                lent.module = products::prepare(&mut st)?;
+            }
+            // Group the steps: runs of graph-safe steps, and eager products between them.
+            let mut pending: Vec<&Step> = Vec::new();
+            let mut flush = |pending: &mut Vec<&Step>,
+                             st: &mut Entered<'_>,
+                             lent: &mut Lent,
+                             segments: &mut Vec<Segment>|
+             -> Result<()> {
+                if pending.is_empty() {
+                    return Ok(());
+                }
+                let steps = std::mem::take(pending);
+                if let Some(segment) = capture(st, lent, &steps, &param)? {
+                    segments.push(segment);
+                }
+                Ok(())
+            };
+            for step in &program.steps {
+                match step {
+                    Step::Matmul {
+                        dtype,
+                        m,
+                        k,
+                        n,
+                        a,
+                        b,
+                        c,
+                    } if !(fixed(*a) && fixed(*b) && fixed(*c)) => {
+                        flush(&mut pending, &mut st, &mut lent, &mut segments)?;
+                        segments.push(Segment::Eager {
+                            dtype: *dtype,
+                            m: *m,
+                            k: *k,
+                            n: *n,
+                            a: param(*a),
+                            b: param(*b),
+                            c: param(*c),
+                        });
+                    }
+                    Step::Fused { len: 0, .. } => {}
+                    Step::Matmul { m, n, .. } if *m == 0 || *n == 0 => {}
+                    _ => pending.push(step),
+                }
+            }
+            flush(&mut pending, &mut st, &mut lent, &mut segments)?;
+        }
+        let graphs = lent.graphs.len();
+        Ok(Prepared {
+            owner: Arc::clone(&self.shared),
+            inputs: program.inputs.clone(),
+            outputs: program
+                .outputs
+                .iter()
+                .map(|o| (o.dtype, o.shape.clone(), o.kind.clone()))
+                .collect(),
+            segments,
+            lent: Some(lent),
+            stats: PreparedStats {
+                graphs,
+                ..PreparedStats::default()
+            },
+        })
+    }
+
+    /// Runs `prepared` on `inputs` (in the order of the program's input specifications) and
+    /// returns its outputs, in the order they were compiled: each output that is an input, or a
+    /// view of one, borrowed from that input; every other as a new compact tensor.
+    ///
+    /// Returns once the work is queued, without waiting for the device; later work on the
+    /// engine runs after it in stream order, so the outputs can be used, downloaded or dropped
+    /// at once. Steady state, a program of elementwise operations costs one graph launch, plus
+    /// one parameter update per kernel whose input or output moved since the last run.
+    ///
+    /// # Errors
+    /// [`Error::WrongEngine`] when `prepared` or an input belongs to another engine;
+    /// [`Error::ProgramInput`] when the inputs are too few or too many, or one has another
+    /// element type or shape than the program was compiled for. Nothing runs then. A driver or
+    /// library failure while queueing is [`Error::Driver`] or [`Error::Vendor`]; work queued
+    /// before it stays queued, and the new outputs are freed after it, stream-ordered.
+    pub fn run<'i>(
+        &mut self,
+        prepared: &mut Prepared,
+        inputs: &[Input<'i>],
+    ) -> Result<Vec<Output<'i>>> {
+        self.shared
+            .check_owner(prepared.owner.device, prepared.owner.engine_id)?;
+        if inputs.len() != prepared.inputs.len() {
+            return Err(Error::ProgramInput {
+                index: inputs.len().min(prepared.inputs.len()),
+                expected: format!("{} input(s)", prepared.inputs.len()),
+                found: format!("{} input(s)", inputs.len()),
+            });
+        }
+        let mut input_ptrs = Vec::with_capacity(inputs.len());
+        for (index, (input, (dtype, shape))) in inputs.iter().zip(&prepared.inputs).enumerate() {
+            self.shared
+                .check_owner(input.owner.device, input.owner.engine_id)?;
+            if input.dtype != *dtype || input.shape != shape.as_slice() {
+                return Err(Error::ProgramInput {
+                    index,
+                    expected: format!("{dtype} {shape:?}"),
+                    found: format!("{} {:?}", input.dtype, input.shape),
+                });
+            }
+            input_ptrs.push(input.ptr);
+        }
+        let mut outputs = Vec::with_capacity(prepared.outputs.len());
+        let mut output_ptrs = Vec::with_capacity(prepared.outputs.len());
+        for (dtype, shape, kind) in &prepared.outputs {
+            match kind {
+                OutputKind::Input(i) | OutputKind::View(i) => {
+                    output_ptrs.push(0);
+                    outputs.push(Output::Borrowed {
+                        input: *i,
+                        tensor: inputs[*i],
+                        shape: shape.clone(),
+                    });
+                }
+                OutputKind::New => {
+                    let (tensor, ptr) = alloc_any(self, *dtype, shape)?;
+                    output_ptrs.push(ptr);
+                    outputs.push(Output::New(NewTensor {
+                        tensor,
+                        dtype: *dtype,
+                        shape: shape.clone(),
+                    }));
+                }
+            }
+        }
+        let Prepared {
+            segments,
+            lent,
+            stats,
+            ..
+        } = prepared;
+        let lent = lent.as_ref().expect("a live prepared program holds its resources");
+        let mut st = self.shared.enter()?;
+        stats.runs += 1;
+        for segment in segments.iter_mut() {
+            match segment {
+                Segment::Graph { graph, nodes } => {
+                    let (_, exec) = lent.graphs[*graph];
+                    for node in nodes.iter_mut() {
+                        let params: Vec<u64> = node
+                            .template
+                            .iter()
+                            .map(|&p| resolve(p, &input_ptrs, &output_ptrs))
+                            .collect();
+                        if node.current.as_deref() == Some(&params[..]) {
+                            continue;
+                        }
+                        node.current = None;
+                        // SAFETY: `node` is a kernel node of the graph `exec` was instantiated
+                        // from, alive in `lent`; the function is the fused kernel it was
+                        // captured with (cached until the engine's teardown), whose parameters
+                        // are exactly these words; every address is a live allocation of this
+                        // engine of the kernel's element count: inputs were checked above and
+                        // stay borrowed for the call, outputs were just allocated, slots lie in
+                        // the arena held by `lent`, which outlives every run (it is released
+                        // only after a proof). Updates apply to later launches only.
+                        unsafe {
+                            st.driver.exec_set_kernel_params(
+                                exec,
+                                node.node,
+                                node.function,
+                                node.grid,
+                                FusedKernel::BLOCK,
+                                &params,
+                            )
+                        }
+                        .map_err(Error::driver("cuGraphExecKernelNodeSetParams"))?;
+                        node.current = Some(params);
+                        stats.parameter_updates += 1;
+                    }
+                    // SAFETY: every kernel node now holds this run's addresses (updated above),
+                    // valid as argued there; captured products use only the arena. Frees of the
+                    // inputs and outputs are queued after this launch on the same stream.
+                    unsafe { st.driver.graph_launch(exec) }
+                        .map_err(Error::driver("cuGraphLaunch"))?;
+                    stats.graph_launches += 1;
+                }
+                Segment::Eager {
+                    dtype,
+                    m,
+                    k,
+                    n,
+                    a,
+                    b,
+                    c,
+                } => {
+                    let r = |p: Param| resolve(p, &input_ptrs, &output_ptrs);
+                    // SAFETY: the operands hold `m×k`, `k×n` and `m×n` elements of `dtype`
+                    // (the compiler sized them from the checked input shapes), in live
+                    // allocations as argued for the graph's kernels above.
+                    unsafe {
+                        products::queue(&mut st, lent.module, *dtype, *m, *k, *n, r(*a), r(*b), r(*c))
+                    }?;
+                    stats.eager_calls += 1;
+                }
+            }
+        }
+        Ok(outputs)
+    }
+}
+
+/// Captures `steps` into one graph and instantiates it.
+fn capture(
+    st: &mut Entered<'_>,
+    lent: &mut Lent,
+    steps: &[&Step],
+    param: &dyn Fn(Loc) -> Param,
+) -> Result<Option<Segment>> {
+    // Compile (or find) every kernel first: nothing but launches may happen during a capture.
+    let mut functions = Vec::new();
+    for step in steps {
+        if let Step::Fused { kernel, .. } = step {
+            let crate::core::engine::State {
+                driver, kernels, ..
+            } = &mut **st;
+            functions.push(kernels.fused(driver.as_mut(), kernel)?);
+        }
+    }
+    st.driver
+        .capture_begin()
+        .map_err(Error::driver("cuStreamBeginCapture"))?;
+    let mut nodes = Vec::new();
+    let captured = (|| -> Result<()> {
+        let mut functions = functions.iter();
+        for step in steps {
+            match step {
+                Step::Fused {
+                    kernel,
+                    outputs,
+                    inputs,
+                    len,
+                } => {
+                    let function = *functions.next().expect("one function per fused step");
+                    let template: Vec<Param> = outputs
+                        .iter()
+                        .chain(inputs)
+                        .map(|&l| param(l))
+                        .chain(std::iter::once(Param::Fixed(*len as u64)))
+                        .collect();
+                    // Inputs and outputs are unknown until the first run, which sets them.
+                    let placeholder: Vec<u64> = template
+                        .iter()
+                        .map(|p| match p {
+                            Param::Fixed(v) => *v,
+                            _ => 0,
+                        })
+                        .collect();
+                    let grid = FusedKernel::grid(*len as u64);
+                    // SAFETY: the stream is capturing, so nothing runs now; the node runs only
+                    // after every parameter is set to a valid address by `run` (the
+                    // placeholders differ from any live address, so the first run updates
+                    // them). The function is the fused kernel for exactly these parameters.
+                    unsafe {
+                        st.driver
+                            .launch(function, grid, FusedKernel::BLOCK, &placeholder)
+                    }
+                    .map_err(Error::driver("cuLaunchKernel"))?;
+                    let node = st
+                        .driver
+                        .capture_last_node()
+                        .map_err(Error::driver("cuStreamGetCaptureInfo"))?;
+                    nodes.push(KernelNode {
+                        node,
+                        function,
+                        grid,
+                        template,
+                        current: Some(placeholder),
+                    });
+                }
+                Step::Matmul {
+                    dtype,
+                    m,
+                    k,
+                    n,
+                    a,
+                    b,
+                    c,
+                } => {
+                    let fixed = |l: Loc| match param(l) {
+                        Param::Fixed(v) => v,
+                        _ => unreachable!("only products on intermediates are captured"),
+                    };
+                    // SAFETY: captured, not run; at each replay the operands are arena
+                    // intermediates of the sizes the compiler planned, alive while the graph is.
+                    unsafe {
+                        products::queue(st, lent.module, *dtype, *m, *k, *n, fixed(*a), fixed(*b), fixed(*c))
+                    }?;
+                }
+            }
+        }
+        Ok(())
+    })();
+    let ended = st.driver.capture_end();
+    let graph = match (captured, ended) {
+        (Ok(()), Ok(graph)) => graph,
+        (Err(error), Ok(graph)) => {
+            // SAFETY: the graph was just captured, never instantiated, destroyed once.
+            let _ = unsafe { st.driver.graph_destroy(graph) };
+            return Err(error);
+        }
+        (Err(error), Err(_)) => return Err(error),
+        (Ok(()), Err(source)) => {
+            return Err(Error::Driver {
+                call: "cuStreamEndCapture",
+                source,
+            })
+        }
+    };
+    let exec = match st.driver.graph_instantiate(graph) {
+        Ok(exec) => exec,
+        Err(source) => {
+            // SAFETY: as above: never instantiated, destroyed once.
+            let _ = unsafe { st.driver.graph_destroy(graph) };
+            return Err(Error::Driver {
+                call: "cuGraphInstantiate",
+                source,
+            });
+        }
+    };
+    lent.graphs.push((graph, exec));
+    Ok(Some(Segment::Graph {
+        graph: lent.graphs.len() - 1,
+        nodes,
+    }))
+}
+
+/// Matrix products: cuBLAS on a GPU; on the simulated device, an emulated kernel with the same
+/// place in stream order.
+mod products {
+    use crate::core::engine::Entered;
+    use crate::driver::launch::ModuleHandle;
+    use crate::driver::DevicePtr;
+    use crate::dtype::DType;
+    use crate::error::Result;
+
+    /// Makes what products need before any capture: the cuBLAS handle on a GPU, the emulation's
+    /// module on the simulated device (returned, for the program to unload).
+    pub(super) fn prepare(st: &mut Entered<'_>) -> Result<Option<ModuleHandle>> {
+        #[cfg(any(test, feature = "sim"))]
+        if st.driver.as_sim().is_some() {
+            return super::sim_products::load(st).map(Some);
+        }
+        crate::work::libs::cublas(st)?;
+        Ok(None)
+    }
+
+    /// Queues the row-major `c[m×n] = a[m×k] · b[k×n]` on the stream (or into its capture).
+    ///
+    /// # Safety
+    /// `a`, `b` and `c` hold `m×k`, `k×n` and `m×n` elements of `dtype` (`f32` or `f64`) in live
+    /// allocations of the engine that stay live until the product completes; `c` overlaps
+    /// neither operand.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn queue(
+        st: &mut Entered<'_>,
+        module: Option<ModuleHandle>,
+        dtype: DType,
+        m: usize,
+        k: usize,
+        n: usize,
+        a: DevicePtr,
+        b: DevicePtr,
+        c: DevicePtr,
+    ) -> Result<()> {
+        #[cfg(any(test, feature = "sim"))]
+        if let Some(module) = module {
+            // SAFETY: the caller's contract.
+            return unsafe { super::sim_products::queue(st, module, dtype, m, k, n, a, b, c) };
+        }
+        let _ = module;
+        // SAFETY: the caller's contract.
+        unsafe { crate::work::libs::blas::row_major_product(st, dtype, m, k, n, a, b, c) }
+    }
+}
+
+#[cfg(any(test, feature = "sim"))]
+mod sim_products {
+    //! The simulated device's stand-in for cuBLAS in prepared programs: a module whose emulation
+    //! multiplies row-major matrices, summing over `k` in order with one rounding per multiply
+    //! and per add. On a GPU, products are cuBLAS calls.
+
+    use crate::core::engine::Entered;
+    use crate::driver::launch::{DeviceMemory, Emulation, ModuleHandle, ModuleSource};
+    use crate::driver::DevicePtr;
+    use crate::dtype::DType;
+    use crate::error::{Error, Result};
+    use std::sync::Arc;
+
+    const NAME: &str = "cuferry_sim_matmul";
+
+    struct Product;
+
+    fn run_typed<T: Copy + Default + std::ops::Add<Output = T> + std::ops::Mul<Output = T>>(
+        memory: &mut dyn DeviceMemory,
+        p: &[u64],
+        read: fn(&[u8]) -> T,
+        write: fn(T, &mut Vec<u8>),
+        size: usize,
+    ) -> Result<(), String> {
+        let (c, a, b, m, k, n) = (p[0], p[1], p[2], p[3] as usize, p[4] as usize, p[5] as usize);
+        let av = memory
+            .read(a, m * k * size)
+            .ok_or("matmul: a lies outside every allocation")?;
+        let bv = memory
+            .read(b, k * n * size)
+            .ok_or("matmul: b lies outside every allocation")?;
+        let at = |i: usize| read(&av[i * size..(i + 1) * size]);
+        let bt = |i: usize| read(&bv[i * size..(i + 1) * size]);
+        let mut out = Vec::with_capacity(m * n * size);
+        for i in 0..m {
+            for j in 0..n {
+                let mut acc = T::default();
+                for q in 0..k {
+                    acc = acc + at(i * k + q) * bt(q * n + j);
+                }
+                write(acc, &mut out);
+            }
+        }
+        if memory.write(c, &out) {
+            Ok(())
+        } else {
+            Err("matmul: c lies outside every allocation".into())
+        }
+    }
+
+    impl Emulation for Product {
+        fn name(&self) -> &str {
+            NAME
+        }
+
+        fn run(&self, memory: &mut dyn DeviceMemory, params: &[u64]) -> Result<(), String> {
+            let &[_, _, _, _, _, _, dtype] = params else {
+                return Err(format!("matmul: 7 parameters expected, got {}", params.len()));
+            };
+            match dtype {
+                0 => run_typed::<f32>(
+                    memory,
+                    params,
+                    |b| f32::from_le_bytes(b.try_into().expect("4 bytes")),
+                    |v, o| o.extend_from_slice(&v.to_le_bytes()),
+                    4,
+                ),
+                1 => run_typed::<f64>(
+                    memory,
+                    params,
+                    |b| f64::from_le_bytes(b.try_into().expect("8 bytes")),
+                    |v, o| o.extend_from_slice(&v.to_le_bytes()),
+                    8,
+                ),
+                other => Err(format!("matmul: no element type {other}")),
+            }
+        }
+    }
+
+    pub(super) fn load(st: &mut Entered<'_>) -> Result<ModuleHandle> {
+        st.driver.module_compile(&ModuleSource {
+            name: NAME,
+            cuda: "// emulated on the simulated device",
+            emulation: Some(Arc::new(Product)),
+        })
+    }
+
+    /// # Safety
+    /// As `products::queue`.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn queue(
+        st: &mut Entered<'_>,
+        module: ModuleHandle,
+        dtype: DType,
+        m: usize,
+        k: usize,
+        n: usize,
+        a: DevicePtr,
+        b: DevicePtr,
+        c: DevicePtr,
+    ) -> Result<()> {
+        let function = st
+            .driver
+            .module_function(module, NAME)
+            .map_err(Error::driver("cuModuleGetFunction"))?;
+        let code = u64::from(dtype == DType::F64);
+        let params = [c, a, b, m as u64, k as u64, n as u64, code];
+        // SAFETY: the emulated kernel takes these seven words; the caller guarantees the
+        // operands' extents and lifetimes.
+        unsafe { st.driver.launch(function, 1, 1, &params) }.map_err(Error::driver("cuLaunchKernel"))
+    }
+}
