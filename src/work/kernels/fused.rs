@@ -569,15 +569,15 @@ impl Emulation for FusedEmulation {
 
 #[cfg(test)]
 pub(super) mod tests {
+    use super::super::emulate;
+    use super::super::spec::ElementwiseSpec;
     use super::*;
-    use crate::work::kernels::emulate;
-    use crate::work::kernels::spec::ElementwiseSpec;
 
     /// A small deterministic generator.
-    pub(in crate::work::kernels) struct Rng(pub(in crate::work::kernels) u64);
+    pub(crate) struct Rng(pub(crate) u64);
 
     impl Rng {
-        pub(in crate::work::kernels) fn next(&mut self) -> u64 {
+        pub(crate) fn next(&mut self) -> u64 {
             let mut x = self.0;
             x ^= x << 13;
             x ^= x >> 7;
@@ -597,7 +597,7 @@ pub(super) mod tests {
 
     /// The bits of one random element of `d`: raw patterns, ordinary values and the special
     /// float values (zeros, infinities, NaNs, subnormals, huge and tiny values).
-    pub(in crate::work::kernels) fn random_bits(rng: &mut Rng, d: DType) -> u64 {
+    pub(crate) fn random_bits(rng: &mut Rng, d: DType) -> u64 {
         let raw = rng.next();
         let choice = rng.below(8);
         let ordinary = (raw % 2001) as f64 / 8.0 - 125.0;
@@ -617,7 +617,7 @@ pub(super) mod tests {
             _ => None,
         };
         match (d, float) {
-            (DType::Bool, _) => u64::from(raw % 3 != 0),
+            (DType::Bool, _) => u64::from(!raw.is_multiple_of(3)),
             (DType::F32, Some(f)) => u64::from((f as f32).to_bits()),
             (DType::F64, Some(f)) => f.to_bits(),
             (DType::F16, Some(f)) => u64::from(half::f16::from_f64(f).to_bits()),
@@ -632,7 +632,7 @@ pub(super) mod tests {
     }
 
     /// `len` random elements of `d`.
-    pub(in crate::work::kernels) fn random_input(rng: &mut Rng, d: DType, len: usize) -> Vec<u8> {
+    pub(crate) fn random_input(rng: &mut Rng, d: DType, len: usize) -> Vec<u8> {
         (0..len)
             .flat_map(|_| random_bits(rng, d).to_le_bytes()[..d.size_bytes()].to_vec())
             .collect()
@@ -652,7 +652,7 @@ pub(super) mod tests {
     }
 
     /// A random well-formed kernel whose first input is `root`.
-    pub(in crate::work::kernels) fn random_kernel(rng: &mut Rng, root: DType) -> FusedKernel {
+    pub(crate) fn random_kernel(rng: &mut Rng, root: DType) -> FusedKernel {
         let mut inputs = vec![root];
         for _ in 0..rng.below(3) {
             let d = if rng.below(2) == 0 {
@@ -785,7 +785,7 @@ pub(super) mod tests {
     }
 
     /// Runs `kernel`'s emulation on fresh allocations holding `inputs`; the outputs' bytes.
-    fn emulated(kernel: &FusedKernel, inputs: &[Vec<u8>], len: usize) -> Vec<Vec<u8>> {
+    pub(crate) fn emulated(kernel: &FusedKernel, inputs: &[Vec<u8>], len: usize) -> Vec<Vec<u8>> {
         let mut memory = Blocks::default();
         let ins: Vec<u64> = inputs.iter().map(|i| memory.alloc(i.clone())).collect();
         let outs: Vec<u64> = kernel
