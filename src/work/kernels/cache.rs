@@ -4,7 +4,7 @@
 //! until the engine is dropped, so steady-state calls cost one launch. Every module carries the
 //! emulation of its kernel, for devices that cannot run PTX. This is engine state, held by the
 //! engine and locked with the driver; it knows only the driver seam and the kernels' own
-//! descriptions (`spec`, `source`, `emulate`).
+//! descriptions (`spec`, `source`, `emulate`, `fused`).
 
 #[cfg(any(test, feature = "sim"))]
 use super::emulate::ElementwiseEmulation;
