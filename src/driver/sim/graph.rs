@@ -585,7 +585,7 @@ mod tests {
         let (graph, node) = s.capture();
         let exec = s.d.graph_instantiate(graph).unwrap();
         let (b, c, add) = (s.b, s.c, s.add);
-        // SAFETY (throughout): each call below either is refused or touches live memory only.
+        // SAFETY: each call below either is refused or touches live memory only.
         unsafe {
             assert_eq!(
                 s.d.graph_instantiate(GraphHandle(exec.0)),
