@@ -73,8 +73,12 @@ fn with_product(engine: &mut CudaEngine) -> Result<(), Failure> {
     let stats = program.stats();
     let mut prepared = engine.prepare(&program)?;
     for round in 0..3 {
-        let av: Vec<f32> = (0..m * k).map(|i| ((i * 7 + round) % 13) as f32 * 0.25 - 1.0).collect();
-        let wv: Vec<f32> = (0..k * n).map(|i| ((i * 5 + round) % 11) as f32 * 0.125 - 0.5).collect();
+        let av: Vec<f32> = (0..m * k)
+            .map(|i| ((i * 7 + round) % 13) as f32 * 0.25 - 1.0)
+            .collect();
+        let wv: Vec<f32> = (0..k * n)
+            .map(|i| ((i * 5 + round) % 11) as f32 * 0.125 - 0.5)
+            .collect();
         let bv: Vec<f32> = (0..m * n).map(|i| (i % 3) as f32 - 1.0).collect();
         let at = upload_tensor(engine, &av, &[m, k])?;
         let wt = upload_tensor(engine, &wv, &[k, n])?;
@@ -88,7 +92,9 @@ fn with_product(engine: &mut CudaEngine) -> Result<(), Failure> {
                 let want = (zij + bv[i * n + j]) * zij;
                 let g = got[i * n + j];
                 if (g - want).abs() > 1e-3 * want.abs().max(1.0) {
-                    return Err(format!("round {round}: out[{i}][{j}] = {g}, expected {want}").into());
+                    return Err(
+                        format!("round {round}: out[{i}][{j}] = {g}, expected {want}").into(),
+                    );
                 }
             }
         }
@@ -113,7 +119,8 @@ fn host_cost(engine: &mut CudaEngine) -> Result<(), Failure> {
             _ => y.scale(0.5f32)?,
         };
     }
-    let program = GraphCompiler::new().compile_with_input_specs(&[&y], &[(&x, DType::F32, &[4])])?;
+    let program =
+        GraphCompiler::new().compile_with_input_specs(&[&y], &[(&x, DType::F32, &[4])])?;
     let mut prepared = engine.prepare(&program)?;
     let input = upload_tensor(engine, &[1.0f32, 2.0, 3.0, 4.0], &[4])?;
     let runs = 2000;

@@ -13,7 +13,9 @@ mod common;
 use common::{random_vec, Reference, Rng};
 use cuferry::graph::{GraphCompiler, Input, Output, Prepared, TracedTensor};
 use cuferry::sim::{SimConfig, SimOp};
-use cuferry::{bf16, download_tensor, f16, upload_tensor, CudaEngine, DType, DeviceTensor, DriverError};
+use cuferry::{
+    bf16, download_tensor, f16, upload_tensor, CudaEngine, DType, DeviceTensor, DriverError,
+};
 use proptest::prelude::*;
 use std::any::Any;
 
@@ -21,19 +23,58 @@ use std::any::Any;
 macro_rules! typed {
     ($d:expr, $t:ident => $body:expr) => {
         match $d {
-            DType::F32 => { type $t = f32; $body }
-            DType::F64 => { type $t = f64; $body }
-            DType::F16 => { type $t = f16; $body }
-            DType::BF16 => { type $t = bf16; $body }
-            DType::I8 => { type $t = i8; $body }
-            DType::I16 => { type $t = i16; $body }
-            DType::I32 => { type $t = i32; $body }
-            DType::I64 => { type $t = i64; $body }
-            DType::U8 => { type $t = u8; $body }
-            DType::U16 => { type $t = u16; $body }
-            DType::U32 => { type $t = u32; $body }
-            DType::U64 => { type $t = u64; $body }
-            DType::Bool => { type $t = bool; $body }
+            DType::F32 => {
+                type $t = f32;
+                $body
+            }
+            DType::F64 => {
+                type $t = f64;
+                $body
+            }
+            DType::F16 => {
+                type $t = f16;
+                $body
+            }
+            DType::BF16 => {
+                type $t = bf16;
+                $body
+            }
+            DType::I8 => {
+                type $t = i8;
+                $body
+            }
+            DType::I16 => {
+                type $t = i16;
+                $body
+            }
+            DType::I32 => {
+                type $t = i32;
+                $body
+            }
+            DType::I64 => {
+                type $t = i64;
+                $body
+            }
+            DType::U8 => {
+                type $t = u8;
+                $body
+            }
+            DType::U16 => {
+                type $t = u16;
+                $body
+            }
+            DType::U32 => {
+                type $t = u32;
+                $body
+            }
+            DType::U64 => {
+                type $t = u64;
+                $body
+            }
+            DType::Bool => {
+                type $t = bool;
+                $body
+            }
             other => unreachable!("no such element type {other:?}"),
         }
     };
@@ -48,7 +89,9 @@ struct Host {
 
 impl Host {
     fn get<T: Reference>(&self) -> &Vec<T> {
-        self.data.downcast_ref().expect("host value of its own type")
+        self.data
+            .downcast_ref()
+            .expect("host value of its own type")
     }
 }
 
@@ -86,17 +129,31 @@ impl Recipe {
     /// Draws a recipe from `rng`: dtypes and shapes of every value are tracked so each step is
     /// well typed.
     fn draw(rng: &mut Rng) -> Recipe {
+        Recipe::draw_with(rng, true)
+    }
+
+    /// As `draw`; without matrix products when `products` is false (cuBLAS on a GPU sums in
+    /// its own order, so only product-free programs are bit-exact against the interpreter there).
+    fn draw_with(rng: &mut Rng, products: bool) -> Recipe {
         let pick = |rng: &mut Rng, n: usize| (rng.next_u64() % n as u64) as usize;
-        let lens = [0usize, 1, 3, 4, 5, 16, 17, 33];
-        let with_product = rng.next_u64() % 3 == 0;
+        let lens = [0usize, 1, 3, 4, 5, 16, 17, 33, 1027];
+        let with_product = products && rng.next_u64().is_multiple_of(3);
         let (m, k, n) = (1 + pick(rng, 4), 1 + pick(rng, 4), 1 + pick(rng, 4));
-        let len = if with_product { m * n } else { lens[pick(rng, lens.len())] };
+        let len = if with_product {
+            m * n
+        } else {
+            lens[pick(rng, lens.len())]
+        };
         let mut inputs = Vec::new();
         for _ in 0..1 + pick(rng, 3) {
             inputs.push((DType::ALL[pick(rng, DType::ALL.len())], vec![len]));
         }
         if with_product {
-            let d = if rng.next_u64() % 2 == 0 { DType::F32 } else { DType::F64 };
+            let d = if rng.next_u64().is_multiple_of(2) {
+                DType::F32
+            } else {
+                DType::F64
+            };
             inputs.push((d, vec![m, k]));
             inputs.push((d, vec![k, n]));
         }
@@ -108,9 +165,13 @@ impl Recipe {
             let (d, shape) = pool[a].clone();
             let step = match pick(rng, 8) {
                 0 | 1 => {
-                    let same: Vec<usize> = (0..pool.len()).filter(|&i| pool[i] == pool[a]).collect();
+                    let same: Vec<usize> =
+                        (0..pool.len()).filter(|&i| pool[i] == pool[a]).collect();
                     let b = same[pick(rng, same.len())];
-                    let ops: Vec<&str> = ["add", "sub", "mul", "div"].into_iter().filter(|o| serves(o, d)).collect();
+                    let ops: Vec<&str> = ["add", "sub", "mul", "div"]
+                        .into_iter()
+                        .filter(|o| serves(o, d))
+                        .collect();
                     if ops.is_empty() {
                         Step::Cast(a, DType::F32)
                     } else {
@@ -125,7 +186,7 @@ impl Recipe {
                     let (ia, ib) = (inputs.len() - 2, inputs.len() - 1);
                     // Sometimes a product of computed operands (captured into the graph),
                     // sometimes of the inputs (an eager call between graph launches).
-                    let lhs = if rng.next_u64() % 2 == 0 {
+                    let lhs = if rng.next_u64().is_multiple_of(2) {
                         pool.push((pd, vec![m, k]));
                         steps.push(Step::Scale(ia, rng.next_u64()));
                         pool.len() - 1
@@ -138,7 +199,7 @@ impl Recipe {
                     Step::Reshape(pool.len() - 1, vec![len])
                 }
                 6 if shape.len() == 1 => Step::Reshape(a, vec![1, shape[0]]),
-                7 if steps.len() > 0 => {
+                7 if !steps.is_empty() => {
                     // A repeated subexpression: the same step again.
                     let again = steps[pick(rng, steps.len())].clone();
                     let out = result_of(&pool, &again);
@@ -157,7 +218,11 @@ impl Recipe {
             outputs.push(pick(rng, pool.len()));
         }
         outputs.push(pool.len() - 1);
-        Recipe { inputs, steps, outputs }
+        Recipe {
+            inputs,
+            steps,
+            outputs,
+        }
     }
 }
 
@@ -257,14 +322,23 @@ fn interpret(recipe: &Recipe, inputs: Vec<Host>) -> Vec<Host> {
             }
             Step::Cast(a, d) => {
                 let a = &pool[*a];
-                let data: Box<dyn Any> = typed!(a.dtype, F => typed!(*d, T => Box::new(cast_to::<F, T>(a.get::<F>()))));
-                Host { dtype: *d, shape: a.shape.clone(), data }
+                let data: Box<dyn Any> =
+                    typed!(a.dtype, F => typed!(*d, T => Box::new(cast_to::<F, T>(a.get::<F>()))));
+                Host {
+                    dtype: *d,
+                    shape: a.shape.clone(),
+                    data,
+                }
             }
             Step::Full(a, d, seed) => {
                 let a = &pool[*a];
                 let len: usize = a.shape.iter().product();
                 let data: Box<dyn Any> = typed!(*d, T => Box::new(vec![value_of::<T>(*seed); len]));
-                Host { dtype: *d, shape: a.shape.clone(), data }
+                Host {
+                    dtype: *d,
+                    shape: a.shape.clone(),
+                    data,
+                }
             }
             Step::Matmul(a, b) => {
                 let (a, b) = (&pool[*a], &pool[*b]);
@@ -273,25 +347,45 @@ fn interpret(recipe: &Recipe, inputs: Vec<Host>) -> Vec<Host> {
                     DType::F32 => Box::new(matmul(a.get::<f32>(), b.get::<f32>(), m, k, n)),
                     _ => Box::new(matmul(a.get::<f64>(), b.get::<f64>(), m, k, n)),
                 };
-                Host { dtype: a.dtype, shape: vec![m, n], data }
+                Host {
+                    dtype: a.dtype,
+                    shape: vec![m, n],
+                    data,
+                }
             }
             Step::Reshape(a, shape) => {
                 let a = &pool[*a];
                 let data: Box<dyn Any> = typed!(a.dtype, T => Box::new(a.get::<T>().clone()));
-                Host { dtype: a.dtype, shape: shape.clone(), data }
+                Host {
+                    dtype: a.dtype,
+                    shape: shape.clone(),
+                    data,
+                }
             }
         };
         pool.push(v);
     }
-    recipe.outputs.iter().map(|&i| {
-        let h = &pool[i];
-        let data: Box<dyn Any> = typed!(h.dtype, T => Box::new(h.get::<T>().clone()));
-        Host { dtype: h.dtype, shape: h.shape.clone(), data }
-    }).collect()
+    recipe
+        .outputs
+        .iter()
+        .map(|&i| {
+            let h = &pool[i];
+            let data: Box<dyn Any> = typed!(h.dtype, T => Box::new(h.get::<T>().clone()));
+            Host {
+                dtype: h.dtype,
+                shape: h.shape.clone(),
+                data,
+            }
+        })
+        .collect()
 }
 
 /// Fresh random inputs: host values and their uploads.
-fn fresh_inputs(engine: &mut CudaEngine, recipe: &Recipe, rng: &mut Rng) -> (Vec<Host>, Vec<Box<dyn Any>>) {
+fn fresh_inputs(
+    engine: &mut CudaEngine,
+    recipe: &Recipe,
+    rng: &mut Rng,
+) -> (Vec<Host>, Vec<Box<dyn Any>>) {
     let mut hosts = Vec::new();
     let mut tensors: Vec<Box<dyn Any>> = Vec::new();
     for (d, shape) in &recipe.inputs {
@@ -310,14 +404,31 @@ fn as_input<'a>(d: DType, t: &'a dyn Any) -> Input<'a> {
 }
 
 /// Runs once on fresh inputs and checks every output against the interpreter.
-fn run_and_check(engine: &mut CudaEngine, prepared: &mut Prepared, recipe: &Recipe, rng: &mut Rng) -> Result<(), cuferry::Error> {
+fn run_and_check(
+    engine: &mut CudaEngine,
+    prepared: &mut Prepared,
+    recipe: &Recipe,
+    rng: &mut Rng,
+) -> Result<(), cuferry::Error> {
     let (hosts, tensors) = fresh_inputs(engine, recipe, rng);
     check_run(engine, prepared, recipe, hosts, tensors, || {})
 }
 
 /// Runs once on the given inputs (calling `arm` just before the run) and checks every output.
-fn check_run(engine: &mut CudaEngine, prepared: &mut Prepared, recipe: &Recipe, hosts: Vec<Host>, tensors: Vec<Box<dyn Any>>, arm: impl FnOnce()) -> Result<(), cuferry::Error> {
-    let inputs: Vec<Input<'_>> = recipe.inputs.iter().zip(&tensors).map(|((d, _), t)| as_input(*d, t.as_ref())).collect();
+fn check_run(
+    engine: &mut CudaEngine,
+    prepared: &mut Prepared,
+    recipe: &Recipe,
+    hosts: Vec<Host>,
+    tensors: Vec<Box<dyn Any>>,
+    arm: impl FnOnce(),
+) -> Result<(), cuferry::Error> {
+    let inputs: Vec<Input<'_>> = recipe
+        .inputs
+        .iter()
+        .zip(&tensors)
+        .map(|((d, _), t)| as_input(*d, t.as_ref()))
+        .collect();
     let expected = interpret(recipe, hosts);
     arm();
     let outputs = engine.run(prepared, &inputs);
@@ -343,9 +454,16 @@ fn check_run(engine: &mut CudaEngine, prepared: &mut Prepared, recipe: &Recipe, 
 
 fn leak_free(engine: &mut CudaEngine, baseline: usize) {
     let sim = engine.sim().unwrap();
+    // The first synchronize proves the last run complete and releases the program's arena,
+    // whose free is queued then; the second runs that free.
+    let _ = engine.synchronize();
     let _ = engine.synchronize();
     assert_eq!(sim.graphs_live(), 0, "graphs outlived their program");
-    assert_eq!(sim.device_live().0, baseline, "device memory outlived its owner");
+    assert_eq!(
+        sim.device_live().0,
+        baseline,
+        "device memory outlived its owner"
+    );
     assert!(sim.violations().is_empty(), "{:?}", sim.violations());
 }
 
@@ -405,4 +523,159 @@ proptest! {
         let _ = engine.flush();
         leak_free(&mut engine, 0);
     }
+}
+
+fn compile(recipe: &Recipe) -> cuferry::graph::Program {
+    let (inputs, outputs) = trace(recipe);
+    let specs: Vec<(&TracedTensor, DType, &[usize])> = inputs
+        .iter()
+        .zip(&recipe.inputs)
+        .map(|(t, (d, s))| (t, *d, s.as_slice()))
+        .collect();
+    let refs: Vec<&TracedTensor> = outputs.iter().collect();
+    GraphCompiler::new()
+        .compile_with_input_specs(&refs, &specs)
+        .unwrap()
+}
+
+/// For every element type: a chain of every operation the type serves, fused into one kernel,
+/// against the same operations run eagerly on the engine, bit for bit.
+fn fused_matches_eager(engine: &mut CudaEngine) {
+    fn chain<T: Reference>(engine: &mut CudaEngine, rng: &mut Rng) {
+        let n = 4099;
+        let (xv, yv) = (random_vec::<T>(rng, n), random_vec::<T>(rng, n));
+        let factor = T::random(rng);
+        let d = T::DTYPE;
+        let x = TracedTensor::input_symbolic_shape(d, 1);
+        let y = TracedTensor::input_symbolic_shape(d, 1);
+        let xt = upload_tensor(engine, &xv, &[n]).unwrap();
+        let yt = upload_tensor(engine, &yv, &[n]).unwrap();
+        // Traced and eager, step by step.
+        let mut t = x.clone();
+        let mut e = engine.copy_tensor(&xt).unwrap();
+        for op in ["add", "mul", "sub", "div"] {
+            if !common::serves(op, d) {
+                continue;
+            }
+            t = match op {
+                "add" => &t + &y,
+                "mul" => &t * &y,
+                "sub" => &t - &x,
+                _ => &t / &y,
+            }
+            .unwrap();
+            e = match op {
+                "add" => engine.add(&e, &yt),
+                "mul" => engine.mul(&e, &yt),
+                "sub" => engine.sub(&e, &xt),
+                _ => engine.div(&e, &yt),
+            }
+            .unwrap();
+        }
+        if common::serves("scale", d) {
+            t = t.scale(factor).unwrap();
+            e = engine.scale(&e, factor).unwrap();
+        }
+        if common::serves("neg", d) {
+            t = (-&t).unwrap();
+            e = engine.neg(&e).unwrap();
+        }
+        // Out through f16 and back: two roundings the fused kernel must keep.
+        let t = t.cast(DType::F16).cast(d);
+        let h = engine.cast::<f16, T>(&e).unwrap();
+        let e = engine.cast::<T, f16>(&h).unwrap();
+        let program = GraphCompiler::new()
+            .compile_with_input_specs(&[&t], &[(&x, d, &[n]), (&y, d, &[n])])
+            .unwrap();
+        assert_eq!(program.stats().fused_kernels, 1, "{d}: one fused kernel");
+        let mut prepared = engine.prepare(&program).unwrap();
+        let outputs = engine
+            .run(&mut prepared, &[Input::from(&xt), Input::from(&yt)])
+            .unwrap();
+        let fused = download_tensor(engine, outputs[0].as_tensor::<T>().unwrap()).unwrap();
+        let eager = download_tensor(engine, &e).unwrap();
+        common::assert_same(&format!("fused {d} against eager"), &fused, &eager);
+    }
+    let mut rng = Rng::new(77);
+    cuferry_tests_each!(T => chain::<T>(engine, &mut rng));
+    engine.synchronize().unwrap();
+}
+
+macro_rules! cuferry_tests_each {
+    ($t:ident => $body:expr) => {
+        for d in DType::ALL {
+            typed!(d, $t => $body);
+        }
+    };
+}
+use cuferry_tests_each;
+
+#[test]
+fn fused_kernels_match_the_eager_operations_for_every_element_type() {
+    fused_matches_eager(&mut CudaEngine::simulated(SimConfig::default()));
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn on_the_gpu_fused_kernels_match_the_eager_operations_for_every_element_type() {
+    fused_matches_eager(&mut CudaEngine::open(0).unwrap());
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn on_the_gpu_prepared_programs_match_the_host_interpreter() {
+    let mut engine = CudaEngine::open(0).unwrap();
+    for seed in 0..48u64 {
+        let mut rng = Rng::new(seed + 5000);
+        let recipe = Recipe::draw_with(&mut rng, false);
+        let program = compile(&recipe);
+        let mut prepared = engine.prepare(&program).unwrap();
+        for _ in 0..3 {
+            run_and_check(&mut engine, &mut prepared, &recipe, &mut rng).unwrap();
+        }
+    }
+    engine.synchronize().unwrap();
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn on_the_gpu_products_match_the_eager_matmul() {
+    // Captured (product of computed operands) and eager (product of an input) cuBLAS calls,
+    // against the engine's own `matmul`, which is the same cuBLAS call: identical bits.
+    let mut engine = CudaEngine::open(0).unwrap();
+    let (m, k, n) = (33, 65, 17);
+    let mut rng = Rng::new(9);
+    let av = random_vec::<f32>(&mut rng, m * k);
+    let bv = random_vec::<f32>(&mut rng, k * n);
+    let a = TracedTensor::input_symbolic_shape(DType::F32, 2);
+    let b = TracedTensor::input_symbolic_shape(DType::F32, 2);
+    let a2 = a.scale(0.5f32).unwrap();
+    let captured = a2.matmul(&(&b + &b).unwrap()).unwrap();
+    let eager = a.matmul(&b).unwrap();
+    let program = GraphCompiler::new()
+        .compile_with_input_specs(
+            &[&captured, &eager],
+            &[(&a, DType::F32, &[m, k]), (&b, DType::F32, &[k, n])],
+        )
+        .unwrap();
+    let mut prepared = engine.prepare(&program).unwrap();
+    let at = upload_tensor(&mut engine, &av, &[m, k]).unwrap();
+    let bt = upload_tensor(&mut engine, &bv, &[k, n]).unwrap();
+    let a2t = engine.scale(&at, 0.5f32).unwrap();
+    let b2t = engine.add(&bt, &bt).unwrap();
+    let want_captured = engine.matmul(&a2t, &b2t).unwrap();
+    let want_eager = engine.matmul(&at, &bt).unwrap();
+    for _ in 0..3 {
+        let outputs = engine
+            .run(&mut prepared, &[Input::from(&at), Input::from(&bt)])
+            .unwrap();
+        for (out, want) in outputs.iter().zip([&want_captured, &want_eager]) {
+            let got = download_tensor(&mut engine, out.as_tensor::<f32>().unwrap()).unwrap();
+            let want = download_tensor(&mut engine, want).unwrap();
+            common::assert_same("product", &got, &want);
+        }
+    }
+    assert!(prepared.stats().graph_launches >= 3);
+    assert_eq!(prepared.stats().eager_calls, 3);
+    engine.synchronize().unwrap();
 }

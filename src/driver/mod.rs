@@ -15,12 +15,6 @@
 //! kernel nodes' parameters and replays them on the stream.
 
 pub(crate) mod cuda;
-// Nothing above the seam prepares graphs yet, so outside the tests (which use every method)
-// the graph half is unused: the expectation fails, and is to be removed, once something is.
-#[cfg_attr(
-    not(test),
-    expect(dead_code, reason = "no level above the seam uses graphs yet")
-)]
 pub(crate) mod graph;
 pub(crate) mod launch;
 #[cfg(any(test, feature = "sim"))]

@@ -243,7 +243,13 @@ impl Lowered {
     }
 
     /// Lowers `t` and everything it depends on.
-    fn lower(&mut self, t: &TracedTensor, inputs: &HashMap<u64, usize>, specs: &[(DType, Vec<usize>)], memo: &mut HashMap<u64, usize>) -> Result<usize> {
+    fn lower(
+        &mut self,
+        t: &TracedTensor,
+        inputs: &HashMap<u64, usize>,
+        specs: &[(DType, Vec<usize>)],
+        memo: &mut HashMap<u64, usize>,
+    ) -> Result<usize> {
         // An explicit stack: traced chains can be deeper than the thread's stack.
         let mut stack: Vec<(TracedTensor, bool)> = vec![(t.clone(), false)];
         while let Some((node, expanded)) = stack.pop() {
@@ -310,7 +316,9 @@ impl Lowered {
                 }
                 Op::Matmul { a, b } => {
                     let (a, b) = (get(a), get(b));
-                    let (&[m, k], &[k2, n]) = (&self.values[a].shape[..], &self.values[b].shape[..]) else {
+                    let (&[m, k], &[k2, n]) =
+                        (&self.values[a].shape[..], &self.values[b].shape[..])
+                    else {
                         unreachable!("matmul operands are traced 2-D");
                     };
                     if k != k2 {
@@ -339,8 +347,12 @@ impl Lowered {
                         a
                     } else {
                         match from.kind {
-                            Kind::Const(bits) => self.add(Kind::Const(bits), dtype, shape.clone())?,
-                            Kind::Reshape(base) => self.add(Kind::Reshape(base), dtype, shape.clone())?,
+                            Kind::Const(bits) => {
+                                self.add(Kind::Const(bits), dtype, shape.clone())?
+                            }
+                            Kind::Reshape(base) => {
+                                self.add(Kind::Reshape(base), dtype, shape.clone())?
+                            }
                             _ if self.values[a].shape == *shape => a,
                             _ => self.add(Kind::Reshape(a), dtype, shape.clone())?,
                         }
@@ -561,8 +573,8 @@ fn plan(lowered: Lowered, inputs: Vec<(DType, Vec<usize>)>, roots: &[usize]) -> 
     // intermediate (placed below). Products always write an intermediate; their outputs get a
     // copy kernel right after them.
     let mut home: HashMap<usize, Loc> = HashMap::new();
-    for id in 0..n {
-        if let Kind::Input(i) = values[id].kind {
+    for (id, value) in values.iter().enumerate() {
+        if let Kind::Input(i) = value.kind {
             home.insert(id, Loc::Input(i));
         }
     }

@@ -166,7 +166,10 @@ struct KernelNode {
 enum Segment {
     /// Launch the instantiated graph `graph` (an index into the resources' graphs) after
     /// updating its kernel nodes.
-    Graph { graph: usize, nodes: Vec<KernelNode> },
+    Graph {
+        graph: usize,
+        nodes: Vec<KernelNode>,
+    },
     /// A product outside any graph.
     Eager {
         dtype: DType,
@@ -182,7 +185,9 @@ enum Segment {
 /// What the device may still touch after a run: released only once that is proven.
 struct Lent {
     owner: Arc<Shared>,
-    arena: Option<DeviceTensor<u8>>,
+    /// The intermediates. Only held: its memory must outlive every run, and is freed
+    /// (stream-ordered) when this is released.
+    _arena: Option<DeviceTensor<u8>>,
     graphs: Vec<(GraphHandle, GraphExecHandle)>,
     /// The simulated device's matrix-product module, if the program needed one.
     module: Option<ModuleHandle>,
@@ -372,7 +377,7 @@ impl CudaEngine {
         let base = arena.as_ref().map_or(0, |a| a.raw_ptr());
         let mut lent = Lent {
             owner: Arc::clone(&self.shared),
-            arena,
+            _arena: arena,
             graphs: Vec::new(),
             module: None,
         };
@@ -393,10 +398,10 @@ impl CudaEngine {
             }
             // Group the steps: runs of graph-safe steps, and eager products between them.
             let mut pending: Vec<&Step> = Vec::new();
-            let mut flush = |pending: &mut Vec<&Step>,
-                             st: &mut Entered<'_>,
-                             lent: &mut Lent,
-                             segments: &mut Vec<Segment>|
+            let flush = |pending: &mut Vec<&Step>,
+                         st: &mut Entered<'_>,
+                         lent: &mut Lent,
+                         segments: &mut Vec<Segment>|
              -> Result<()> {
                 if pending.is_empty() {
                     return Ok(());
@@ -525,7 +530,9 @@ impl CudaEngine {
             stats,
             ..
         } = prepared;
-        let lent = lent.as_ref().expect("a live prepared program holds its resources");
+        let lent = lent
+            .as_ref()
+            .expect("a live prepared program holds its resources");
         let mut st = self.shared.enter()?;
         stats.runs += 1;
         for segment in segments.iter_mut() {
@@ -585,7 +592,17 @@ impl CudaEngine {
                     // (the compiler sized them from the checked input shapes), in live
                     // allocations as argued for the graph's kernels above.
                     unsafe {
-                        products::queue(&mut st, lent.module, *dtype, *m, *k, *n, r(*a), r(*b), r(*c))
+                        products::queue(
+                            &mut st,
+                            lent.module,
+                            *dtype,
+                            *m,
+                            *k,
+                            *n,
+                            r(*a),
+                            r(*b),
+                            r(*c),
+                        )
                     }?;
                     stats.eager_calls += 1;
                 }
@@ -621,12 +638,13 @@ fn capture(
         for step in steps {
             match step {
                 Step::Fused {
-                    kernel,
                     outputs,
                     inputs,
                     len,
+                    ..
                 } => {
                     let function = *functions.next().expect("one function per fused step");
+                    // In the kernel's parameter order (`FusedKernel::params`).
                     let template: Vec<Param> = outputs
                         .iter()
                         .chain(inputs)
@@ -634,13 +652,14 @@ fn capture(
                         .chain(std::iter::once(Param::Fixed(*len as u64)))
                         .collect();
                     // Inputs and outputs are unknown until the first run, which sets them.
-                    let placeholder: Vec<u64> = template
-                        .iter()
-                        .map(|p| match p {
-                            Param::Fixed(v) => *v,
-                            _ => 0,
-                        })
-                        .collect();
+                    let known = |l: &Loc| match param(*l) {
+                        Param::Fixed(v) => v,
+                        _ => 0,
+                    };
+                    let outs: Vec<u64> = outputs.iter().map(known).collect();
+                    let ins: Vec<u64> = inputs.iter().map(known).collect();
+                    let placeholder = FusedKernel::params(&outs, &ins, *len as u64);
+                    debug_assert_eq!(template.len(), placeholder.len());
                     let grid = FusedKernel::grid(*len as u64);
                     // SAFETY: the stream is capturing, so nothing runs now; the node runs only
                     // after every parameter is set to a valid address by `run` (the
@@ -679,7 +698,17 @@ fn capture(
                     // SAFETY: captured, not run; at each replay the operands are arena
                     // intermediates of the sizes the compiler planned, alive while the graph is.
                     unsafe {
-                        products::queue(st, lent.module, *dtype, *m, *k, *n, fixed(*a), fixed(*b), fixed(*c))
+                        products::queue(
+                            st,
+                            lent.module,
+                            *dtype,
+                            *m,
+                            *k,
+                            *n,
+                            fixed(*a),
+                            fixed(*b),
+                            fixed(*c),
+                        )
                     }?;
                 }
             }
@@ -793,7 +822,14 @@ mod sim_products {
         write: fn(T, &mut Vec<u8>),
         size: usize,
     ) -> Result<(), String> {
-        let (c, a, b, m, k, n) = (p[0], p[1], p[2], p[3] as usize, p[4] as usize, p[5] as usize);
+        let (c, a, b, m, k, n) = (
+            p[0],
+            p[1],
+            p[2],
+            p[3] as usize,
+            p[4] as usize,
+            p[5] as usize,
+        );
         let av = memory
             .read(a, m * k * size)
             .ok_or("matmul: a lies outside every allocation")?;
@@ -826,7 +862,10 @@ mod sim_products {
 
         fn run(&self, memory: &mut dyn DeviceMemory, params: &[u64]) -> Result<(), String> {
             let &[_, _, _, _, _, _, dtype] = params else {
-                return Err(format!("matmul: 7 parameters expected, got {}", params.len()));
+                return Err(format!(
+                    "matmul: 7 parameters expected, got {}",
+                    params.len()
+                ));
             };
             match dtype {
                 0 => run_typed::<f32>(
@@ -878,6 +917,7 @@ mod sim_products {
         let params = [c, a, b, m as u64, k as u64, n as u64, code];
         // SAFETY: the emulated kernel takes these seven words; the caller guarantees the
         // operands' extents and lifetimes.
-        unsafe { st.driver.launch(function, 1, 1, &params) }.map_err(Error::driver("cuLaunchKernel"))
+        unsafe { st.driver.launch(function, 1, 1, &params) }
+            .map_err(Error::driver("cuLaunchKernel"))
     }
 }

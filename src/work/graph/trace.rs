@@ -12,8 +12,8 @@
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::memory::element::Element;
-use crate::work::kernels::spec::ElementwiseOp;
 use crate::work::kernels::spec::unsupported;
+use crate::work::kernels::spec::ElementwiseOp;
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
