@@ -5,6 +5,7 @@
 //! [`CudaDriver::open`] probes for the library first, because cudarc panics when a dynamically
 //! loaded library is missing.
 
+mod graph;
 mod launch;
 
 #[cfg(test)]

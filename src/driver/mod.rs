@@ -8,8 +8,19 @@
 //!
 //! A driver object is one device, one context and one stream: the engine's. Its methods take
 //! `&mut self` because the engine serialises access to it.
+//!
+//! Besides the memory, copy and event operations of [`Driver`] itself, the seam has two halves
+//! that are supertraits of it: [`launch::Launch`] compiles, loads and launches kernels, and
+//! [`graph::Graphs`] captures queued launches into graphs, instantiates them, updates their
+//! kernel nodes' parameters and replays them on the stream.
 
 pub(crate) mod cuda;
+// Nothing above the seam prepares graphs yet, so outside the tests (which use every method)
+// the graph half is unused: the expectation fails, and is to be removed, once something is.
+#[cfg_attr(
+    not(test),
+    expect(dead_code, reason = "no level above the seam uses graphs yet")
+)]
 pub(crate) mod graph;
 pub(crate) mod launch;
 #[cfg(any(test, feature = "sim"))]
@@ -77,8 +88,9 @@ pub(crate) trait Waits: Send + Sync {
 /// contracts are CUDA's: memory named by a queued operation must stay valid until the operation
 /// has completed, which only an event recorded after it (or a stream synchronize) proves.
 ///
-/// Compiling, loading and launching kernels is the [`launch::Launch`] half of the seam.
-pub(crate) trait Driver: Send + launch::Launch {
+/// Compiling, loading and launching kernels is the [`launch::Launch`] half of the seam;
+/// capturing queued launches into graphs and replaying them is the [`graph::Graphs`] half.
+pub(crate) trait Driver: Send + launch::Launch + graph::Graphs {
     /// The device this driver drives.
     fn device(&self) -> DeviceId;
     /// The device's name, as the driver reports it.

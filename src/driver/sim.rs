@@ -16,6 +16,10 @@
 //! - **Faults.** [`SimDevice::fail_nth`] makes the n-th call of an operation return a driver
 //!   error; [`SimDevice::fail_event`] makes a recorded event report an error once the device
 //!   reaches it.
+//! - **Graphs.** Between a capture's begin and end, launches are recorded instead of queued;
+//!   any other operation on the stream fails and invalidates the capture. A replay of an
+//!   instantiated graph queues its launches in order, like eager launches
+//!   ([`SimDevice::graph_launches`], [`SimDevice::graphs_live`]).
 //! - **Use-after-free of DMA memory.** Freeing pinned host memory that a queued copy still names
 //!   is recorded as a [violation](SimDevice::violations) and the memory is kept (never freed), so
 //!   a lifecycle bug is reported by the tests instead of corrupting memory.
@@ -23,6 +27,7 @@
 //! Contexts are modelled per thread, so the context-restoring rules of raw scopes are testable
 //! too ([`thread_context`], [`set_thread_context`], [`SimDevice::foreign_context`]).
 
+mod graph;
 mod launch;
 
 use super::launch::Emulation;
@@ -91,6 +96,18 @@ pub enum SimOp {
     ModuleLoad,
     /// Kernel launch.
     Launch,
+    /// Start of a stream capture.
+    CaptureBegin,
+    /// End of a stream capture (it ends the capture even when it fails).
+    CaptureEnd,
+    /// Instantiation of a captured graph.
+    GraphInstantiate,
+    /// Replacement of a kernel node's parameters in an instantiated graph.
+    GraphSetParams,
+    /// Replay of an instantiated graph.
+    GraphLaunch,
+    /// Destruction of a captured or an instantiated graph.
+    GraphDestroy,
 }
 
 static NEXT_INSTANCE: AtomicU64 = AtomicU64::new(1);
@@ -188,6 +205,10 @@ struct State {
     /// Loaded modules, by handle: the emulation of the one kernel each holds.
     modules: HashMap<u64, Arc<dyn Emulation>>,
     next_module: u64,
+    /// The stream's capture in progress, if any.
+    capture: Option<graph::Capture>,
+    /// Captured graphs and the executable graphs instantiated from them.
+    graphs: graph::GraphTable,
 }
 
 // SAFETY: the raw host pointers in queued jobs are addresses the engine guarantees (through the
@@ -249,6 +270,8 @@ impl SimDevice {
             completed_jobs: 0,
             modules: HashMap::new(),
             next_module: 1,
+            capture: None,
+            graphs: graph::GraphTable::default(),
         };
         SimDevice {
             inner: Arc::new(Inner {
@@ -409,6 +432,14 @@ impl State {
         Ok(())
     }
 
+    /// As [`enter`](Self::enter), for an operation on the stream that a capture cannot record:
+    /// while the stream captures, it fails with `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED` and
+    /// invalidates the capture, as CUDA does.
+    fn enter_stream(&mut self, op: SimOp) -> Result<(), DriverError> {
+        self.enter(op)?;
+        self.refuse_in_capture()
+    }
+
     /// Whether `addr..addr+bytes` lies inside one live pinned allocation of this device.
     fn is_pinned(&self, addr: usize, bytes: usize) -> bool {
         self.host
@@ -556,7 +587,7 @@ impl Driver for SimDriver {
 
     fn alloc(&mut self, bytes: usize) -> Result<DevicePtr, DriverError> {
         let mut s = self.lock();
-        s.enter(SimOp::Alloc)?;
+        s.enter_stream(SimOp::Alloc)?;
         if s.device_used.saturating_add(bytes) > s.memory_bytes {
             return Err(DriverError::OUT_OF_MEMORY);
         }
@@ -577,7 +608,7 @@ impl Driver for SimDriver {
 
     unsafe fn free(&mut self, ptr: DevicePtr) -> Result<(), DriverError> {
         let mut s = self.lock();
-        s.enter(SimOp::Free)?;
+        s.enter_stream(SimOp::Free)?;
         s.push(Job::Free(ptr));
         Ok(())
     }
@@ -589,7 +620,7 @@ impl Driver for SimDriver {
         bytes: usize,
     ) -> Result<(), DriverError> {
         let mut s = self.lock();
-        s.enter(SimOp::CopyHtoD)?;
+        s.enter_stream(SimOp::CopyHtoD)?;
         if s.is_pinned(src as usize, bytes) {
             s.push(Job::HtoD { dst, src, bytes });
         } else {
@@ -611,7 +642,7 @@ impl Driver for SimDriver {
         bytes: usize,
     ) -> Result<(), DriverError> {
         let mut s = self.lock();
-        s.enter(SimOp::CopyDtoH)?;
+        s.enter_stream(SimOp::CopyDtoH)?;
         let pageable = !s.is_pinned(dst as usize, bytes);
         s.push(Job::DtoH { dst, src, bytes });
         if pageable {
@@ -629,7 +660,7 @@ impl Driver for SimDriver {
         bytes: usize,
     ) -> Result<(), DriverError> {
         let mut s = self.lock();
-        s.enter(SimOp::CopyDtoD)?;
+        s.enter_stream(SimOp::CopyDtoD)?;
         s.push(Job::DtoD { dst, src, bytes });
         Ok(())
     }
@@ -651,7 +682,7 @@ impl Driver for SimDriver {
 
     fn event_record(&mut self, event: EventHandle) -> Result<(), DriverError> {
         let mut s = self.lock();
-        s.enter(SimOp::EventRecord)?;
+        s.enter_stream(SimOp::EventRecord)?;
         s.event(event)?;
         let n = s.calls[&SimOp::EventRecord];
         let fault = s
@@ -790,7 +821,7 @@ impl Waits for SimWaits {
 
     fn stream_synchronize(&self) -> Result<(), DriverError> {
         let mut s = self.device.lock();
-        s.enter(SimOp::StreamSynchronize)?;
+        s.enter_stream(SimOp::StreamSynchronize)?;
         let last = s.next_seq.saturating_sub(1);
         drop(self.wait_until(s, last));
         Ok(())
@@ -798,7 +829,7 @@ impl Waits for SimWaits {
 
     fn stream_query(&self) -> Result<bool, DriverError> {
         let mut s = self.device.lock();
-        s.enter(SimOp::StreamQuery)?;
+        s.enter_stream(SimOp::StreamQuery)?;
         Ok(s.queue.is_empty())
     }
 }

@@ -13,7 +13,8 @@ use std::ffi::{c_char, c_int, c_void, CString};
 use std::mem::MaybeUninit;
 use std::sync::OnceLock;
 
-/// Launches with up to this many parameters build their pointer array on the stack.
+/// Launches (and kernel node updates) with up to this many parameters build their pointer array
+/// on the stack.
 const INLINE_PARAMS: usize = 8;
 
 /// Whether NVRTC can be loaded on this machine (probed once).
@@ -170,6 +171,32 @@ impl CudaDriver {
     }
 }
 
+/// Calls `f` with the `kernelParams` array the driver takes for `params`: one pointer per
+/// parameter, to its value (null when there are none). The driver only reads through them, so
+/// they point straight into `params`; they are valid during `f` only, which is enough because
+/// every call that takes them (`cuLaunchKernel`, `cuGraphExecKernelNodeSetParams`) copies the
+/// values before it returns.
+pub(super) fn with_kernel_params<R>(params: &[u64], f: impl FnOnce(*mut *mut c_void) -> R) -> R {
+    let pointer = |p: &u64| (p as *const u64).cast_mut().cast::<c_void>();
+    let mut inline = [std::ptr::null_mut::<c_void>(); INLINE_PARAMS];
+    let mut heap = Vec::new();
+    let pointers: &mut [*mut c_void] = if params.len() <= INLINE_PARAMS {
+        for (slot, p) in inline.iter_mut().zip(params) {
+            *slot = pointer(p);
+        }
+        &mut inline[..params.len()]
+    } else {
+        heap.extend(params.iter().map(pointer));
+        &mut heap
+    };
+    let kernel_params = if pointers.is_empty() {
+        std::ptr::null_mut()
+    } else {
+        pointers.as_mut_ptr()
+    };
+    f(kernel_params)
+}
+
 impl Launch for CudaDriver {
     fn module_compile(&mut self, source: &ModuleSource<'_>) -> Result<ModuleHandle, Error> {
         // Before `target_arch`, which asks NVRTC for its architectures.
@@ -225,44 +252,27 @@ impl Launch for CudaDriver {
         block: u32,
         params: &[u64],
     ) -> Result<(), DriverError> {
-        // `cuLaunchKernel` takes one pointer per parameter, to its value. It only reads through
-        // them, so they point straight into `params`.
-        let pointer = |p: &u64| (p as *const u64).cast_mut().cast::<c_void>();
-        let mut inline = [std::ptr::null_mut::<c_void>(); INLINE_PARAMS];
-        let mut heap = Vec::new();
-        let pointers: &mut [*mut c_void] = if params.len() <= INLINE_PARAMS {
-            for (slot, p) in inline.iter_mut().zip(params) {
-                *slot = pointer(p);
-            }
-            &mut inline[..params.len()]
-        } else {
-            heap.extend(params.iter().map(pointer));
-            &mut heap
-        };
-        let kernel_params = if pointers.is_empty() {
-            std::ptr::null_mut()
-        } else {
-            pointers.as_mut_ptr()
-        };
-        // SAFETY: `function` is a live kernel of this driver whose signature is exactly
-        // `params.len()` 8-byte parameters (the caller's contract); each pointer names one of
-        // them and lives through the call (the driver copies the values at launch); the caller
-        // guarantees the memory the kernel touches stays valid until it completes; the stream
-        // belongs to the current context.
-        DriverError::check(unsafe {
-            sys::cuLaunchKernel(
-                function.0 as sys::CUfunction,
-                grid,
-                1,
-                1,
-                block,
-                1,
-                1,
-                0,
-                self.stream,
-                kernel_params,
-                std::ptr::null_mut(),
-            )
+        with_kernel_params(params, |kernel_params| {
+            // SAFETY: `function` is a live kernel of this driver whose signature is exactly
+            // `params.len()` 8-byte parameters (the caller's contract); `kernel_params` names
+            // each of them and lives through the call (the driver copies the values at launch);
+            // the caller guarantees the memory the kernel touches stays valid until it completes;
+            // the stream belongs to the current context.
+            DriverError::check(unsafe {
+                sys::cuLaunchKernel(
+                    function.0 as sys::CUfunction,
+                    grid,
+                    1,
+                    1,
+                    block,
+                    1,
+                    1,
+                    0,
+                    self.stream,
+                    kernel_params,
+                    std::ptr::null_mut(),
+                )
+            })
         })
     }
 }

@@ -5,7 +5,8 @@
 //! queues a job that runs the emulation against the device's memory when the device clock
 //! reaches it, so a kernel's output is unwritten until then, exactly as on a GPU. What the
 //! emulation touches outside every live allocation is recorded as a violation. Any other module
-//! is refused with a typed [`Error::Unavailable`].
+//! is refused with a typed [`Error::Unavailable`]. While the stream captures, a launch is
+//! recorded into the capture instead of queued (see the graph half).
 
 use super::{Job, SimDriver, SimOp, State};
 use crate::driver::launch::{DeviceMemory, FunctionHandle, Launch, ModuleHandle, ModuleSource};
@@ -87,6 +88,9 @@ impl Launch for SimDriver {
             .get(&function.0)
             .map(Arc::clone)
             .ok_or(DriverError::INVALID_VALUE)?;
+        if s.capture_launch(function, &emulation, params)? {
+            return Ok(());
+        }
         s.push(Job::Launch {
             emulation,
             params: params.to_vec(),

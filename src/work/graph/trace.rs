@@ -13,7 +13,7 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::memory::element::Element;
 use crate::work::kernels::spec::ElementwiseOp;
-use crate::work::kernels::unsupported;
+use crate::work::kernels::spec::unsupported;
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;

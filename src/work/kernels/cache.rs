@@ -4,10 +4,13 @@
 //! until the engine is dropped, so steady-state calls cost one launch. Every module carries the
 //! emulation of its kernel, for devices that cannot run PTX. This is engine state, held by the
 //! engine and locked with the driver; it knows only the driver seam and the kernels' own
-//! descriptions (`spec`, `source`, `emulate`).
+//! descriptions (`spec`, `source`, `emulate`, `fused`).
 
 #[cfg(any(test, feature = "sim"))]
 use super::emulate::ElementwiseEmulation;
+#[cfg(any(test, feature = "sim"))]
+use super::fused::FusedEmulation;
+use super::fused::FusedKernel;
 use super::source;
 use super::spec::ElementwiseSpec;
 use crate::driver::launch::{FunctionHandle, ModuleHandle, ModuleSource};
@@ -15,10 +18,32 @@ use crate::driver::Driver;
 use crate::error::{Error, Result};
 use std::collections::HashMap;
 
-/// The compiled elementwise kernels of one engine, by what they compute.
+/// The compiled elementwise kernels of one engine, by what they compute: the eager kernels by
+/// spec, the fused kernels by description.
 #[derive(Default)]
 pub(crate) struct KernelCache {
     entries: HashMap<ElementwiseSpec, (ModuleHandle, FunctionHandle)>,
+    fused: HashMap<FusedKernel, (ModuleHandle, FunctionHandle)>,
+}
+
+/// Compiles and loads `source` and looks up its kernel, named as the module.
+fn load(
+    driver: &mut dyn Driver,
+    source: &ModuleSource<'_>,
+) -> Result<(ModuleHandle, FunctionHandle)> {
+    let module = driver.module_compile(source)?;
+    match driver.module_function(module, source.name) {
+        Ok(function) => Ok((module, function)),
+        Err(error) => {
+            // SAFETY: the module was loaded just above, nothing was launched from it, and it is
+            // not cached, so it is unloaded exactly once.
+            let _ = unsafe { driver.module_unload(module) };
+            Err(Error::Driver {
+                call: "cuModuleGetFunction",
+                source: error,
+            })
+        }
+    }
 }
 
 impl KernelCache {
@@ -33,36 +58,58 @@ impl KernelCache {
         }
         let name = source::kernel_name(spec);
         let cuda = source::module_source(spec);
-        let module = driver.module_compile(&ModuleSource {
-            name: &name,
-            cuda: &cuda,
-            #[cfg(any(test, feature = "sim"))]
-            emulation: Some(std::sync::Arc::new(ElementwiseEmulation::new(spec))),
-        })?;
-        let function = match driver.module_function(module, &name) {
-            Ok(function) => function,
-            Err(source) => {
-                // SAFETY: the module was loaded just above, nothing was launched from it, and
-                // it is not cached, so it is unloaded exactly once.
-                let _ = unsafe { driver.module_unload(module) };
-                return Err(Error::Driver {
-                    call: "cuModuleGetFunction",
-                    source,
-                });
-            }
-        };
-        self.entries.insert(spec, (module, function));
-        Ok(function)
+        let entry = load(
+            driver,
+            &ModuleSource {
+                name: &name,
+                cuda: &cuda,
+                #[cfg(any(test, feature = "sim"))]
+                emulation: Some(std::sync::Arc::new(ElementwiseEmulation::new(spec))),
+            },
+        )?;
+        self.entries.insert(spec, entry);
+        Ok(entry.1)
     }
 
-    /// How many kernels are cached.
+    /// The fused kernel `kernel` describes, compiling and loading it the first time this
+    /// description is asked for. Its launch takes [`FusedKernel::params`] over
+    /// [`FusedKernel::grid`] blocks of [`FusedKernel::BLOCK`] threads.
+    ///
+    /// The description must be well formed ([`FusedKernel::check`]).
+    pub(crate) fn fused(
+        &mut self,
+        driver: &mut dyn Driver,
+        kernel: &FusedKernel,
+    ) -> Result<FunctionHandle> {
+        if let Some(&(_, function)) = self.fused.get(kernel) {
+            return Ok(function);
+        }
+        debug_assert_eq!(kernel.check(), Ok(()));
+        let name = kernel.name();
+        let cuda = kernel.source();
+        let entry = load(
+            driver,
+            &ModuleSource {
+                name: &name,
+                cuda: &cuda,
+                #[cfg(any(test, feature = "sim"))]
+                emulation: Some(std::sync::Arc::new(FusedEmulation::new(kernel.clone()))),
+            },
+        )?;
+        self.fused.insert(kernel.clone(), entry);
+        Ok(entry.1)
+    }
+
+    /// How many kernels are cached, eager and fused.
     pub(crate) fn len(&self) -> usize {
-        self.entries.len()
+        self.entries.len() + self.fused.len()
     }
 
     /// Unloads every module. Call only once the stream is idle (no launch pending).
     pub(crate) fn release(&mut self, driver: &mut dyn Driver) {
-        for (_, (module, _)) in self.entries.drain() {
+        let eager = self.entries.drain().map(|(_, entry)| entry);
+        let fused = self.fused.drain().map(|(_, entry)| entry);
+        for (module, _) in eager.chain(fused) {
             // SAFETY: each cached module is unloaded once (drained from the cache); the caller
             // guarantees the stream is idle, so no launch of its kernel is pending.
             let _ = unsafe { driver.module_unload(module) };

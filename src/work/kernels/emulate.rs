@@ -34,11 +34,31 @@ trait Emulated: Copy {
     fn neg(self) -> Option<Self>;
     fn to_value(self) -> Value;
     fn from_value(v: Value) -> Self;
+    /// As an element of any type.
+    fn into_scalar(self) -> Scalar;
+    /// The element, if `s` is of this type.
+    fn of(s: Scalar) -> Option<Self>;
+}
+
+/// Implements [`Emulated::into_scalar`] and [`Emulated::of`] for the type of `Scalar::$v`.
+macro_rules! scalar_conversions {
+    ($v:ident) => {
+        fn into_scalar(self) -> Scalar {
+            Scalar::$v(self)
+        }
+        fn of(s: Scalar) -> Option<Self> {
+            match s {
+                Scalar::$v(x) => Some(x),
+                _ => None,
+            }
+        }
+    };
 }
 
 macro_rules! float_emulated {
-    ($t:ty) => {
+    ($t:ty, $v:ident) => {
         impl Emulated for $t {
+            scalar_conversions!($v);
             const BYTES: usize = std::mem::size_of::<$t>();
             fn read(bytes: &[u8]) -> Self {
                 <$t>::from_le_bytes(bytes.try_into().expect("element width"))
@@ -71,12 +91,13 @@ macro_rules! float_emulated {
         }
     };
 }
-float_emulated!(f32);
-float_emulated!(f64);
+float_emulated!(f32, F32);
+float_emulated!(f64, F64);
 
 macro_rules! half_emulated {
-    ($t:ty) => {
+    ($t:ty, $v:ident) => {
         impl Emulated for $t {
+            scalar_conversions!($v);
             const BYTES: usize = 2;
             fn read(bytes: &[u8]) -> Self {
                 <$t>::from_bits(u16::from_le_bytes(bytes.try_into().expect("element width")))
@@ -110,12 +131,13 @@ macro_rules! half_emulated {
         }
     };
 }
-half_emulated!(f16);
-half_emulated!(bf16);
+half_emulated!(f16, F16);
+half_emulated!(bf16, BF16);
 
 macro_rules! int_emulated {
-    ($t:ty, $signed:expr) => {
+    ($t:ty, $v:ident, $signed:expr) => {
         impl Emulated for $t {
+            scalar_conversions!($v);
             const BYTES: usize = std::mem::size_of::<$t>();
             fn read(bytes: &[u8]) -> Self {
                 <$t>::from_le_bytes(bytes.try_into().expect("element width"))
@@ -147,17 +169,18 @@ macro_rules! int_emulated {
         }
     };
 }
-int_emulated!(i8, true);
-int_emulated!(i16, true);
-int_emulated!(i32, true);
-int_emulated!(i64, true);
-int_emulated!(u8, false);
-int_emulated!(u16, false);
-int_emulated!(u32, false);
-int_emulated!(u64, false);
+int_emulated!(i8, I8, true);
+int_emulated!(i16, I16, true);
+int_emulated!(i32, I32, true);
+int_emulated!(i64, I64, true);
+int_emulated!(u8, U8, false);
+int_emulated!(u16, U16, false);
+int_emulated!(u32, U32, false);
+int_emulated!(u64, U64, false);
 
 impl Emulated for bool {
     const BYTES: usize = 1;
+    scalar_conversions!(Bool);
     fn read(bytes: &[u8]) -> Self {
         bytes[0] != 0
     }
@@ -232,6 +255,115 @@ macro_rules! dispatch {
             DType::Bool => $f::<$($($pre,)*)? bool>($($arg),*),
         }
     };
+}
+
+/// One element of any type, for code that learns its types at run time (the fused kernels'
+/// emulation). Its operations are the eager kernels' own per-element operations, so a chain of
+/// them computes bit for bit what the chain of eager kernels writes.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Scalar {
+    F32(f32),
+    F64(f64),
+    F16(f16),
+    BF16(bf16),
+    I8(i8),
+    I16(i16),
+    I32(i32),
+    I64(i64),
+    U8(u8),
+    U16(u16),
+    U32(u32),
+    U64(u64),
+    Bool(bool),
+}
+
+/// `$body` with `$x` bound to the element inside `$s`, whatever its type.
+macro_rules! each {
+    ($s:expr, $x:ident => $body:expr) => {
+        match $s {
+            Scalar::F32($x) => $body,
+            Scalar::F64($x) => $body,
+            Scalar::F16($x) => $body,
+            Scalar::BF16($x) => $body,
+            Scalar::I8($x) => $body,
+            Scalar::I16($x) => $body,
+            Scalar::I32($x) => $body,
+            Scalar::I64($x) => $body,
+            Scalar::U8($x) => $body,
+            Scalar::U16($x) => $body,
+            Scalar::U32($x) => $body,
+            Scalar::U64($x) => $body,
+            Scalar::Bool($x) => $body,
+        }
+    };
+}
+
+fn read_scalar<T: Emulated>(bytes: &[u8]) -> Scalar {
+    T::read(bytes).into_scalar()
+}
+
+fn scalar_from_bits<T: Emulated>(bits: u64) -> Scalar {
+    T::from_scalar(bits).into_scalar()
+}
+
+fn scalar_from_value<T: Emulated>(v: Value) -> Scalar {
+    T::from_value(v).into_scalar()
+}
+
+impl Scalar {
+    /// The element `bytes` (exactly `d.size_bytes()` of them) hold, as a kernel reads it.
+    pub(crate) fn read(d: DType, bytes: &[u8]) -> Scalar {
+        dispatch!(d, read_scalar(bytes))
+    }
+
+    /// A scalar argument of type `d` from its bits (the low `d.size_bytes()` bytes count).
+    pub(crate) fn from_bits(d: DType, bits: u64) -> Scalar {
+        dispatch!(d, scalar_from_bits(bits))
+    }
+
+    /// Its element type.
+    pub(crate) fn dtype(self) -> DType {
+        match self {
+            Scalar::F32(_) => DType::F32,
+            Scalar::F64(_) => DType::F64,
+            Scalar::F16(_) => DType::F16,
+            Scalar::BF16(_) => DType::BF16,
+            Scalar::I8(_) => DType::I8,
+            Scalar::I16(_) => DType::I16,
+            Scalar::I32(_) => DType::I32,
+            Scalar::I64(_) => DType::I64,
+            Scalar::U8(_) => DType::U8,
+            Scalar::U16(_) => DType::U16,
+            Scalar::U32(_) => DType::U32,
+            Scalar::U64(_) => DType::U64,
+            Scalar::Bool(_) => DType::Bool,
+        }
+    }
+
+    /// Appends the element's bytes as a kernel stores it.
+    pub(crate) fn write(self, out: &mut Vec<u8>) {
+        each!(self, x => x.write(out))
+    }
+
+    /// `self op rhs` for `add`, `sub`, `mul`, `div` and `scale` (whose `rhs` is the factor);
+    /// `None` when the types differ or the operation does not serve the type.
+    pub(crate) fn binary(self, op: ElementwiseOp, rhs: Scalar) -> Option<Scalar> {
+        Some(each!(self, x => x.arith(op, Emulated::of(rhs)?)?.into_scalar()))
+    }
+
+    /// `-self`; `None` when negation does not serve the type.
+    pub(crate) fn neg(self) -> Option<Scalar> {
+        Some(each!(self, x => x.neg()?.into_scalar()))
+    }
+
+    /// `self as to`, as the eager `cast` kernel computes it (the identity when the types are
+    /// equal).
+    pub(crate) fn cast(self, to: DType) -> Scalar {
+        if self.dtype() == to {
+            return self;
+        }
+        each!(self, x => dispatch!(to, scalar_from_value(x.to_value())))
+    }
 }
 
 fn cast_from<I: Emulated>(output: DType, a: &[u8], len: usize) -> Vec<u8> {

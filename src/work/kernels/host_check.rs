@@ -242,3 +242,189 @@ fn every_kernel_compiles_with_nvrtc() {
         unsafe { nvrtc::destroy_program(prog) }.unwrap();
     }
 }
+
+/// What the host stubs add for the fused kernels: alignment and the `_rn` intrinsics, which on
+/// the host are the plain operations (compiled without contraction).
+const FUSED_HOST_STUBS: &str = r#"
+#define __align__(n) alignas(n)
+static inline float __fadd_rn(float a, float b) { return a + b; }
+static inline float __fsub_rn(float a, float b) { return a - b; }
+static inline float __fmul_rn(float a, float b) { return a * b; }
+static inline float __fdiv_rn(float a, float b) { return a / b; }
+static inline double __dadd_rn(double a, double b) { return a + b; }
+static inline double __dsub_rn(double a, double b) { return a - b; }
+static inline double __dmul_rn(double a, double b) { return a * b; }
+static inline double __ddiv_rn(double a, double b) { return a / b; }
+static unsigned char* cf_alloc(size_t bytes) { return (unsigned char*)std::aligned_alloc(64, (bytes + 64) / 64 * 64 + 64); }
+"#;
+
+/// Random fused kernels for every element type, their source compiled for the host and run on
+/// random inputs, both with every pointer aligned (vector path and scalar tail) and with every
+/// pointer one element off (scalar path only): the outputs must match the fused emulation.
+#[test]
+fn fused_cuda_source_compiled_for_the_host_matches_the_emulation() {
+    use super::fused::tests::{emulated, random_input, random_kernel, Rng};
+    use super::fused::FusedKernel;
+    let mut rng = Rng(0x5eed_f00d_1234_5678);
+    let kernels: Vec<FusedKernel> = DType::ALL
+        .iter()
+        .flat_map(|&d| {
+            (0..12)
+                .map(|_| random_kernel(&mut rng, d))
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    let dir = std::env::temp_dir().join(format!("cuferry-fused-check-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut src = String::from(HOST_STUBS);
+    src.push_str(FUSED_HOST_STUBS);
+    for (i, kernel) in kernels.iter().enumerate() {
+        src.push_str(&format!("namespace k{i} {{\n{}\n}}\n", kernel.source()));
+    }
+    src.push_str("int main() {\n");
+    for (i, kernel) in kernels.iter().enumerate() {
+        let out_types: Vec<DType> = kernel.outputs.iter().map(|&v| kernel.dtype_of(v)).collect();
+        let mut args = Vec::new();
+        src.push_str("  {\n    unsigned long long n, off; if (!read_all(&n, 8) || !read_all(&off, 8)) return 2;\n");
+        for (m, d) in out_types.iter().enumerate() {
+            src.push_str(&format!(
+                "    unsigned char* o{m} = cf_alloc(n * {s}) + off * {s};\n",
+                s = d.size_bytes()
+            ));
+            args.push(format!("({}*)o{m}", super::source::storage_name(*d)));
+        }
+        for (n, d) in kernel.inputs.iter().enumerate() {
+            src.push_str(&format!(
+                "    unsigned char* i{n} = cf_alloc(n * {s}) + off * {s}; if (!read_all(i{n}, n * {s})) return 3;\n",
+                s = d.size_bytes()
+            ));
+            args.push(format!("(const {}*)i{n}", super::source::storage_name(*d)));
+        }
+        args.push("n".into());
+        src.push_str(&format!(
+            "    k{i}::{}({});\n",
+            kernel.name(),
+            args.join(", ")
+        ));
+        for (m, d) in out_types.iter().enumerate() {
+            src.push_str(&format!(
+                "    fwrite(o{m}, 1, n * {}, stdout);\n",
+                d.size_bytes()
+            ));
+        }
+        src.push_str("  }\n");
+    }
+    src.push_str("  return 0;\n}\n");
+    let cpp = dir.join("fused.cpp");
+    let exe = dir.join("fused");
+    std::fs::write(&cpp, &src).unwrap();
+    let compiled = Command::new("c++")
+        .args(["-std=c++17", "-O1", "-ffp-contract=off", "-w", "-o"])
+        .arg(&exe)
+        .arg(&cpp)
+        .output()
+        .expect("a host C++ compiler (`c++`) is needed to check the kernel source");
+    assert!(
+        compiled.status.success(),
+        "the generated fused source does not compile for the host:\n{}",
+        String::from_utf8_lossy(&compiled.stderr)
+    );
+
+    let mut failures = Vec::new();
+    for offset in [0u64, 1] {
+        let mut input = Vec::new();
+        let mut expected = Vec::new();
+        for kernel in &kernels {
+            let len = 37usize;
+            let inputs: Vec<Vec<u8>> = kernel
+                .inputs
+                .iter()
+                .map(|&d| random_input(&mut rng, d, len))
+                .collect();
+            input.extend_from_slice(&(len as u64).to_le_bytes());
+            input.extend_from_slice(&offset.to_le_bytes());
+            for i in &inputs {
+                input.extend_from_slice(i);
+            }
+            expected.push(emulated(kernel, &inputs, len));
+        }
+        let mut child = Command::new(&exe)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut stdin = child.stdin.take().unwrap();
+        let writer = std::thread::spawn(move || stdin.write_all(&input));
+        let output = child.wait_with_output().unwrap();
+        writer.join().unwrap().unwrap();
+        assert!(
+            output.status.success(),
+            "host kernels exited with {}",
+            output.status
+        );
+        let mut at = 0;
+        for (kernel, want) in kernels.iter().zip(expected) {
+            for (&v, want) in kernel.outputs.iter().zip(want) {
+                let d = kernel.dtype_of(v);
+                let size = d.size_bytes();
+                let got = &output.stdout[at..at + want.len()];
+                at += want.len();
+                let differs = (0..want.len() / size).find(|&i| {
+                    !same_bits(
+                        d,
+                        &got[i * size..(i + 1) * size],
+                        &want[i * size..(i + 1) * size],
+                    )
+                });
+                if let Some(i) = differs {
+                    failures.push(format!(
+                        "{} (offset {offset}) value {v} element {i}: CUDA source {:02x?}, emulation {:02x?}\n{kernel:?}",
+                        kernel.name(),
+                        &got[i * size..(i + 1) * size],
+                        &want[i * size..(i + 1) * size]
+                    ));
+                }
+            }
+        }
+        assert_eq!(at, output.stdout.len());
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(
+        failures.is_empty(),
+        "{} output(s) differ:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}
+
+/// Compiles fused kernels of every element type with NVRTC, as the engine does. Needs the NVRTC
+/// library on the loader path (no GPU).
+#[test]
+#[ignore = "needs NVRTC (libnvrtc) on the library path"]
+fn fused_kernels_compile_with_nvrtc() {
+    use super::fused::tests::{random_kernel, Rng};
+    use cudarc::nvrtc::result as nvrtc;
+    assert!(
+        crate::driver::cuda::nvrtc_present(),
+        "NVRTC could not be loaded"
+    );
+    let mut rng = Rng(0xfeed_beef);
+    for d in DType::ALL {
+        for _ in 0..8 {
+            let kernel = random_kernel(&mut rng, d);
+            let src = std::ffi::CString::new(kernel.source()).unwrap();
+            let prog = nvrtc::create_program(&src, None).unwrap();
+            // SAFETY: `prog` was just created and is destroyed once below.
+            let compiled =
+                unsafe { nvrtc::compile_program(prog, &["--gpu-architecture=compute_90"]) };
+            if compiled.is_err() {
+                // SAFETY: `prog` is live.
+                let log = unsafe { nvrtc::get_program_log(prog) }.unwrap();
+                let log: String = log.iter().map(|&c| c as u8 as char).collect();
+                panic!("{kernel:?} does not compile:\n{log}\n{}", kernel.source());
+            }
+            // SAFETY: `prog` is live and destroyed once.
+            unsafe { nvrtc::destroy_program(prog) }.unwrap();
+        }
+    }
+}

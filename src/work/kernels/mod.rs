@@ -41,9 +41,9 @@
 //! kernels: a launch is a function, a grid, a block and five 8-byte parameters.
 
 pub(crate) mod cache;
-pub(crate) mod fused;
 #[cfg(any(test, feature = "sim"))]
 pub(crate) mod emulate;
+pub(crate) mod fused;
 #[cfg(test)]
 mod host_check;
 pub(crate) mod source;
@@ -54,22 +54,7 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::memory::element::{as_bytes, Element};
 use crate::memory::tensor::DeviceTensor;
-use spec::{ElementwiseArgs, ElementwiseOp, ElementwiseSpec, BLOCK};
-
-/// Why `op` does not serve element type `dtype`, if it does not.
-pub(crate) fn unsupported(op: ElementwiseOp, dtype: DType) -> Option<&'static str> {
-    let float = matches!(dtype, DType::F32 | DType::F64 | DType::F16 | DType::BF16);
-    let signed = matches!(dtype, DType::I8 | DType::I16 | DType::I32 | DType::I64);
-    match op {
-        ElementwiseOp::Fill | ElementwiseOp::Cast => None,
-        _ if dtype == DType::Bool => Some("arithmetic on bool is not defined"),
-        ElementwiseOp::Div if !float => Some(
-            "integer division by zero has no defined result on the device; cast to a float type first",
-        ),
-        ElementwiseOp::Neg if !float && !signed => Some("an unsigned type has no negation"),
-        _ => None,
-    }
-}
+use spec::{unsupported, ElementwiseArgs, ElementwiseOp, ElementwiseSpec, BLOCK};
 
 fn spec(op: ElementwiseOp, input: DType, output: DType) -> Result<ElementwiseSpec> {
     if let Some(reason) = unsupported(op, input) {

@@ -17,7 +17,7 @@ use crate::dtype::DType;
 
 /// How a storage type computes.
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Kind {
+pub(super) enum Kind {
     /// `f32`, `f64`: native.
     Float,
     /// `f16`, `bf16`: stored as 16 bits, computed as `float`.
@@ -30,7 +30,7 @@ enum Kind {
     Bool,
 }
 
-fn kind(d: DType) -> Kind {
+pub(super) fn kind(d: DType) -> Kind {
     match d {
         DType::F32 | DType::F64 => Kind::Float,
         DType::F16 | DType::BF16 => Kind::Half,
@@ -46,7 +46,7 @@ pub(crate) fn storage_name(d: DType) -> &'static str {
     storage(d)
 }
 
-fn storage(d: DType) -> &'static str {
+pub(super) fn storage(d: DType) -> &'static str {
     match d {
         DType::F32 => "float",
         DType::F64 => "double",
@@ -62,7 +62,7 @@ fn storage(d: DType) -> &'static str {
 }
 
 /// The C type values of `d` are computed in.
-fn compute(d: DType) -> &'static str {
+pub(super) fn compute(d: DType) -> &'static str {
     match kind(d) {
         Kind::Half => "float",
         Kind::Bool => "bool",
@@ -71,7 +71,7 @@ fn compute(d: DType) -> &'static str {
 }
 
 /// Reads a stored value as its compute type.
-fn load(d: DType, raw: &str) -> String {
+pub(super) fn load(d: DType, raw: &str) -> String {
     match d {
         DType::F16 => format!("cf_h2f({raw})"),
         DType::BF16 => format!("cf_b2f({raw})"),
@@ -81,7 +81,7 @@ fn load(d: DType, raw: &str) -> String {
 }
 
 /// Writes a computed value as its storage type.
-fn store(d: DType, value: &str) -> String {
+pub(super) fn store(d: DType, value: &str) -> String {
     match d {
         DType::F16 => format!("cf_f2h({value})"),
         DType::BF16 => format!("cf_f2b({value})"),
@@ -127,7 +127,7 @@ pub(crate) fn kernel_name(spec: ElementwiseSpec) -> String {
 }
 
 /// Bit casts and the `f16`/`bf16` conversions, shared by every kernel.
-const PRELUDE: &str = r#"
+pub(super) const PRELUDE: &str = r#"
 __device__ __forceinline__ unsigned int cf_f32_bits(float f) { union { float f; unsigned int u; } c; c.f = f; return c.u; }
 __device__ __forceinline__ float cf_bits_f32(unsigned int u) { union { float f; unsigned int u; } c; c.u = u; return c.f; }
 __device__ __forceinline__ double cf_bits_f64(unsigned long long u) { union { double d; unsigned long long u; } c; c.u = u; return c.d; }
@@ -198,26 +198,33 @@ fn expression(spec: ElementwiseSpec) -> String {
         ElementwiseOp::Neg => "-x".into(),
         ElementwiseOp::Scale => "x * sc".into(),
         ElementwiseOp::Fill => "sc".into(),
-        ElementwiseOp::Cast => cast_expression(spec.input, spec.output),
+        ElementwiseOp::Cast => cast_expression(spec.input, spec.output, "x"),
     }
 }
 
-fn cast_expression(from: DType, to: DType) -> String {
+/// `x as to`, for `x` (an atomic C expression) of `from`'s compute type, as `to`'s compute type.
+pub(super) fn cast_expression(from: DType, to: DType, x: &str) -> String {
     let (from_kind, to_kind) = (kind(from), kind(to));
     match (from_kind, to_kind) {
-        _ if from == to => "x".into(),
-        (_, Kind::Bool) => "(x != 0)".into(),
-        (Kind::Bool, Kind::Half) => "(x ? 1.0f : 0.0f)".into(),
-        (Kind::Bool, _) => format!("({})(x ? 1 : 0)", compute(to)),
+        _ if from == to => x.into(),
+        (_, Kind::Bool) => format!("({x} != 0)"),
+        (Kind::Bool, Kind::Half) => format!("({x} ? 1.0f : 0.0f)"),
+        (Kind::Bool, _) => format!("({})({x} ? 1 : 0)", compute(to)),
         (Kind::Float | Kind::Half, Kind::Signed | Kind::Unsigned) => {
-            format!("cf_sat_{}((double)x)", to.name())
+            format!("cf_sat_{}((double){x})", to.name())
         }
-        _ => format!("({})x", compute(to)),
+        _ => format!("({}){x}", compute(to)),
     }
+}
+
+/// Whether a cast from `from` to `to` needs [`saturate_function`]`(to)`.
+pub(super) fn cast_saturates(from: DType, to: DType) -> bool {
+    matches!(kind(from), Kind::Float | Kind::Half)
+        && matches!(kind(to), Kind::Signed | Kind::Unsigned)
 }
 
 /// The saturating float-to-integer conversion a cast to `to` needs (Rust's `as`).
-fn saturate_function(to: DType) -> String {
+pub(super) fn saturate_function(to: DType) -> String {
     let (min, max) = int_bounds(to);
     let t = storage(to);
     format!(
@@ -231,9 +238,7 @@ pub(crate) fn module_source(spec: ElementwiseSpec) -> String {
     let name = kernel_name(spec);
     let (input, output) = (spec.input, spec.output);
     let mut src = String::from(PRELUDE);
-    let needs_saturate = spec.op == ElementwiseOp::Cast
-        && matches!(kind(input), Kind::Float | Kind::Half)
-        && matches!(kind(output), Kind::Signed | Kind::Unsigned);
+    let needs_saturate = spec.op == ElementwiseOp::Cast && cast_saturates(input, output);
     if needs_saturate {
         src.push_str(&saturate_function(output));
     }

@@ -63,6 +63,22 @@ impl ElementwiseOp {
     }
 }
 
+/// Why `op` does not serve element type `dtype`, if it does not: no arithmetic on `bool`,
+/// division only for floats, negation only for floats and signed integers.
+pub(crate) fn unsupported(op: ElementwiseOp, dtype: DType) -> Option<&'static str> {
+    let float = matches!(dtype, DType::F32 | DType::F64 | DType::F16 | DType::BF16);
+    let signed = matches!(dtype, DType::I8 | DType::I16 | DType::I32 | DType::I64);
+    match op {
+        ElementwiseOp::Fill | ElementwiseOp::Cast => None,
+        _ if dtype == DType::Bool => Some("arithmetic on bool is not defined"),
+        ElementwiseOp::Div if !float => Some(
+            "integer division by zero has no defined result on the device; cast to a float type first",
+        ),
+        ElementwiseOp::Neg if !float && !signed => Some("an unsigned type has no negation"),
+        _ => None,
+    }
+}
+
 /// What a built-in elementwise kernel computes: the operation, the element type it reads and the
 /// element type it writes (equal except for casts).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
