@@ -155,6 +155,27 @@ impl<T: Element> DeviceTensor<T> {
         &self.owner
     }
 
+    /// A tensor of `shape` (`len` elements) over memory the caller has just allocated on
+    /// `owner`'s driver: for code that allocates several tensors under one lock.
+    ///
+    /// # Safety
+    /// `ptr` came from `owner`'s [`Driver::alloc`](crate::driver::Driver::alloc) with at least
+    /// `len` elements of `T` (or is 0 when `len` is 0), and nothing else owns or frees it.
+    pub(crate) unsafe fn from_raw(
+        ptr: DevicePtr,
+        shape: &[usize],
+        len: usize,
+        owner: &Arc<Shared>,
+    ) -> Self {
+        DeviceTensor {
+            ptr,
+            len,
+            shape: shape.into(),
+            owner: Arc::clone(owner),
+            _element: PhantomData,
+        }
+    }
+
     pub(crate) fn raw_ptr(&self) -> DevicePtr {
         self.ptr
     }

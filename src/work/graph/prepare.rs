@@ -27,7 +27,7 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::lifecycle::fence::{fence, Fencing};
 use crate::memory::element::Element;
-use crate::memory::tensor::DeviceTensor;
+use crate::memory::tensor::{alloc_device, DeviceTensor};
 use crate::work::kernels::fused::FusedKernel;
 use std::any::Any;
 use std::sync::Arc;
@@ -251,7 +251,8 @@ pub struct PreparedStats {
 pub struct Prepared {
     owner: Arc<Shared>,
     inputs: Vec<(DType, Vec<usize>)>,
-    outputs: Vec<(DType, Vec<usize>, OutputKind)>,
+    /// Each output's element type, shape, element count and kind.
+    outputs: Vec<(DType, Vec<usize>, usize, OutputKind)>,
     segments: Vec<Segment>,
     lent: Option<Lent>,
     stats: PreparedStats,
@@ -312,34 +313,45 @@ impl Drop for Prepared {
     }
 }
 
-/// Allocates a new tensor of a run-time element type.
-fn alloc_any(
-    engine: &mut CudaEngine,
+/// Wraps memory allocated under the engine's lock in a tensor of a run-time element type.
+///
+/// # Safety
+/// As [`DeviceTensor::from_raw`], for the type `dtype` names.
+unsafe fn wrap_any(
+    ptr: DevicePtr,
     dtype: DType,
     shape: &[usize],
-) -> Result<(Box<dyn Any + Send + Sync>, DevicePtr)> {
-    fn typed<T: Element>(
-        engine: &mut CudaEngine,
+    len: usize,
+    owner: &Arc<Shared>,
+) -> Box<dyn Any + Send + Sync> {
+    /// # Safety
+    /// As `wrap_any`.
+    unsafe fn typed<T: Element>(
+        ptr: DevicePtr,
         shape: &[usize],
-    ) -> Result<(Box<dyn Any + Send + Sync>, DevicePtr)> {
-        let t = DeviceTensor::<T>::alloc(engine, shape)?;
-        let ptr = t.raw_ptr();
-        Ok((Box::new(t), ptr))
+        len: usize,
+        owner: &Arc<Shared>,
+    ) -> Box<dyn Any + Send + Sync> {
+        // SAFETY: forwarded from the caller.
+        Box::new(unsafe { DeviceTensor::<T>::from_raw(ptr, shape, len, owner) })
     }
-    match dtype {
-        DType::F32 => typed::<f32>(engine, shape),
-        DType::F64 => typed::<f64>(engine, shape),
-        DType::F16 => typed::<half::f16>(engine, shape),
-        DType::BF16 => typed::<half::bf16>(engine, shape),
-        DType::I8 => typed::<i8>(engine, shape),
-        DType::I16 => typed::<i16>(engine, shape),
-        DType::I32 => typed::<i32>(engine, shape),
-        DType::I64 => typed::<i64>(engine, shape),
-        DType::U8 => typed::<u8>(engine, shape),
-        DType::U16 => typed::<u16>(engine, shape),
-        DType::U32 => typed::<u32>(engine, shape),
-        DType::U64 => typed::<u64>(engine, shape),
-        DType::Bool => typed::<bool>(engine, shape),
+    // SAFETY: forwarded from the caller, for the type `dtype` names.
+    unsafe {
+        match dtype {
+            DType::F32 => typed::<f32>(ptr, shape, len, owner),
+            DType::F64 => typed::<f64>(ptr, shape, len, owner),
+            DType::F16 => typed::<half::f16>(ptr, shape, len, owner),
+            DType::BF16 => typed::<half::bf16>(ptr, shape, len, owner),
+            DType::I8 => typed::<i8>(ptr, shape, len, owner),
+            DType::I16 => typed::<i16>(ptr, shape, len, owner),
+            DType::I32 => typed::<i32>(ptr, shape, len, owner),
+            DType::I64 => typed::<i64>(ptr, shape, len, owner),
+            DType::U8 => typed::<u8>(ptr, shape, len, owner),
+            DType::U16 => typed::<u16>(ptr, shape, len, owner),
+            DType::U32 => typed::<u32>(ptr, shape, len, owner),
+            DType::U64 => typed::<u64>(ptr, shape, len, owner),
+            DType::Bool => typed::<bool>(ptr, shape, len, owner),
+        }
     }
 }
 
@@ -448,7 +460,7 @@ impl CudaEngine {
             outputs: program
                 .outputs
                 .iter()
-                .map(|o| (o.dtype, o.shape.clone(), o.kind.clone()))
+                .map(|o| (o.dtype, o.shape.clone(), o.shape.iter().product(), o.kind.clone()))
                 .collect(),
             segments,
             lent: Some(lent),
@@ -501,9 +513,13 @@ impl CudaEngine {
             }
             input_ptrs.push(input.ptr);
         }
+        // Declared before the lock, so on an early return the lock is released before the new
+        // outputs drop (their drops take it).
         let mut outputs = Vec::with_capacity(prepared.outputs.len());
         let mut output_ptrs = Vec::with_capacity(prepared.outputs.len());
-        for (dtype, shape, kind) in &prepared.outputs {
+        // The new outputs are allocated under the lock the launch takes too.
+        let mut st = self.shared.enter()?;
+        for (dtype, shape, len, kind) in &prepared.outputs {
             match kind {
                 OutputKind::Input(i) | OutputKind::View(i) => {
                     output_ptrs.push(0);
@@ -514,7 +530,25 @@ impl CudaEngine {
                     });
                 }
                 OutputKind::New => {
-                    let (tensor, ptr) = alloc_any(self, *dtype, shape)?;
+                    let bytes = len * dtype.size_bytes();
+                    let ptr = if bytes == 0 {
+                        0
+                    } else {
+                        match st.driver.alloc(bytes) {
+                            Ok(ptr) => ptr,
+                            Err(_) => {
+                                // Out of memory, most likely: the allocator that releases what
+                                // the retirement queue has proven complete, then retries.
+                                drop(st);
+                                let ptr = alloc_device(&self.shared, bytes)?;
+                                st = self.shared.enter()?;
+                                ptr
+                            }
+                        }
+                    };
+                    // SAFETY: `ptr` was just allocated on this engine's driver with `len`
+                    // elements of `dtype` (or is 0 for none) and is owned by nothing else.
+                    let tensor = unsafe { wrap_any(ptr, *dtype, shape, *len, &self.shared) };
                     output_ptrs.push(ptr);
                     outputs.push(Output::New(NewTensor {
                         tensor,
@@ -530,24 +564,27 @@ impl CudaEngine {
             stats,
             ..
         } = prepared;
-        let lent = lent
-            .as_ref()
-            .expect("a live prepared program holds its resources");
-        let mut st = self.shared.enter()?;
+        let lent = lent.as_ref().expect("a live prepared program holds its resources");
         stats.runs += 1;
         for segment in segments.iter_mut() {
             match segment {
                 Segment::Graph { graph, nodes } => {
                     let (_, exec) = lent.graphs[*graph];
                     for node in nodes.iter_mut() {
+                        let unchanged = node.current.as_ref().is_some_and(|current| {
+                            node.template
+                                .iter()
+                                .zip(current)
+                                .all(|(&p, &v)| resolve(p, &input_ptrs, &output_ptrs) == v)
+                        });
+                        if unchanged {
+                            continue;
+                        }
                         let params: Vec<u64> = node
                             .template
                             .iter()
                             .map(|&p| resolve(p, &input_ptrs, &output_ptrs))
                             .collect();
-                        if node.current.as_deref() == Some(&params[..]) {
-                            continue;
-                        }
                         node.current = None;
                         // SAFETY: `node` is a kernel node of the graph `exec` was instantiated
                         // from, alive in `lent`; the function is the fused kernel it was
