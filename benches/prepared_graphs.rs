@@ -608,6 +608,123 @@ fn run_and_sync(
                 raw.sync();
             })
         });
+        // What a new output costs on the stream: the same replay between a stream-ordered
+        // allocation and its free, as a run that returns a new tensor makes them.
+        group.bench_function("raw_alloc_graph_fused_free_sync", |b| {
+            b.iter(|| {
+                let mut ptr = 0;
+                // SAFETY: the engine's context is current; `ptr` is a valid out pointer.
+                check("cuMemAllocAsync", unsafe {
+                    sys::cuMemAllocAsync(&mut ptr, raw.n * 4, raw.stream)
+                });
+                raw.graph_fused();
+                // SAFETY: allocated just above on this stream, freed once, stream-ordered.
+                check("cuMemFreeAsync", unsafe {
+                    sys::cuMemFreeAsync(ptr, raw.stream)
+                });
+                raw.sync();
+            })
+        });
+    });
+    group.finish();
+}
+
+/// A timing event on the engine's context.
+fn timing_event() -> sys::CUevent {
+    let mut event = std::ptr::null_mut();
+    // SAFETY: the engine's context is current (called inside a raw scope); flags 0 keep timing.
+    check("cuEventCreate", unsafe {
+        sys::cuEventCreate(&mut event, 0)
+    });
+    event
+}
+
+/// The device time of `iters` runs of `work`, each between two events on `stream`.
+fn device_time(
+    iters: u64,
+    stream: sys::CUstream,
+    events: (sys::CUevent, sys::CUevent),
+    mut work: impl FnMut(),
+) -> Duration {
+    let mut total = Duration::ZERO;
+    for _ in 0..iters {
+        // SAFETY: both events are live on the engine's context, which is current (the caller
+        // runs inside a raw scope or the work enters it); recording and waiting are ordered
+        // on the engine's stream.
+        unsafe {
+            check("cuEventRecord", sys::cuEventRecord(events.0, stream));
+            work();
+            check("cuEventRecord", sys::cuEventRecord(events.1, stream));
+            check("cuEventSynchronize", sys::cuEventSynchronize(events.1));
+            let mut ms = 0f32;
+            check(
+                "cuEventElapsedTime",
+                sys::cuEventElapsedTime_v2(&mut ms, events.0, events.1),
+            );
+            total += Duration::from_secs_f64(f64::from(ms) / 1e3);
+        }
+    }
+    total
+}
+
+/// Bandwidth at 16 Mi elements in device time (between events, so launch and wait latency are
+/// not counted): the fused program against the raw kernels and the device-to-device copy.
+fn bandwidth_device(
+    c: &mut Criterion,
+    engine: &mut CudaEngine,
+    prepared: &mut Prepared,
+    input: &DeviceTensor<f32>,
+    raw: &RawSet<'_>,
+) {
+    let mut group = c.benchmark_group("bandwidth_16Mi_device");
+    group.throughput(Throughput::Bytes(2 * (raw.n as u64) * 4));
+    let (stream, events) = in_scope(engine, |stream| (stream, (timing_event(), timing_event())));
+    group.bench_function("cuferry_run", |b| {
+        b.iter_custom(|iters| {
+            let mut total = Duration::ZERO;
+            for _ in 0..iters {
+                in_scope(engine, |_| {
+                    // SAFETY: as in `device_time`.
+                    unsafe { check("cuEventRecord", sys::cuEventRecord(events.0, stream)) };
+                });
+                let outputs = engine.run(prepared, &[Input::from(input)]).unwrap();
+                total += in_scope(engine, |_| {
+                    // SAFETY: as in `device_time`.
+                    unsafe {
+                        check("cuEventRecord", sys::cuEventRecord(events.1, stream));
+                        check("cuEventSynchronize", sys::cuEventSynchronize(events.1));
+                        let mut ms = 0f32;
+                        check(
+                            "cuEventElapsedTime",
+                            sys::cuEventElapsedTime_v2(&mut ms, events.0, events.1),
+                        );
+                        Duration::from_secs_f64(f64::from(ms) / 1e3)
+                    }
+                });
+                drop(outputs);
+            }
+            total
+        })
+    });
+    in_scope(engine, |_| {
+        group.bench_function("raw_fused", |b| {
+            b.iter_custom(|iters| device_time(iters, stream, events, || raw.fused_launch()))
+        });
+        group.bench_function("raw_copy_64MiB", |b| {
+            b.iter_custom(|iters| {
+                device_time(iters, stream, events, || {
+                    // SAFETY: `x` and `out` are distinct live allocations of `n` floats.
+                    check("cuMemcpyDtoDAsync_v2", unsafe {
+                        sys::cuMemcpyDtoDAsync_v2(raw.out, raw.x, raw.n * 4, raw.stream)
+                    });
+                })
+            })
+        });
+        // SAFETY: the events are idle (each measurement waited for its last record).
+        unsafe {
+            check("cuEventDestroy", sys::cuEventDestroy_v2(events.0));
+            check("cuEventDestroy", sys::cuEventDestroy_v2(events.1));
+        }
     });
     group.finish();
 }
@@ -750,6 +867,7 @@ fn benches(c: &mut Criterion) {
     host_per_run(c, &mut engine, &mut small, &small_input, &small_raw);
     run_and_sync(c, &mut engine, &mut small, &small_input, &small_raw);
     bandwidth(c, &mut engine, &mut large, &large_input, &large_raw);
+    bandwidth_device(c, &mut engine, &mut large, &large_input, &large_raw);
     prepare_cached(c, &mut engine, &small_program, &small_raw);
 
     engine.synchronize().unwrap();

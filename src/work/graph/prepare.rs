@@ -460,7 +460,14 @@ impl CudaEngine {
             outputs: program
                 .outputs
                 .iter()
-                .map(|o| (o.dtype, o.shape.clone(), o.shape.iter().product(), o.kind.clone()))
+                .map(|o| {
+                    (
+                        o.dtype,
+                        o.shape.clone(),
+                        o.shape.iter().product(),
+                        o.kind.clone(),
+                    )
+                })
                 .collect(),
             segments,
             lent: Some(lent),
@@ -564,7 +571,9 @@ impl CudaEngine {
             stats,
             ..
         } = prepared;
-        let lent = lent.as_ref().expect("a live prepared program holds its resources");
+        let lent = lent
+            .as_ref()
+            .expect("a live prepared program holds its resources");
         stats.runs += 1;
         for segment in segments.iter_mut() {
             match segment {
