@@ -609,13 +609,15 @@ fn run_and_sync(
             })
         });
         // What a new output costs on the stream: the same replay between a stream-ordered
-        // allocation and its free, as a run that returns a new tensor makes them.
+        // allocation and its free, from a pool that keeps freed memory (as the engine's does).
+        let pool = keeping_pool();
         group.bench_function("raw_alloc_graph_fused_free_sync", |b| {
             b.iter(|| {
                 let mut ptr = 0;
-                // SAFETY: the engine's context is current; `ptr` is a valid out pointer.
-                check("cuMemAllocAsync", unsafe {
-                    sys::cuMemAllocAsync(&mut ptr, raw.n * 4, raw.stream)
+                // SAFETY: the engine's context is current; `ptr` is a valid out pointer; the
+                // pool is live.
+                check("cuMemAllocFromPoolAsync", unsafe {
+                    sys::cuMemAllocFromPoolAsync(&mut ptr, raw.n * 4, pool, raw.stream)
                 });
                 raw.graph_fused();
                 // SAFETY: allocated just above on this stream, freed once, stream-ordered.
@@ -625,8 +627,38 @@ fn run_and_sync(
                 raw.sync();
             })
         });
+        raw.sync();
+        // SAFETY: every allocation from the pool was freed and the stream is idle.
+        check("cuMemPoolDestroy", unsafe { sys::cuMemPoolDestroy(pool) });
     });
     group.finish();
+}
+
+/// A device memory pool on device 0 that keeps freed memory for reuse (release threshold at
+/// its maximum), as the engine's own pool does.
+fn keeping_pool() -> sys::CUmemoryPool {
+    // SAFETY: an all-zero `CUmemPoolProps` is its documented default; the fields that matter
+    // are set below.
+    let mut props: sys::CUmemPoolProps = unsafe { std::mem::zeroed() };
+    props.allocType = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+    props.handleTypes = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE;
+    props.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+    props.location.id = 0;
+    let mut pool = std::ptr::null_mut();
+    // SAFETY: `props` is a complete pool description; the out pointer is valid.
+    check("cuMemPoolCreate", unsafe {
+        sys::cuMemPoolCreate(&mut pool, &props)
+    });
+    let mut threshold: u64 = u64::MAX;
+    // SAFETY: the attribute takes a `cuuint64_t`, which `threshold` is.
+    check("cuMemPoolSetAttribute", unsafe {
+        sys::cuMemPoolSetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&mut threshold as *mut u64).cast(),
+        )
+    });
+    pool
 }
 
 /// A timing event on the engine's context.

@@ -13,6 +13,7 @@ use crate::dtype::DType;
 use crate::error::{DeviceId, DriverError, Error, Refused, Result};
 use std::marker::PhantomData;
 use std::sync::Arc;
+use std::sync::Mutex;
 
 /// A compact, shaped tensor of `T` in device memory, owned by one engine.
 ///
@@ -23,7 +24,66 @@ pub struct DeviceTensor<T: Element> {
     len: usize,
     shape: Box<[usize]>,
     owner: Arc<Shared>,
+    /// Where the memory goes when the tensor is dropped, instead of the driver, if anywhere.
+    recycle: Option<Arc<Recycler>>,
     _element: PhantomData<T>,
+}
+
+/// Device blocks handed back by dropped tensors for reuse on the same engine, without a
+/// stream-ordered free and allocation in between.
+///
+/// Reusing a block is exactly as safe as the stream-ordered allocator's own reuse: every tensor's
+/// work is queued on its engine's one stream, so work queued after the reuse runs after
+/// everything queued before the drop. A recycler holds at most `capacity` blocks; beyond that a
+/// dropped tensor frees its memory as usual. Once closed ([`Recycler::close`]) it takes nothing
+/// more, and its owner frees what it held.
+pub(crate) struct Recycler {
+    /// `None` once closed; else the blocks, as (bytes, address).
+    blocks: Mutex<Option<Vec<(usize, DevicePtr)>>>,
+    capacity: usize,
+}
+
+impl Recycler {
+    /// An open recycler holding up to `capacity` blocks.
+    pub(crate) fn new(capacity: usize) -> Self {
+        Recycler {
+            blocks: Mutex::new(Some(Vec::with_capacity(capacity))),
+            capacity,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<Vec<(usize, DevicePtr)>>> {
+        // Every critical section is a push, a removal or a take: never half done.
+        self.blocks.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A block of exactly `bytes`, if one was handed back.
+    pub(crate) fn take(&self, bytes: usize) -> Option<DevicePtr> {
+        let mut blocks = self.lock();
+        let blocks = blocks.as_mut()?;
+        let at = blocks.iter().position(|&(b, _)| b == bytes)?;
+        Some(blocks.swap_remove(at).1)
+    }
+
+    /// Keeps `ptr` (`bytes` long) for reuse; `false` when closed or full (the caller frees it).
+    fn put(&self, bytes: usize, ptr: DevicePtr) -> bool {
+        let mut blocks = self.lock();
+        match blocks.as_mut() {
+            Some(blocks) if blocks.len() < self.capacity => {
+                blocks.push((bytes, ptr));
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Closes the recycler and returns the blocks it held, for the owner to free.
+    pub(crate) fn close(&self) -> Vec<DevicePtr> {
+        self.lock()
+            .take()
+            .map(|blocks| blocks.into_iter().map(|(_, ptr)| ptr).collect())
+            .unwrap_or_default()
+    }
 }
 
 impl<T: Element> std::fmt::Debug for DeviceTensor<T> {
@@ -90,6 +150,7 @@ impl<T: Element> DeviceTensor<T> {
             len,
             shape: shape.into(),
             owner: Arc::clone(&engine.shared),
+            recycle: None,
             _element: PhantomData,
         })
     }
@@ -155,23 +216,26 @@ impl<T: Element> DeviceTensor<T> {
         &self.owner
     }
 
-    /// A tensor of `shape` (`len` elements) over memory the caller has just allocated on
-    /// `owner`'s driver: for code that allocates several tensors under one lock.
+    /// A tensor of `shape` (`len` elements) over memory the caller allocated on `owner`'s
+    /// driver: for code that allocates several tensors under one lock. When dropped, the memory
+    /// goes to `recycle` if it has room, else back to the driver.
     ///
     /// # Safety
-    /// `ptr` came from `owner`'s [`Driver::alloc`](crate::driver::Driver::alloc) with at least
+    /// `ptr` came from `owner`'s [`Driver::alloc`](crate::driver::Driver::alloc) with exactly
     /// `len` elements of `T` (or is 0 when `len` is 0), and nothing else owns or frees it.
     pub(crate) unsafe fn from_raw(
         ptr: DevicePtr,
         shape: &[usize],
         len: usize,
         owner: &Arc<Shared>,
+        recycle: Option<&Arc<Recycler>>,
     ) -> Self {
         DeviceTensor {
             ptr,
             len,
             shape: shape.into(),
             owner: Arc::clone(owner),
+            recycle: recycle.cloned(),
             _element: PhantomData,
         }
     }
@@ -192,6 +256,11 @@ impl<T: Element> Drop for DeviceTensor<T> {
     fn drop(&mut self) {
         if self.ptr == 0 {
             return;
+        }
+        if let Some(recycle) = &self.recycle {
+            if recycle.put(self.len * T::DTYPE.size_bytes(), self.ptr) {
+                return;
+            }
         }
         // Leaked (never freed) when the context cannot be entered; see `enter_for_drop`.
         if let Some(mut st) = self.owner.enter_for_drop() {

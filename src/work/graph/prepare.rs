@@ -27,7 +27,7 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::lifecycle::fence::{fence, Fencing};
 use crate::memory::element::Element;
-use crate::memory::tensor::{alloc_device, DeviceTensor};
+use crate::memory::tensor::{alloc_device, DeviceTensor, Recycler};
 use crate::work::kernels::fused::FusedKernel;
 use std::any::Any;
 use std::sync::Arc;
@@ -226,6 +226,9 @@ impl Drop for Lent {
     }
 }
 
+/// How many dropped outputs' blocks a prepared program keeps for reuse, per output.
+const RECYCLED_PER_OUTPUT: usize = 4;
+
 /// Counters of a prepared program, for tests and diagnostics.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
@@ -245,9 +248,14 @@ pub struct PreparedStats {
 /// A [`Program`] prepared for one engine: its kernels loaded, its intermediates allocated, its
 /// graphs instantiated. Run it with [`CudaEngine::run`] on that engine, as often as needed.
 ///
+/// The new outputs a run returns are ordinary tensors. When one is dropped, its memory goes back
+/// to the program (up to four blocks per output) and the next run reuses it, with no
+/// stream-ordered free and allocation in between: that reuse is as safe as the allocator's own,
+/// because everything runs on the engine's one stream.
+///
 /// Dropping it releases the arena and the graphs once the last run is proven complete (they go
-/// to the engine's retirement queue, like a dropped transfer); `mem::forget` leaks them, which
-/// is sound.
+/// to the engine's retirement queue, like a dropped transfer), and frees the output memory it
+/// kept; `mem::forget` leaks them, which is sound.
 pub struct Prepared {
     owner: Arc<Shared>,
     inputs: Vec<(DType, Vec<usize>)>,
@@ -255,6 +263,8 @@ pub struct Prepared {
     outputs: Vec<(DType, Vec<usize>, usize, OutputKind)>,
     segments: Vec<Segment>,
     lent: Option<Lent>,
+    /// Memory of dropped new outputs, reused by later runs.
+    recycler: Arc<Recycler>,
     stats: PreparedStats,
 }
 
@@ -285,6 +295,8 @@ impl Drop for Prepared {
         let Some(lent) = self.lent.take() else {
             return;
         };
+        // Outputs dropped from now on free their own memory.
+        let recycled = self.recycler.close();
         if self.stats.runs == 0 {
             drop(lent); // nothing was ever queued with it
             return;
@@ -293,6 +305,17 @@ impl Drop for Prepared {
             std::mem::forget(lent); // sound: leaked, never released early
             return;
         };
+        for ptr in recycled {
+            // SAFETY: each block came from this engine's driver for an output tensor that was
+            // dropped and gave it back; it is freed once, here, stream-ordered after every
+            // run that used it.
+            if let Err(source) = unsafe { st.driver.free(ptr) } {
+                st.defer(Error::Driver {
+                    call: "cuMemFreeAsync",
+                    source,
+                });
+            }
+        }
         let fencing = fence(&mut st, &self.owner, lent, None, "prepared program");
         match fencing {
             Fencing::Fenced(fenced) => {
@@ -313,7 +336,8 @@ impl Drop for Prepared {
     }
 }
 
-/// Wraps memory allocated under the engine's lock in a tensor of a run-time element type.
+/// Wraps memory allocated under the engine's lock in a tensor of a run-time element type, whose
+/// memory goes back to `recycle` when it is dropped.
 ///
 /// # Safety
 /// As [`DeviceTensor::from_raw`], for the type `dtype` names.
@@ -323,6 +347,7 @@ unsafe fn wrap_any(
     shape: &[usize],
     len: usize,
     owner: &Arc<Shared>,
+    recycle: &Arc<Recycler>,
 ) -> Box<dyn Any + Send + Sync> {
     /// # Safety
     /// As `wrap_any`.
@@ -331,26 +356,27 @@ unsafe fn wrap_any(
         shape: &[usize],
         len: usize,
         owner: &Arc<Shared>,
+        recycle: &Arc<Recycler>,
     ) -> Box<dyn Any + Send + Sync> {
         // SAFETY: forwarded from the caller.
-        Box::new(unsafe { DeviceTensor::<T>::from_raw(ptr, shape, len, owner) })
+        Box::new(unsafe { DeviceTensor::<T>::from_raw(ptr, shape, len, owner, Some(recycle)) })
     }
     // SAFETY: forwarded from the caller, for the type `dtype` names.
     unsafe {
         match dtype {
-            DType::F32 => typed::<f32>(ptr, shape, len, owner),
-            DType::F64 => typed::<f64>(ptr, shape, len, owner),
-            DType::F16 => typed::<half::f16>(ptr, shape, len, owner),
-            DType::BF16 => typed::<half::bf16>(ptr, shape, len, owner),
-            DType::I8 => typed::<i8>(ptr, shape, len, owner),
-            DType::I16 => typed::<i16>(ptr, shape, len, owner),
-            DType::I32 => typed::<i32>(ptr, shape, len, owner),
-            DType::I64 => typed::<i64>(ptr, shape, len, owner),
-            DType::U8 => typed::<u8>(ptr, shape, len, owner),
-            DType::U16 => typed::<u16>(ptr, shape, len, owner),
-            DType::U32 => typed::<u32>(ptr, shape, len, owner),
-            DType::U64 => typed::<u64>(ptr, shape, len, owner),
-            DType::Bool => typed::<bool>(ptr, shape, len, owner),
+            DType::F32 => typed::<f32>(ptr, shape, len, owner, recycle),
+            DType::F64 => typed::<f64>(ptr, shape, len, owner, recycle),
+            DType::F16 => typed::<half::f16>(ptr, shape, len, owner, recycle),
+            DType::BF16 => typed::<half::bf16>(ptr, shape, len, owner, recycle),
+            DType::I8 => typed::<i8>(ptr, shape, len, owner, recycle),
+            DType::I16 => typed::<i16>(ptr, shape, len, owner, recycle),
+            DType::I32 => typed::<i32>(ptr, shape, len, owner, recycle),
+            DType::I64 => typed::<i64>(ptr, shape, len, owner, recycle),
+            DType::U8 => typed::<u8>(ptr, shape, len, owner, recycle),
+            DType::U16 => typed::<u16>(ptr, shape, len, owner, recycle),
+            DType::U32 => typed::<u32>(ptr, shape, len, owner, recycle),
+            DType::U64 => typed::<u64>(ptr, shape, len, owner, recycle),
+            DType::Bool => typed::<bool>(ptr, shape, len, owner, recycle),
         }
     }
 }
@@ -471,6 +497,9 @@ impl CudaEngine {
                 .collect(),
             segments,
             lent: Some(lent),
+            recycler: Arc::new(Recycler::new(
+                RECYCLED_PER_OUTPUT * program.outputs.len().max(1),
+            )),
             stats: PreparedStats {
                 graphs,
                 ..PreparedStats::default()
@@ -540,6 +569,8 @@ impl CudaEngine {
                     let bytes = len * dtype.size_bytes();
                     let ptr = if bytes == 0 {
                         0
+                    } else if let Some(ptr) = prepared.recycler.take(bytes) {
+                        ptr
                     } else {
                         match st.driver.alloc(bytes) {
                             Ok(ptr) => ptr,
@@ -553,9 +584,13 @@ impl CudaEngine {
                             }
                         }
                     };
-                    // SAFETY: `ptr` was just allocated on this engine's driver with `len`
-                    // elements of `dtype` (or is 0 for none) and is owned by nothing else.
-                    let tensor = unsafe { wrap_any(ptr, *dtype, shape, *len, &self.shared) };
+                    // SAFETY: `ptr` was allocated on this engine's driver with exactly `len`
+                    // elements of `dtype` (or is 0 for none): just now, or by an earlier run for
+                    // an output of the same byte length, whose tensor was dropped and gave it
+                    // back. Nothing else owns it.
+                    let tensor = unsafe {
+                        wrap_any(ptr, *dtype, shape, *len, &self.shared, &prepared.recycler)
+                    };
                     output_ptrs.push(ptr);
                     outputs.push(Output::New(NewTensor {
                         tensor,

@@ -1,0 +1,353 @@
+//! Prepared programs on the simulated device: the rules of tracing, compiling, preparing and
+//! running, each shown by what the device did (or did not do).
+
+use cuferry::graph::{GraphCompiler, Input, OutputKind, Program, TracedTensor};
+use cuferry::sim::{SimConfig, SimDevice, SimOp};
+use cuferry::{download_tensor, upload_tensor, CudaEngine, DType, Error};
+
+static_assertions::assert_impl_all!(Program: Send, Sync, Clone);
+static_assertions::assert_impl_all!(TracedTensor: Send, Sync, Clone);
+static_assertions::assert_impl_all!(cuferry::graph::Prepared: Send);
+
+fn square_plus(len: usize) -> (TracedTensor, Program) {
+    let x = TracedTensor::input_symbolic_shape(DType::F32, 1);
+    let y = (&(&x * &x).unwrap() + &x).unwrap();
+    let program = GraphCompiler::new()
+        .compile_with_input_specs(&[&y], &[(&x, DType::F32, &[len])])
+        .unwrap();
+    (x, program)
+}
+
+#[test]
+fn tracing_refuses_mismatched_types_and_ranks() {
+    let x = TracedTensor::input_symbolic_shape(DType::F32, 1);
+    let i = TracedTensor::input_symbolic_shape(DType::I32, 1);
+    let m = TracedTensor::input_symbolic_shape(DType::F32, 2);
+    let u = TracedTensor::input_symbolic_shape(DType::U8, 1);
+    let b = TracedTensor::input_symbolic_shape(DType::Bool, 1);
+    assert!(matches!(
+        &x * &i,
+        Err(Error::Trace {
+            operation: "mul",
+            ..
+        })
+    ));
+    assert!(matches!(
+        &x - &m,
+        Err(Error::Trace {
+            operation: "sub",
+            ..
+        })
+    ));
+    assert!(matches!(
+        x.scale(1i32),
+        Err(Error::Trace {
+            operation: "scale",
+            ..
+        })
+    ));
+    assert!(matches!(
+        -&u,
+        Err(Error::UnsupportedElement {
+            operation: "neg",
+            ..
+        })
+    ));
+    assert!(matches!(
+        &i / &i,
+        Err(Error::UnsupportedElement {
+            operation: "div",
+            ..
+        })
+    ));
+    assert!(matches!(
+        &b + &b,
+        Err(Error::UnsupportedElement {
+            operation: "add",
+            ..
+        })
+    ));
+    assert!(matches!(
+        x.matmul(&m),
+        Err(Error::Trace {
+            operation: "matmul",
+            ..
+        })
+    ));
+    let mi = TracedTensor::input_symbolic_shape(DType::I32, 2);
+    assert!(matches!(
+        mi.matmul(&mi),
+        Err(Error::UnsupportedElement {
+            operation: "matmul",
+            ..
+        })
+    ));
+    assert!(
+        x.cast(DType::F32).is_input(),
+        "a cast to the same type is the value itself"
+    );
+}
+
+#[test]
+fn compilation_refuses_bad_specifications_and_shapes() {
+    let x = TracedTensor::input_symbolic_shape(DType::F32, 1);
+    let z = TracedTensor::input_symbolic_shape(DType::F32, 1);
+    let y = (&x + &z).unwrap();
+    let c = GraphCompiler::new();
+    let spec = |r: Result<Program, Error>| match r {
+        Err(Error::ProgramSpec { detail }) => detail,
+        other => panic!("expected ProgramSpec, got {other:?}"),
+    };
+    // z has no specification.
+    assert!(
+        spec(c.compile_with_input_specs(&[&y], &[(&x, DType::F32, &[4])]))
+            .contains("no input specification")
+    );
+    // A computed value named as an input.
+    assert!(
+        spec(c.compile_with_input_specs(&[&y], &[(&y, DType::F32, &[4])]))
+            .contains("computed value")
+    );
+    // Wrong element type, wrong rank, named twice.
+    spec(c.compile_with_input_specs(&[&x], &[(&x, DType::F64, &[4])]));
+    spec(c.compile_with_input_specs(&[&x], &[(&x, DType::F32, &[2, 2])]));
+    spec(c.compile_with_input_specs(&[&x], &[(&x, DType::F32, &[4]), (&x, DType::F32, &[4])]));
+    // Elementwise shapes differ.
+    assert!(spec(
+        c.compile_with_input_specs(&[&y], &[(&x, DType::F32, &[4]), (&z, DType::F32, &[5])])
+    )
+    .contains("differ"));
+    // Inner dimensions of a product, element count of a reshape.
+    let a = TracedTensor::input_symbolic_shape(DType::F64, 2);
+    let b = TracedTensor::input_symbolic_shape(DType::F64, 2);
+    let p = a.matmul(&b).unwrap();
+    assert!(spec(c.compile_with_input_specs(
+        &[&p],
+        &[(&a, DType::F64, &[2, 3]), (&b, DType::F64, &[4, 2])]
+    ))
+    .contains("inner dimensions"));
+    let r = x.reshape(&[3]);
+    assert!(spec(c.compile_with_input_specs(&[&r], &[(&x, DType::F32, &[4])])).contains("reshape"));
+    // A product with an empty inner dimension is zeros, computed by a fused kernel.
+    let ok = c
+        .compile_with_input_specs(
+            &[&p],
+            &[(&a, DType::F64, &[2, 0]), (&b, DType::F64, &[0, 2])],
+        )
+        .unwrap();
+    assert_eq!((ok.stats().matmuls, ok.stats().fused_kernels), (0, 1));
+}
+
+#[test]
+fn common_subexpressions_merge_and_elementwise_runs_fuse() {
+    let x = TracedTensor::input_symbolic_shape(DType::F32, 1);
+    let a = (&x * &x).unwrap();
+    let b = (&x * &x).unwrap();
+    let y = (&(&a + &b).unwrap() - &x).unwrap().scale(2.0f32).unwrap();
+    let p = GraphCompiler::new()
+        .compile_with_input_specs(&[&y], &[(&x, DType::F32, &[8])])
+        .unwrap();
+    assert_eq!(p.stats().operations, 4);
+    assert_eq!(p.stats().fused_kernels, 1);
+    assert_eq!(
+        p.stats().intermediate_bytes,
+        0,
+        "nothing leaves the kernel but the output"
+    );
+    // A product splits the elementwise work into levels; intermediates share the arena.
+    let m = TracedTensor::input_symbolic_shape(DType::F32, 2);
+    let w = TracedTensor::input_symbolic_shape(DType::F32, 2);
+    let h1 = m.scale(0.5f32).unwrap().matmul(&w).unwrap();
+    let h2 = h1.scale(0.5f32).unwrap().matmul(&w).unwrap();
+    let h3 = h2.scale(0.5f32).unwrap().matmul(&w).unwrap();
+    let p = GraphCompiler::new()
+        .compile_with_input_specs(
+            &[&h3],
+            &[(&m, DType::F32, &[64, 64]), (&w, DType::F32, &[64, 64])],
+        )
+        .unwrap();
+    let s = p.stats();
+    assert_eq!(
+        (s.matmuls, s.fused_kernels),
+        (3, 4),
+        "three scales, three products, one output copy"
+    );
+    assert!(
+        s.intermediate_bytes < s.unshared_intermediate_bytes,
+        "{s:?}"
+    );
+    assert_eq!(p.output_kind(0), Some(&OutputKind::New));
+}
+
+#[test]
+fn a_second_program_with_the_same_group_compiles_nothing() {
+    let mut engine = CudaEngine::simulated(SimConfig::default());
+    let sim = engine.sim().unwrap();
+    let (_, first) = square_plus(16);
+    let _a = engine.prepare(&first).unwrap();
+    let (kernels, loads) = (engine.cached_kernels(), sim.calls(SimOp::ModuleLoad));
+    // Traced again from scratch, for another length: the same canonical expression.
+    let (_, second) = square_plus(1000);
+    let _b = engine.prepare(&second).unwrap();
+    assert_eq!(engine.cached_kernels(), kernels);
+    assert_eq!(sim.calls(SimOp::ModuleLoad), loads);
+}
+
+#[test]
+fn runs_rebind_only_what_moved_and_reuse_dropped_outputs() {
+    let mut engine = CudaEngine::simulated(SimConfig::default());
+    let sim = engine.sim().unwrap();
+    let (_, program) = square_plus(4);
+    let mut prepared = engine.prepare(&program).unwrap();
+    let x1 = upload_tensor(&mut engine, &[1.0f32, 2.0, 3.0, 4.0], &[4]).unwrap();
+    let x2 = upload_tensor(&mut engine, &[5.0f32, 6.0, 7.0, 8.0], &[4]).unwrap();
+    let out = engine.run(&mut prepared, &[Input::from(&x1)]).unwrap();
+    assert_eq!(
+        download_tensor(&mut engine, out[0].as_tensor::<f32>().unwrap()).unwrap(),
+        [2.0, 6.0, 12.0, 20.0]
+    );
+    assert_eq!(prepared.stats().parameter_updates, 1);
+    drop(out);
+    // Same input, the dropped output's memory again: nothing to update, nothing allocated.
+    let allocs = sim.calls(SimOp::Alloc);
+    let out = engine.run(&mut prepared, &[Input::from(&x1)]).unwrap();
+    assert_eq!(prepared.stats().parameter_updates, 1);
+    assert_eq!(sim.calls(SimOp::Alloc), allocs);
+    // A kept output forces a new one; a moved input one update.
+    let kept = engine.run(&mut prepared, &[Input::from(&x2)]).unwrap();
+    assert_eq!(sim.calls(SimOp::Alloc), allocs + 1);
+    assert_eq!(prepared.stats().parameter_updates, 2);
+    assert_eq!(
+        download_tensor(&mut engine, kept[0].as_tensor::<f32>().unwrap()).unwrap(),
+        [30.0, 42.0, 56.0, 72.0]
+    );
+    assert_eq!(
+        download_tensor(&mut engine, out[0].as_tensor::<f32>().unwrap()).unwrap(),
+        [2.0, 6.0, 12.0, 20.0]
+    );
+    assert_eq!(prepared.stats().graph_launches, 3);
+    assert_eq!(sim.graph_launches(), 3);
+    drop((out, kept));
+    drop((prepared, x1, x2));
+    engine.synchronize().unwrap();
+    engine.synchronize().unwrap();
+    assert_eq!(sim.device_live(), (0, 0));
+    assert_eq!(sim.graphs_live(), 0);
+}
+
+#[test]
+fn bad_inputs_and_other_engines_are_refused_and_nothing_runs() {
+    let device = SimDevice::new(SimConfig::default());
+    let mut engine = CudaEngine::simulated_on(&device);
+    let mut other = CudaEngine::simulated_on(&device);
+    let (_, program) = square_plus(4);
+    let mut prepared = engine.prepare(&program).unwrap();
+    let good = upload_tensor(&mut engine, &[1.0f32; 4], &[4]).unwrap();
+    let long = upload_tensor(&mut engine, &[1.0f32; 5], &[5]).unwrap();
+    let wide = upload_tensor(&mut engine, &[1.0f64; 4], &[4]).unwrap();
+    let foreign = upload_tensor(&mut other, &[1.0f32; 4], &[4]).unwrap();
+    engine.synchronize().unwrap();
+    let (queued, allocs) = (device.queued(), device.calls(SimOp::Alloc));
+    assert!(matches!(
+        engine.run(&mut prepared, &[Input::from(&long)]),
+        Err(Error::ProgramInput { index: 0, .. })
+    ));
+    assert!(matches!(
+        engine.run(&mut prepared, &[Input::from(&wide)]),
+        Err(Error::ProgramInput { index: 0, .. })
+    ));
+    assert!(matches!(
+        engine.run(&mut prepared, &[]),
+        Err(Error::ProgramInput { .. })
+    ));
+    assert!(matches!(
+        engine.run(&mut prepared, &[Input::from(&good), Input::from(&good)]),
+        Err(Error::ProgramInput { .. })
+    ));
+    assert!(matches!(
+        engine.run(&mut prepared, &[Input::from(&foreign)]),
+        Err(Error::WrongEngine { .. })
+    ));
+    assert!(matches!(
+        other.run(&mut prepared, &[Input::from(&foreign)]),
+        Err(Error::WrongEngine { .. })
+    ));
+    assert_eq!(
+        (device.queued(), device.calls(SimOp::Alloc)),
+        (queued, allocs)
+    );
+    assert_eq!(prepared.stats().runs, 0);
+    assert_eq!(device.graph_launches(), 0);
+    // And the program still runs.
+    let out = engine.run(&mut prepared, &[Input::from(&good)]).unwrap();
+    assert_eq!(
+        download_tensor(&mut engine, out[0].as_tensor::<f32>().unwrap()).unwrap(),
+        [2.0; 4]
+    );
+}
+
+#[test]
+fn a_dropped_program_keeps_its_memory_until_its_last_run_is_proven_complete() {
+    let mut engine = CudaEngine::simulated(SimConfig::default());
+    let sim = engine.sim().unwrap();
+    let m = TracedTensor::input_symbolic_shape(DType::F32, 2);
+    let h = m
+        .scale(2.0f32)
+        .unwrap()
+        .matmul(&m)
+        .unwrap()
+        .scale(0.5f32)
+        .unwrap();
+    let program = GraphCompiler::new()
+        .compile_with_input_specs(&[&h], &[(&m, DType::F32, &[8, 8])])
+        .unwrap();
+    assert!(program.stats().intermediate_bytes > 0);
+    let mut prepared = engine.prepare(&program).unwrap();
+    let input = upload_tensor(&mut engine, &[1.0f32; 64], &[8, 8]).unwrap();
+    engine.synchronize().unwrap();
+    sim.hold_clock(true);
+    let out = engine.run(&mut prepared, &[Input::from(&input)]).unwrap();
+    let live = sim.device_live().0;
+    drop(prepared);
+    engine.flush().unwrap();
+    // The run has not run: the arena and the graph are still held.
+    assert_eq!(sim.device_live().0, live);
+    assert!(sim.graphs_live() > 0);
+    sim.advance_all();
+    sim.hold_clock(false);
+    let got = download_tensor(&mut engine, out[0].as_tensor::<f32>().unwrap()).unwrap();
+    assert_eq!(got, vec![8.0f32; 64]);
+    drop(out);
+    drop(input);
+    engine.synchronize().unwrap();
+    engine.synchronize().unwrap();
+    assert_eq!(sim.graphs_live(), 0);
+    assert_eq!(sim.device_live(), (0, 0));
+    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+}
+
+#[test]
+fn products_of_inputs_run_between_graph_launches() {
+    let mut engine = CudaEngine::simulated(SimConfig::default());
+    let a = TracedTensor::input_symbolic_shape(DType::F64, 2);
+    let b = TracedTensor::input_symbolic_shape(DType::F64, 2);
+    let y = a.matmul(&b).unwrap().scale(3.0f64).unwrap();
+    let program = GraphCompiler::new()
+        .compile_with_input_specs(
+            &[&y],
+            &[(&a, DType::F64, &[2, 3]), (&b, DType::F64, &[3, 2])],
+        )
+        .unwrap();
+    let mut prepared = engine.prepare(&program).unwrap();
+    let at = upload_tensor(&mut engine, &[1.0f64, 2.0, 3.0, 4.0, 5.0, 6.0], &[2, 3]).unwrap();
+    let bt = upload_tensor(&mut engine, &[1.0f64, 0.0, 0.0, 1.0, 1.0, 1.0], &[3, 2]).unwrap();
+    let out = engine
+        .run(&mut prepared, &[Input::from(&at), Input::from(&bt)])
+        .unwrap();
+    assert_eq!(
+        download_tensor(&mut engine, out[0].as_tensor::<f64>().unwrap()).unwrap(),
+        [12.0, 15.0, 30.0, 33.0]
+    );
+    let s = prepared.stats();
+    assert_eq!((s.eager_calls, s.graph_launches, s.graphs), (1, 1, 1));
+}
