@@ -18,6 +18,9 @@
 //!   ([`CudaEngine::add`] and the rest; semantics and supported types in [`kernels`]), cuBLAS,
 //!   cuSOLVER and cuTENSOR bound to the stream ([`libs`]), and CubeCL kernels (feature
 //!   `cubecl`, [`interop`]).
+//! - Prepared graphs ([`graph`]): a computation traced once, compiled for fixed shapes into fused
+//!   kernels and cuBLAS products, prepared for an engine ([`CudaEngine::prepare`]) and replayed as
+//!   a CUDA graph ([`CudaEngine::run`]) for about the host cost of one graph launch.
 //!
 //! Every route runs against a deterministic simulated device (feature `sim`, module [`sim`]) with
 //! fault injection, so lifecycle code is tested without a GPU.
