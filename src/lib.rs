@@ -8,7 +8,8 @@
 //!   explicit host barrier; [`CudaEngine::with_raw`] hands out the raw context, stream and device
 //!   pointers inside a scope that restores the caller's context on return, error and unwind.
 //! - [`DeviceTensor`]: a compact, shaped, stream-ordered device allocation of an [`Element`].
-//! - Blocking routes: [`upload_tensor`], [`download_tensor`], [`download_tensor_into`].
+//! - Blocking routes: [`upload_tensor`], [`upload_tensor_into`], [`download_tensor`],
+//!   [`download_tensor_into`].
 //! - Pending routes over [`PinnedHostBuffer`]s handed over by value: [`upload_pending`],
 //!   [`download_pending`], returning a [`Pending`] transfer in state [`InFlight`] until it is
 //!   [`Returned`].
@@ -86,8 +87,8 @@ pub use memory::ring::{StagingConfig, StagingStats};
 pub use memory::tensor::DeviceTensor;
 pub use routes::{
     download_pending, download_tensor, download_tensor_into, upload_pending, upload_tensor,
-    Direction, Download, InFlight, Pending, PendingDownload, PendingUpload, Returned,
-    TransferPackage, TransferState, TransferSubmitError, TryWait, Upload,
+    upload_tensor_into, Direction, Download, InFlight, Pending, PendingDownload, PendingUpload,
+    Returned, TransferPackage, TransferState, TransferSubmitError, TryWait, Upload,
 };
 pub use work::libs::{BlasElement, GemmConfig, SolverStatus, TensorElement, Transpose};
 pub use work::raw::{RawContext, RawDevicePtr, RawScope, RawStream};

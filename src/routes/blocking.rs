@@ -12,9 +12,16 @@
 //!   k+1 into its slot while the DMA of chunk k runs; each chunk has its own event, and a slot
 //!   is reused only after its event proved the previous chunk complete.
 //!
-//! A failure after the first enqueue retires every unproven lease (with the destination tensor,
-//! on uploads) into the retirement queue, so nothing is freed while DMA may still touch it, and
-//! the route returns the error.
+//! Uploads come in two forms: [`upload_tensor`] allocates the destination tensor,
+//! [`upload_tensor_into`] writes into one the caller already holds (same length, same engine) and
+//! allocates no device memory; both share one chunk loop. Downloads likewise:
+//! [`download_tensor`] fills a new `Vec`, [`download_tensor_into`] refills the caller's.
+//!
+//! A failure after the first enqueue retires every unproven lease into the retirement queue, so
+//! nothing is freed while DMA may still touch it, and the route returns the error. A tensor that
+//! [`upload_tensor`] allocated is retired with the newest lease; the caller's tensor of
+//! [`upload_tensor_into`] stays the caller's (its free is ordered on the stream after the queued
+//! copies) and holds unspecified contents.
 
 use crate::core::engine::CudaEngine;
 use crate::dtype::DType;
@@ -138,19 +145,40 @@ fn retire_all<R: KeepAlive>(mut in_flight: VecDeque<StagingLease<Unproven>>, res
     }
 }
 
-/// Waits for every lease in flight and releases them; on failure retires the rest with
-/// `resource`. A chunk whose wait fails is retained by the engine.
-fn finish<R: KeepAlive>(mut in_flight: VecDeque<StagingLease<Unproven>>, resource: R) -> Result<R> {
+/// An upload's chunk loop that failed: the error, and the leases whose queued copies may still
+/// read their slots. The caller retires them, with the destination tensor when it owns it.
+struct Stranded {
+    error: Error,
+    in_flight: VecDeque<StagingLease<Unproven>>,
+}
+
+impl Stranded {
+    /// A failure with nothing in flight.
+    fn alone(error: Error) -> Self {
+        Stranded {
+            error,
+            in_flight: VecDeque::new(),
+        }
+    }
+
+    /// Retires every lease still in flight, the newest keeping `resource` alive with it, and
+    /// yields the error.
+    fn retire_with<R: KeepAlive>(self, resource: R) -> Error {
+        retire_all(self.in_flight, resource);
+        self.error
+    }
+}
+
+/// Waits for every lease in flight and releases them. A chunk whose wait fails is retained by
+/// the engine; the leases after it come back in the [`Stranded`].
+fn finish(mut in_flight: VecDeque<StagingLease<Unproven>>) -> Result<(), Stranded> {
     while let Some(lease) = in_flight.pop_front() {
         match lease.end_chunk() {
             Ok(proven) => proven.release(),
-            Err(error) => {
-                retire_all(in_flight, resource);
-                return Err(error);
-            }
+            Err(error) => return Err(Stranded { error, in_flight }),
         }
     }
-    Ok(resource)
+    Ok(())
 }
 
 /// The smallest chunk the pipeline splits a transfer into.
@@ -260,11 +288,82 @@ pub fn upload_tensor<T: Element>(
             actual: data.len(),
         });
     }
-    let tensor = DeviceTensor::alloc(engine, shape)?;
-    if data.is_empty() {
-        return Ok(tensor);
+    let mut tensor = DeviceTensor::alloc(engine, shape)?;
+    match upload_staged(engine, data, &mut tensor) {
+        Ok(()) => Ok(tensor),
+        // The new tensor goes with the newest lease and is released with its proof.
+        Err(stranded) => Err(stranded.retire_with(tensor)),
     }
-    let pool = pool_for(engine, std::mem::size_of_val(data))?;
+}
+
+/// Uploads `data` into an existing device tensor of this engine, and returns once `data` has
+/// been read.
+///
+/// The counterpart of [`download_tensor_into`]: the same routes as [`upload_tensor`] (the 16-byte
+/// scalar slot, one staged copy up to `cutoff_bytes`, the pipelined ring above it), with no
+/// device allocation on any path. The tensor's shape is kept; only its length must match. Like
+/// every upload, the copy is ordered on the engine's stream after the work queued before it, so
+/// device work that reads the tensor's old contents and was queued earlier still sees them.
+///
+/// ```
+/// # fn main() -> Result<(), cuferry::Error> {
+/// use cuferry::{download_tensor, upload_tensor_into, CudaEngine};
+/// # let mut engine = CudaEngine::simulated(Default::default());
+/// # /*
+/// let mut engine = CudaEngine::open(0)?;
+/// # */
+/// let mut t = engine.alloc_tensor::<f32>(&[2, 2])?;
+/// for step in 0..3 {
+///     let frame: Vec<f32> = (0..4).map(|i| (step * 4 + i) as f32).collect();
+///     upload_tensor_into(&mut engine, &mut t, &frame)?; // reuses the tensor's memory
+///     assert_eq!(download_tensor(&mut engine, &t)?, frame);
+/// }
+///
+/// // A length that does not match is refused before anything is queued.
+/// let refused = upload_tensor_into(&mut engine, &mut t, &[1.0f32; 3]);
+/// assert!(matches!(refused, Err(cuferry::Error::LengthMismatch { left: 3, right: 4, .. })));
+/// # Ok(()) }
+/// ```
+///
+/// # Errors
+/// [`Error::WrongEngine`] when the tensor is not this engine's, and [`Error::LengthMismatch`]
+/// (`left` the data's length, `right` the tensor's) when the lengths differ: both are refused
+/// before anything is queued, and the tensor is untouched. An empty upload into an empty tensor
+/// queues nothing and succeeds. [`Error::Driver`] or [`Error::DeviceFault`] when the device
+/// refuses or fails: every staging slot a queued copy may still read is then retired, not freed,
+/// and the tensor stays the caller's (its eventual free is ordered on the stream after the queued
+/// copies). After such an error the tensor's contents are unspecified: some chunks may have
+/// landed and others not.
+pub fn upload_tensor_into<T: Element>(
+    engine: &mut CudaEngine,
+    tensor: &mut DeviceTensor<T>,
+    data: &[T],
+) -> Result<()> {
+    tensor.check_engine(engine)?;
+    if data.len() != tensor.len() {
+        return Err(Error::LengthMismatch {
+            what: "upload_tensor_into: elements in the data and in the tensor",
+            left: data.len(),
+            right: tensor.len(),
+        });
+    }
+    // The caller keeps the tensor: its free is stream-ordered after the queued copies, so the
+    // leases are retired on their own.
+    upload_staged(engine, data, tensor).map_err(|stranded| stranded.retire_with(()))
+}
+
+/// Uploads `data` (as long as `tensor`) through staging: on the copy threads when the transfer
+/// is large enough to split its host copies.
+fn upload_staged<T: Element>(
+    engine: &mut CudaEngine,
+    data: &[T],
+    tensor: &mut DeviceTensor<T>,
+) -> Result<(), Stranded> {
+    debug_assert_eq!(data.len(), tensor.len());
+    if data.is_empty() {
+        return Ok(());
+    }
+    let pool = pool_for(engine, std::mem::size_of_val(data)).map_err(Stranded::alone)?;
     match pool {
         // The loop runs on one of the copy threads, so splitting each chunk's host copy is a
         // local spawn onto warm workers rather than an injection from outside the pool.
@@ -273,13 +372,13 @@ pub fn upload_tensor<T: Element>(
     }
 }
 
-/// The chunk loop of [`upload_tensor`].
+/// The chunk loop of [`upload_tensor`] and [`upload_tensor_into`].
 fn upload_chunks<T: Element>(
     engine: &mut CudaEngine,
     data: &[T],
-    mut tensor: DeviceTensor<T>,
+    tensor: &mut DeviceTensor<T>,
     pool: Option<&rayon::ThreadPool>,
-) -> Result<DeviceTensor<T>> {
+) -> Result<(), Stranded> {
     let src = as_bytes(data);
     let size = T::DTYPE.size_bytes();
     let plan = plan::<T>(engine, src.len());
@@ -289,10 +388,7 @@ fn upload_chunks<T: Element>(
         let n = plan.per_chunk.min(data.len() - offset);
         let mut lease = match lease_for(engine, &plan, &mut in_flight) {
             Ok(lease) => lease,
-            Err(error) => {
-                retire_all(in_flight, tensor);
-                return Err(error);
-            }
+            Err(error) => return Err(Stranded { error, in_flight }),
         };
         let part = &src[offset * size..(offset + n) * size];
         // SAFETY: the lease is proven (its memory is ours) and holds at least `part.len()` bytes
@@ -305,22 +401,20 @@ fn upload_chunks<T: Element>(
                 part.len(),
             )
         };
-        match lease.begin_upload(engine, &mut tensor, offset, n) {
+        match lease.begin_upload(engine, tensor, offset, n) {
             Ok(unproven) => in_flight.push_back(unproven),
             Err(BeginError::NotQueued { lease, error }) => {
                 lease.release();
-                retire_all(in_flight, tensor);
-                return Err(error);
+                return Err(Stranded { error, in_flight });
             }
             Err(BeginError::Untracked { lease, error }) => {
                 lease.retire();
-                retire_all(in_flight, tensor);
-                return Err(error);
+                return Err(Stranded { error, in_flight });
             }
         }
         offset += n;
     }
-    finish(in_flight, tensor)
+    finish(in_flight)
 }
 
 /// Downloads a tensor into a new `Vec`, and returns once the data has arrived.

@@ -1,8 +1,10 @@
 //! The blocking routes' staging pipeline on a real device.
 
 use crate::common::open;
+use crate::reference::{assert_same, random_vec, Reference, Rng};
 use cuferry::{
-    bf16, download_tensor, download_tensor_into, f16, upload_tensor, CudaEngine, Element,
+    bf16, download_tensor, download_tensor_into, f16, upload_tensor, upload_tensor_into,
+    CudaEngine, Element,
 };
 
 fn sizes(engine: &CudaEngine, size: usize) -> Vec<usize> {
@@ -62,6 +64,38 @@ fn every_element_round_trips_at_every_boundary() {
     let stats = e.staging_stats();
     assert_eq!(stats.leased, 0);
     assert!(stats.slots <= e.staging_config().ring_depth);
+}
+
+/// Uploads fresh random values into one tensor per size, twice (the second overwrites the first),
+/// and reads each back.
+fn upload_into<T: Reference>(engine: &mut CudaEngine, rng: &mut Rng) {
+    let mut counts = sizes(engine, T::DTYPE.size_bytes());
+    if counts.first() != Some(&0) {
+        counts.insert(0, 0);
+    }
+    for n in counts {
+        let mut tensor = engine.alloc_tensor::<T>(&[n]).unwrap();
+        for round in 0..2 {
+            let what = format!("{} n={n} round {round}", T::DTYPE);
+            let data = random_vec::<T>(rng, n);
+            upload_tensor_into(engine, &mut tensor, &data).unwrap();
+            assert_same(&what, &download_tensor(engine, &tensor).unwrap(), &data);
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn every_element_uploads_into_an_existing_tensor_at_every_boundary() {
+    let mut e = open();
+    let mut rng = Rng::new(0x1_0ad);
+    crate::for_each_element!(T => {
+        upload_into::<T>(&mut e, &mut rng);
+    });
+    let stats = e.staging_stats();
+    assert_eq!(stats.leased, 0);
+    assert!(stats.slots <= e.staging_config().ring_depth);
+    e.synchronize().unwrap();
 }
 
 #[test]
