@@ -10,7 +10,8 @@
 //! - `pinned_8MiB`: a `PinnedHostBuffer` from a warm pool against a fresh `cuMemHostAlloc`.
 //!
 //! - `blocking_upload`, `blocking_download`: `upload_tensor` / `download_tensor` from and to
-//!   ordinary `Vec`s, beside the raw pageable `cuMemcpy{HtoD,DtoH}` (synchronous) and the raw
+//!   ordinary `Vec`s, and `upload_tensor_into` / `download_tensor_into` with the tensor and the
+//!   `Vec` reused (`cuferry_into`), beside the raw pageable `cuMemcpy{HtoD,DtoH}` (synchronous) and the raw
 //!   pinned async copy + event wait, at 16 B to 1 GiB;
 //! - `blocking_4_threads`: four threads, each with its own engine, each uploading and
 //!   downloading 64 MiB;
@@ -315,6 +316,22 @@ fn blocking(c: &mut Criterion, engine: &mut CudaEngine, raw: &Raw) {
                     b.iter(|| drop(cuferry::download_tensor(engine, &tensor).unwrap()))
                 }
             });
+            let mut tensor = tensor;
+            if upload {
+                // Into the tensor the caller already has: no allocation on the path.
+                group.bench_function(BenchmarkId::new("cuferry_into", label), |b| {
+                    b.iter(|| cuferry::upload_tensor_into(engine, &mut tensor, &host).unwrap())
+                });
+            } else {
+                let mut out = Some(Vec::<f32>::with_capacity(n));
+                group.bench_function(BenchmarkId::new("cuferry_into", label), |b| {
+                    b.iter(|| {
+                        out = Some(
+                            download_tensor_into(engine, &tensor, out.take().unwrap()).unwrap(),
+                        )
+                    })
+                });
+            }
             drop(tensor);
             let dev = raw.device(bytes);
             let mut pageable = host.clone();

@@ -67,27 +67,74 @@ struct Series {
 fn svg(series: &[Series], title: &str) -> String {
     let (w, h, left, right, top, bottom) = (900.0, 540.0, 70.0, 230.0, 40.0, 60.0);
     let sizes = sizes();
-    let (x0, x1) = ((sizes[0] as f64).log2(), (*sizes.last().unwrap() as f64).log2());
+    let (x0, x1) = (
+        (sizes[0] as f64).log2(),
+        (*sizes.last().unwrap() as f64).log2(),
+    );
     let (y0, y1) = (-4.0f64, 7.0f64); // 1/16 GiB/s to 128 GiB/s, log2
     let x = |b: usize| left + ((b as f64).log2() - x0) / (x1 - x0) * (w - left - right);
     let y = |g: f64| top + (1.0 - (g.max(1e-9).log2() - y0) / (y1 - y0)) * (h - top - bottom);
     let mut s = String::new();
-    let _ = writeln!(s, r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">"#);
-    let _ = writeln!(s, r#"<rect width="100%" height="100%" fill="white"/><text x="{left}" y="24" font-size="15">{title}</text>"#);
+    let _ = writeln!(
+        s,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">"#
+    );
+    let _ = writeln!(
+        s,
+        r#"<rect width="100%" height="100%" fill="white"/><text x="{left}" y="24" font-size="15">{title}</text>"#
+    );
     for e in (y0 as i32)..=(y1 as i32) {
         let gy = y(2f64.powi(e));
-        let _ = writeln!(s, r##"<line x1="{left}" x2="{}" y1="{gy}" y2="{gy}" stroke="#ddd"/><text x="{}" y="{}" text-anchor="end">{}</text>"##, w - right, left - 6.0, gy + 4.0, 2f64.powi(e));
+        let _ = writeln!(
+            s,
+            r##"<line x1="{left}" x2="{}" y1="{gy}" y2="{gy}" stroke="#ddd"/><text x="{}" y="{}" text-anchor="end">{}</text>"##,
+            w - right,
+            left - 6.0,
+            gy + 4.0,
+            2f64.powi(e)
+        );
     }
     for &b in &sizes {
         let gx = x(b);
-        let _ = writeln!(s, r##"<line x1="{gx}" x2="{gx}" y1="{top}" y2="{}" stroke="#eee"/><text x="{gx}" y="{}" text-anchor="middle">{}</text>"##, h - bottom, h - bottom + 16.0, label(b));
+        let _ = writeln!(
+            s,
+            r##"<line x1="{gx}" x2="{gx}" y1="{top}" y2="{}" stroke="#eee"/><text x="{gx}" y="{}" text-anchor="middle">{}</text>"##,
+            h - bottom,
+            h - bottom + 16.0,
+            label(b)
+        );
     }
-    let _ = writeln!(s, r#"<text x="{}" y="{}" text-anchor="middle">transfer size</text><text x="18" y="{}" transform="rotate(-90 18 {})" text-anchor="middle">GiB/s (log scale)</text>"#, (left + w - right) / 2.0, h - 18.0, h / 2.0, h / 2.0);
+    let _ = writeln!(
+        s,
+        r#"<text x="{}" y="{}" text-anchor="middle">transfer size</text><text x="18" y="{}" transform="rotate(-90 18 {})" text-anchor="middle">GiB/s (log scale)</text>"#,
+        (left + w - right) / 2.0,
+        h - 18.0,
+        h / 2.0,
+        h / 2.0
+    );
     for (i, series) in series.iter().enumerate() {
-        let points: Vec<String> = series.points.iter().map(|&(b, g)| format!("{:.1},{:.1}", x(b), y(g))).collect();
-        let _ = writeln!(s, r#"<polyline fill="none" stroke="{}" stroke-width="2" points="{}"/>"#, series.color, points.join(" "));
+        let points: Vec<String> = series
+            .points
+            .iter()
+            .map(|&(b, g)| format!("{:.1},{:.1}", x(b), y(g)))
+            .collect();
+        let _ = writeln!(
+            s,
+            r#"<polyline fill="none" stroke="{}" stroke-width="2" points="{}"/>"#,
+            series.color,
+            points.join(" ")
+        );
         let ly = top + 20.0 + 20.0 * i as f64;
-        let _ = writeln!(s, r#"<line x1="{}" x2="{}" y1="{ly}" y2="{ly}" stroke="{}" stroke-width="3"/><text x="{}" y="{}">{}</text>"#, w - right + 10.0, w - right + 34.0, series.color, w - right + 40.0, ly + 4.0, series.name);
+        let _ = writeln!(
+            s,
+            r#"<line x1="{}" x2="{}" y1="{ly}" y2="{ly}" stroke="{}" stroke-width="3"/><text x="{}" y="{}">{}</text>"#,
+            w - right + 10.0,
+            w - right + 34.0,
+            series.color,
+            w - right + 40.0,
+            ly + 4.0,
+            series.name
+        );
     }
     s.push_str("</svg>\n");
     s
@@ -105,23 +152,58 @@ fn main() {
         }
     };
     let (ctx, stream) = engine
-        .with_raw(|r| Ok::<_, cuferry::Error>((r.context().as_raw() as usize, r.stream().as_raw() as usize)))
+        .with_raw(|r| {
+            Ok::<_, cuferry::Error>((r.context().as_raw() as usize, r.stream().as_raw() as usize))
+        })
         .unwrap();
     let stream = stream as sys::CUstream;
     let mut event = std::ptr::null_mut();
     // SAFETY: `ctx` is the engine's live context, left current on this thread (the engine's
     // operations accept finding it current); out pointer valid.
     unsafe {
-        check("cuCtxSetCurrent", sys::cuCtxSetCurrent(ctx as sys::CUcontext));
-        check("cuEventCreate", sys::cuEventCreate(&mut event, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32));
+        check(
+            "cuCtxSetCurrent",
+            sys::cuCtxSetCurrent(ctx as sys::CUcontext),
+        );
+        check(
+            "cuEventCreate",
+            sys::cuEventCreate(
+                &mut event,
+                sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32,
+            ),
+        );
     }
     let mut series = [
-        Series { name: "upload_tensor_into", color: "#1f77b4", points: vec![] },
-        Series { name: "download_tensor_into", color: "#d62728", points: vec![] },
-        Series { name: "raw pageable up", color: "#aec7e8", points: vec![] },
-        Series { name: "raw pageable down", color: "#ff9896", points: vec![] },
-        Series { name: "raw pinned up", color: "#2ca02c", points: vec![] },
-        Series { name: "raw pinned down", color: "#98df8a", points: vec![] },
+        Series {
+            name: "upload_tensor_into",
+            color: "#1f77b4",
+            points: vec![],
+        },
+        Series {
+            name: "download_tensor_into",
+            color: "#d62728",
+            points: vec![],
+        },
+        Series {
+            name: "raw pageable up",
+            color: "#aec7e8",
+            points: vec![],
+        },
+        Series {
+            name: "raw pageable down",
+            color: "#ff9896",
+            points: vec![],
+        },
+        Series {
+            name: "raw pinned up",
+            color: "#2ca02c",
+            points: vec![],
+        },
+        Series {
+            name: "raw pinned down",
+            color: "#98df8a",
+            points: vec![],
+        },
     ];
     let mut csv = String::from("bytes,case,median_us,gib_per_s\n");
     for bytes in sizes() {
@@ -140,28 +222,64 @@ fn main() {
         }
         let times = [
             median(|| upload_tensor_into(&mut engine, &mut tensor, &host).unwrap()),
-            median(|| out = Some(download_tensor_into(&mut engine, &tensor, out.take().unwrap()).unwrap())),
-            // SAFETY (the raw cases): `dev`, `pageable` and `pinned` hold `bytes` bytes and
-            // stay live; the synchronous copies return when done, the async ones are waited.
-            median(|| check("cuMemcpyHtoD", unsafe { sys::cuMemcpyHtoD_v2(dev, pageable.as_ptr().cast(), bytes) })),
-            median(|| check("cuMemcpyDtoH", unsafe { sys::cuMemcpyDtoH_v2(pageable.as_mut_ptr().cast(), dev, bytes) })),
+            median(|| {
+                out = Some(download_tensor_into(&mut engine, &tensor, out.take().unwrap()).unwrap())
+            }),
+            // The raw cases: `dev`, `pageable` and `pinned` hold `bytes` bytes and stay live;
+            // the synchronous copies return when done, the async ones are waited.
+            median(|| {
+                // SAFETY: as said above.
+                check("cuMemcpyHtoD", unsafe {
+                    sys::cuMemcpyHtoD_v2(dev, pageable.as_ptr().cast(), bytes)
+                })
+            }),
+            median(|| {
+                // SAFETY: as said above.
+                check("cuMemcpyDtoH", unsafe {
+                    sys::cuMemcpyDtoH_v2(pageable.as_mut_ptr().cast(), dev, bytes)
+                })
+            }),
+            // SAFETY: as said above.
             median(|| unsafe {
-                check("cuMemcpyHtoDAsync", sys::cuMemcpyHtoDAsync_v2(dev, pinned as *const c_void, bytes, stream));
+                check(
+                    "cuMemcpyHtoDAsync",
+                    sys::cuMemcpyHtoDAsync_v2(dev, pinned as *const c_void, bytes, stream),
+                );
                 check("cuEventRecord", sys::cuEventRecord(event, stream));
                 check("cuEventSynchronize", sys::cuEventSynchronize(event));
             }),
+            // SAFETY: as said above.
             median(|| unsafe {
-                check("cuMemcpyDtoHAsync", sys::cuMemcpyDtoHAsync_v2(pinned, dev, bytes, stream));
+                check(
+                    "cuMemcpyDtoHAsync",
+                    sys::cuMemcpyDtoHAsync_v2(pinned, dev, bytes, stream),
+                );
                 check("cuEventRecord", sys::cuEventRecord(event, stream));
                 check("cuEventSynchronize", sys::cuEventSynchronize(event));
             }),
         ];
-        assert_eq!(out.as_deref(), Some(&host[..]), "download_tensor_into at {}", label(bytes));
+        assert_eq!(
+            out.as_deref(),
+            Some(&host[..]),
+            "download_tensor_into at {}",
+            label(bytes)
+        );
         for (s, t) in series.iter_mut().zip(times) {
             let g = gib_per_s(bytes, t);
             s.points.push((bytes, g));
-            let _ = writeln!(csv, "{bytes},{},{:.3},{g:.3}", s.name, t.as_secs_f64() * 1e6);
-            println!("{:>8} {:<22} {:>12.2} us {:>8.2} GiB/s", label(bytes), s.name, t.as_secs_f64() * 1e6, g);
+            let _ = writeln!(
+                csv,
+                "{bytes},{},{:.3},{g:.3}",
+                s.name,
+                t.as_secs_f64() * 1e6
+            );
+            println!(
+                "{:>8} {:<22} {:>12.2} us {:>8.2} GiB/s",
+                label(bytes),
+                s.name,
+                t.as_secs_f64() * 1e6,
+                g
+            );
         }
         // SAFETY: allocated above, idle after the last wait.
         unsafe {
@@ -173,23 +291,36 @@ fn main() {
     std::fs::write(format!("{dir}/transfer_sweep.csv"), &csv).unwrap();
     std::fs::write(
         format!("{dir}/transfer_sweep.svg"),
-        svg(&series, "cuferry blocking routes vs the raw driver (H200, median of repeated runs)"),
+        svg(
+            &series,
+            "cuferry blocking routes vs the raw driver (H200, median of repeated runs)",
+        ),
     )
     .unwrap();
 
     // Four engines on four threads against one alone: 64 MiB up and down each.
     let n = (64 << 20) / 4;
     let host: Vec<f32> = (0..n).map(|i| i as f32 + 0.5).collect();
-    let round = |engine: &mut CudaEngine, tensor: &mut cuferry::DeviceTensor<f32>, out: &mut Option<Vec<f32>>| {
+    let round = |engine: &mut CudaEngine,
+                 tensor: &mut cuferry::DeviceTensor<f32>,
+                 out: &mut Option<Vec<f32>>| {
         upload_tensor_into(engine, tensor, &host).unwrap();
         *out = Some(download_tensor_into(engine, tensor, out.take().unwrap()).unwrap());
     };
-    let mut one = (upload_tensor(&mut engine, &host, &[n]).unwrap(), Some(Vec::with_capacity(n)));
+    let mut one = (
+        upload_tensor(&mut engine, &host, &[n]).unwrap(),
+        Some(Vec::with_capacity(n)),
+    );
     let alone = median(|| round(&mut engine, &mut one.0, &mut one.1));
     let mut engines: Vec<CudaEngine> = (0..4).map(|_| CudaEngine::open(0).unwrap()).collect();
     let mut state: Vec<_> = engines
         .iter_mut()
-        .map(|e| (upload_tensor(e, &host, &[n]).unwrap(), Some(Vec::<f32>::with_capacity(n))))
+        .map(|e| {
+            (
+                upload_tensor(e, &host, &[n]).unwrap(),
+                Some(Vec::<f32>::with_capacity(n)),
+            )
+        })
         .collect();
     let together = median(|| {
         std::thread::scope(|s| {
@@ -212,7 +343,10 @@ fn main() {
     // Fresh downloads (a new `Vec` each time) against the host's own limit: allocating the same
     // bytes and touching every page with the same number of threads as the copy pool.
     let threads = engine.staging_config().copy_threads;
-    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .unwrap();
     for bytes in [256usize << 20, 1 << 30] {
         let n = bytes / 4;
         let host: Vec<f32> = (0..n).map(|i| i as f32 + 0.5).collect();
@@ -240,7 +374,10 @@ fn main() {
             drop(v);
         });
         let mut reused = Some(Vec::<f32>::with_capacity(n));
-        let into = median(|| reused = Some(download_tensor_into(&mut engine, &tensor, reused.take().unwrap()).unwrap()));
+        let into = median(|| {
+            reused =
+                Some(download_tensor_into(&mut engine, &tensor, reused.take().unwrap()).unwrap())
+        });
         println!(
             "fresh download {}: download_tensor {:.2} GiB/s, download_tensor_into (reused Vec) {:.2} GiB/s, host allocate-and-touch limit with {threads} threads {:.2} GiB/s",
             label(bytes),
