@@ -30,6 +30,7 @@ use crate::lifecycle::lease::{BeginError, KeepAlive, Proven, StagingLease, Unpro
 use crate::memory::element::{as_bytes, byte_len, Element};
 use crate::memory::tensor::{shape_len, DeviceTensor};
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 /// Bytes one host-copy task handles at least: below this, splitting costs more than it gains.
@@ -382,6 +383,9 @@ fn upload_chunks<T: Element>(
     let src = as_bytes(data);
     let size = T::DTYPE.size_bytes();
     let plan = plan::<T>(engine, src.len());
+    if let Some(pool) = pool.filter(|p| fits_at_once(&plan, data.len(), p)) {
+        return upload_at_once(engine, data, tensor, pool, &plan);
+    }
     let mut in_flight = VecDeque::new();
     let mut offset = 0;
     while offset < data.len() {
@@ -509,6 +513,9 @@ fn download_chunks<T: Element>(
     let plan = plan::<T>(engine, bytes);
     let dst = SendPtr(out.as_mut_ptr().cast::<u8>());
     match pool {
+        Some(pool) if fits_at_once(&plan, total, pool) => {
+            download_at_once::<T>(engine, tensor, dst, fresh, pool, &plan)
+        }
         Some(pool) if fresh && bytes >= POPULATE_MIN => pool.scope(|scope| {
             populate(scope, dst, bytes);
             chunk_loop::<T>(engine, tensor, dst, &plan, Some(pool))
@@ -597,3 +604,239 @@ fn chunk_loop<T: Element>(
     }
     Ok(())
 }
+
+/// Whether a transfer of `len` elements under `plan` takes every chunk's slot at once (no more
+/// chunks than the ring is deep), so one parallel region can serve the whole transfer. Needs
+/// two copy threads at least: the thread that drives the transfer waits on the others.
+fn fits_at_once(plan: &Plan, len: usize, pool: &rayon::ThreadPool) -> bool {
+    !plan.scalar
+        && pool.current_num_threads() >= 2
+        && len.div_ceil(plan.per_chunk) <= plan.depth
+        && len.div_ceil(plan.per_chunk) >= 2
+}
+
+/// The host-copy parts of one chunk of `bytes`: at least [`MIN_COPY_PART`] each, about one per
+/// copy thread. Yields `(offset, len)` within the chunk.
+fn copy_parts(bytes: usize, threads: usize) -> impl Iterator<Item = (usize, usize)> {
+    let part = bytes
+        .div_ceil(threads.max(1))
+        .max(MIN_COPY_PART)
+        .next_multiple_of(64);
+    (0..bytes)
+        .step_by(part)
+        .map(move |offset| (offset, part.min(bytes - offset)))
+}
+
+/// Waits until `done` reaches zero, running this thread's queued copy tasks meanwhile, so the
+/// driving thread works instead of sleeping.
+fn help_until_zero(done: &AtomicUsize) {
+    while done.load(Ordering::Acquire) != 0 {
+        // Only this thread's own queue: never another transfer's whole loop, which would make
+        // this one wait behind it.
+        if rayon::yield_local() != Some(rayon::Yield::Executed) {
+            std::hint::spin_loop();
+        }
+    }
+}
+
+/// An upload whose chunks all fit in the ring at once: every slot is leased up front, the host
+/// copies of all chunks run as one parallel region (in chunk order), and each chunk's DMA is
+/// queued as soon as its last part has landed, so the copies of later chunks overlap the DMA of
+/// earlier ones with one fork-join per transfer instead of one per chunk.
+fn upload_at_once<T: Element>(
+    engine: &mut CudaEngine,
+    data: &[T],
+    tensor: &mut DeviceTensor<T>,
+    pool: &rayon::ThreadPool,
+    plan: &Plan,
+) -> Result<(), Stranded> {
+    let src = as_bytes(data);
+    let size = T::DTYPE.size_bytes();
+    let chunks = data.len().div_ceil(plan.per_chunk);
+    let mut leases: VecDeque<StagingLease<Proven>> = VecDeque::with_capacity(chunks);
+    for _ in 0..chunks {
+        match engine.route_lease() {
+            Ok(lease) => leases.push_back(lease),
+            Err(error) => {
+                leases.into_iter().for_each(StagingLease::release);
+                return Err(Stranded::alone(error));
+            }
+        }
+    }
+    let threads = pool.current_num_threads();
+    let remaining: Vec<AtomicUsize> = (0..chunks)
+        .map(|c| {
+            let n = plan.per_chunk.min(data.len() - c * plan.per_chunk);
+            AtomicUsize::new(copy_parts(n * size, threads).count())
+        })
+        .collect();
+    let targets: Vec<SendPtr> = leases
+        .iter_mut()
+        .map(|lease| SendPtr(lease.as_mut_bytes().as_mut_ptr()))
+        .collect();
+    let mut in_flight = VecDeque::with_capacity(chunks);
+    let mut failure = None;
+    pool.scope_fifo(|scope| {
+        for (c, &target) in targets.iter().enumerate() {
+            let start = c * plan.per_chunk * size;
+            let bytes = plan.per_chunk.min(data.len() - c * plan.per_chunk) * size;
+            let remaining = &remaining[c];
+            for (offset, len) in copy_parts(bytes, threads) {
+                let from = SendPtr(src[start + offset..].as_ptr().cast_mut());
+                scope.spawn_fifo(move |_| {
+                    // SAFETY: the slot is leased and proven (no DMA touches it until its chunk
+                    // is queued, after every part has landed); it holds at least `bytes` bytes
+                    // (`plan.per_chunk` elements fit a slot); each part is a disjoint range of
+                    // both; `data` is borrowed until the region ends.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(from.get(), target.get().add(offset), len)
+                    };
+                    remaining.fetch_sub(1, Ordering::Release);
+                });
+            }
+        }
+        // Queue each chunk as soon as its copies are done, in order. After a failure the
+        // remaining copies still run to the end of the region (they write only our slots).
+        for (c, done) in remaining.iter().enumerate() {
+            help_until_zero(done);
+            let lease = leases.pop_front().expect("one lease per chunk");
+            if failure.is_some() {
+                lease.release();
+                continue;
+            }
+            let offset = c * plan.per_chunk;
+            let n = plan.per_chunk.min(data.len() - offset);
+            match lease.begin_upload(engine, tensor, offset, n) {
+                Ok(unproven) => in_flight.push_back(unproven),
+                Err(BeginError::NotQueued { lease, error }) => {
+                    lease.release();
+                    failure = Some(error);
+                }
+                Err(BeginError::Untracked { lease, error }) => {
+                    lease.retire();
+                    failure = Some(error);
+                }
+            }
+        }
+    });
+    match failure {
+        Some(error) => Err(Stranded { error, in_flight }),
+        None => finish(in_flight),
+    }
+}
+
+/// A download whose chunks all fit in the ring at once: every chunk's DMA is queued up front,
+/// then each chunk is copied out, in parallel, as soon as its event proves it arrived, while
+/// later chunks are still on the wire. A `fresh` destination has its pages populated in the same
+/// region.
+fn download_at_once<T: Element>(
+    engine: &mut CudaEngine,
+    tensor: &DeviceTensor<T>,
+    dst: SendPtr,
+    fresh: bool,
+    pool: &rayon::ThreadPool,
+    plan: &Plan,
+) -> Result<()> {
+    let total = tensor.len();
+    let size = T::DTYPE.size_bytes();
+    let chunks = total.div_ceil(plan.per_chunk);
+    let fail = |in_flight: VecDeque<StagingLease<Unproven>>, error| {
+        in_flight.into_iter().for_each(StagingLease::<Unproven>::retire);
+        Err(error)
+    };
+    let mut in_flight = VecDeque::with_capacity(chunks);
+    for c in 0..chunks {
+        let lease = match engine.route_lease() {
+            Ok(lease) => lease,
+            Err(error) => return fail(in_flight, error),
+        };
+        let offset = c * plan.per_chunk;
+        let n = plan.per_chunk.min(total - offset);
+        match lease.begin_download(engine, tensor, offset, n) {
+            Ok(unproven) => in_flight.push_back(unproven),
+            Err(BeginError::NotQueued { lease, error }) => {
+                lease.release();
+                return fail(in_flight, error);
+            }
+            Err(BeginError::Untracked { lease, error }) => {
+                lease.retire();
+                return fail(in_flight, error);
+            }
+        }
+    }
+    let threads = pool.current_num_threads();
+    let mut landed: Vec<StagingLease<Proven>> = Vec::with_capacity(chunks);
+    let mut failure = None;
+    pool.scope_fifo(|scope| {
+        if fresh && total * size >= POPULATE_MIN {
+            populate_fifo(scope, dst, total * size);
+        }
+        for c in 0..chunks {
+            let Some(lease) = in_flight.pop_front() else {
+                break;
+            };
+            let proven = match lease.end_chunk() {
+                Ok(proven) => proven,
+                Err(error) => {
+                    failure = Some(error);
+                    break;
+                }
+            };
+            let from = SendPtr(proven.as_bytes().as_ptr().cast_mut());
+            let start = c * plan.per_chunk * size;
+            let bytes = plan.per_chunk.min(total - c * plan.per_chunk) * size;
+            for (offset, len) in copy_parts(bytes, threads) {
+                scope.spawn_fifo(move |_| {
+                    // SAFETY: the lease is proven, so its chunk has arrived, and it is kept
+                    // (in `landed`) until the region ends; `dst` has room for `total` elements
+                    // and this part lies inside chunk `c`; parts are disjoint; the ranges do not
+                    // overlap (pinned staging and the caller's vector).
+                    unsafe {
+                        let at = dst.get().add(start + offset);
+                        let from = from.get().add(offset);
+                        if T::DTYPE == DType::Bool {
+                            for i in 0..len {
+                                *at.add(i) = u8::from(*from.add(i) != 0);
+                            }
+                        } else {
+                            std::ptr::copy_nonoverlapping(from, at, len);
+                        }
+                    }
+                });
+            }
+            landed.push(proven);
+        }
+    });
+    landed.into_iter().for_each(StagingLease::release);
+    match failure {
+        Some(error) => fail(in_flight, error),
+        None => Ok(()),
+    }
+}
+
+/// [`populate`], for a FIFO region.
+#[cfg(target_os = "linux")]
+fn populate_fifo(scope: &rayon::ScopeFifo<'_>, ptr: SendPtr, bytes: usize) {
+    const PAGE: usize = 4096;
+    const PART: usize = 16 << 20;
+    let start = (ptr.get() as usize).next_multiple_of(PAGE);
+    let end = (ptr.get() as usize + bytes) & !(PAGE - 1);
+    if end <= start {
+        return;
+    }
+    // SAFETY: as in `populate`.
+    unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE) };
+    let mut at = start;
+    while at < end {
+        let len = PART.min(end - at);
+        scope.spawn_fifo(move |_| {
+            // SAFETY: as in `populate`.
+            unsafe { libc::madvise(at as *mut libc::c_void, len, libc::MADV_POPULATE_WRITE) };
+        });
+        at += len;
+    }
+}
+
+/// Elsewhere the copy-out faults the pages in itself.
+#[cfg(not(target_os = "linux"))]
+fn populate_fifo(_scope: &rayon::ScopeFifo<'_>, _ptr: SendPtr, _bytes: usize) {}
