@@ -21,6 +21,10 @@
 //!   settings (chunk size, copy threads), which is how the defaults were chosen;
 //! - `midsize_sweep`: 8 MiB transfers under several ring depths and copy-thread counts.
 //!
+//! The copy threads are one pool per process (`cuferry::copy_threads()`, sized from the machine),
+//! and an engine's `copy_threads` only caps its share: sweep rows asking for more threads than the
+//! pool has are skipped. Run with `CUFERRY_COPY_THREADS=16` to measure them.
+//!
 //! Without a GPU the bench prints a note and measures nothing.
 
 // criterion's macros generate undocumented public items.
@@ -378,6 +382,15 @@ fn four_threads(c: &mut Criterion) {
     group.finish();
 }
 
+/// Whether the shared copy pool has `threads` threads for one transfer; says so when not.
+fn pool_has(threads: usize) -> bool {
+    let pool = cuferry::copy_threads();
+    if threads > pool {
+        eprintln!("transfer_paths: skipping {threads} copy threads (the pool has {pool})");
+    }
+    threads <= pool
+}
+
 fn staging_sweep(c: &mut Criterion, engine: &mut CudaEngine) {
     let mut group = c.benchmark_group("staging_sweep");
     let bytes = 256 << 20;
@@ -386,6 +399,9 @@ fn staging_sweep(c: &mut Criterion, engine: &mut CudaEngine) {
     let host: Vec<f32> = (0..n).map(|i| i as f32 + 0.5).collect();
     let original = engine.staging_config();
     for (chunk_mib, threads) in [(4, 12), (8, 12), (16, 8), (16, 12), (16, 16), (32, 12)] {
+        if !pool_has(threads) {
+            continue;
+        }
         let mut config = original;
         config.chunk_bytes = chunk_mib << 20;
         config.copy_threads = threads;
@@ -481,6 +497,9 @@ fn midsize_sweep(c: &mut Criterion, engine: &mut CudaEngine) {
     let original = engine.staging_config();
     let tensor = cuferry::upload_tensor(engine, &host, &[n]).unwrap();
     for (depth, threads) in [(4, 12), (8, 12), (4, 16), (8, 16)] {
+        if !pool_has(threads) {
+            continue;
+        }
         let mut config = original;
         config.ring_depth = depth;
         config.copy_threads = threads;

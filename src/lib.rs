@@ -9,7 +9,8 @@
 //!   pointers inside a scope that restores the caller's context on return, error and unwind.
 //! - [`DeviceTensor`]: a compact, shaped, stream-ordered device allocation of an [`Element`].
 //! - Blocking routes: [`upload_tensor`], [`upload_tensor_into`], [`download_tensor`],
-//!   [`download_tensor_into`].
+//!   [`download_tensor_into`], whose host copies run on one pool of threads shared by the
+//!   process's engines ([`copy_threads`], [`set_copy_threads`]).
 //! - Pending routes over [`PinnedHostBuffer`]s handed over by value: [`upload_pending`],
 //!   [`download_pending`], returning a [`Pending`] transfer in state [`InFlight`] until it is
 //!   [`Returned`].
@@ -80,6 +81,7 @@ pub use lifecycle::lease::{
     BeginError, KeepAlive, LeaseState, Proven, StagingLease, Unproven, Untracked,
 };
 pub use lifecycle::retire::RetirementStats;
+pub use memory::copy_pool::{copy_threads, set_copy_threads};
 pub use memory::element::Element;
 pub use memory::pinned::PinnedHostBuffer;
 pub use memory::pool::PinnedPoolStats;

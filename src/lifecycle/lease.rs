@@ -472,8 +472,9 @@ impl CudaEngine {
         self.shared.lock().staging.config()
     }
 
-    /// Changes the staging settings. Idle slots of the old size are freed; the copy threads are
-    /// rebuilt on next use.
+    /// Changes the staging settings. Idle slots of the old size are freed. `copy_threads` only
+    /// caps this engine's share of the process's shared copy threads (see
+    /// [`StagingConfig::copy_threads`]); the threads themselves are not rebuilt.
     ///
     /// # Errors
     /// [`Error::InvalidSetting`] for a value out of range (the settings are then unchanged);

@@ -6,13 +6,16 @@
 //! - [`pinned`]: `PinnedHostBuffer<T>`, page-locked host memory handed to transfers by value.
 //! - [`pool`]: the pinned pool the buffers come from (engine state).
 //! - [`ring`]: the staging ring's chunks, settings and counters (engine state).
+//! - [`copy_pool`]: the host-copy threads of the blocking routes, one pool per process shared by
+//!   every engine (process state).
 //!
 //! The level exists so that owning memory (allocating it on the engine's stream, returning it to
 //! a pool, freeing it stream-ordered) is written once, apart from the proofs of when the device
 //! is done with it, which are the lifecycle level's. It depends on the seam, the core and the
 //! errors. `pool` and `ring` are the engine's state and depend only on the seam and the errors
-//! (see [`core`](crate::core)).
+//! (see [`core`](crate::core)). `copy_pool` is process state and depends only on the errors.
 
+pub(crate) mod copy_pool;
 pub(crate) mod element;
 pub(crate) mod pinned;
 pub(crate) mod pool;

@@ -14,11 +14,12 @@
 
 use crate::driver::Driver;
 use crate::error::{DriverError, Error, Result};
+use crate::memory::copy_pool::MAX_THREADS;
 use std::ptr::NonNull;
-use std::sync::Arc;
 
 /// The staging settings of an engine. Defaults were chosen by measurement on an H200 (PCIe
-/// Gen5 x16, 16 host cores); see `docs/records/blocking-staging.md`.
+/// Gen5 x16, 16 host cores); see `docs/records/blocking-staging.md`. The default of
+/// `copy_threads` follows the process's shared copy pool ([`copy_threads()`](crate::copy_threads)).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct StagingConfig {
@@ -26,7 +27,15 @@ pub struct StagingConfig {
     pub chunk_bytes: usize,
     /// Slots in the ring: how many chunks may be in flight at once.
     pub ring_depth: usize,
-    /// Host threads that copy into and out of staging chunks.
+    /// The most host-copy threads one transfer of this engine splits its host copies across.
+    ///
+    /// The threads themselves are one pool shared by every engine in the process (its size is
+    /// [`copy_threads()`](crate::copy_threads), set with
+    /// [`set_copy_threads`](crate::set_copy_threads) or `CUFERRY_COPY_THREADS`); this setting
+    /// caps one engine's share of it: a transfer splits into at most
+    /// `min(copy_threads, pool size)` parts. 1 to 256; a value above the pool's size is accepted
+    /// and means the whole pool. Default: the pool's size when the settings are made, so a
+    /// transfer may use every shared thread.
     pub copy_threads: usize,
     /// Transfers up to this many bytes go through one staged copy (one slot, no pipeline);
     /// larger ones through the pipeline.
@@ -38,7 +47,7 @@ impl Default for StagingConfig {
         StagingConfig {
             chunk_bytes: 16 << 20,
             ring_depth: 4,
-            copy_threads: 12,
+            copy_threads: crate::memory::copy_pool::copy_threads(),
             cutoff_bytes: 1 << 20,
         }
     }
@@ -64,11 +73,11 @@ impl StagingConfig {
         if self.ring_depth == 0 || self.ring_depth > 64 {
             return bad("ring_depth", self.ring_depth, "must be between 1 and 64");
         }
-        if self.copy_threads == 0 || self.copy_threads > 256 {
+        if self.copy_threads == 0 || self.copy_threads > MAX_THREADS {
             return bad(
                 "copy_threads",
                 self.copy_threads,
-                "must be between 1 and 256",
+                "must be between 1 and 256 (a cap on the shared copy threads one transfer uses)",
             );
         }
         if self.cutoff_bytes > self.chunk_bytes {
@@ -139,8 +148,8 @@ pub struct StagingStats {
     pub scalar_slot: bool,
 }
 
-/// The engine's staging ring: its settings, its idle slots, the counts of slots out on each
-/// budget, and the host-copy threads.
+/// The engine's staging ring: its settings, its idle slots, and the counts of slots out on each
+/// budget. (The host-copy threads are the process's, in `memory::copy_pool`.)
 #[derive(Default)]
 pub(crate) struct StagingRing {
     config: StagingConfig,
@@ -154,7 +163,6 @@ pub(crate) struct StagingRing {
     retired: u64,
     /// The 16-byte pinned slot of the smallest band.
     scalar: Option<Slot>,
-    pool: Option<Arc<rayon::ThreadPool>>,
 }
 
 impl StagingRing {
@@ -163,8 +171,7 @@ impl StagingRing {
         self.config
     }
 
-    /// Changes the settings (already validated). Idle slots of the old size are freed; the copy
-    /// threads are rebuilt on next use when their number changed.
+    /// Changes the settings (already validated). Idle slots of the old size are freed.
     ///
     /// # Errors
     /// The first refusal to free an idle slot (the settings change regardless).
@@ -173,9 +180,6 @@ impl StagingRing {
         driver: &mut dyn Driver,
         config: StagingConfig,
     ) -> Result<()> {
-        if self.config.copy_threads != config.copy_threads {
-            self.pool = None;
-        }
         self.config = config;
         self.free_idle(driver)
     }
@@ -283,25 +287,6 @@ impl StagingRing {
             _ => self.route_out += 1,
         }
         Ok(slot)
-    }
-
-    /// The host-copy thread pool, built on first use.
-    pub(crate) fn copy_pool(&mut self) -> Result<Arc<rayon::ThreadPool>> {
-        if let Some(pool) = &self.pool {
-            return Ok(Arc::clone(pool));
-        }
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(self.config.copy_threads)
-            .thread_name(|i| format!("cuferry-copy-{i}"))
-            .build()
-            .map_err(|_| Error::InvalidSetting {
-                setting: "copy_threads",
-                value: self.config.copy_threads,
-                reason: "the host-copy threads could not be started",
-            })?;
-        let pool = Arc::new(pool);
-        self.pool = Some(Arc::clone(&pool));
-        Ok(pool)
     }
 
     /// Takes the 16-byte scalar slot (made on first use).

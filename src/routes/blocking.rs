@@ -12,26 +12,19 @@
 //!   k+1 into its slot while the DMA of chunk k runs; each chunk has its own event, and a slot
 //!   is reused only after its event proved the previous chunk complete.
 //!
-//! Uploads come in two forms: [`upload_tensor`] allocates the destination tensor,
-//! [`upload_tensor_into`] writes into one the caller already holds (same length, same engine) and
-//! allocates no device memory; both share one chunk loop. Downloads likewise:
-//! [`download_tensor`] fills a new `Vec`, [`download_tensor_into`] refills the caller's.
-//!
-//! A failure after the first enqueue retires every unproven lease into the retirement queue, so
-//! nothing is freed while DMA may still touch it, and the route returns the error. A tensor that
-//! [`upload_tensor`] allocated is retired with the newest lease; the caller's tensor of
-//! [`upload_tensor_into`] stays the caller's (its free is ordered on the stream after the queued
-//! copies) and holds unspecified contents.
+//! A failure after the first enqueue retires every unproven lease (with the destination tensor,
+//! on uploads) into the retirement queue, so nothing is freed while DMA may still touch it, and
+//! the route returns the error.
 
 use crate::core::engine::CudaEngine;
 use crate::dtype::DType;
 use crate::error::{Error, Refused, Result};
 use crate::lifecycle::lease::{BeginError, KeepAlive, Proven, StagingLease, Unproven};
+use crate::memory::copy_pool;
 use crate::memory::element::{as_bytes, byte_len, Element};
 use crate::memory::tensor::{shape_len, DeviceTensor};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
 
 /// Bytes one host-copy task handles at least: below this, splitting costs more than it gains.
 const MIN_COPY_PART: usize = 256 << 10;
@@ -50,13 +43,20 @@ impl SendPtr {
     }
 }
 
-/// Runs `f(offset, len)` over `bytes` split into parts, on the engine's copy threads when the
-/// range is large enough.
-fn par_bytes(pool: Option<&rayon::ThreadPool>, bytes: usize, f: impl Fn(usize, usize) + Sync) {
-    let parts = match pool {
-        Some(pool) if bytes >= 2 * MIN_COPY_PART => {
-            (bytes / MIN_COPY_PART).min(pool.current_num_threads())
-        }
+/// The host-copy threads one transfer uses: the process's shared pool, and at most how many
+/// parts the transfer splits each host copy into (the engine's `copy_threads`, no more than the
+/// pool's threads).
+#[derive(Clone, Copy)]
+struct Copiers {
+    pool: &'static rayon::ThreadPool,
+    parts: usize,
+}
+
+/// Runs `f(offset, len)` over `bytes` split into parts, on the shared copy threads when the range
+/// is large enough.
+fn par_bytes(copiers: Option<Copiers>, bytes: usize, f: impl Fn(usize, usize) + Sync) {
+    let parts = match copiers {
+        Some(copiers) if bytes >= 2 * MIN_COPY_PART => (bytes / MIN_COPY_PART).min(copiers.parts),
         _ => 1,
     };
     if parts <= 1 {
@@ -65,8 +65,8 @@ fn par_bytes(pool: Option<&rayon::ThreadPool>, bytes: usize, f: impl Fn(usize, u
     }
     let part = bytes.div_ceil(parts).next_multiple_of(64);
     let f = &f;
-    if let Some(pool) = pool {
-        pool.scope(|scope| {
+    if let Some(copiers) = copiers {
+        copiers.pool.scope(|scope| {
             let mut offset = 0;
             while offset < bytes {
                 let len = part.min(bytes - offset);
@@ -82,9 +82,9 @@ fn par_bytes(pool: Option<&rayon::ThreadPool>, bytes: usize, f: impl Fn(usize, u
 /// # Safety
 /// `src..src+bytes` is readable and `dst..dst+bytes` writable for the call, and they do not
 /// overlap.
-unsafe fn par_copy(pool: Option<&rayon::ThreadPool>, dst: *mut u8, src: *const u8, bytes: usize) {
+unsafe fn par_copy(copiers: Option<Copiers>, dst: *mut u8, src: *const u8, bytes: usize) {
     let (d, s) = (SendPtr(dst), SendPtr(src.cast_mut()));
-    par_bytes(pool, bytes, |off, len| {
+    par_bytes(copiers, bytes, |off, len| {
         // SAFETY: the caller's contract; `off..off+len` lies inside both ranges, and each task's
         // range is disjoint from every other's.
         unsafe { std::ptr::copy_nonoverlapping(s.get().add(off), d.get().add(off), len) }
@@ -95,14 +95,9 @@ unsafe fn par_copy(pool: Option<&rayon::ThreadPool>, dst: *mut u8, src: *const u
 ///
 /// # Safety
 /// As [`par_copy`], with `dst` pointing at `bytes` `bool` slots.
-unsafe fn par_decode_bool(
-    pool: Option<&rayon::ThreadPool>,
-    dst: *mut u8,
-    src: *const u8,
-    bytes: usize,
-) {
+unsafe fn par_decode_bool(copiers: Option<Copiers>, dst: *mut u8, src: *const u8, bytes: usize) {
     let (d, s) = (SendPtr(dst), SendPtr(src.cast_mut()));
-    par_bytes(pool, bytes, |off, len| {
+    par_bytes(copiers, bytes, |off, len| {
         for i in off..off + len {
             // SAFETY: `i` lies inside both ranges; writing 0 or 1 makes a valid `bool`.
             unsafe { *d.get().add(i) = u8::from(*s.get().add(i) != 0) };
@@ -110,12 +105,18 @@ unsafe fn par_decode_bool(
     });
 }
 
-/// The copy pool, when this transfer is large enough to split.
-fn pool_for(engine: &mut CudaEngine, bytes: usize) -> Result<Option<Arc<rayon::ThreadPool>>> {
+/// The shared copy threads and this engine's cap on them, when this transfer is large enough to
+/// split.
+fn pool_for(engine: &mut CudaEngine, bytes: usize) -> Result<Option<Copiers>> {
     if bytes < 2 * MIN_COPY_PART {
         return Ok(None);
     }
-    Ok(Some(engine.enter()?.staging.copy_pool()?))
+    let cap = engine.enter()?.staging.config().copy_threads;
+    let pool = copy_pool::pool()?;
+    Ok(Some(Copiers {
+        pool,
+        parts: cap.min(pool.current_num_threads()),
+    }))
 }
 
 /// The lease for the next chunk: a new one while fewer than `depth` chunks are in flight, else
@@ -364,11 +365,13 @@ fn upload_staged<T: Element>(
     if data.is_empty() {
         return Ok(());
     }
-    let pool = pool_for(engine, std::mem::size_of_val(data)).map_err(Stranded::alone)?;
-    match pool {
+    let copiers = pool_for(engine, std::mem::size_of_val(data)).map_err(Stranded::alone)?;
+    match copiers {
         // The loop runs on one of the copy threads, so splitting each chunk's host copy is a
         // local spawn onto warm workers rather than an injection from outside the pool.
-        Some(pool) => pool.install(|| upload_chunks(engine, data, tensor, Some(&pool))),
+        Some(copiers) => copiers
+            .pool
+            .install(|| upload_chunks(engine, data, tensor, Some(copiers))),
         None => upload_chunks(engine, data, tensor, None),
     }
 }
@@ -378,13 +381,13 @@ fn upload_chunks<T: Element>(
     engine: &mut CudaEngine,
     data: &[T],
     tensor: &mut DeviceTensor<T>,
-    pool: Option<&rayon::ThreadPool>,
+    copiers: Option<Copiers>,
 ) -> Result<(), Stranded> {
     let src = as_bytes(data);
     let size = T::DTYPE.size_bytes();
     let plan = plan::<T>(engine, src.len());
-    if let Some(pool) = pool.filter(|p| fits_at_once(&plan, data.len(), p)) {
-        return upload_at_once(engine, data, tensor, pool, &plan);
+    if let Some(copiers) = copiers.filter(|c| fits_at_once(&plan, data.len(), *c)) {
+        return upload_at_once(engine, data, tensor, copiers, &plan);
     }
     let mut in_flight = VecDeque::new();
     let mut offset = 0;
@@ -399,7 +402,7 @@ fn upload_chunks<T: Element>(
         // (`plan.per_chunk` elements fit a slot); `part` is borrowed for the call.
         unsafe {
             par_copy(
-                pool,
+                copiers,
                 lease.as_mut_bytes().as_mut_ptr(),
                 part.as_ptr(),
                 part.len(),
@@ -495,7 +498,9 @@ fn download_staged<T: Element>(
     }
     match pool_for(engine, bytes)? {
         // As in `upload_tensor`: the loop runs on a copy thread.
-        Some(pool) => pool.install(|| download_chunks(engine, tensor, out, fresh, Some(&pool))),
+        Some(copiers) => copiers
+            .pool
+            .install(|| download_chunks(engine, tensor, out, fresh, Some(copiers))),
         None => download_chunks(engine, tensor, out, fresh, None),
     }
 }
@@ -506,21 +511,21 @@ fn download_chunks<T: Element>(
     tensor: &DeviceTensor<T>,
     out: &mut Vec<T>,
     fresh: bool,
-    pool: Option<&rayon::ThreadPool>,
+    copiers: Option<Copiers>,
 ) -> Result<()> {
     let total = tensor.len();
     let bytes = total * T::DTYPE.size_bytes();
     let plan = plan::<T>(engine, bytes);
     let dst = SendPtr(out.as_mut_ptr().cast::<u8>());
-    match pool {
-        Some(pool) if fits_at_once(&plan, total, pool) => {
-            download_at_once::<T>(engine, tensor, dst, fresh, pool, &plan)
+    match copiers {
+        Some(c) if fits_at_once(&plan, total, c) => {
+            download_at_once::<T>(engine, tensor, dst, fresh, c, &plan)
         }
-        Some(pool) if fresh && bytes >= POPULATE_MIN => pool.scope(|scope| {
+        Some(c) if fresh && bytes >= POPULATE_MIN => c.pool.scope(|scope| {
             populate(scope, dst, bytes);
-            chunk_loop::<T>(engine, tensor, dst, &plan, Some(pool))
+            chunk_loop::<T>(engine, tensor, dst, &plan, copiers)
         }),
-        _ => chunk_loop::<T>(engine, tensor, dst, &plan, pool),
+        _ => chunk_loop::<T>(engine, tensor, dst, &plan, copiers),
     }?;
     // SAFETY: every chunk `0..total` was written by `chunk_loop`, each element a valid `T` (any
     // bit pattern, or a decoded 0/1 for bool).
@@ -535,7 +540,7 @@ fn chunk_loop<T: Element>(
     tensor: &DeviceTensor<T>,
     dst: SendPtr,
     plan: &Plan,
-    pool: Option<&rayon::ThreadPool>,
+    copiers: Option<Copiers>,
 ) -> Result<()> {
     let total = tensor.len();
     let size = T::DTYPE.size_bytes();
@@ -588,9 +593,9 @@ fn chunk_loop<T: Element>(
         unsafe {
             let at = dst.get().add(offset * size);
             if T::DTYPE == DType::Bool {
-                par_decode_bool(pool, at, src, n * size);
+                par_decode_bool(copiers, at, src, n * size);
             } else {
-                par_copy(pool, at, src, n * size);
+                par_copy(copiers, at, src, n * size);
             }
         }
         if next < total {
@@ -608,9 +613,9 @@ fn chunk_loop<T: Element>(
 /// Whether a transfer of `len` elements under `plan` takes every chunk's slot at once (no more
 /// chunks than the ring is deep), so one parallel region can serve the whole transfer. Needs
 /// two copy threads at least: the thread that drives the transfer waits on the others.
-fn fits_at_once(plan: &Plan, len: usize, pool: &rayon::ThreadPool) -> bool {
+fn fits_at_once(plan: &Plan, len: usize, copiers: Copiers) -> bool {
     !plan.scalar
-        && pool.current_num_threads() >= 2
+        && copiers.parts >= 2
         && len.div_ceil(plan.per_chunk) <= plan.depth
         && len.div_ceil(plan.per_chunk) >= 2
 }
@@ -647,7 +652,7 @@ fn upload_at_once<T: Element>(
     engine: &mut CudaEngine,
     data: &[T],
     tensor: &mut DeviceTensor<T>,
-    pool: &rayon::ThreadPool,
+    copiers: Copiers,
     plan: &Plan,
 ) -> Result<(), Stranded> {
     let src = as_bytes(data);
@@ -663,7 +668,7 @@ fn upload_at_once<T: Element>(
             }
         }
     }
-    let threads = pool.current_num_threads();
+    let threads = copiers.parts;
     let remaining: Vec<AtomicUsize> = (0..chunks)
         .map(|c| {
             let n = plan.per_chunk.min(data.len() - c * plan.per_chunk);
@@ -676,7 +681,7 @@ fn upload_at_once<T: Element>(
         .collect();
     let mut in_flight = VecDeque::with_capacity(chunks);
     let mut failure = None;
-    pool.scope_fifo(|scope| {
+    copiers.pool.scope_fifo(|scope| {
         for (c, &target) in targets.iter().enumerate() {
             let start = c * plan.per_chunk * size;
             let bytes = plan.per_chunk.min(data.len() - c * plan.per_chunk) * size;
@@ -734,14 +739,16 @@ fn download_at_once<T: Element>(
     tensor: &DeviceTensor<T>,
     dst: SendPtr,
     fresh: bool,
-    pool: &rayon::ThreadPool,
+    copiers: Copiers,
     plan: &Plan,
 ) -> Result<()> {
     let total = tensor.len();
     let size = T::DTYPE.size_bytes();
     let chunks = total.div_ceil(plan.per_chunk);
     let fail = |in_flight: VecDeque<StagingLease<Unproven>>, error| {
-        in_flight.into_iter().for_each(StagingLease::<Unproven>::retire);
+        in_flight
+            .into_iter()
+            .for_each(StagingLease::<Unproven>::retire);
         Err(error)
     };
     let mut in_flight = VecDeque::with_capacity(chunks);
@@ -764,10 +771,10 @@ fn download_at_once<T: Element>(
             }
         }
     }
-    let threads = pool.current_num_threads();
+    let threads = copiers.parts;
     let mut landed: Vec<StagingLease<Proven>> = Vec::with_capacity(chunks);
     let mut failure = None;
-    pool.scope_fifo(|scope| {
+    copiers.pool.scope_fifo(|scope| {
         if fresh && total * size >= POPULATE_MIN {
             populate_fifo(scope, dst, total * size);
         }
@@ -840,3 +847,47 @@ fn populate_fifo(scope: &rayon::ScopeFifo<'_>, ptr: SendPtr, bytes: usize) {
 /// Elsewhere the copy-out faults the pages in itself.
 #[cfg(not(target_os = "linux"))]
 fn populate_fifo(_scope: &rayon::ScopeFifo<'_>, _ptr: SendPtr, _bytes: usize) {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::driver::sim::SimConfig;
+
+    #[test]
+    fn engines_share_one_pool_of_copy_threads() {
+        let mut a = CudaEngine::simulated(SimConfig::default());
+        let mut b = CudaEngine::simulated(SimConfig::default());
+        let mut cap = b.staging_config();
+        cap.copy_threads = 1;
+        b.set_staging_config(cap).unwrap();
+        let n = (4 << 20) / 4 + 3;
+        let data: Vec<u32> = (0..n as u32)
+            .map(|i| i.wrapping_mul(2_654_435_761))
+            .collect();
+        for engine in [&mut a, &mut b] {
+            let t = upload_tensor(engine, &data, &[n]).unwrap();
+            assert_eq!(download_tensor(engine, &t).unwrap(), data);
+            let reused = download_tensor_into(engine, &t, Vec::with_capacity(n)).unwrap();
+            assert_eq!(reused, data);
+        }
+        assert_eq!(copy_pool::pools_built(), 1);
+        let (ca, cb) = (
+            pool_for(&mut a, 4 << 20).unwrap(),
+            pool_for(&mut b, 4 << 20).unwrap(),
+        );
+        let (ca, cb) = (ca.unwrap(), cb.unwrap());
+        assert!(std::ptr::eq(ca.pool, cb.pool));
+        assert_eq!(ca.pool.current_num_threads(), copy_pool::copy_threads());
+        // Each engine's cap applies to its own transfers only.
+        assert_eq!(ca.parts, copy_pool::copy_threads());
+        assert_eq!(cb.parts, 1);
+        let names = ca
+            .pool
+            .broadcast(|_| std::thread::current().name().map(str::to_owned));
+        assert!(names.iter().all(|name| name
+            .as_deref()
+            .is_some_and(|n| n.starts_with("cuferry-copy-"))));
+        assert!(a.sim().unwrap().violations().is_empty());
+        assert!(b.sim().unwrap().violations().is_empty());
+    }
+}
