@@ -1,0 +1,236 @@
+//! Blocking transfers whose chunks all fit in the staging ring at once, on the simulated device:
+//! the host copies of the whole transfer run as one parallel region and each chunk is queued (or
+//! copied out) as soon as it is ready. Correct bytes for every band boundary around the ring's
+//! depth, and a driver fault at every call of both directions loses nothing.
+//!
+//! The process's copy pool is set to four threads before anything uses it, so the parallel path
+//! runs whatever the machine's core count.
+
+mod common;
+
+use common::{random_vec, Rng};
+use cuferry::sim::{SimConfig, SimDevice, SimOp};
+use cuferry::{
+    download_tensor, download_tensor_into, upload_tensor, upload_tensor_into, CudaEngine,
+    DriverError, Error, StagingConfig,
+};
+use std::sync::Once;
+
+const CHUNK: usize = 1 << 20;
+const DEPTH: usize = 4;
+
+fn engine() -> (CudaEngine, SimDevice) {
+    static POOL: Once = Once::new();
+    POOL.call_once(|| cuferry::set_copy_threads(4).expect("set before first use"));
+    let mut engine = CudaEngine::simulated(SimConfig::default());
+    let mut config = StagingConfig::default();
+    config.chunk_bytes = CHUNK;
+    config.cutoff_bytes = 64 << 10;
+    config.ring_depth = DEPTH;
+    config.copy_threads = 4;
+    engine.set_staging_config(config).unwrap();
+    let sim = engine.sim().unwrap();
+    (engine, sim)
+}
+
+/// Element counts (of 4-byte elements) from two chunks to exactly the ring's depth, with
+/// remainders, and one past it (the chunk-by-chunk pipeline).
+fn sizes() -> Vec<usize> {
+    let e = CHUNK / 4;
+    vec![
+        2 * e,
+        2 * e + 1,
+        3 * e + e / 2 + 1,
+        4 * e - 1,
+        4 * e,
+        4 * e + 1,
+    ]
+}
+
+#[test]
+fn every_direction_moves_the_right_bytes_around_the_ring_depth() {
+    let (mut engine, sim) = engine();
+    assert_eq!(cuferry::copy_threads(), 4);
+    let mut rng = Rng::new(11);
+    for n in sizes() {
+        let data = random_vec::<u32>(&mut rng, n);
+        let fresh = upload_tensor(&mut engine, &data, &[n]).unwrap();
+        assert_eq!(download_tensor(&mut engine, &fresh).unwrap(), data, "n={n}");
+        let mut kept = engine.alloc_tensor::<u32>(&[n]).unwrap();
+        let again = random_vec::<u32>(&mut rng, n);
+        upload_tensor_into(&mut engine, &mut kept, &again).unwrap();
+        let out = download_tensor_into(&mut engine, &kept, Vec::new()).unwrap();
+        assert_eq!(out, again, "n={n}");
+        // bool: decoded byte by byte on the way down.
+        let flags: Vec<bool> = (0..n).map(|i| i % 3 == 0).collect();
+        let t = upload_tensor(&mut engine, &flags, &[n]).unwrap();
+        assert_eq!(download_tensor(&mut engine, &t).unwrap(), flags, "n={n}");
+        // f64: two chunks' worth of bytes per 4-byte count.
+        let wide = random_vec::<f64>(&mut rng, n);
+        let t = upload_tensor(&mut engine, &wide, &[n]).unwrap();
+        let back = download_tensor(&mut engine, &t).unwrap();
+        assert!(
+            back.iter()
+                .zip(&wide)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "n={n}"
+        );
+    }
+    engine.synchronize().unwrap();
+    assert_eq!(engine.staging_stats().leased, 0);
+    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Fault {
+    Call(SimOp, u64, DriverError),
+    /// The n-th event's record fails and so does the stream synchronize behind it.
+    Untracked(u64),
+    /// The n-th event reports a failure when the device reaches it.
+    Event(u64),
+}
+
+impl Fault {
+    fn arm(self, sim: &SimDevice) {
+        match self {
+            Fault::Call(op, n, error) => sim.fail_nth(op, n, error),
+            Fault::Untracked(n) => {
+                sim.fail_nth(SimOp::EventRecord, n, DriverError::UNKNOWN);
+                sim.fail_nth(SimOp::StreamSynchronize, 1, DriverError::LAUNCH_FAILED);
+            }
+            Fault::Event(n) => sim.fail_event(n, DriverError::LAUNCH_FAILED),
+        }
+    }
+}
+
+/// One transfer of `n` `u32`s with `fault` armed: it fails, nothing is freed early or leaked,
+/// and the same transfer succeeds afterwards.
+fn fault_case(upload: bool, n: usize, fault: Fault) {
+    let what = format!("upload={upload} n={n} {fault:?}");
+    let (mut engine, sim) = engine();
+    let mut rng = Rng::new(n as u64);
+    let data = random_vec::<u32>(&mut rng, n);
+    let mut tensor = upload_tensor(&mut engine, &data, &[n]).unwrap();
+    engine.synchronize().unwrap();
+    fault.arm(&sim);
+    let failed = if upload {
+        upload_tensor_into(&mut engine, &mut tensor, &random_vec::<u32>(&mut rng, n)).is_err()
+    } else {
+        download_tensor_into(&mut engine, &tensor, Vec::new()).is_err()
+    };
+    assert!(failed, "{what}: the injected fault surfaces");
+    assert!(
+        sim.violations().is_empty(),
+        "{what}: {:?}",
+        sim.violations()
+    );
+    let _ = engine.synchronize();
+    let _ = engine.synchronize();
+    sim.clear_faults();
+    let staging = engine.staging_stats();
+    let retire = engine.retirement_stats();
+    assert_eq!(retire.pending, 0, "{what}");
+    assert!(
+        staging.leased <= retire.retained,
+        "{what}: {staging:?} {retire:?}"
+    );
+    assert_eq!(
+        sim.device_live().0,
+        1,
+        "{what}: device memory beyond the tensor"
+    );
+    // Pinned: the ring's slots (some possibly retained) and the scalar slot; nothing else.
+    assert!(
+        sim.pinned_live().0 <= staging.slots + usize::from(staging.scalar_slot) + retire.retained,
+        "{what}: pinned beyond the staging slots ({staging:?}, {retire:?})"
+    );
+    // The same transfer works again.
+    let again = random_vec::<u32>(&mut rng, n);
+    upload_tensor_into(&mut engine, &mut tensor, &again).unwrap();
+    assert_eq!(
+        download_tensor_into(&mut engine, &tensor, Vec::new()).unwrap(),
+        again,
+        "{what}"
+    );
+    drop(tensor);
+    drop(engine);
+    assert!(
+        sim.violations().is_empty(),
+        "{what}: {:?}",
+        sim.violations()
+    );
+    assert_eq!(sim.device_live().0, 0, "{what}");
+}
+
+fn calls(upload: bool, n: usize, op: SimOp) -> u64 {
+    let (mut engine, sim) = engine();
+    let data = random_vec::<u32>(&mut Rng::new(3), n);
+    let mut tensor = upload_tensor(&mut engine, &data, &[n]).unwrap();
+    engine.synchronize().unwrap();
+    let before = sim.calls(op);
+    if upload {
+        upload_tensor_into(&mut engine, &mut tensor, &data).unwrap();
+    } else {
+        download_tensor_into(&mut engine, &tensor, Vec::new()).unwrap();
+    }
+    sim.calls(op) - before
+}
+
+fn sweep(upload: bool, n: usize) -> usize {
+    let copy = if upload {
+        SimOp::CopyHtoD
+    } else {
+        SimOp::CopyDtoH
+    };
+    let faults = [
+        (copy, DriverError::INVALID_VALUE),
+        (SimOp::EventRecord, DriverError::UNKNOWN),
+        (SimOp::EventSynchronize, DriverError::LAUNCH_FAILED),
+    ];
+    let mut runs = 0;
+    for (op, error) in faults {
+        let count = calls(upload, n, op);
+        assert!(
+            count >= 2,
+            "upload={upload} n={n}: {op:?} called {count} times"
+        );
+        for nth in 1..=count {
+            fault_case(upload, n, Fault::Call(op, nth, error));
+            runs += 1;
+        }
+    }
+    for nth in 1..=calls(upload, n, SimOp::EventRecord) {
+        fault_case(upload, n, Fault::Untracked(nth));
+        fault_case(upload, n, Fault::Event(nth));
+        runs += 2;
+    }
+    runs
+}
+
+#[test]
+fn a_fault_at_every_call_of_an_upload_that_fits_at_once_loses_nothing() {
+    let n = 3 * CHUNK / 4 + 5;
+    assert!(sweep(true, n) >= 12);
+}
+
+#[test]
+fn a_fault_at_every_call_of_a_download_that_fits_at_once_loses_nothing() {
+    let n = 3 * CHUNK / 4 + 5;
+    assert!(sweep(false, n) >= 12);
+}
+
+#[test]
+fn a_slot_refused_up_front_leaves_nothing_leased() {
+    let (mut engine, sim) = engine();
+    let n = 3 * CHUNK / 4;
+    let data = random_vec::<u32>(&mut Rng::new(5), n);
+    let mut tensor = engine.alloc_tensor::<u32>(&[n]).unwrap();
+    // The third slot's pinned allocation fails: the two leased before it go back.
+    sim.fail_nth(SimOp::HostAlloc, 3, DriverError::OUT_OF_MEMORY);
+    let refused = upload_tensor_into(&mut engine, &mut tensor, &data);
+    assert!(matches!(refused, Err(Error::Driver { .. })), "{refused:?}");
+    sim.clear_faults();
+    assert_eq!(engine.staging_stats().leased, 0);
+    upload_tensor_into(&mut engine, &mut tensor, &data).unwrap();
+    assert_eq!(download_tensor(&mut engine, &tensor).unwrap(), data);
+}
