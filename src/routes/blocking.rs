@@ -10,7 +10,10 @@
 //! - **Up to `cutoff_bytes`:** one staged copy through one ring slot.
 //! - **Above:** a pipeline over the bounded ring of [`StagingLease`]s: host threads copy chunk
 //!   k+1 into its slot while the DMA of chunk k runs; each chunk has its own event, and a slot
-//!   is reused only after its event proved the previous chunk complete.
+//!   is reused only after its event proved the previous chunk complete. A transfer of up to
+//!   16 MiB whose chunks all fit in the ring at once is served by one parallel region instead:
+//!   every slot is leased up front, all host copies run together (in chunk order), and each
+//!   chunk is queued (or, downloading, copied out) as soon as it is ready.
 //!
 //! A failure after the first enqueue retires every unproven lease (with the destination tensor,
 //! on uploads) into the retirement queue, so nothing is freed while DMA may still touch it, and
