@@ -228,12 +228,29 @@ fn plan<T: Element>(engine: &CudaEngine, bytes: usize) -> Plan {
 /// Fresh download buffers at least this large are backed by huge pages and populated ahead.
 const POPULATE_MIN: usize = 4 << 20;
 
+/// A rayon scope of either order, for [`populate`].
+trait SpawnIn<'s> {
+    fn spawn_task(&self, task: impl FnOnce() + Send + 's);
+}
+
+impl<'s> SpawnIn<'s> for rayon::Scope<'s> {
+    fn spawn_task(&self, task: impl FnOnce() + Send + 's) {
+        self.spawn(move |_| task());
+    }
+}
+
+impl<'s> SpawnIn<'s> for rayon::ScopeFifo<'s> {
+    fn spawn_task(&self, task: impl FnOnce() + Send + 's) {
+        self.spawn_fifo(move |_| task());
+    }
+}
+
 /// Prepares a fresh (never touched) destination of `bytes` bytes at `ptr`: asks for transparent
 /// huge pages, then populates its pages on the copy threads (`MADV_POPULATE_WRITE`) while the
 /// pipeline runs, so the copy-out does not stop at a page fault per page. Populating never
 /// changes contents, so it may race with the copy-out writing the same pages.
 #[cfg(target_os = "linux")]
-fn populate(scope: &rayon::Scope<'_>, ptr: SendPtr, bytes: usize) {
+fn populate<'s>(scope: &impl SpawnIn<'s>, ptr: SendPtr, bytes: usize) {
     const PAGE: usize = 4096;
     const PART: usize = 16 << 20;
     let start = (ptr.get() as usize).next_multiple_of(PAGE);
@@ -247,7 +264,7 @@ fn populate(scope: &rayon::Scope<'_>, ptr: SendPtr, bytes: usize) {
     let mut at = start;
     while at < end {
         let len = PART.min(end - at);
-        scope.spawn(move |_| {
+        scope.spawn_task(move || {
             // SAFETY: as above; MADV_POPULATE_WRITE maps the pages writable without changing
             // their contents. Kernels without it refuse with EINVAL, which is harmless.
             unsafe { libc::madvise(at as *mut libc::c_void, len, libc::MADV_POPULATE_WRITE) };
@@ -258,7 +275,7 @@ fn populate(scope: &rayon::Scope<'_>, ptr: SendPtr, bytes: usize) {
 
 /// Elsewhere the copy-out faults the pages in itself.
 #[cfg(not(target_os = "linux"))]
-fn populate(_scope: &rayon::Scope<'_>, _ptr: SendPtr, _bytes: usize) {}
+fn populate<'s>(_scope: &impl SpawnIn<'s>, _ptr: SendPtr, _bytes: usize) {}
 
 /// The lease for an upload's next chunk under `plan`.
 fn lease_for(
@@ -787,7 +804,7 @@ fn download_at_once<T: Element>(
     let mut failure = None;
     copiers.pool.scope_fifo(|scope| {
         if fresh && total * size >= POPULATE_MIN {
-            populate_fifo(scope, dst, total * size);
+            populate(scope, dst, total * size);
         }
         for c in 0..chunks {
             let Some(lease) = in_flight.pop_front() else {
@@ -831,33 +848,6 @@ fn download_at_once<T: Element>(
         None => Ok(()),
     }
 }
-
-/// [`populate`], for a FIFO region.
-#[cfg(target_os = "linux")]
-fn populate_fifo(scope: &rayon::ScopeFifo<'_>, ptr: SendPtr, bytes: usize) {
-    const PAGE: usize = 4096;
-    const PART: usize = 16 << 20;
-    let start = (ptr.get() as usize).next_multiple_of(PAGE);
-    let end = (ptr.get() as usize + bytes) & !(PAGE - 1);
-    if end <= start {
-        return;
-    }
-    // SAFETY: as in `populate`.
-    unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE) };
-    let mut at = start;
-    while at < end {
-        let len = PART.min(end - at);
-        scope.spawn_fifo(move |_| {
-            // SAFETY: as in `populate`.
-            unsafe { libc::madvise(at as *mut libc::c_void, len, libc::MADV_POPULATE_WRITE) };
-        });
-        at += len;
-    }
-}
-
-/// Elsewhere the copy-out faults the pages in itself.
-#[cfg(not(target_os = "linux"))]
-fn populate_fifo(_scope: &rayon::ScopeFifo<'_>, _ptr: SendPtr, _bytes: usize) {}
 
 #[cfg(test)]
 mod tests {
