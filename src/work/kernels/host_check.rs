@@ -414,8 +414,8 @@ fn fused_kernels_compile_with_nvrtc() {
             let kernel = random_kernel(&mut rng, d);
             let src = std::ffi::CString::new(kernel.source()).unwrap();
             let prog = nvrtc::create_program(&src, None).unwrap();
-            // SAFETY: `prog` was just created and is destroyed once below.
             let compiled =
+                // SAFETY: `prog` was just created and is destroyed once below.
                 unsafe { nvrtc::compile_program(prog, &["--gpu-architecture=compute_90"]) };
             if compiled.is_err() {
                 // SAFETY: `prog` is live.
