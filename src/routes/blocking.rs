@@ -101,11 +101,21 @@ unsafe fn par_copy(copiers: Option<Copiers>, dst: *mut u8, src: *const u8, bytes
 unsafe fn par_decode_bool(copiers: Option<Copiers>, dst: *mut u8, src: *const u8, bytes: usize) {
     let (d, s) = (SendPtr(dst), SendPtr(src.cast_mut()));
     par_bytes(copiers, bytes, |off, len| {
-        for i in off..off + len {
-            // SAFETY: `i` lies inside both ranges; writing 0 or 1 makes a valid `bool`.
-            unsafe { *d.get().add(i) = u8::from(*s.get().add(i) != 0) };
-        }
+        // SAFETY: the caller's contract; `off..off+len` lies inside both ranges, and each task's
+        // range is disjoint from every other's.
+        unsafe { decode_bool(d.get().add(off), s.get().add(off), len) }
     });
+}
+
+/// Decodes `len` device bytes at `src` into `bool`s at `dst` (`byte != 0`), on this thread.
+///
+/// # Safety
+/// `src..src+len` is readable, `dst..dst+len` writable `bool` slots, and they do not overlap.
+unsafe fn decode_bool(dst: *mut u8, src: *const u8, len: usize) {
+    for i in 0..len {
+        // SAFETY: `i` lies inside both ranges; writing 0 or 1 makes a valid `bool`.
+        unsafe { *dst.add(i) = u8::from(*src.add(i) != 0) };
+    }
 }
 
 /// The shared copy threads and this engine's cap on them, when this transfer is large enough to
@@ -830,9 +840,7 @@ fn download_at_once<T: Element>(
                         let at = dst.get().add(start + offset);
                         let from = from.get().add(offset);
                         if T::DTYPE == DType::Bool {
-                            for i in 0..len {
-                                *at.add(i) = u8::from(*from.add(i) != 0);
-                            }
+                            decode_bool(at, from, len);
                         } else {
                             std::ptr::copy_nonoverlapping(from, at, len);
                         }

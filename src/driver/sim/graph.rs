@@ -198,11 +198,7 @@ impl Graphs for SimDriver {
     ) -> Result<(), DriverError> {
         let mut s = self.lock();
         s.enter(SimOp::GraphSetParams)?;
-        let emulation = s
-            .modules
-            .get(&function.0)
-            .map(Arc::clone)
-            .ok_or(DriverError::INVALID_VALUE)?;
+        let emulation = s.emulation(function)?;
         let State {
             graphs, violations, ..
         } = &mut *s;

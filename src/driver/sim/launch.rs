@@ -9,10 +9,25 @@
 //! recorded into the capture instead of queued (see the graph half).
 
 use super::{Job, SimDriver, SimOp, State};
-use crate::driver::launch::{DeviceMemory, FunctionHandle, Launch, ModuleHandle, ModuleSource};
+use crate::driver::launch::{
+    DeviceMemory, Emulation, FunctionHandle, Launch, ModuleHandle, ModuleSource,
+};
 use crate::driver::DevicePtr;
 use crate::error::{DriverError, Error};
 use std::sync::Arc;
+
+impl State {
+    /// The emulation a function handle runs (one kernel per module: the handle is the module's).
+    pub(super) fn emulation(
+        &self,
+        function: FunctionHandle,
+    ) -> Result<Arc<dyn Emulation>, DriverError> {
+        self.modules
+            .get(&function.0)
+            .map(Arc::clone)
+            .ok_or(DriverError::INVALID_VALUE)
+    }
+}
 
 /// What an emulation reads and writes: the device's memory as of the jobs that have run.
 impl DeviceMemory for State {
@@ -83,11 +98,7 @@ impl Launch for SimDriver {
     ) -> Result<(), DriverError> {
         let mut s = self.lock();
         s.enter(SimOp::Launch)?;
-        let emulation = s
-            .modules
-            .get(&function.0)
-            .map(Arc::clone)
-            .ok_or(DriverError::INVALID_VALUE)?;
+        let emulation = s.emulation(function)?;
         if s.capture_launch(function, &emulation, params)? {
             return Ok(());
         }

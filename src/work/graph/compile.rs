@@ -444,8 +444,6 @@ struct KernelBuilder {
     kernel: FusedKernel,
     /// The body index of each value already available in the kernel.
     index: HashMap<usize, usize>,
-    /// The input parameter of each value loaded from memory.
-    load: HashMap<usize, usize>,
     /// The values loaded, and where, in parameter order.
     reads: Vec<usize>,
     read_locs: Vec<Loc>,
@@ -465,7 +463,6 @@ impl KernelBuilder {
             },
             _ => {
                 let p = self.reads.len();
-                self.load.insert(r, p);
                 self.kernel.inputs.push(values[r].dtype);
                 self.reads.push(r);
                 self.read_locs.push(home[&r]);

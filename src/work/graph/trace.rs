@@ -12,6 +12,7 @@
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::memory::element::Element;
+use crate::work::kernels::scalar_bits;
 use crate::work::kernels::spec::unsupported;
 use crate::work::kernels::spec::ElementwiseOp;
 use std::fmt;
@@ -96,14 +97,6 @@ impl fmt::Debug for TracedTensor {
             .field("rank", &self.node.rank)
             .finish()
     }
-}
-
-/// The bits of a scalar, zero-extended to 64 bits (little-endian element bytes).
-pub(crate) fn scalar_bits<T: Element>(value: T) -> u64 {
-    let mut bytes = [0u8; 8];
-    let raw = crate::memory::element::as_bytes(std::slice::from_ref(&value));
-    bytes[..raw.len()].copy_from_slice(raw);
-    u64::from_le_bytes(bytes)
 }
 
 fn mismatch(operation: &'static str, detail: String) -> Error {

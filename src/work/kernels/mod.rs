@@ -68,7 +68,7 @@ fn spec(op: ElementwiseOp, input: DType, output: DType) -> Result<ElementwiseSpe
 }
 
 /// The bits of a scalar, zero-extended to 64 bits (little-endian element bytes).
-fn scalar_bits<T: Element>(value: T) -> u64 {
+pub(crate) fn scalar_bits<T: Element>(value: T) -> u64 {
     let mut bytes = [0u8; 8];
     let raw = as_bytes(std::slice::from_ref(&value));
     bytes[..raw.len()].copy_from_slice(raw);
