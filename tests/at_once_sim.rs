@@ -8,7 +8,7 @@
 
 mod common;
 
-use common::{random_vec, Rng};
+use common::{random_vec, Fault, Rng};
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{
     download_tensor, download_tensor_into, upload_tensor, upload_tensor_into, CudaEngine,
@@ -79,28 +79,6 @@ fn every_direction_moves_the_right_bytes_around_the_ring_depth() {
     engine.synchronize().unwrap();
     assert_eq!(engine.staging_stats().leased, 0);
     assert!(sim.violations().is_empty(), "{:?}", sim.violations());
-}
-
-#[derive(Clone, Copy, Debug)]
-enum Fault {
-    Call(SimOp, u64, DriverError),
-    /// The n-th event's record fails and so does the stream synchronize behind it.
-    Untracked(u64),
-    /// The n-th event reports a failure when the device reaches it.
-    Event(u64),
-}
-
-impl Fault {
-    fn arm(self, sim: &SimDevice) {
-        match self {
-            Fault::Call(op, n, error) => sim.fail_nth(op, n, error),
-            Fault::Untracked(n) => {
-                sim.fail_nth(SimOp::EventRecord, n, DriverError::UNKNOWN);
-                sim.fail_nth(SimOp::StreamSynchronize, 1, DriverError::LAUNCH_FAILED);
-            }
-            Fault::Event(n) => sim.fail_event(n, DriverError::LAUNCH_FAILED),
-        }
-    }
 }
 
 /// One transfer of `n` `u32`s with `fault` armed: it fails, nothing is freed early or leaked,

@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{assert_same, random_vec, Reference, Rng};
+use common::{assert_same, random_vec, Fault, Reference, Rng};
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{
     download_tensor, upload_tensor, upload_tensor_into, CudaEngine, DeviceTensor, DriverError,
@@ -255,48 +255,6 @@ fn a_length_mismatch_is_refused_before_anything_is_queued() {
     }
     assert_eq!(engine.staging_stats().leased, 0);
     assert!(sim.violations().is_empty(), "{:?}", sim.violations());
-}
-
-/// How a fault is injected into one upload.
-#[derive(Clone, Copy, Debug)]
-enum Fault {
-    /// The n-th call of an operation fails with the error.
-    Call(SimOp, u64, DriverError),
-    /// The n-th event record fails and so does the stream synchronize that would prove the copy
-    /// complete without it: the chunk cannot be tracked.
-    Untracked(u64),
-    /// The event of the n-th record reports a failure when the device reaches it.
-    Event(u64),
-}
-
-impl Fault {
-    fn arm(self, sim: &SimDevice) {
-        match self {
-            Fault::Call(op, n, error) => sim.fail_nth(op, n, error),
-            Fault::Untracked(n) => {
-                sim.fail_nth(SimOp::EventRecord, n, DriverError::UNKNOWN);
-                sim.fail_nth(SimOp::StreamSynchronize, 1, DriverError::LAUNCH_FAILED);
-            }
-            Fault::Event(n) => sim.fail_event(n, DriverError::LAUNCH_FAILED),
-        }
-    }
-
-    /// The driver error the route reports.
-    fn reported(self) -> DriverError {
-        match self {
-            Fault::Call(_, _, error) => error,
-            Fault::Untracked(_) => DriverError::UNKNOWN,
-            Fault::Event(_) => DriverError::LAUNCH_FAILED,
-        }
-    }
-
-    /// Whether the fault leaves a chunk that nothing can prove complete (its slot is retained).
-    fn retains(self) -> bool {
-        matches!(
-            self,
-            Fault::Call(SimOp::EventSynchronize, ..) | Fault::Untracked(_) | Fault::Event(_)
-        )
-    }
 }
 
 /// A fresh engine with a tensor of `n` `u32`s and an empty ring (so slots are allocated and

@@ -460,3 +460,48 @@ pub fn check_casts_from<T: Reference>(engine: &mut CudaEngine, rng: &mut Rng, n:
         assert_same(&what, &download_tensor(engine, &out).unwrap(), &want);
     });
 }
+
+use cuferry::sim::{SimDevice, SimOp};
+use cuferry::DriverError;
+
+/// How a fault is injected into one transfer.
+#[derive(Clone, Copy, Debug)]
+pub enum Fault {
+    /// The n-th call of an operation fails with the error.
+    Call(SimOp, u64, DriverError),
+    /// The n-th event record fails and so does the stream synchronize that would prove the copy
+    /// complete without it: the chunk cannot be tracked.
+    Untracked(u64),
+    /// The event of the n-th record reports a failure when the device reaches it.
+    Event(u64),
+}
+
+impl Fault {
+    pub fn arm(self, sim: &SimDevice) {
+        match self {
+            Fault::Call(op, n, error) => sim.fail_nth(op, n, error),
+            Fault::Untracked(n) => {
+                sim.fail_nth(SimOp::EventRecord, n, DriverError::UNKNOWN);
+                sim.fail_nth(SimOp::StreamSynchronize, 1, DriverError::LAUNCH_FAILED);
+            }
+            Fault::Event(n) => sim.fail_event(n, DriverError::LAUNCH_FAILED),
+        }
+    }
+
+    /// The driver error the route reports.
+    pub fn reported(self) -> DriverError {
+        match self {
+            Fault::Call(_, _, error) => error,
+            Fault::Untracked(_) => DriverError::UNKNOWN,
+            Fault::Event(_) => DriverError::LAUNCH_FAILED,
+        }
+    }
+
+    /// Whether the fault leaves a chunk that nothing can prove complete (its slot is retained).
+    pub fn retains(self) -> bool {
+        matches!(
+            self,
+            Fault::Call(SimOp::EventSynchronize, ..) | Fault::Untracked(_) | Fault::Event(_)
+        )
+    }
+}
