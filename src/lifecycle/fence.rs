@@ -128,6 +128,13 @@ impl<R: Send + 'static> Fenced<R> {
         &self.inner().owner
     }
 
+    /// The resources, shared, while the proof is still owed. Only for parts that the caller may
+    /// use on the engine's own stream (where queued work runs after the fenced work) and that a
+    /// shared borrow cannot write: a pending transfer's device tensor, never its host buffer.
+    pub(crate) fn resources(&self) -> &R {
+        &self.inner().resources
+    }
+
     /// Binds `extra` to the same proof: it is released with the resources, never before.
     pub(crate) fn attach<X: Send + 'static>(mut self, extra: X) -> Fenced<(R, X)> {
         let inner = self.take();

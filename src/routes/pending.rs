@@ -222,6 +222,42 @@ impl<D: Direction, T: Element> Pending<D, T, InFlight> {
         self.hold.is_ready()
     }
 
+    /// The device tensor, for device work queued on this engine while the copy is in flight:
+    /// the in-flight handoff.
+    ///
+    /// The engine has one stream, so every operation queued after the copy runs after it: a
+    /// kernel, a library call, a device copy, a blocking or pending download, a prepared program
+    /// given this tensor reads an upload's destination only after the data has landed, with no
+    /// host wait in between. For a download, the tensor is its source, and other work may read it
+    /// alongside the copy. The borrow is shared, so nothing can write the tensor, free it or move
+    /// it while the copy may still touch it, and it ends before [`wait`](Self::wait) (which
+    /// consumes the handle) can return the transfer. The host buffer stays unreachable until then.
+    ///
+    /// Only the engine that queued the copy accepts the tensor: another engine refuses it with
+    /// [`Error::WrongEngine`], as it refuses any tensor it does not own. A CubeCL import
+    /// (`CubeclScope::import`, feature `cubecl`) queues its copy on this engine's stream and waits for it on the host, so it too reads the
+    /// data after it has landed.
+    ///
+    /// ```
+    /// # use cuferry::sim::SimConfig;
+    /// # use cuferry::{download_pending, upload_pending, CudaEngine, PinnedHostBuffer};
+    /// # let mut engine = CudaEngine::simulated(SimConfig::default());
+    /// let source = PinnedHostBuffer::from_slice(&mut engine, &[1.0f32, 2.0, 3.0])?;
+    /// let destination = engine.alloc_tensor::<f32>(&[3])?;
+    /// let upload = upload_pending(&mut engine, source, destination).map_err(|e| e.into_error())?;
+    /// // Queued after the copy on the same stream: no host wait.
+    /// let doubled = engine.add(upload.device_tensor(), upload.device_tensor())?;
+    /// let buffer = PinnedHostBuffer::<f32>::new(&mut engine, 3)?;
+    /// let download = download_pending(&mut engine, doubled, buffer).map_err(|e| e.into_error())?;
+    /// let download = download.wait()?; // the one host wait
+    /// assert_eq!(download.buffer().as_slice(), &[2.0, 4.0, 6.0]);
+    /// let _upload = upload.wait()?; // already complete: stream order
+    /// # Ok::<(), cuferry::Error>(())
+    /// ```
+    pub fn device_tensor(&self) -> &DeviceTensor<T> {
+        &self.hold.resources().tensor
+    }
+
     /// Waits for the copy and returns the transfer in state [`Returned`]. The wait holds no
     /// engine lock: the engine's owner keeps working while another thread waits here.
     ///

@@ -72,3 +72,24 @@ fn with_cubecl_restores_the_callers_context() {
     assert!(err.is_err());
     assert_eq!(ctx::get_current().unwrap(), None);
 }
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_cubecl_import_of_an_in_flight_destination_sees_the_landed_data() {
+    let mut engine = engine();
+    let n = 16usize << 20; // 64 MiB of f32: the copy is still running when the import is asked for
+    let host: Vec<f32> = (0..n).map(|i| (i % 4093) as f32).collect();
+    let source = cuferry::PinnedHostBuffer::from_slice(&mut engine, &host).unwrap();
+    let destination = engine.alloc_tensor::<f32>(&[n]).unwrap();
+    let upload = cuferry::upload_pending(&mut engine, source, destination).unwrap();
+    let on_device = upload.device_tensor();
+    let back = engine
+        .with_cubecl(|scope| -> Result<_, cuferry::Error> {
+            // Queued on the engine's stream after the upload, then waited for on the host.
+            let handle = scope.import(on_device)?;
+            scope.export::<f32>(&handle, &[n])
+        })
+        .unwrap();
+    assert_eq!(download_tensor(&mut engine, &back).unwrap(), host);
+    drop(upload.wait().unwrap());
+}

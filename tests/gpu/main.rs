@@ -9,6 +9,7 @@ mod reference;
 #[cfg(feature = "cubecl")]
 mod cubecl;
 mod engine;
+mod handoff;
 mod kernels;
 mod pending;
 mod raw_scope;
