@@ -208,7 +208,11 @@ fn a_fault_at_every_driver_call_is_reported_and_loses_nothing() {
         }
         runs += 1;
     }
-    assert!(runs > 100, "only {runs} runs");
+    // The workload reaches every listed operation, so every kind of fault was injected.
+    for (&(op, _), &count) in OPS.iter().zip(&counts) {
+        assert!(count > 0, "the workload never calls {op:?}");
+    }
+    assert!(runs > 80, "only {runs} runs");
 }
 
 #[test]

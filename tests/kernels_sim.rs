@@ -250,9 +250,16 @@ fn compile_and_launch_failures_are_driver_errors() {
 fn a_device_fault_after_a_kernel_surfaces_at_synchronize() {
     let mut engine = engine();
     let sim = engine.sim().unwrap();
-    let a = upload_tensor(&mut engine, &[1u8, 2], &[2]).unwrap();
+    // 32 bytes: the download fences its chunk with an event, the one made to fail.
+    let a = upload_tensor(&mut engine, &[1u8; 32], &[32]).unwrap();
     let _sum = engine.add(&a, &a).unwrap();
     sim.fail_event(1, DriverError::ILLEGAL_ADDRESS);
     let err = download_tensor(&mut engine, &a).unwrap_err();
+    assert!(matches!(err, Error::DeviceFault { .. }), "{err:?}");
+    // 16 bytes or fewer are proven by a stream synchronize, which reports the fault the same way.
+    let b = upload_tensor(&mut engine, &[1u8, 2], &[2]).unwrap();
+    let _sum = engine.add(&b, &b).unwrap();
+    sim.fail_nth(SimOp::StreamSynchronize, 1, DriverError::ILLEGAL_ADDRESS);
+    let err = download_tensor(&mut engine, &b).unwrap_err();
     assert!(matches!(err, Error::DeviceFault { .. }), "{err:?}");
 }

@@ -361,6 +361,38 @@ impl<R: Send + 'static> Drop for Untracked<R> {
     }
 }
 
+/// Proves everything queued on the engine so far complete with a stream synchronize, and gives
+/// `resources` back: the proof for work the caller waits for at once, where an event would cost
+/// a record and a trip through the event pool for the same answer (the smallest blocking
+/// transfers). Releases the lock `st` (the caller has just queued the work) and waits outside it.
+///
+/// `resources` arrive in `ManuallyDrop`, taken before the work was queued, so a panic anywhere
+/// from the enqueue to the proof leaks them.
+///
+/// # Errors
+/// [`Error::DeviceFault`] when the synchronize reports a failure: the resources are then
+/// retained for the engine's lifetime (nothing proved the work complete), never released.
+pub(crate) fn synchronize_now<R: Send + 'static>(
+    st: crate::core::engine::Entered<'_>,
+    owner: &Arc<Shared>,
+    resources: ManuallyDrop<R>,
+    what: &'static str,
+) -> Result<R> {
+    drop(st);
+    match owner.waits.stream_synchronize() {
+        Ok(()) => Ok(ManuallyDrop::into_inner(resources)),
+        Err(source) => {
+            drop(Untracked {
+                resources,
+                owner: Arc::clone(owner),
+                what,
+                failure: source,
+            });
+            Err(Error::DeviceFault { what, source })
+        }
+    }
+}
+
 /// Proves everything queued on the engine so far complete, with `resources` lent to it: fences
 /// them, releases the lock, and waits outside it. For boundaries with another runtime, which can
 /// only be ordered by a host wait.

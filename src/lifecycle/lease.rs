@@ -26,7 +26,7 @@
 // A failed begin hands the lease back by value inside its error, as `TrySendError<T>` does.
 #![allow(clippy::result_large_err)]
 
-use super::fence::{fence, Fenced, Fencing, IdleEvent, Untracked as Unfenced};
+use super::fence::{fence, synchronize_now, Fenced, Fencing, IdleEvent, Untracked as Unfenced};
 use crate::core::engine::{CudaEngine, Shared};
 use crate::driver::copy_host;
 use crate::error::{Error, Result};
@@ -35,6 +35,7 @@ use crate::memory::pinned::PinnedHostBuffer;
 use crate::memory::ring::{free_slot, Slot, SlotKind, StagingConfig, StagingStats};
 use crate::memory::tensor::DeviceTensor;
 use std::marker::PhantomData;
+use std::mem::ManuallyDrop;
 use std::sync::Arc;
 
 /// A slot out of the ring. Dropping it returns the slot to the ring; it is dropped only where
@@ -72,6 +73,20 @@ impl Drop for LeasedSlot {
                 st.defer(error);
             }
         }
+    }
+}
+
+/// The host side of a [`CudaEngine::scalar_transfer`], which also gives its direction.
+pub(crate) enum ScalarHost<'a> {
+    /// Host to device, from these bytes.
+    Upload(&'a [u8]),
+    /// Device to host, into these bytes.
+    Download(&'a mut [u8]),
+}
+
+impl ScalarHost<'_> {
+    fn is_upload(&self) -> bool {
+        matches!(self, ScalarHost::Upload(_))
     }
 }
 
@@ -457,14 +472,85 @@ impl CudaEngine {
         Ok(StagingLease::from_slot(slot, &self.shared, None))
     }
 
-    /// Leases the 16-byte slot of the smallest band.
-    pub(crate) fn scalar_lease(&mut self) -> Result<StagingLease<Proven>> {
+    /// Moves at most 16 bytes between host memory and the start of `tensor` through the engine's
+    /// scalar slot, and returns once the copy has completed: the whole of a blocking transfer
+    /// that small.
+    ///
+    /// One lock section takes the slot, fills it (upload) and queues the copy; a stream
+    /// synchronize outside the lock proves it complete (for a transfer the caller waits for at
+    /// once, the same proof as an event, without the record and the event pool); a second lock
+    /// section returns the slot. The slot is never a lease the caller sees: from the enqueue to
+    /// the proof it is held in `ManuallyDrop`, so a panic leaks it, and a failed proof retains it.
+    ///
+    /// # Errors
+    /// [`Error::WrongEngine`] for another engine's tensor; [`Error::InvalidArgument`] when the
+    /// host side is empty, longer than 16 bytes or than the tensor; [`Error::Driver`] when the
+    /// slot or the copy is refused (nothing queued); [`Error::DeviceFault`] when the synchronize
+    /// fails (the slot is retained).
+    pub(crate) fn scalar_transfer<T: Element>(
+        &mut self,
+        tensor: &DeviceTensor<T>,
+        host: ScalarHost<'_>,
+    ) -> Result<()> {
+        self.shared.check(tensor.owner())?;
+        let bytes = match &host {
+            ScalarHost::Upload(src) => src.len(),
+            ScalarHost::Download(dst) => dst.len(),
+        };
+        if bytes == 0 || bytes > 16 || bytes > tensor.byte_len() {
+            return Err(Error::InvalidArgument {
+                operation: "scalar transfer",
+                detail: format!(
+                    "{bytes} host byte(s) for a tensor of {} byte(s) through a 16-byte slot",
+                    tensor.byte_len()
+                ),
+            });
+        }
+        let owner = &self.shared;
+        let mut st = owner.enter()?;
         let slot = {
-            let mut st = self.enter()?;
             let st = &mut *st;
             st.staging.take_scalar(&mut *st.driver)?
         };
-        Ok(StagingLease::from_slot(slot, &self.shared, None))
+        let slot = LeasedSlot {
+            slot: Some(slot),
+            owner: Arc::clone(owner),
+        };
+        let ptr = slot.slot().ptr();
+        if let ScalarHost::Upload(src) = &host {
+            // SAFETY: the slot holds 16 bytes, is ours alone (just taken from the ring) and no
+            // queued copy names it; `src` is at most 16 bytes and does not overlap pinned
+            // staging memory.
+            unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), ptr, bytes) };
+        }
+        // From the enqueue until the proof, a panic leaks the slot.
+        let slot = ManuallyDrop::new(slot);
+        // SAFETY: the slot holds at least `bytes` bytes and is not returned to the ring before
+        // the synchronize below proves the copy complete (or ever, if it fails); the device
+        // range is the tensor's first `bytes` bytes, and the tensor is borrowed for the call.
+        let queued = unsafe {
+            copy_host(
+                &mut *st.driver,
+                host.is_upload(),
+                tensor.raw_ptr(),
+                ptr,
+                bytes,
+            )
+        };
+        if let Err(error) = queued {
+            drop(st);
+            // Nothing was queued: the slot goes back to the ring.
+            drop(ManuallyDrop::into_inner(slot));
+            return Err(error);
+        }
+        let slot = synchronize_now(st, owner, slot, "blocking transfer of 16 bytes or fewer")?;
+        if let ScalarHost::Download(dst) = host {
+            // SAFETY: the synchronize proved the copy into the slot complete; `dst` is at most
+            // 16 bytes and lies outside pinned staging memory.
+            unsafe { std::ptr::copy_nonoverlapping(ptr, dst.as_mut_ptr(), bytes) };
+        }
+        drop(slot); // back to the ring
+        Ok(())
     }
 
     /// The engine's staging settings.

@@ -6,7 +6,8 @@
 //!
 //! Three size bands, all through pinned staging (the device only reaches full speed from
 //! page-locked memory, and the caller's memory is pageable):
-//! - **16 bytes or less:** the engine's pinned scalar slot: one tiny copy and one event wait.
+//! - **16 bytes or less:** the engine's pinned scalar slot: one tiny copy, proven by a stream
+//!   synchronize (the caller waits at once, so an event would add a record for the same proof).
 //! - **Up to `cutoff_bytes`:** one staged copy through one ring slot.
 //! - **Above:** a pipeline over the bounded ring of [`StagingLease`]s: host threads copy chunk
 //!   k+1 into its slot while the DMA of chunk k runs; each chunk has its own event, and a slot
@@ -22,7 +23,7 @@
 use crate::core::engine::CudaEngine;
 use crate::dtype::DType;
 use crate::error::{Error, Refused, Result};
-use crate::lifecycle::lease::{BeginError, KeepAlive, Proven, StagingLease, Unproven};
+use crate::lifecycle::lease::{BeginError, KeepAlive, Proven, ScalarHost, StagingLease, Unproven};
 use crate::memory::copy_pool;
 use crate::memory::element::{as_bytes, byte_len, Element};
 use crate::memory::tensor::{shape_len, DeviceTensor};
@@ -205,8 +206,6 @@ struct Plan {
     per_chunk: usize,
     /// Chunks in flight at once.
     depth: usize,
-    /// Whether the transfer goes through the 16-byte scalar slot.
-    scalar: bool,
 }
 
 /// The plan for a transfer of `bytes` bytes of `T`.
@@ -217,10 +216,7 @@ struct Plan {
 /// it).
 fn plan<T: Element>(engine: &CudaEngine, bytes: usize) -> Plan {
     let config = engine.staging_config();
-    let scalar = bytes <= 16;
-    let chunk = if scalar {
-        16
-    } else if bytes <= config.cutoff_bytes {
+    let chunk = if bytes <= config.cutoff_bytes {
         config.cutoff_bytes
     } else {
         bytes
@@ -230,8 +226,7 @@ fn plan<T: Element>(engine: &CudaEngine, bytes: usize) -> Plan {
     };
     Plan {
         per_chunk: (chunk / T::DTYPE.size_bytes()).max(1),
-        depth: if scalar { 1 } else { config.ring_depth },
-        scalar,
+        depth: config.ring_depth,
     }
 }
 
@@ -286,19 +281,6 @@ fn populate<'s>(scope: &impl SpawnIn<'s>, ptr: SendPtr, bytes: usize) {
 /// Elsewhere the copy-out faults the pages in itself.
 #[cfg(not(target_os = "linux"))]
 fn populate<'s>(_scope: &impl SpawnIn<'s>, _ptr: SendPtr, _bytes: usize) {}
-
-/// The lease for an upload's next chunk under `plan`.
-fn lease_for(
-    engine: &mut CudaEngine,
-    plan: &Plan,
-    in_flight: &mut VecDeque<StagingLease<Unproven>>,
-) -> Result<StagingLease<Proven>> {
-    if plan.scalar {
-        engine.scalar_lease()
-    } else {
-        next_lease(engine, in_flight, plan.depth)
-    }
-}
 
 /// Uploads `data` into a new device tensor of the given shape, and returns once `data` has been
 /// read.
@@ -395,6 +377,11 @@ fn upload_staged<T: Element>(
     if data.is_empty() {
         return Ok(());
     }
+    if std::mem::size_of_val(data) <= 16 {
+        return engine
+            .scalar_transfer(tensor, ScalarHost::Upload(as_bytes(data)))
+            .map_err(Stranded::alone);
+    }
     let copiers = pool_for(engine, std::mem::size_of_val(data)).map_err(Stranded::alone)?;
     match copiers {
         // The loop runs on one of the copy threads, so splitting each chunk's host copy is a
@@ -423,7 +410,7 @@ fn upload_chunks<T: Element>(
     let mut offset = 0;
     while offset < data.len() {
         let n = plan.per_chunk.min(data.len() - offset);
-        let mut lease = match lease_for(engine, &plan, &mut in_flight) {
+        let mut lease = match next_lease(engine, &mut in_flight, plan.depth) {
             Ok(lease) => lease,
             Err(error) => return Err(Stranded { error, in_flight }),
         };
@@ -526,6 +513,24 @@ fn download_staged<T: Element>(
     if bytes == 0 {
         return Ok(());
     }
+    if bytes <= 16 {
+        let mut staged = [0u8; 16];
+        engine.scalar_transfer(tensor, ScalarHost::Download(&mut staged[..bytes]))?;
+        let dst = out.as_mut_ptr().cast::<u8>();
+        // SAFETY: `out` has capacity for `total` elements (`bytes` bytes) and does not overlap
+        // the local `staged`; the bytes have arrived (the transfer returned once complete).
+        unsafe {
+            if T::DTYPE == DType::Bool {
+                decode_bool(dst, staged.as_ptr(), bytes);
+            } else {
+                std::ptr::copy_nonoverlapping(staged.as_ptr(), dst, bytes);
+            }
+            // Every element `0..total` was written, each a valid `T` (any bit pattern, or a
+            // decoded 0/1 for bool).
+            out.set_len(total);
+        }
+        return Ok(());
+    }
     match pool_for(engine, bytes)? {
         // As in `upload_tensor`: the loop runs on a copy thread.
         Some(copiers) => copiers
@@ -589,7 +594,6 @@ fn chunk_loop<T: Element>(
         while in_flight.len() < plan.depth && next < total {
             let lease = match spare.take() {
                 Some(lease) => lease,
-                None if plan.scalar => engine.scalar_lease()?,
                 None => match engine.route_lease() {
                     Ok(lease) => lease,
                     Err(error) => return fail(in_flight, error),
@@ -651,8 +655,7 @@ const AT_ONCE_MAX_BYTES: usize = 16 << 20;
 /// serve the whole transfer. Needs two copy threads at least: the thread that drives the
 /// transfer waits on the others.
 fn fits_at_once(plan: &Plan, len: usize, bytes: usize, copiers: Copiers) -> bool {
-    !plan.scalar
-        && copiers.parts >= 2
+    copiers.parts >= 2
         && bytes <= AT_ONCE_MAX_BYTES
         && len.div_ceil(plan.per_chunk) <= plan.depth
         && len.div_ceil(plan.per_chunk) >= 2
