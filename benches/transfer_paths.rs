@@ -486,6 +486,64 @@ fn host_copy(c: &mut Criterion, raw: &Raw) {
     group.finish();
 }
 
+/// What waking the copy threads costs at 8 MiB: the same parallel pageable-to-pinned copy (one
+/// part per thread, as the routes split it) timed back to back, where the threads are still
+/// spinning from the last copy, and after 300 µs of idling (about the tail of an 8 MiB DMA),
+/// where they have gone to sleep. Only the copies are timed. The difference is the wake-up a
+/// mid-size transfer pays before its host half can start.
+fn copy_wake(c: &mut Criterion, raw: &Raw) {
+    let mut group = c.benchmark_group("copy_wake_8MiB");
+    let bytes = 8 << 20;
+    group.throughput(Throughput::Bytes(bytes as u64));
+    let src: Vec<u8> = (0..bytes).map(|i| i as u8).collect();
+    let dst = raw.pinned(bytes);
+    let threads = cuferry::copy_threads();
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .unwrap();
+    let dst_addr = dst as usize;
+    let copy = || {
+        let part = bytes.div_ceil(threads);
+        pool.scope(|s| {
+            for (t, from) in src.chunks(part).enumerate() {
+                // SAFETY: each task writes its own disjoint part of `dst`, which is idle.
+                s.spawn(move |_| unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        from.as_ptr(),
+                        (dst_addr + t * part) as *mut u8,
+                        from.len(),
+                    )
+                });
+            }
+        })
+    };
+    group.bench_function(format!("back_to_back_{threads}_threads"), |b| {
+        b.iter(copy);
+    });
+    group.bench_function(format!("after_300us_idle_{threads}_threads"), |b| {
+        b.iter_custom(|iters| {
+            let mut total = Duration::ZERO;
+            for _ in 0..iters {
+                std::thread::sleep(Duration::from_micros(300));
+                let start = Instant::now();
+                copy();
+                total += start.elapsed();
+            }
+            total
+        })
+    });
+    group.bench_function("one_thread", |b| {
+        // SAFETY: `dst` holds `bytes` bytes and is idle.
+        b.iter(|| unsafe {
+            std::ptr::copy_nonoverlapping(src.as_ptr(), dst_addr as *mut u8, bytes)
+        })
+    });
+    // SAFETY: allocated above, idle.
+    unsafe { sys::cuMemFreeHost(dst.cast()) };
+    group.finish();
+}
+
 /// Mid-size transfers (8 MiB) under several ring depths and copy-thread counts: a transfer
 /// smaller than the ring is split into `ring_depth` chunks, so the depth sets the overlap.
 fn midsize_sweep(c: &mut Criterion, engine: &mut CudaEngine) {
@@ -533,6 +591,7 @@ fn benches(c: &mut Criterion) {
     submit_cost(c, &mut engine, &raw);
     pinned_alloc(c, &mut engine, &raw);
     host_copy(c, &raw);
+    copy_wake(c, &raw);
     blocking(c, &mut engine, &raw);
     staging_sweep(c, &mut engine);
     midsize_sweep(c, &mut engine);
