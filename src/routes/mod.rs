@@ -16,5 +16,6 @@ pub(crate) mod pending;
 pub use blocking::{download_tensor, download_tensor_into, upload_tensor, upload_tensor_into};
 pub use pending::{
     download_pending, upload_pending, Direction, Download, InFlight, Pending, PendingDownload,
-    PendingUpload, Returned, TransferPackage, TransferState, TransferSubmitError, TryWait, Upload,
+    PendingFuture, PendingUpload, Returned, TransferPackage, TransferState, TransferSubmitError,
+    TryWait, Upload,
 };

@@ -29,6 +29,10 @@ use crate::memory::tensor::DeviceTensor;
 use std::fmt;
 use std::marker::PhantomData;
 
+mod future;
+
+pub use future::PendingFuture;
+
 mod sealed {
     pub trait Direction {}
     /// What a transfer in this state holds.
