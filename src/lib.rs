@@ -13,7 +13,8 @@
 //!   process's engines ([`copy_threads`], [`set_copy_threads`]).
 //! - Pending routes over [`PinnedHostBuffer`]s handed over by value: [`upload_pending`],
 //!   [`download_pending`], returning a [`Pending`] transfer in state [`InFlight`] until it is
-//!   [`Returned`].
+//!   [`Returned`]; an in-flight transfer can be `.await`ed on any executor ([`PendingFuture`]),
+//!   woken by the device.
 //! - [`StagingLease`]: the `Proven/Unproven` typestate behind the blocking routes' bounded,
 //!   pipelined pinned staging, public for hand-built chunked pipelines.
 //! - Work on the engine's stream, with no host wait: elementwise kernels compiled once per engine
