@@ -464,6 +464,10 @@ impl Drop for Locked<'_> {
         let Some(mut guard) = self.guard.take() else {
             return;
         };
+        if std::thread::panicking() {
+            // Not while unwinding: the wakes stay for the next holder of the lock to call.
+            return;
+        }
         let woken = std::mem::take(&mut guard.woken);
         drop(guard);
         for wake in woken {

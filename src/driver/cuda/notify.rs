@@ -15,6 +15,12 @@
 //! would leave a future pending forever, so only the stream callback fits. The status itself is
 //! ignored: whoever is woken asks the event, which reports the failure.
 //!
+//! A wake only signals (see the seam). Should it still end up dropping the last handle on the
+//! engine (an executor that drops a task's future when woken after its own shutdown), the drops
+//! then run on the driver's callback thread, where CUDA refuses every call
+//! (`CUDA_ERROR_NOT_PERMITTED`) instead of running it; every drop path treats a refused call by
+//! leaking what it would have released, never by freeing it.
+//!
 //! Side streams are made on first use and reused: a registration takes a side stream with no
 //! callback pending, or makes a new one, up to [`SIDE_STREAMS`]. Beyond that many wakes pending
 //! at once, registrations share the side streams in turn, and a wake may then also wait for an
