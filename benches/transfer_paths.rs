@@ -20,6 +20,16 @@
 //! - `staging_sweep`: `upload_tensor` / `download_tensor` at 256 MiB under several staging
 //!   settings (chunk size, copy threads), which is how the defaults were chosen;
 //! - `midsize_sweep`: 8 MiB transfers under several ring depths and copy-thread counts.
+//! - `await_16B`: a 16-byte pending upload awaited on a tokio current-thread runtime against
+//!   the same transfer's `wait()` (target: await at most 1.5 times the wait); the medians and
+//!   their ratio are also printed;
+//! - `wake_16B`: the two ways a host task can be woken after a 16-byte copy, raw, in the same
+//!   run: a stream callback on a side stream after `cuStreamWaitEvent` (what `.await` uses),
+//!   against a watcher thread blocked in `cuEventSynchronize` on a `CU_EVENT_BLOCKING_SYNC`
+//!   event, with the plain spinning `cuEventSynchronize` beside them;
+//! - `await_256MiB_cpu` (printed, not a criterion group): the process's CPU time while awaiting
+//!   256 MiB pending uploads on a current-thread runtime, as a share of one core over the wall
+//!   time (target: under 5%), beside the same share while `wait()` blocks.
 //!
 //! The copy threads are one pool per process (`cuferry::copy_threads()`, sized from the machine),
 //! and an engine's `copy_threads` only caps its share: sweep rows asking for more threads than the
@@ -36,6 +46,8 @@ use cuferry::{
     download_pending, download_tensor_into, upload_pending, CudaEngine, PinnedHostBuffer,
 };
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const SIZES: [(usize, &str); 5] = [
@@ -605,9 +617,282 @@ fn config() -> Criterion {
         .measurement_time(Duration::from_millis(1200))
 }
 
+/// Host threads woken by the raw wake mechanisms of `wake_16B`: a flag and the thread to unpark.
+struct Waiter {
+    done: AtomicBool,
+    thread: std::thread::Thread,
+}
+
+impl Waiter {
+    fn new() -> Arc<Self> {
+        Arc::new(Waiter {
+            done: AtomicBool::new(false),
+            thread: std::thread::current(),
+        })
+    }
+
+    fn signal(&self) {
+        self.done.store(true, Ordering::Release);
+        self.thread.unpark();
+    }
+
+    /// Parks the waiting thread until signalled, then re-arms.
+    fn wait(&self) {
+        while !self.done.load(Ordering::Acquire) {
+            std::thread::park();
+        }
+        self.done.store(false, Ordering::Relaxed);
+    }
+}
+
+/// The stream callback of `wake_16B`: signals the `Waiter` it was given.
+unsafe extern "C" fn raw_wake(_stream: sys::CUstream, _status: sys::CUresult, data: *mut c_void) {
+    // SAFETY: `data` is the bench's `Waiter`, which outlives every callback (the side stream is
+    // synchronized before it is dropped).
+    let waiter = unsafe { &*data.cast::<Waiter>() };
+    waiter.signal();
+}
+
+/// The median of `samples`, in microseconds.
+fn median_us(samples: &mut [Duration]) -> f64 {
+    samples.sort_unstable();
+    samples[samples.len() / 2].as_secs_f64() * 1e6
+}
+
+/// The CPU time this process has used so far, every thread counted.
+#[cfg(target_os = "linux")]
+fn process_cpu_time() -> Option<Duration> {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is valid for one write; the clock id is a constant the kernel knows.
+    let code = unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut ts) };
+    (code == 0).then(|| Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32))
+}
+
+#[cfg(not(target_os = "linux"))]
+fn process_cpu_time() -> Option<Duration> {
+    None
+}
+
+/// `await_16B`, `wake_16B` and `await_256MiB_cpu`, on an engine of their own.
+fn awaiting(c: &mut Criterion) {
+    let mut engine = match CudaEngine::open(0) {
+        Ok(engine) => engine,
+        Err(e) => {
+            eprintln!("transfer_paths: no CUDA device ({e}); awaiting not measured");
+            return;
+        }
+    };
+    let raw = Raw::new(&mut engine);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    await_16b(c, &mut engine, &rt);
+    wake_16b(c, &mut engine, &raw);
+    await_cpu(&mut engine, &rt);
+}
+
+fn await_16b(c: &mut Criterion, engine: &mut CudaEngine, rt: &tokio::runtime::Runtime) {
+    let buffer = PinnedHostBuffer::<f32>::from_slice(engine, &[1.0, 2.0, 3.0, 4.0]).unwrap();
+    let tensor = engine.alloc_tensor::<f32>(&[4]).unwrap();
+    let mut returned = Some(
+        upload_pending(engine, buffer, tensor)
+            .unwrap()
+            .wait()
+            .unwrap(),
+    );
+    let mut group = c.benchmark_group("await_16B");
+    group.bench_function("wait", |b| {
+        b.iter(|| {
+            let r = returned.take().unwrap();
+            returned = Some(r.resubmit(engine).unwrap().wait().unwrap());
+        })
+    });
+    group.bench_function("await_current_thread", |b| {
+        b.iter_custom(|iters| {
+            rt.block_on(async {
+                let start = Instant::now();
+                for _ in 0..iters {
+                    let r = returned.take().unwrap();
+                    returned = Some(r.resubmit(engine).unwrap().await.unwrap());
+                }
+                start.elapsed()
+            })
+        })
+    });
+    group.finish();
+
+    // The same two, as medians of single transfers, and their ratio.
+    let rounds = 5000;
+    let mut waits = Vec::with_capacity(rounds);
+    for _ in 0..rounds {
+        let r = returned.take().unwrap();
+        let start = Instant::now();
+        returned = Some(r.resubmit(engine).unwrap().wait().unwrap());
+        waits.push(start.elapsed());
+    }
+    let mut awaits = rt.block_on(async {
+        let mut awaits = Vec::with_capacity(rounds);
+        for _ in 0..rounds {
+            let r = returned.take().unwrap();
+            let start = Instant::now();
+            returned = Some(r.resubmit(engine).unwrap().await.unwrap());
+            awaits.push(start.elapsed());
+        }
+        awaits
+    });
+    let (wait, awaited) = (median_us(&mut waits), median_us(&mut awaits));
+    eprintln!(
+        "await_16B: median over {rounds}: wait {wait:.2} us, await (tokio current-thread) \
+         {awaited:.2} us, ratio {:.2} (target <= 1.5)",
+        awaited / wait
+    );
+}
+
+fn wake_16b(c: &mut Criterion, engine: &mut CudaEngine, raw: &Raw) {
+    let ctx = engine
+        .with_raw(|r| Ok::<_, cuferry::Error>(r.context().as_raw() as usize))
+        .unwrap() as sys::CUcontext;
+    let host = raw.pinned(16);
+    let dev = raw.device(16);
+    let waiter = Waiter::new();
+    let mut group = c.benchmark_group("wake_16B");
+
+    // The spinning wait, for reference.
+    group.bench_function("event_synchronize", |b| {
+        b.iter(|| {
+            raw.htod(dev, host, 16);
+            raw.wait();
+        })
+    });
+
+    // A stream callback on a side stream that waits for the copy's event.
+    let mut side = std::ptr::null_mut();
+    // SAFETY: the engine's context is current (`Raw::new`); out pointer valid.
+    let code = unsafe {
+        sys::cuStreamCreate(
+            &mut side,
+            sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
+        )
+    };
+    assert_eq!(code, sys::CUresult::CUDA_SUCCESS);
+    let data = Arc::as_ptr(&waiter).cast_mut().cast::<c_void>();
+    group.bench_function("stream_callback", |b| {
+        b.iter(|| {
+            raw.htod(dev, host, 16);
+            // SAFETY: the side stream and the event are live; `raw_wake` only signals the
+            // waiter, which outlives the side stream's work (synchronized below).
+            unsafe {
+                assert_eq!(
+                    sys::cuStreamWaitEvent(side, raw.event, 0),
+                    sys::CUresult::CUDA_SUCCESS
+                );
+                assert_eq!(
+                    sys::cuStreamAddCallback(side, Some(raw_wake), data, 0),
+                    sys::CUresult::CUDA_SUCCESS
+                );
+            }
+            waiter.wait();
+        })
+    });
+    // SAFETY: the side stream was made above; its callbacks have all run once it is idle.
+    unsafe {
+        sys::cuStreamSynchronize(side);
+        sys::cuStreamDestroy_v2(side);
+    }
+
+    // A watcher thread blocked in `cuEventSynchronize` on a blocking-sync event.
+    let mut blocking = std::ptr::null_mut();
+    let flags = sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC as u32
+        | sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+    // SAFETY: the engine's context is current; out pointer valid.
+    let code = unsafe { sys::cuEventCreate(&mut blocking, flags) };
+    assert_eq!(code, sys::CUresult::CUDA_SUCCESS);
+    let (go, requests) = std::sync::mpsc::channel::<()>();
+    let watcher = {
+        let waiter = Arc::clone(&waiter);
+        let (ctx, event) = (ctx as usize, blocking as usize);
+        std::thread::spawn(move || {
+            // SAFETY: the engine's context and the event outlive this thread (joined below).
+            unsafe { sys::cuCtxSetCurrent(ctx as sys::CUcontext) };
+            while requests.recv().is_ok() {
+                // SAFETY: as above.
+                let code = unsafe { sys::cuEventSynchronize(event as sys::CUevent) };
+                assert_eq!(code, sys::CUresult::CUDA_SUCCESS);
+                waiter.signal();
+            }
+        })
+    };
+    group.bench_function("watcher_blocking_sync", |b| {
+        b.iter(|| {
+            // SAFETY: `dev` and `host` hold 16 bytes and outlive the wait; the event is live.
+            unsafe {
+                sys::cuMemcpyHtoDAsync_v2(dev, host.cast::<c_void>(), 16, raw.stream);
+                sys::cuEventRecord(blocking, raw.stream);
+            }
+            go.send(()).unwrap();
+            waiter.wait();
+        })
+    });
+    drop(go);
+    watcher.join().unwrap();
+    group.finish();
+    // SAFETY: everything here was made above and is idle: the watcher is gone and every wait
+    // has returned.
+    unsafe {
+        sys::cuEventDestroy_v2(blocking);
+        sys::cuMemFreeHost(host.cast());
+        sys::cuMemFree_v2(dev);
+    }
+}
+
+/// Prints the process's CPU time over the wall time while awaiting, then while waiting for,
+/// 256 MiB pending uploads.
+fn await_cpu(engine: &mut CudaEngine, rt: &tokio::runtime::Runtime) {
+    let n = (256 << 20) / 4;
+    let buffer = PinnedHostBuffer::<f32>::from_slice(engine, &vec![1.5; n]).unwrap();
+    let tensor = engine.alloc_tensor::<f32>(&[n]).unwrap();
+    let mut returned = Some(
+        upload_pending(engine, buffer, tensor)
+            .unwrap()
+            .wait()
+            .unwrap(),
+    );
+    let rounds = 20;
+    let mut measure = |label: &str, awaited: bool| {
+        let (Some(cpu0), start) = (process_cpu_time(), Instant::now()) else {
+            eprintln!("await_256MiB_cpu: no process CPU clock here; not measured");
+            return;
+        };
+        for _ in 0..rounds {
+            let r = returned.take().unwrap();
+            let in_flight = r.resubmit(engine).unwrap();
+            returned = Some(if awaited {
+                rt.block_on(async { in_flight.await }).unwrap()
+            } else {
+                in_flight.wait().unwrap()
+            });
+        }
+        let wall = start.elapsed();
+        let cpu = process_cpu_time().unwrap_or(cpu0) - cpu0;
+        eprintln!(
+            "await_256MiB_cpu: {label}: {rounds} transfers, wall {:.2} ms, process CPU {:.2} ms, \
+             {:.1}% of one core{}",
+            wall.as_secs_f64() * 1e3,
+            cpu.as_secs_f64() * 1e3,
+            100.0 * cpu.as_secs_f64() / wall.as_secs_f64(),
+            if awaited { " (target < 5%)" } else { "" }
+        );
+    };
+    measure("await (tokio current-thread)", true);
+    measure("wait", false);
+}
+
 criterion_group! {
     name = transfer;
     config = config();
-    targets = benches
+    targets = benches, awaiting
 }
 criterion_main!(transfer);

@@ -13,7 +13,8 @@
 //!   process's engines ([`copy_threads`], [`set_copy_threads`]).
 //! - Pending routes over [`PinnedHostBuffer`]s handed over by value: [`upload_pending`],
 //!   [`download_pending`], returning a [`Pending`] transfer in state [`InFlight`] until it is
-//!   [`Returned`].
+//!   [`Returned`]; an in-flight transfer can be `.await`ed on any executor ([`PendingFuture`]),
+//!   woken by the device.
 //! - [`StagingLease`]: the `Proven/Unproven` typestate behind the blocking routes' bounded,
 //!   pipelined pinned staging, public for hand-built chunked pipelines.
 //! - Work on the engine's stream, with no host wait: elementwise kernels compiled once per engine
@@ -89,8 +90,8 @@ pub use memory::ring::{StagingConfig, StagingStats};
 pub use memory::tensor::DeviceTensor;
 pub use routes::{
     download_pending, download_tensor, download_tensor_into, upload_pending, upload_tensor,
-    upload_tensor_into, Direction, Download, InFlight, Pending, PendingDownload, PendingUpload,
-    Returned, TransferPackage, TransferState, TransferSubmitError, TryWait, Upload,
+    upload_tensor_into, Direction, Download, InFlight, Pending, PendingDownload, PendingFuture,
+    PendingUpload, Returned, TransferPackage, TransferState, TransferSubmitError, TryWait, Upload,
 };
 pub use work::libs::{BlasElement, GemmConfig, SolverStatus, TensorElement, Transpose};
 pub use work::raw::{RawContext, RawDevicePtr, RawScope, RawStream};

@@ -3,7 +3,8 @@
 //! - The engine and the values it hands out move between threads: an engine is held by one
 //!   caller at a time (operations borrow it `&mut`), and its shared core is behind a mutex.
 //! - Device tensors may be shared: `&DeviceTensor` exposes only metadata.
-//! - An in-flight transfer can be moved to another thread and waited on there.
+//! - An in-flight transfer can be moved to another thread and waited on there, or awaited on any
+//!   executor: its future is `Send` and `Unpin`.
 //! - Raw scope handles are tied to the thread on which the engine's context is current, so they
 //!   are neither `Send` nor `Sync`.
 //! - Errors travel: `Error` and `DriverError` cross threads and live as long as needed, so they
@@ -11,8 +12,8 @@
 
 use cuferry::{
     BeginError, CudaEngine, DeviceTensor, Download, DriverError, Error, InFlight, Pending,
-    PinnedHostBuffer, Proven, RawContext, RawDevicePtr, RawScope, RawStream, Refused, Returned,
-    StagingLease, TransferSubmitError, Unproven, Untracked, Upload,
+    PendingFuture, PinnedHostBuffer, Proven, RawContext, RawDevicePtr, RawScope, RawStream,
+    Refused, Returned, StagingLease, TransferSubmitError, Unproven, Untracked, Upload,
 };
 use static_assertions::{assert_impl_all, assert_not_impl_any};
 
@@ -24,6 +25,10 @@ assert_impl_all!(Pending<Upload, f32, InFlight>: Send);
 assert_impl_all!(Pending<Download, f32, InFlight>: Send);
 assert_impl_all!(Pending<Upload, f32, Returned>: Send, Sync);
 assert_impl_all!(Pending<Download, f32, InFlight>: Sync);
+// An awaited transfer moves between an executor's threads, and is polled without pinning.
+assert_impl_all!(Pending<Upload, f32, InFlight>: std::future::IntoFuture);
+assert_impl_all!(PendingFuture<Upload, f32>: Send, Sync, Unpin, std::future::Future);
+assert_impl_all!(PendingFuture<Download, u8>: Send, Sync, Unpin, std::future::Future);
 assert_impl_all!(StagingLease<Proven>: Send, Sync);
 assert_impl_all!(StagingLease<Unproven>: Send, Sync);
 assert_impl_all!(StagingLease<Untracked>: Send, Sync);

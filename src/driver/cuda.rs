@@ -7,18 +7,20 @@
 
 mod graph;
 mod launch;
+mod notify;
 
 #[cfg(test)]
 pub(crate) use launch::nvrtc_present;
 
-use super::{ContextHandle, DevicePtr, Driver, EventHandle, Waits};
+use super::{ContextHandle, DevicePtr, Driver, EventHandle, Waits, Wake};
 use crate::error::{DeviceId, DeviceKind, DriverError, Error};
 use cudarc::driver::{result, sys};
 use std::ffi::c_void;
 use std::mem::MaybeUninit;
 use std::sync::Arc;
 
-/// One CUDA device's primary context, a non-blocking stream and a memory pool of its own.
+/// One CUDA device's primary context, a non-blocking stream and a memory pool of its own, and
+/// the side streams on which the device calls the host back.
 pub(crate) struct CudaDriver {
     device: sys::CUdevice,
     id: DeviceId,
@@ -27,6 +29,8 @@ pub(crate) struct CudaDriver {
     stream: sys::CUstream,
     pool: sys::CUmemoryPool,
     waits: Arc<CudaWaits>,
+    /// Where [`Driver::notify_after`] queues its waits and callbacks; made on first use.
+    side: notify::SideStreams,
 }
 
 // SAFETY: the handles are plain driver handles that the CUDA driver API accepts from any thread
@@ -121,6 +125,7 @@ impl CudaDriver {
             ctx,
             stream: std::ptr::null_mut(),
             pool: std::ptr::null_mut(),
+            side: notify::SideStreams::default(),
             waits: Arc::new(CudaWaits {
                 ctx,
                 stream: std::ptr::null_mut(),
@@ -196,6 +201,9 @@ impl Drop for CudaDriver {
         unsafe {
             sys::cuCtxSetCurrent(self.ctx);
         }
+        // The side streams wait only for events of the engine's stream, which is idle by now:
+        // their pending callbacks run at once, before the context can go away.
+        self.side.release();
         if !self.stream.is_null() {
             // SAFETY: the stream was created by this driver and is destroyed once.
             unsafe {
@@ -319,6 +327,10 @@ impl Driver for CudaDriver {
     unsafe fn event_destroy(&mut self, event: EventHandle) -> Result<(), DriverError> {
         // SAFETY: the caller guarantees the event is live and not used again.
         DriverError::check(unsafe { sys::cuEventDestroy_v2(event.0 as sys::CUevent) })
+    }
+
+    fn notify_after(&mut self, event: EventHandle, wake: Wake) -> Result<(), DriverError> {
+        self.side.notify_after(event, wake)
     }
 
     fn host_alloc(&mut self, bytes: usize) -> Result<*mut u8, DriverError> {

@@ -31,6 +31,9 @@ pub(crate) type DevicePtr = u64;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) struct EventHandle(pub(crate) u64);
 
+/// A closure the device calls once, on a thread of its choosing: see [`Driver::notify_after`].
+pub(crate) type Wake = Box<dyn FnOnce() + Send + 'static>;
+
 /// A context, as the raw handle value (`CUcontext` for CUDA). Zero means "no context".
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) struct ContextHandle(pub(crate) u64);
@@ -148,6 +151,20 @@ pub(crate) trait Driver: Send + launch::Launch + graph::Graphs {
     /// # Safety
     /// `event` came from [`Driver::event_create`] on this driver and is not used afterwards.
     unsafe fn event_destroy(&mut self, event: EventHandle) -> Result<(), DriverError>;
+
+    /// Calls `wake` exactly once, on some thread, once the work before `event`'s last record
+    /// (as of this call) has completed, or the device has failed. Never waits.
+    ///
+    /// This is how a host task learns, without a thread blocked in a wait and without polling,
+    /// that queued work is done: the device itself calls back. The call may come at once (on
+    /// the calling thread, after this method's own locks are released) when the work is already
+    /// complete, and is not delayed by work queued on the stream after the record. `wake` must
+    /// not call the driver, block, or take the engine's lock; it should only signal. It says
+    /// nothing about the outcome: whoever is woken asks the event ([`Waits::event_query`]),
+    /// which tells completion from failure.
+    ///
+    /// When this returns `Err`, `wake` was dropped without being called and never will be.
+    fn notify_after(&mut self, event: EventHandle, wake: Wake) -> Result<(), DriverError>;
 
     /// Allocates `bytes` of page-locked host memory.
     fn host_alloc(&mut self, bytes: usize) -> Result<*mut u8, DriverError>;

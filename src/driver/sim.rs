@@ -16,6 +16,11 @@
 //! - **Faults.** [`SimDevice::fail_nth`] makes the n-th call of an operation return a driver
 //!   error; [`SimDevice::fail_event`] makes a recorded event report an error once the device
 //!   reaches it.
+//! - **Wakes.** A wake registered on an event (what an awaited transfer asks for) is called when
+//!   the device runs the event's record, or at once if it already has, failed or not; always
+//!   after the device's lock is released, on the thread that ran the record. Registering one is
+//!   a wait that does not block: unless the clock is held, it runs the stream up to the event,
+//!   as a host wait would.
 //! - **Graphs.** Between a capture's begin and end, launches are recorded instead of queued;
 //!   any other operation on the stream fails and invalidates the capture. A replay of an
 //!   instantiated graph queues its launches in order, like eager launches
@@ -31,11 +36,13 @@ mod graph;
 mod launch;
 
 use super::launch::Emulation;
-use super::{ContextHandle, DevicePtr, Driver, EventHandle, Waits};
+use super::{ContextHandle, DevicePtr, Driver, EventHandle, Waits, Wake};
 use crate::error::{DeviceId, DeviceKind, DriverError};
 use std::alloc::Layout;
 use std::cell::Cell;
 use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::ops::{Deref, DerefMut};
+use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
@@ -108,6 +115,9 @@ pub enum SimOp {
     GraphLaunch,
     /// Destruction of a captured or an instantiated graph.
     GraphDestroy,
+    /// Registration of a wake called once an event's work has completed (what awaiting a
+    /// pending transfer asks for).
+    NotifyAfter,
 }
 
 static NEXT_INSTANCE: AtomicU64 = AtomicU64::new(1);
@@ -209,6 +219,10 @@ struct State {
     capture: Option<graph::Capture>,
     /// Captured graphs and the executable graphs instantiated from them.
     graphs: graph::GraphTable,
+    /// Registered wakes, by the sequence number of the record they wait for.
+    wakes: BTreeMap<u64, Vec<Wake>>,
+    /// Wakes whose record has run, to be called once the lock is released ([`Locked`]).
+    woken: Vec<Wake>,
 }
 
 // SAFETY: the raw host pointers in queued jobs are addresses the engine guarantees (through the
@@ -272,6 +286,8 @@ impl SimDevice {
             next_module: 1,
             capture: None,
             graphs: graph::GraphTable::default(),
+            wakes: BTreeMap::new(),
+            woken: Vec::new(),
         };
         SimDevice {
             inner: Arc::new(Inner {
@@ -281,11 +297,15 @@ impl SimDevice {
         }
     }
 
-    fn lock(&self) -> MutexGuard<'_, State> {
-        self.inner.state.lock().unwrap_or_else(|e| e.into_inner())
+    fn lock(&self) -> Locked<'_> {
+        Locked {
+            guard: Some(self.inner.state.lock().unwrap_or_else(|e| e.into_inner())),
+        }
     }
 
-    /// Runs up to `n` queued operations, in order. Returns how many ran.
+    /// Runs up to `n` queued operations, in order. Returns how many ran. The wakes registered on
+    /// the event records among them are called on this thread, once the device's lock is
+    /// released, before this returns.
     pub fn advance(&self, n: usize) -> usize {
         let mut s = self.lock();
         let mut ran = 0;
@@ -298,9 +318,10 @@ impl SimDevice {
 
     /// Holds the device clock: from now on only [`advance`](Self::advance) (from any thread)
     /// runs queued work, and host waits (event and stream synchronize) block until the clock
-    /// reaches what they wait for, as waits on a busy GPU do. Copies with pageable host memory
-    /// still complete within their call, as CUDA documents. `false` lets waits run the stream
-    /// themselves again.
+    /// reaches what they wait for, as waits on a busy GPU do. A wake registered on an event (an
+    /// awaited transfer's) is then called only once the clock runs the event's record. Copies
+    /// with pageable host memory still complete within their call, as CUDA documents. `false`
+    /// lets waits and wake registrations run the stream themselves again.
     pub fn hold_clock(&self, held: bool) {
         self.lock().clock_held = held;
         self.inner.progress.notify_all();
@@ -404,6 +425,58 @@ impl SimDevice {
         let (base, block) = s.mem.range(..=ptr).next_back()?;
         let off = usize::try_from(ptr - base).ok()?;
         block.get(off..off.checked_add(bytes)?).map(<[u8]>::to_vec)
+    }
+}
+
+/// The device's state, locked. Dropping it releases the lock and then calls the wakes whose
+/// records ran meanwhile, so a wake never runs under the device's lock (it may take other
+/// locks, or register another wake).
+struct Locked<'a> {
+    /// `Some` except while [`wait`](Self::wait) has handed the guard to the condition variable.
+    guard: Option<MutexGuard<'a, State>>,
+}
+
+impl Locked<'_> {
+    /// Releases the lock until `progress` is signalled, then takes it again.
+    fn wait(mut self, progress: &Condvar) -> Self {
+        let guard = self.guard.take().expect("a live lock holds its guard");
+        let guard = progress.wait(guard).unwrap_or_else(|e| e.into_inner());
+        self.guard = Some(guard);
+        self
+    }
+}
+
+impl Deref for Locked<'_> {
+    type Target = State;
+    fn deref(&self) -> &State {
+        self.guard.as_ref().expect("a live lock holds its guard")
+    }
+}
+
+impl DerefMut for Locked<'_> {
+    fn deref_mut(&mut self) -> &mut State {
+        self.guard.as_mut().expect("a live lock holds its guard")
+    }
+}
+
+impl Drop for Locked<'_> {
+    fn drop(&mut self) {
+        let Some(mut guard) = self.guard.take() else {
+            return;
+        };
+        if std::thread::panicking() {
+            // Not while unwinding: the wakes stay for the next holder of the lock to call.
+            return;
+        }
+        let woken = std::mem::take(&mut guard.woken);
+        drop(guard);
+        for wake in woken {
+            // A wake that panics must not keep the others from being called.
+            if let Err(payload) = std::panic::catch_unwind(AssertUnwindSafe(wake)) {
+                // Dropping a panic's payload may itself panic: leak it instead.
+                std::mem::forget(payload);
+            }
+        }
     }
 }
 
@@ -516,6 +589,9 @@ impl State {
         }
         self.done_seq = seq + 1;
         self.completed_jobs += 1;
+        if let Some(wakes) = self.wakes.remove(&seq) {
+            self.woken.extend(wakes);
+        }
         true
     }
 
@@ -554,7 +630,7 @@ impl SimDriver {
         }
     }
 
-    fn lock(&self) -> MutexGuard<'_, State> {
+    fn lock(&self) -> Locked<'_> {
         self.device.lock()
     }
 }
@@ -706,6 +782,26 @@ impl Driver for SimDriver {
             .ok_or(DriverError::INVALID_VALUE)
     }
 
+    fn notify_after(&mut self, event: EventHandle, wake: Wake) -> Result<(), DriverError> {
+        let mut s = self.lock();
+        s.enter(SimOp::NotifyAfter)?;
+        let done = s.done_seq;
+        match s.event(event)?.recorded {
+            // Never recorded, or its record has run (a failed event counts: the device failed):
+            // the wake is due now, once the lock is released.
+            None => s.woken.push(wake),
+            Some(seq) if seq < done => s.woken.push(wake),
+            Some(seq) => {
+                s.wakes.entry(seq).or_default().push(wake);
+                if !s.clock_held {
+                    s.run_until(seq);
+                    self.device.inner.progress.notify_all();
+                }
+            }
+        }
+        Ok(())
+    }
+
     fn host_alloc(&mut self, bytes: usize) -> Result<*mut u8, DriverError> {
         let mut s = self.lock();
         s.enter(SimOp::HostAlloc)?;
@@ -778,19 +874,14 @@ struct SimWaits {
 
 impl SimWaits {
     /// Waits until every job before `seq` has run, running them unless the clock is held.
-    fn wait_until<'a>(&'a self, mut s: MutexGuard<'a, State>, seq: u64) -> MutexGuard<'a, State> {
+    fn wait_until<'a>(&'a self, mut s: Locked<'a>, seq: u64) -> Locked<'a> {
         if !s.clock_held {
             s.run_until(seq);
             self.device.inner.progress.notify_all();
             return s;
         }
         while s.done_seq <= seq && !s.queue.is_empty() {
-            s = self
-                .device
-                .inner
-                .progress
-                .wait(s)
-                .unwrap_or_else(|e| e.into_inner());
+            s = s.wait(&self.device.inner.progress);
         }
         s
     }
@@ -979,6 +1070,102 @@ mod tests {
         );
         d.event_record(e).unwrap();
         d.waits().event_synchronize(e).unwrap();
+    }
+
+    /// A wake that counts, and reads the device (which takes its lock) when called.
+    fn counting_wake(dev: &SimDevice, count: &Arc<AtomicU64>) -> Wake {
+        let (dev, count) = (dev.clone(), Arc::clone(count));
+        Box::new(move || {
+            let _ = dev.queued(); // would deadlock if called under the device's lock
+            count.fetch_add(1, Ordering::SeqCst);
+        })
+    }
+
+    #[test]
+    fn a_wake_is_called_once_when_the_clock_runs_its_record() {
+        let (mut d, dev) = driver();
+        dev.hold_clock(true);
+        let ptr = d.alloc(4).unwrap();
+        let src = pinned(&mut d, 4, |i| i as u8 + 1);
+        let e = d.event_create().unwrap();
+        // SAFETY: `src` is live pinned memory and `ptr` a live allocation of 4 bytes.
+        unsafe { d.copy_htod(ptr, src.as_ptr(), 4).unwrap() };
+        d.event_record(e).unwrap();
+        // SAFETY: as above; queued after the record, so the wake does not wait for it.
+        unsafe { d.copy_htod(ptr, src.as_ptr(), 4).unwrap() };
+        let count = Arc::new(AtomicU64::new(0));
+        d.notify_after(e, counting_wake(&dev, &count)).unwrap();
+        d.event_record(e).unwrap(); // a later record does not move the wake
+        assert_eq!(dev.calls(SimOp::NotifyAfter), 1);
+        assert_eq!(dev.advance(1), 1);
+        assert_eq!(
+            count.load(Ordering::SeqCst),
+            0,
+            "the copy ran, not the record"
+        );
+        assert_eq!(dev.advance(1), 1);
+        assert_eq!(count.load(Ordering::SeqCst), 1, "called by the record");
+        dev.advance_all();
+        assert_eq!(count.load(Ordering::SeqCst), 1, "once");
+    }
+
+    #[test]
+    fn a_wake_on_a_reached_unrecorded_or_failed_event_is_called_at_once() {
+        let (mut d, dev) = driver();
+        dev.hold_clock(true);
+        let count = Arc::new(AtomicU64::new(0));
+        let never = d.event_create().unwrap();
+        d.notify_after(never, counting_wake(&dev, &count)).unwrap();
+        assert_eq!(count.load(Ordering::SeqCst), 1, "never recorded: complete");
+        let failed = d.event_create().unwrap();
+        dev.fail_event(1, DriverError::LAUNCH_FAILED);
+        d.event_record(failed).unwrap();
+        dev.advance_all();
+        d.notify_after(failed, counting_wake(&dev, &count)).unwrap();
+        assert_eq!(count.load(Ordering::SeqCst), 2, "failed: due too");
+        assert_eq!(
+            d.waits().event_query(failed),
+            Err(DriverError::LAUNCH_FAILED)
+        );
+    }
+
+    #[test]
+    fn registering_a_wake_with_a_free_clock_runs_the_stream_up_to_its_event() {
+        let (mut d, dev) = driver();
+        let e = d.event_create().unwrap();
+        d.event_record(e).unwrap();
+        let ptr = d.alloc(4).unwrap();
+        // SAFETY: `ptr` is live; the free is its last use.
+        unsafe { d.free(ptr).unwrap() };
+        let count = Arc::new(AtomicU64::new(0));
+        d.notify_after(e, counting_wake(&dev, &count)).unwrap();
+        assert_eq!(count.load(Ordering::SeqCst), 1);
+        assert_eq!(
+            dev.queued(),
+            1,
+            "only up to the event: the free is still queued"
+        );
+    }
+
+    #[test]
+    fn a_refused_registration_drops_its_wake_uncalled() {
+        let (mut d, dev) = driver();
+        dev.hold_clock(true);
+        let e = d.event_create().unwrap();
+        d.event_record(e).unwrap();
+        let count = Arc::new(AtomicU64::new(0));
+        dev.fail_nth(SimOp::NotifyAfter, 1, DriverError::INVALID_VALUE);
+        let wake = counting_wake(&dev, &count);
+        assert_eq!(d.notify_after(e, wake), Err(DriverError::INVALID_VALUE));
+        let unknown = EventHandle(u64::MAX);
+        let wake = counting_wake(&dev, &count);
+        assert_eq!(
+            d.notify_after(unknown, wake),
+            Err(DriverError::INVALID_VALUE)
+        );
+        dev.advance_all();
+        assert_eq!(count.load(Ordering::SeqCst), 0);
+        assert_eq!(Arc::strong_count(&count), 1, "both wakes were dropped");
     }
 
     #[test]

@@ -10,8 +10,9 @@
 //!   could not be recorded but a stream synchronize proved the work complete: `R` comes back), or
 //!   untracked (neither worked: `R` is held by an [`Untracked`], whose only way out is to be
 //!   retained for the life of the engine, never released).
-//! - Readiness ([`Fenced::is_ready`]), waits ([`Fenced::wait`], [`Fenced::try_wait`]) and
-//!   detach-on-drop are methods of this type. Host waits happen outside the engine's lock, so a
+//! - Readiness ([`Fenced::is_ready`]), waits ([`Fenced::wait`], [`Fenced::try_wait`]), the
+//!   device's wake-up ([`Fenced::notify_on_completion`], for futures) and detach-on-drop are
+//!   methods of this type. Host waits happen outside the engine's lock, so a
 //!   thread waiting on one transfer never blocks the engine's owner.
 //! - `R` is held in `ManuallyDrop` everywhere the proof is still owed: a panic that unwinds
 //!   through any of these paths leaks `R` (sound) instead of releasing it, and never takes the
@@ -19,7 +20,7 @@
 
 use super::retire::Record;
 use crate::core::engine::{Shared, State};
-use crate::driver::EventHandle;
+use crate::driver::{EventHandle, Wake};
 use crate::error::{DriverError, Error, Result};
 use std::mem::ManuallyDrop;
 use std::sync::Arc;
@@ -163,6 +164,25 @@ impl<R: Send + 'static> Fenced<R> {
                 what: inner.what,
                 source,
             })
+    }
+
+    /// Asks the device to call `wake` once, on a thread of its choosing, when the work has
+    /// completed or the device has failed (see `Driver::notify_after`). Takes the engine's lock
+    /// for the registration only; never waits.
+    ///
+    /// `false` when no wake was registered: the engine has been torn down (its stream is idle,
+    /// so a query or a wait answers at once), its context could not be made current, or the
+    /// device refused the registration. `wake` was then dropped uncalled. The caller falls back
+    /// to a query or a wait, which report any failure of the work itself.
+    pub(crate) fn notify_on_completion(&self, wake: Wake) -> bool {
+        let inner = self.inner();
+        let Ok(mut st) = inner.owner.enter() else {
+            return false;
+        };
+        if st.torn_down {
+            return false;
+        }
+        st.driver.notify_after(inner.event, wake).is_ok()
     }
 
     /// Waits for the work, outside the engine's lock, gives the resources back and returns the

@@ -5,6 +5,7 @@
 //!   make one (proven at once, or untracked and retained).
 //! - [`retire`]: where fenced resources wait when their owner went away before the proof, and
 //!   the pool of events the proofs are recorded with (engine state).
+//! - [`wake`]: a future over a fence, woken by the device once the work has completed or failed.
 //! - [`lease`]: the `StagingLease<Proven/Unproven/Untracked>` typestate over the staging ring's
 //!   slots, public for hand-built chunked pipelines.
 //!
@@ -20,3 +21,4 @@
 pub(crate) mod fence;
 pub(crate) mod lease;
 pub(crate) mod retire;
+pub(crate) mod wake;

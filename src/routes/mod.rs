@@ -3,7 +3,7 @@
 //! Blocking routes ([`upload_tensor`], [`upload_tensor_into`], [`download_tensor`],
 //! [`download_tensor_into`]) take ordinary host memory and return when the host memory may be
 //! reused. Pending routes ([`upload_pending`], [`download_pending`]) take pinned buffers by value
-//! and return a handle whose state is a type.
+//! and return a handle whose state is a type, which can also be awaited ([`PendingFuture`]).
 //!
 //! The level exists so a route is only a composition: it moves values the memory level defines
 //! (tensors, pinned buffers, staging slots) under the proofs the lifecycle level defines
@@ -16,5 +16,6 @@ pub(crate) mod pending;
 pub use blocking::{download_tensor, download_tensor_into, upload_tensor, upload_tensor_into};
 pub use pending::{
     download_pending, upload_pending, Direction, Download, InFlight, Pending, PendingDownload,
-    PendingUpload, Returned, TransferPackage, TransferState, TransferSubmitError, TryWait, Upload,
+    PendingFuture, PendingUpload, Returned, TransferPackage, TransferState, TransferSubmitError,
+    TryWait, Upload,
 };

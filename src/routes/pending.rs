@@ -4,14 +4,22 @@
 //! [`DeviceTensor`] by value, queue one copy on the engine's stream, record an event after it,
 //! and return a [`Pending`] handle in state [`InFlight`]. In that state nothing can reach the
 //! buffer or the tensor: the handle owns them, and offers only [`Pending::is_ready`] (never
-//! waits), [`Pending::wait`] and [`Pending::try_wait`]. The [`Returned`] state, reached once the
-//! event proves the copy complete, gives both back, and can resubmit the same pair without
-//! allocating anything.
+//! waits), [`Pending::wait`], [`Pending::try_wait`] and `.await` ([`PendingFuture`]). The
+//! [`Returned`] state, reached once the event proves the copy complete, gives both back, and can
+//! resubmit the same pair without allocating anything.
+//!
+//! Awaiting is woken by the device, never by polling: the future asks the event once, and if
+//! the copy is not done it registers a call back that the device makes once the copy has
+//! completed or the device has failed (on CUDA a stream callback on a side stream waiting for the
+//! event), then yields. Nothing on the host spends time on the transfer meanwhile, and the wake
+//! comes right after the event. A watcher thread blocked in an event wait would spin unless the
+//! event were made for blocking sync, and would need a thread per wait (or serialise the waits);
+//! a poll loop would keep a core busy. [`PendingFuture`] has the details.
 //!
 //! Every exit keeps the rule "nothing is freed or reused while DMA may touch it":
 //! - a refused submission returns the whole package untouched ([`TransferSubmitError`]);
-//! - dropping an `InFlight` handle detaches it into the engine's retirement queue, which releases
-//!   it once its event proves completion;
+//! - dropping an `InFlight` handle (or its future, before it resolves) detaches it into the
+//!   engine's retirement queue, which releases it once its event proves completion;
 //! - `mem::forget` on an `InFlight` handle leaks it in place, which is sound (nothing is freed);
 //! - a wait that fails retains everything for the engine's lifetime and returns a typed error.
 
@@ -28,6 +36,10 @@ use crate::memory::pinned::PinnedHostBuffer;
 use crate::memory::tensor::DeviceTensor;
 use std::fmt;
 use std::marker::PhantomData;
+
+mod future;
+
+pub use future::PendingFuture;
 
 mod sealed {
     pub trait Direction {}

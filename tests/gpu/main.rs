@@ -2,6 +2,7 @@
 //! device and is `#[ignore = "needs a CUDA device"]`: run them on a GPU machine with
 //! `cargo test --release --test gpu -- --ignored --test-threads=1`. Each opens device 0.
 
+mod awaiting;
 mod common;
 #[path = "../common/mod.rs"]
 mod reference;

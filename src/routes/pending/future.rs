@@ -1,0 +1,109 @@
+//! `.await` on an in-flight transfer: [`PendingFuture`].
+
+use super::{Direction, InFlight, Landed, Pending, Returned, TransferPackage};
+use crate::error::Result;
+use crate::lifecycle::wake::FenceFuture;
+use crate::memory::element::Element;
+use std::fmt;
+use std::future::{Future, IntoFuture};
+use std::marker::PhantomData;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+/// An in-flight transfer being awaited: what `.await` on a [`Pending`] in state [`InFlight`]
+/// polls ([`IntoFuture`]). It resolves to the transfer in state [`Returned`], with the rules of
+/// [`Pending::wait`]: on a device failure the buffer and tensor are retained by the engine for
+/// its lifetime and the typed error ([`Error::DeviceFault`](crate::Error::DeviceFault)) comes
+/// back.
+///
+/// ```
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// use cuferry::{upload_pending, CudaEngine, PinnedHostBuffer};
+/// # use cuferry::sim::SimConfig;
+/// # let mut engine = CudaEngine::simulated(SimConfig::default());
+/// # /*
+/// let mut engine = CudaEngine::open(0)?;
+/// # */
+/// let source = PinnedHostBuffer::from_slice(&mut engine, &[1.0f32, 2.0, 3.0])?;
+/// let destination = engine.alloc_tensor::<f32>(&[3])?;
+/// let upload = upload_pending(&mut engine, source, destination)?;
+/// # let block_on = futures_lite::future::block_on;
+/// let returned = block_on(async { upload.await })?; // any executor
+/// assert_eq!(returned.buffer().as_slice(), [1.0, 2.0, 3.0]);
+/// # Ok(()) }
+/// ```
+///
+/// # How it is woken
+///
+/// The first poll asks the transfer's event, without waiting and without the engine's lock; a
+/// small copy may be done already. If not, it asks the device to call back once the copy has
+/// completed or the device has failed, and returns `Pending`; the call back wakes the task, and
+/// the next poll asks the event again. On CUDA the call back is a stream callback
+/// (`cuStreamAddCallback`) on a side stream that waits for the transfer's event, so it comes
+/// right after the copy, is not held up by work queued later on the engine's stream, and is
+/// made after a device fault too (unlike `cuLaunchHostFunc`, which CUDA does not call once the
+/// context has an error). Meanwhile no host thread spends anything on the transfer: nothing
+/// polls, and no thread is parked in an event wait. The alternative, a watcher thread blocked in
+/// `cuEventSynchronize`, keeps a core busy unless the event was made with
+/// `CU_EVENT_BLOCKING_SYNC`, and takes a thread per event waited on at once (or serialises every
+/// wait behind the oldest). On the simulated device the wake comes when the device runs the
+/// event's record (at once unless its clock is held, see
+/// [`SimDevice::hold_clock`](crate::sim::SimDevice::hold_clock)).
+///
+/// Registering the call back takes the engine's lock briefly, once per await. When it cannot be
+/// registered (the engine was dropped, whose teardown waited for its stream, or the driver
+/// refused), the poll waits for the event on the polling thread instead: rare, and short.
+///
+/// # Cancellation
+///
+/// Dropping the future before it resolves is exactly dropping the in-flight handle: the
+/// transfer detaches into the engine's retirement queue, which releases the buffer and tensor
+/// once the copy is proven complete; nothing is freed early. A call back still pending finds
+/// nothing to wake and owns nothing else. So it may lose a `select!` race: the transfer is not
+/// lost, only handed to the engine. `mem::forget` leaks the transfer, which is sound.
+///
+/// It works with any executor (the crate depends on no runtime), is `Send` and `Unpin`, and
+/// must not be polled again once it has resolved (it panics then, as futures may).
+#[must_use = "futures do nothing unless you `.await` or poll them"]
+pub struct PendingFuture<D: Direction, T: Element> {
+    inner: FenceFuture<TransferPackage<T>>,
+    _direction: PhantomData<D>,
+}
+
+impl<D: Direction, T: Element> fmt::Debug for PendingFuture<D, T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PendingFuture")
+            .field("direction", &D::NAME)
+            .field("dtype", &T::DTYPE)
+            .finish()
+    }
+}
+
+// Nothing in the future is pinned structurally: it is polled through `&mut`, and the buffer
+// and tensor it owns do not care where the future lives (the device holds their addresses,
+// not the future's).
+impl<D: Direction, T: Element> Unpin for PendingFuture<D, T> {}
+
+impl<D: Direction, T: Element> Future for PendingFuture<D, T> {
+    type Output = Result<Pending<D, T, Returned>>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        self.get_mut()
+            .inner
+            .poll(cx)
+            .map(|answer| answer.map(|(package, event)| Pending::new(Landed { package, event })))
+    }
+}
+
+impl<D: Direction, T: Element> IntoFuture for Pending<D, T, InFlight> {
+    type Output = Result<Pending<D, T, Returned>>;
+    type IntoFuture = PendingFuture<D, T>;
+
+    /// Awaits the copy: see [`PendingFuture`].
+    fn into_future(self) -> PendingFuture<D, T> {
+        PendingFuture {
+            inner: FenceFuture::new(self.hold),
+            _direction: PhantomData,
+        }
+    }
+}
