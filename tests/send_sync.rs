@@ -11,8 +11,8 @@
 
 use cuferry::{
     BeginError, CudaEngine, DeviceTensor, Download, DriverError, Error, InFlight, Pending,
-    PinnedHostBuffer, Proven, RawContext, RawDevicePtr, RawScope, RawStream, Refused, Returned,
-    StagingLease, TransferSubmitError, Unproven, Untracked, Upload,
+    PinnedHostBuffer, Proven, RawContext, RawDevicePtr, RawScope, RawStream, Refused,
+    RegisteredBuffer, Returned, StagingLease, TransferSubmitError, Unproven, Untracked, Upload,
 };
 use static_assertions::{assert_impl_all, assert_not_impl_any};
 
@@ -24,12 +24,17 @@ assert_impl_all!(Pending<Upload, f32, InFlight>: Send);
 assert_impl_all!(Pending<Download, f32, InFlight>: Send);
 assert_impl_all!(Pending<Upload, f32, Returned>: Send, Sync);
 assert_impl_all!(Pending<Download, f32, InFlight>: Sync);
+// `&RegisteredBuffer` only reads through `as_slice`; transfers over one move like any other.
+assert_impl_all!(RegisteredBuffer<f32>: Send, Sync);
+assert_impl_all!(Pending<Upload, f32, InFlight, RegisteredBuffer<f32>>: Send, Sync);
+assert_impl_all!(Pending<Download, f32, Returned, RegisteredBuffer<f32>>: Send, Sync);
 assert_impl_all!(StagingLease<Proven>: Send, Sync);
 assert_impl_all!(StagingLease<Unproven>: Send, Sync);
 assert_impl_all!(StagingLease<Untracked>: Send, Sync);
 
 assert_impl_all!(BeginError: Send, Sync, std::error::Error);
 assert_impl_all!(TransferSubmitError<f32>: Send, Sync, std::error::Error);
+assert_impl_all!(TransferSubmitError<f32, RegisteredBuffer<f32>>: Send, Sync, std::error::Error);
 assert_impl_all!(Refused<Vec<f32>>: Send, Sync, std::error::Error);
 assert_impl_all!(Refused<DeviceTensor<f32>>: Send, Sync, std::error::Error);
 
