@@ -12,6 +12,7 @@ mod engine;
 mod kernels;
 mod pending;
 mod raw_scope;
+mod registered;
 mod staging;
 mod vendor;
 
