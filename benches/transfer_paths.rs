@@ -30,6 +30,14 @@
 //! - `await_256MiB_cpu` (printed, not a criterion group): the process's CPU time while awaiting
 //!   256 MiB pending uploads on a current-thread runtime, as a share of one core over the wall
 //!   time (target: under 5%), beside the same share while `wait()` blocks.
+//! - `registered_upload`, `registered_download`: resubmit-and-wait of a pending transfer over a
+//!   `RegisteredBuffer` (a `Vec` page-locked in place) against the blocking routes' staged copy
+//!   into what the caller already has (`upload_tensor_into`, `download_tensor_into`) at 8, 64 and
+//!   256 MiB, and at 256 MiB against the raw pinned copy (`cuMemHostAlloc` memory,
+//!   `cuMemcpy{HtoD,DtoH}Async` + event wait); `registration`: `RegisteredBuffer::register` +
+//!   `into_vec` (`cuMemHostRegister` + `cuMemHostUnregister`) of the same sizes. The bench prints
+//!   the registered route's ratio to the raw copy, and for each size and direction the break-even
+//!   count: the number of transfers after which registering once beats the staged route.
 //!
 //! The copy threads are one pool per process (`cuferry::copy_threads()`, sized from the machine),
 //! and an engine's `copy_threads` only caps its share: sweep rows asking for more threads than the
@@ -43,8 +51,10 @@
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use cudarc::driver::sys;
 use cuferry::{
-    download_pending, download_tensor_into, upload_pending, CudaEngine, PinnedHostBuffer,
+    download_pending, download_tensor_into, upload_pending, upload_tensor_into, CudaEngine,
+    DeviceTensor, Direction, Pending, PinnedHostBuffer, RegisteredBuffer, Returned,
 };
+use std::cell::RefCell;
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -610,6 +620,180 @@ fn benches(c: &mut Criterion) {
     four_threads(c);
 }
 
+/// Per-iteration times of one bench function, as criterion measured them.
+#[derive(Default)]
+struct Samples(RefCell<Vec<Duration>>);
+
+impl Samples {
+    /// Times `iters` runs of `f` for criterion and keeps the per-iteration mean.
+    fn time(&self, iters: u64, mut f: impl FnMut()) -> Duration {
+        let start = Instant::now();
+        for _ in 0..iters {
+            f();
+        }
+        let total = start.elapsed();
+        self.0.borrow_mut().push(total.div_f64(iters.max(1) as f64));
+        total
+    }
+
+    /// The median per-iteration time.
+    fn median(&self) -> Duration {
+        let mut all = self.0.borrow().clone();
+        all.sort();
+        all.get(all.len() / 2).copied().unwrap_or_default()
+    }
+}
+
+const REGISTERED_SIZES: [(usize, &str); 3] = [
+    (8 << 20, "8MiB"),
+    (64 << 20, "64MiB"),
+    (256 << 20, "256MiB"),
+];
+
+/// Resubmit-and-wait of a returned transfer over a registered buffer, under `cuferry_registered`;
+/// gives back the transfer's parts and the median time.
+fn bench_registered<D: Direction>(
+    group: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
+    engine: &mut CudaEngine,
+    label: &str,
+    transfer: Pending<D, f32, Returned, RegisteredBuffer<f32>>,
+) -> (RegisteredBuffer<f32>, DeviceTensor<f32>, Duration) {
+    let samples = Samples::default();
+    let mut transfer = Some(transfer);
+    group.bench_function(BenchmarkId::new("cuferry_registered", label), |b| {
+        b.iter_custom(|iters| {
+            samples.time(iters, || {
+                let r = transfer.take().unwrap();
+                transfer = Some(r.resubmit(engine).unwrap().wait().unwrap());
+            })
+        })
+    });
+    let (buffer, tensor) = transfer.unwrap().into_parts();
+    (buffer, tensor, samples.median())
+}
+
+/// Registered buffers: the pending routes over a `Vec` page-locked in place, against the staged
+/// blocking route and the raw pinned copy, and what registering costs.
+fn registered(c: &mut Criterion) {
+    let mut engine = match CudaEngine::open(0) {
+        Ok(engine) => engine,
+        Err(e) => {
+            eprintln!("transfer_paths: no CUDA device ({e}); registered buffers not measured");
+            return;
+        }
+    };
+    let engine = &mut engine;
+    let raw = Raw::new(engine);
+    // (direction, size) -> (registered, staged) medians.
+    let mut per_transfer = Vec::new();
+    for upload in [true, false] {
+        let direction = if upload { "upload" } else { "download" };
+        let mut group = c.benchmark_group(format!("registered_{direction}"));
+        for (bytes, label) in REGISTERED_SIZES {
+            group.throughput(Throughput::Bytes(bytes as u64));
+            let n = bytes / 4;
+            let data: Vec<f32> = (0..n).map(|i| i as f32 + 0.5).collect();
+            let buffer = RegisteredBuffer::register(engine, data.clone()).unwrap();
+            let tensor = engine.alloc_tensor::<f32>(&[n]).unwrap();
+            let (_buffer, mut tensor, registered) = if upload {
+                let first = upload_pending(engine, buffer, tensor).unwrap();
+                bench_registered(&mut group, engine, label, first.wait().unwrap())
+            } else {
+                let first = download_pending(engine, tensor, buffer).unwrap();
+                bench_registered(&mut group, engine, label, first.wait().unwrap())
+            };
+            let staged = Samples::default();
+            if upload {
+                group.bench_function(BenchmarkId::new("cuferry_staged_into", label), |b| {
+                    b.iter_custom(|iters| {
+                        staged.time(iters, || {
+                            upload_tensor_into(engine, &mut tensor, &data).unwrap()
+                        })
+                    })
+                });
+            } else {
+                let mut out = Some(Vec::<f32>::with_capacity(n));
+                group.bench_function(BenchmarkId::new("cuferry_staged_into", label), |b| {
+                    b.iter_custom(|iters| {
+                        staged.time(iters, || {
+                            out = Some(
+                                download_tensor_into(engine, &tensor, out.take().unwrap()).unwrap(),
+                            )
+                        })
+                    })
+                });
+            }
+            per_transfer.push((direction, bytes, label, registered, staged.median()));
+            if bytes == 256 << 20 {
+                let host = raw.pinned(bytes);
+                let dev = raw.device(bytes);
+                let pinned = Samples::default();
+                group.bench_function(BenchmarkId::new("raw_pinned", label), |b| {
+                    b.iter_custom(|iters| {
+                        pinned.time(iters, || {
+                            if upload {
+                                raw.htod(dev, host, bytes)
+                            } else {
+                                raw.dtoh(host, dev, bytes)
+                            }
+                            raw.wait();
+                        })
+                    })
+                });
+                // SAFETY: both were allocated by `raw` and are idle after the last wait.
+                unsafe {
+                    sys::cuMemFreeHost(host.cast());
+                    sys::cuMemFree_v2(dev);
+                }
+                println!(
+                    "transfer_paths: registered {direction} {label}: {registered:?} per transfer, \
+                     raw pinned copy {:?}: {:.3}x the raw copy's speed (target 0.97x)",
+                    pinned.median(),
+                    pinned.median().as_secs_f64() / registered.as_secs_f64()
+                );
+            }
+        }
+        group.finish();
+    }
+
+    let mut group = c.benchmark_group("registration");
+    let mut cost = Vec::new();
+    for (bytes, label) in REGISTERED_SIZES {
+        group.throughput(Throughput::Bytes(bytes as u64));
+        // Touched, so the registration measures locking pages, not faulting them in.
+        let mut data = Some(vec![1.0f32; bytes / 4]);
+        let samples = Samples::default();
+        group.bench_function(BenchmarkId::new("register_and_unregister", label), |b| {
+            b.iter_custom(|iters| {
+                samples.time(iters, || {
+                    let buffer = RegisteredBuffer::register(engine, data.take().unwrap()).unwrap();
+                    data = Some(buffer.into_vec().unwrap());
+                })
+            })
+        });
+        cost.push((bytes, samples.median()));
+    }
+    group.finish();
+
+    for (direction, bytes, label, registered, staged) in per_transfer {
+        let Some(&(_, registration)) = cost.iter().find(|(b, _)| *b == bytes) else {
+            continue;
+        };
+        let verdict = if staged > registered {
+            let saved = (staged - registered).as_secs_f64();
+            let count = (registration.as_secs_f64() / saved).ceil();
+            format!("registering once pays off from transfer {count}")
+        } else {
+            "the staged route is no slower: registering never pays off".to_owned()
+        };
+        println!(
+            "transfer_paths: break-even {direction} {label}: register + unregister \
+             {registration:?}, registered {registered:?} vs staged {staged:?} per transfer: \
+             {verdict}"
+        );
+    }
+}
+
 fn config() -> Criterion {
     Criterion::default()
         .sample_size(10)
@@ -893,6 +1077,6 @@ fn await_cpu(engine: &mut CudaEngine, rt: &tokio::runtime::Runtime) {
 criterion_group! {
     name = transfer;
     config = config();
-    targets = benches, awaiting
+    targets = benches, awaiting, registered
 }
 criterion_main!(transfer);

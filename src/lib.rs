@@ -11,10 +11,12 @@
 //! - Blocking routes: [`upload_tensor`], [`upload_tensor_into`], [`download_tensor`],
 //!   [`download_tensor_into`], whose host copies run on one pool of threads shared by the
 //!   process's engines ([`copy_threads`], [`set_copy_threads`]).
-//! - Pending routes over [`PinnedHostBuffer`]s handed over by value: [`upload_pending`],
+//! - Pending routes over page-locked buffers handed over by value: [`upload_pending`],
 //!   [`download_pending`], returning a [`Pending`] transfer in state [`InFlight`] until it is
-//!   [`Returned`]; an in-flight transfer can be `.await`ed on any executor ([`PendingFuture`]),
-//!   woken by the device.
+//!   [`Returned`]. The buffer is a [`PinnedHostBuffer`] (the engine's page-locked memory) or a
+//!   [`RegisteredBuffer`] (a `Vec` of yours, page-locked in place); both are [`HostBuffer`]s. An
+//!   in-flight transfer can be `.await`ed on any executor ([`PendingFuture`]), woken by the
+//!   device.
 //! - [`StagingLease`]: the `Proven/Unproven` typestate behind the blocking routes' bounded,
 //!   pipelined pinned staging, public for hand-built chunked pipelines.
 //! - Work on the engine's stream, with no host wait: elementwise kernels compiled once per engine
@@ -84,8 +86,10 @@ pub use lifecycle::lease::{
 pub use lifecycle::retire::RetirementStats;
 pub use memory::copy_pool::{copy_threads, set_copy_threads};
 pub use memory::element::Element;
+pub use memory::host::HostBuffer;
 pub use memory::pinned::PinnedHostBuffer;
 pub use memory::pool::PinnedPoolStats;
+pub use memory::registered::RegisteredBuffer;
 pub use memory::ring::{StagingConfig, StagingStats};
 pub use memory::tensor::DeviceTensor;
 pub use routes::{

@@ -685,3 +685,39 @@ fn an_await_after_the_engine_was_dropped_resolves_without_a_registration() {
         assert!(sim.violations().is_empty());
     }
 }
+
+#[test]
+fn transfers_over_registered_buffers_are_awaited_and_hand_their_vec_back() {
+    let (mut engine, sim) = engine();
+    sim.hold_clock(true);
+    let data = distinct(4096, 7);
+    let source = cuferry::RegisteredBuffer::register(&mut engine, data.clone()).unwrap();
+    let destination = engine.alloc_tensor::<u32>(&[4096]).unwrap();
+    let upload = upload_pending(&mut engine, source, destination).unwrap();
+    // Work on the in-flight destination, then a download into a second registered buffer.
+    let copy = engine.copy_tensor(upload.device_tensor()).unwrap();
+    let target = cuferry::RegisteredBuffer::register(&mut engine, vec![0u32; 4096]).unwrap();
+    let download = download_pending(&mut engine, copy, target).unwrap();
+    let advancer = {
+        let sim = sim.clone();
+        std::thread::spawn(move || {
+            while sim.queued() > 0 {
+                std::thread::sleep(Duration::from_millis(1));
+                sim.advance(1);
+            }
+        })
+    };
+    let (upload, download) = futures_lite::future::block_on(async {
+        let download = download.await;
+        let upload = upload.await;
+        (upload, download)
+    });
+    advancer.join().unwrap();
+    sim.hold_clock(false);
+    let (target, _) = download.unwrap().into_parts();
+    assert_eq!(target.into_vec().unwrap(), data);
+    let (source, _) = upload.unwrap().into_parts();
+    assert_eq!(source.into_vec().unwrap(), data);
+    assert_eq!(sim.registered_live().0, 0);
+    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+}

@@ -1,8 +1,11 @@
 //! Model test, end to end: pending uploads, downloads and resubmissions of per-index distinct
-//! data (never zeros) through pinned buffers and device tensors, with device-to-device copies,
-//! blocking reads, detached transfers and random device advances, on the simulated device. The
-//! pinned pool keeps its default budget, so blocks are reused: a block released too early would
-//! be handed out again while a copy still reads or writes it.
+//! data (never zeros) through pinned buffers, registered buffers (`Vec`s page-locked in place)
+//! and device tensors, with device-to-device copies, blocking reads, detached transfers,
+//! registered buffers taken back with `into_vec` or forgotten (idle, or inside an in-flight
+//! transfer) and random device advances, on the simulated device. The pinned pool keeps its
+//! default budget, so blocks are reused: a block released too early would be handed out again
+//! while a copy still reads or writes it, and a registered buffer unregistered too early would
+//! be a violation the device records.
 //!
 //! The reference model knows what every buffer and every device tensor holds (or that it is
 //! unspecified: a fresh tensor, a fresh uninitialised buffer), and the device clock. Every
@@ -13,7 +16,8 @@
 use cuferry::sim::SimDevice;
 use cuferry::{
     download_pending, download_tensor, upload_pending, upload_tensor, CudaEngine, DeviceTensor,
-    Direction, Download, InFlight, Pending, PinnedHostBuffer, Returned, TryWait, Upload,
+    Direction, Download, HostBuffer, InFlight, Pending, PinnedHostBuffer, RegisteredBuffer,
+    Returned, TryWait, Upload,
 };
 use proptest::prelude::*;
 use proptest::sample::select;
@@ -51,6 +55,8 @@ enum Place {
     /// Owned by transfer `h`.
     InTransfer(usize),
     Dropped,
+    /// Passed to `mem::forget`, alone or inside an in-flight transfer: leaked for good.
+    Forgotten,
 }
 
 #[derive(Clone, Debug)]
@@ -58,6 +64,8 @@ struct Obj {
     len: usize,
     data: Data,
     place: Place,
+    /// A registered buffer (a `Vec` page-locked in place) rather than a pinned one.
+    registered: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -96,6 +104,25 @@ enum Transition {
     /// `PinnedHostBuffer::new`: contents unspecified (maybe a reused pool block).
     NewEmptyBuffer {
         len: usize,
+    },
+    /// `RegisteredBuffer::register` of a `Vec` of distinct data.
+    NewRegistered {
+        len: usize,
+        salt: u16,
+    },
+    /// `RegisteredBuffer::into_vec` of an idle registered buffer: the `Vec` must hold the model's
+    /// data.
+    IntoVec {
+        buf: usize,
+    },
+    /// `mem::forget` of an idle registered buffer: its registration and memory leak.
+    ForgetBuffer {
+        buf: usize,
+    },
+    /// `mem::forget` of an in-flight transfer over a registered buffer: the copy still runs,
+    /// into or from memory that is never unregistered or freed.
+    Forget {
+        h: usize,
     },
     /// `alloc_tensor`: contents unspecified.
     NewTensor {
@@ -296,6 +323,12 @@ impl ReferenceStateMachine for EndToEndModel {
                     .boxed(),
             ),
             (1, len().prop_map(|len| T::NewEmptyBuffer { len }).boxed()),
+            (
+                2,
+                (len(), salt())
+                    .prop_map(|(len, salt)| T::NewRegistered { len, salt })
+                    .boxed(),
+            ),
             (1, len().prop_map(|len| T::NewTensor { len }).boxed()),
             (
                 1,
@@ -341,6 +374,16 @@ impl ReferenceStateMachine for EndToEndModel {
             c.push((4, s().prop_map(|h| T::Wait { h }).boxed()));
             c.push((3, s().prop_map(|h| T::TryWait { h }).boxed()));
             c.push((2, s().prop_map(|h| T::Detach { h }).boxed()));
+            let over_registered =
+                m.transfers_where(|t| is_in_flight(t) && m.bufs[t.buf].registered);
+            if !over_registered.is_empty() {
+                c.push((
+                    1,
+                    select(over_registered)
+                        .prop_map(|h| T::Forget { h })
+                        .boxed(),
+                ));
+            }
         }
         let returned = m.transfers_where(is_returned);
         if !returned.is_empty() {
@@ -391,6 +434,23 @@ impl ReferenceStateMachine for EndToEndModel {
                     .boxed(),
             ));
         }
+        let idle_registered: Vec<usize> = Model::idle(&m.bufs)
+            .filter(|&b| m.bufs[b].registered)
+            .collect();
+        if !idle_registered.is_empty() {
+            c.push((
+                1,
+                select(idle_registered.clone())
+                    .prop_map(|buf| T::IntoVec { buf })
+                    .boxed(),
+            ));
+            c.push((
+                1,
+                select(idle_registered)
+                    .prop_map(|buf| T::ForgetBuffer { buf })
+                    .boxed(),
+            ));
+        }
         let idle_tens: Vec<usize> = Model::idle(&m.tens).collect();
         if !idle_tens.is_empty() {
             c.push((
@@ -431,6 +491,12 @@ impl ReferenceStateMachine for EndToEndModel {
             | Transition::Wait { h }
             | Transition::TryWait { h }
             | Transition::Detach { h } => tr(h).is_some_and(is_in_flight),
+            Transition::Forget { h } => {
+                tr(h).is_some_and(|t| is_in_flight(t) && m.bufs[t.buf].registered)
+            }
+            Transition::IntoVec { buf } | Transition::ForgetBuffer { buf } => {
+                idle(&m.bufs, buf) && m.bufs[buf].registered
+            }
             Transition::Refill { h, .. } => {
                 tr(h).is_some_and(|t| is_returned(t) && t.dir == Dir::Up)
             }
@@ -442,6 +508,7 @@ impl ReferenceStateMachine for EndToEndModel {
             Transition::ReadTensor { ten } | Transition::DropTensor { ten } => idle(&m.tens, ten),
             Transition::NewBuffer { .. }
             | Transition::NewEmptyBuffer { .. }
+            | Transition::NewRegistered { .. }
             | Transition::NewTensor { .. }
             | Transition::UploadTensor { .. }
             | Transition::Advance { .. }
@@ -454,6 +521,7 @@ impl ReferenceStateMachine for EndToEndModel {
             len,
             data,
             place: Place::Idle,
+            registered: false,
         };
         match *t {
             Transition::NewBuffer { len, salt } => {
@@ -463,6 +531,21 @@ impl ReferenceStateMachine for EndToEndModel {
             Transition::NewEmptyBuffer { len } => {
                 m.poll(true);
                 m.bufs.push(obj(len, None));
+            }
+            Transition::NewRegistered { len, salt } => {
+                // Registration polls nothing and queues nothing.
+                m.bufs.push(Obj {
+                    registered: true,
+                    ..obj(len, Some(distinct(len, salt)))
+                });
+            }
+            Transition::IntoVec { buf } => m.bufs[buf].place = Place::Dropped,
+            Transition::ForgetBuffer { buf } => m.bufs[buf].place = Place::Forgotten,
+            Transition::Forget { h } => {
+                let Transfer { buf, ten, .. } = m.transfers[h];
+                m.transfers[h].state = HState::Gone;
+                m.bufs[buf].place = Place::Forgotten;
+                m.tens[ten].place = Place::Forgotten;
             }
             Transition::Detach { h } => {
                 let HState::InFlight { marker } = m.transfers[h].state else {
@@ -565,22 +648,82 @@ impl ReferenceStateMachine for EndToEndModel {
 // The system under test.
 // ---------------------------------------------------------------------------------------------
 
-enum Handle {
-    Gone,
-    UpInFlight(Pending<Upload, f32, InFlight>),
-    DownInFlight(Pending<Download, f32, InFlight>),
-    UpReturned(Pending<Upload, f32, Returned>),
-    DownReturned(Pending<Download, f32, Returned>),
+/// A host buffer the test holds, of either kind.
+enum Buf {
+    Pinned(PinnedHostBuffer<f32>),
+    Registered(RegisteredBuffer<f32>),
 }
 
-struct Sut {
-    engine: CudaEngine,
-    sim: SimDevice,
-    bufs: Vec<Option<PinnedHostBuffer<f32>>>,
-    tens: Vec<Option<DeviceTensor<f32>>>,
-    handles: Vec<Handle>,
-    /// The model after the last step, for the final checks.
-    model: Model,
+impl Buf {
+    fn as_slice(&self) -> &[f32] {
+        match self {
+            Buf::Pinned(b) => b.as_slice(),
+            Buf::Registered(b) => b.as_slice(),
+        }
+    }
+}
+
+/// What the test needs of a host buffer kind, beside what the routes need.
+trait Host: HostBuffer<f32> + Sized {
+    fn slice(&self) -> &[f32];
+    fn slice_mut(&mut self) -> &mut [f32];
+    fn buf(self) -> Buf;
+    fn handle(x: Xfer<Self>) -> Handle;
+}
+
+impl Host for PinnedHostBuffer<f32> {
+    fn slice(&self) -> &[f32] {
+        self.as_slice()
+    }
+    fn slice_mut(&mut self) -> &mut [f32] {
+        self.as_mut_slice()
+    }
+    fn buf(self) -> Buf {
+        Buf::Pinned(self)
+    }
+    fn handle(x: Xfer<Self>) -> Handle {
+        Handle::Pinned(x)
+    }
+}
+
+impl Host for RegisteredBuffer<f32> {
+    fn slice(&self) -> &[f32] {
+        self.as_slice()
+    }
+    fn slice_mut(&mut self) -> &mut [f32] {
+        self.as_mut_slice()
+    }
+    fn buf(self) -> Buf {
+        Buf::Registered(self)
+    }
+    fn handle(x: Xfer<Self>) -> Handle {
+        Handle::Registered(x)
+    }
+}
+
+/// A transfer over a host buffer of kind `B`, in each direction and state.
+enum Xfer<B: Host> {
+    UpInFlight(Pending<Upload, f32, InFlight, B>),
+    DownInFlight(Pending<Download, f32, InFlight, B>),
+    UpReturned(Pending<Upload, f32, Returned, B>),
+    DownReturned(Pending<Download, f32, Returned, B>),
+}
+
+enum Handle {
+    Gone,
+    Pinned(Xfer<PinnedHostBuffer<f32>>),
+    Registered(Xfer<RegisteredBuffer<f32>>),
+}
+
+/// Runs `$body` with `$x` bound to the transfer of a live handle, whatever its buffer kind.
+macro_rules! each {
+    ($handle:expr, $x:ident => $body:expr) => {
+        match $handle {
+            Handle::Pinned($x) => $body,
+            Handle::Registered($x) => $body,
+            Handle::Gone => panic!("the transfer is gone"),
+        }
+    };
 }
 
 fn assert_data(what: &str, got: &[f32], expected: &Data) {
@@ -594,33 +737,23 @@ fn assert_data(what: &str, got: &[f32], expected: &Data) {
     }
 }
 
-impl Handle {
-    fn returned(&self) -> (&PinnedHostBuffer<f32>, &DeviceTensor<f32>) {
-        match self {
-            Handle::UpReturned(r) => (r.buffer(), r.tensor()),
-            Handle::DownReturned(r) => (r.buffer(), r.tensor()),
-            _ => panic!("not a returned transfer"),
-        }
-    }
-}
-
-fn returned<D: Direction>(r: Pending<D, f32, Returned>) -> Handle {
+fn returned<D: Direction, B: Host>(r: Pending<D, f32, Returned, B>) -> Xfer<B> {
     let any: Box<dyn std::any::Any> = Box::new(r);
-    match any.downcast::<Pending<Upload, f32, Returned>>() {
-        Ok(up) => Handle::UpReturned(*up),
-        Err(any) => Handle::DownReturned(*any.downcast().expect("upload or download")),
+    match any.downcast::<Pending<Upload, f32, Returned, B>>() {
+        Ok(up) => Xfer::UpReturned(*up),
+        Err(any) => Xfer::DownReturned(*any.downcast().expect("upload or download")),
     }
 }
 
-fn in_flight<D: Direction>(p: Pending<D, f32, InFlight>) -> Handle {
+fn in_flight<D: Direction, B: Host>(p: Pending<D, f32, InFlight, B>) -> Xfer<B> {
     let any: Box<dyn std::any::Any> = Box::new(p);
-    match any.downcast::<Pending<Upload, f32, InFlight>>() {
-        Ok(up) => Handle::UpInFlight(*up),
-        Err(any) => Handle::DownInFlight(*any.downcast().expect("upload or download")),
+    match any.downcast::<Pending<Upload, f32, InFlight, B>>() {
+        Ok(up) => Xfer::UpInFlight(*up),
+        Err(any) => Xfer::DownInFlight(*any.downcast().expect("upload or download")),
     }
 }
 
-fn try_wait<D: Direction>(p: Pending<D, f32, InFlight>, ready: bool) -> Handle {
+fn try_wait<D: Direction, B: Host>(p: Pending<D, f32, InFlight, B>, ready: bool) -> Xfer<B> {
     match p.try_wait().unwrap() {
         TryWait::Returned(r) => {
             assert!(ready, "try_wait returned before the event");
@@ -633,6 +766,101 @@ fn try_wait<D: Direction>(p: Pending<D, f32, InFlight>, ready: bool) -> Handle {
     }
 }
 
+impl<B: Host> Xfer<B> {
+    fn in_flight(&self) -> bool {
+        matches!(self, Xfer::UpInFlight(_) | Xfer::DownInFlight(_))
+    }
+
+    fn upload(&self) -> bool {
+        matches!(self, Xfer::UpInFlight(_) | Xfer::UpReturned(_))
+    }
+
+    fn returned(&self) -> (&[f32], &DeviceTensor<f32>) {
+        match self {
+            Xfer::UpReturned(r) => (r.buffer().slice(), r.tensor()),
+            Xfer::DownReturned(r) => (r.buffer().slice(), r.tensor()),
+            _ => panic!("not a returned transfer"),
+        }
+    }
+
+    fn is_ready(&mut self) -> bool {
+        match self {
+            Xfer::UpInFlight(p) => p.is_ready().unwrap(),
+            Xfer::DownInFlight(p) => p.is_ready().unwrap(),
+            _ => panic!("not in flight"),
+        }
+    }
+
+    fn wait(self) -> Self {
+        match self {
+            Xfer::UpInFlight(p) => Xfer::UpReturned(p.wait().unwrap()),
+            Xfer::DownInFlight(p) => Xfer::DownReturned(p.wait().unwrap()),
+            _ => panic!("not in flight"),
+        }
+    }
+
+    fn try_wait(self, ready: bool) -> Self {
+        match self {
+            Xfer::UpInFlight(p) => try_wait(p, ready),
+            Xfer::DownInFlight(p) => try_wait(p, ready),
+            _ => panic!("not in flight"),
+        }
+    }
+
+    fn refill(&mut self, salt: u16) {
+        let Xfer::UpReturned(r) = self else {
+            panic!("not a returned upload")
+        };
+        let slice = r.buffer_mut().slice_mut();
+        slice.copy_from_slice(&distinct(slice.len(), salt));
+    }
+
+    fn resubmit(self, engine: &mut CudaEngine) -> Self {
+        match self {
+            Xfer::UpReturned(r) => Xfer::UpInFlight(r.resubmit(engine).unwrap()),
+            Xfer::DownReturned(r) => Xfer::DownInFlight(r.resubmit(engine).unwrap()),
+            _ => panic!("not returned"),
+        }
+    }
+
+    fn into_parts(self) -> (Buf, DeviceTensor<f32>) {
+        let (b, t) = match self {
+            Xfer::UpReturned(r) => r.into_parts(),
+            Xfer::DownReturned(r) => r.into_parts(),
+            _ => panic!("not returned"),
+        };
+        (b.buf(), t)
+    }
+}
+
+fn submit<B: Host>(engine: &mut CudaEngine, upload: bool, b: B, t: DeviceTensor<f32>) -> Handle {
+    B::handle(if upload {
+        Xfer::UpInFlight(upload_pending(engine, b, t).unwrap())
+    } else {
+        Xfer::DownInFlight(download_pending(engine, t, b).unwrap())
+    })
+}
+
+impl Handle {
+    fn returned(&self) -> (&[f32], &DeviceTensor<f32>) {
+        each!(self, x => x.returned())
+    }
+
+    fn registered(&self) -> bool {
+        matches!(self, Handle::Registered(_))
+    }
+}
+
+struct Sut {
+    engine: CudaEngine,
+    sim: SimDevice,
+    bufs: Vec<Option<Buf>>,
+    tens: Vec<Option<DeviceTensor<f32>>>,
+    handles: Vec<Handle>,
+    /// The model after the last step, for the final checks.
+    model: Model,
+}
+
 impl Sut {
     fn take(&mut self, h: usize) -> Handle {
         std::mem::replace(&mut self.handles[h], Handle::Gone)
@@ -640,11 +868,15 @@ impl Sut {
 
     /// A transfer just came back: a download's buffer must hold what the model says.
     fn check_returned(&self, h: usize, m: &Model) {
-        if let Handle::DownReturned(r) = &self.handles[h] {
+        if let Handle::Gone = self.handles[h] {
+            return;
+        }
+        let download = each!(&self.handles[h], x => !x.in_flight() && !x.upload());
+        if download {
             let b = m.transfers[h].buf;
             assert_data(
                 &format!("download {h} into buffer {b}"),
-                r.buffer().as_slice(),
+                self.handles[h].returned().0,
                 &m.bufs[b].data,
             );
         }
@@ -665,7 +897,10 @@ impl StateMachineTest for EndToEndTest {
             .bufs
             .iter()
             .map(|b| {
-                Some(PinnedHostBuffer::from_slice(&mut engine, b.data.as_ref().unwrap()).unwrap())
+                let data = b.data.as_ref().unwrap();
+                Some(Buf::Pinned(
+                    PinnedHostBuffer::from_slice(&mut engine, data).unwrap(),
+                ))
             })
             .collect();
         let tens = m
@@ -689,95 +924,81 @@ impl StateMachineTest for EndToEndTest {
     fn apply(mut sut: Sut, m: &Model, t: Transition) -> Sut {
         let e = &mut sut.engine;
         match t {
-            Transition::NewBuffer { len, salt } => sut.bufs.push(Some(
+            Transition::NewBuffer { len, salt } => sut.bufs.push(Some(Buf::Pinned(
                 PinnedHostBuffer::from_slice(e, &distinct(len, salt)).unwrap(),
-            )),
-            Transition::NewEmptyBuffer { len } => {
-                sut.bufs.push(Some(PinnedHostBuffer::new(e, len).unwrap()))
-            }
+            ))),
+            Transition::NewEmptyBuffer { len } => sut
+                .bufs
+                .push(Some(Buf::Pinned(PinnedHostBuffer::new(e, len).unwrap()))),
+            Transition::NewRegistered { len, salt } => sut.bufs.push(Some(Buf::Registered(
+                RegisteredBuffer::register(e, distinct(len, salt)).unwrap(),
+            ))),
             Transition::NewTensor { len } => sut.tens.push(Some(e.alloc_tensor(&[len]).unwrap())),
             Transition::UploadTensor { len, salt } => sut.tens.push(Some(
                 upload_tensor(e, &distinct(len, salt), &[len]).unwrap(),
             )),
-            Transition::Upload { buf, ten } => {
+            Transition::Upload { buf, ten } | Transition::Download { ten, buf } => {
+                let upload = matches!(t, Transition::Upload { .. });
                 let b = sut.bufs[buf].take().unwrap();
                 let t = sut.tens[ten].take().unwrap();
-                sut.handles
-                    .push(Handle::UpInFlight(upload_pending(e, b, t).unwrap()));
-            }
-            Transition::Download { ten, buf } => {
-                let b = sut.bufs[buf].take().unwrap();
-                let t = sut.tens[ten].take().unwrap();
-                sut.handles
-                    .push(Handle::DownInFlight(download_pending(e, t, b).unwrap()));
+                sut.handles.push(match b {
+                    Buf::Pinned(b) => submit(e, upload, b, t),
+                    Buf::Registered(b) => submit(e, upload, b, t),
+                });
             }
             Transition::IsReady { h } => {
                 let HState::InFlight { marker } = m.transfers[h].state else {
                     panic!("model transfer {h} is not in flight")
                 };
                 let expected = marker < m.done_seq;
-                let got = match &mut sut.handles[h] {
-                    Handle::UpInFlight(p) => p.is_ready().unwrap(),
-                    Handle::DownInFlight(p) => p.is_ready().unwrap(),
-                    _ => panic!("transfer {h} is not in flight"),
-                };
+                let got = each!(&mut sut.handles[h], x => x.is_ready());
                 assert_eq!(got, expected, "is_ready of transfer {h}");
             }
             Transition::Wait { h } => {
                 sut.handles[h] = match sut.take(h) {
-                    Handle::UpInFlight(p) => Handle::UpReturned(p.wait().unwrap()),
-                    Handle::DownInFlight(p) => Handle::DownReturned(p.wait().unwrap()),
-                    _ => panic!("transfer {h} is not in flight"),
+                    Handle::Pinned(x) => Handle::Pinned(x.wait()),
+                    Handle::Registered(x) => Handle::Registered(x.wait()),
+                    Handle::Gone => panic!("transfer {h} is gone"),
                 };
                 sut.check_returned(h, m);
             }
             Transition::TryWait { h } => {
                 let ready = is_returned(&m.transfers[h]);
                 sut.handles[h] = match sut.take(h) {
-                    Handle::UpInFlight(p) => try_wait(p, ready),
-                    Handle::DownInFlight(p) => try_wait(p, ready),
-                    _ => panic!("transfer {h} is not in flight"),
+                    Handle::Pinned(x) => Handle::Pinned(x.try_wait(ready)),
+                    Handle::Registered(x) => Handle::Registered(x.try_wait(ready)),
+                    Handle::Gone => panic!("transfer {h} is gone"),
                 };
                 sut.check_returned(h, m);
             }
-            Transition::Refill { h, salt } => {
-                let Handle::UpReturned(r) = &mut sut.handles[h] else {
-                    panic!("transfer {h} is not a returned upload")
-                };
-                let slice = r.buffer_mut().as_mut_slice();
-                slice.copy_from_slice(&distinct(slice.len(), salt));
-            }
+            Transition::Refill { h, salt } => each!(&mut sut.handles[h], x => x.refill(salt)),
             Transition::Resubmit { h } => {
                 sut.handles[h] = match std::mem::replace(&mut sut.handles[h], Handle::Gone) {
-                    Handle::UpReturned(r) => Handle::UpInFlight(r.resubmit(e).unwrap()),
-                    Handle::DownReturned(r) => Handle::DownInFlight(r.resubmit(e).unwrap()),
-                    _ => panic!("transfer {h} is not returned"),
+                    Handle::Pinned(x) => Handle::Pinned(x.resubmit(e)),
+                    Handle::Registered(x) => Handle::Registered(x.resubmit(e)),
+                    Handle::Gone => panic!("transfer {h} is gone"),
                 };
             }
             Transition::IntoParts { h } => {
-                let (b, t) = match sut.take(h) {
-                    Handle::UpReturned(r) => r.into_parts(),
-                    Handle::DownReturned(r) => r.into_parts(),
-                    _ => panic!("transfer {h} is not returned"),
-                };
+                let handle = std::mem::replace(&mut sut.handles[h], Handle::Gone);
+                let (b, t) = each!(handle, x => x.into_parts());
                 let Transfer { buf, ten, .. } = m.transfers[h];
                 sut.bufs[buf] = Some(b);
                 sut.tens[ten] = Some(t);
             }
             Transition::Detach { h } => {
                 let handle = sut.take(h);
-                assert!(matches!(
-                    handle,
-                    Handle::UpInFlight(_) | Handle::DownInFlight(_)
-                ));
+                assert!(each!(&handle, x => x.in_flight()));
                 drop(handle);
+            }
+            Transition::Forget { h } => {
+                let handle = sut.take(h);
+                assert!(handle.registered() && each!(&handle, x => x.in_flight()));
+                std::mem::forget(handle);
             }
             Transition::DropReturned { h } => {
                 let handle = sut.take(h);
-                assert!(matches!(
-                    handle,
-                    Handle::UpReturned(_) | Handle::DownReturned(_)
-                ));
+                assert!(!each!(&handle, x => x.in_flight()));
                 drop(handle);
             }
             Transition::CopyInto { src, dst } => {
@@ -808,6 +1029,25 @@ impl StateMachineTest for EndToEndTest {
                 sut.bufs[buf].as_ref().unwrap().as_slice(),
                 &m.bufs[buf].data,
             ),
+            Transition::IntoVec { buf } => {
+                let Some(Buf::Registered(b)) = sut.bufs[buf].take() else {
+                    panic!("buffer {buf} is not an idle registered buffer")
+                };
+                let start = b.as_slice().as_ptr();
+                let back = b.into_vec().unwrap();
+                assert_eq!(
+                    back.as_ptr(),
+                    start,
+                    "into_vec gives the same allocation back"
+                );
+                assert_data(&format!("Vec of buffer {buf}"), &back, &m.bufs[buf].data);
+            }
+            Transition::ForgetBuffer { buf } => {
+                let Some(Buf::Registered(b)) = sut.bufs[buf].take() else {
+                    panic!("buffer {buf} is not an idle registered buffer")
+                };
+                std::mem::forget(b);
+            }
             Transition::DropBuffer { buf } => drop(sut.bufs[buf].take().unwrap()),
             Transition::DropTensor { ten } => drop(sut.tens[ten].take().unwrap()),
             Transition::Advance { ops } => {
@@ -829,14 +1069,27 @@ impl StateMachineTest for EndToEndTest {
         );
         for (h, t) in m.transfers.iter().enumerate() {
             let ok = match (&sut.handles[h], t.state) {
-                (Handle::UpInFlight(_), HState::InFlight { .. }) => t.dir == Dir::Up,
-                (Handle::DownInFlight(_), HState::InFlight { .. }) => t.dir == Dir::Down,
-                (Handle::UpReturned(_), HState::Returned) => t.dir == Dir::Up,
-                (Handle::DownReturned(_), HState::Returned) => t.dir == Dir::Down,
                 (Handle::Gone, HState::Gone) => true,
-                _ => false,
+                (Handle::Gone, _) | (_, HState::Gone) => false,
+                (handle, state) => {
+                    let (in_flight, upload) = each!(handle, x => (x.in_flight(), x.upload()));
+                    in_flight == matches!(state, HState::InFlight { .. })
+                        && upload == (t.dir == Dir::Up)
+                        && handle.registered() == m.bufs[t.buf].registered
+                }
             };
             assert!(ok, "transfer {h} is not in the model's state {t:?}");
+        }
+        for (b, buf) in m.bufs.iter().enumerate() {
+            let held = &sut.bufs[b];
+            match buf.place {
+                Place::Idle => assert_eq!(
+                    held.as_ref().map(|h| matches!(h, Buf::Registered(_))),
+                    Some(buf.registered),
+                    "buffer {b}"
+                ),
+                _ => assert!(held.is_none(), "buffer {b} is not held"),
+            }
         }
         let stats = sut.engine.retirement_stats();
         assert_eq!(
@@ -851,14 +1104,13 @@ impl StateMachineTest for EndToEndTest {
         // holds the model's data.
         let m = sut.model.clone();
         for h in 0..sut.handles.len() {
-            let handle = match sut.take(h) {
-                Handle::UpInFlight(p) => Handle::UpReturned(p.wait().unwrap()),
-                Handle::DownInFlight(p) => Handle::DownReturned(p.wait().unwrap()),
+            sut.handles[h] = match sut.take(h) {
+                Handle::Pinned(x) if x.in_flight() => Handle::Pinned(x.wait()),
+                Handle::Registered(x) if x.in_flight() => Handle::Registered(x.wait()),
                 other => other,
             };
-            sut.handles[h] = handle;
             sut.check_returned(h, &m);
-            if let Handle::UpReturned(_) | Handle::DownReturned(_) = sut.handles[h] {
+            if !matches!(sut.handles[h], Handle::Gone) {
                 let ten = m.transfers[h].ten;
                 let got = download_tensor(&mut sut.engine, sut.handles[h].returned().1).unwrap();
                 assert_data(&format!("tensor {ten}"), &got, &m.tens[ten].data);
@@ -884,7 +1136,28 @@ impl StateMachineTest for EndToEndTest {
         sim.advance_all();
         assert_eq!(sim.violations(), Vec::<String>::new());
         assert_eq!(sim.pinned_live(), (0, 0), "every pinned block freed");
-        assert_eq!(sim.device_live(), (0, 0), "every tensor freed");
+        // Only what was forgotten stays: registered buffers never unregistered, and the tensors
+        // of forgotten transfers.
+        let forgotten = |objs: &[Obj]| {
+            let leaked: Vec<&Obj> = objs
+                .iter()
+                .filter(|o| o.place == Place::Forgotten)
+                .collect();
+            (
+                leaked.len(),
+                leaked.iter().map(|o| o.len * 4).sum::<usize>(),
+            )
+        };
+        assert_eq!(
+            sim.registered_live(),
+            forgotten(&m.bufs),
+            "every registered buffer unregistered but the forgotten ones"
+        );
+        assert_eq!(
+            sim.device_live(),
+            forgotten(&m.tens),
+            "every tensor freed but those of forgotten transfers"
+        );
     }
 }
 

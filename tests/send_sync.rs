@@ -13,7 +13,8 @@
 use cuferry::{
     BeginError, CudaEngine, DeviceTensor, Download, DriverError, Error, InFlight, Pending,
     PendingFuture, PinnedHostBuffer, Proven, RawContext, RawDevicePtr, RawScope, RawStream,
-    Refused, Returned, StagingLease, TransferSubmitError, Unproven, Untracked, Upload,
+    Refused, RegisteredBuffer, Returned, StagingLease, TransferSubmitError, Unproven, Untracked,
+    Upload,
 };
 use static_assertions::{assert_impl_all, assert_not_impl_any};
 
@@ -29,12 +30,23 @@ assert_impl_all!(Pending<Download, f32, InFlight>: Sync);
 assert_impl_all!(Pending<Upload, f32, InFlight>: std::future::IntoFuture);
 assert_impl_all!(PendingFuture<Upload, f32>: Send, Sync, Unpin, std::future::Future);
 assert_impl_all!(PendingFuture<Download, u8>: Send, Sync, Unpin, std::future::Future);
+assert_impl_all!(
+    PendingFuture<Upload, f32, RegisteredBuffer<f32>>: Send,
+    Sync,
+    Unpin,
+    std::future::Future
+);
+// `&RegisteredBuffer` only reads through `as_slice`; transfers over one move like any other.
+assert_impl_all!(RegisteredBuffer<f32>: Send, Sync);
+assert_impl_all!(Pending<Upload, f32, InFlight, RegisteredBuffer<f32>>: Send, Sync);
+assert_impl_all!(Pending<Download, f32, Returned, RegisteredBuffer<f32>>: Send, Sync);
 assert_impl_all!(StagingLease<Proven>: Send, Sync);
 assert_impl_all!(StagingLease<Unproven>: Send, Sync);
 assert_impl_all!(StagingLease<Untracked>: Send, Sync);
 
 assert_impl_all!(BeginError: Send, Sync, std::error::Error);
 assert_impl_all!(TransferSubmitError<f32>: Send, Sync, std::error::Error);
+assert_impl_all!(TransferSubmitError<f32, RegisteredBuffer<f32>>: Send, Sync, std::error::Error);
 assert_impl_all!(Refused<Vec<f32>>: Send, Sync, std::error::Error);
 assert_impl_all!(Refused<DeviceTensor<f32>>: Send, Sync, std::error::Error);
 

@@ -353,6 +353,20 @@ impl Driver for CudaDriver {
         DriverError::check(unsafe { sys::cuMemFreeHost(ptr.cast::<c_void>()) })
     }
 
+    fn host_register(&mut self, ptr: *mut u8, bytes: usize) -> Result<(), DriverError> {
+        // SAFETY: registration locks the pages of `ptr..ptr+bytes` and does not read or write
+        // them; a range that is not mapped memory of this process is refused with an error.
+        // Flags 0: the range is page-locked for this driver's context, which the engine makes
+        // current around every copy that uses it.
+        DriverError::check(unsafe { sys::cuMemHostRegister_v2(ptr.cast::<c_void>(), bytes, 0) })
+    }
+
+    unsafe fn host_unregister(&mut self, ptr: *mut u8) -> Result<(), DriverError> {
+        // SAFETY: the caller guarantees `ptr` starts a range registered by `host_register` and
+        // that no queued copy still touches it.
+        DriverError::check(unsafe { sys::cuMemHostUnregister(ptr.cast::<c_void>()) })
+    }
+
     fn waits(&self) -> Arc<dyn Waits> {
         Arc::clone(&self.waits) as Arc<dyn Waits>
     }

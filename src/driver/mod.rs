@@ -174,6 +174,19 @@ pub(crate) trait Driver: Send + launch::Launch + graph::Graphs {
     /// `ptr` came from [`Driver::host_alloc`] on this driver, is freed once, and no queued
     /// operation may still touch it.
     unsafe fn host_free(&mut self, ptr: *mut u8) -> Result<(), DriverError>;
+    /// Page-locks `bytes` of existing host memory starting at `ptr` for this driver's context,
+    /// so that copies from and to it run asynchronously at the copy engines' speed, as from
+    /// [`Driver::host_alloc`] memory. The driver locks the pages and neither reads nor writes
+    /// them; a range it cannot lock (unmapped, empty, already registered) is refused with an
+    /// error.
+    fn host_register(&mut self, ptr: *mut u8, bytes: usize) -> Result<(), DriverError>;
+    /// Unlocks a range registered with [`Driver::host_register`]: from then on a copy from or to
+    /// it is a pageable copy again.
+    ///
+    /// # Safety
+    /// `ptr` is the start of a range registered on this driver and not yet unregistered, and no
+    /// queued operation may still touch it.
+    unsafe fn host_unregister(&mut self, ptr: *mut u8) -> Result<(), DriverError>;
 
     /// The waiting half of this driver, for waits made without the engine's lock.
     fn waits(&self) -> Arc<dyn Waits>;

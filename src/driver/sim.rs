@@ -7,10 +7,10 @@
 //! - **Asynchrony.** Copies, frees and event records are queued on the stream in call order and
 //!   take effect only when the device clock advances ([`SimDevice::advance`]) or something waits
 //!   (an event or stream synchronize). A copy that has not completed has not written its
-//!   destination, and a host-to-device copy from pinned memory reads its source when it runs, not
-//!   when it is queued. Copies with pageable host memory behave as CUDA documents: a
-//!   host-to-device copy stages its source before the call returns, a device-to-host copy
-//!   returns only once complete.
+//!   destination, and a host-to-device copy from page-locked memory (pinned, or registered with
+//!   `host_register`) reads its source when it runs, not when it is queued. Copies with pageable
+//!   host memory behave as CUDA documents: a host-to-device copy stages its source before the
+//!   call returns, a device-to-host copy returns only once complete.
 //! - **Events.** A query reports completion only once every operation queued before the record
 //!   has run.
 //! - **Faults.** [`SimDevice::fail_nth`] makes the n-th call of an operation return a driver
@@ -27,7 +27,9 @@
 //!   ([`SimDevice::graph_launches`], [`SimDevice::graphs_live`]).
 //! - **Use-after-free of DMA memory.** Freeing pinned host memory that a queued copy still names
 //!   is recorded as a [violation](SimDevice::violations) and the memory is kept (never freed), so
-//!   a lifecycle bug is reported by the tests instead of corrupting memory.
+//!   a lifecycle bug is reported by the tests instead of corrupting memory. Unregistering a
+//!   registered range that a queued copy still names is a violation too, and is refused, so the
+//!   caller keeps (leaks) the memory instead of freeing it under the copy.
 //!
 //! Contexts are modelled per thread, so the context-restoring rules of raw scopes are testable
 //! too ([`thread_context`], [`set_thread_context`], [`SimDevice::foreign_context`]).
@@ -53,7 +55,8 @@ pub struct SimConfig {
     pub ordinal: usize,
     /// Device memory capacity in bytes; allocations beyond it fail with `CUDA_ERROR_OUT_OF_MEMORY`.
     pub memory_bytes: usize,
-    /// Pinned host memory capacity in bytes; allocations beyond it fail likewise.
+    /// Page-locked host memory capacity in bytes, pinned allocations and registered ranges
+    /// together; allocations and registrations beyond it fail likewise.
     pub pinned_bytes: usize,
 }
 
@@ -95,6 +98,10 @@ pub enum SimOp {
     HostAlloc,
     /// Pinned host free.
     HostFree,
+    /// Registration (page-locking) of existing host memory.
+    HostRegister,
+    /// Unregistration of registered host memory.
+    HostUnregister,
     /// Stream synchronize (a host wait).
     StreamSynchronize,
     /// Stream query.
@@ -119,6 +126,11 @@ pub enum SimOp {
     /// pending transfer asks for).
     NotifyAfter,
 }
+
+/// `CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED`.
+const HOST_MEMORY_ALREADY_REGISTERED: u32 = 712;
+/// `CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED`.
+const HOST_MEMORY_NOT_REGISTERED: u32 = 713;
 
 static NEXT_INSTANCE: AtomicU64 = AtomicU64::new(1);
 static NEXT_CONTEXT: AtomicU64 = AtomicU64::new(0x5100_0000);
@@ -203,6 +215,9 @@ struct State {
     next_event: u64,
     host: HashMap<usize, usize>,
     host_used: usize,
+    /// Registered host ranges: start and length.
+    registered: BTreeMap<usize, usize>,
+    registered_used: usize,
     calls: BTreeMap<SimOp, u64>,
     faults: Vec<(SimOp, u64, DriverError)>,
     /// Calls that panic instead of returning: (operation, call number).
@@ -275,6 +290,8 @@ impl SimDevice {
             next_event: 1,
             host: HashMap::new(),
             host_used: 0,
+            registered: BTreeMap::new(),
+            registered_used: 0,
             calls: BTreeMap::new(),
             faults: Vec::new(),
             panics: Vec::new(),
@@ -383,6 +400,17 @@ impl SimDevice {
     pub fn pinned_live(&self) -> (usize, usize) {
         let s = self.lock();
         (s.host.len(), s.host_used)
+    }
+
+    /// Live registered host ranges: (count, bytes).
+    pub fn registered_live(&self) -> (usize, usize) {
+        let s = self.lock();
+        (s.registered.len(), s.registered_used)
+    }
+
+    /// Whether `ptr` is the start of a registered host range of this device.
+    pub fn is_registered(&self, ptr: *const u8) -> bool {
+        self.lock().registered.contains_key(&(ptr as usize))
     }
 
     /// Live device allocations: (count, bytes), counting frees that have run.
@@ -513,11 +541,37 @@ impl State {
         self.refuse_in_capture()
     }
 
-    /// Whether `addr..addr+bytes` lies inside one live pinned allocation of this device.
-    fn is_pinned(&self, addr: usize, bytes: usize) -> bool {
-        self.host
-            .iter()
-            .any(|(&start, &len)| start <= addr && addr + bytes <= start + len)
+    /// Whether `addr..addr+bytes` lies inside one live pinned allocation or one registered range
+    /// of this device: page-locked memory, which copies reach when they run.
+    fn is_page_locked(&self, addr: usize, bytes: usize) -> bool {
+        let inside =
+            |(&start, &len): (&usize, &usize)| start <= addr && addr + bytes <= start + len;
+        self.host.iter().any(inside)
+            || self
+                .registered
+                .range(..=addr)
+                .next_back()
+                .is_some_and(inside)
+    }
+
+    /// Whether a queued job touches host memory in `addr..addr+bytes`.
+    fn names_host(&self, addr: usize, bytes: usize) -> bool {
+        self.queue.iter().any(|(_, job)| {
+            job.host_range()
+                .is_some_and(|(a, n)| a < addr + bytes && addr < a + n.max(1))
+        })
+    }
+
+    /// Whether `addr..addr+bytes` overlaps page-locked memory of this device.
+    fn overlaps_page_locked(&self, addr: usize, bytes: usize) -> bool {
+        let overlaps =
+            |(&start, &len): (&usize, &usize)| start < addr + bytes && addr < start + len;
+        self.host.iter().any(overlaps) || self.registered.iter().any(overlaps)
+    }
+
+    /// Page-locked bytes: pinned allocations and registered ranges.
+    fn page_locked_bytes(&self) -> usize {
+        self.host_used + self.registered_used
     }
 
     fn push(&mut self, job: Job) -> u64 {
@@ -697,7 +751,7 @@ impl Driver for SimDriver {
     ) -> Result<(), DriverError> {
         let mut s = self.lock();
         s.enter_stream(SimOp::CopyHtoD)?;
-        if s.is_pinned(src as usize, bytes) {
+        if s.is_page_locked(src as usize, bytes) {
             s.push(Job::HtoD { dst, src, bytes });
         } else {
             // CUDA stages a pageable source before the call returns (after a stream sync), so
@@ -719,7 +773,7 @@ impl Driver for SimDriver {
     ) -> Result<(), DriverError> {
         let mut s = self.lock();
         s.enter_stream(SimOp::CopyDtoH)?;
-        let pageable = !s.is_pinned(dst as usize, bytes);
+        let pageable = !s.is_page_locked(dst as usize, bytes);
         s.push(Job::DtoH { dst, src, bytes });
         if pageable {
             // CUDA returns from a copy into pageable memory only once it has completed.
@@ -806,7 +860,7 @@ impl Driver for SimDriver {
         let mut s = self.lock();
         s.enter(SimOp::HostAlloc)?;
         let bytes = bytes.max(1);
-        if s.host_used.saturating_add(bytes) > s.pinned_bytes {
+        if s.page_locked_bytes().saturating_add(bytes) > s.pinned_bytes {
             return Err(DriverError::OUT_OF_MEMORY);
         }
         let layout =
@@ -833,11 +887,7 @@ impl Driver for SimDriver {
                 .push(format!("free of unknown pinned pointer {addr:#x}"));
             return Err(DriverError::INVALID_VALUE);
         };
-        let busy = s.queue.iter().any(|(_, job)| {
-            job.host_range()
-                .is_some_and(|(a, n)| a < addr + bytes && addr < a + n.max(1))
-        });
-        if busy {
+        if s.names_host(addr, bytes) {
             // Keep the memory: freeing it would let the queued copy touch freed memory.
             s.violations.push(format!(
                 "pinned buffer {addr:#x} ({bytes} bytes) freed while a queued copy still names it"
@@ -851,6 +901,46 @@ impl Driver for SimDriver {
         // SAFETY: `ptr` was allocated by `host_alloc` with this layout and is freed once (it was
         // just removed from the live set).
         unsafe { std::alloc::dealloc(ptr, layout) };
+        Ok(())
+    }
+
+    fn host_register(&mut self, ptr: *mut u8, bytes: usize) -> Result<(), DriverError> {
+        let mut s = self.lock();
+        s.enter(SimOp::HostRegister)?;
+        let addr = ptr as usize;
+        if ptr.is_null() || bytes == 0 || addr.checked_add(bytes).is_none() {
+            return Err(DriverError::INVALID_VALUE);
+        }
+        if s.overlaps_page_locked(addr, bytes) {
+            return Err(DriverError::from_code(HOST_MEMORY_ALREADY_REGISTERED));
+        }
+        if s.page_locked_bytes().saturating_add(bytes) > s.pinned_bytes {
+            return Err(DriverError::OUT_OF_MEMORY);
+        }
+        s.registered.insert(addr, bytes);
+        s.registered_used += bytes;
+        Ok(())
+    }
+
+    unsafe fn host_unregister(&mut self, ptr: *mut u8) -> Result<(), DriverError> {
+        let mut s = self.lock();
+        s.enter(SimOp::HostUnregister)?;
+        let addr = ptr as usize;
+        let Some(&bytes) = s.registered.get(&addr) else {
+            s.violations
+                .push(format!("unregister of unknown host range {addr:#x}"));
+            return Err(DriverError::from_code(HOST_MEMORY_NOT_REGISTERED));
+        };
+        if s.names_host(addr, bytes) {
+            // Refuse: the caller then keeps the memory (leaks it) instead of freeing memory the
+            // queued copy will still read or write.
+            s.violations.push(format!(
+                "registered range {addr:#x} ({bytes} bytes) unregistered while a queued copy still names it"
+            ));
+            return Err(DriverError::INVALID_VALUE);
+        }
+        s.registered.remove(&addr);
+        s.registered_used -= bytes;
         Ok(())
     }
 
@@ -1185,6 +1275,70 @@ mod tests {
         unsafe { d.host_free(host).unwrap() };
         assert!(!dev.is_pinned_live(host));
         assert_eq!(dev.pinned_live(), (0, 0));
+    }
+
+    #[test]
+    fn copies_with_registered_memory_run_when_the_clock_reaches_them() {
+        let (mut d, dev) = driver();
+        let mut up = vec![1u8; 32];
+        let mut down = vec![0xEEu8; 32];
+        let (up, down) = (up.as_mut_ptr(), down.as_mut_ptr());
+        d.host_register(up, 32).unwrap();
+        d.host_register(down, 32).unwrap();
+        assert_eq!(dev.registered_live(), (2, 64));
+        assert!(dev.is_registered(up));
+        let ptr = d.alloc(32).unwrap();
+        // SAFETY: both ranges are live, registered and only reached through these pointers
+        // until the jobs have run.
+        unsafe {
+            d.copy_htod(ptr, up, 32).unwrap();
+            d.copy_dtoh(down, ptr, 32).unwrap();
+            std::ptr::write_bytes(up, 9, 32);
+        }
+        assert_eq!(dev.queued(), 2, "neither copy ran at its call");
+        // SAFETY: `down` holds 32 initialised bytes; the download has not run.
+        assert_eq!(unsafe { std::slice::from_raw_parts(down, 32) }, [0xEE; 32]);
+        dev.advance_all();
+        // SAFETY: as above; both jobs have run.
+        assert_eq!(unsafe { std::slice::from_raw_parts(down, 32) }, [9; 32]);
+        // SAFETY: registered above; nothing queued names them now.
+        unsafe {
+            d.host_unregister(up).unwrap();
+            d.host_unregister(down).unwrap();
+        }
+        assert_eq!(dev.registered_live(), (0, 0));
+        assert!(dev.violations().is_empty());
+    }
+
+    #[test]
+    fn unregistering_under_a_queued_copy_is_a_violation_and_refused() {
+        let (mut d, dev) = driver();
+        let mut host = vec![3u8; 16];
+        let host = host.as_mut_ptr();
+        d.host_register(host, 16).unwrap();
+        assert_eq!(
+            d.host_register(host.wrapping_add(8), 4),
+            Err(DriverError::from_code(HOST_MEMORY_ALREADY_REGISTERED)),
+            "an overlapping registration is refused"
+        );
+        let ptr = d.alloc(16).unwrap();
+        // SAFETY: `host` is registered and outlives the job, which runs below.
+        unsafe { d.copy_dtoh(host, ptr, 16).unwrap() };
+        // SAFETY: the test checks that the simulator refuses this.
+        assert!(unsafe { d.host_unregister(host) }.is_err());
+        assert_eq!(dev.violations().len(), 1);
+        assert!(dev.is_registered(host), "still registered");
+        dev.advance_all();
+        // SAFETY: the copy has run; nothing names the range now.
+        unsafe { d.host_unregister(host).unwrap() };
+        assert_eq!(
+            // SAFETY: the test checks that an unknown range is refused.
+            unsafe { d.host_unregister(host) },
+            Err(DriverError::from_code(HOST_MEMORY_NOT_REGISTERED))
+        );
+        assert_eq!(dev.violations().len(), 2);
+        assert_eq!(dev.calls(SimOp::HostRegister), 2);
+        assert_eq!(dev.calls(SimOp::HostUnregister), 3);
     }
 
     #[test]

@@ -4,6 +4,9 @@
 //! - [`element`]: the sealed `Element` trait, the element types a tensor can hold.
 //! - [`tensor`]: `DeviceTensor<T>`, a shaped, stream-ordered device allocation.
 //! - [`pinned`]: `PinnedHostBuffer<T>`, page-locked host memory handed to transfers by value.
+//! - [`registered`]: `RegisteredBuffer<T>`, the caller's `Vec<T>` page-locked in place, handed
+//!   to transfers by value the same way.
+//! - [`host`]: `HostBuffer<T>`, the sealed trait of what a pending transfer's host side is.
 //! - [`pool`]: the pinned pool the buffers come from (engine state).
 //! - [`ring`]: the staging ring's chunks, settings and counters (engine state).
 //! - [`copy_pool`]: the host-copy threads of the blocking routes, one pool per process shared by
@@ -17,7 +20,9 @@
 
 pub(crate) mod copy_pool;
 pub(crate) mod element;
+pub(crate) mod host;
 pub(crate) mod pinned;
 pub(crate) mod pool;
+pub(crate) mod registered;
 pub(crate) mod ring;
 pub(crate) mod tensor;

@@ -12,10 +12,11 @@
 //! only reachable once no copy can touch it.
 
 use super::element::{byte_len, Element};
+use super::host::{sealed::HostMemory, HostBuffer};
 use super::pool::{Block, GRANULE};
 use crate::core::engine::{CudaEngine, Shared, State};
 use crate::driver::Waits;
-use crate::error::{DriverError, Error, Result};
+use crate::error::{DeviceId, DriverError, Error, Result};
 use std::marker::PhantomData;
 use std::sync::Arc;
 
@@ -191,16 +192,29 @@ impl<T: Element> PinnedHostBuffer<T> {
         unsafe { std::slice::from_raw_parts_mut(self.block().ptr().cast::<T>(), self.len) }
     }
 
-    /// The engine whose pool the buffer came from.
-    pub(crate) fn owner(&self) -> &Shared {
-        &self.owner
-    }
-
     /// The start of the memory, for the transfer routes.
     pub(crate) fn raw_ptr(&self) -> *mut u8 {
         self.block().ptr()
     }
 }
+
+impl<T: Element> HostMemory for PinnedHostBuffer<T> {
+    const KIND: &'static str = "pinned";
+
+    fn host_ptr(&self) -> *mut u8 {
+        self.raw_ptr()
+    }
+
+    fn host_len(&self) -> usize {
+        self.len
+    }
+
+    fn host_engine(&self) -> (DeviceId, u64) {
+        (self.owner.device, self.owner.engine_id)
+    }
+}
+
+impl<T: Element> HostBuffer<T> for PinnedHostBuffer<T> {}
 
 impl<T: Element> Drop for PinnedHostBuffer<T> {
     fn drop(&mut self) {

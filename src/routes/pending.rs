@@ -1,6 +1,7 @@
-//! Pending routes: pinned buffers handed over by value, transfers whose state is a type.
+//! Pending routes: page-locked buffers handed over by value, transfers whose state is a type.
 //!
-//! [`upload_pending`] and [`download_pending`] take a [`PinnedHostBuffer`] and a
+//! [`upload_pending`] and [`download_pending`] take a host buffer (a [`PinnedHostBuffer`] or a
+//! [`RegisteredBuffer`](crate::RegisteredBuffer), anything that is a [`HostBuffer`]) and a
 //! [`DeviceTensor`] by value, queue one copy on the engine's stream, record an event after it,
 //! and return a [`Pending`] handle in state [`InFlight`]. In that state nothing can reach the
 //! buffer or the tensor: the handle owns them, and offers only [`Pending::is_ready`] (never
@@ -15,6 +16,10 @@
 //! comes right after the event. A watcher thread blocked in an event wait would spin unless the
 //! event were made for blocking sync, and would need a thread per wait (or serialise the waits);
 //! a poll loop would keep a core busy. [`PendingFuture`] has the details.
+//!
+//! The routes are written once over the sealed [`HostBuffer`] trait, whose type is the last
+//! parameter of every type here, defaulting to [`PinnedHostBuffer`]: both kinds of buffer go
+//! through the same lifecycle, refusals, detach-on-drop and retention.
 //!
 //! Every exit keeps the rule "nothing is freed or reused while DMA may touch it":
 //! - a refused submission returns the whole package untouched ([`TransferSubmitError`]);
@@ -32,6 +37,7 @@ use crate::driver::copy_host;
 use crate::error::{Error, Result};
 use crate::lifecycle::fence::{fence, Fenced, Fencing, IdleEvent};
 use crate::memory::element::Element;
+use crate::memory::host::HostBuffer;
 use crate::memory::pinned::PinnedHostBuffer;
 use crate::memory::tensor::DeviceTensor;
 use std::fmt;
@@ -45,7 +51,7 @@ mod sealed {
     pub trait Direction {}
     /// What a transfer in this state holds.
     pub trait State {
-        type Hold<T: crate::Element>: Send + Sync;
+        type Hold<T: crate::Element, B: crate::memory::host::HostBuffer<T>>: Send + Sync;
     }
 }
 
@@ -79,10 +85,10 @@ pub enum Returned {}
 impl sealed::Direction for Upload {}
 impl sealed::Direction for Download {}
 impl sealed::State for InFlight {
-    type Hold<T: Element> = Fenced<TransferPackage<T>>;
+    type Hold<T: Element, B: HostBuffer<T>> = Fenced<TransferPackage<T, B>>;
 }
 impl sealed::State for Returned {
-    type Hold<T: Element> = Landed<T>;
+    type Hold<T: Element, B: HostBuffer<T>> = Landed<T, B>;
 }
 
 impl Direction for Upload {
@@ -100,30 +106,31 @@ impl TransferState for Returned {
     const IN_FLIGHT: bool = false;
 }
 
-/// What a pending transfer owns: the pinned buffer and the device tensor.
+/// What a pending transfer owns: the host buffer (a [`PinnedHostBuffer`] unless `B` says
+/// otherwise) and the device tensor.
 #[derive(Debug)]
-pub struct TransferPackage<T: Element> {
-    /// The pinned host side.
-    pub buffer: PinnedHostBuffer<T>,
+pub struct TransferPackage<T: Element, B: HostBuffer<T> = PinnedHostBuffer<T>> {
+    /// The host side.
+    pub buffer: B,
     /// The device side.
     pub tensor: DeviceTensor<T>,
 }
 
 /// A returned transfer's parts, with its idle event kept for resubmission.
-pub struct Landed<T: Element> {
-    package: TransferPackage<T>,
+pub struct Landed<T: Element, B: HostBuffer<T>> {
+    package: TransferPackage<T, B>,
     event: IdleEvent,
 }
 
 /// A submission that did not produce an in-flight transfer.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
-pub enum TransferSubmitError<T: Element> {
+pub enum TransferSubmitError<T: Element, B: HostBuffer<T> = PinnedHostBuffer<T>> {
     /// Refused before anything was queued; the package comes back untouched.
     #[error("transfer rejected: {error}")]
     Rejected {
         /// Everything that was submitted.
-        package: TransferPackage<T>,
+        package: TransferPackage<T, B>,
         /// Why: [`Error::WrongEngine`] for a buffer or tensor of another engine,
         /// [`Error::ZeroLength`], [`Error::LengthMismatch`] between buffer and tensor,
         /// [`Error::UnsupportedElement`] for a `bool` download.
@@ -134,7 +141,7 @@ pub enum TransferSubmitError<T: Element> {
     #[error("transfer could not be queued: {error}")]
     Failed {
         /// Everything that was submitted.
-        package: TransferPackage<T>,
+        package: TransferPackage<T, B>,
         /// The driver failure.
         error: Error,
     },
@@ -149,9 +156,9 @@ pub enum TransferSubmitError<T: Element> {
     },
 }
 
-impl<T: Element> TransferSubmitError<T> {
+impl<T: Element, B: HostBuffer<T>> TransferSubmitError<T, B> {
     /// The package, when it came back.
-    pub fn into_package(self) -> Option<TransferPackage<T>> {
+    pub fn into_package(self) -> Option<TransferPackage<T, B>> {
         match self {
             TransferSubmitError::Rejected { package, .. }
             | TransferSubmitError::Failed { package, .. } => Some(package),
@@ -178,27 +185,36 @@ impl<T: Element> TransferSubmitError<T> {
     }
 }
 
-/// A pinned transfer between a [`PinnedHostBuffer`] and a [`DeviceTensor`], in direction `D`
-/// and state `S`.
+/// A transfer between a page-locked host buffer `B` (a [`PinnedHostBuffer`] unless `B` says
+/// otherwise, or a [`RegisteredBuffer`](crate::RegisteredBuffer)) and a [`DeviceTensor`], in
+/// direction `D` and state `S`.
 ///
 /// In [`InFlight`] it owns both and gives access to neither; [`Returned`] gives both back.
 #[must_use = "a pending transfer owns its buffer and tensor: wait for it (in flight) or take them back with `into_parts` (returned)"]
-pub struct Pending<D: Direction, T: Element, S: TransferState> {
-    hold: <S as sealed::State>::Hold<T>,
+pub struct Pending<
+    D: Direction,
+    T: Element,
+    S: TransferState,
+    B: HostBuffer<T> = PinnedHostBuffer<T>,
+> {
+    hold: <S as sealed::State>::Hold<T, B>,
     _direction: PhantomData<D>,
 }
 
 /// A pending host-to-device transfer.
-pub type PendingUpload<T, S = InFlight> = Pending<Upload, T, S>;
+pub type PendingUpload<T, S = InFlight, B = PinnedHostBuffer<T>> = Pending<Upload, T, S, B>;
 /// A pending device-to-host transfer.
-pub type PendingDownload<T, S = InFlight> = Pending<Download, T, S>;
+pub type PendingDownload<T, S = InFlight, B = PinnedHostBuffer<T>> = Pending<Download, T, S, B>;
 
-impl<D: Direction, T: Element, S: TransferState> fmt::Debug for Pending<D, T, S> {
+impl<D: Direction, T: Element, S: TransferState, B: HostBuffer<T>> fmt::Debug
+    for Pending<D, T, S, B>
+{
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Pending")
             .field("direction", &D::NAME)
             .field("in_flight", &S::IN_FLIGHT)
             .field("dtype", &T::DTYPE)
+            .field("host", &B::KIND)
             .finish()
     }
 }
@@ -206,15 +222,15 @@ impl<D: Direction, T: Element, S: TransferState> fmt::Debug for Pending<D, T, S>
 /// What [`Pending::try_wait`] found.
 #[derive(Debug)]
 #[must_use]
-pub enum TryWait<D: Direction, T: Element> {
+pub enum TryWait<D: Direction, T: Element, B: HostBuffer<T> = PinnedHostBuffer<T>> {
     /// The copy completed.
-    Returned(Pending<D, T, Returned>),
+    Returned(Pending<D, T, Returned, B>),
     /// Not yet: the handle comes back unchanged.
-    InFlight(Pending<D, T, InFlight>),
+    InFlight(Pending<D, T, InFlight, B>),
 }
 
-impl<D: Direction, T: Element, S: TransferState> Pending<D, T, S> {
-    fn new(hold: <S as sealed::State>::Hold<T>) -> Self {
+impl<D: Direction, T: Element, S: TransferState, B: HostBuffer<T>> Pending<D, T, S, B> {
+    fn new(hold: <S as sealed::State>::Hold<T, B>) -> Self {
         Pending {
             hold,
             _direction: PhantomData,
@@ -222,7 +238,7 @@ impl<D: Direction, T: Element, S: TransferState> Pending<D, T, S> {
     }
 }
 
-impl<D: Direction, T: Element> Pending<D, T, InFlight> {
+impl<D: Direction, T: Element, B: HostBuffer<T>> Pending<D, T, InFlight, B> {
     /// Whether the copy has completed. Never waits, and takes no engine lock.
     ///
     /// `Ok(false)` means not yet; a copy can complete before the first poll, so `Ok(true)` at once
@@ -276,7 +292,7 @@ impl<D: Direction, T: Element> Pending<D, T, InFlight> {
     /// # Errors
     /// [`Error::DeviceFault`] when the device reports a failure: the buffer and tensor are then
     /// retained by the engine for its lifetime (the device may still touch them), never freed.
-    pub fn wait(self) -> Result<Pending<D, T, Returned>> {
+    pub fn wait(self) -> Result<Pending<D, T, Returned, B>> {
         let (package, event) = self.hold.wait_parts()?;
         Ok(Pending::new(Landed { package, event }))
     }
@@ -286,21 +302,21 @@ impl<D: Direction, T: Element> Pending<D, T, InFlight> {
     ///
     /// # Errors
     /// As [`wait`](Self::wait).
-    pub fn try_wait(self) -> Result<TryWait<D, T>> {
+    pub fn try_wait(self) -> Result<TryWait<D, T, B>> {
         Ok(match self.hold.try_wait()? {
             Ok((package, event)) => TryWait::Returned(Pending::new(Landed { package, event })),
             Err(fenced) => TryWait::InFlight(Pending::new(fenced)),
         })
     }
 }
-impl<D: Direction, T: Element> Pending<D, T, Returned> {
-    /// The pinned buffer: for a download, the data that arrived.
-    pub fn buffer(&self) -> &PinnedHostBuffer<T> {
+impl<D: Direction, T: Element, B: HostBuffer<T>> Pending<D, T, Returned, B> {
+    /// The host buffer: for a download, the data that arrived.
+    pub fn buffer(&self) -> &B {
         &self.hold.package.buffer
     }
 
-    /// The pinned buffer, mutably: refill it before [`resubmit`](Self::resubmit)ting an upload.
-    pub fn buffer_mut(&mut self) -> &mut PinnedHostBuffer<T> {
+    /// The host buffer, mutably: refill it before [`resubmit`](Self::resubmit)ting an upload.
+    pub fn buffer_mut(&mut self) -> &mut B {
         &mut self.hold.package.buffer
     }
 
@@ -310,7 +326,7 @@ impl<D: Direction, T: Element> Pending<D, T, Returned> {
     }
 
     /// Gives back the buffer and the tensor, in that order.
-    pub fn into_parts(self) -> (PinnedHostBuffer<T>, DeviceTensor<T>) {
+    pub fn into_parts(self) -> (B, DeviceTensor<T>) {
         let TransferPackage { buffer, tensor } = self.hold.package;
         (buffer, tensor)
     }
@@ -325,22 +341,23 @@ impl<D: Direction, T: Element> Pending<D, T, Returned> {
     pub fn resubmit(
         self,
         engine: &mut CudaEngine,
-    ) -> Result<Pending<D, T, InFlight>, TransferSubmitError<T>> {
+    ) -> Result<Pending<D, T, InFlight, B>, TransferSubmitError<T, B>> {
         let Landed { package, event } = self.hold;
-        submit::<D, T>(engine, package, Some(event))
+        submit::<D, T, B>(engine, package, Some(event))
     }
 }
 
 /// Why a submission of `package` is refused, if it is.
-fn refusal<D: Direction, T: Element>(
+fn refusal<D: Direction, T: Element, B: HostBuffer<T>>(
     engine: &CudaEngine,
-    package: &TransferPackage<T>,
+    package: &TransferPackage<T, B>,
 ) -> Option<Error> {
-    let (buffer_len, tensor_len) = (package.buffer.len(), package.tensor.len());
+    let (buffer_len, tensor_len) = (package.buffer.host_len(), package.tensor.len());
+    let (buffer_device, buffer_engine) = package.buffer.host_engine();
     if let Err(error) = engine
         .shared
         .check(package.tensor.owner())
-        .and_then(|()| engine.shared.check(package.buffer.owner()))
+        .and_then(|()| engine.shared.check_owner(buffer_device, buffer_engine))
     {
         return Some(error);
     }
@@ -361,7 +378,7 @@ fn refusal<D: Direction, T: Element>(
             operation: "download_pending",
             dtype: T::DTYPE,
             reason:
-                "raw device bytes need not be 0 or 1, and a pinned buffer exposes them as they are",
+                "raw device bytes need not be 0 or 1, and a host buffer exposes them as they are",
         });
     }
     None
@@ -369,12 +386,12 @@ fn refusal<D: Direction, T: Element>(
 
 /// Validates and queues one copy. `event` is the transfer's own idle event on resubmission; on a
 /// refusal it goes back to the engine that made it.
-fn submit<D: Direction, T: Element>(
+fn submit<D: Direction, T: Element, B: HostBuffer<T>>(
     engine: &mut CudaEngine,
-    package: TransferPackage<T>,
+    package: TransferPackage<T, B>,
     event: Option<IdleEvent>,
-) -> Result<Pending<D, T, InFlight>, TransferSubmitError<T>> {
-    if let Some(error) = refusal::<D, T>(engine, &package) {
+) -> Result<Pending<D, T, InFlight, B>, TransferSubmitError<T, B>> {
+    if let Some(error) = refusal::<D, T, B>(engine, &package) {
         return Err(TransferSubmitError::Rejected { package, error });
     }
     let owner = &engine.shared;
@@ -383,12 +400,14 @@ fn submit<D: Direction, T: Element>(
         Err(error) => return Err(TransferSubmitError::Failed { package, error }),
     };
     let bytes = package.tensor.byte_len();
-    let host = package.buffer.raw_ptr();
+    let host = package.buffer.host_ptr();
     let device = package.tensor.raw_ptr();
     // SAFETY: the buffer and tensor move into the fence below (or come back only once the stream
     // is proven idle), untouched by the host until the event proves the copy complete (the host
-    // cannot read the buffer before the handle is `Returned`); both hold exactly `bytes` bytes,
-    // and both belong to this engine.
+    // cannot read the buffer before the handle is `Returned`); both hold exactly `bytes` bytes
+    // (the lengths were checked equal), both belong to this engine, and the buffer's memory is
+    // page-locked for as long as the buffer lives (`HostBuffer`'s promise), so it stays valid
+    // until the fence releases it.
     let queued = unsafe { copy_host(&mut *st.driver, D::UPLOAD, device, host, bytes) };
     if let Err(error) = queued {
         return Err(TransferSubmitError::Failed { package, error });
@@ -407,6 +426,10 @@ fn submit<D: Direction, T: Element>(
 
 /// Queues a copy of `source` into `destination` and returns the transfer in flight.
 ///
+/// `source` is a [`PinnedHostBuffer`] or a [`RegisteredBuffer`](crate::RegisteredBuffer); either
+/// way the copy reads it when the device runs the copy, not at the call, and the handle owns it
+/// until then.
+///
 /// The engine is borrowed only for the call: later work on the engine runs after the copy in
 /// stream order, so the destination may be used by queued operations once the transfer is
 /// [`Returned`]; the handle holds both until then.
@@ -415,12 +438,12 @@ fn submit<D: Direction, T: Element>(
 /// [`TransferSubmitError::Rejected`] (package untouched) for a length mismatch, a zero length or
 /// a buffer or tensor of another engine; [`TransferSubmitError::Failed`] when the driver refuses
 /// the copy; [`TransferSubmitError::Retained`] when the copy was queued but cannot be tracked.
-pub fn upload_pending<T: Element>(
+pub fn upload_pending<T: Element, B: HostBuffer<T>>(
     engine: &mut CudaEngine,
-    source: PinnedHostBuffer<T>,
+    source: B,
     destination: DeviceTensor<T>,
-) -> Result<PendingUpload<T>, TransferSubmitError<T>> {
-    submit::<Upload, T>(
+) -> Result<PendingUpload<T, InFlight, B>, TransferSubmitError<T, B>> {
+    submit::<Upload, T, B>(
         engine,
         TransferPackage {
             buffer: source,
@@ -432,14 +455,18 @@ pub fn upload_pending<T: Element>(
 
 /// Queues a copy of `value` into `buffer` and returns the transfer in flight.
 ///
+/// `buffer` is a [`PinnedHostBuffer`] or a [`RegisteredBuffer`](crate::RegisteredBuffer); the
+/// copy writes it when the device runs the copy, and the handle owns it until the copy is proven
+/// complete.
+///
 /// # Errors
 /// As [`upload_pending`], and [`Error::UnsupportedElement`] (rejected) for `bool`.
-pub fn download_pending<T: Element>(
+pub fn download_pending<T: Element, B: HostBuffer<T>>(
     engine: &mut CudaEngine,
     value: DeviceTensor<T>,
-    buffer: PinnedHostBuffer<T>,
-) -> Result<PendingDownload<T>, TransferSubmitError<T>> {
-    submit::<Download, T>(
+    buffer: B,
+) -> Result<PendingDownload<T, InFlight, B>, TransferSubmitError<T, B>> {
+    submit::<Download, T, B>(
         engine,
         TransferPackage {
             buffer,

@@ -461,8 +461,22 @@ pub fn check_casts_from<T: Reference>(engine: &mut CudaEngine, rng: &mut Rng, n:
     });
 }
 
-use cuferry::sim::{SimDevice, SimOp};
+use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::DriverError;
+
+/// An engine on a fresh simulated device, and the device.
+pub fn sim_engine() -> (CudaEngine, SimDevice) {
+    let engine = CudaEngine::simulated(SimConfig::default());
+    let sim = engine.sim().expect("a simulated engine");
+    (engine, sim)
+}
+
+/// `n` per-index distinct `u32`s, never zero.
+pub fn distinct_u32(n: usize) -> Vec<u32> {
+    (0..n as u32)
+        .map(|i| i.wrapping_mul(2_654_435_761) | 1)
+        .collect()
+}
 
 /// How a fault is injected into one transfer.
 #[derive(Clone, Copy, Debug)]

@@ -14,6 +14,7 @@ mod handoff;
 mod kernels;
 mod pending;
 mod raw_scope;
+mod registered;
 mod staging;
 mod vendor;
 

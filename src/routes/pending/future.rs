@@ -4,6 +4,8 @@ use super::{Direction, InFlight, Landed, Pending, Returned, TransferPackage};
 use crate::error::Result;
 use crate::lifecycle::wake::FenceFuture;
 use crate::memory::element::Element;
+use crate::memory::host::HostBuffer;
+use crate::memory::pinned::PinnedHostBuffer;
 use std::fmt;
 use std::future::{Future, IntoFuture};
 use std::marker::PhantomData;
@@ -65,12 +67,12 @@ use std::task::{Context, Poll};
 /// It works with any executor (the crate depends on no runtime), is `Send` and `Unpin`, and
 /// must not be polled again once it has resolved (it panics then, as futures may).
 #[must_use = "futures do nothing unless you `.await` or poll them"]
-pub struct PendingFuture<D: Direction, T: Element> {
-    inner: FenceFuture<TransferPackage<T>>,
+pub struct PendingFuture<D: Direction, T: Element, B: HostBuffer<T> = PinnedHostBuffer<T>> {
+    inner: FenceFuture<TransferPackage<T, B>>,
     _direction: PhantomData<D>,
 }
 
-impl<D: Direction, T: Element> fmt::Debug for PendingFuture<D, T> {
+impl<D: Direction, T: Element, B: HostBuffer<T>> fmt::Debug for PendingFuture<D, T, B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("PendingFuture")
             .field("direction", &D::NAME)
@@ -82,10 +84,10 @@ impl<D: Direction, T: Element> fmt::Debug for PendingFuture<D, T> {
 // Nothing in the future is pinned structurally: it is polled through `&mut`, and the buffer
 // and tensor it owns do not care where the future lives (the device holds their addresses,
 // not the future's).
-impl<D: Direction, T: Element> Unpin for PendingFuture<D, T> {}
+impl<D: Direction, T: Element, B: HostBuffer<T>> Unpin for PendingFuture<D, T, B> {}
 
-impl<D: Direction, T: Element> Future for PendingFuture<D, T> {
-    type Output = Result<Pending<D, T, Returned>>;
+impl<D: Direction, T: Element, B: HostBuffer<T>> Future for PendingFuture<D, T, B> {
+    type Output = Result<Pending<D, T, Returned, B>>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         self.get_mut()
@@ -95,12 +97,12 @@ impl<D: Direction, T: Element> Future for PendingFuture<D, T> {
     }
 }
 
-impl<D: Direction, T: Element> IntoFuture for Pending<D, T, InFlight> {
-    type Output = Result<Pending<D, T, Returned>>;
-    type IntoFuture = PendingFuture<D, T>;
+impl<D: Direction, T: Element, B: HostBuffer<T>> IntoFuture for Pending<D, T, InFlight, B> {
+    type Output = Result<Pending<D, T, Returned, B>>;
+    type IntoFuture = PendingFuture<D, T, B>;
 
     /// Awaits the copy: see [`PendingFuture`].
-    fn into_future(self) -> PendingFuture<D, T> {
+    fn into_future(self) -> PendingFuture<D, T, B> {
         PendingFuture {
             inner: FenceFuture::new(self.hold),
             _direction: PhantomData,
