@@ -77,6 +77,13 @@ pub(crate) trait Waits: Send + Sync {
     fn stream_synchronize(&self) -> Result<(), DriverError>;
     /// Whether everything queued on the stream has completed. Never waits.
     fn stream_query(&self) -> Result<bool, DriverError>;
+    /// How long an awaited transfer that is not complete at its first poll keeps asking its
+    /// event before it asks the device for a wake: about one wake's latency on a real device,
+    /// so a copy about to finish resolves as fast as a host wait would; zero where time does not
+    /// move the device (the simulator's clock runs only when it is advanced).
+    fn spin_before_wake(&self) -> std::time::Duration {
+        std::time::Duration::ZERO
+    }
 }
 
 /// One device, one context and one stream, behind a seam with two implementations.

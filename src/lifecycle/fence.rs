@@ -166,6 +166,30 @@ impl<R: Send + 'static> Fenced<R> {
             })
     }
 
+    /// For a caller that has just found the work not done: asks the event again, without
+    /// waiting and without the lock, until it reports completion or a failure, or until the
+    /// driver's `spin_before_wake` has passed (with none, it does not ask again). `Ok(false)`:
+    /// still not done.
+    ///
+    /// # Errors
+    /// As [`is_ready`](Self::is_ready).
+    pub(crate) fn spin_until_ready(&self) -> Result<bool> {
+        let budget = self.inner().owner.waits.spin_before_wake();
+        if budget.is_zero() {
+            return Ok(false);
+        }
+        let start = std::time::Instant::now();
+        loop {
+            if self.is_ready()? {
+                return Ok(true);
+            }
+            if start.elapsed() >= budget {
+                return Ok(false);
+            }
+            std::hint::spin_loop();
+        }
+    }
+
     /// Asks the device to call `wake` once, on a thread of its choosing, when the work has
     /// completed or the device has failed (see `Driver::notify_after`). Takes the engine's lock
     /// for the registration only; never waits.

@@ -38,14 +38,16 @@ use std::task::{Context, Poll};
 /// # How it is woken
 ///
 /// The first poll asks the transfer's event, without waiting and without the engine's lock; a
-/// small copy may be done already. If not, it asks the device to call back once the copy has
-/// completed or the device has failed, and returns `Pending`; the call back wakes the task, and
-/// the next poll asks the event again. On CUDA the call back is a stream callback
+/// small copy may be done already. If not, it keeps asking for 20 µs on CUDA (about what a
+/// device call back takes to arrive, so a copy about to finish resolves at the latency of a
+/// host wait; none on the simulated device). If still not, it asks the device to call back
+/// once the copy has completed or the device has failed, and returns `Pending`; the call back
+/// wakes the task, and the next poll asks the event again. On CUDA the call back is a stream callback
 /// (`cuStreamAddCallback`) on a side stream that waits for the transfer's event, so it comes
 /// right after the copy, is not held up by work queued later on the engine's stream, and is
 /// made after a device fault too (unlike `cuLaunchHostFunc`, which CUDA does not call once the
-/// context has an error). Meanwhile no host thread spends anything on the transfer: nothing
-/// polls, and no thread is parked in an event wait. The alternative, a watcher thread blocked in
+/// context has an error). Beyond the first poll's 20 µs, no host thread spends anything on the
+/// transfer: nothing polls, and no thread is parked in an event wait. The alternative, a watcher thread blocked in
 /// `cuEventSynchronize`, keeps a core busy unless the event was made with
 /// `CU_EVENT_BLOCKING_SYNC`, and takes a thread per event waited on at once (or serialises every
 /// wait behind the oldest). On the simulated device the wake comes when the device runs the
