@@ -566,6 +566,141 @@ fn copy_wake(c: &mut Criterion, raw: &Raw) {
     group.finish();
 }
 
+/// Where an 8 MiB staged upload's time goes, in one run: the route (`upload_tensor_into`) beside
+/// a raw replica of its one-region plan (4 chunks of 2 MiB of pinned memory, each copied by all
+/// copy threads in chunk order, each queued with its own event as soon as its parts have landed,
+/// by a thread of the same pool), the same host copy and DMA one after the other, and each half
+/// alone. The replica shows what the plan itself costs on this host, without the crate's
+/// bookkeeping.
+fn midsize_anatomy(c: &mut Criterion, engine: &mut CudaEngine, raw: &Raw) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let mut group = c.benchmark_group("midsize_anatomy_8MiB");
+    let bytes: usize = 8 << 20;
+    let chunks = 4;
+    let chunk = bytes / chunks;
+    group.throughput(Throughput::Bytes(bytes as u64));
+    let threads = cuferry::copy_threads();
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .unwrap();
+    let ctx = engine
+        .with_raw(|r| Ok::<_, cuferry::Error>(r.context().as_raw() as usize))
+        .unwrap();
+    let n = bytes / 4;
+    let host: Vec<f32> = (0..n).map(|i| i as f32 + 0.5).collect();
+    let mut tensor = cuferry::upload_tensor(engine, &host, &[n]).unwrap();
+    group.bench_function("cuferry_upload_into", |b| {
+        b.iter(|| cuferry::upload_tensor_into(engine, &mut tensor, &host).unwrap())
+    });
+    let src: Vec<u8> = (0..bytes).map(|i| i as u8).collect();
+    let pinned = raw.pinned(bytes) as usize;
+    let dev = raw.device(bytes);
+    let stream = raw.stream as usize;
+    let mut events = [std::ptr::null_mut(); 4];
+    for event in &mut events {
+        // SAFETY: the engine's context is current on this thread (`Raw::new`).
+        let code = unsafe {
+            sys::cuEventCreate(event, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32)
+        };
+        assert_eq!(code, sys::CUresult::CUDA_SUCCESS);
+    }
+    let events_addr: [usize; 4] = events.map(|e| e as usize);
+    let part_of = |len: usize| len.div_ceil(threads);
+    /// The host copy of `len` bytes from `from` to `to`, split into parts of `part` bytes
+    /// across the pool, in FIFO order; `left` counts the parts not yet landed.
+    fn spawn_copy<'s>(
+        s: &rayon::ScopeFifo<'s>,
+        from: usize,
+        to: usize,
+        len: usize,
+        part: usize,
+        left: &'s AtomicUsize,
+    ) {
+        let mut at = 0;
+        while at < len {
+            let this = part.min(len - at);
+            let (f, t) = (from + at, to + at);
+            s.spawn_fifo(move |_| {
+                // SAFETY: disjoint parts of the source and of the idle pinned block.
+                unsafe { std::ptr::copy_nonoverlapping(f as *const u8, t as *mut u8, this) };
+                left.fetch_sub(1, Ordering::Release);
+            });
+            at += this;
+        }
+    }
+    let src_addr = src.as_ptr() as usize;
+    let parts = |len: usize| len.div_ceil(part_of(len));
+    group.bench_function("raw_dma_alone", |b| {
+        b.iter(|| {
+            raw.htod(dev, pinned as *const u8, bytes);
+            raw.wait();
+        })
+    });
+    group.bench_function("raw_copy_alone", |b| {
+        b.iter(|| {
+            let left = AtomicUsize::new(parts(bytes));
+            pool.scope_fifo(|s| spawn_copy(s, src_addr, pinned, bytes, part_of(bytes), &left));
+        })
+    });
+    group.bench_function("raw_copy_then_dma", |b| {
+        b.iter(|| {
+            let left = AtomicUsize::new(parts(bytes));
+            pool.scope_fifo(|s| spawn_copy(s, src_addr, pinned, bytes, part_of(bytes), &left));
+            raw.htod(dev, pinned as *const u8, bytes);
+            raw.wait();
+        })
+    });
+    group.bench_function("raw_one_region", |b| {
+        b.iter(|| {
+            let left: Vec<AtomicUsize> = (0..chunks)
+                .map(|_| AtomicUsize::new(parts(chunk)))
+                .collect();
+            pool.scope_fifo(|s| {
+                for (k, left) in left.iter().enumerate() {
+                    spawn_copy(
+                        s,
+                        src_addr + k * chunk,
+                        pinned + k * chunk,
+                        chunk,
+                        part_of(chunk),
+                        left,
+                    );
+                }
+                // SAFETY: the engine's context, made current on this pool thread for the calls.
+                unsafe { sys::cuCtxSetCurrent(ctx as sys::CUcontext) };
+                for (k, left) in left.iter().enumerate() {
+                    while left.load(Ordering::Acquire) != 0 {
+                        std::hint::spin_loop();
+                    }
+                    // SAFETY: the chunk's parts have landed; both ranges hold `chunk` bytes and
+                    // stay valid until the wait below.
+                    unsafe {
+                        sys::cuMemcpyHtoDAsync_v2(
+                            dev + (k * chunk) as u64,
+                            (pinned + k * chunk) as *const c_void,
+                            chunk,
+                            stream as sys::CUstream,
+                        );
+                        sys::cuEventRecord(events_addr[k] as sys::CUevent, stream as sys::CUstream);
+                    }
+                }
+            });
+            // SAFETY: recorded above on the live stream.
+            unsafe { sys::cuEventSynchronize(events_addr[chunks - 1] as sys::CUevent) };
+        })
+    });
+    // SAFETY: every use above was waited for; nothing uses them again.
+    unsafe {
+        for event in events {
+            sys::cuEventDestroy_v2(event);
+        }
+        sys::cuMemFreeHost(pinned as *mut c_void);
+        sys::cuMemFree_v2(dev);
+    }
+    group.finish();
+}
+
 /// Mid-size transfers (8 MiB) under several ring depths and copy-thread counts: a transfer
 /// smaller than the ring is split into `ring_depth` chunks, so the depth sets the overlap.
 fn midsize_sweep(c: &mut Criterion, engine: &mut CudaEngine) {
@@ -614,6 +749,7 @@ fn benches(c: &mut Criterion) {
     pinned_alloc(c, &mut engine, &raw);
     host_copy(c, &raw);
     copy_wake(c, &raw);
+    midsize_anatomy(c, &mut engine, &raw);
     blocking(c, &mut engine, &raw);
     staging_sweep(c, &mut engine);
     midsize_sweep(c, &mut engine);
