@@ -515,7 +515,9 @@ impl Fault {
     pub fn retains(self) -> bool {
         matches!(
             self,
-            Fault::Call(SimOp::EventSynchronize, ..) | Fault::Untracked(_) | Fault::Event(_)
+            Fault::Call(SimOp::EventSynchronize | SimOp::StreamSynchronize, ..)
+                | Fault::Untracked(_)
+                | Fault::Event(_)
         )
     }
 }
