@@ -11,6 +11,8 @@
 //! - [`ring`]: the staging ring's chunks, settings and counters (engine state).
 //! - [`copy_pool`]: the host-copy threads of the blocking routes, one pool per process shared by
 //!   every engine (process state).
+//! - [`stream_copy`]: the copy into pinned staging memory, written around the CPU's caches so
+//!   the DMA that reads it next does not have to pull it out of them.
 //!
 //! The level exists so that owning memory (allocating it on the engine's stream, returning it to
 //! a pool, freeing it stream-ordered) is written once, apart from the proofs of when the device
@@ -25,4 +27,5 @@ pub(crate) mod pinned;
 pub(crate) mod pool;
 pub(crate) mod registered;
 pub(crate) mod ring;
+pub(crate) mod stream_copy;
 pub(crate) mod tensor;

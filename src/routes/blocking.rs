@@ -26,6 +26,7 @@ use crate::error::{Error, Refused, Result};
 use crate::lifecycle::lease::{BeginError, KeepAlive, Proven, ScalarHost, StagingLease, Unproven};
 use crate::memory::copy_pool;
 use crate::memory::element::{as_bytes, byte_len, Element};
+use crate::memory::stream_copy::copy_streaming;
 use crate::memory::tensor::{shape_len, DeviceTensor};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -92,6 +93,26 @@ unsafe fn par_copy(copiers: Option<Copiers>, dst: *mut u8, src: *const u8, bytes
         // SAFETY: the caller's contract; `off..off+len` lies inside both ranges, and each task's
         // range is disjoint from every other's.
         unsafe { std::ptr::copy_nonoverlapping(s.get().add(off), d.get().add(off), len) }
+    });
+}
+
+/// Copies `bytes` bytes from `src` into pinned staging memory at `dst`, for the device to read
+/// next, with the engine's copy threads and streaming stores (see
+/// [`stream_copy`](crate::memory::stream_copy)).
+///
+/// # Safety
+/// As [`par_copy`].
+unsafe fn par_copy_to_staging(
+    copiers: Option<Copiers>,
+    dst: *mut u8,
+    src: *const u8,
+    bytes: usize,
+) {
+    let (d, s) = (SendPtr(dst), SendPtr(src.cast_mut()));
+    par_bytes(copiers, bytes, |off, len| {
+        // SAFETY: the caller's contract; `off..off+len` lies inside both ranges, and each task's
+        // range is disjoint from every other's.
+        unsafe { copy_streaming(d.get().add(off), s.get().add(off), len) }
     });
 }
 
@@ -418,7 +439,7 @@ fn upload_chunks<T: Element>(
         // SAFETY: the lease is proven (its memory is ours) and holds at least `part.len()` bytes
         // (`plan.per_chunk` elements fit a slot); `part` is borrowed for the call.
         unsafe {
-            par_copy(
+            par_copy_to_staging(
                 copiers,
                 lease.as_mut_bytes().as_mut_ptr(),
                 part.as_ptr(),
@@ -734,9 +755,7 @@ fn upload_at_once<T: Element>(
                     // is queued, after every part has landed); it holds at least `bytes` bytes
                     // (`plan.per_chunk` elements fit a slot); each part is a disjoint range of
                     // both; `data` is borrowed until the region ends.
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(from.get(), target.get().add(offset), len)
-                    };
+                    unsafe { copy_streaming(target.get().add(offset), from.get(), len) };
                     remaining.fetch_sub(1, Ordering::Release);
                 });
             }
