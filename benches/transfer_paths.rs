@@ -566,7 +566,8 @@ fn copy_wake(c: &mut Criterion, raw: &Raw) {
     group.finish();
 }
 
-/// Where an 8 MiB staged upload's time goes, in one run: the route (`upload_tensor_into`) beside
+/// Where an 8 MiB staged upload's (and download's) time goes, in one run: the route
+/// (`upload_tensor_into`, `download_tensor_into`) beside
 /// a raw replica of its one-region plan (4 chunks of 2 MiB of pinned memory, each copied by all
 /// copy threads in chunk order, each queued with its own event as soon as its parts have landed,
 /// by a thread of the same pool), the same host copy and DMA one after the other, and each half
@@ -690,6 +691,77 @@ fn midsize_anatomy(c: &mut Criterion, engine: &mut CudaEngine, raw: &Raw) {
             unsafe { sys::cuEventSynchronize(events_addr[chunks - 1] as sys::CUevent) };
         })
     });
+    // The same anatomy for an 8 MiB download into a reused `Vec`: the route, each half alone,
+    // the DMA then the copy-out, and a raw replica of the one-region plan (every chunk's DMA
+    // queued with its own event, then each chunk copied out by all copy threads once its event
+    // has completed).
+    let mut reused = Some(Vec::<f32>::with_capacity(n));
+    group.bench_function("download_cuferry_into", |b| {
+        b.iter(|| {
+            reused = Some(
+                cuferry::download_tensor_into(engine, &tensor, reused.take().unwrap()).unwrap(),
+            )
+        })
+    });
+    let mut out = vec![0u8; bytes];
+    let out_addr = out.as_mut_ptr() as usize;
+    group.bench_function("download_raw_dma_alone", |b| {
+        b.iter(|| {
+            raw.dtoh(pinned as *mut u8, dev, bytes);
+            raw.wait();
+        })
+    });
+    group.bench_function("download_raw_copy_out_alone", |b| {
+        b.iter(|| {
+            let left = AtomicUsize::new(parts(bytes));
+            pool.scope_fifo(|s| spawn_copy(s, pinned, out_addr, bytes, part_of(bytes), &left));
+        })
+    });
+    group.bench_function("download_raw_dma_then_copy_out", |b| {
+        b.iter(|| {
+            raw.dtoh(pinned as *mut u8, dev, bytes);
+            raw.wait();
+            let left = AtomicUsize::new(parts(bytes));
+            pool.scope_fifo(|s| spawn_copy(s, pinned, out_addr, bytes, part_of(bytes), &left));
+        })
+    });
+    group.bench_function("download_raw_one_region", |b| {
+        b.iter(|| {
+            for (k, &event) in events_addr.iter().enumerate() {
+                // SAFETY: both ranges hold `chunk` bytes and stay valid until the waits below;
+                // the engine's context is current on this thread (`Raw::new`).
+                unsafe {
+                    sys::cuMemcpyDtoHAsync_v2(
+                        (pinned + k * chunk) as *mut c_void,
+                        dev + (k * chunk) as u64,
+                        chunk,
+                        stream as sys::CUstream,
+                    );
+                    sys::cuEventRecord(event as sys::CUevent, stream as sys::CUstream);
+                }
+            }
+            let left: Vec<AtomicUsize> = (0..chunks)
+                .map(|_| AtomicUsize::new(parts(chunk)))
+                .collect();
+            pool.scope_fifo(|s| {
+                // SAFETY: the engine's context, made current on this pool thread for the waits.
+                unsafe { sys::cuCtxSetCurrent(ctx as sys::CUcontext) };
+                for (k, left) in left.iter().enumerate() {
+                    // SAFETY: recorded above on the live stream.
+                    unsafe { sys::cuEventSynchronize(events_addr[k] as sys::CUevent) };
+                    spawn_copy(
+                        s,
+                        pinned + k * chunk,
+                        out_addr + k * chunk,
+                        chunk,
+                        part_of(chunk),
+                        left,
+                    );
+                }
+            });
+        })
+    });
+    drop(out);
     // SAFETY: every use above was waited for; nothing uses them again.
     unsafe {
         for event in events {
