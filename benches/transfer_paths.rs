@@ -137,7 +137,7 @@ impl Raw {
     }
 
     /// Benches the raw pinned copy of `bytes` between `host` and `dev` plus its wait, under
-    /// `raw_pinned/label`, then frees both.
+    /// `raw_pinned/label`, then frees both. Returns the median time per copy.
     fn bench_pinned_and_free(
         &self,
         group: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
@@ -146,15 +146,18 @@ impl Raw {
         host: *mut u8,
         dev: sys::CUdeviceptr,
         bytes: usize,
-    ) {
+    ) -> Duration {
+        let samples = Samples::default();
         group.bench_function(BenchmarkId::new("raw_pinned", label), |b| {
-            b.iter(|| {
-                if upload {
-                    self.htod(dev, host, bytes)
-                } else {
-                    self.dtoh(host, dev, bytes)
-                }
-                self.wait();
+            b.iter_custom(|iters| {
+                samples.time(iters, || {
+                    if upload {
+                        self.htod(dev, host, bytes)
+                    } else {
+                        self.dtoh(host, dev, bytes)
+                    }
+                    self.wait();
+                })
             })
         });
         // SAFETY: both were allocated by this `Raw` and are idle after the last wait.
@@ -162,6 +165,7 @@ impl Raw {
             sys::cuMemFreeHost(host.cast());
             sys::cuMemFree_v2(dev);
         }
+        samples.median()
     }
 
     fn wait(&self) {
@@ -212,7 +216,7 @@ fn pending(c: &mut Criterion, engine: &mut CudaEngine, raw: &Raw) {
             drop(returned);
             let host = raw.pinned(bytes);
             let dev = raw.device(bytes);
-            raw.bench_pinned_and_free(&mut group, label, upload, host, dev, bytes);
+            let _ = raw.bench_pinned_and_free(&mut group, label, upload, host, dev, bytes);
         }
         group.finish();
     }
@@ -376,7 +380,7 @@ fn blocking(c: &mut Criterion, engine: &mut CudaEngine, raw: &Raw) {
                 })
             });
             let pinned = raw.pinned(bytes);
-            raw.bench_pinned_and_free(&mut group, label, upload, pinned, dev, bytes);
+            let _ = raw.bench_pinned_and_free(&mut group, label, upload, pinned, dev, bytes);
         }
         group.finish();
     }
@@ -935,29 +939,12 @@ fn registered(c: &mut Criterion) {
             if bytes == 256 << 20 {
                 let host = raw.pinned(bytes);
                 let dev = raw.device(bytes);
-                let pinned = Samples::default();
-                group.bench_function(BenchmarkId::new("raw_pinned", label), |b| {
-                    b.iter_custom(|iters| {
-                        pinned.time(iters, || {
-                            if upload {
-                                raw.htod(dev, host, bytes)
-                            } else {
-                                raw.dtoh(host, dev, bytes)
-                            }
-                            raw.wait();
-                        })
-                    })
-                });
-                // SAFETY: both were allocated by `raw` and are idle after the last wait.
-                unsafe {
-                    sys::cuMemFreeHost(host.cast());
-                    sys::cuMemFree_v2(dev);
-                }
+                let pinned = raw.bench_pinned_and_free(&mut group, label, upload, host, dev, bytes);
                 println!(
                     "transfer_paths: registered {direction} {label}: {registered:?} per transfer, \
                      raw pinned copy {:?}: {:.3}x the raw copy's speed (target 0.97x)",
-                    pinned.median(),
-                    pinned.median().as_secs_f64() / registered.as_secs_f64()
+                    pinned,
+                    pinned.as_secs_f64() / registered.as_secs_f64()
                 );
             }
         }
