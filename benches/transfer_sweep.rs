@@ -140,6 +140,28 @@ fn svg(series: &[Series], title: &str) -> String {
     s
 }
 
+/// Backs `bytes` of fresh memory at `base` as `download_tensor` backs a fresh `Vec`: huge pages
+/// asked for, then populated in 16 MiB parts on `pool`'s threads (`MADV_POPULATE_WRITE`).
+#[cfg(target_os = "linux")]
+fn populate_like_the_route(pool: &rayon::ThreadPool, base: usize, bytes: usize) {
+    let start = base.next_multiple_of(4096);
+    let end = (base + bytes) & !4095;
+    // SAFETY: the range lies in the caller's allocation of `bytes` bytes; madvise only changes
+    // how the kernel backs it.
+    unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE) };
+    pool.scope(|s| {
+        let mut at = start;
+        while at < end {
+            let len = (16usize << 20).min(end - at);
+            // SAFETY: as above; populating never changes contents.
+            s.spawn(move |_| unsafe {
+                libc::madvise(at as *mut libc::c_void, len, libc::MADV_POPULATE_WRITE);
+            });
+            at += len;
+        }
+    });
+}
+
 fn main() {
     if std::env::args().any(|a| a == "--list") {
         return; // nothing for the test harness to list
@@ -378,23 +400,7 @@ fn main() {
         #[cfg(target_os = "linux")]
         let populate = median(|| {
             let mut v: Vec<u8> = Vec::with_capacity(bytes);
-            let base = v.as_mut_ptr() as usize;
-            let start = base.next_multiple_of(4096);
-            let end = (base + bytes) & !4095;
-            // SAFETY: the range lies in the vector's capacity; madvise only changes how the
-            // kernel backs it.
-            unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE) };
-            pool.scope(|s| {
-                let mut at = start;
-                while at < end {
-                    let len = (16usize << 20).min(end - at);
-                    // SAFETY: as above; populating never changes contents.
-                    s.spawn(move |_| unsafe {
-                        libc::madvise(at as *mut libc::c_void, len, libc::MADV_POPULATE_WRITE);
-                    });
-                    at += len;
-                }
-            });
+            populate_like_the_route(&pool, v.as_mut_ptr() as usize, bytes);
             drop(v);
         });
         #[cfg(not(target_os = "linux"))]
@@ -410,25 +416,7 @@ fn main() {
             let mut v: Vec<u8> = Vec::with_capacity(bytes);
             let base = v.as_mut_ptr() as usize;
             #[cfg(target_os = "linux")]
-            {
-                let start = base.next_multiple_of(4096);
-                let end = (base + bytes) & !4095;
-                // SAFETY: as above.
-                unsafe {
-                    libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE)
-                };
-                pool.scope(|s| {
-                    let mut at = start;
-                    while at < end {
-                        let len = (16usize << 20).min(end - at);
-                        // SAFETY: as above.
-                        s.spawn(move |_| unsafe {
-                            libc::madvise(at as *mut libc::c_void, len, libc::MADV_POPULATE_WRITE);
-                        });
-                        at += len;
-                    }
-                });
-            }
+            populate_like_the_route(&pool, base, bytes);
             let part = bytes.div_ceil(threads);
             pool.scope(|s| {
                 for t in 0..threads {
