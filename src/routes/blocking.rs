@@ -82,43 +82,38 @@ fn par_bytes(copiers: Option<Copiers>, bytes: usize, f: impl Fn(usize, usize) + 
     }
 }
 
-/// Copies `bytes` bytes from `src` to `dst` with the engine's copy threads.
-///
-/// # Safety
-/// `src..src+bytes` is readable and `dst..dst+bytes` writable for the call, and they do not
-/// overlap.
-unsafe fn par_copy(copiers: Option<Copiers>, dst: *mut u8, src: *const u8, bytes: usize) {
-    let (d, s) = (SendPtr(dst), SendPtr(src.cast_mut()));
-    par_bytes(copiers, bytes, |off, len| {
-        // SAFETY: the caller's contract; `off..off+len` lies inside both ranges, and each task's
-        // range is disjoint from every other's.
-        unsafe { std::ptr::copy_nonoverlapping(s.get().add(off), d.get().add(off), len) }
-    });
-}
-
-/// Copies `bytes` bytes from `src` into pinned staging memory at `dst`, for the device to read
-/// next, with the engine's copy threads and streaming stores (see
+/// Copies `bytes` bytes from `src` to `dst` with the engine's copy threads; with `streaming`,
+/// into pinned staging memory for the device to read next, with streaming stores (see
 /// [`stream_copy`](crate::memory::stream_copy)).
 ///
-/// For transfers of up to [`AT_ONCE_MAX_BYTES`] only ([`STREAM_MAX_BYTES`]): measured on an
+/// Streaming is for uploads of up to [`STREAM_MAX_BYTES`] only: measured on an
 /// H200 host in one run, streaming stores took an 8 MiB `upload_tensor_into` from 530 µs (what a
 /// raw replica of its plan with ordinary stores took) to 260 µs, but a 256 MiB upload, whose
 /// chunks are copied while earlier chunks' DMA runs, from about 6.2 ms to 8.2 ms: there the
 /// ordinary copy is faster, and its chunks leave the caches long before their DMA reads them.
 ///
 /// # Safety
-/// As [`par_copy`].
-unsafe fn par_copy_to_staging(
+/// `src..src+bytes` is readable and `dst..dst+bytes` writable for the call, and they do not
+/// overlap.
+unsafe fn par_copy(
     copiers: Option<Copiers>,
     dst: *mut u8,
     src: *const u8,
     bytes: usize,
+    streaming: bool,
 ) {
     let (d, s) = (SendPtr(dst), SendPtr(src.cast_mut()));
     par_bytes(copiers, bytes, |off, len| {
+        let (to, from) = (d.get().wrapping_add(off), s.get().wrapping_add(off));
         // SAFETY: the caller's contract; `off..off+len` lies inside both ranges, and each task's
         // range is disjoint from every other's.
-        unsafe { copy_streaming(d.get().add(off), s.get().add(off), len) }
+        unsafe {
+            if streaming {
+                copy_streaming(to, from, len)
+            } else {
+                std::ptr::copy_nonoverlapping(from, to, len)
+            }
+        }
     });
 }
 
@@ -446,12 +441,13 @@ fn upload_chunks<T: Element>(
         // SAFETY: the lease is proven (its memory is ours) and holds at least `part.len()` bytes
         // (`plan.per_chunk` elements fit a slot); `part` is borrowed for the call.
         unsafe {
-            let dst = lease.as_mut_bytes().as_mut_ptr();
-            if streaming {
-                par_copy_to_staging(copiers, dst, part.as_ptr(), part.len());
-            } else {
-                par_copy(copiers, dst, part.as_ptr(), part.len());
-            }
+            par_copy(
+                copiers,
+                lease.as_mut_bytes().as_mut_ptr(),
+                part.as_ptr(),
+                part.len(),
+                streaming,
+            )
         };
         match lease.begin_upload(engine, tensor, offset, n) {
             Ok(unproven) => in_flight.push_back(unproven),
@@ -657,7 +653,7 @@ fn chunk_loop<T: Element>(
             if T::DTYPE == DType::Bool {
                 par_decode_bool(copiers, at, src, n * size);
             } else {
-                par_copy(copiers, at, src, n * size);
+                par_copy(copiers, at, src, n * size, false);
             }
         }
         if next < total {
@@ -678,7 +674,7 @@ fn chunk_loop<T: Element>(
 /// 64 MiB, where each chunk is 16 MiB, the pipeline was faster (1.68 ms against 1.92 ms up).
 const AT_ONCE_MAX_BYTES: usize = 16 << 20;
 
-/// The largest upload whose host copies use streaming stores (see [`par_copy_to_staging`]).
+/// The largest upload whose host copies use streaming stores (see [`par_copy`]).
 const STREAM_MAX_BYTES: usize = AT_ONCE_MAX_BYTES;
 
 /// Whether a transfer of `len` elements (`bytes` bytes) under `plan` takes every chunk's slot at once (no more
