@@ -15,7 +15,8 @@
 //! Their types live in their own levels and know only the driver seam; the code that uses them
 //! on a caller's behalf lives there too, as `impl CudaEngine` or `impl State` blocks.
 
-use crate::driver::{ContextHandle, Driver, Waits};
+use super::order::{Order, Use};
+use crate::driver::{ContextHandle, Driver, Lane, Waits};
 use crate::error::{DeviceId, Error, Result};
 // The subsystems' state, which the engine holds and locks with the driver. Each of these files
 // depends only on the driver seam and the errors, never on the engine (see the level docs in
@@ -71,9 +72,36 @@ pub(crate) struct State {
     pub(crate) kernels: KernelCache,
     /// cuBLAS/cuSOLVER/cuTENSOR handles, made on first use and bound to the stream.
     pub(crate) libs: LibraryHandles,
+    /// The order of the three lanes: which value was last used where, and the waits between.
+    pub(crate) order: Order,
 }
 
 impl State {
+    /// Queues one operation on `lane` that makes `uses` of device values: first the waits that
+    /// order it after the work on other lanes it must follow, then `op`, then the record of its
+    /// uses. When a wait or `op` fails, nothing of the operation is queued (a wait already
+    /// queued only delays the lane).
+    pub(crate) fn queue<R>(
+        &mut self,
+        lane: Lane,
+        uses: &[Use],
+        op: impl FnOnce(&mut dyn Driver) -> Result<R>,
+    ) -> Result<R> {
+        self.order.prepare(&mut *self.driver, lane, uses)?;
+        let out = op(&mut *self.driver)?;
+        self.order.mark(lane, uses);
+        Ok(out)
+    }
+
+    /// Orders the work this lock hold is about to queue on `lane` with `uses`: queues its waits
+    /// and records its uses. The caller queues the work before releasing the lock (so no later
+    /// record covers the uses before the work), and a wait that fails refuses the work.
+    pub(crate) fn order_uses(&mut self, lane: Lane, uses: &[Use]) -> Result<()> {
+        self.order.prepare(&mut *self.driver, lane, uses)?;
+        self.order.mark(lane, uses);
+        Ok(())
+    }
+
     /// Records a failure for the next `flush` or `synchronize`.
     pub(crate) fn defer(&mut self, error: Error) {
         self.deferred.push(error);
@@ -337,6 +365,7 @@ impl CudaEngine {
                     staging: StagingRing::default(),
                     kernels: KernelCache::default(),
                     libs: LibraryHandles::default(),
+                    order: Order::default(),
                 }),
             }),
         }
@@ -414,6 +443,7 @@ impl CudaEngine {
     /// since the last boundary.
     pub fn synchronize(&mut self) -> Result<()> {
         let shared = &*self.shared;
+        let upto = shared.lock().order.positions();
         // A failed wait is reported first; failures recorded before it stay for the next
         // boundary rather than being lost behind it.
         shared
@@ -423,6 +453,8 @@ impl CudaEngine {
                 what: "work queued on the engine's stream",
                 source,
             })?;
+        // What was queued before the wait is complete: later work needs no wait for it.
+        shared.lock().order.settled(upto);
         shared.release_and_report(Poll::Settle)
     }
 
@@ -459,6 +491,13 @@ impl CudaEngine {
     pub fn events_created(&self) -> u64 {
         self.shared.lock().events.created()
     }
+
+    /// How many cross-stream waits the engine has queued so far: one each time work on one of
+    /// its streams had to follow work on another because they share a value (see the guide's
+    /// rules chapter). Work on values no other stream touches queues none.
+    pub fn stream_waits(&self) -> u64 {
+        self.shared.lock().order.waits()
+    }
 }
 
 impl Drop for CudaEngine {
@@ -485,6 +524,7 @@ impl Drop for CudaEngine {
         st.pinned.trim_to(&mut *st.driver, 0, &mut Vec::new());
         let _ = st.staging.free_idle(&mut *st.driver);
         let _ = st.events.destroy_all(&mut *st.driver);
+        st.order.release(&mut *st.driver);
         // The stream is idle: no kernel or library call queued on it is pending.
         st.libs.release();
         st.kernels.release(st.driver.as_mut());

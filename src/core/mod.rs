@@ -3,7 +3,8 @@
 //! [`engine`] holds `CudaEngine` (open, flush, synchronize and the drop rules), the state it
 //! shares with the values it hands out, and the lock that serialises every use of the driver;
 //! [`context`] holds the guard that makes the engine's context current for a scope and restores
-//! the caller's, on which the raw and CubeCL scopes are built.
+//! the caller's, on which the raw and CubeCL scopes are built; [`order`] orders the engine's
+//! three streams against each other where a value is shared.
 //!
 //! The level exists so that there is one owner of the driver and one lock around it, and every
 //! level above reaches the device through it. It depends on the device seam
@@ -23,3 +24,4 @@
 
 pub(crate) mod context;
 pub(crate) mod engine;
+pub(crate) mod order;

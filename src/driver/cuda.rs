@@ -12,21 +12,23 @@ mod notify;
 #[cfg(test)]
 pub(crate) use launch::nvrtc_present;
 
-use super::{ContextHandle, DevicePtr, Driver, EventHandle, Waits, Wake};
+use super::{ContextHandle, DevicePtr, Driver, EventHandle, Lane, Waits, Wake};
 use crate::error::{DeviceId, DeviceKind, DriverError, Error};
 use cudarc::driver::{result, sys};
 use std::ffi::c_void;
 use std::mem::MaybeUninit;
 use std::sync::Arc;
 
-/// One CUDA device's primary context, a non-blocking stream and a memory pool of its own, and
-/// the side streams on which the device calls the host back.
+/// One CUDA device's primary context, three non-blocking streams (compute, upload, download:
+/// the engine's [`Lane`]s) and a memory pool of its own, and the side streams on which the device
+/// calls the host back.
 pub(crate) struct CudaDriver {
     device: sys::CUdevice,
     id: DeviceId,
     name: String,
     ctx: sys::CUcontext,
-    stream: sys::CUstream,
+    /// The lanes' streams, by [`Lane::index`].
+    streams: Streams,
     pool: sys::CUmemoryPool,
     waits: Arc<CudaWaits>,
     /// Where [`Driver::notify_after`] queues its waits and callbacks; made on first use.
@@ -123,12 +125,12 @@ impl CudaDriver {
             },
             name,
             ctx,
-            stream: std::ptr::null_mut(),
+            streams: [std::ptr::null_mut(); 3],
             pool: std::ptr::null_mut(),
             side: notify::SideStreams::default(),
             waits: Arc::new(CudaWaits {
                 ctx,
-                stream: std::ptr::null_mut(),
+                streams: [std::ptr::null_mut(); 3],
             }),
         };
         // From here on, `Drop` releases what was made if a later step fails.
@@ -142,19 +144,21 @@ impl CudaDriver {
         restored?;
         this.waits = Arc::new(CudaWaits {
             ctx,
-            stream: this.stream,
+            streams: this.streams,
         });
         Ok(this)
     }
 
     fn make_stream_and_pool(&mut self) -> Result<(), Error> {
-        self.stream =
-            result::stream::create(result::stream::StreamKind::NonBlocking).map_err(|e| {
-                Error::Driver {
-                    call: "cuStreamCreate",
-                    source: DriverError::from_raw(e.0),
-                }
-            })?;
+        for stream in &mut self.streams {
+            *stream =
+                result::stream::create(result::stream::StreamKind::NonBlocking).map_err(|e| {
+                    Error::Driver {
+                        call: "cuStreamCreate",
+                        source: DriverError::from_raw(e.0),
+                    }
+                })?;
+        }
         // SAFETY: an all-zero `CUmemPoolProps` is its documented default (reserved bytes zero);
         // the fields that matter are set below.
         let mut props: sys::CUmemPoolProps = unsafe { std::mem::zeroed() };
@@ -201,13 +205,15 @@ impl Drop for CudaDriver {
         unsafe {
             sys::cuCtxSetCurrent(self.ctx);
         }
-        // The side streams wait only for events of the engine's stream, which is idle by now:
+        // The side streams wait only for events of the engine's lanes, which are idle by now:
         // their pending callbacks run at once, before the context can go away.
         self.side.release();
-        if !self.stream.is_null() {
-            // SAFETY: the stream was created by this driver and is destroyed once.
-            unsafe {
-                sys::cuStreamDestroy_v2(self.stream);
+        for &stream in &self.streams {
+            if !stream.is_null() {
+                // SAFETY: the stream was created by this driver and is destroyed once.
+                unsafe {
+                    sys::cuStreamDestroy_v2(stream);
+                }
             }
         }
         if !self.pool.is_null() {
@@ -243,7 +249,7 @@ impl Driver for CudaDriver {
     }
 
     fn stream_handle(&self) -> u64 {
-        self.stream as u64
+        self.streams[Lane::Compute.index()] as u64
     }
 
     fn current_context(&self) -> Result<ContextHandle, DriverError> {
@@ -256,11 +262,13 @@ impl Driver for CudaDriver {
         DriverError::check(unsafe { sys::cuCtxSetCurrent(ctx.0 as sys::CUcontext) })
     }
 
-    fn alloc(&mut self, bytes: usize) -> Result<DevicePtr, DriverError> {
+    fn alloc(&mut self, lane: Lane, bytes: usize) -> Result<DevicePtr, DriverError> {
         let mut ptr = MaybeUninit::uninit();
         // SAFETY: pool and stream belong to this driver's context, which the engine made current.
+        // The pool reuses memory freed on another lane only after the free has completed, by
+        // its default reuse policy (it inserts the dependency itself).
         DriverError::check(unsafe {
-            sys::cuMemAllocFromPoolAsync(ptr.as_mut_ptr(), bytes, self.pool, self.stream)
+            sys::cuMemAllocFromPoolAsync(ptr.as_mut_ptr(), bytes, self.pool, self.lane(lane))
         })?;
         // SAFETY: written by the successful call above.
         Ok(unsafe { ptr.assume_init() })
@@ -268,7 +276,7 @@ impl Driver for CudaDriver {
 
     unsafe fn free(&mut self, ptr: DevicePtr) -> Result<(), DriverError> {
         // SAFETY: the caller guarantees `ptr` is a live allocation of this driver.
-        DriverError::check(unsafe { sys::cuMemFreeAsync(ptr, self.stream) })
+        DriverError::check(unsafe { sys::cuMemFreeAsync(ptr, self.lane(Lane::Compute)) })
     }
 
     unsafe fn copy_htod(
@@ -279,7 +287,7 @@ impl Driver for CudaDriver {
     ) -> Result<(), DriverError> {
         // SAFETY: the caller guarantees both ranges stay valid until the copy completes.
         DriverError::check(unsafe {
-            sys::cuMemcpyHtoDAsync_v2(dst, src.cast::<c_void>(), bytes, self.stream)
+            sys::cuMemcpyHtoDAsync_v2(dst, src.cast::<c_void>(), bytes, self.lane(Lane::Upload))
         })
     }
 
@@ -291,7 +299,7 @@ impl Driver for CudaDriver {
     ) -> Result<(), DriverError> {
         // SAFETY: the caller guarantees both ranges stay valid until the copy completes.
         DriverError::check(unsafe {
-            sys::cuMemcpyDtoHAsync_v2(dst.cast::<c_void>(), src, bytes, self.stream)
+            sys::cuMemcpyDtoHAsync_v2(dst.cast::<c_void>(), src, bytes, self.lane(Lane::Download))
         })
     }
 
@@ -302,7 +310,9 @@ impl Driver for CudaDriver {
         bytes: usize,
     ) -> Result<(), DriverError> {
         // SAFETY: the caller guarantees both ranges are live and disjoint.
-        DriverError::check(unsafe { sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, self.stream) })
+        DriverError::check(unsafe {
+            sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, self.lane(Lane::Compute))
+        })
     }
 
     fn event_create(&mut self) -> Result<EventHandle, DriverError> {
@@ -318,10 +328,20 @@ impl Driver for CudaDriver {
         Ok(EventHandle(unsafe { ev.assume_init() } as u64))
     }
 
-    fn event_record(&mut self, event: EventHandle) -> Result<(), DriverError> {
+    fn event_record(&mut self, lane: Lane, event: EventHandle) -> Result<(), DriverError> {
         // SAFETY: handles of this driver only reach here (`EventHandle` is crate-private and
         // minted by `event_create`); the event is live until `event_destroy`.
-        DriverError::check(unsafe { sys::cuEventRecord(event.0 as sys::CUevent, self.stream) })
+        DriverError::check(unsafe {
+            sys::cuEventRecord(event.0 as sys::CUevent, self.lane(lane))
+        })
+    }
+
+    fn stream_wait(&mut self, lane: Lane, event: EventHandle) -> Result<(), DriverError> {
+        // SAFETY: the event and the stream belong to this driver; CUDA captures the event's
+        // last record at this call, so a later record does not change the wait.
+        DriverError::check(unsafe {
+            sys::cuStreamWaitEvent(self.lane(lane), event.0 as sys::CUevent, 0)
+        })
     }
 
     unsafe fn event_destroy(&mut self, event: EventHandle) -> Result<(), DriverError> {
@@ -372,11 +392,21 @@ impl Driver for CudaDriver {
     }
 }
 
-/// The waiting half of a [`CudaDriver`]: its context and stream, for waits made from any thread
+/// A driver's three streams, by [`Lane::index`].
+type Streams = [sys::CUstream; 3];
+
+impl CudaDriver {
+    /// The stream of `lane`.
+    fn lane(&self, lane: Lane) -> sys::CUstream {
+        self.streams[lane.index()]
+    }
+}
+
+/// The waiting half of a [`CudaDriver`]: its context and streams, for waits made from any thread
 /// without the engine's lock.
 pub(crate) struct CudaWaits {
     ctx: sys::CUcontext,
-    stream: sys::CUstream,
+    streams: Streams,
 }
 
 // SAFETY: CUDA driver handles may be used from any thread; every call below makes the context
@@ -427,13 +457,35 @@ impl Waits for CudaWaits {
     }
 
     fn stream_synchronize(&self) -> Result<(), DriverError> {
+        self.in_context(|| {
+            // Every lane is waited for even when one reports a failure; the first is reported.
+            let mut outcome = Ok(());
+            for &stream in &self.streams {
+                // SAFETY: the streams are live for the driver's lifetime.
+                let waited = DriverError::check(unsafe { sys::cuStreamSynchronize(stream) });
+                outcome = outcome.and(waited);
+            }
+            outcome
+        })
+    }
+
+    fn lane_synchronize(&self, lane: Lane) -> Result<(), DriverError> {
         // SAFETY: the stream is live for the driver's lifetime.
-        self.in_context(|| DriverError::check(unsafe { sys::cuStreamSynchronize(self.stream) }))
+        self.in_context(|| {
+            DriverError::check(unsafe { sys::cuStreamSynchronize(self.streams[lane.index()]) })
+        })
     }
 
     fn stream_query(&self) -> Result<bool, DriverError> {
-        // SAFETY: the stream is live for the driver's lifetime.
-        self.in_context(|| ready(unsafe { sys::cuStreamQuery(self.stream) }))
+        self.in_context(|| {
+            for &stream in &self.streams {
+                // SAFETY: the streams are live for the driver's lifetime.
+                if !ready(unsafe { sys::cuStreamQuery(stream) })? {
+                    return Ok(false);
+                }
+            }
+            Ok(true)
+        })
     }
 
     /// A stream callback wakes a task 17 to 26 µs after a 16-byte copy completes on an H200,

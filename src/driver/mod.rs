@@ -6,8 +6,13 @@
 //! runs its stream only when its clock advances, and injects faults on request. Because the
 //! lifecycle code above the seam is the same for both, CI without a GPU checks what the GPU runs.
 //!
-//! A driver object is one device, one context and one stream: the engine's. Its methods take
-//! `&mut self` because the engine serialises access to it.
+//! A driver object is one device, one context and three streams, the engine's [`Lane`]s:
+//! host-to-device copies run on the upload lane, device-to-host copies on the download lane, and
+//! everything else (kernels, library calls, device copies, frees, graph replays) on the compute
+//! lane, so an upload, a download and a kernel can run at once on the GPU's two copy engines and
+//! its SMs. Nothing orders the lanes but events: [`Driver::stream_wait`] makes one lane wait for
+//! an event recorded on another, and the engine inserts those waits where a value is shared
+//! (`core::order`). Its methods take `&mut self` because the engine serialises access to it.
 //!
 //! Besides the memory, copy and event operations of [`Driver`] itself, the seam has two halves
 //! that are supertraits of it: [`launch::Launch`] compiles, loads and launches kernels, and
@@ -30,6 +35,37 @@ pub(crate) type DevicePtr = u64;
 /// [`Driver::event_destroy`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) struct EventHandle(pub(crate) u64);
+
+/// One of the engine's three streams.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub(crate) enum Lane {
+    /// Kernels, library calls, device-to-device copies, frees and graph replays; the stream a raw
+    /// scope hands out.
+    Compute,
+    /// Host-to-device copies.
+    Upload,
+    /// Device-to-host copies.
+    Download,
+}
+
+impl Lane {
+    /// The three lanes, in index order.
+    pub(crate) const ALL: [Lane; 3] = [Lane::Compute, Lane::Upload, Lane::Download];
+
+    /// The lane's index into per-lane arrays.
+    pub(crate) const fn index(self) -> usize {
+        self as usize
+    }
+
+    /// The lane a host copy runs on: upload for host to device, else download.
+    pub(crate) const fn of_copy(upload: bool) -> Lane {
+        if upload {
+            Lane::Upload
+        } else {
+            Lane::Download
+        }
+    }
+}
 
 /// A closure the device calls once, on a thread of its choosing: see [`Driver::notify_after`].
 pub(crate) type Wake = Box<dyn FnOnce() + Send + 'static>;
@@ -73,9 +109,11 @@ pub(crate) trait Waits: Send + Sync {
     fn event_query(&self, event: EventHandle) -> Result<bool, DriverError>;
     /// Waits until the work before the event's last record has completed.
     fn event_synchronize(&self, event: EventHandle) -> Result<(), DriverError>;
-    /// Waits until everything queued on the stream has completed.
+    /// Waits until everything queued on every lane has completed.
     fn stream_synchronize(&self) -> Result<(), DriverError>;
-    /// Whether everything queued on the stream has completed. Never waits.
+    /// Waits until everything queued on one lane has completed.
+    fn lane_synchronize(&self, lane: Lane) -> Result<(), DriverError>;
+    /// Whether everything queued on every lane has completed. Never waits.
     fn stream_query(&self) -> Result<bool, DriverError>;
     /// How long an awaited transfer that is not complete at its first poll keeps asking its
     /// event before it asks the device for a wake: about one wake's latency on a real device,
@@ -86,11 +124,15 @@ pub(crate) trait Waits: Send + Sync {
     }
 }
 
-/// One device, one context and one stream, behind a seam with two implementations.
+/// One device, one context and three streams (the [`Lane`]s), behind a seam with two
+/// implementations.
 ///
-/// Asynchronous operations are queued on the driver's stream in call order. Their `unsafe`
-/// contracts are CUDA's: memory named by a queued operation must stay valid until the operation
-/// has completed, which only an event recorded after it (or a stream synchronize) proves.
+/// Asynchronous operations are queued on their lane in call order; lanes are ordered against
+/// each other only by [`Driver::stream_wait`]. Their `unsafe` contracts are CUDA's: memory named
+/// by a queued operation must stay valid until the operation has completed, which only an event
+/// recorded after it on its lane (or a stream synchronize) proves, and work on one lane that
+/// reads what work on another writes (or writes what it reads) must be ordered after it by a
+/// wait.
 ///
 /// Compiling, loading and launching kernels is the [`launch::Launch`] half of the seam;
 /// capturing queued launches into graphs and replaying them is the [`graph::Graphs`] half.
@@ -101,22 +143,25 @@ pub(crate) trait Driver: Send + launch::Launch + graph::Graphs {
     fn name(&self) -> &str;
     /// The engine's context.
     fn context(&self) -> ContextHandle;
-    /// The engine's stream, as the raw handle value.
+    /// The engine's compute lane's stream, as the raw handle value.
     fn stream_handle(&self) -> u64;
     /// The context current on the calling thread.
     fn current_context(&self) -> Result<ContextHandle, DriverError>;
     /// Makes `ctx` current on the calling thread (`NONE` unbinds).
     fn set_current_context(&self, ctx: ContextHandle) -> Result<(), DriverError>;
 
-    /// Allocates `bytes` of device memory, ordered on the stream.
-    fn alloc(&mut self, bytes: usize) -> Result<DevicePtr, DriverError>;
-    /// Frees an allocation, ordered on the stream.
+    /// Allocates `bytes` of device memory, ordered on `lane`: work queued on that lane later
+    /// may use it at once, work on another lane only after a wait for an event recorded on
+    /// `lane` after the allocation.
+    fn alloc(&mut self, lane: Lane, bytes: usize) -> Result<DevicePtr, DriverError>;
+    /// Frees an allocation, ordered on the compute lane.
     ///
     /// # Safety
     /// `ptr` came from [`Driver::alloc`] on this driver and is not freed twice; no operation
-    /// queued later uses it.
+    /// queued later uses it, and every operation on another lane that uses it is ordered before
+    /// the free by a wait on the compute lane.
     unsafe fn free(&mut self, ptr: DevicePtr) -> Result<(), DriverError>;
-    /// Queues a host-to-device copy.
+    /// Queues a host-to-device copy on the upload lane.
     ///
     /// # Safety
     /// `src..src+bytes` is readable host memory and `dst..dst+bytes` lies in one live allocation;
@@ -127,7 +172,7 @@ pub(crate) trait Driver: Send + launch::Launch + graph::Graphs {
         src: *const u8,
         bytes: usize,
     ) -> Result<(), DriverError>;
-    /// Queues a device-to-host copy.
+    /// Queues a device-to-host copy on the download lane.
     ///
     /// # Safety
     /// `dst..dst+bytes` is writable host memory that nothing reads or writes until the copy
@@ -138,7 +183,7 @@ pub(crate) trait Driver: Send + launch::Launch + graph::Graphs {
         src: DevicePtr,
         bytes: usize,
     ) -> Result<(), DriverError>;
-    /// Queues a device-to-device copy.
+    /// Queues a device-to-device copy on the compute lane.
     ///
     /// # Safety
     /// Both ranges lie in live allocations and do not overlap.
@@ -151,8 +196,12 @@ pub(crate) trait Driver: Send + launch::Launch + graph::Graphs {
 
     /// Creates an event with timing disabled.
     fn event_create(&mut self) -> Result<EventHandle, DriverError>;
-    /// Records `event` at the current end of the stream.
-    fn event_record(&mut self, event: EventHandle) -> Result<(), DriverError>;
+    /// Records `event` at the current end of `lane`.
+    fn event_record(&mut self, lane: Lane, event: EventHandle) -> Result<(), DriverError>;
+    /// Makes work queued on `lane` from now on wait until the work before `event`'s last record
+    /// (as of this call) has completed. Never waits on the host; a later record of `event` does
+    /// not change what this wait waits for.
+    fn stream_wait(&mut self, lane: Lane, event: EventHandle) -> Result<(), DriverError>;
     /// Destroys an event.
     ///
     /// # Safety

@@ -38,7 +38,7 @@ mod graph;
 mod launch;
 
 use super::launch::Emulation;
-use super::{ContextHandle, DevicePtr, Driver, EventHandle, Waits, Wake};
+use super::{ContextHandle, DevicePtr, Driver, EventHandle, Lane, Waits, Wake};
 use crate::error::{DeviceId, DeviceKind, DriverError};
 use std::alloc::Layout;
 use std::cell::Cell;
@@ -125,6 +125,8 @@ pub enum SimOp {
     /// Registration of a wake called once an event's work has completed (what awaiting a
     /// pending transfer asks for).
     NotifyAfter,
+    /// A lane's wait for an event recorded on another (`cuStreamWaitEvent`).
+    StreamWait,
 }
 
 /// `CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED`.
@@ -715,7 +717,7 @@ impl Driver for SimDriver {
         Ok(())
     }
 
-    fn alloc(&mut self, bytes: usize) -> Result<DevicePtr, DriverError> {
+    fn alloc(&mut self, _lane: Lane, bytes: usize) -> Result<DevicePtr, DriverError> {
         let mut s = self.lock();
         s.enter_stream(SimOp::Alloc)?;
         if s.device_used.saturating_add(bytes) > s.memory_bytes {
@@ -810,7 +812,7 @@ impl Driver for SimDriver {
         Ok(EventHandle(id))
     }
 
-    fn event_record(&mut self, event: EventHandle) -> Result<(), DriverError> {
+    fn event_record(&mut self, _lane: Lane, event: EventHandle) -> Result<(), DriverError> {
         let mut s = self.lock();
         s.enter_stream(SimOp::EventRecord)?;
         s.event(event)?;
@@ -824,6 +826,13 @@ impl Driver for SimDriver {
         let ev = s.event(event)?;
         ev.recorded = Some(seq);
         ev.fault = fault;
+        Ok(())
+    }
+
+    fn stream_wait(&mut self, _lane: Lane, event: EventHandle) -> Result<(), DriverError> {
+        let mut s = self.lock();
+        s.enter_stream(SimOp::StreamWait)?;
+        s.event(event)?;
         Ok(())
     }
 
@@ -1006,6 +1015,10 @@ impl Waits for SimWaits {
         let last = s.next_seq.saturating_sub(1);
         drop(self.wait_until(s, last));
         Ok(())
+    }
+
+    fn lane_synchronize(&self, _lane: Lane) -> Result<(), DriverError> {
+        self.stream_synchronize()
     }
 
     fn stream_query(&self) -> Result<bool, DriverError> {

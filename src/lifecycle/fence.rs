@@ -20,7 +20,7 @@
 
 use super::retire::Record;
 use crate::core::engine::{Shared, State};
-use crate::driver::{EventHandle, Wake};
+use crate::driver::{EventHandle, Lane, Wake};
 use crate::error::{DriverError, Error, Result};
 use std::mem::ManuallyDrop;
 use std::sync::Arc;
@@ -57,8 +57,8 @@ pub(crate) enum Fencing<R: Send + 'static> {
     Untracked(Untracked<R>, Error),
 }
 
-/// Records an event after everything queued so far on the engine's stream and binds `resources`
-/// to it. `event` is an idle event to reuse (a resubmission's); otherwise one comes from the
+/// Records an event after everything queued so far on `lane` (the lane the work was queued on)
+/// and binds `resources` to it. `event` is an idle event to reuse (a resubmission's); otherwise one comes from the
 /// engine's pool.
 ///
 /// Called with the engine's state locked (the caller has just queued the work). The fallback
@@ -66,6 +66,7 @@ pub(crate) enum Fencing<R: Send + 'static> {
 pub(crate) fn fence<R: Send + 'static>(
     st: &mut State,
     owner: &Arc<Shared>,
+    lane: Lane,
     resources: R,
     event: Option<EventHandle>,
     what: &'static str,
@@ -76,7 +77,7 @@ pub(crate) fn fence<R: Send + 'static>(
         Some(event) => Ok(event),
         None => st.events.take(&mut *st.driver),
     }
-    .and_then(|event| match st.driver.event_record(event) {
+    .and_then(|event| match st.driver.event_record(lane, event) {
         Ok(()) => Ok(event),
         Err(source) => {
             // The event was not recorded, so its last record (if any) is complete: reusable.
@@ -405,7 +406,7 @@ impl<R: Send + 'static> Drop for Untracked<R> {
     }
 }
 
-/// Proves everything queued on the engine so far complete with a stream synchronize, and gives
+/// Proves everything queued on `lane` so far complete with a stream synchronize, and gives
 /// `resources` back: the proof for work the caller waits for at once, where an event would cost
 /// a record and a trip through the event pool for the same answer (the smallest blocking
 /// transfers). Releases the lock `st` (the caller has just queued the work) and waits outside it.
@@ -419,11 +420,12 @@ impl<R: Send + 'static> Drop for Untracked<R> {
 pub(crate) fn synchronize_now<R: Send + 'static>(
     st: crate::core::engine::Entered<'_>,
     owner: &Arc<Shared>,
+    lane: Lane,
     resources: ManuallyDrop<R>,
     what: &'static str,
 ) -> Result<R> {
     drop(st);
-    match owner.waits.stream_synchronize() {
+    match owner.waits.lane_synchronize(lane) {
         Ok(()) => Ok(ManuallyDrop::into_inner(resources)),
         Err(source) => {
             drop(Untracked {
@@ -437,8 +439,9 @@ pub(crate) fn synchronize_now<R: Send + 'static>(
     }
 }
 
-/// Proves everything queued on the engine so far complete, with `resources` lent to it: fences
-/// them, releases the lock, and waits outside it. For boundaries with another runtime, which can
+/// Proves everything queued on the engine so far complete, with `resources` lent to it: joins
+/// the copy lanes into the compute lane, fences the resources there, releases the lock, and waits
+/// outside it. For boundaries with another runtime, which can
 /// only be ordered by a host wait.
 ///
 /// # Errors
@@ -451,7 +454,11 @@ pub(crate) fn wait_for_queued<R: Send + 'static>(
     resources: R,
     what: &'static str,
 ) -> Result<R> {
-    let fencing = fence(&mut st, owner, resources, None, what);
+    {
+        let st = &mut *st;
+        st.order.join(&mut *st.driver, Lane::Compute)?;
+    }
+    let fencing = fence(&mut st, owner, Lane::Compute, resources, None, what);
     drop(st);
     match fencing {
         Fencing::Fenced(fenced) => fenced.wait(),

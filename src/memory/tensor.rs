@@ -7,8 +7,9 @@
 //! device-to-device copy, never an implicit clone.
 
 use super::element::{byte_len, Element};
-use crate::core::engine::{CudaEngine, Shared};
-use crate::driver::DevicePtr;
+use crate::core::engine::{CudaEngine, Shared, State};
+use crate::core::order::Use;
+use crate::driver::{DevicePtr, Lane};
 use crate::dtype::DType;
 use crate::error::{DeviceId, DriverError, Error, Refused, Result};
 use std::marker::PhantomData;
@@ -112,18 +113,25 @@ pub(crate) fn shape_len(shape: &[usize]) -> Result<usize> {
         })
 }
 
-/// Allocates `bytes` of device memory on the engine's stream. When the driver reports
+/// Allocates `bytes` of device memory ordered on `lane`, and records the allocation as the
+/// value's first write there (work on another lane that uses it waits for it: the pool may hand
+/// out memory whose previous user on that lane has not finished). When the driver reports
 /// out-of-memory, everything the retirement queue has proven complete is released first (its
 /// device memory frees, stream-ordered, once the lock is released) and the allocation is tried
 /// once more.
-pub(crate) fn alloc_device(shared: &Shared, bytes: usize) -> Result<DevicePtr> {
+pub(crate) fn alloc_device(shared: &Shared, lane: Lane, bytes: usize) -> Result<DevicePtr> {
     let refused = |source| Error::Driver {
         call: "cuMemAllocFromPoolAsync",
         source,
     };
+    let alloc = |st: &mut State| -> std::result::Result<DevicePtr, DriverError> {
+        let ptr = st.driver.alloc(lane, bytes)?;
+        st.order.mark(lane, &[Use::Write(ptr)]);
+        Ok(ptr)
+    };
     {
         let mut st = shared.enter()?;
-        match st.driver.alloc(bytes) {
+        match alloc(&mut st) {
             Ok(ptr) => return Ok(ptr),
             Err(source) if source == DriverError::OUT_OF_MEMORY && st.retire.has_pending() => {
                 st.release_completed(&*shared.waits);
@@ -131,19 +139,25 @@ pub(crate) fn alloc_device(shared: &Shared, bytes: usize) -> Result<DevicePtr> {
             Err(source) => return Err(refused(source)),
         }
     } // Released records drop here, queueing the frees of their device memory.
-    shared.enter()?.driver.alloc(bytes).map_err(refused)
+    alloc(&mut *shared.enter()?).map_err(refused)
 }
 
 impl<T: Element> DeviceTensor<T> {
-    /// Allocates an uninitialised tensor on `engine`'s stream. A zero-element tensor allocates
-    /// nothing.
+    /// Allocates an uninitialised tensor on `engine`'s compute lane. A zero-element tensor
+    /// allocates nothing.
     pub(crate) fn alloc(engine: &mut CudaEngine, shape: &[usize]) -> Result<Self> {
+        Self::alloc_on(engine, Lane::Compute, shape)
+    }
+
+    /// Allocates an uninitialised tensor ordered on `lane`: the lane of the work that writes it
+    /// first (an upload's, for a fresh upload destination), which then needs no cross-lane wait.
+    pub(crate) fn alloc_on(engine: &mut CudaEngine, lane: Lane, shape: &[usize]) -> Result<Self> {
         let len = shape_len(shape)?;
         let bytes = byte_len::<T>(len, "device tensor")?;
         let ptr = if bytes == 0 {
             0
         } else {
-            alloc_device(&engine.shared, bytes)?
+            alloc_device(&engine.shared, lane, bytes)?
         };
         Ok(DeviceTensor {
             ptr,
@@ -264,13 +278,17 @@ impl<T: Element> Drop for DeviceTensor<T> {
         }
         // Leaked (never freed) when the context cannot be entered; see `enter_for_drop`.
         if let Some(mut st) = self.owner.enter_for_drop() {
-            // SAFETY: `ptr` is this tensor's own allocation, freed exactly once here; the free is
-            // ordered after every operation already queued on the stream that may use it.
-            if let Err(source) = unsafe { st.driver.free(self.ptr) } {
-                st.defer(Error::Driver {
-                    call: "cuMemFreeAsync",
-                    source,
-                });
+            let ptr = self.ptr;
+            let freed = st.queue(Lane::Compute, &[Use::Write(ptr)], |driver| {
+                // SAFETY: `ptr` is this tensor's own allocation, freed exactly once here; the
+                // free is queued on the compute lane after every operation already queued there,
+                // and after a wait for every use of it on the copy lanes (`queue`'s prepare); a
+                // refused wait refuses the free, and the memory leaks.
+                unsafe { driver.free(ptr) }.map_err(Error::driver("cuMemFreeAsync"))
+            });
+            match freed {
+                Ok(()) => st.order.forget(ptr),
+                Err(error) => st.defer(error),
             }
         }
     }
@@ -320,13 +338,13 @@ impl CudaEngine {
         if source.is_empty() {
             return Ok(());
         }
-        let mut st = self.enter()?;
-        // SAFETY: both are live allocations of this engine of `byte_len` bytes, distinct (one is
-        // borrowed shared, the other exclusively); their frees are queued after this copy.
-        unsafe {
-            st.driver
-                .copy_dtod(destination.ptr, source.ptr, source.byte_len())
-        }
-        .map_err(Error::driver("cuMemcpyDtoDAsync"))
+        let (dst, src, bytes) = (destination.ptr, source.ptr, source.byte_len());
+        let uses = [Use::Read(src), Use::Write(dst)];
+        self.enter()?.queue(Lane::Compute, &uses, |driver| {
+            // SAFETY: both are live allocations of this engine of `bytes` bytes, distinct (one is
+            // borrowed shared, the other exclusively); their frees are queued after this copy,
+            // and `queue` orders it after their uses on the copy lanes.
+            unsafe { driver.copy_dtod(dst, src, bytes) }.map_err(Error::driver("cuMemcpyDtoDAsync"))
+        })
     }
 }

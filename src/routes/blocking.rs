@@ -21,6 +21,7 @@
 //! the route returns the error.
 
 use crate::core::engine::CudaEngine;
+use crate::driver::Lane;
 use crate::dtype::DType;
 use crate::error::{Error, Refused, Result};
 use crate::lifecycle::lease::{BeginError, KeepAlive, Proven, ScalarHost, StagingLease, Unproven};
@@ -324,7 +325,7 @@ pub fn upload_tensor<T: Element>(
             actual: data.len(),
         });
     }
-    let mut tensor = DeviceTensor::alloc(engine, shape)?;
+    let mut tensor = DeviceTensor::alloc_on(engine, Lane::Upload, shape)?;
     match upload_staged(engine, data, &mut tensor) {
         Ok(()) => Ok(tensor),
         // The new tensor goes with the newest lease and is released with its proof.

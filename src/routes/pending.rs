@@ -33,7 +33,8 @@
 #![allow(clippy::result_large_err)]
 
 use crate::core::engine::CudaEngine;
-use crate::driver::copy_host;
+use crate::core::order::Use;
+use crate::driver::{copy_host, Lane};
 use crate::error::{Error, Result};
 use crate::lifecycle::fence::{fence, Fenced, Fencing, IdleEvent};
 use crate::memory::element::Element;
@@ -408,12 +409,21 @@ fn submit<D: Direction, T: Element, B: HostBuffer<T>>(
     // (the lengths were checked equal), both belong to this engine, and the buffer's memory is
     // page-locked for as long as the buffer lives (`HostBuffer`'s promise), so it stays valid
     // until the fence releases it.
-    let queued = unsafe { copy_host(&mut *st.driver, D::UPLOAD, device, host, bytes) };
+    let lane = Lane::of_copy(D::UPLOAD);
+    let uses = [Use::of_copy(D::UPLOAD, device)];
+    let queued = {
+        let st = &mut *st;
+        st.order
+            .prepare(&mut *st.driver, lane, &uses)
+            // SAFETY: as above.
+            .and_then(|()| unsafe { copy_host(&mut *st.driver, D::UPLOAD, device, host, bytes) })
+    };
     if let Err(error) = queued {
         return Err(TransferSubmitError::Failed { package, error });
     }
+    st.order.mark(lane, &uses);
     let event = event.map(IdleEvent::into_raw);
-    match fence(&mut st, owner, package, event, D::NAME) {
+    match fence(&mut st, owner, lane, package, event, D::NAME) {
         Fencing::Fenced(fenced) => Ok(Pending::new(fenced)),
         Fencing::Proven(package, error) => Err(TransferSubmitError::Failed { package, error }),
         Fencing::Untracked(untracked, error) => {

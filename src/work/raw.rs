@@ -14,6 +14,7 @@
 
 use crate::core::context::ContextScope;
 use crate::core::engine::{CudaEngine, Shared};
+use crate::driver::Lane;
 use crate::error::{Error, Result};
 use crate::memory::element::Element;
 use crate::memory::tensor::DeviceTensor;
@@ -116,7 +117,10 @@ impl<'s, 'env> RawScope<'s, 'env> {
         }
     }
 
-    /// The engine's stream.
+    /// The engine's compute stream. Everything the engine queued before the scope, on any of
+    /// its streams, runs before work queued here (the scope begins with the compute stream
+    /// waiting for the engine's copy streams), and every copy the engine queues after the scope
+    /// waits for the work queued here.
     pub fn stream(&self) -> RawStream<'s> {
         RawStream {
             raw: self.stream,
@@ -150,6 +154,19 @@ impl<'s, 'env> RawScope<'s, 'env> {
         tensor: &'s mut DeviceTensor<T>,
     ) -> Result<RawDevicePtr<'s>> {
         self.device_ptr(tensor)
+    }
+}
+
+/// Marks, when a raw scope ends (on return, `Err` or unwind), everything the scope queued as
+/// possibly using every value: later copies wait for it. The mark made before the scope already
+/// covers it unless an ordering event was recorded meanwhile; this one makes it exact.
+struct AfterRawWork<'a>(&'a Shared);
+
+impl Drop for AfterRawWork<'_> {
+    fn drop(&mut self) {
+        if let Some(mut st) = self.0.lock_for_drop() {
+            st.order.barrier();
+        }
     }
 }
 
@@ -200,9 +217,16 @@ impl CudaEngine {
             ContextScope::enter(&self.shared, "cuCtxSetCurrent (restore after raw scope)")?;
         let shared: &Shared = &self.shared;
         let (context, stream) = {
-            let st = shared.lock();
+            let mut st = shared.lock();
+            let st = &mut *st;
+            // Everything queued on the copy streams so far runs before the scope's work, and
+            // every copy queued after the scope waits for whatever the scope queued (it may use
+            // any tensor it was lent).
+            st.order.join(&mut *st.driver, Lane::Compute)?;
+            st.order.barrier();
             (st.driver.context().0, st.driver.stream_handle())
         };
+        let _after = AfterRawWork(shared);
         let scope = RawScope {
             shared,
             context,

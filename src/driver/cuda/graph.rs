@@ -19,7 +19,7 @@ impl Graphs for CudaDriver {
         // valid enumerator.
         DriverError::check(unsafe {
             sys::cuStreamBeginCapture_v2(
-                self.stream,
+                self.lane(crate::driver::Lane::Compute),
                 sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
             )
         })
@@ -35,7 +35,7 @@ impl Graphs for CudaDriver {
         // optional outputs. Edge data is asked for too, so the query is never refused as lossy.
         DriverError::check(unsafe {
             sys::cuStreamGetCaptureInfo_v3(
-                self.stream,
+                self.lane(crate::driver::Lane::Compute),
                 status.as_mut_ptr(),
                 std::ptr::null_mut(),
                 std::ptr::null_mut(),
@@ -75,7 +75,7 @@ impl Graphs for CudaDriver {
         // SAFETY: the stream belongs to this driver's context, which is current; the out pointer
         // is valid for one write. Ending the capture is what the caller must do after every
         // successful `capture_begin`, also when the capture was invalidated.
-        let code = unsafe { sys::cuStreamEndCapture(self.stream, &mut graph) };
+        let code = unsafe { sys::cuStreamEndCapture(self.lane(crate::driver::Lane::Compute), &mut graph) };
         match (DriverError::check(code), graph.is_null()) {
             (Ok(()), false) => Ok(GraphHandle(graph as u64)),
             (Ok(()), true) => Err(DriverError::UNKNOWN),
@@ -150,7 +150,7 @@ impl Graphs for CudaDriver {
         // SAFETY: `exec` is live (minted by `graph_instantiate`, live until `exec_destroy`); the
         // caller guarantees every node's memory contract for this replay; the stream belongs to
         // the current context.
-        DriverError::check(unsafe { sys::cuGraphLaunch(exec.0 as sys::CUgraphExec, self.stream) })
+        DriverError::check(unsafe { sys::cuGraphLaunch(exec.0 as sys::CUgraphExec, self.lane(crate::driver::Lane::Compute)) })
     }
 
     unsafe fn exec_destroy(&mut self, exec: GraphExecHandle) -> Result<(), DriverError> {

@@ -268,7 +268,7 @@ impl Launch for CudaDriver {
                     1,
                     1,
                     0,
-                    self.stream,
+                    self.lane(crate::driver::Lane::Compute),
                     kernel_params,
                     std::ptr::null_mut(),
                 )

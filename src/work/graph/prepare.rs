@@ -22,7 +22,8 @@ use super::compile::{Loc, OutputKind, Program, Step};
 use crate::core::engine::{CudaEngine, Entered, Shared};
 use crate::driver::graph::{GraphExecHandle, GraphHandle, GraphNodeHandle};
 use crate::driver::launch::{FunctionHandle, ModuleHandle};
-use crate::driver::DevicePtr;
+use crate::core::order::Use;
+use crate::driver::{DevicePtr, Lane};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::lifecycle::fence::{fence, Fencing};
@@ -306,17 +307,25 @@ impl Drop for Prepared {
             return;
         };
         for ptr in recycled {
-            // SAFETY: each block came from this engine's driver for an output tensor that was
-            // dropped and gave it back; it is freed once, here, stream-ordered after every
-            // run that used it.
-            if let Err(source) = unsafe { st.driver.free(ptr) } {
-                st.defer(Error::Driver {
-                    call: "cuMemFreeAsync",
-                    source,
-                });
+            let freed = st.queue(Lane::Compute, &[Use::Write(ptr)], |driver| {
+                // SAFETY: each block came from this engine's driver for an output tensor that
+                // was dropped and gave it back; it is freed once, here, on the compute lane after
+                // every run that used it and after a wait for its uses on the copy lanes.
+                unsafe { driver.free(ptr) }.map_err(Error::driver("cuMemFreeAsync"))
+            });
+            match freed {
+                Ok(()) => st.order.forget(ptr),
+                Err(error) => st.defer(error),
             }
         }
-        let fencing = fence(&mut st, &self.owner, lent, None, "prepared program");
+        let fencing = fence(
+            &mut st,
+            &self.owner,
+            Lane::Compute,
+            lent,
+            None,
+            "prepared program",
+        );
         match fencing {
             Fencing::Fenced(fenced) => {
                 drop(st);
@@ -572,13 +581,16 @@ impl CudaEngine {
                     } else if let Some(ptr) = prepared.recycler.take(bytes) {
                         ptr
                     } else {
-                        match st.driver.alloc(bytes) {
-                            Ok(ptr) => ptr,
+                        match st.driver.alloc(Lane::Compute, bytes) {
+                            Ok(ptr) => {
+                                st.order.mark(Lane::Compute, &[Use::Write(ptr)]);
+                                ptr
+                            }
                             Err(_) => {
                                 // Out of memory, most likely: the allocator that releases what
                                 // the retirement queue has proven complete, then retries.
                                 drop(st);
-                                let ptr = alloc_device(&self.shared, bytes)?;
+                                let ptr = alloc_device(&self.shared, Lane::Compute, bytes)?;
                                 st = self.shared.enter()?;
                                 ptr
                             }
@@ -609,6 +621,18 @@ impl CudaEngine {
         let lent = lent
             .as_ref()
             .expect("a live prepared program holds its resources");
+        // The run reads its inputs and writes its new outputs on the compute lane: it waits for
+        // their uses on the copy lanes first. The lock is held until every segment is queued,
+        // so marking the uses now covers them all.
+        let uses: Vec<Use> = (input_ptrs.iter().map(|&p| Use::Read(p)))
+            .chain(output_ptrs.iter().map(|&p| Use::Write(p)))
+            .filter(|u| !matches!(u, Use::Read(0) | Use::Write(0)))
+            .collect();
+        {
+            let st = &mut *st;
+            st.order.prepare(&mut *st.driver, Lane::Compute, &uses)?;
+            st.order.mark(Lane::Compute, &uses);
+        }
         stats.runs += 1;
         for segment in segments.iter_mut() {
             match segment {

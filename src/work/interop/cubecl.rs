@@ -26,6 +26,8 @@
 //! streams, so a host wait is the only ordering it offers.
 
 use crate::core::engine::CudaEngine;
+use crate::core::order::Use;
+use crate::driver::Lane;
 use crate::error::{DeviceKind, Error, Result};
 use crate::lifecycle::fence::wait_for_queued;
 use crate::memory::element::{byte_len, Element};
@@ -108,6 +110,7 @@ impl<'e> CubeclScope<'e> {
         self.sync_cubecl("CubeCL sync before import")?;
         let owner = Arc::clone(&self.engine.shared);
         let mut st = owner.enter()?;
+        st.order_uses(Lane::Compute, &[Use::Read(tensor.raw_ptr())])?;
         // SAFETY: `dst` is a live CubeCL allocation of at least `bytes` bytes (the handle is
         // held, and CubeCL's stream is idle, so nothing else uses it); the tensor is a live
         // allocation of this engine of `bytes` bytes, borrowed for the call; the wait below
@@ -150,6 +153,7 @@ impl<'e> CubeclScope<'e> {
         self.sync_cubecl("CubeCL sync before export")?;
         let owner = Arc::clone(&self.engine.shared);
         let mut st = owner.enter()?;
+        st.order_uses(Lane::Compute, &[Use::Write(out.raw_ptr())])?;
         // SAFETY: `src` is a live CubeCL allocation of at least `bytes` bytes whose writers have
         // finished (CubeCL's stream is idle) and which stays alive while `handle` is borrowed;
         // `out` is a fresh allocation of `bytes` bytes; the wait below proves the copy complete

@@ -50,6 +50,8 @@ pub(crate) mod source;
 pub(crate) mod spec;
 
 use crate::core::engine::{CudaEngine, State};
+use crate::core::order::Use;
+use crate::driver::Lane;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::memory::element::{as_bytes, Element};
@@ -92,9 +94,19 @@ impl CudaEngine {
         }
         let mut st = self.enter()?;
         let State {
-            driver, kernels, ..
+            driver,
+            kernels,
+            order,
+            ..
         } = &mut *st;
         let function = kernels.function(driver.as_mut(), spec)?;
+        // Reads first, the write last: an output identical to an operand ends up written.
+        let reads = [(spec.op.reads_a(), args.a), (spec.op.reads_b(), args.b)];
+        let uses: Vec<Use> = (reads.iter().filter(|r| r.0).map(|r| Use::Read(r.1)))
+            .chain([Use::Write(args.out)])
+            .collect();
+        order.prepare(driver.as_mut(), Lane::Compute, &uses)?;
+        order.mark(Lane::Compute, &uses);
         // SAFETY: `function` is the cached kernel compiled for `spec` (still loaded: the cache
         // unloads only at teardown), whose signature is the five 8-byte parameters `params`
         // packs; the grid is between 1 and `MAX_BLOCKS` blocks of `BLOCK` threads; the caller

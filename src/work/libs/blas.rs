@@ -8,6 +8,8 @@
 use super::handles::CUBLAS;
 use super::{cublas, dim};
 use crate::core::engine::CudaEngine;
+use crate::core::order::Use;
+use crate::driver::Lane;
 use crate::error::{Error, Result};
 use crate::memory::element::Element;
 use crate::memory::tensor::DeviceTensor;
@@ -307,6 +309,8 @@ impl CudaEngine {
         if m == 0 || n == 0 {
             return Ok(());
         }
+        let uses = [Use::Read(a.raw_ptr()), Use::Read(b.raw_ptr()), Use::Write(c.raw_ptr())];
+        st.order_uses(Lane::Compute, &uses)?;
         // SAFETY: the handle is the engine's, bound to its stream, with its context current;
         // every operand was checked above to hold the elements cuBLAS reads or writes; `a` and
         // `b` stay borrowed for the call and `c` exclusively, and their frees are queued (if at

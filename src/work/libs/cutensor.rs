@@ -8,6 +8,8 @@
 use super::handles::CUTENSOR;
 use super::{cutensor, BlasElement};
 use crate::core::engine::CudaEngine;
+use crate::core::order::Use;
+use crate::driver::Lane;
 use crate::error::{Error, Result};
 use crate::memory::tensor::DeviceTensor;
 use cudarc::cutensor::sys;
@@ -181,6 +183,10 @@ impl CudaEngine {
         if c.is_empty() {
             return Ok(());
         }
+        {
+            let uses = [Use::Read(a.raw_ptr()), Use::Read(b.raw_ptr()), Use::Write(c.raw_ptr())];
+            st.order_uses(Lane::Compute, &uses)?;
+        }
         let fail = |call: &'static str| {
             move |e: cudarc::cutensor::result::CutensorError| CUTENSOR.status(call, e.0, e.0 as i64)
         };
@@ -286,7 +292,7 @@ impl CudaEngine {
             0
         } else {
             st.driver
-                .alloc(work_bytes)
+                .alloc(Lane::Compute, work_bytes)
                 .map_err(Error::driver("cuMemAllocFromPoolAsync"))?
         };
         let stream = st.driver.stream_handle() as sys::cudaStream_t;

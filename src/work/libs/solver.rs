@@ -9,6 +9,8 @@
 use super::handles::CUSOLVER;
 use super::{cusolver, dim, BlasElement};
 use crate::core::engine::CudaEngine;
+use crate::core::order::Use;
+use crate::driver::Lane;
 use crate::error::{Error, Result};
 use crate::memory::tensor::DeviceTensor;
 use crate::routes::download_tensor;
@@ -276,6 +278,12 @@ impl CudaEngine {
         let info = DeviceTensor::<i32>::alloc(self, &[2])?;
         let mut st = self.enter()?;
         let handle = cusolver(&mut st)?;
+        let uses = [
+            Use::Write(a.raw_ptr()),
+            Use::Write(b.raw_ptr()),
+            Use::Write(info.raw_ptr()),
+        ];
+        st.order_uses(Lane::Compute, &uses)?;
         let calls = T::POTRF;
         let [size_call, potrf_call, potrs_call] = calls.names;
         let status = |call| {
@@ -290,7 +298,7 @@ impl CudaEngine {
         let work_bytes = crate::memory::element::byte_len::<T>(lwork_elems, "cuSOLVER workspace")?;
         let work = st
             .driver
-            .alloc(work_bytes)
+            .alloc(Lane::Compute, work_bytes)
             .map_err(Error::driver("cuMemAllocFromPoolAsync"))?;
         // SAFETY: every pointer names a live allocation of this engine large enough for the
         // call (a: n×n, b: n×nrhs, work: lwork elements, info: 2 ints); `a` and `b` are borrowed

@@ -1,0 +1,281 @@
+//! The order of the engine's three lanes: cross-lane waits, inserted only where a value is shared.
+//!
+//! An engine queues host-to-device copies on its upload lane, device-to-host copies on its
+//! download lane and everything else on its compute lane (see [`Lane`]), so an upload, a download
+//! and a kernel can run at once. The engine still promises that work runs in the order it was
+//! queued *as seen through its values*: whatever reads a device value sees every write queued
+//! before it, and nothing queued later overwrites a value before an earlier read of it has run.
+//! This module keeps that promise with the fewest waits:
+//!
+//! - Every operation declares the device values it reads and writes ([`Use`]), by allocation.
+//!   [`Order::prepare`] makes the operation's lane wait for the last write of each value it uses
+//!   on another lane, and, when it writes, for the last reads of it on the other lanes too.
+//!   [`Order::mark`] then records the operation's own uses at the lane's next position.
+//! - A wait is one `cuStreamWaitEvent` on an event recorded on the other lane. Each lane has one
+//!   ordering event, re-recorded only when a wait needs a later point than its last record
+//!   covers (CUDA fixes what a wait waits for when the wait is queued, so re-recording is safe),
+//!   and a lane that has already waited for a point of another lane never waits for it again:
+//!   a value used on one lane only costs nothing, and a chain of uses on the same two lanes
+//!   costs one wait per hand-over.
+//! - What the host has proven complete (a synchronize) needs no wait at all.
+//! - Code the engine cannot see into (a raw scope, a CubeCL scope, graph capture) gets a join:
+//!   the compute lane first waits for everything queued on the copy lanes ([`Order::join`]),
+//!   and afterwards every later copy waits for everything the compute lane had queued by then
+//!   ([`Order::barrier`]), since that code may have used any value.
+//!
+//! Positions count the operations marked on a lane; `0` means "none", so a use at position `p`
+//! is covered by a wait for any point `>= p`.
+
+use crate::driver::{DevicePtr, Driver, EventHandle, Lane};
+use crate::error::{Error, Result};
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+
+/// How an operation uses a device value: its allocation's base address.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Use {
+    /// The operation reads the value.
+    Read(DevicePtr),
+    /// The operation writes (or frees) the value.
+    Write(DevicePtr),
+}
+
+impl Use {
+    /// What a host copy does to its device value: an upload writes it, a download reads it.
+    pub(crate) const fn of_copy(upload: bool, ptr: DevicePtr) -> Use {
+        if upload {
+            Use::Write(ptr)
+        } else {
+            Use::Read(ptr)
+        }
+    }
+
+    fn ptr(self) -> DevicePtr {
+        match self {
+            Use::Read(ptr) | Use::Write(ptr) => ptr,
+        }
+    }
+}
+
+/// The last uses of one value: its last write, and its last read on each lane since then.
+#[derive(Clone, Copy, Debug, Default)]
+struct Touch {
+    /// The lane and position of the last write (position 0: never written by a marked
+    /// operation).
+    write: (usize, u64),
+    /// The position of the last read on each lane since that write (0: none).
+    reads: [u64; 3],
+}
+
+/// Hashes a device address (allocations are 256-byte aligned and distinct): a multiply is
+/// enough, and it keeps the lookup on every operation cheap.
+#[derive(Default)]
+pub(crate) struct AddressHasher(u64);
+
+impl Hasher for AddressHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        }
+    }
+
+    fn write_u64(&mut self, n: u64) {
+        self.0 = (n >> 8).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+}
+
+/// The engine's lane order: positions, the ordering events, and each value's last uses.
+#[derive(Default)]
+pub(crate) struct Order {
+    /// Operations marked on each lane so far.
+    next: [u64; 3],
+    /// Each lane's ordering event, made on first need.
+    events: [Option<EventHandle>; 3],
+    /// The position each lane's ordering event's last record covers.
+    recorded: [u64; 3],
+    /// What the recording lane had itself waited for when its event was last recorded: a lane
+    /// that waits for the event has waited for that too.
+    recorded_seen: [[u64; 3]; 3],
+    /// `seen[a][b]`: lane `a` has waited for lane `b`'s operations up to this position.
+    seen: [[u64; 3]; 3],
+    /// Positions the host has proven complete, per lane.
+    proven: [u64; 3],
+    /// A position of the compute lane that every later copy waits for: work the engine could
+    /// not see into may have used any value before it.
+    barrier: u64,
+    /// Each value's last uses, by allocation.
+    touches: HashMap<DevicePtr, Touch, BuildHasherDefault<AddressHasher>>,
+    /// Cross-lane waits queued so far.
+    waits: u64,
+}
+
+impl Order {
+    /// Makes `lane` wait for what `uses` must follow on the other lanes. Nothing is queued when
+    /// nothing is shared.
+    ///
+    /// # Errors
+    /// [`Error::Driver`] when an event record or a wait is refused; the operation must then not
+    /// be queued.
+    pub(crate) fn prepare(
+        &mut self,
+        driver: &mut dyn Driver,
+        lane: Lane,
+        uses: &[Use],
+    ) -> Result<()> {
+        let me = lane.index();
+        let mut need = [0u64; 3];
+        if lane != Lane::Compute {
+            need[Lane::Compute.index()] = self.barrier;
+        }
+        for &u in uses {
+            let Some(touch) = self.touches.get(&u.ptr()) else {
+                continue;
+            };
+            let (wlane, wpos) = touch.write;
+            need[wlane] = need[wlane].max(wpos);
+            if let Use::Write(_) = u {
+                for (other, &pos) in touch.reads.iter().enumerate() {
+                    need[other] = need[other].max(pos);
+                }
+            }
+        }
+        for other in Lane::ALL {
+            let o = other.index();
+            if o != me && need[o] > self.seen[me][o].max(self.proven[o]) {
+                self.wait_for(driver, lane, other)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Makes `lane` wait for everything queued on the other lanes so far.
+    ///
+    /// # Errors
+    /// As [`Order::prepare`].
+    pub(crate) fn join(&mut self, driver: &mut dyn Driver, lane: Lane) -> Result<()> {
+        let me = lane.index();
+        for other in Lane::ALL {
+            let o = other.index();
+            if o != me && self.next[o] > self.seen[me][o].max(self.proven[o]) {
+                self.wait_for(driver, lane, other)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Records `uses` as made by the operation just queued on `lane`.
+    pub(crate) fn mark(&mut self, lane: Lane, uses: &[Use]) {
+        let me = lane.index();
+        self.next[me] += 1;
+        let pos = self.next[me];
+        for &u in uses {
+            if u.ptr() == 0 {
+                continue;
+            }
+            let touch = self.touches.entry(u.ptr()).or_default();
+            match u {
+                Use::Read(_) => touch.reads[me] = pos,
+                Use::Write(_) => {
+                    *touch = Touch {
+                        write: (me, pos),
+                        reads: [0; 3],
+                    }
+                }
+            }
+        }
+    }
+
+    /// Marks everything queued on the compute lane so far as possibly using every value: every
+    /// later copy waits for it. For the end of code the engine cannot see into.
+    pub(crate) fn barrier(&mut self) {
+        self.mark(Lane::Compute, &[]);
+        self.barrier = self.next[Lane::Compute.index()];
+    }
+
+    /// Forgets a value whose free has just been queued (after [`Order::prepare`] with a write):
+    /// its address may come back from a later allocation, as a new value.
+    pub(crate) fn forget(&mut self, ptr: DevicePtr) {
+        self.touches.remove(&ptr);
+    }
+
+    /// Each lane's position now: what a host wait that starts now covers.
+    pub(crate) fn positions(&self) -> [u64; 3] {
+        self.next
+    }
+
+    /// The host has proven every lane complete up to `upto` (taken with [`Order::positions`]
+    /// before a synchronize): nothing queued before needs a wait any more.
+    pub(crate) fn settled(&mut self, upto: [u64; 3]) {
+        for (proven, upto) in self.proven.iter_mut().zip(upto) {
+            *proven = (*proven).max(upto);
+        }
+    }
+
+    /// How many cross-lane waits have been queued.
+    pub(crate) fn waits(&self) -> u64 {
+        self.waits
+    }
+
+    /// Destroys the ordering events, for the engine's teardown once every lane is idle.
+    pub(crate) fn release(&mut self, driver: &mut dyn Driver) {
+        for event in self.events.iter_mut().filter_map(Option::take) {
+            // SAFETY: the event was made by `wait_for` on this driver and is not used again;
+            // every lane is idle, so no queued wait refers to it.
+            let _ = unsafe { driver.event_destroy(event) };
+        }
+    }
+
+    /// Queues one wait of `lane` for everything marked on `other` so far (recording `other`'s
+    /// ordering event first when its last record does not cover that).
+    fn wait_for(&mut self, driver: &mut dyn Driver, lane: Lane, other: Lane) -> Result<()> {
+        let (me, o) = (lane.index(), other.index());
+        let event = match self.events[o] {
+            Some(event) => event,
+            None => {
+                let event = driver
+                    .event_create()
+                    .map_err(Error::driver("cuEventCreate"))?;
+                self.events[o] = Some(event);
+                event
+            }
+        };
+        if self.recorded[o] < self.next[o] {
+            driver
+                .event_record(other, event)
+                .map_err(Error::driver("cuEventRecord"))?;
+            self.recorded[o] = self.next[o];
+            self.recorded_seen[o] = self.seen[o];
+        }
+        driver
+            .stream_wait(lane, event)
+            .map_err(Error::driver("cuStreamWaitEvent"))?;
+        self.waits += 1;
+        let covered = self.recorded[o];
+        self.seen[me][o] = self.seen[me][o].max(covered);
+        for x in 0..3 {
+            if x != me {
+                self.seen[me][x] = self.seen[me][x].max(self.recorded_seen[o][x]);
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn address_hasher_spreads_aligned_addresses() {
+        let hash = |ptr: u64| {
+            let mut h = AddressHasher::default();
+            h.write_u64(ptr);
+            h.finish()
+        };
+        assert_ne!(hash(0x7f00_0000_0000), hash(0x7f00_0000_0100));
+    }
+}
