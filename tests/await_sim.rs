@@ -31,19 +31,12 @@ fn distinct(n: usize, salt: u32) -> Vec<u32> {
         .collect()
 }
 
-/// The device address of a tensor, to read what landed there with `SimDevice::peek`.
-fn address(engine: &mut CudaEngine, tensor: &DeviceTensor<u32>) -> u64 {
-    engine
-        .with_raw(|raw| Ok::<_, Error>(raw.device_ptr(tensor)?.as_raw()))
-        .unwrap()
-}
-
 /// A pending upload of `data`, with the address of its pinned buffer and of its tensor.
 fn upload(engine: &mut CudaEngine, data: &[u32]) -> (PendingUpload<u32>, *const u8, u64) {
     let buffer = PinnedHostBuffer::from_slice(engine, data).unwrap();
     let host = buffer.as_slice().as_ptr().cast::<u8>();
     let tensor = engine.alloc_tensor::<u32>(&[data.len()]).unwrap();
-    let device = address(engine, &tensor);
+    let device = tensor.sim_address();
     (
         upload_pending(engine, buffer, tensor).unwrap(),
         host,

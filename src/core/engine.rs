@@ -15,8 +15,8 @@
 //! Their types live in their own levels and know only the driver seam; the code that uses them
 //! on a caller's behalf lives there too, as `impl CudaEngine` or `impl State` blocks.
 
-use super::order::{Order, Use};
-use crate::driver::{ContextHandle, Driver, Lane, Waits};
+use super::order::{Order, Proven, Use};
+use crate::driver::{ContextHandle, DevicePtr, Driver, Lane, Waits};
 use crate::error::{DeviceId, Error, Result};
 // The subsystems' state, which the engine holds and locks with the driver. Each of these files
 // depends only on the driver seam and the errors, never on the engine (see the level docs in
@@ -47,6 +47,8 @@ pub(crate) struct Shared {
     pub(crate) device: DeviceId,
     /// The driver's waiting half: host waits go through it without the lock.
     pub(crate) waits: Arc<dyn Waits>,
+    /// What host waits have proven complete, per lane (shared with the lane order).
+    pub(crate) proven: Arc<Proven>,
     state: Mutex<State>,
 }
 
@@ -102,6 +104,39 @@ impl State {
         Ok(())
     }
 
+    /// Frees device memory on the compute lane, ordered after every use of it: by cross-lane
+    /// waits, or, when one is refused, by a host wait for every lane (the refusal is recorded
+    /// for the next boundary). When neither works, or the free itself is refused, the memory is
+    /// left allocated (never freed under work that may still use it) and the failure recorded.
+    ///
+    /// # Safety
+    /// `ptr` came from this driver's `alloc`, is freed once (here), and no operation queued
+    /// later names it.
+    pub(crate) unsafe fn free_device(&mut self, waits: &dyn Waits, ptr: DevicePtr) {
+        let uses = [Use::Write(ptr)];
+        if let Err(refused) = self.order.prepare(&mut *self.driver, Lane::Compute, &uses) {
+            self.defer(refused);
+            let upto = self.order.positions();
+            if let Err(source) = waits.stream_synchronize() {
+                self.defer(Error::DeviceFault {
+                    what: "work before a device free",
+                    source,
+                });
+                return;
+            }
+            self.order.settled(upto);
+        }
+        // SAFETY: the caller's contract; every use of `ptr` on another lane is ordered before
+        // this free, by the waits just queued or by the host wait.
+        match unsafe { self.driver.free(ptr) } {
+            Ok(()) => self.order.forget(ptr),
+            Err(source) => self.defer(Error::Driver {
+                call: "cuMemFreeAsync",
+                source,
+            }),
+        }
+    }
+
     /// Records a failure for the next `flush` or `synchronize`.
     pub(crate) fn defer(&mut self, error: Error) {
         self.deferred.push(error);
@@ -110,8 +145,11 @@ impl State {
     /// Releases what the retirement queue has proven complete, without waiting. The resources
     /// are dropped once the lock is released.
     fn poll_retired(&mut self, waits: &dyn Waits, mode: Poll) {
+        let mut proved = [0; 3];
         self.retire
-            .poll(waits, &mut self.events, &mut self.released, mode);
+            .poll(waits, &mut self.events, &mut self.released, &mut proved, mode);
+        // Each released record's event proved its lane complete up to its record.
+        self.order.settled(proved);
     }
 
     /// Releases every retired record whose event reports completion, without waiting (a query
@@ -349,11 +387,13 @@ impl CudaEngine {
 
     fn from_driver(driver: Box<dyn Driver>) -> Self {
         let device = driver.device();
+        let order = Order::default();
         CudaEngine {
             shared: Arc::new(Shared {
                 engine_id: NEXT_ENGINE.fetch_add(1, Ordering::Relaxed),
                 device,
                 waits: driver.waits(),
+                proven: Arc::clone(order.proven()),
                 state: Mutex::new(State {
                     driver,
                     deferred: Vec::new(),
@@ -365,7 +405,7 @@ impl CudaEngine {
                     staging: StagingRing::default(),
                     kernels: KernelCache::default(),
                     libs: LibraryHandles::default(),
-                    order: Order::default(),
+                    order,
                 }),
             }),
         }

@@ -17,11 +17,12 @@
 //!   and a lane that has already waited for a point of another lane never waits for it again:
 //!   a value used on one lane only costs nothing, and a chain of uses on the same two lanes
 //!   costs one wait per hand-over.
-//! - What the host has proven complete (a synchronize) needs no wait at all.
-//! - Code the engine cannot see into (a raw scope, a CubeCL scope, graph capture) gets a join:
-//!   the compute lane first waits for everything queued on the copy lanes ([`Order::join`]),
-//!   and afterwards every later copy waits for everything the compute lane had queued by then
-//!   ([`Order::barrier`]), since that code may have used any value.
+//! - What the host has proven complete needs no wait at all: a synchronize proves every lane up
+//!   to where it began, and every proof of completion (an event that reports its work done)
+//!   proves its lane up to its record, since a lane runs in order ([`Proven`]).
+//! - A raw scope, whose work the engine cannot see, begins with a join: the compute lane waits
+//!   for everything queued on the copy lanes so far ([`Order::join`]). The tensors it lends are
+//!   marked as used on the compute lane when it ends, so later copies that share one wait for it.
 //!
 //! Positions count the operations marked on a lane; `0` means "none", so a use at position `p`
 //! is covered by a wait for any point `>= p`.
@@ -30,6 +31,8 @@ use crate::driver::{DevicePtr, Driver, EventHandle, Lane};
 use crate::error::{Error, Result};
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 /// How an operation uses a device value: its allocation's base address.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -88,6 +91,23 @@ impl Hasher for AddressHasher {
     }
 }
 
+/// The positions the host has proven complete, per lane. Shared between the engine's order and
+/// the proofs of completion it hands out, which record what they prove without the engine's
+/// lock (a stale read only costs a wait that was not needed).
+#[derive(Debug, Default)]
+pub(crate) struct Proven([AtomicU64; 3]);
+
+impl Proven {
+    /// Everything marked on `lane` up to position `upto` has completed.
+    pub(crate) fn prove(&self, lane: Lane, upto: u64) {
+        self.0[lane.index()].fetch_max(upto, Ordering::Relaxed);
+    }
+
+    fn get(&self, lane: usize) -> u64 {
+        self.0[lane].load(Ordering::Relaxed)
+    }
+}
+
 /// The engine's lane order: positions, the ordering events, and each value's last uses.
 #[derive(Default)]
 pub(crate) struct Order {
@@ -103,10 +123,7 @@ pub(crate) struct Order {
     /// `seen[a][b]`: lane `a` has waited for lane `b`'s operations up to this position.
     seen: [[u64; 3]; 3],
     /// Positions the host has proven complete, per lane.
-    proven: [u64; 3],
-    /// A position of the compute lane that every later copy waits for: work the engine could
-    /// not see into may have used any value before it.
-    barrier: u64,
+    proven: Arc<Proven>,
     /// Each value's last uses, by allocation.
     touches: HashMap<DevicePtr, Touch, BuildHasherDefault<AddressHasher>>,
     /// Cross-lane waits queued so far.
@@ -128,9 +145,6 @@ impl Order {
     ) -> Result<()> {
         let me = lane.index();
         let mut need = [0u64; 3];
-        if lane != Lane::Compute {
-            need[Lane::Compute.index()] = self.barrier;
-        }
         for &u in uses {
             let Some(touch) = self.touches.get(&u.ptr()) else {
                 continue;
@@ -145,7 +159,7 @@ impl Order {
         }
         for other in Lane::ALL {
             let o = other.index();
-            if o != me && need[o] > self.seen[me][o].max(self.proven[o]) {
+            if o != me && need[o] > self.seen[me][o].max(self.proven.get(o)) {
                 self.wait_for(driver, lane, other)?;
             }
         }
@@ -160,7 +174,7 @@ impl Order {
         let me = lane.index();
         for other in Lane::ALL {
             let o = other.index();
-            if o != me && self.next[o] > self.seen[me][o].max(self.proven[o]) {
+            if o != me && self.next[o] > self.seen[me][o].max(self.proven.get(o)) {
                 self.wait_for(driver, lane, other)?;
             }
         }
@@ -189,13 +203,6 @@ impl Order {
         }
     }
 
-    /// Marks everything queued on the compute lane so far as possibly using every value: every
-    /// later copy waits for it. For the end of code the engine cannot see into.
-    pub(crate) fn barrier(&mut self) {
-        self.mark(Lane::Compute, &[]);
-        self.barrier = self.next[Lane::Compute.index()];
-    }
-
     /// Forgets a value whose free has just been queued (after [`Order::prepare`] with a write):
     /// its address may come back from a later allocation, as a new value.
     pub(crate) fn forget(&mut self, ptr: DevicePtr) {
@@ -207,11 +214,21 @@ impl Order {
         self.next
     }
 
+    /// `lane`'s position now: what an event recorded on it now covers.
+    pub(crate) fn position(&self, lane: Lane) -> u64 {
+        self.next[lane.index()]
+    }
+
+    /// Where proofs of completion record what they prove.
+    pub(crate) fn proven(&self) -> &Arc<Proven> {
+        &self.proven
+    }
+
     /// The host has proven every lane complete up to `upto` (taken with [`Order::positions`]
     /// before a synchronize): nothing queued before needs a wait any more.
     pub(crate) fn settled(&mut self, upto: [u64; 3]) {
-        for (proven, upto) in self.proven.iter_mut().zip(upto) {
-            *proven = (*proven).max(upto);
+        for (lane, upto) in Lane::ALL.into_iter().zip(upto) {
+            self.proven.prove(lane, upto);
         }
     }
 

@@ -43,6 +43,8 @@ struct Inner<R> {
     event: EventHandle,
     owner: Arc<Shared>,
     what: &'static str,
+    /// What the event's completion proves: its lane, up to this position.
+    covers: (Lane, u64),
 }
 
 /// The outcome of fencing resources after queued work. There is no fourth case.
@@ -96,6 +98,7 @@ pub(crate) fn fence<R: Send + 'static>(
                     event,
                     owner: Arc::clone(owner),
                     what,
+                    covers: (lane, st.order.position(lane)),
                 }),
             })
         }
@@ -147,6 +150,7 @@ impl<R: Send + 'static> Fenced<R> {
                 event: inner.event,
                 owner: inner.owner,
                 what: inner.what,
+                covers: inner.covers,
             }),
         }
     }
@@ -265,8 +269,12 @@ fn settle<R: Send + 'static>(
     done: std::result::Result<bool, DriverError>,
 ) -> Result<Settled<R>> {
     match done {
-        Ok(true) => Ok(Settled::Done(
-            ManuallyDrop::into_inner(inner.resources),
+        Ok(true) => Ok(Settled::Done({
+            // The lane runs in order: everything queued on it before the record is done too.
+            let (lane, upto) = inner.covers;
+            inner.owner.proven.prove(lane, upto);
+            ManuallyDrop::into_inner(inner.resources)
+        },
             IdleEvent {
                 event: Some(inner.event),
                 owner: inner.owner,
@@ -283,7 +291,7 @@ fn settle<R: Send + 'static>(
 
 /// Keeps a fence whose event reported a failure: its resources are never released.
 fn retain<R: Send + 'static>(inner: Inner<R>, failure: DriverError) {
-    let record = Record::new(inner.event, inner.resources, inner.what);
+    let record = Record::new(inner.event, inner.resources, inner.what, inner.covers);
     if let Some(mut st) = inner.owner.lock_for_drop() {
         st.retire.retain_failed(record, failure);
     }
@@ -300,7 +308,12 @@ impl<R: Send + 'static> Drop for Fenced<R> {
         };
         if !st.torn_down {
             st.retire
-                .push(Record::new(inner.event, inner.resources, inner.what));
+                .push(Record::new(
+                    inner.event,
+                    inner.resources,
+                    inner.what,
+                    inner.covers,
+                ));
             return;
         }
         // The engine is gone and nobody drains its queue: prove completion here, outside the
@@ -424,9 +437,13 @@ pub(crate) fn synchronize_now<R: Send + 'static>(
     resources: ManuallyDrop<R>,
     what: &'static str,
 ) -> Result<R> {
+    let upto = st.order.position(lane);
     drop(st);
     match owner.waits.lane_synchronize(lane) {
-        Ok(()) => Ok(ManuallyDrop::into_inner(resources)),
+        Ok(()) => {
+            owner.proven.prove(lane, upto);
+            Ok(ManuallyDrop::into_inner(resources))
+        }
         Err(source) => {
             drop(Untracked {
                 resources,

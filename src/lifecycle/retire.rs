@@ -15,7 +15,7 @@
 //! here: they go to the engine's release list, dropped once its lock is released, because their
 //! drops take that lock.
 
-use crate::driver::{Driver, EventHandle, Waits};
+use crate::driver::{Driver, EventHandle, Lane, Waits};
 use crate::error::{DriverError, Error, Result};
 use std::any::Any;
 use std::collections::VecDeque;
@@ -30,20 +30,25 @@ pub(crate) struct Record {
     event: EventHandle,
     resources: ManuallyDrop<Resources>,
     what: &'static str,
+    /// What the event's completion proves: its lane, up to this position of the lane order.
+    covers: (Lane, u64),
 }
 
 impl Record {
-    /// A record of `resources`, still unproven, fenced by `event`.
+    /// A record of `resources`, still unproven, fenced by `event`, whose completion proves
+    /// `covers` (a lane, up to a position).
     pub(crate) fn new<R: Send + 'static>(
         event: EventHandle,
         resources: ManuallyDrop<R>,
         what: &'static str,
+        covers: (Lane, u64),
     ) -> Self {
         let boxed: Resources = Box::new(ManuallyDrop::into_inner(resources));
         Record {
             event,
             resources: ManuallyDrop::new(boxed),
             what,
+            covers,
         }
     }
 }
@@ -133,6 +138,7 @@ impl RetireQueue {
         waits: &dyn Waits,
         events: &mut EventPool,
         released: &mut Vec<Resources>,
+        proved: &mut [u64; 3],
         mode: Poll,
     ) {
         let mut i = 0;
@@ -144,6 +150,8 @@ impl RetireQueue {
             match answer {
                 Ok(true) => {
                     let record = self.pending.remove(i).expect("the record at `i` exists");
+                    let (lane, upto) = record.covers;
+                    proved[lane.index()] = proved[lane.index()].max(upto);
                     events.put(record.event);
                     released.push(ManuallyDrop::into_inner(record.resources));
                     self.released += 1;

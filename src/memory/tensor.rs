@@ -258,6 +258,14 @@ impl<T: Element> DeviceTensor<T> {
         self.ptr
     }
 
+    /// The tensor's device address on a simulated device (feature `sim`), for reading what the
+    /// device holds there with [`SimDevice::peek`](crate::sim::SimDevice::peek). Unlike a raw
+    /// scope's pointer, it lends nothing, so it queues and orders nothing.
+    #[cfg(any(test, feature = "sim"))]
+    pub fn sim_address(&self) -> u64 {
+        self.ptr
+    }
+
     /// Checks that the tensor belongs to `engine`.
     pub(crate) fn check_engine(&self, engine: &CudaEngine) -> Result<()> {
         engine
@@ -278,18 +286,9 @@ impl<T: Element> Drop for DeviceTensor<T> {
         }
         // Leaked (never freed) when the context cannot be entered; see `enter_for_drop`.
         if let Some(mut st) = self.owner.enter_for_drop() {
-            let ptr = self.ptr;
-            let freed = st.queue(Lane::Compute, &[Use::Write(ptr)], |driver| {
-                // SAFETY: `ptr` is this tensor's own allocation, freed exactly once here; the
-                // free is queued on the compute lane after every operation already queued there,
-                // and after a wait for every use of it on the copy lanes (`queue`'s prepare); a
-                // refused wait refuses the free, and the memory leaks.
-                unsafe { driver.free(ptr) }.map_err(Error::driver("cuMemFreeAsync"))
-            });
-            match freed {
-                Ok(()) => st.order.forget(ptr),
-                Err(error) => st.defer(error),
-            }
+            // SAFETY: `ptr` is this tensor's own allocation, freed exactly once here; nothing
+            // queued later names it (the tensor is gone).
+            unsafe { st.free_device(&*self.owner.waits, self.ptr) };
         }
     }
 }
@@ -297,11 +296,15 @@ impl<T: Element> Drop for DeviceTensor<T> {
 impl CudaEngine {
     /// Allocates a tensor of the given shape whose contents are unspecified until written.
     ///
+    /// The allocation is ordered on the engine's upload stream, where a tensor the caller
+    /// allocates is most often first written (a pending upload into it queues no cross-stream
+    /// wait); a kernel or library call that writes it first waits for the allocation once.
+    ///
     /// # Errors
     /// [`Error::SizeOverflow`] for a shape too large to address, [`Error::Driver`] when the
     /// allocation fails.
     pub fn alloc_tensor<T: Element>(&mut self, shape: &[usize]) -> Result<DeviceTensor<T>> {
-        DeviceTensor::alloc(self, shape)
+        DeviceTensor::alloc_on(self, Lane::Upload, shape)
     }
 
     /// Queues a device-to-device copy of `source` into a new tensor of the same shape.

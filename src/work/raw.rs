@@ -14,7 +14,9 @@
 
 use crate::core::context::ContextScope;
 use crate::core::engine::{CudaEngine, Shared};
+use crate::core::order::Use;
 use crate::driver::Lane;
+use std::sync::Mutex;
 use crate::error::{Error, Result};
 use crate::memory::element::Element;
 use crate::memory::tensor::DeviceTensor;
@@ -104,6 +106,8 @@ pub struct RawScope<'s, 'env: 's> {
     shared: &'s Shared,
     context: u64,
     stream: u64,
+    /// The tensors lent so far, and how: recorded as the scope's uses when it ends.
+    lent: &'s Mutex<Vec<Use>>,
     _scope: ScopeMarker<'s>,
     _env: EnvMarker<'env>,
 }
@@ -118,9 +122,12 @@ impl<'s, 'env> RawScope<'s, 'env> {
     }
 
     /// The engine's compute stream. Everything the engine queued before the scope, on any of
-    /// its streams, runs before work queued here (the scope begins with the compute stream
-    /// waiting for the engine's copy streams), and every copy the engine queues after the scope
-    /// waits for the work queued here.
+    /// its streams, runs before work queued here: the scope begins with the compute stream
+    /// waiting for the engine's copy streams (one event wait each, only for a copy stream with
+    /// work the compute stream has not waited for yet). After the scope, the engine orders work
+    /// on its other streams after the work queued here wherever it shares a tensor lent to the
+    /// scope: a copy that overwrites a tensor lent by [`device_ptr`](Self::device_ptr), and any
+    /// copy of a tensor lent by [`device_ptr_mut`](Self::device_ptr_mut).
     pub fn stream(&self) -> RawStream<'s> {
         RawStream {
             raw: self.stream,
@@ -134,8 +141,15 @@ impl<'s, 'env> RawScope<'s, 'env> {
     /// # Errors
     /// [`Error::WrongEngine`] when the tensor is not this engine's.
     pub fn device_ptr<T: Element>(&self, tensor: &'s DeviceTensor<T>) -> Result<RawDevicePtr<'s>> {
+        self.lend(tensor, Use::Read(tensor.raw_ptr()))
+    }
+
+    fn lend<T: Element>(&self, tensor: &DeviceTensor<T>, usage: Use) -> Result<RawDevicePtr<'s>> {
         self.shared
             .check_owner(tensor.device(), tensor.engine_id())?;
+        if !tensor.is_empty() {
+            self.lent.lock().unwrap_or_else(|e| e.into_inner()).push(usage);
+        }
         Ok(RawDevicePtr {
             raw: tensor.raw_ptr(),
             bytes: tensor.byte_len(),
@@ -153,19 +167,27 @@ impl<'s, 'env> RawScope<'s, 'env> {
         &self,
         tensor: &'s mut DeviceTensor<T>,
     ) -> Result<RawDevicePtr<'s>> {
-        self.device_ptr(tensor)
+        let usage = Use::Write(tensor.raw_ptr());
+        self.lend(tensor, usage)
     }
 }
 
-/// Marks, when a raw scope ends (on return, `Err` or unwind), everything the scope queued as
-/// possibly using every value: later copies wait for it. The mark made before the scope already
-/// covers it unless an ordering event was recorded meanwhile; this one makes it exact.
-struct AfterRawWork<'a>(&'a Shared);
+/// Records, when a raw scope ends (on return, `Err` or unwind), the tensors it lent as used on
+/// the compute stream by the work it queued, so later work on the copy streams that shares one
+/// waits for it.
+struct AfterRawWork<'a> {
+    shared: &'a Shared,
+    lent: Mutex<Vec<Use>>,
+}
 
 impl Drop for AfterRawWork<'_> {
     fn drop(&mut self) {
-        if let Some(mut st) = self.0.lock_for_drop() {
-            st.order.barrier();
+        let lent = std::mem::take(self.lent.get_mut().unwrap_or_else(|e| e.into_inner()));
+        if lent.is_empty() {
+            return;
+        }
+        if let Some(mut st) = self.shared.lock_for_drop() {
+            st.order.mark(Lane::Compute, &lent);
         }
     }
 }
@@ -219,18 +241,19 @@ impl CudaEngine {
         let (context, stream) = {
             let mut st = shared.lock();
             let st = &mut *st;
-            // Everything queued on the copy streams so far runs before the scope's work, and
-            // every copy queued after the scope waits for whatever the scope queued (it may use
-            // any tensor it was lent).
+            // Everything queued on the copy streams so far runs before the scope's work.
             st.order.join(&mut *st.driver, Lane::Compute)?;
-            st.order.barrier();
             (st.driver.context().0, st.driver.stream_handle())
         };
-        let _after = AfterRawWork(shared);
+        let after = AfterRawWork {
+            shared,
+            lent: Mutex::new(Vec::new()),
+        };
         let scope = RawScope {
             shared,
             context,
             stream,
+            lent: &after.lent,
             _scope: PhantomData,
             _env: PhantomData,
         };

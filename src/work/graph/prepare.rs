@@ -307,16 +307,9 @@ impl Drop for Prepared {
             return;
         };
         for ptr in recycled {
-            let freed = st.queue(Lane::Compute, &[Use::Write(ptr)], |driver| {
-                // SAFETY: each block came from this engine's driver for an output tensor that
-                // was dropped and gave it back; it is freed once, here, on the compute lane after
-                // every run that used it and after a wait for its uses on the copy lanes.
-                unsafe { driver.free(ptr) }.map_err(Error::driver("cuMemFreeAsync"))
-            });
-            match freed {
-                Ok(()) => st.order.forget(ptr),
-                Err(error) => st.defer(error),
-            }
+            // SAFETY: each block came from this engine's driver for an output tensor that was
+            // dropped and gave it back; it is freed once, here, and no later work names it.
+            unsafe { st.free_device(&*self.owner.waits, ptr) };
         }
         let fencing = fence(
             &mut st,
