@@ -6,7 +6,7 @@ mod common;
 use common::Fault;
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{
-    download_pending, upload_pending, upload_tensor, CudaEngine, DeviceTensor, DriverError, Error,
+    download_pending, upload_pending, upload_tensor, CudaEngine, DriverError, Error,
     PendingFuture, PendingUpload, PinnedHostBuffer, Upload,
 };
 use std::future::{Future, IntoFuture};

@@ -104,17 +104,20 @@ impl State {
         Ok(())
     }
 
-    /// Frees device memory on the compute lane, ordered after every use of it: by cross-lane
-    /// waits, or, when one is refused, by a host wait for every lane (the refusal is recorded
-    /// for the next boundary). When neither works, or the free itself is refused, the memory is
-    /// left allocated (never freed under work that may still use it) and the failure recorded.
+    /// Frees device memory ordered after every use of it: on the one lane that has used it
+    /// since the host last proved that lane complete (no wait needed), else on the compute lane
+    /// after cross-lane waits, or, when one is refused, after a host wait for every lane (the
+    /// refusal is recorded for the next boundary). When neither works, or the free itself is
+    /// refused, the memory is left allocated (never freed under work that may still use it) and
+    /// the failure recorded.
     ///
     /// # Safety
     /// `ptr` came from this driver's `alloc`, is freed once (here), and no operation queued
     /// later names it.
     pub(crate) unsafe fn free_device(&mut self, waits: &dyn Waits, ptr: DevicePtr) {
         let uses = [Use::Write(ptr)];
-        if let Err(refused) = self.order.prepare(&mut *self.driver, Lane::Compute, &uses) {
+        let lane = self.order.free_lane(ptr);
+        if let Err(refused) = self.order.prepare(&mut *self.driver, lane, &uses) {
             self.defer(refused);
             let upto = self.order.positions();
             if let Err(source) = waits.stream_synchronize() {
@@ -128,7 +131,7 @@ impl State {
         }
         // SAFETY: the caller's contract; every use of `ptr` on another lane is ordered before
         // this free, by the waits just queued or by the host wait.
-        match unsafe { self.driver.free(ptr) } {
+        match unsafe { self.driver.free(lane, ptr) } {
             Ok(()) => self.order.forget(ptr),
             Err(source) => self.defer(Error::Driver {
                 call: "cuMemFreeAsync",
@@ -544,10 +547,13 @@ impl Drop for CudaEngine {
     fn drop(&mut self) {
         let shared = &*self.shared;
         // From here on values dropped elsewhere settle themselves instead of joining the queue.
-        match shared.lock_for_drop() {
-            Some(mut st) => st.torn_down = true,
+        let upto = match shared.lock_for_drop() {
+            Some(mut st) => {
+                st.torn_down = true;
+                st.order.positions()
+            }
             None => return,
-        }
+        };
         // Never panics, never reports. The wait holds no lock. If it fails, the device may
         // still touch memory that queued work names: every record stays in the queue, where it
         // is never released.
@@ -559,6 +565,8 @@ impl Drop for CudaEngine {
         if waited.is_err() {
             return;
         }
+        // Everything queued before the wait is complete: frees from here on need no waits.
+        st.order.settled(upto);
         st.poll_retired(&*shared.waits, Poll::Settle);
         // Teardown never reports: refused frees leave their memory with the driver.
         st.pinned.trim_to(&mut *st.driver, 0, &mut Vec::new());

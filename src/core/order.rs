@@ -41,6 +41,10 @@ pub(crate) enum Use {
     Read(DevicePtr),
     /// The operation writes (or frees) the value.
     Write(DevicePtr),
+    /// The operation allocates the value (stream-ordered). Work on another lane that writes or
+    /// frees it waits for the allocation; a read does not, since the contents of memory no
+    /// operation has written yet are unspecified anyway.
+    Alloc(DevicePtr),
 }
 
 impl Use {
@@ -55,14 +59,18 @@ impl Use {
 
     fn ptr(self) -> DevicePtr {
         match self {
-            Use::Read(ptr) | Use::Write(ptr) => ptr,
+            Use::Read(ptr) | Use::Write(ptr) | Use::Alloc(ptr) => ptr,
         }
     }
 }
 
-/// The last uses of one value: its last write, and its last read on each lane since then.
+/// The last uses of one value: its allocation until its first write, its last write, and its
+/// last read on each lane since then.
 #[derive(Clone, Copy, Debug, Default)]
 struct Touch {
+    /// The lane and position of the allocation, until the first write (which is ordered after
+    /// it) replaces it.
+    alloc: (usize, u64),
     /// The lane and position of the last write (position 0: never written by a marked
     /// operation).
     write: (usize, u64),
@@ -151,7 +159,9 @@ impl Order {
             };
             let (wlane, wpos) = touch.write;
             need[wlane] = need[wlane].max(wpos);
-            if let Use::Write(_) = u {
+            if let Use::Write(_) | Use::Alloc(_) = u {
+                let (alane, apos) = touch.alloc;
+                need[alane] = need[alane].max(apos);
                 for (other, &pos) in touch.reads.iter().enumerate() {
                     need[other] = need[other].max(pos);
                 }
@@ -195,11 +205,40 @@ impl Order {
                 Use::Read(_) => touch.reads[me] = pos,
                 Use::Write(_) => {
                     *touch = Touch {
+                        alloc: (0, 0),
                         write: (me, pos),
                         reads: [0; 3],
                     }
                 }
+                Use::Alloc(_) => {
+                    *touch = Touch {
+                        alloc: (me, pos),
+                        ..Touch::default()
+                    }
+                }
             }
+        }
+    }
+
+    /// The lane to free a value on: the one lane whose uses of it the host has not proven
+    /// complete, which needs no wait for them; the compute lane when none or several have.
+    pub(crate) fn free_lane(&self, ptr: DevicePtr) -> Lane {
+        let Some(touch) = self.touches.get(&ptr) else {
+            return Lane::Compute;
+        };
+        let mut last = [0u64; 3];
+        for (lane, pos) in [touch.alloc, touch.write] {
+            last[lane] = last[lane].max(pos);
+        }
+        for (lane, &pos) in touch.reads.iter().enumerate() {
+            last[lane] = last[lane].max(pos);
+        }
+        let mut unproven = Lane::ALL
+            .into_iter()
+            .filter(|lane| last[lane.index()] > self.proven.get(lane.index()));
+        match (unproven.next(), unproven.next()) {
+            (Some(lane), None) => lane,
+            _ => Lane::Compute,
         }
     }
 
@@ -254,7 +293,7 @@ impl Order {
             Some(event) => event,
             None => {
                 let event = driver
-                    .event_create()
+                    .ordering_event_create()
                     .map_err(Error::driver("cuEventCreate"))?;
                 self.events[o] = Some(event);
                 event

@@ -274,9 +274,10 @@ impl Driver for CudaDriver {
         Ok(unsafe { ptr.assume_init() })
     }
 
-    unsafe fn free(&mut self, ptr: DevicePtr) -> Result<(), DriverError> {
-        // SAFETY: the caller guarantees `ptr` is a live allocation of this driver.
-        DriverError::check(unsafe { sys::cuMemFreeAsync(ptr, self.lane(Lane::Compute)) })
+    unsafe fn free(&mut self, lane: Lane, ptr: DevicePtr) -> Result<(), DriverError> {
+        // SAFETY: the caller guarantees `ptr` is a live allocation of this driver, ordered
+        // before this free on `lane` with every use of it.
+        DriverError::check(unsafe { sys::cuMemFreeAsync(ptr, self.lane(lane)) })
     }
 
     unsafe fn copy_htod(

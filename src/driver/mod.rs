@@ -154,13 +154,13 @@ pub(crate) trait Driver: Send + launch::Launch + graph::Graphs {
     /// may use it at once, work on another lane only after a wait for an event recorded on
     /// `lane` after the allocation.
     fn alloc(&mut self, lane: Lane, bytes: usize) -> Result<DevicePtr, DriverError>;
-    /// Frees an allocation, ordered on the compute lane.
+    /// Frees an allocation, ordered on `lane`.
     ///
     /// # Safety
     /// `ptr` came from [`Driver::alloc`] on this driver and is not freed twice; no operation
-    /// queued later uses it, and every operation on another lane that uses it is ordered before
-    /// the free by a wait on the compute lane.
-    unsafe fn free(&mut self, ptr: DevicePtr) -> Result<(), DriverError>;
+    /// queued later uses it, and the allocation and every operation on another lane that uses
+    /// it are ordered before the free (by a wait on `lane`, or by a host wait).
+    unsafe fn free(&mut self, lane: Lane, ptr: DevicePtr) -> Result<(), DriverError>;
     /// Queues a host-to-device copy on the upload lane.
     ///
     /// # Safety
@@ -196,6 +196,14 @@ pub(crate) trait Driver: Send + launch::Launch + graph::Graphs {
 
     /// Creates an event with timing disabled.
     fn event_create(&mut self) -> Result<EventHandle, DriverError>;
+    /// Creates an event that only orders one lane after another: it is recorded and waited on
+    /// with [`Driver::stream_wait`], never queried or waited for by the host. A real device
+    /// makes an ordinary event; the simulator runs such an event's records, and every lane's
+    /// waits, outside its clock (they take no device time), and counts them apart from the
+    /// proofs' records.
+    fn ordering_event_create(&mut self) -> Result<EventHandle, DriverError> {
+        self.event_create()
+    }
     /// Records `event` at the current end of `lane`.
     fn event_record(&mut self, lane: Lane, event: EventHandle) -> Result<(), DriverError>;
     /// Makes work queued on `lane` from now on wait until the work before `event`'s last record

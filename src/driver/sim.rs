@@ -738,7 +738,7 @@ impl Driver for SimDriver {
         Ok(ptr)
     }
 
-    unsafe fn free(&mut self, ptr: DevicePtr) -> Result<(), DriverError> {
+    unsafe fn free(&mut self, _lane: Lane, ptr: DevicePtr) -> Result<(), DriverError> {
         let mut s = self.lock();
         s.enter_stream(SimOp::Free)?;
         s.push(Job::Free(ptr));

@@ -104,8 +104,12 @@ pub(crate) fn fence<R: Send + 'static>(
         }
         Err(error) => error,
     };
+    let upto = st.order.positions();
     match owner.waits.stream_synchronize() {
-        Ok(()) => Fencing::Proven(ManuallyDrop::into_inner(resources), error),
+        Ok(()) => {
+            st.order.settled(upto);
+            Fencing::Proven(ManuallyDrop::into_inner(resources), error)
+        }
         Err(wait) => Fencing::Untracked(
             Untracked {
                 resources,

@@ -113,9 +113,9 @@ pub(crate) fn shape_len(shape: &[usize]) -> Result<usize> {
         })
 }
 
-/// Allocates `bytes` of device memory ordered on `lane`, and records the allocation as the
-/// value's first write there (work on another lane that uses it waits for it: the pool may hand
-/// out memory whose previous user on that lane has not finished). When the driver reports
+/// Allocates `bytes` of device memory ordered on `lane`, and records the allocation (work on
+/// another lane that writes or frees it waits for it: the pool may hand out memory whose
+/// previous user on that lane has not finished). When the driver reports
 /// out-of-memory, everything the retirement queue has proven complete is released first (its
 /// device memory frees, stream-ordered, once the lock is released) and the allocation is tried
 /// once more.
@@ -126,7 +126,7 @@ pub(crate) fn alloc_device(shared: &Shared, lane: Lane, bytes: usize) -> Result<
     };
     let alloc = |st: &mut State| -> std::result::Result<DevicePtr, DriverError> {
         let ptr = st.driver.alloc(lane, bytes)?;
-        st.order.mark(lane, &[Use::Write(ptr)]);
+        st.order.mark(lane, &[Use::Alloc(ptr)]);
         Ok(ptr)
     };
     {

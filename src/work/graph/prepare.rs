@@ -576,7 +576,7 @@ impl CudaEngine {
                     } else {
                         match st.driver.alloc(Lane::Compute, bytes) {
                             Ok(ptr) => {
-                                st.order.mark(Lane::Compute, &[Use::Write(ptr)]);
+                                st.order.mark(Lane::Compute, &[Use::Alloc(ptr)]);
                                 ptr
                             }
                             Err(_) => {

@@ -318,7 +318,7 @@ impl CudaEngine {
         .map_err(fail("cutensorContract"));
         if work != 0 {
             // SAFETY: `work` came from `alloc` above and is freed once, after the call using it.
-            if let Err(source) = unsafe { st.driver.free(work) } {
+            if let Err(source) = unsafe { st.driver.free(Lane::Compute, work) } {
                 st.defer(Error::Driver {
                     call: "cuMemFreeAsync",
                     source,

@@ -323,7 +323,7 @@ impl CudaEngine {
         };
         // SAFETY: `work` came from `alloc` above and is freed once, ordered after the calls that
         // use it.
-        if let Err(source) = unsafe { st.driver.free(work) } {
+        if let Err(source) = unsafe { st.driver.free(Lane::Compute, work) } {
             st.defer(Error::Driver {
                 call: "cuMemFreeAsync",
                 source,
