@@ -3,9 +3,12 @@
 //! A safe CUDA engine and the routes that move data between host and device, with their
 //! lifecycles encoded in types.
 //!
-//! - [`CudaEngine`]: one device, one context, one stream, held by the caller. Operations borrow
-//!   it `&mut`; [`CudaEngine::flush`] is a submission boundary, [`CudaEngine::synchronize`] the
-//!   explicit host barrier; [`CudaEngine::with_raw`] hands out the raw context, stream and device
+//! - [`CudaEngine`]: one device, one context, held by the caller, with three streams underneath
+//!   (uploads, downloads, compute) and one order for the caller: work that shares a tensor runs
+//!   in call order, ordered by event waits on the device; work that shares none runs at once
+//!   ([the rules](guide::rules#one-order-three-streams)). Operations borrow it `&mut`;
+//!   [`CudaEngine::flush`] is a submission boundary, [`CudaEngine::synchronize`] the explicit
+//!   host barrier; [`CudaEngine::with_raw`] hands out the raw context, compute stream and device
 //!   pointers inside a scope that restores the caller's context on return, error and unwind.
 //! - [`DeviceTensor`]: a compact, shaped, stream-ordered device allocation of an [`Element`].
 //! - Blocking routes: [`upload_tensor`], [`upload_tensor_into`], [`download_tensor`],
@@ -19,9 +22,9 @@
 //!   device.
 //! - [`StagingLease`]: the `Proven/Unproven` typestate behind the blocking routes' bounded,
 //!   pipelined pinned staging, public for hand-built chunked pipelines.
-//! - Work on the engine's stream, with no host wait: elementwise kernels compiled once per engine
+//! - Work on the engine's compute stream, with no host wait: elementwise kernels compiled once per engine
 //!   ([`CudaEngine::add`] and the rest; semantics and supported types in [`kernels`]), cuBLAS,
-//!   cuSOLVER and cuTENSOR bound to the stream ([`libs`]), and CubeCL kernels (feature
+//!   cuSOLVER and cuTENSOR bound to that stream ([`libs`]), and CubeCL kernels (feature
 //!   `cubecl`, [`interop`]).
 //! - Prepared graphs ([`graph`]): a computation traced once, compiled for fixed shapes into fused
 //!   kernels and cuBLAS products, prepared for an engine ([`CudaEngine::prepare`]) and replayed as

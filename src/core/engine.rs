@@ -1,7 +1,8 @@
-//! `CudaEngine`: one device, one context, one stream, held by the caller.
+//! `CudaEngine`: one device, one context, one order of work, held by the caller.
 //!
-//! The engine is the unit of ownership. It holds the driver (behind the device seam), the
-//! stream every operation is queued on, and the per-engine caches and pools. Operations borrow it
+//! The engine is the unit of ownership. It holds the driver (behind the device seam) with its
+//! three streams (upload, download, compute), the order between them (`core::order`), and the
+//! per-engine caches and pools. Operations borrow it
 //! `&mut`, so a chain of dependent operations is a chain of calls with no entry protocol and no
 //! implicit host barrier: [`CudaEngine::flush`] is a submission boundary that reports failures
 //! without waiting, and [`CudaEngine::synchronize`] is the one explicit host barrier.
@@ -42,7 +43,7 @@ thread_local! {
 
 /// The state shared between an engine and the values it handed out.
 pub(crate) struct Shared {
-    /// Unique per engine, so values are never used on another engine's stream.
+    /// Unique per engine, so values are never used on another engine's streams.
     pub(crate) engine_id: u64,
     pub(crate) device: DeviceId,
     /// The driver's waiting half: host waits go through it without the lock.
@@ -72,7 +73,7 @@ pub(crate) struct State {
     pub(crate) staging: StagingRing,
     /// Compiled elementwise kernels, by operation and element type(s).
     pub(crate) kernels: KernelCache,
-    /// cuBLAS/cuSOLVER/cuTENSOR handles, made on first use and bound to the stream.
+    /// cuBLAS/cuSOLVER/cuTENSOR handles, made on first use and bound to the compute stream.
     pub(crate) libs: LibraryHandles,
     /// The order of the three lanes: which value was last used where, and the waits between.
     pub(crate) order: Order,
@@ -340,14 +341,17 @@ impl Shared {
     }
 }
 
-/// A CUDA device, its primary context and one stream, held by the caller.
+/// A CUDA device, its primary context and three streams, held by the caller.
 ///
 /// Open one per device and per independent stream of work, keep it, and pass it `&mut` to every
-/// operation. Nothing waits for the device unless you ask: operations queue on the engine's
-/// stream in call order; [`flush`](Self::flush) reports failures at a boundary you choose without
-/// waiting; [`synchronize`](Self::synchronize) is the host barrier.
+/// operation. Nothing waits for the device unless you ask: uploads queue on the engine's upload
+/// stream, downloads on its download stream and everything else on its compute stream, in call
+/// order, with an event wait on the device wherever two of them share a tensor (the exact
+/// promise: [the rules](crate::guide::rules#one-order-three-streams)); [`flush`](Self::flush)
+/// reports failures at a boundary you choose without waiting; [`synchronize`](Self::synchronize)
+/// is the host barrier.
 ///
-/// Dropping the engine waits for its stream, releases what it retained, and never panics or
+/// Dropping the engine waits for its streams, releases what it retained, and never panics or
 /// reports. If that final wait fails, everything the device may still touch is leaked rather
 /// than freed.
 pub struct CudaEngine {
@@ -364,7 +368,8 @@ impl std::fmt::Debug for CudaEngine {
 }
 
 impl CudaEngine {
-    /// Opens CUDA device `ordinal`: retains its primary context and creates the engine's stream.
+    /// Opens CUDA device `ordinal`: retains its primary context and creates the engine's
+    /// streams.
     ///
     /// # Errors
     /// [`Error::NoDriver`] when the machine has no CUDA driver library, [`Error::NoSuchDevice`]
@@ -453,7 +458,7 @@ impl CudaEngine {
     ///
     /// It releases whatever the retirement queue has proven complete, reports failures recorded
     /// since the last boundary (refused frees in drops, detached work that
-    /// [`synchronize`](Self::synchronize) or an allocation found failed), and asks the stream
+    /// [`synchronize`](Self::synchronize) or an allocation found failed), and asks the streams
     /// (without waiting) whether earlier work failed asynchronously. A detached transfer whose
     /// event query fails is not judged here: a single failed query is retried, and the verdict
     /// comes with the next `synchronize`.
@@ -474,7 +479,7 @@ impl CudaEngine {
         Ok(())
     }
 
-    /// The host barrier: waits until everything queued on the engine's stream has completed,
+    /// The host barrier: waits until everything queued on the engine's streams has completed,
     /// then reports any failure.
     ///
     /// The wait holds no lock: values of this engine used on other threads meanwhile are not

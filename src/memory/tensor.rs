@@ -1,8 +1,9 @@
 //! `DeviceTensor<T>`: a compact, shaped device allocation owned by one engine.
 //!
-//! A tensor is allocated stream-ordered on its engine's stream from the engine's memory pool,
-//! and freed the same way when dropped, so its memory is reused by later work on that stream
-//! without a host barrier and is never released while earlier queued work still uses it.
+//! A tensor is allocated stream-ordered on one of its engine's streams from the engine's memory
+//! pool, and freed the same way when dropped (after an event wait for its uses on the engine's
+//! other streams), so its memory is reused by later work without a host barrier and is never
+//! released while earlier queued work still uses it.
 //! Copying is explicit ([`CudaEngine::copy_tensor`], [`CudaEngine::copy_into`]): a queued
 //! device-to-device copy, never an implicit clone.
 
@@ -19,7 +20,7 @@ use std::sync::Mutex;
 /// A compact, shaped tensor of `T` in device memory, owned by one engine.
 ///
 /// The element count is the product of the shape (an empty shape is a scalar: one element).
-/// Dropping it frees its memory on the engine's stream, after everything queued before.
+/// Dropping it frees its memory stream-ordered, after every queued operation that uses it.
 pub struct DeviceTensor<T: Element> {
     ptr: DevicePtr,
     len: usize,
@@ -33,9 +34,9 @@ pub struct DeviceTensor<T: Element> {
 /// Device blocks handed back by dropped tensors for reuse on the same engine, without a
 /// stream-ordered free and allocation in between.
 ///
-/// Reusing a block is exactly as safe as the stream-ordered allocator's own reuse: every tensor's
-/// work is queued on its engine's one stream, so work queued after the reuse runs after
-/// everything queued before the drop. A recycler holds at most `capacity` blocks; beyond that a
+/// Reusing a block is exactly as safe as a free and an allocation: the block keeps its uses in
+/// the engine's lane order (it is not forgotten, as a freed block is), so the next write of it
+/// waits for every earlier use on another lane, and work on the same lane runs in order. A recycler holds at most `capacity` blocks; beyond that a
 /// dropped tensor frees its memory as usual. Once closed ([`Recycler::close`]) it takes nothing
 /// more, and its owner frees what it held.
 pub(crate) struct Recycler {

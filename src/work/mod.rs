@@ -1,8 +1,8 @@
-//! The work level: what runs on the device on the engine's stream.
+//! The work level: what runs on the device on the engine's compute stream.
 //!
 //! - [`kernels`]: the elementwise kernels, their cache, their CUDA source and the emulations the
 //!   simulator runs in their place.
-//! - [`libs`]: cuBLAS, cuSOLVER and cuTENSOR bound to the engine's stream, and their handles.
+//! - [`libs`]: cuBLAS, cuSOLVER and cuTENSOR bound to the engine's compute stream, and their handles.
 //! - [`interop`]: CubeCL kernels on engine data.
 //! - [`graph`]: traced programs, compiled, prepared for an engine and replayed as CUDA graphs.
 //! - [`raw`]: raw scopes, for code that calls CUDA itself.

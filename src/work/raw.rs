@@ -1,11 +1,13 @@
-//! Raw scopes: the engine's context, stream and device pointers, for code that calls CUDA
+//! Raw scopes: the engine's context, compute stream and device pointers, for code that calls CUDA
 //! itself (a hand-written kernel, a vendor library the crate does not wrap).
 //!
 //! A raw scope makes the engine's context current on the calling thread for the duration of a
 //! closure and restores the previous one afterwards: on return, on `Err`, and on unwind. The
 //! handles it gives out carry the scope's lifetime, so none can be kept past it, and are neither
 //! `Send` nor `Sync`, because the context is current only on this thread. Entering a scope is not
-//! a host barrier: work queued inside it is ordered on the engine's stream with everything else.
+//! a host barrier: work queued inside it runs on the engine's compute stream after everything
+//! the engine queued before the scope (the scope begins with an event join of the copy streams),
+//! and later copies of the tensors it lent run after it.
 //!
 //! The scope's lifetime is a brand, invariant in every type that carries it, so a tensor lent to
 //! the scope stays borrowed until the closure returns; [`RawScope`] explains why it takes a
@@ -45,9 +47,10 @@ impl RawContext<'_> {
     }
 }
 
-/// The engine's stream, valid inside one raw scope.
+/// The engine's compute stream, valid inside one raw scope.
 ///
-/// Work queued on it runs in order with the engine's own operations.
+/// Work queued on it runs after everything the engine queued before the scope, and later work
+/// of the engine that shares a tensor lent to the scope runs after it.
 #[derive(Clone, Copy, Debug)]
 pub struct RawStream<'s> {
     raw: u64,

@@ -89,7 +89,7 @@ pub(crate) enum Loc {
     Slot(usize),
 }
 
-/// One thing a run does, in order on the engine's stream.
+/// One thing a run does, in order on the engine's compute stream.
 #[derive(Clone, Debug)]
 pub(crate) enum Step {
     /// A fused elementwise kernel over `len` elements.

@@ -15,7 +15,7 @@
 //!    CUDA graph (split around library calls that cannot be captured) and instantiated.
 //! 4. **Run** ([`CudaEngine::run`](crate::CudaEngine::run)): inputs checked, new outputs
 //!    allocated, only the kernel-node parameters whose addresses moved are rewritten, and the
-//!    graph launched on the engine's stream. It returns once the work is queued.
+//!    graph launched on the engine's compute stream. It returns once the work is queued.
 //!
 //! ```
 //! # fn main() -> Result<(), cuferry::Error> {

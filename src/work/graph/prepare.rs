@@ -2,7 +2,7 @@
 //!
 //! [`CudaEngine::prepare`] binds a [`Program`] to the engine: it compiles (or finds in the
 //! engine's cache) every fused kernel, allocates the intermediate arena once, and captures each
-//! run of graph-safe steps into one CUDA graph on the engine's stream, which it instantiates.
+//! run of graph-safe steps into one CUDA graph on the engine's compute stream, which it instantiates.
 //! A step is graph-safe when every address it uses is the same on every run: fused kernels
 //! always are (their parameters are updated in the instantiated graph when an input or output
 //! moves), and a matrix product is when its operands and result are intermediates. A product
@@ -251,8 +251,9 @@ pub struct PreparedStats {
 ///
 /// The new outputs a run returns are ordinary tensors. When one is dropped, its memory goes back
 /// to the program (up to four blocks per output) and the next run reuses it, with no
-/// stream-ordered free and allocation in between: that reuse is as safe as the allocator's own,
-/// because everything runs on the engine's one stream.
+/// stream-ordered free and allocation in between: the next run writes the block on the compute
+/// stream after an event wait for whatever still uses it on a copy stream (a pending download of
+/// the dropped output, say), so the reuse is as safe as a free and an allocation would be.
 ///
 /// Dropping it releases the arena and the graphs once the last run is proven complete (they go
 /// to the engine's retirement queue, like a dropped transfer), and frees the output memory it

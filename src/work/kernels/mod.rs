@@ -1,7 +1,7 @@
-//! Elementwise kernels on the engine's stream: add, sub, mul, div, neg, scale, fill and cast.
+//! Elementwise kernels on the engine's compute stream: add, sub, mul, div, neg, scale, fill and cast.
 //!
 //! They exist so a chain of dependent operations is a chain of calls: each call validates its
-//! operands, allocates its output stream-ordered, queues one kernel on the engine's stream and
+//! operands, allocates its output stream-ordered, queues one kernel on the engine's compute stream and
 //! returns without waiting for the device. Nothing waits until [`CudaEngine::synchronize`] or a
 //! blocking download.
 //!
@@ -146,7 +146,7 @@ impl CudaEngine {
         Ok(out)
     }
 
-    /// `a + b`, elementwise, into a new tensor. Queued on the engine's stream; does not wait.
+    /// `a + b`, elementwise, into a new tensor. Queued on the engine's compute stream; does not wait.
     ///
     /// ```
     /// # fn main() -> Result<(), cuferry::Error> {

@@ -1,4 +1,4 @@
-//! cuBLAS general matrix multiply on the engine's stream.
+//! cuBLAS general matrix multiply on the engine's compute stream.
 //!
 //! [`CudaEngine::gemm`] is BLAS's `gemm`, column-major with explicit leading dimensions;
 //! [`CudaEngine::matmul`] multiplies row-major 2-D tensors into a new one. Both validate every
@@ -265,7 +265,7 @@ fn check_operand(
 }
 
 impl CudaEngine {
-    /// cuBLAS `gemm` on the engine's stream: `C = alpha * op(A) * op(B) + beta * C`,
+    /// cuBLAS `gemm` on the engine's compute stream: `C = alpha * op(A) * op(B) + beta * C`,
     /// column-major (see [`GemmConfig`]). Queued; does not wait.
     ///
     /// # Errors

@@ -1,4 +1,4 @@
-//! cuTENSOR contractions on the engine's stream, where the library is installed.
+//! cuTENSOR contractions on the engine's compute stream, where the library is installed.
 //!
 //! [`CudaEngine::contract`] takes an Einstein-notation expression such as `"ik,kj->ij"` and
 //! computes `C = alpha * contraction(A, B) + beta * C` for row-major tensors (the last mode
@@ -130,7 +130,7 @@ impl Drop for Made {
 }
 
 impl CudaEngine {
-    /// A cuTENSOR contraction on the engine's stream: `C = alpha * Σ A·B + beta * C`, with modes
+    /// A cuTENSOR contraction on the engine's compute stream: `C = alpha * Σ A·B + beta * C`, with modes
     /// named by an Einstein-notation expression such as `"ik,kj->ij"` (matrix product) or
     /// `"abk,kc->abc"`. Modes that appear in both inputs but not the output are summed over.
     /// Tensors are row-major. Queued; does not wait.

@@ -1,7 +1,7 @@
-//! NVIDIA's libraries bound to the engine's stream: cuBLAS, cuSOLVER and cuTENSOR.
+//! NVIDIA's libraries bound to the engine's compute stream: cuBLAS, cuSOLVER and cuTENSOR.
 //!
 //! The engine owns one handle per library, created the first time an operation needs it and
-//! bound to the engine's stream, so library calls are ordered with every other operation and none
+//! bound to the engine's compute stream, so library calls are ordered with every other operation and none
 //! waits for the host. The handles are destroyed when the engine is dropped, after its stream
 //! has drained.
 //!

@@ -1,7 +1,7 @@
-//! cuSOLVER on the engine's stream: the Cholesky solve of a symmetric positive definite system.
+//! cuSOLVER on the engine's compute stream: the Cholesky solve of a symmetric positive definite system.
 //!
 //! [`CudaEngine::cholesky_solve`] factors `A = L·Lᵀ` (`potrf`) and solves `A·X = B` (`potrs`)
-//! in place, queued on the engine's stream with a workspace drawn from the engine's
+//! in place, queued on the engine's compute stream with a workspace drawn from the engine's
 //! stream-ordered allocator. Whether the matrix was positive definite is only known on the
 //! device, so the call returns a [`SolverStatus`] holding cuSOLVER's device-side `info` instead
 //! of waiting for it; [`SolverStatus::check`] reads it when the caller chooses to wait.
@@ -224,7 +224,7 @@ impl SolverStatus {
 
 impl CudaEngine {
     /// Solves `A·X = B` for a symmetric positive definite `A` by Cholesky factorisation, in
-    /// place, on the engine's stream. Queued; does not wait.
+    /// place, on the engine's compute stream. Queued; does not wait.
     ///
     /// - `a` is `n × n` (shape `[n, n]`). Only its lower triangle (column-major) is read, which,
     ///   `A` being symmetric, is the same matrix in row-major terms. It is overwritten with the
@@ -233,7 +233,7 @@ impl CudaEngine {
     ///   `n × nrhs`, which is row-major shape `[nrhs, n]`); `nrhs = b.len() / n`. It is
     ///   overwritten with the solutions.
     ///
-    /// The workspace comes from the engine's stream-ordered allocator and is released, ordered
+    /// The workspace comes from the engine's compute stream-ordered allocator and is released, ordered
     /// after the solve, before this returns.
     ///
     /// # Errors
