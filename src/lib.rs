@@ -110,7 +110,9 @@ pub use work::raw::{RawContext, RawDevicePtr, RawScope, RawStream};
 /// behind an engine, to advance its clock and inject faults between engine operations.
 #[cfg(any(test, feature = "sim"))]
 pub mod sim {
-    pub use crate::driver::sim::{set_thread_context, thread_context, SimConfig, SimDevice, SimOp};
+    pub use crate::driver::sim::{
+        set_thread_context, thread_context, Schedule, SimConfig, SimDevice, SimOp,
+    };
 }
 
 #[cfg(feature = "cubecl")]

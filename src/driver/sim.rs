@@ -4,27 +4,48 @@
 //! runs on a real device, and so users can test their own pipelines the same way. It models what
 //! the lifecycle types must be right about:
 //!
-//! - **Asynchrony.** Copies, frees and event records are queued on the stream in call order and
-//!   take effect only when the device clock advances ([`SimDevice::advance`]) or something waits
-//!   (an event or stream synchronize). A copy that has not completed has not written its
+//! - **Asynchrony.** Copies, frees, launches, event records and waits are queued in call order
+//!   and take effect only when the device clock advances ([`SimDevice::advance`]) or something
+//!   waits (an event or stream synchronize). A copy that has not completed has not written its
 //!   destination, and a host-to-device copy from page-locked memory (pinned, or registered with
 //!   `host_register`) reads its source when it runs, not when it is queued. Copies with pageable
 //!   host memory behave as CUDA documents: a host-to-device copy stages its source before the
 //!   call returns, a device-to-host copy returns only once complete.
-//! - **Events.** A query reports completion only once every operation queued before the record
-//!   has run.
+//! - **Streams.** Each driver (one per engine; several engines may share one device) owns three
+//!   streams on the device, one per lane: host-to-device copies go on the upload stream,
+//!   device-to-host copies on the download stream, everything else on the compute stream. Each
+//!   stream runs its jobs in the order they were queued; nothing orders two streams but a wait:
+//!   a `stream_wait` queues a wait on its lane that holds that stream until the event's
+//!   last record (as of the call) has run, as `cuStreamWaitEvent` does. A wait for an event never
+//!   recorded, or whose record has already run, holds nothing.
+//! - **Schedules.** Each step of the clock runs the head of one stream whose head may run (its
+//!   wait, if it is one, is satisfied). [`Schedule::InOrder`] (the default) picks the head queued
+//!   first, which is exactly program order; [`Schedule::Interleaved`] picks one pseudo-randomly
+//!   from a seed, as the copy engines and the SMs of a GPU run independently
+//!   ([`SimDevice::set_schedule`]). A synchronize of one lane runs only that lane's stream and
+//!   what it waits for.
+//! - **Races.** Every job that runs records which device allocations it reads and writes (a copy
+//!   its source and destination, a free its whole allocation, a launch whatever its emulation
+//!   reads and writes). A job that writes an allocation a job queued after it has already read or
+//!   written, or reads one that a job queued after it has already written, is a
+//!   [violation](SimDevice::violations): the two were not ordered, so the device could run them
+//!   either way round. A correct engine therefore computes, under any schedule, exactly what it
+//!   computes with everything in program order on one stream.
+//! - **Events.** A query reports completion only once the event's record has run, and a record
+//!   runs only once everything queued before it on its stream (and what that waited for) has.
 //! - **Faults.** [`SimDevice::fail_nth`] makes the n-th call of an operation return a driver
-//!   error; [`SimDevice::fail_event`] makes a recorded event report an error once the device
-//!   reaches it.
+//!   error (a wait too: [`SimOp::StreamWait`]); [`SimDevice::fail_event`] makes a recorded event
+//!   report an error once the device reaches it.
 //! - **Wakes.** A wake registered on an event (what an awaited transfer asks for) is called when
 //!   the device runs the event's record, or at once if it already has, failed or not; always
 //!   after the device's lock is released, on the thread that ran the record. Registering one is
-//!   a wait that does not block: unless the clock is held, it runs the stream up to the event,
+//!   a wait that does not block: unless the clock is held, it runs the device up to the event,
 //!   as a host wait would.
-//! - **Graphs.** Between a capture's begin and end, launches are recorded instead of queued;
-//!   any other operation on the stream fails and invalidates the capture. A replay of an
-//!   instantiated graph queues its launches in order, like eager launches
-//!   ([`SimDevice::graph_launches`], [`SimDevice::graphs_live`]).
+//! - **Graphs.** A capture belongs to its driver's compute stream: between its begin and end,
+//!   launches are recorded instead of queued, and any other operation on the compute lane fails
+//!   and invalidates the capture; the upload and download lanes are not captured. A replay of
+//!   an instantiated graph queues its launches in order on the compute stream, like eager
+//!   launches ([`SimDevice::graph_launches`], [`SimDevice::graphs_live`]).
 //! - **Use-after-free of DMA memory.** Freeing pinned host memory that a queued copy still names
 //!   is recorded as a [violation](SimDevice::violations) and the memory is kept (never freed), so
 //!   a lifecycle bug is reported by the tests instead of corrupting memory. Unregistering a
@@ -68,6 +89,28 @@ impl Default for SimConfig {
             pinned_bytes: 4 << 30,
         }
     }
+}
+
+/// How the simulated device picks, at each step of its clock, which stream runs next.
+///
+/// Each step runs the head of one stream whose head may run: any job but a wait, and a wait once
+/// the event record it waits for has run. Jobs of one stream always run in the order they were
+/// queued; the schedule decides only how the streams (three per engine) interleave.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Schedule {
+    /// The head queued first: everything runs in program order (the order of the calls that
+    /// queued it), as if every engine had one stream. The default, so a test that steps the
+    /// clock with [`SimDevice::advance`] knows which job each step runs.
+    #[default]
+    InOrder,
+    /// A head picked pseudo-randomly at each step by a small deterministic generator seeded with
+    /// `seed`, as a GPU's copy engines and SMs run independently: work on one lane may overtake
+    /// earlier work on another unless a wait orders them. The same seed and the same calls give
+    /// the same order, so a failure reproduces.
+    Interleaved {
+        /// The generator's seed.
+        seed: u64,
+    },
 }
 
 /// A device operation, as fault injection and call counting name it.
@@ -180,6 +223,11 @@ enum Job {
         emulation: Arc<dyn Emulation>,
         params: Vec<u64>,
     },
+    /// A wait for another stream: it may run only once the job `for_seq` (an event record's
+    /// marker) has run, and holds its stream until then.
+    Wait {
+        for_seq: u64,
+    },
 }
 
 impl Job {
@@ -191,6 +239,63 @@ impl Job {
             _ => None,
         }
     }
+
+    /// What the job is, for violations.
+    fn kind(&self) -> &'static str {
+        match self {
+            Job::HtoD { .. } | Job::HtoDStaged { .. } => "host-to-device copy",
+            Job::DtoH { .. } => "device-to-host copy",
+            Job::DtoD { .. } => "device-to-device copy",
+            Job::Free(_) => "free",
+            Job::Marker => "event record",
+            Job::Launch { .. } => "kernel launch",
+            Job::Wait { .. } => "wait",
+        }
+    }
+}
+
+/// A stream of the device: driver `k` owns streams `3k..3k+3`, one per [`Lane`] by index.
+type StreamId = usize;
+
+/// The lane a stream serves.
+fn lane_of(stream: StreamId) -> Lane {
+    Lane::ALL[stream % Lane::ALL.len()]
+}
+
+/// A stream, for violations: its lane and its driver.
+fn describe_stream(stream: StreamId) -> String {
+    format!(
+        "the {:?} lane of driver {}",
+        lane_of(stream),
+        stream / Lane::ALL.len()
+    )
+}
+
+/// One step of splitmix64: a small, fast, deterministic generator, enough to pick a stream.
+fn splitmix64(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// The accesses to one device allocation by the jobs that have run, for the race checker.
+struct Touch {
+    /// The allocation's length in bytes.
+    len: usize,
+    /// The highest sequence number of a job that has read it.
+    read: Option<u64>,
+    /// The highest sequence number of a job that has written (or freed) it.
+    write: Option<u64>,
+}
+
+/// The job running now, for the race checker: its sequence number, what it is, its stream.
+#[derive(Clone, Copy)]
+struct Running {
+    seq: u64,
+    kind: &'static str,
+    stream: StreamId,
 }
 
 struct SimEvent {
@@ -209,10 +314,23 @@ struct State {
     mem: BTreeMap<DevicePtr, Vec<u8>>,
     device_used: usize,
     next_addr: DevicePtr,
-    queue: VecDeque<(u64, Job)>,
+    /// The streams that hold queued jobs (an empty stream is removed), each in queue order.
+    streams: BTreeMap<StreamId, VecDeque<(u64, Job)>>,
+    /// Every queued job's stream, by sequence number: a job queued and not here has run.
+    pending: BTreeMap<u64, StreamId>,
+    /// Sequence numbers are global: the order of the calls that queued the jobs.
     next_seq: u64,
-    /// Every job with a sequence number below this has run.
-    done_seq: u64,
+    /// The first stream of the next driver made on the device.
+    next_stream: StreamId,
+    /// How the clock picks the next stream to run.
+    schedule: Schedule,
+    /// The state of [`Schedule::Interleaved`]'s generator.
+    rng: u64,
+    /// Every allocation's accesses by the jobs that have run, by base address (kept after the
+    /// free: addresses are never reused).
+    touches: BTreeMap<DevicePtr, Touch>,
+    /// The job running now, while it runs.
+    running: Option<Running>,
     events: HashMap<u64, SimEvent>,
     next_event: u64,
     host: HashMap<usize, usize>,
@@ -232,8 +350,8 @@ struct State {
     /// Loaded modules, by handle: the emulation of the one kernel each holds.
     modules: HashMap<u64, Arc<dyn Emulation>>,
     next_module: u64,
-    /// The stream's capture in progress, if any.
-    capture: Option<graph::Capture>,
+    /// The captures in progress, by the compute stream they capture.
+    captures: HashMap<StreamId, graph::Capture>,
     /// Captured graphs and the executable graphs instantiated from them.
     graphs: graph::GraphTable,
     /// Registered wakes, by the sequence number of the record they wait for.
@@ -268,7 +386,7 @@ impl std::fmt::Debug for SimDevice {
         f.debug_struct("SimDevice")
             .field("instance", &s.instance)
             .field("ordinal", &s.ordinal)
-            .field("queued", &s.queue.len())
+            .field("queued", &s.pending.len())
             .finish()
     }
 }
@@ -285,9 +403,14 @@ impl SimDevice {
             mem: BTreeMap::new(),
             device_used: 0,
             next_addr: 0x7f00_0000_0000,
-            queue: VecDeque::new(),
+            streams: BTreeMap::new(),
+            pending: BTreeMap::new(),
             next_seq: 0,
-            done_seq: 0,
+            next_stream: 0,
+            schedule: Schedule::InOrder,
+            rng: 0,
+            touches: BTreeMap::new(),
+            running: None,
             events: HashMap::new(),
             next_event: 1,
             host: HashMap::new(),
@@ -303,7 +426,7 @@ impl SimDevice {
             completed_jobs: 0,
             modules: HashMap::new(),
             next_module: 1,
-            capture: None,
+            captures: HashMap::new(),
             graphs: graph::GraphTable::default(),
             wakes: BTreeMap::new(),
             woken: Vec::new(),
@@ -322,9 +445,10 @@ impl SimDevice {
         }
     }
 
-    /// Runs up to `n` queued operations, in order. Returns how many ran. The wakes registered on
-    /// the event records among them are called on this thread, once the device's lock is
-    /// released, before this returns.
+    /// Runs up to `n` queued operations, one per step, each the head of a stream picked by the
+    /// [schedule](Self::set_schedule) (by default, in program order). Returns how many ran. The
+    /// wakes registered on the event records among them are called on this thread, once the
+    /// device's lock is released, before this returns.
     pub fn advance(&self, n: usize) -> usize {
         let mut s = self.lock();
         let mut ran = 0;
@@ -333,6 +457,17 @@ impl SimDevice {
         }
         self.inner.progress.notify_all();
         ran
+    }
+
+    /// Sets how each step of the clock picks the stream that runs next, from now on (it restarts
+    /// the generator of an interleaved schedule from its seed). Jobs already queued keep their
+    /// order within their streams.
+    pub fn set_schedule(&self, schedule: Schedule) {
+        let mut s = self.lock();
+        s.schedule = schedule;
+        if let Schedule::Interleaved { seed } = schedule {
+            s.rng = seed;
+        }
     }
 
     /// Holds the device clock: from now on only [`advance`](Self::advance) (from any thread)
@@ -360,9 +495,9 @@ impl SimDevice {
         self.advance(usize::MAX)
     }
 
-    /// How many operations are queued and not yet run.
+    /// How many operations are queued and not yet run, on every stream.
     pub fn queued(&self) -> usize {
-        self.lock().queue.len()
+        self.lock().pending.len()
     }
 
     /// How many queued operations have run since the device was made.
@@ -535,12 +670,12 @@ impl State {
         Ok(())
     }
 
-    /// As [`enter`](Self::enter), for an operation on the stream that a capture cannot record:
+    /// As [`enter`](Self::enter), for an operation on `stream` that a capture cannot record:
     /// while the stream captures, it fails with `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED` and
     /// invalidates the capture, as CUDA does.
-    fn enter_stream(&mut self, op: SimOp) -> Result<(), DriverError> {
+    fn enter_stream(&mut self, op: SimOp, stream: StreamId) -> Result<(), DriverError> {
         self.enter(op)?;
-        self.refuse_in_capture()
+        self.refuse_in_capture(stream)
     }
 
     /// Whether `addr..addr+bytes` lies inside one live pinned allocation or one registered range
@@ -556,9 +691,9 @@ impl State {
                 .is_some_and(inside)
     }
 
-    /// Whether a queued job touches host memory in `addr..addr+bytes`.
+    /// Whether a queued job, on any stream, touches host memory in `addr..addr+bytes`.
     fn names_host(&self, addr: usize, bytes: usize) -> bool {
-        self.queue.iter().any(|(_, job)| {
+        self.streams.values().flatten().any(|(_, job)| {
             job.host_range()
                 .is_some_and(|(a, n)| a < addr + bytes && addr < a + n.max(1))
         })
@@ -576,11 +711,41 @@ impl State {
         self.host_used + self.registered_used
     }
 
-    fn push(&mut self, job: Job) -> u64 {
+    /// Queues `job` at the end of `stream`; returns its sequence number.
+    fn push(&mut self, stream: StreamId, job: Job) -> u64 {
         let seq = self.next_seq;
         self.next_seq += 1;
-        self.queue.push_back((seq, job));
+        self.streams
+            .entry(stream)
+            .or_default()
+            .push_back((seq, job));
+        self.pending.insert(seq, stream);
         seq
+    }
+
+    /// Whether job `seq` has run (a number never given out has not).
+    fn is_done(&self, seq: u64) -> bool {
+        seq < self.next_seq && !self.pending.contains_key(&seq)
+    }
+
+    /// Whether every job queued on `streams` has run.
+    fn streams_idle(&self, streams: impl IntoIterator<Item = StreamId>) -> bool {
+        streams
+            .into_iter()
+            .all(|id| !self.streams.contains_key(&id))
+    }
+
+    /// The last job queued on `stream`, if it has any not yet run.
+    fn last_on(&self, stream: StreamId) -> Option<u64> {
+        self.streams.get(&stream)?.back().map(|(seq, _)| *seq)
+    }
+
+    /// The job a stream's head waits for and that has not run yet, if it is such a wait.
+    fn blocked_on(&self, stream: StreamId) -> Option<u64> {
+        match self.streams.get(&stream)?.front()? {
+            (_, Job::Wait { for_seq }) if !self.is_done(*for_seq) => Some(*for_seq),
+            _ => None,
+        }
     }
 
     fn block_mut(&mut self, ptr: DevicePtr, bytes: usize) -> Option<&mut [u8]> {
@@ -589,39 +754,137 @@ impl State {
         block.get_mut(off..off.checked_add(bytes)?)
     }
 
-    fn run_one(&mut self) -> bool {
-        let Some((seq, job)) = self.queue.pop_front() else {
-            return false;
+    /// Records that the running job reads (or writes) the allocation holding `ptr`, and reports
+    /// a race when a job queued after it has already made a conflicting access: a write after a
+    /// later read or write, or a read after a later write.
+    fn access(&mut self, ptr: DevicePtr, write: bool) {
+        let Some(job) = self.running else {
+            return;
         };
+        let Some((&base, touch)) = self.touches.range_mut(..=ptr).next_back() else {
+            return;
+        };
+        if ptr - base >= (touch.len as u64).max(1) {
+            return;
+        }
+        let later = |at: Option<u64>| at.filter(|&at| at > job.seq);
+        let conflict = match (later(touch.write), write) {
+            (Some(w), _) => Some((w, "wrote")),
+            (None, true) => later(touch.read).map(|r| (r, "read")),
+            (None, false) => None,
+        };
+        let slot = if write {
+            &mut touch.write
+        } else {
+            &mut touch.read
+        };
+        *slot = Some(slot.map_or(job.seq, |at| at.max(job.seq)));
+        if let Some((other, verb)) = conflict {
+            let violation = format!(
+                "job #{} ({} on {}) used device block {base:#x} after later job #{other} {verb} it: \
+                 the two are not ordered",
+                job.seq,
+                job.kind,
+                describe_stream(job.stream)
+            );
+            if !self.violations.contains(&violation) {
+                self.violations.push(violation);
+            }
+        }
+    }
+
+    /// The stream whose head the next step runs, as the schedule picks it; `None` when nothing
+    /// is queued.
+    fn pick(&mut self) -> Option<StreamId> {
+        match self.schedule {
+            // The job queued first can always run: whatever it waits for was queued before it.
+            Schedule::InOrder => self.pending.first_key_value().map(|(_, &stream)| stream),
+            Schedule::Interleaved { .. } => {
+                let ready: Vec<StreamId> = self
+                    .streams
+                    .keys()
+                    .copied()
+                    .filter(|&id| self.blocked_on(id).is_none())
+                    .collect();
+                if ready.is_empty() {
+                    return None;
+                }
+                let at = splitmix64(&mut self.rng) % ready.len() as u64;
+                Some(ready[at as usize])
+            }
+        }
+    }
+
+    /// Runs one step of the clock. `false` when nothing is queued.
+    fn run_one(&mut self) -> bool {
+        match self.pick() {
+            Some(stream) => {
+                self.run_head(stream);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Runs the head of `stream`, which must be able to run.
+    fn run_head(&mut self, stream: StreamId) {
+        let Some(queue) = self.streams.get_mut(&stream) else {
+            return;
+        };
+        let Some((seq, job)) = queue.pop_front() else {
+            return;
+        };
+        if queue.is_empty() {
+            self.streams.remove(&stream);
+        }
+        self.pending.remove(&seq);
+        self.running = Some(Running {
+            seq,
+            kind: job.kind(),
+            stream,
+        });
         match job {
-            Job::HtoDStaged { dst, data } => match self.block_mut(dst, data.len()) {
-                Some(d) => d.copy_from_slice(&data),
-                None => self.violations.push(format!(
-                    "host-to-device copy into unmapped device range {dst:#x}+{}",
-                    data.len()
-                )),
-            },
-            Job::HtoD { dst, src, bytes } => match self.block_mut(dst, bytes) {
-                Some(d) => {
-                    // SAFETY: the seam's contract keeps `src..src+bytes` readable until this job
-                    // has run; `d` is device memory owned by the simulator, disjoint from it.
-                    unsafe { std::ptr::copy_nonoverlapping(src, d.as_mut_ptr(), bytes) }
+            Job::HtoDStaged { dst, data } => {
+                self.access(dst, true);
+                match self.block_mut(dst, data.len()) {
+                    Some(d) => d.copy_from_slice(&data),
+                    None => self.violations.push(format!(
+                        "host-to-device copy into unmapped device range {dst:#x}+{}",
+                        data.len()
+                    )),
                 }
-                None => self.violations.push(format!(
-                    "host-to-device copy into unmapped device range {dst:#x}+{bytes}"
-                )),
-            },
-            Job::DtoH { dst, src, bytes } => match self.block_mut(src, bytes) {
-                Some(s) => {
-                    // SAFETY: the seam's contract keeps `dst..dst+bytes` writable and untouched
-                    // by the host until this job has run; `s` is simulator-owned memory.
-                    unsafe { std::ptr::copy_nonoverlapping(s.as_ptr(), dst, bytes) }
+            }
+            Job::HtoD { dst, src, bytes } => {
+                self.access(dst, true);
+                match self.block_mut(dst, bytes) {
+                    Some(d) => {
+                        // SAFETY: the seam's contract keeps `src..src+bytes` readable until this
+                        // job has run; `d` is device memory owned by the simulator, disjoint
+                        // from it.
+                        unsafe { std::ptr::copy_nonoverlapping(src, d.as_mut_ptr(), bytes) }
+                    }
+                    None => self.violations.push(format!(
+                        "host-to-device copy into unmapped device range {dst:#x}+{bytes}"
+                    )),
                 }
-                None => self.violations.push(format!(
-                    "device-to-host copy from unmapped device range {src:#x}+{bytes}"
-                )),
-            },
+            }
+            Job::DtoH { dst, src, bytes } => {
+                self.access(src, false);
+                match self.block_mut(src, bytes) {
+                    Some(s) => {
+                        // SAFETY: the seam's contract keeps `dst..dst+bytes` writable and
+                        // untouched by the host until this job has run; `s` is simulator-owned
+                        // memory.
+                        unsafe { std::ptr::copy_nonoverlapping(s.as_ptr(), dst, bytes) }
+                    }
+                    None => self.violations.push(format!(
+                        "device-to-host copy from unmapped device range {src:#x}+{bytes}"
+                    )),
+                }
+            }
             Job::DtoD { dst, src, bytes } => {
+                self.access(src, false);
+                self.access(dst, true);
                 let data = self.block_mut(src, bytes).map(|s| s.to_vec());
                 match (data, self.block_mut(dst, bytes)) {
                     (Some(data), Some(d)) => d.copy_from_slice(&data),
@@ -630,29 +893,48 @@ impl State {
                     )),
                 }
             }
-            Job::Free(ptr) => match self.mem.remove(&ptr) {
-                Some(block) => self.device_used -= block.len(),
-                None => self
-                    .violations
-                    .push(format!("free of unknown device pointer {ptr:#x}")),
-            },
-            Job::Marker => {}
+            Job::Free(ptr) => {
+                self.access(ptr, true);
+                match self.mem.remove(&ptr) {
+                    Some(block) => self.device_used -= block.len(),
+                    None => self
+                        .violations
+                        .push(format!("free of unknown device pointer {ptr:#x}")),
+                }
+            }
+            Job::Marker | Job::Wait { .. } => {}
             Job::Launch { emulation, params } => {
                 if let Err(violation) = emulation.run(self, &params) {
                     self.violations.push(violation);
                 }
             }
         }
-        self.done_seq = seq + 1;
+        self.running = None;
         self.completed_jobs += 1;
         if let Some(wakes) = self.wakes.remove(&seq) {
             self.woken.extend(wakes);
         }
-        true
     }
 
+    /// Runs steps of the clock, as the schedule picks them, until job `seq` has run.
     fn run_until(&mut self, seq: u64) {
-        while self.done_seq <= seq && self.run_one() {}
+        while !self.is_done(seq) && self.run_one() {}
+    }
+
+    /// Runs job `seq` and only what it must follow: the jobs before it on its stream, and what
+    /// the waits among them wait for, transitively.
+    fn run_through(&mut self, seq: u64) {
+        let mut goals = vec![seq];
+        while let Some(&goal) = goals.last() {
+            let Some(&stream) = self.pending.get(&goal) else {
+                goals.pop();
+                continue;
+            };
+            match self.blocked_on(stream) {
+                Some(first) => goals.push(first),
+                None => self.run_head(stream),
+            }
+        }
     }
 
     fn event(&mut self, event: EventHandle) -> Result<&mut SimEvent, DriverError> {
@@ -667,13 +949,18 @@ pub(crate) struct SimDriver {
     device: SimDevice,
     id: DeviceId,
     ctx: u64,
+    /// The driver's first stream on the device: its lanes' streams are `streams + lane index`.
+    streams: StreamId,
 }
 
 impl SimDriver {
+    /// A driver on `device`, with three streams of its own there.
     pub(crate) fn new(device: SimDevice) -> Self {
-        let (instance, ordinal, ctx) = {
-            let s = device.lock();
-            (s.instance, s.ordinal, s.ctx)
+        let (instance, ordinal, ctx, streams) = {
+            let mut s = device.lock();
+            let streams = s.next_stream;
+            s.next_stream += Lane::ALL.len();
+            (s.instance, s.ordinal, s.ctx, streams)
         };
         SimDriver {
             device,
@@ -683,11 +970,17 @@ impl SimDriver {
                 instance,
             },
             ctx,
+            streams,
         }
     }
 
     fn lock(&self) -> Locked<'_> {
         self.device.lock()
+    }
+
+    /// The device stream of one of the driver's lanes.
+    fn stream(&self, lane: Lane) -> StreamId {
+        self.streams + lane.index()
     }
 }
 
@@ -705,7 +998,8 @@ impl Driver for SimDriver {
     }
 
     fn stream_handle(&self) -> u64 {
-        self.id.instance << 8 | 1
+        // Distinct for every driver's compute stream (the first driver's is `instance << 8 | 1`).
+        (self.id.instance << 8 | 1) + ((self.streams as u64) << 32)
     }
 
     fn current_context(&self) -> Result<ContextHandle, DriverError> {
@@ -717,9 +1011,9 @@ impl Driver for SimDriver {
         Ok(())
     }
 
-    fn alloc(&mut self, _lane: Lane, bytes: usize) -> Result<DevicePtr, DriverError> {
+    fn alloc(&mut self, lane: Lane, bytes: usize) -> Result<DevicePtr, DriverError> {
         let mut s = self.lock();
-        s.enter_stream(SimOp::Alloc)?;
+        s.enter_stream(SimOp::Alloc, self.stream(lane))?;
         if s.device_used.saturating_add(bytes) > s.memory_bytes {
             return Err(DriverError::OUT_OF_MEMORY);
         }
@@ -734,14 +1028,23 @@ impl Driver for SimDriver {
         // Keep allocations 256-byte aligned and apart, as the real allocator does.
         s.next_addr += (bytes as u64).div_ceil(256).max(1) * 256 + 256;
         s.mem.insert(ptr, block);
+        s.touches.insert(
+            ptr,
+            Touch {
+                len: bytes,
+                read: None,
+                write: None,
+            },
+        );
         s.device_used += bytes;
         Ok(ptr)
     }
 
     unsafe fn free(&mut self, _lane: Lane, ptr: DevicePtr) -> Result<(), DriverError> {
         let mut s = self.lock();
-        s.enter_stream(SimOp::Free)?;
-        s.push(Job::Free(ptr));
+        let stream = self.stream(Lane::Compute);
+        s.enter_stream(SimOp::Free, stream)?;
+        s.push(stream, Job::Free(ptr));
         Ok(())
     }
 
@@ -752,17 +1055,18 @@ impl Driver for SimDriver {
         bytes: usize,
     ) -> Result<(), DriverError> {
         let mut s = self.lock();
-        s.enter_stream(SimOp::CopyHtoD)?;
+        let stream = self.stream(Lane::Upload);
+        s.enter_stream(SimOp::CopyHtoD, stream)?;
         if s.is_page_locked(src as usize, bytes) {
-            s.push(Job::HtoD { dst, src, bytes });
+            s.push(stream, Job::HtoD { dst, src, bytes });
         } else {
-            // CUDA stages a pageable source before the call returns (after a stream sync), so
-            // the caller may reuse it at once: model exactly that.
+            // CUDA stages a pageable source before the call returns (after a sync), so the
+            // caller may reuse it at once: model exactly that.
             while s.run_one() {}
             self.device.inner.progress.notify_all();
             // SAFETY: the seam's contract makes `src..src+bytes` readable for the call.
             let data = unsafe { std::slice::from_raw_parts(src, bytes) }.to_vec();
-            s.push(Job::HtoDStaged { dst, data });
+            s.push(stream, Job::HtoDStaged { dst, data });
         }
         Ok(())
     }
@@ -774,12 +1078,13 @@ impl Driver for SimDriver {
         bytes: usize,
     ) -> Result<(), DriverError> {
         let mut s = self.lock();
-        s.enter_stream(SimOp::CopyDtoH)?;
+        let stream = self.stream(Lane::Download);
+        s.enter_stream(SimOp::CopyDtoH, stream)?;
         let pageable = !s.is_page_locked(dst as usize, bytes);
-        s.push(Job::DtoH { dst, src, bytes });
+        let seq = s.push(stream, Job::DtoH { dst, src, bytes });
         if pageable {
             // CUDA returns from a copy into pageable memory only once it has completed.
-            while s.run_one() {}
+            s.run_until(seq);
             self.device.inner.progress.notify_all();
         }
         Ok(())
@@ -792,8 +1097,9 @@ impl Driver for SimDriver {
         bytes: usize,
     ) -> Result<(), DriverError> {
         let mut s = self.lock();
-        s.enter_stream(SimOp::CopyDtoD)?;
-        s.push(Job::DtoD { dst, src, bytes });
+        let stream = self.stream(Lane::Compute);
+        s.enter_stream(SimOp::CopyDtoD, stream)?;
+        s.push(stream, Job::DtoD { dst, src, bytes });
         Ok(())
     }
 
@@ -812,9 +1118,10 @@ impl Driver for SimDriver {
         Ok(EventHandle(id))
     }
 
-    fn event_record(&mut self, _lane: Lane, event: EventHandle) -> Result<(), DriverError> {
+    fn event_record(&mut self, lane: Lane, event: EventHandle) -> Result<(), DriverError> {
         let mut s = self.lock();
-        s.enter_stream(SimOp::EventRecord)?;
+        let stream = self.stream(lane);
+        s.enter_stream(SimOp::EventRecord, stream)?;
         s.event(event)?;
         let n = s.calls[&SimOp::EventRecord];
         let fault = s
@@ -822,17 +1129,23 @@ impl Driver for SimDriver {
             .iter()
             .position(|f| f.0 == n)
             .map(|i| s.event_faults.remove(i).1);
-        let seq = s.push(Job::Marker);
+        let seq = s.push(stream, Job::Marker);
         let ev = s.event(event)?;
         ev.recorded = Some(seq);
         ev.fault = fault;
         Ok(())
     }
 
-    fn stream_wait(&mut self, _lane: Lane, event: EventHandle) -> Result<(), DriverError> {
+    fn stream_wait(&mut self, lane: Lane, event: EventHandle) -> Result<(), DriverError> {
         let mut s = self.lock();
-        s.enter_stream(SimOp::StreamWait)?;
-        s.event(event)?;
+        let stream = self.stream(lane);
+        s.enter_stream(SimOp::StreamWait, stream)?;
+        // What the wait waits for is fixed now: the event's last record as of this call.
+        if let Some(for_seq) = s.event(event)?.recorded {
+            if !s.is_done(for_seq) {
+                s.push(stream, Job::Wait { for_seq });
+            }
+        }
         Ok(())
     }
 
@@ -848,12 +1161,12 @@ impl Driver for SimDriver {
     fn notify_after(&mut self, event: EventHandle, wake: Wake) -> Result<(), DriverError> {
         let mut s = self.lock();
         s.enter(SimOp::NotifyAfter)?;
-        let done = s.done_seq;
-        match s.event(event)?.recorded {
+        let recorded = s.event(event)?.recorded;
+        match recorded {
             // Never recorded, or its record has run (a failed event counts: the device failed):
             // the wake is due now, once the lock is released.
             None => s.woken.push(wake),
-            Some(seq) if seq < done => s.woken.push(wake),
+            Some(seq) if s.is_done(seq) => s.woken.push(wake),
             Some(seq) => {
                 s.wakes.entry(seq).or_default().push(wake);
                 if !s.clock_held {
@@ -956,6 +1269,7 @@ impl Driver for SimDriver {
     fn waits(&self) -> Arc<dyn Waits> {
         Arc::new(SimWaits {
             device: self.device.clone(),
+            streams: self.streams,
         })
     }
 
@@ -964,25 +1278,45 @@ impl Driver for SimDriver {
     }
 }
 
-/// The waiting half of a simulated device. A wait runs the stream up to what it waits for,
+/// The waiting half of a simulated driver. A wait runs the device up to what it waits for,
 /// unless the clock is held ([`SimDevice::hold_clock`]): then it blocks until another thread
 /// advances the clock that far, as a real wait blocks until the device gets there.
 struct SimWaits {
     device: SimDevice,
+    /// The driver's first stream (see [`SimDriver`]).
+    streams: StreamId,
 }
 
 impl SimWaits {
-    /// Waits until every job before `seq` has run, running them unless the clock is held.
-    fn wait_until<'a>(&'a self, mut s: Locked<'a>, seq: u64) -> Locked<'a> {
+    /// The device streams of the driver's lanes.
+    fn lanes(&self) -> impl Iterator<Item = StreamId> + '_ {
+        Lane::ALL
+            .into_iter()
+            .map(|lane| self.streams + lane.index())
+    }
+
+    /// Waits until `done` holds, running the clock with `run` (which must make progress towards
+    /// it) unless the clock is held.
+    fn wait_for<'a>(
+        &'a self,
+        mut s: Locked<'a>,
+        done: impl Fn(&State) -> bool,
+        run: impl Fn(&mut State),
+    ) -> Locked<'a> {
         if !s.clock_held {
-            s.run_until(seq);
+            run(&mut s);
             self.device.inner.progress.notify_all();
             return s;
         }
-        while s.done_seq <= seq && !s.queue.is_empty() {
+        while !done(&s) {
             s = s.wait(&self.device.inner.progress);
         }
         s
+    }
+
+    /// Waits until job `seq` has run, running the clock as the schedule picks unless it is held.
+    fn wait_until<'a>(&'a self, s: Locked<'a>, seq: u64) -> Locked<'a> {
+        self.wait_for(s, |s| s.is_done(seq), |s| s.run_until(seq))
     }
 }
 
@@ -990,13 +1324,13 @@ impl Waits for SimWaits {
     fn event_query(&self, event: EventHandle) -> Result<bool, DriverError> {
         let mut s = self.device.lock();
         s.enter(SimOp::EventQuery)?;
-        let done = s.done_seq;
-        let ev = s.event(event)?;
-        match ev.recorded {
-            None => Ok(true),
-            Some(seq) if seq < done => ev.fault.map_or(Ok(true), Err),
-            Some(_) => Ok(false),
+        let Some(seq) = s.event(event)?.recorded else {
+            return Ok(true);
+        };
+        if !s.is_done(seq) {
+            return Ok(false);
         }
+        s.event(event)?.fault.map_or(Ok(true), Err)
     }
 
     fn event_synchronize(&self, event: EventHandle) -> Result<(), DriverError> {
@@ -1011,20 +1345,41 @@ impl Waits for SimWaits {
 
     fn stream_synchronize(&self) -> Result<(), DriverError> {
         let mut s = self.device.lock();
-        s.enter_stream(SimOp::StreamSynchronize)?;
-        let last = s.next_seq.saturating_sub(1);
-        drop(self.wait_until(s, last));
+        s.enter_stream(
+            SimOp::StreamSynchronize,
+            self.streams + Lane::Compute.index(),
+        )?;
+        let lanes: Vec<StreamId> = self.lanes().collect();
+        let done = |s: &State| s.streams_idle(lanes.iter().copied());
+        let run = |s: &mut State| {
+            for &stream in &lanes {
+                if let Some(last) = s.last_on(stream) {
+                    s.run_until(last);
+                }
+            }
+        };
+        drop(self.wait_for(s, done, run));
         Ok(())
     }
 
-    fn lane_synchronize(&self, _lane: Lane) -> Result<(), DriverError> {
-        self.stream_synchronize()
+    fn lane_synchronize(&self, lane: Lane) -> Result<(), DriverError> {
+        let mut s = self.device.lock();
+        let stream = self.streams + lane.index();
+        s.enter_stream(SimOp::StreamSynchronize, stream)?;
+        let done = |s: &State| s.streams_idle([stream]);
+        let run = |s: &mut State| {
+            if let Some(last) = s.last_on(stream) {
+                s.run_through(last);
+            }
+        };
+        drop(self.wait_for(s, done, run));
+        Ok(())
     }
 
     fn stream_query(&self) -> Result<bool, DriverError> {
         let mut s = self.device.lock();
-        s.enter_stream(SimOp::StreamQuery)?;
-        Ok(s.queue.is_empty())
+        s.enter_stream(SimOp::StreamQuery, self.streams + Lane::Compute.index())?;
+        Ok(s.streams_idle(self.lanes()))
     }
 }
 
@@ -1051,28 +1406,32 @@ mod tests {
         let (mut d, dev) = driver();
         let src = pinned(&mut d, 64, |i| (i as u8).wrapping_mul(7).wrapping_add(3));
         let back = pinned(&mut d, 64, |_| 0xEE);
-        let ptr = d.alloc(64).unwrap();
+        let ptr = d.alloc(Lane::Compute, 64).unwrap();
+        let uploaded = d.event_create().unwrap();
         // SAFETY: both host ranges are live pinned allocations; the test runs the jobs before
         // reading them.
         unsafe {
             d.copy_htod(ptr, src.as_ptr(), 64).unwrap();
+            d.event_record(Lane::Upload, uploaded).unwrap();
+            d.stream_wait(Lane::Download, uploaded).unwrap();
             d.copy_dtoh(back.as_mut_ptr(), ptr, 64).unwrap();
         }
-        assert_eq!(dev.queued(), 2);
+        assert_eq!(dev.queued(), 4, "two copies, a record and a wait");
         assert_eq!(back, &[0xEE; 64][..], "nothing ran yet");
         assert_eq!(dev.advance(1), 1);
         assert_eq!(dev.peek(ptr, 64).unwrap(), src, "the upload ran");
         assert_eq!(back, &[0xEE; 64][..], "the download did not");
-        dev.advance(1);
+        dev.advance(3);
         assert_eq!(back, src);
         assert_eq!(dev.advance(5), 0);
+        assert!(dev.violations().is_empty(), "{:?}", dev.violations());
     }
 
     #[test]
     fn an_upload_from_pinned_memory_reads_its_source_when_it_runs() {
         let (mut d, dev) = driver();
         let src = pinned(&mut d, 8, |_| 1);
-        let ptr = d.alloc(8).unwrap();
+        let ptr = d.alloc(Lane::Compute, 8).unwrap();
         // SAFETY: `src` is live pinned memory; the job runs below.
         unsafe { d.copy_htod(ptr, src.as_ptr(), 8).unwrap() };
         src.iter_mut().for_each(|b| *b = 9);
@@ -1083,7 +1442,7 @@ mod tests {
     #[test]
     fn pageable_copies_behave_as_cuda_documents() {
         let (mut d, dev) = driver();
-        let ptr = d.alloc(8).unwrap();
+        let ptr = d.alloc(Lane::Compute, 8).unwrap();
         let mut src = [1u8; 8];
         // SAFETY: `src` is readable for the call, which stages it.
         unsafe { d.copy_htod(ptr, src.as_ptr(), 8).unwrap() };
@@ -1111,14 +1470,14 @@ mod tests {
             d.waits().event_query(a).unwrap(),
             "an unrecorded event is complete"
         );
-        let ptr = d.alloc(4).unwrap();
+        let ptr = d.alloc(Lane::Compute, 4).unwrap();
         let src = pinned(&mut d, 4, |i| i as u8 + 1);
         // SAFETY: `src` is live pinned memory.
         unsafe { d.copy_htod(ptr, src.as_ptr(), 4).unwrap() };
-        d.event_record(a).unwrap();
+        d.event_record(Lane::Upload, a).unwrap();
         // SAFETY: as above.
         unsafe { d.copy_htod(ptr, src.as_ptr(), 4).unwrap() };
-        d.event_record(b).unwrap();
+        d.event_record(Lane::Upload, b).unwrap();
         assert!(!d.waits().event_query(a).unwrap());
         assert!(!d.waits().event_query(b).unwrap());
         dev.advance(2);
@@ -1133,8 +1492,8 @@ mod tests {
     fn event_synchronize_runs_only_up_to_its_event() {
         let (mut d, dev) = driver();
         let a = d.event_create().unwrap();
-        d.event_record(a).unwrap();
-        let ptr = d.alloc(4).unwrap();
+        d.event_record(Lane::Compute, a).unwrap();
+        let ptr = d.alloc(Lane::Compute, 4).unwrap();
         // SAFETY: `ptr` is live; the free is the last use.
         unsafe { d.free(ptr).unwrap() };
         d.waits().event_synchronize(a).unwrap();
@@ -1148,9 +1507,9 @@ mod tests {
     fn the_nth_call_fails_with_the_injected_error() {
         let (mut d, dev) = driver();
         dev.fail_nth(SimOp::Alloc, 2, DriverError::OUT_OF_MEMORY);
-        assert!(d.alloc(8).is_ok());
-        assert_eq!(d.alloc(8), Err(DriverError::OUT_OF_MEMORY));
-        assert!(d.alloc(8).is_ok(), "a fault fires once");
+        assert!(d.alloc(Lane::Compute, 8).is_ok());
+        assert_eq!(d.alloc(Lane::Compute, 8), Err(DriverError::OUT_OF_MEMORY));
+        assert!(d.alloc(Lane::Compute, 8).is_ok(), "a fault fires once");
         assert_eq!(dev.calls(SimOp::Alloc), 3);
     }
 
@@ -1159,7 +1518,7 @@ mod tests {
         let (mut d, dev) = driver();
         let e = d.event_create().unwrap();
         dev.fail_event(1, DriverError::LAUNCH_FAILED);
-        d.event_record(e).unwrap();
+        d.event_record(Lane::Compute, e).unwrap();
         assert_eq!(
             d.waits().event_query(e),
             Ok(false),
@@ -1171,7 +1530,7 @@ mod tests {
             d.waits().event_synchronize(e),
             Err(DriverError::LAUNCH_FAILED)
         );
-        d.event_record(e).unwrap();
+        d.event_record(Lane::Compute, e).unwrap();
         d.waits().event_synchronize(e).unwrap();
     }
 
@@ -1188,17 +1547,17 @@ mod tests {
     fn a_wake_is_called_once_when_the_clock_runs_its_record() {
         let (mut d, dev) = driver();
         dev.hold_clock(true);
-        let ptr = d.alloc(4).unwrap();
+        let ptr = d.alloc(Lane::Compute, 4).unwrap();
         let src = pinned(&mut d, 4, |i| i as u8 + 1);
         let e = d.event_create().unwrap();
         // SAFETY: `src` is live pinned memory and `ptr` a live allocation of 4 bytes.
         unsafe { d.copy_htod(ptr, src.as_ptr(), 4).unwrap() };
-        d.event_record(e).unwrap();
+        d.event_record(Lane::Upload, e).unwrap();
         // SAFETY: as above; queued after the record, so the wake does not wait for it.
         unsafe { d.copy_htod(ptr, src.as_ptr(), 4).unwrap() };
         let count = Arc::new(AtomicU64::new(0));
         d.notify_after(e, counting_wake(&dev, &count)).unwrap();
-        d.event_record(e).unwrap(); // a later record does not move the wake
+        d.event_record(Lane::Upload, e).unwrap(); // a later record does not move the wake
         assert_eq!(dev.calls(SimOp::NotifyAfter), 1);
         assert_eq!(dev.advance(1), 1);
         assert_eq!(
@@ -1222,7 +1581,7 @@ mod tests {
         assert_eq!(count.load(Ordering::SeqCst), 1, "never recorded: complete");
         let failed = d.event_create().unwrap();
         dev.fail_event(1, DriverError::LAUNCH_FAILED);
-        d.event_record(failed).unwrap();
+        d.event_record(Lane::Download, failed).unwrap();
         dev.advance_all();
         d.notify_after(failed, counting_wake(&dev, &count)).unwrap();
         assert_eq!(count.load(Ordering::SeqCst), 2, "failed: due too");
@@ -1236,8 +1595,8 @@ mod tests {
     fn registering_a_wake_with_a_free_clock_runs_the_stream_up_to_its_event() {
         let (mut d, dev) = driver();
         let e = d.event_create().unwrap();
-        d.event_record(e).unwrap();
-        let ptr = d.alloc(4).unwrap();
+        d.event_record(Lane::Compute, e).unwrap();
+        let ptr = d.alloc(Lane::Compute, 4).unwrap();
         // SAFETY: `ptr` is live; the free is its last use.
         unsafe { d.free(ptr).unwrap() };
         let count = Arc::new(AtomicU64::new(0));
@@ -1255,7 +1614,7 @@ mod tests {
         let (mut d, dev) = driver();
         dev.hold_clock(true);
         let e = d.event_create().unwrap();
-        d.event_record(e).unwrap();
+        d.event_record(Lane::Compute, e).unwrap();
         let count = Arc::new(AtomicU64::new(0));
         dev.fail_nth(SimOp::NotifyAfter, 1, DriverError::INVALID_VALUE);
         let wake = counting_wake(&dev, &count);
@@ -1275,7 +1634,7 @@ mod tests {
     fn freeing_pinned_memory_under_a_queued_copy_is_a_violation_and_keeps_it() {
         let (mut d, dev) = driver();
         let host = d.host_alloc(16).unwrap();
-        let ptr = d.alloc(16).unwrap();
+        let ptr = d.alloc(Lane::Compute, 16).unwrap();
         // SAFETY: `host` is a live sim allocation; the test checks the sim refuses to free it.
         unsafe {
             d.copy_dtoh(host, ptr, 16).unwrap();
@@ -1300,15 +1659,18 @@ mod tests {
         d.host_register(down, 32).unwrap();
         assert_eq!(dev.registered_live(), (2, 64));
         assert!(dev.is_registered(up));
-        let ptr = d.alloc(32).unwrap();
+        let ptr = d.alloc(Lane::Compute, 32).unwrap();
+        let uploaded = d.event_create().unwrap();
         // SAFETY: both ranges are live, registered and only reached through these pointers
         // until the jobs have run.
         unsafe {
             d.copy_htod(ptr, up, 32).unwrap();
+            d.event_record(Lane::Upload, uploaded).unwrap();
+            d.stream_wait(Lane::Download, uploaded).unwrap();
             d.copy_dtoh(down, ptr, 32).unwrap();
             std::ptr::write_bytes(up, 9, 32);
         }
-        assert_eq!(dev.queued(), 2, "neither copy ran at its call");
+        assert_eq!(dev.queued(), 4, "neither copy ran at its call");
         // SAFETY: `down` holds 32 initialised bytes; the download has not run.
         assert_eq!(unsafe { std::slice::from_raw_parts(down, 32) }, [0xEE; 32]);
         dev.advance_all();
@@ -1334,7 +1696,7 @@ mod tests {
             Err(DriverError::from_code(HOST_MEMORY_ALREADY_REGISTERED)),
             "an overlapping registration is refused"
         );
-        let ptr = d.alloc(16).unwrap();
+        let ptr = d.alloc(Lane::Compute, 16).unwrap();
         // SAFETY: `host` is registered and outlives the job, which runs below.
         unsafe { d.copy_dtoh(host, ptr, 16).unwrap() };
         // SAFETY: the test checks that the simulator refuses this.
@@ -1361,12 +1723,12 @@ mod tests {
             ..SimConfig::default()
         });
         let mut d = SimDriver::new(dev);
-        let a = d.alloc(60).unwrap();
-        assert_eq!(d.alloc(60), Err(DriverError::OUT_OF_MEMORY));
+        let a = d.alloc(Lane::Compute, 60).unwrap();
+        assert_eq!(d.alloc(Lane::Compute, 60), Err(DriverError::OUT_OF_MEMORY));
         // SAFETY: `a` is live and unused.
         unsafe { d.free(a).unwrap() };
         d.waits().stream_synchronize().unwrap();
-        assert!(d.alloc(60).is_ok());
+        assert!(d.alloc(Lane::Compute, 60).is_ok());
     }
 
     #[test]
@@ -1432,16 +1794,19 @@ mod tests {
         assert!(d.module_function(module, "other").is_err());
         let function = d.module_function(module, "copy").unwrap();
         let src = pinned(&mut d, 4, |i| i as u8 + 1);
-        let a = d.alloc(4).unwrap();
-        let b = d.alloc(4).unwrap();
+        let a = d.alloc(Lane::Compute, 4).unwrap();
+        let b = d.alloc(Lane::Compute, 4).unwrap();
+        let uploaded = d.event_create().unwrap();
         // SAFETY: `src` is live pinned memory, `a` and `b` live allocations of 4 bytes; the test
         // runs every job before reading.
         unsafe {
             d.copy_htod(a, src.as_ptr(), 4).unwrap();
+            d.event_record(Lane::Upload, uploaded).unwrap();
+            d.stream_wait(Lane::Compute, uploaded).unwrap();
             d.launch(function, 1, 1, &[b, a, 4]).unwrap();
             d.launch(function, 1, 1, &[b, 0x10, 4]).unwrap();
         }
-        assert_eq!(dev.advance(2), 2);
+        assert_eq!(dev.advance(4), 4);
         assert_eq!(dev.peek(b, 4).unwrap(), [1, 2, 3, 4]);
         assert!(dev.violations().is_empty());
         dev.advance_all();
@@ -1449,5 +1814,370 @@ mod tests {
         assert_eq!(dev.calls(SimOp::Launch), 2);
         // SAFETY: loaded above, unloaded once, and both launches have run.
         unsafe { d.module_unload(module).unwrap() };
+    }
+
+    /// Queues an upload of `src` into `dst` on the upload lane.
+    fn upload(d: &mut SimDriver, dst: DevicePtr, src: &[u8]) {
+        // SAFETY: every `src` in these tests is pinned memory of the device, leaked for the
+        // test's duration, and `dst` a live allocation of at least its length.
+        unsafe { d.copy_htod(dst, src.as_ptr(), src.len()).unwrap() };
+    }
+
+    /// Queues a download of `src` into `dst` on the download lane.
+    fn download(d: &mut SimDriver, dst: &mut [u8], src: DevicePtr) {
+        // SAFETY: as `upload`, for the destination.
+        unsafe { d.copy_dtoh(dst.as_mut_ptr(), src, dst.len()).unwrap() };
+    }
+
+    /// Queues a device-to-device copy on the compute lane.
+    fn copy(d: &mut SimDriver, dst: DevicePtr, src: DevicePtr, bytes: usize) {
+        // SAFETY: the tests pass disjoint live allocations of at least `bytes` bytes.
+        unsafe { d.copy_dtod(dst, src, bytes).unwrap() };
+    }
+
+    /// A driver on a fresh device with an interleaved schedule.
+    fn interleaved(seed: u64) -> (SimDriver, SimDevice) {
+        let (d, dev) = driver();
+        dev.set_schedule(Schedule::Interleaved { seed });
+        (d, dev)
+    }
+
+    #[test]
+    fn a_wait_holds_its_stream_until_the_events_record_runs() {
+        let mut overtaken = 0;
+        for seed in 0..64 {
+            let (mut d, dev) = interleaved(seed);
+            let src = pinned(&mut d, 8, |i| i as u8 + 1);
+            let back = pinned(&mut d, 8, |_| 0xEE);
+            let ptr = d.alloc(Lane::Upload, 8).unwrap();
+            let (x, y) = (
+                d.alloc(Lane::Compute, 8).unwrap(),
+                d.alloc(Lane::Compute, 8).unwrap(),
+            );
+            let e = d.event_create().unwrap();
+            let fill = pinned(&mut d, 8, |i| i as u8 + 11);
+            upload(&mut d, x, fill);
+            d.waits().stream_synchronize().unwrap();
+            upload(&mut d, ptr, src);
+            upload(&mut d, ptr, src);
+            d.event_record(Lane::Upload, e).unwrap();
+            d.stream_wait(Lane::Download, e).unwrap();
+            download(&mut d, back, ptr);
+            copy(&mut d, y, x, 8);
+            copy(&mut d, x, y, 8);
+            let mut compute_ran_while_held = false;
+            while dev.queued() > 0 {
+                let recorded = d.waits().event_query(e).unwrap();
+                let before = dev.completed();
+                let copied = dev.peek(y, 8).unwrap() == fill;
+                assert_eq!(dev.advance(1), 1);
+                assert_eq!(dev.completed(), before + 1);
+                if back[0] != 0xEE {
+                    assert!(recorded || d.waits().event_query(e).unwrap(), "seed {seed}");
+                }
+                if !recorded && !copied && dev.peek(y, 8).unwrap() == fill {
+                    compute_ran_while_held = true;
+                }
+            }
+            assert_eq!(back, src, "seed {seed}");
+            assert!(
+                dev.violations().is_empty(),
+                "seed {seed}: {:?}",
+                dev.violations()
+            );
+            overtaken += usize::from(compute_ran_while_held);
+        }
+        assert!(
+            overtaken > 0,
+            "the compute lane runs while the download waits"
+        );
+    }
+
+    #[test]
+    fn a_wait_is_fixed_when_it_is_queued() {
+        let (mut d, dev) = driver();
+        let src = pinned(&mut d, 4, |i| i as u8 + 1);
+        let back = pinned(&mut d, 4, |_| 0xEE);
+        let (a, b) = (
+            d.alloc(Lane::Upload, 4).unwrap(),
+            d.alloc(Lane::Upload, 4).unwrap(),
+        );
+        let e = d.event_create().unwrap();
+        d.stream_wait(Lane::Download, e).unwrap();
+        assert_eq!(
+            dev.queued(),
+            0,
+            "a wait for an event never recorded waits for nothing"
+        );
+        upload(&mut d, a, src);
+        d.event_record(Lane::Upload, e).unwrap();
+        d.stream_wait(Lane::Download, e).unwrap();
+        upload(&mut d, b, src);
+        d.event_record(Lane::Upload, e).unwrap(); // a later record: the wait keeps the first
+        download(&mut d, back, a);
+        assert_eq!(dev.queued(), 6);
+        d.waits().lane_synchronize(Lane::Download).unwrap();
+        assert_eq!(back, src);
+        assert_eq!(
+            dev.queued(),
+            2,
+            "the second upload and its record are still queued"
+        );
+        assert!(
+            !d.waits().event_query(e).unwrap(),
+            "the event's last record has not run"
+        );
+        d.waits().stream_synchronize().unwrap();
+        assert!(d.waits().event_query(e).unwrap());
+        d.stream_wait(Lane::Compute, e).unwrap();
+        assert_eq!(
+            dev.queued(),
+            0,
+            "a wait for a record that has run waits for nothing"
+        );
+        dev.fail_nth(SimOp::StreamWait, 1, DriverError::INVALID_VALUE);
+        upload(&mut d, a, src);
+        d.event_record(Lane::Upload, e).unwrap();
+        assert_eq!(
+            d.stream_wait(Lane::Download, e),
+            Err(DriverError::INVALID_VALUE)
+        );
+        assert_eq!(dev.queued(), 2, "a refused wait queues nothing");
+        assert_eq!(dev.calls(SimOp::StreamWait), 4);
+        assert!(dev.violations().is_empty(), "{:?}", dev.violations());
+    }
+
+    #[test]
+    fn a_lane_synchronize_runs_only_its_lane_and_what_it_waits_for() {
+        let (mut d, dev) = driver();
+        let src = pinned(&mut d, 4, |i| i as u8 + 1);
+        let back = pinned(&mut d, 4, |_| 0xEE);
+        let (x, y) = (
+            d.alloc(Lane::Compute, 4).unwrap(),
+            d.alloc(Lane::Compute, 4).unwrap(),
+        );
+        let (a, c) = (
+            d.alloc(Lane::Upload, 4).unwrap(),
+            d.alloc(Lane::Upload, 4).unwrap(),
+        );
+        let e = d.event_create().unwrap();
+        copy(&mut d, y, x, 4); // seq 0, compute
+        upload(&mut d, a, src); // seq 1
+        d.event_record(Lane::Upload, e).unwrap(); // seq 2
+        upload(&mut d, c, src); // seq 3, after the record
+        d.stream_wait(Lane::Download, e).unwrap(); // seq 4
+        download(&mut d, back, a); // seq 5
+        copy(&mut d, x, y, 4); // seq 6, compute
+        d.waits().lane_synchronize(Lane::Download).unwrap();
+        assert_eq!(back, src);
+        assert_eq!(dev.queued(), 3, "both compute copies and the later upload");
+        assert_eq!(
+            dev.peek(c, 4).unwrap(),
+            [0xA5; 4],
+            "the later upload did not run"
+        );
+        assert_eq!(
+            dev.peek(y, 4).unwrap(),
+            [0xA5; 4],
+            "the compute lane did not run"
+        );
+        assert!(!d.waits().stream_query().unwrap());
+        d.waits().lane_synchronize(Lane::Upload).unwrap();
+        assert_eq!(dev.queued(), 2);
+        assert_eq!(dev.peek(c, 4).unwrap(), src);
+        d.waits().lane_synchronize(Lane::Compute).unwrap();
+        assert!(d.waits().stream_query().unwrap());
+        assert!(dev.violations().is_empty(), "{:?}", dev.violations());
+    }
+
+    #[test]
+    fn a_lane_synchronize_with_a_held_clock_waits_for_the_clock() {
+        let (mut d, dev) = driver();
+        let src = pinned(&mut d, 4, |i| i as u8 + 1);
+        let a = d.alloc(Lane::Upload, 4).unwrap();
+        dev.hold_clock(true);
+        upload(&mut d, a, src);
+        let waits = d.waits();
+        let waiter = std::thread::spawn(move || waits.lane_synchronize(Lane::Upload));
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        assert_eq!(dev.queued(), 1, "the wait does not run the clock");
+        dev.advance_all();
+        waiter.join().unwrap().unwrap();
+        assert_eq!(dev.peek(a, 4).unwrap(), src);
+    }
+
+    #[test]
+    fn an_interleaved_schedule_lets_an_upload_overtake_earlier_compute_work() {
+        let overtakes = |dev: &SimDevice, d: &mut SimDriver| {
+            let src = pinned(d, 4, |i| i as u8 + 1);
+            let (x, y) = (
+                d.alloc(Lane::Compute, 4).unwrap(),
+                d.alloc(Lane::Compute, 4).unwrap(),
+            );
+            let a = d.alloc(Lane::Upload, 4).unwrap();
+            copy(d, y, x, 4);
+            upload(d, a, src);
+            assert_eq!(dev.advance(1), 1);
+            let overtook = dev.peek(a, 4).unwrap() == src;
+            assert_eq!(dev.advance_all(), 1);
+            overtook
+        };
+        let (mut d, dev) = driver();
+        assert!(
+            !overtakes(&dev, &mut d),
+            "in order, the compute copy runs first"
+        );
+        let seed = (0..64)
+            .find(|&seed| {
+                let (mut d, dev) = interleaved(seed);
+                overtakes(&dev, &mut d)
+            })
+            .expect("some seed runs the upload first");
+        let (mut d, dev) = interleaved(seed);
+        assert!(overtakes(&dev, &mut d), "the same seed, the same order");
+        assert!(dev.violations().is_empty(), "{:?}", dev.violations());
+    }
+
+    /// Uploads into a block and downloads it on the other copy lane, ordered by a wait when
+    /// `ordered`; returns whether the download ran first, the bytes it read and the violations.
+    fn upload_then_download(seed: u64, ordered: bool) -> (bool, Vec<u8>, Vec<String>, DevicePtr) {
+        let (mut d, dev) = interleaved(seed);
+        let src = pinned(&mut d, 4, |i| i as u8 + 1);
+        let back = pinned(&mut d, 4, |_| 0xEE);
+        let a = d.alloc(Lane::Upload, 4).unwrap();
+        let e = d.event_create().unwrap();
+        upload(&mut d, a, src);
+        if ordered {
+            d.event_record(Lane::Upload, e).unwrap();
+            d.stream_wait(Lane::Download, e).unwrap();
+        }
+        download(&mut d, back, a);
+        let mut download_first = false;
+        while dev.queued() > 0 {
+            let uploaded = dev.peek(a, 4).unwrap() == src;
+            dev.advance(1);
+            download_first |= !uploaded && back[0] != 0xEE;
+        }
+        (download_first, back.to_vec(), dev.violations(), a)
+    }
+
+    #[test]
+    fn the_race_checker_flags_an_unordered_write_and_read() {
+        let seed = (0..64)
+            .find(|&seed| upload_then_download(seed, false).0)
+            .expect("some seed runs the download first");
+        let (_, back, violations, a) = upload_then_download(seed, false);
+        assert_eq!(
+            back, [0xA5; 4],
+            "the download read the block before the upload wrote it"
+        );
+        assert_eq!(
+            violations,
+            [format!(
+                "job #0 (host-to-device copy on the Upload lane of driver 0) used device block \
+                 {a:#x} after later job #1 read it: the two are not ordered"
+            )]
+        );
+        // Ordered by a wait, no schedule lets the download run first.
+        for seed in 0..64 {
+            let (download_first, back, violations, _) = upload_then_download(seed, true);
+            assert!(!download_first, "seed {seed}");
+            assert_eq!(back, [1, 2, 3, 4], "seed {seed}");
+            assert!(violations.is_empty(), "seed {seed}: {violations:?}");
+        }
+    }
+
+    #[test]
+    fn the_race_checker_sees_launches_and_frees() {
+        use crate::driver::launch::{Launch, ModuleSource};
+        let (mut d, dev) = driver();
+        let module = d
+            .module_compile(&ModuleSource {
+                name: "copy",
+                cuda: "",
+                emulation: Some(Arc::new(CopyKernel)),
+            })
+            .unwrap();
+        let function = d.module_function(module, "copy").unwrap();
+        let back = pinned(&mut d, 4, |_| 0xEE);
+        let (a, b) = (
+            d.alloc(Lane::Compute, 4).unwrap(),
+            d.alloc(Lane::Compute, 4).unwrap(),
+        );
+        // SAFETY: `a` and `b` are live allocations of 4 bytes until the free runs, and the test
+        // runs every job before reading.
+        unsafe {
+            d.launch(function, 1, 1, &[b, a, 4]).unwrap(); // seq 0: writes `b`
+            d.copy_dtoh(back.as_mut_ptr(), b, 4).unwrap(); // seq 1: reads `b`, unordered
+            d.free(b).unwrap(); // seq 2: frees `b`, unordered with the download
+        }
+        // The download's lane alone: it runs before the launch and the free.
+        d.waits().lane_synchronize(Lane::Download).unwrap();
+        assert!(dev.violations().is_empty(), "nothing ran out of order yet");
+        d.waits().stream_synchronize().unwrap();
+        assert_eq!(
+            dev.violations(),
+            [format!(
+                "job #0 (kernel launch on the Compute lane of driver 0) used device block {b:#x} \
+                 after later job #1 read it: the two are not ordered"
+            )]
+        );
+        // A free that overtakes a download of its block: the download reads freed memory.
+        let c = d.alloc(Lane::Compute, 4).unwrap();
+        // SAFETY: `c` is live until the free runs; the test checks that the download, queued
+        // before the free but not ordered before it, is reported.
+        unsafe {
+            d.copy_dtoh(back.as_mut_ptr(), c, 4).unwrap(); // seq 3
+            d.free(c).unwrap(); // seq 4
+        }
+        d.waits().lane_synchronize(Lane::Compute).unwrap();
+        assert_eq!(dev.device_live(), (1, 4), "the free ran");
+        d.waits().stream_synchronize().unwrap();
+        assert_eq!(
+            dev.violations()[1..],
+            [
+                format!(
+                    "job #3 (device-to-host copy on the Download lane of driver 0) used device \
+                     block {c:#x} after later job #4 wrote it: the two are not ordered"
+                ),
+                format!("device-to-host copy from unmapped device range {c:#x}+4"),
+            ]
+        );
+        // SAFETY: loaded above, unloaded once; the launch has run.
+        unsafe { d.module_unload(module).unwrap() };
+    }
+
+    #[test]
+    fn two_drivers_on_one_device_have_separate_streams() {
+        let (mut d, dev) = driver();
+        let mut other = SimDriver::new(dev.clone());
+        let src = pinned(&mut d, 4, |i| i as u8 + 1);
+        let (a, b) = (
+            d.alloc(Lane::Upload, 4).unwrap(),
+            other.alloc(Lane::Upload, 4).unwrap(),
+        );
+        assert_ne!(d.stream_handle(), other.stream_handle());
+        upload(&mut d, a, src); // seq 0, the first driver's upload lane
+        upload(&mut other, b, src); // seq 1, the other's
+        assert!(!d.waits().stream_query().unwrap());
+        assert!(!other.waits().stream_query().unwrap());
+        other.waits().lane_synchronize(Lane::Upload).unwrap();
+        assert_eq!(dev.peek(b, 4).unwrap(), src);
+        assert_eq!(
+            dev.peek(a, 4).unwrap(),
+            [0xA5; 4],
+            "not the first driver's upload"
+        );
+        assert!(other.waits().stream_query().unwrap());
+        assert!(!d.waits().stream_query().unwrap());
+        other.waits().stream_synchronize().unwrap();
+        assert_eq!(
+            dev.queued(),
+            1,
+            "the other driver's streams were already idle"
+        );
+        d.waits().stream_synchronize().unwrap();
+        assert_eq!(dev.peek(a, 4).unwrap(), src);
+        assert!(dev.violations().is_empty(), "{:?}", dev.violations());
     }
 }

@@ -1,19 +1,23 @@
 //! The graph half of the seam on the simulated device.
 //!
-//! A capture records each launch queued on the stream (its emulation, function and parameters)
-//! as a node instead of queueing it; any other operation on the stream fails with
+//! A capture belongs to its driver's compute stream. It records each launch queued there (its
+//! emulation, function and parameters) as a node instead of queueing it; any other operation on
+//! the compute stream fails with
 //! `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED` and invalidates the capture, so ending it reports
 //! `CUDA_ERROR_STREAM_CAPTURE_INVALIDATED` and makes no graph. A graph is its list of nodes;
 //! instantiating copies it into an executable graph, whose nodes' parameters can then be
-//! replaced without touching the graph. A replay queues one launch job per node, in order, so the
-//! emulations run when the device clock reaches them, exactly as eager launches do.
+//! replaced without touching the graph. A replay queues one launch job per node, in order, on the
+//! compute stream, so the emulations run when the device clock reaches them, exactly as eager
+//! launches do. The driver's upload and download lanes are not captured: copies on them are
+//! queued as ever while the compute stream captures.
 //!
 //! Every operation is all or nothing: a call that fails (injected or not) leaves no graph, no
 //! executable graph and no queued job behind.
 
-use super::{Job, SimDevice, SimDriver, SimOp, State};
+use super::{Job, SimDevice, SimDriver, SimOp, State, StreamId};
 use crate::driver::graph::{GraphExecHandle, GraphHandle, GraphNodeHandle, Graphs};
 use crate::driver::launch::{Emulation, FunctionHandle};
+use crate::driver::Lane;
 use crate::error::DriverError;
 use cudarc::driver::sys::CUresult;
 use std::collections::HashMap;
@@ -30,7 +34,7 @@ struct Node {
     params: Vec<u64>,
 }
 
-/// A capture in progress on the stream.
+/// A capture in progress on a compute stream.
 pub(super) struct Capture {
     nodes: Vec<Node>,
     /// Set by the first operation the capture could not record.
@@ -69,10 +73,10 @@ fn error(code: CUresult) -> DriverError {
 }
 
 impl State {
-    /// While the stream captures: invalidates the capture and fails with
+    /// While `stream` captures: invalidates the capture and fails with
     /// `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`, for an operation a capture cannot record.
-    pub(super) fn refuse_in_capture(&mut self) -> Result<(), DriverError> {
-        match &mut self.capture {
+    pub(super) fn refuse_in_capture(&mut self, stream: StreamId) -> Result<(), DriverError> {
+        match self.captures.get_mut(&stream) {
             Some(capture) => {
                 capture.invalidated = true;
                 Err(error(CUresult::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED))
@@ -81,22 +85,23 @@ impl State {
         }
     }
 
-    /// Records a launch into the capture in progress. `Ok(false)` when the stream is not
-    /// capturing, so the caller queues it; an error when the capture is already invalidated.
+    /// Records a launch on `stream` into its capture in progress. `Ok(false)` when the stream is
+    /// not capturing, so the caller queues it; an error when the capture is already invalidated.
     pub(super) fn capture_launch(
         &mut self,
+        stream: StreamId,
         function: FunctionHandle,
         emulation: &Arc<dyn Emulation>,
         params: &[u64],
     ) -> Result<bool, DriverError> {
-        let Some(invalidated) = self.capture.as_ref().map(|c| c.invalidated) else {
+        let Some(invalidated) = self.captures.get(&stream).map(|c| c.invalidated) else {
             return Ok(false);
         };
         if invalidated {
             return Err(error(CUresult::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED));
         }
         let id = self.graphs.next_id();
-        if let Some(capture) = &mut self.capture {
+        if let Some(capture) = self.captures.get_mut(&stream) {
             capture.nodes.push(Node {
                 id,
                 function: function.0,
@@ -109,7 +114,8 @@ impl State {
 }
 
 impl SimDevice {
-    /// How many graph replays have been queued on the stream since the device was made.
+    /// How many graph replays have been queued (on any driver's compute stream) since the device
+    /// was made.
     pub fn graph_launches(&self) -> u64 {
         self.lock().graphs.launches
     }
@@ -126,19 +132,23 @@ impl Graphs for SimDriver {
     fn capture_begin(&mut self) -> Result<(), DriverError> {
         let mut s = self.lock();
         s.enter(SimOp::CaptureBegin)?;
-        if s.capture.is_some() {
+        let stream = self.stream(Lane::Compute);
+        if s.captures.contains_key(&stream) {
             return Err(error(CUresult::CUDA_ERROR_ILLEGAL_STATE));
         }
-        s.capture = Some(Capture {
-            nodes: Vec::new(),
-            invalidated: false,
-        });
+        s.captures.insert(
+            stream,
+            Capture {
+                nodes: Vec::new(),
+                invalidated: false,
+            },
+        );
         Ok(())
     }
 
     fn capture_last_node(&mut self) -> Result<GraphNodeHandle, DriverError> {
         let s = self.lock();
-        let Some(capture) = &s.capture else {
+        let Some(capture) = s.captures.get(&self.stream(Lane::Compute)) else {
             return Err(error(CUresult::CUDA_ERROR_STREAM_CAPTURE_UNMATCHED));
         };
         if capture.invalidated {
@@ -154,7 +164,7 @@ impl Graphs for SimDriver {
     fn capture_end(&mut self) -> Result<GraphHandle, DriverError> {
         let mut s = self.lock();
         // The capture ends whatever happens next, so the stream is usable again.
-        let capture = s.capture.take();
+        let capture = s.captures.remove(&self.stream(Lane::Compute));
         s.enter(SimOp::CaptureEnd)?;
         let Some(capture) = capture else {
             return Err(error(CUresult::CUDA_ERROR_STREAM_CAPTURE_UNMATCHED));
@@ -224,7 +234,8 @@ impl Graphs for SimDriver {
     unsafe fn graph_launch(&mut self, exec: GraphExecHandle) -> Result<(), DriverError> {
         let mut s = self.lock();
         s.enter(SimOp::GraphLaunch)?;
-        s.refuse_in_capture()?;
+        let stream = self.stream(Lane::Compute);
+        s.refuse_in_capture(stream)?;
         let Some(exec) = s.graphs.execs.get(&exec.0) else {
             return Err(DriverError::INVALID_VALUE);
         };
@@ -245,7 +256,7 @@ impl Graphs for SimDriver {
             })
             .collect();
         for job in jobs {
-            s.push(job);
+            s.push(stream, job);
         }
         s.graphs.launches += 1;
         Ok(())
@@ -344,9 +355,9 @@ mod tests {
         let mut d = SimDriver::new(dev.clone());
         let (add_module, add) = module(&mut d, "add", false);
         let (_, mul) = module(&mut d, "mul", true);
-        let a = d.alloc(4).unwrap();
-        let b = d.alloc(4).unwrap();
-        let c = d.alloc(4).unwrap();
+        let a = d.alloc(Lane::Compute, 4).unwrap();
+        let b = d.alloc(Lane::Compute, 4).unwrap();
+        let c = d.alloc(Lane::Compute, 4).unwrap();
         let mut s = Setup {
             d,
             dev,
@@ -460,17 +471,25 @@ mod tests {
         let (graph, _) = s.capture();
         let exec = s.d.graph_instantiate(graph).unwrap();
         let two = 2u32.to_le_bytes();
+        let uploaded = s.d.event_create().unwrap();
         // SAFETY: `a`, `b`, `c` stay live; the pageable source is staged by the call.
         unsafe {
             s.d.graph_launch(exec).unwrap();
             s.d.copy_htod(s.a, two.as_ptr(), 4).unwrap();
+            s.d.event_record(Lane::Upload, uploaded).unwrap();
+            s.d.stream_wait(Lane::Compute, uploaded).unwrap();
             s.d.graph_launch(exec).unwrap();
         }
-        // The staged copy ran the stream before it (as CUDA's pageable copy syncs first).
+        // The staged copy ran the device before it (as CUDA's pageable copy syncs first).
         assert_eq!(s.get(s.c), 111);
-        assert_eq!(s.dev.queued(), 3);
+        assert_eq!(
+            s.dev.queued(),
+            5,
+            "the copy, its record, the wait and the replay"
+        );
         s.dev.advance_all();
         assert_eq!((s.get(s.b), s.get(s.c)), (3, 103));
+        assert!(s.dev.violations().is_empty(), "{:?}", s.dev.violations());
         // SAFETY: destroyed once each; every replay has run.
         unsafe {
             s.d.exec_destroy(exec).unwrap();
@@ -479,45 +498,43 @@ mod tests {
         assert_eq!(s.dev.graphs_live(), 0);
     }
 
-    /// Runs the `i`-th kind of stream operation a capture cannot record.
+    /// Runs the `i`-th kind of compute-lane operation a capture cannot record.
     fn refused_op(
         s: &mut Setup,
         i: usize,
         ev: crate::driver::EventHandle,
-        host: &mut [u8; 4],
     ) -> Result<(), DriverError> {
         let (a, b, d) = (s.a, s.b, &mut s.d);
-        // SAFETY: every device pointer is a live 4-byte allocation and `host` is 4 writable
-        // bytes that outlive the test; and while the stream captures, each of these is refused
-        // before it queues anything (which the test checks).
+        // SAFETY: every device pointer is a live 4-byte allocation; and while the compute
+        // stream captures, each of these is refused before it queues anything (which the test
+        // checks).
         unsafe {
             match i {
-                0 => d.alloc(4).map(|_| ()),
+                0 => d.alloc(Lane::Compute, 4).map(|_| ()),
                 1 => d.free(b),
-                2 => d.copy_htod(a, host.as_ptr(), 4),
-                3 => d.copy_dtoh(host.as_mut_ptr(), a, 4),
-                4 => d.copy_dtod(b, a, 4),
-                5 => d.event_record(ev),
-                6 => d.waits().stream_synchronize(),
+                2 => d.copy_dtod(b, a, 4),
+                3 => d.event_record(Lane::Compute, ev),
+                4 => d.stream_wait(Lane::Compute, ev),
+                5 => d.waits().stream_synchronize(),
+                6 => d.waits().lane_synchronize(Lane::Compute),
                 _ => d.waits().stream_query().map(|_| ()),
             }
         }
     }
 
     #[test]
-    fn any_other_stream_operation_invalidates_the_capture() {
+    fn any_other_compute_operation_invalidates_the_capture() {
         let mut s = setup();
         let ev = s.d.event_create().unwrap();
         let (a, b, add) = (s.a, s.b, s.add);
-        let mut host = [0u8; 4];
         let names = [
             "alloc",
             "free",
-            "htod",
-            "dtoh",
             "dtod",
             "event record",
+            "wait",
             "synchronize",
+            "lane synchronize",
             "query",
         ];
         for (i, name) in names.iter().enumerate() {
@@ -525,7 +542,7 @@ mod tests {
             // SAFETY: recorded, never replayed.
             unsafe { s.d.launch(add, 1, 1, &[b, a, 1]).unwrap() };
             assert_eq!(
-                refused_op(&mut s, i, ev, &mut host),
+                refused_op(&mut s, i, ev),
                 Err(capture_error(
                     CUresult::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED
                 )),
@@ -551,6 +568,65 @@ mod tests {
         unsafe { s.d.copy_dtod(b, a, 4).unwrap() };
         s.d.waits().stream_synchronize().unwrap();
         assert_eq!(s.get(s.b), 10);
+    }
+
+    #[test]
+    fn the_copy_lanes_are_not_captured() {
+        let mut s = setup();
+        let ev = s.d.event_create().unwrap();
+        let (a, b, add) = (s.a, s.b, s.add);
+        let mut host = [0u8; 4];
+        s.d.capture_begin().unwrap();
+        // SAFETY: recorded; the replay below keeps `a` and `b` live.
+        unsafe { s.d.launch(add, 1, 1, &[b, a, 1]).unwrap() };
+        // SAFETY: `a` is a live 4-byte allocation and `host` 4 writable bytes; the download
+        // into pageable memory completes within its call.
+        unsafe { s.d.copy_dtoh(host.as_mut_ptr(), a, 4).unwrap() };
+        assert_eq!(u32::from_le_bytes(host), 10, "queued and run, not captured");
+        let up = s.d.alloc(Lane::Upload, 4).unwrap();
+        s.d.event_record(Lane::Upload, ev).unwrap();
+        s.d.stream_wait(Lane::Download, ev).unwrap();
+        s.d.waits().lane_synchronize(Lane::Download).unwrap();
+        // SAFETY: recorded, as above.
+        unsafe { s.d.launch(add, 1, 1, &[s.c, b, 100]).unwrap() };
+        let graph = s.d.capture_end().unwrap();
+        let exec = s.d.graph_instantiate(graph).unwrap();
+        // SAFETY: `a`, `b`, `c` stay live until the replay has run.
+        unsafe { s.d.graph_launch(exec).unwrap() };
+        assert_eq!(s.dev.queued(), 2, "both launches were captured");
+        s.d.waits().stream_synchronize().unwrap();
+        assert_eq!((s.get(s.b), s.get(s.c)), (11, 111));
+        // SAFETY: destroyed once each; the replay has run; `up` is unused.
+        unsafe {
+            s.d.exec_destroy(exec).unwrap();
+            s.d.graph_destroy(graph).unwrap();
+            s.d.free(up).unwrap();
+        }
+        assert!(s.dev.violations().is_empty(), "{:?}", s.dev.violations());
+    }
+
+    #[test]
+    fn a_capture_belongs_to_its_drivers_compute_stream() {
+        let mut s = setup();
+        let mut other = SimDriver::new(s.dev.clone());
+        let (a, b, add) = (s.a, s.b, s.add);
+        s.d.capture_begin().unwrap();
+        // The other driver (another engine on the device) is not capturing.
+        other.capture_begin().unwrap();
+        let empty = other.capture_end().unwrap();
+        // SAFETY: `a` and `b` are live and disjoint; the copy runs below.
+        unsafe { other.copy_dtod(b, a, 4).unwrap() };
+        other.waits().stream_synchronize().unwrap();
+        assert_eq!(s.get(b), 10, "the other driver's copy ran");
+        // SAFETY: recorded, never replayed.
+        unsafe { s.d.launch(add, 1, 1, &[b, a, 1]).unwrap() };
+        let graph = s.d.capture_end().unwrap();
+        // SAFETY: destroyed once each.
+        unsafe {
+            other.graph_destroy(empty).unwrap();
+            s.d.graph_destroy(graph).unwrap();
+        }
+        assert_eq!(s.dev.graphs_live(), 0);
     }
 
     #[test]

@@ -4,15 +4,16 @@
 //! [`Emulation`] of its kernel (the crate's elementwise kernels register theirs), and a launch
 //! queues a job that runs the emulation against the device's memory when the device clock
 //! reaches it, so a kernel's output is unwritten until then, exactly as on a GPU. What the
-//! emulation touches outside every live allocation is recorded as a violation. Any other module
-//! is refused with a typed [`Error::Unavailable`]. While the stream captures, a launch is
-//! recorded into the capture instead of queued (see the graph half).
+//! emulation touches outside every live allocation is recorded as a violation, and what it reads
+//! and writes inside them is checked for races against the other lanes like any job's accesses.
+//! Any other module is refused with a typed [`Error::Unavailable`]. While the compute stream
+//! captures, a launch is recorded into the capture instead of queued (see the graph half).
 
 use super::{Job, SimDriver, SimOp, State};
 use crate::driver::launch::{
     DeviceMemory, Emulation, FunctionHandle, Launch, ModuleHandle, ModuleSource,
 };
-use crate::driver::DevicePtr;
+use crate::driver::{DevicePtr, Lane};
 use crate::error::{DriverError, Error};
 use std::sync::Arc;
 
@@ -29,13 +30,16 @@ impl State {
     }
 }
 
-/// What an emulation reads and writes: the device's memory as of the jobs that have run.
+/// What an emulation reads and writes: the device's memory as of the jobs that have run. Each
+/// access counts as one of the running launch's, for the race checker.
 impl DeviceMemory for State {
     fn read(&mut self, ptr: DevicePtr, bytes: usize) -> Option<Vec<u8>> {
+        self.access(ptr, false);
         self.block_mut(ptr, bytes).map(|s| s.to_vec())
     }
 
     fn write(&mut self, ptr: DevicePtr, data: &[u8]) -> bool {
+        self.access(ptr, true);
         match self.block_mut(ptr, data.len()) {
             Some(out) => {
                 out.copy_from_slice(data);
@@ -99,13 +103,17 @@ impl Launch for SimDriver {
         let mut s = self.lock();
         s.enter(SimOp::Launch)?;
         let emulation = s.emulation(function)?;
-        if s.capture_launch(function, &emulation, params)? {
+        let stream = self.stream(Lane::Compute);
+        if s.capture_launch(stream, function, &emulation, params)? {
             return Ok(());
         }
-        s.push(Job::Launch {
-            emulation,
-            params: params.to_vec(),
-        });
+        s.push(
+            stream,
+            Job::Launch {
+                emulation,
+                params: params.to_vec(),
+            },
+        );
         Ok(())
     }
 }
