@@ -6,8 +6,8 @@ mod common;
 use common::Fault;
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{
-    download_pending, upload_pending, upload_tensor, CudaEngine, DriverError, Error,
-    PendingFuture, PendingUpload, PinnedHostBuffer, Upload,
+    download_pending, upload_pending, upload_tensor, CudaEngine, DriverError, Error, PendingFuture,
+    PendingUpload, PinnedHostBuffer, Upload,
 };
 use std::future::{Future, IntoFuture};
 use std::pin::Pin;

@@ -150,8 +150,13 @@ impl State {
     /// are dropped once the lock is released.
     fn poll_retired(&mut self, waits: &dyn Waits, mode: Poll) {
         let mut proved = [0; 3];
-        self.retire
-            .poll(waits, &mut self.events, &mut self.released, &mut proved, mode);
+        self.retire.poll(
+            waits,
+            &mut self.events,
+            &mut self.released,
+            &mut proved,
+            mode,
+        );
         // Each released record's event proved its lane complete up to its record.
         self.order.settled(proved);
     }

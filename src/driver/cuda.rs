@@ -332,9 +332,7 @@ impl Driver for CudaDriver {
     fn event_record(&mut self, lane: Lane, event: EventHandle) -> Result<(), DriverError> {
         // SAFETY: handles of this driver only reach here (`EventHandle` is crate-private and
         // minted by `event_create`); the event is live until `event_destroy`.
-        DriverError::check(unsafe {
-            sys::cuEventRecord(event.0 as sys::CUevent, self.lane(lane))
-        })
+        DriverError::check(unsafe { sys::cuEventRecord(event.0 as sys::CUevent, self.lane(lane)) })
     }
 
     fn stream_wait(&mut self, lane: Lane, event: EventHandle) -> Result<(), DriverError> {

@@ -170,6 +170,10 @@ pub enum SimOp {
     NotifyAfter,
     /// A lane's wait for an event recorded on another (`cuStreamWaitEvent`).
     StreamWait,
+    /// Creation of an event that only orders lanes (see `Driver::ordering_event_create`).
+    OrderEventCreate,
+    /// A record of such an event.
+    OrderRecord,
 }
 
 /// `CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED`.
@@ -218,13 +222,17 @@ enum Job {
     },
     Free(DevicePtr),
     Marker,
+    /// The record of an event that only orders lanes: it takes no device time, so it runs as
+    /// soon as it reaches its stream's head, outside the clock.
+    OrderMarker,
     /// A kernel launch, run by its module's emulation when the stream reaches it.
     Launch {
         emulation: Arc<dyn Emulation>,
         params: Vec<u64>,
     },
     /// A wait for another stream: it may run only once the job `for_seq` (an event record's
-    /// marker) has run, and holds its stream until then.
+    /// marker) has run, and holds its stream until then. It takes no device time: it runs as
+    /// soon as it can, outside the clock.
     Wait {
         for_seq: u64,
     },
@@ -248,9 +256,15 @@ impl Job {
             Job::DtoD { .. } => "device-to-device copy",
             Job::Free(_) => "free",
             Job::Marker => "event record",
+            Job::OrderMarker => "ordering event record",
             Job::Launch { .. } => "kernel launch",
             Job::Wait { .. } => "wait",
         }
+    }
+
+    /// Whether the job only orders streams: it takes no device time and no step of the clock.
+    fn orders_only(&self) -> bool {
+        matches!(self, Job::OrderMarker | Job::Wait { .. })
     }
 }
 
@@ -299,6 +313,8 @@ struct Running {
 }
 
 struct SimEvent {
+    /// Whether it only orders lanes (made by `ordering_event_create`).
+    ordering: bool,
     /// Sequence number of the marker of the last record, if recorded.
     recorded: Option<u64>,
     /// The error this record reports once the device reaches it.
@@ -318,6 +334,8 @@ struct State {
     streams: BTreeMap<StreamId, VecDeque<(u64, Job)>>,
     /// Every queued job's stream, by sequence number: a job queued and not here has run.
     pending: BTreeMap<u64, StreamId>,
+    /// How many of the pending jobs only order streams (ordering records and waits).
+    ordering_pending: usize,
     /// Sequence numbers are global: the order of the calls that queued the jobs.
     next_seq: u64,
     /// The first stream of the next driver made on the device.
@@ -405,6 +423,7 @@ impl SimDevice {
             next_addr: 0x7f00_0000_0000,
             streams: BTreeMap::new(),
             pending: BTreeMap::new(),
+            ordering_pending: 0,
             next_seq: 0,
             next_stream: 0,
             schedule: Schedule::InOrder,
@@ -495,9 +514,11 @@ impl SimDevice {
         self.advance(usize::MAX)
     }
 
-    /// How many operations are queued and not yet run, on every stream.
+    /// How many operations are queued and not yet run, on every stream. Ordering records and
+    /// cross-stream waits take no device time and are not counted: they run as soon as they can.
     pub fn queued(&self) -> usize {
-        self.lock().pending.len()
+        let s = self.lock();
+        s.pending.len() - s.ordering_pending
     }
 
     /// How many queued operations have run since the device was made.
@@ -558,7 +579,13 @@ impl SimDevice {
 
     /// Live events (created and not destroyed).
     pub fn events_live(&self) -> usize {
-        self.lock().events.len()
+        self.lock().events.values().filter(|e| !e.ordering).count()
+    }
+
+    /// Live events that only order one stream after another (the engine makes at most one per
+    /// stream, and destroys them at teardown).
+    pub fn ordering_events_live(&self) -> usize {
+        self.lock().events.values().filter(|e| e.ordering).count()
     }
 
     /// Lifecycle violations the device observed, such as pinned memory freed while a queued copy
@@ -711,16 +738,44 @@ impl State {
         self.host_used + self.registered_used
     }
 
-    /// Queues `job` at the end of `stream`; returns its sequence number.
+    /// Queues `job` at the end of `stream`; returns its sequence number. An ordering job that
+    /// can run at once (at its stream's head, and for a wait, what it waits for done) runs now.
     fn push(&mut self, stream: StreamId, job: Job) -> u64 {
         let seq = self.next_seq;
         self.next_seq += 1;
+        if job.orders_only() {
+            self.ordering_pending += 1;
+        }
         self.streams
             .entry(stream)
             .or_default()
             .push_back((seq, job));
         self.pending.insert(seq, stream);
+        self.run_ordering();
         seq
+    }
+
+    /// Runs every ordering job that can run: a stream head that is an ordering record, or a
+    /// wait whose record has run. They take no device time, so no step of the clock.
+    fn run_ordering(&mut self) {
+        loop {
+            let ready: Vec<StreamId> = self
+                .streams
+                .iter()
+                .filter(|(_, queue)| match queue.front() {
+                    Some((_, Job::OrderMarker)) => true,
+                    Some((_, Job::Wait { for_seq })) => self.is_done(*for_seq),
+                    _ => false,
+                })
+                .map(|(&id, _)| id)
+                .collect();
+            if ready.is_empty() {
+                return;
+            }
+            for stream in ready {
+                self.run_job(stream);
+            }
+        }
     }
 
     /// Whether job `seq` has run (a number never given out has not).
@@ -826,8 +881,15 @@ impl State {
         }
     }
 
-    /// Runs the head of `stream`, which must be able to run.
+    /// Runs the head of `stream`, which must be able to run, then the ordering jobs it lets
+    /// run.
     fn run_head(&mut self, stream: StreamId) {
+        self.run_job(stream);
+        self.run_ordering();
+    }
+
+    /// Runs the head of `stream`, which must be able to run.
+    fn run_job(&mut self, stream: StreamId) {
         let Some(queue) = self.streams.get_mut(&stream) else {
             return;
         };
@@ -838,6 +900,10 @@ impl State {
             self.streams.remove(&stream);
         }
         self.pending.remove(&seq);
+        let counted = !job.orders_only();
+        if !counted {
+            self.ordering_pending -= 1;
+        }
         self.running = Some(Running {
             seq,
             kind: job.kind(),
@@ -902,7 +968,7 @@ impl State {
                         .push(format!("free of unknown device pointer {ptr:#x}")),
                 }
             }
-            Job::Marker | Job::Wait { .. } => {}
+            Job::Marker | Job::OrderMarker | Job::Wait { .. } => {}
             Job::Launch { emulation, params } => {
                 if let Err(violation) = emulation.run(self, &params) {
                     self.violations.push(violation);
@@ -910,7 +976,9 @@ impl State {
             }
         }
         self.running = None;
-        self.completed_jobs += 1;
+        if counted {
+            self.completed_jobs += 1;
+        }
         if let Some(wakes) = self.wakes.remove(&seq) {
             self.woken.extend(wakes);
         }
@@ -982,6 +1050,23 @@ impl SimDriver {
     fn stream(&self, lane: Lane) -> StreamId {
         self.streams + lane.index()
     }
+
+    /// Creates an event, counted as `op`; `ordering` for one that only orders lanes.
+    fn create_event(&mut self, op: SimOp, ordering: bool) -> Result<EventHandle, DriverError> {
+        let mut s = self.lock();
+        s.enter(op)?;
+        let id = s.next_event;
+        s.next_event += 1;
+        s.events.insert(
+            id,
+            SimEvent {
+                ordering,
+                recorded: None,
+                fault: None,
+            },
+        );
+        Ok(EventHandle(id))
+    }
 }
 
 impl Driver for SimDriver {
@@ -1040,9 +1125,9 @@ impl Driver for SimDriver {
         Ok(ptr)
     }
 
-    unsafe fn free(&mut self, _lane: Lane, ptr: DevicePtr) -> Result<(), DriverError> {
+    unsafe fn free(&mut self, lane: Lane, ptr: DevicePtr) -> Result<(), DriverError> {
         let mut s = self.lock();
-        let stream = self.stream(Lane::Compute);
+        let stream = self.stream(lane);
         s.enter_stream(SimOp::Free, stream)?;
         s.push(stream, Job::Free(ptr));
         Ok(())
@@ -1104,23 +1189,24 @@ impl Driver for SimDriver {
     }
 
     fn event_create(&mut self) -> Result<EventHandle, DriverError> {
-        let mut s = self.lock();
-        s.enter(SimOp::EventCreate)?;
-        let id = s.next_event;
-        s.next_event += 1;
-        s.events.insert(
-            id,
-            SimEvent {
-                recorded: None,
-                fault: None,
-            },
-        );
-        Ok(EventHandle(id))
+        self.create_event(SimOp::EventCreate, false)
+    }
+
+    fn ordering_event_create(&mut self) -> Result<EventHandle, DriverError> {
+        self.create_event(SimOp::OrderEventCreate, true)
     }
 
     fn event_record(&mut self, lane: Lane, event: EventHandle) -> Result<(), DriverError> {
         let mut s = self.lock();
         let stream = self.stream(lane);
+        if s.event(event)?.ordering {
+            // An ordering record: no device time, no fault of the work before it (the proofs'
+            // records model those), counted apart.
+            s.enter_stream(SimOp::OrderRecord, stream)?;
+            let seq = s.push(stream, Job::OrderMarker);
+            s.event(event)?.recorded = Some(seq);
+            return Ok(());
+        }
         s.enter_stream(SimOp::EventRecord, stream)?;
         s.event(event)?;
         let n = s.calls[&SimOp::EventRecord];
@@ -1416,12 +1502,16 @@ mod tests {
             d.stream_wait(Lane::Download, uploaded).unwrap();
             d.copy_dtoh(back.as_mut_ptr(), ptr, 64).unwrap();
         }
-        assert_eq!(dev.queued(), 4, "two copies, a record and a wait");
+        assert_eq!(
+            dev.queued(),
+            3,
+            "two copies and a record (a wait takes no device time)"
+        );
         assert_eq!(back, &[0xEE; 64][..], "nothing ran yet");
         assert_eq!(dev.advance(1), 1);
         assert_eq!(dev.peek(ptr, 64).unwrap(), src, "the upload ran");
         assert_eq!(back, &[0xEE; 64][..], "the download did not");
-        dev.advance(3);
+        dev.advance(2);
         assert_eq!(back, src);
         assert_eq!(dev.advance(5), 0);
         assert!(dev.violations().is_empty(), "{:?}", dev.violations());
@@ -1495,7 +1585,7 @@ mod tests {
         d.event_record(Lane::Compute, a).unwrap();
         let ptr = d.alloc(Lane::Compute, 4).unwrap();
         // SAFETY: `ptr` is live; the free is the last use.
-        unsafe { d.free(ptr).unwrap() };
+        unsafe { d.free(Lane::Compute, ptr).unwrap() };
         d.waits().event_synchronize(a).unwrap();
         assert_eq!(dev.queued(), 1, "the later free is still queued");
         assert_eq!(dev.device_live(), (1, 4));
@@ -1598,7 +1688,7 @@ mod tests {
         d.event_record(Lane::Compute, e).unwrap();
         let ptr = d.alloc(Lane::Compute, 4).unwrap();
         // SAFETY: `ptr` is live; the free is its last use.
-        unsafe { d.free(ptr).unwrap() };
+        unsafe { d.free(Lane::Compute, ptr).unwrap() };
         let count = Arc::new(AtomicU64::new(0));
         d.notify_after(e, counting_wake(&dev, &count)).unwrap();
         assert_eq!(count.load(Ordering::SeqCst), 1);
@@ -1670,7 +1760,7 @@ mod tests {
             d.copy_dtoh(down, ptr, 32).unwrap();
             std::ptr::write_bytes(up, 9, 32);
         }
-        assert_eq!(dev.queued(), 4, "neither copy ran at its call");
+        assert_eq!(dev.queued(), 3, "neither copy ran at its call");
         // SAFETY: `down` holds 32 initialised bytes; the download has not run.
         assert_eq!(unsafe { std::slice::from_raw_parts(down, 32) }, [0xEE; 32]);
         dev.advance_all();
@@ -1726,7 +1816,7 @@ mod tests {
         let a = d.alloc(Lane::Compute, 60).unwrap();
         assert_eq!(d.alloc(Lane::Compute, 60), Err(DriverError::OUT_OF_MEMORY));
         // SAFETY: `a` is live and unused.
-        unsafe { d.free(a).unwrap() };
+        unsafe { d.free(Lane::Compute, a).unwrap() };
         d.waits().stream_synchronize().unwrap();
         assert!(d.alloc(Lane::Compute, 60).is_ok());
     }
@@ -1806,7 +1896,11 @@ mod tests {
             d.launch(function, 1, 1, &[b, a, 4]).unwrap();
             d.launch(function, 1, 1, &[b, 0x10, 4]).unwrap();
         }
-        assert_eq!(dev.advance(4), 4);
+        assert_eq!(
+            dev.advance(3),
+            3,
+            "the copy, its record and a launch (not the wait)"
+        );
         assert_eq!(dev.peek(b, 4).unwrap(), [1, 2, 3, 4]);
         assert!(dev.violations().is_empty());
         dev.advance_all();
@@ -1915,7 +2009,11 @@ mod tests {
         upload(&mut d, b, src);
         d.event_record(Lane::Upload, e).unwrap(); // a later record: the wait keeps the first
         download(&mut d, back, a);
-        assert_eq!(dev.queued(), 6);
+        assert_eq!(
+            dev.queued(),
+            5,
+            "three copies and two records (a wait takes no device time)"
+        );
         d.waits().lane_synchronize(Lane::Download).unwrap();
         assert_eq!(back, src);
         assert_eq!(
@@ -2109,7 +2207,7 @@ mod tests {
         unsafe {
             d.launch(function, 1, 1, &[b, a, 4]).unwrap(); // seq 0: writes `b`
             d.copy_dtoh(back.as_mut_ptr(), b, 4).unwrap(); // seq 1: reads `b`, unordered
-            d.free(b).unwrap(); // seq 2: frees `b`, unordered with the download
+            d.free(Lane::Compute, b).unwrap(); // seq 2: frees `b`, unordered with the download
         }
         // The download's lane alone: it runs before the launch and the free.
         d.waits().lane_synchronize(Lane::Download).unwrap();
@@ -2128,7 +2226,7 @@ mod tests {
         // before the free but not ordered before it, is reported.
         unsafe {
             d.copy_dtoh(back.as_mut_ptr(), c, 4).unwrap(); // seq 3
-            d.free(c).unwrap(); // seq 4
+            d.free(Lane::Compute, c).unwrap(); // seq 4
         }
         d.waits().lane_synchronize(Lane::Compute).unwrap();
         assert_eq!(dev.device_live(), (1, 4), "the free ran");

@@ -273,12 +273,13 @@ fn settle<R: Send + 'static>(
     done: std::result::Result<bool, DriverError>,
 ) -> Result<Settled<R>> {
     match done {
-        Ok(true) => Ok(Settled::Done({
-            // The lane runs in order: everything queued on it before the record is done too.
-            let (lane, upto) = inner.covers;
-            inner.owner.proven.prove(lane, upto);
-            ManuallyDrop::into_inner(inner.resources)
-        },
+        Ok(true) => Ok(Settled::Done(
+            {
+                // The lane runs in order: everything queued on it before the record is done too.
+                let (lane, upto) = inner.covers;
+                inner.owner.proven.prove(lane, upto);
+                ManuallyDrop::into_inner(inner.resources)
+            },
             IdleEvent {
                 event: Some(inner.event),
                 owner: inner.owner,
@@ -311,13 +312,12 @@ impl<R: Send + 'static> Drop for Fenced<R> {
             return; // `inner` leaks: sound
         };
         if !st.torn_down {
-            st.retire
-                .push(Record::new(
-                    inner.event,
-                    inner.resources,
-                    inner.what,
-                    inner.covers,
-                ));
+            st.retire.push(Record::new(
+                inner.event,
+                inner.resources,
+                inner.what,
+                inner.covers,
+            ));
             return;
         }
         // The engine is gone and nobody drains its queue: prove completion here, outside the

@@ -18,11 +18,11 @@ use crate::core::context::ContextScope;
 use crate::core::engine::{CudaEngine, Shared};
 use crate::core::order::Use;
 use crate::driver::Lane;
-use std::sync::Mutex;
 use crate::error::{Error, Result};
 use crate::memory::element::Element;
 use crate::memory::tensor::DeviceTensor;
 use std::marker::PhantomData;
+use std::sync::Mutex;
 
 /// Marks a handle as tied to the scope `'s` and to the calling thread: invariant in `'s` (the
 /// `fn(&'s ()) -> &'s ()`, so the brand can be neither shortened nor lengthened) and neither
@@ -151,7 +151,10 @@ impl<'s, 'env> RawScope<'s, 'env> {
         self.shared
             .check_owner(tensor.device(), tensor.engine_id())?;
         if !tensor.is_empty() {
-            self.lent.lock().unwrap_or_else(|e| e.into_inner()).push(usage);
+            self.lent
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(usage);
         }
         Ok(RawDevicePtr {
             raw: tensor.raw_ptr(),

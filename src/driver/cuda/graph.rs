@@ -75,7 +75,8 @@ impl Graphs for CudaDriver {
         // SAFETY: the stream belongs to this driver's context, which is current; the out pointer
         // is valid for one write. Ending the capture is what the caller must do after every
         // successful `capture_begin`, also when the capture was invalidated.
-        let code = unsafe { sys::cuStreamEndCapture(self.lane(crate::driver::Lane::Compute), &mut graph) };
+        let code =
+            unsafe { sys::cuStreamEndCapture(self.lane(crate::driver::Lane::Compute), &mut graph) };
         match (DriverError::check(code), graph.is_null()) {
             (Ok(()), false) => Ok(GraphHandle(graph as u64)),
             (Ok(()), true) => Err(DriverError::UNKNOWN),
@@ -150,7 +151,12 @@ impl Graphs for CudaDriver {
         // SAFETY: `exec` is live (minted by `graph_instantiate`, live until `exec_destroy`); the
         // caller guarantees every node's memory contract for this replay; the stream belongs to
         // the current context.
-        DriverError::check(unsafe { sys::cuGraphLaunch(exec.0 as sys::CUgraphExec, self.lane(crate::driver::Lane::Compute)) })
+        DriverError::check(unsafe {
+            sys::cuGraphLaunch(
+                exec.0 as sys::CUgraphExec,
+                self.lane(crate::driver::Lane::Compute),
+            )
+        })
     }
 
     unsafe fn exec_destroy(&mut self, exec: GraphExecHandle) -> Result<(), DriverError> {

@@ -20,9 +20,9 @@
 
 use super::compile::{Loc, OutputKind, Program, Step};
 use crate::core::engine::{CudaEngine, Entered, Shared};
+use crate::core::order::Use;
 use crate::driver::graph::{GraphExecHandle, GraphHandle, GraphNodeHandle};
 use crate::driver::launch::{FunctionHandle, ModuleHandle};
-use crate::core::order::Use;
 use crate::driver::{DevicePtr, Lane};
 use crate::dtype::DType;
 use crate::error::{Error, Result};

@@ -309,7 +309,11 @@ impl CudaEngine {
         if m == 0 || n == 0 {
             return Ok(());
         }
-        let uses = [Use::Read(a.raw_ptr()), Use::Read(b.raw_ptr()), Use::Write(c.raw_ptr())];
+        let uses = [
+            Use::Read(a.raw_ptr()),
+            Use::Read(b.raw_ptr()),
+            Use::Write(c.raw_ptr()),
+        ];
         st.order_uses(Lane::Compute, &uses)?;
         // SAFETY: the handle is the engine's, bound to its stream, with its context current;
         // every operand was checked above to hold the elements cuBLAS reads or writes; `a` and

@@ -184,7 +184,11 @@ impl CudaEngine {
             return Ok(());
         }
         {
-            let uses = [Use::Read(a.raw_ptr()), Use::Read(b.raw_ptr()), Use::Write(c.raw_ptr())];
+            let uses = [
+                Use::Read(a.raw_ptr()),
+                Use::Read(b.raw_ptr()),
+                Use::Write(c.raw_ptr()),
+            ];
             st.order_uses(Lane::Compute, &uses)?;
         }
         let fail = |call: &'static str| {
