@@ -1455,7 +1455,13 @@ impl Waits for SimWaits {
         let done = |s: &State| s.streams_idle([stream]);
         let run = |s: &mut State| {
             if let Some(last) = s.last_on(stream) {
-                s.run_through(last);
+                match s.schedule {
+                    // Program order: everything queued before the lane's last job runs first,
+                    // as on one stream.
+                    Schedule::InOrder => s.run_until(last),
+                    // Only the lane and what it waits for, as a GPU runs it.
+                    Schedule::Interleaved { .. } => s.run_through(last),
+                }
             }
         };
         drop(self.wait_for(s, done, run));
@@ -1990,6 +1996,8 @@ mod tests {
     #[test]
     fn a_wait_is_fixed_when_it_is_queued() {
         let (mut d, dev) = driver();
+        // Only an interleaved schedule runs a lane apart from program order.
+        dev.set_schedule(Schedule::Interleaved { seed: 1 });
         let src = pinned(&mut d, 4, |i| i as u8 + 1);
         let back = pinned(&mut d, 4, |_| 0xEE);
         let (a, b) = (
@@ -2048,6 +2056,8 @@ mod tests {
     #[test]
     fn a_lane_synchronize_runs_only_its_lane_and_what_it_waits_for() {
         let (mut d, dev) = driver();
+        // Only an interleaved schedule runs a lane apart from program order.
+        dev.set_schedule(Schedule::Interleaved { seed: 1 });
         let src = pinned(&mut d, 4, |i| i as u8 + 1);
         let back = pinned(&mut d, 4, |_| 0xEE);
         let (x, y) = (
@@ -2189,6 +2199,8 @@ mod tests {
     fn the_race_checker_sees_launches_and_frees() {
         use crate::driver::launch::{Launch, ModuleSource};
         let (mut d, dev) = driver();
+        // Only an interleaved schedule runs a lane apart from program order.
+        dev.set_schedule(Schedule::Interleaved { seed: 1 });
         let module = d
             .module_compile(&ModuleSource {
                 name: "copy",
@@ -2248,6 +2260,8 @@ mod tests {
     #[test]
     fn two_drivers_on_one_device_have_separate_streams() {
         let (mut d, dev) = driver();
+        // Only an interleaved schedule runs a lane apart from program order.
+        dev.set_schedule(Schedule::Interleaved { seed: 1 });
         let mut other = SimDriver::new(dev.clone());
         let src = pinned(&mut d, 4, |i| i as u8 + 1);
         let (a, b) = (
