@@ -36,7 +36,9 @@
 //!   between the two is the host cost of one cross-stream dependency;
 //!   `download_submit_16B_after_kernel`: submitting a 16-byte pending download of a tensor a
 //!   kernel has just written (one dependency), beside `download_submit_16B_resident`, the same
-//!   submission of a tensor written long ago (none). The bench prints both differences.
+//!   submission of a tensor written long ago (none); `raw_record_and_stream_wait`: the two driver
+//!   calls one dependency takes, raw (`cuEventRecord` on one stream, `cuStreamWaitEvent` on
+//!   another). The bench prints both differences and the raw figure.
 //!
 //! The raw baselines run on streams of their own (`CU_STREAM_NON_BLOCKING`) in the engine's
 //! context, so they do not depend on how many streams the engine uses.
@@ -825,17 +827,35 @@ fn ordering_cost(c: &mut Criterion, engine: &mut CudaEngine) {
             idle_source.push(total, iters)
         })
     });
+    // The raw price of one dependency between two streams: an event record on one and a wait
+    // for it on the other, the two driver calls the engine makes for it.
+    let raw = Raw::new(engine);
+    let (from, to, event) = (raw.stream(), raw.stream(), raw.event());
+    let raw_dependency = Samples::default();
+    group.bench_function("raw_record_and_stream_wait", |b| {
+        b.iter_custom(|iters| {
+            let start = Instant::now();
+            for _ in 0..iters {
+                record(event, from);
+                stream_wait(to, event);
+            }
+            raw_dependency.push(start.elapsed(), iters)
+        })
+    });
     group.finish();
+    sync_stream(to);
+    drop(raw);
 
     let (after_kernel, idle_source) = (after_kernel.median(), idle_source.median());
     println!(
         "full_duplex: ordering_cost: upload submit {:?}; launch {launch_resident:?} on a \
          resident tensor, {launch_in_flight:?} on an in-flight destination (one dependency: \
          {:+.2} us); download submit {after_kernel:?} after a kernel, {idle_source:?} of a \
-         resident tensor (one dependency: {:+.2} us)",
+         resident tensor (one dependency: {:+.2} us); raw event record + stream wait {:?}",
         submit.median(),
         (launch_in_flight.as_secs_f64() - launch_resident.as_secs_f64()) * 1e6,
         (after_kernel.as_secs_f64() - idle_source.as_secs_f64()) * 1e6,
+        raw_dependency.median(),
     );
 }
 

@@ -4,6 +4,8 @@
 
 #![allow(dead_code)]
 
+pub mod duplex;
+
 use cuferry::{bf16, f16, DType, Element};
 
 /// xorshift64*: small, seeded, deterministic.

@@ -9,6 +9,7 @@ mod reference;
 
 #[cfg(feature = "cubecl")]
 mod cubecl;
+mod duplex;
 mod engine;
 mod handoff;
 mod kernels;
