@@ -469,9 +469,10 @@ impl Waits for CudaWaits {
     }
 
     fn lane_synchronize(&self, lane: Lane) -> Result<(), DriverError> {
-        // SAFETY: the stream is live for the driver's lifetime.
+        let stream = self.streams[lane.index()];
         self.in_context(|| {
-            DriverError::check(unsafe { sys::cuStreamSynchronize(self.streams[lane.index()]) })
+            // SAFETY: the stream is live for the driver's lifetime.
+            DriverError::check(unsafe { sys::cuStreamSynchronize(stream) })
         })
     }
 
