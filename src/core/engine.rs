@@ -141,6 +141,30 @@ impl State {
         }
     }
 
+    /// Queues a copy between host memory and device memory inside the tensor at `tensor` on the
+    /// copy lane of its direction (upload when `upload`), ordered after the tensor's uses on the
+    /// other lanes, and records the copy's use of it. Returns the lane, where the caller fences
+    /// the copy. Nothing is queued when a wait or the copy is refused.
+    ///
+    /// # Safety
+    /// As [`copy_host`](crate::driver::copy_host); `device..device+bytes` lies in the tensor.
+    pub(crate) unsafe fn queue_host_copy(
+        &mut self,
+        upload: bool,
+        tensor: DevicePtr,
+        device: DevicePtr,
+        host: *mut u8,
+        bytes: usize,
+    ) -> Result<Lane> {
+        let lane = Lane::of_copy(upload);
+        let uses = [Use::of_copy(upload, tensor)];
+        self.order.prepare(&mut *self.driver, lane, &uses)?;
+        // SAFETY: the caller's contract.
+        unsafe { crate::driver::copy_host(&mut *self.driver, upload, device, host, bytes) }?;
+        self.order.mark(lane, &uses);
+        Ok(lane)
+    }
+
     /// Records a failure for the next `flush` or `synchronize`.
     pub(crate) fn defer(&mut self, error: Error) {
         self.deferred.push(error);

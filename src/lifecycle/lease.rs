@@ -28,8 +28,7 @@
 
 use super::fence::{fence, synchronize_now, Fenced, Fencing, IdleEvent, Untracked as Unfenced};
 use crate::core::engine::{CudaEngine, Shared};
-use crate::core::order::Use;
-use crate::driver::{copy_host, Lane};
+
 use crate::error::{Error, Result};
 use crate::memory::element::Element;
 use crate::memory::pinned::PinnedHostBuffer;
@@ -341,24 +340,17 @@ impl StagingLease<Proven> {
             Ok(st) => st,
             Err(error) => return Err(BeginError::NotQueued { lease: self, error }),
         };
-        let lane = Lane::of_copy(upload);
-        let uses = [Use::of_copy(upload, tensor.raw_ptr())];
-        let queued = {
-            let st = &mut *st;
-            st.order
-                .prepare(&mut *st.driver, lane, &uses)
-                .and_then(|()| {
-                    // SAFETY: the slot holds at least `bytes` bytes and is fenced below
-                    // (unreachable until its event proves the copy complete); the device range
-                    // lies in the tensor, whose free is ordered after this copy.
-                    unsafe { copy_host(&mut *st.driver, upload, device, host, bytes) }
-                })
+        // SAFETY: the slot holds at least `bytes` bytes and is fenced below (unreachable until
+        // its event proves the copy complete); the device range lies in the tensor, whose free
+        // is ordered after this copy.
+        let queued = unsafe { st.queue_host_copy(upload, tensor.raw_ptr(), device, host, bytes) };
+        let lane = match queued {
+            Ok(lane) => lane,
+            Err(error) => {
+                drop(st);
+                return Err(BeginError::NotQueued { lease: self, error });
+            }
         };
-        if let Err(error) = queued {
-            drop(st);
-            return Err(BeginError::NotQueued { lease: self, error });
-        }
-        st.order.mark(lane, &uses);
         let ProvenSlot { slot, event } = self.hold;
         let event = event.map(IdleEvent::into_raw);
         match fence(&mut st, owner, lane, slot, event, "staging chunk") {
@@ -536,28 +528,20 @@ impl CudaEngine {
         }
         // From the enqueue until the proof, a panic leaks the slot.
         let slot = ManuallyDrop::new(slot);
-        let upload = host.is_upload();
-        let lane = Lane::of_copy(upload);
-        let uses = [Use::of_copy(upload, tensor.raw_ptr())];
-        let queued = {
-            let st = &mut *st;
-            st.order
-                .prepare(&mut *st.driver, lane, &uses)
-                .and_then(|()| {
-                    // SAFETY: the slot holds at least `bytes` bytes and is not returned to the
-                    // ring before the synchronize below proves the copy complete (or ever, if it
-                    // fails); the device range is the tensor's first `bytes` bytes, and the
-                    // tensor is borrowed for the call.
-                    unsafe { copy_host(&mut *st.driver, upload, tensor.raw_ptr(), ptr, bytes) }
-                })
+        let device = tensor.raw_ptr();
+        // SAFETY: the slot holds at least `bytes` bytes and is not returned to the ring before
+        // the synchronize below proves the copy complete (or ever, if it fails); the device range
+        // is the tensor's first `bytes` bytes, and the tensor is borrowed for the call.
+        let queued = unsafe { st.queue_host_copy(host.is_upload(), device, device, ptr, bytes) };
+        let lane = match queued {
+            Ok(lane) => lane,
+            Err(error) => {
+                drop(st);
+                // Nothing was queued: the slot goes back to the ring.
+                drop(ManuallyDrop::into_inner(slot));
+                return Err(error);
+            }
         };
-        if let Err(error) = queued {
-            drop(st);
-            // Nothing was queued: the slot goes back to the ring.
-            drop(ManuallyDrop::into_inner(slot));
-            return Err(error);
-        }
-        st.order.mark(lane, &uses);
         let what = "blocking transfer of 16 bytes or fewer";
         let slot = synchronize_now(st, owner, lane, slot, what)?;
         if let ScalarHost::Download(dst) = host {

@@ -33,8 +33,6 @@
 #![allow(clippy::result_large_err)]
 
 use crate::core::engine::CudaEngine;
-use crate::core::order::Use;
-use crate::driver::{copy_host, Lane};
 use crate::error::{Error, Result};
 use crate::lifecycle::fence::{fence, Fenced, Fencing, IdleEvent};
 use crate::memory::element::Element;
@@ -409,19 +407,10 @@ fn submit<D: Direction, T: Element, B: HostBuffer<T>>(
     // (the lengths were checked equal), both belong to this engine, and the buffer's memory is
     // page-locked for as long as the buffer lives (`HostBuffer`'s promise), so it stays valid
     // until the fence releases it.
-    let lane = Lane::of_copy(D::UPLOAD);
-    let uses = [Use::of_copy(D::UPLOAD, device)];
-    let queued = {
-        let st = &mut *st;
-        st.order
-            .prepare(&mut *st.driver, lane, &uses)
-            // SAFETY: as above.
-            .and_then(|()| unsafe { copy_host(&mut *st.driver, D::UPLOAD, device, host, bytes) })
+    let lane = match unsafe { st.queue_host_copy(D::UPLOAD, device, device, host, bytes) } {
+        Ok(lane) => lane,
+        Err(error) => return Err(TransferSubmitError::Failed { package, error }),
     };
-    if let Err(error) = queued {
-        return Err(TransferSubmitError::Failed { package, error });
-    }
-    st.order.mark(lane, &uses);
     let event = event.map(IdleEvent::into_raw);
     match fence(&mut st, owner, lane, package, event, D::NAME) {
         Fencing::Fenced(fenced) => Ok(Pending::new(fenced)),
