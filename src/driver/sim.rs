@@ -1993,13 +1993,19 @@ mod tests {
         );
     }
 
-    #[test]
-    fn a_wait_is_fixed_when_it_is_queued() {
+    /// A driver whose device interleaves its streams (only then does a lane run apart from
+    /// program order), with a 4-byte pinned source (1, 2, 3, 4) and a 4-byte landing buffer.
+    fn interleaved_with_buffers() -> (SimDriver, SimDevice, &'static mut [u8], &'static mut [u8]) {
         let (mut d, dev) = driver();
-        // Only an interleaved schedule runs a lane apart from program order.
         dev.set_schedule(Schedule::Interleaved { seed: 1 });
         let src = pinned(&mut d, 4, |i| i as u8 + 1);
         let back = pinned(&mut d, 4, |_| 0xEE);
+        (d, dev, src, back)
+    }
+
+    #[test]
+    fn a_wait_is_fixed_when_it_is_queued() {
+        let (mut d, dev, src, back) = interleaved_with_buffers();
         let (a, b) = (
             d.alloc(Lane::Upload, 4).unwrap(),
             d.alloc(Lane::Upload, 4).unwrap(),
@@ -2055,11 +2061,7 @@ mod tests {
 
     #[test]
     fn a_lane_synchronize_runs_only_its_lane_and_what_it_waits_for() {
-        let (mut d, dev) = driver();
-        // Only an interleaved schedule runs a lane apart from program order.
-        dev.set_schedule(Schedule::Interleaved { seed: 1 });
-        let src = pinned(&mut d, 4, |i| i as u8 + 1);
-        let back = pinned(&mut d, 4, |_| 0xEE);
+        let (mut d, dev, src, back) = interleaved_with_buffers();
         let (x, y) = (
             d.alloc(Lane::Compute, 4).unwrap(),
             d.alloc(Lane::Compute, 4).unwrap(),
