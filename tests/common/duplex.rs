@@ -13,9 +13,10 @@
 //! reference. On a real device the same steps run at full speed, and the reads back are the
 //! check.
 
+use cuferry::graph::{GraphCompiler, Input, Prepared, TracedTensor};
 use cuferry::sim::{Schedule, SimConfig, SimDevice};
 use cuferry::{
-    download_pending, download_tensor, upload_pending, upload_tensor_into, CudaEngine,
+    download_pending, download_tensor, upload_pending, upload_tensor_into, CudaEngine, DType,
     DeviceTensor, Error, PendingDownload, PendingUpload, PinnedHostBuffer,
 };
 use proptest::prelude::*;
@@ -66,6 +67,12 @@ pub enum Op {
         slot: usize,
         value: u32,
     },
+    /// `out = a * a + a` through a prepared program (a graph replay), from a resident or
+    /// in-flight tensor, into a new tensor.
+    Program {
+        a: usize,
+        out: usize,
+    },
     /// A raw scope that lends the slot's tensor for writing (it queues nothing on a simulated
     /// device, but orders what follows).
     Raw {
@@ -107,6 +114,7 @@ pub fn op() -> impl Strategy<Value = Op> {
         2 => (slot.clone(), slot.clone()).prop_map(|(a, out)| Op::Scale { a, out }),
         1 => (slot.clone(), slot.clone()).prop_map(|(src, dst)| Op::CopyInto { src, dst }),
         1 => (slot.clone(), any::<u32>()).prop_map(|(slot, value)| Op::Fill { slot, value }),
+        1 => (slot.clone(), slot.clone()).prop_map(|(a, out)| Op::Program { a, out }),
         1 => slot.clone().prop_map(|slot| Op::Raw { slot }),
         3 => slot.clone().prop_map(|slot| Op::Wait { slot }),
         1 => slot.clone().prop_map(|slot| Op::Detach { slot }),
@@ -160,6 +168,8 @@ pub struct Run {
     /// Whether faults are injected: then a failed step makes its slots unknown instead of
     /// failing the case.
     faults: bool,
+    /// `x * x + x` prepared for the slots' length, once the first `Program` step needs it.
+    program: Option<Prepared>,
 }
 
 impl Run {
@@ -182,6 +192,7 @@ impl Run {
             slots: (0..SLOTS).map(|_| Slot::Empty).collect(),
             model: vec![None; SLOTS],
             faults,
+            program: None,
         }
     }
 
@@ -356,6 +367,38 @@ impl Run {
                     Err(e) => self.failed("fill", &e, &[slot]),
                 }
             }
+            Op::Program { a, out } => {
+                if !matches!(self.slots[out], Slot::Empty | Slot::Idle(_)) {
+                    return;
+                }
+                if self.program.is_none() {
+                    let x = TracedTensor::input_symbolic_shape(DType::F32, 1);
+                    let y = (&(&x * &x).expect("traced") + &x).expect("traced");
+                    let program = GraphCompiler::new()
+                        .compile_with_input_specs(&[&y], &[(&x, DType::F32, &[len])])
+                        .expect("a program");
+                    match self.engine.prepare(&program) {
+                        Ok(prepared) => self.program = Some(prepared),
+                        Err(e) => return self.failed("prepare", &e, &[]),
+                    }
+                }
+                let (Some(x), Some(prepared)) = (self.slots[a].tensor(), self.program.as_mut())
+                else {
+                    return;
+                };
+                let expected = self.model[a]
+                    .as_ref()
+                    .map(|x| x.iter().map(|v| v * v + v).collect());
+                match self.engine.run(prepared, &[Input::from(x)]) {
+                    Ok(outputs) => {
+                        let result = outputs.into_iter().next().expect("one output");
+                        let tensor = result.into_tensor::<f32>().ok().expect("a new tensor");
+                        self.slots[out] = Slot::Idle(tensor);
+                        self.model[out] = expected;
+                    }
+                    Err(e) => self.failed("program", &e, &[]),
+                }
+            }
             Op::Raw { slot } => {
                 let Slot::Idle(tensor) = &mut self.slots[slot] else {
                     return;
@@ -439,9 +482,14 @@ impl Run {
         }
         let retained = self.engine.retirement_stats().retained;
         let Run {
-            engine, sim, slots, ..
+            engine,
+            sim,
+            slots,
+            program,
+            ..
         } = self;
         drop(slots);
+        drop(program);
         drop(engine);
         let Some(sim) = sim else {
             return;
