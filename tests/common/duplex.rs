@@ -392,7 +392,9 @@ impl Run {
                 match self.engine.run(prepared, &[Input::from(x)]) {
                     Ok(outputs) => {
                         let result = outputs.into_iter().next().expect("one output");
-                        let tensor = result.into_tensor::<f32>().ok().expect("a new tensor");
+                        let Ok(tensor) = result.into_tensor::<f32>() else {
+                            panic!("the program's output is a new tensor")
+                        };
                         self.slots[out] = Slot::Idle(tensor);
                         self.model[out] = expected;
                     }
