@@ -48,13 +48,11 @@ impl ElementwiseOp {
     }
 
     /// Whether the kernel reads its first operand `a` (every operation but `fill`).
-    #[cfg(any(test, feature = "sim"))]
     pub(crate) fn reads_a(self) -> bool {
         self != ElementwiseOp::Fill
     }
 
     /// Whether the kernel reads its second operand `b` (the binary operations).
-    #[cfg(any(test, feature = "sim"))]
     pub(crate) fn reads_b(self) -> bool {
         matches!(
             self,
