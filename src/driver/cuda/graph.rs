@@ -72,11 +72,11 @@ impl Graphs for CudaDriver {
 
     fn capture_end(&mut self) -> Result<GraphHandle, DriverError> {
         let mut graph: sys::CUgraph = std::ptr::null_mut();
+        let stream = self.lane(crate::driver::Lane::Compute);
         // SAFETY: the stream belongs to this driver's context, which is current; the out pointer
         // is valid for one write. Ending the capture is what the caller must do after every
         // successful `capture_begin`, also when the capture was invalidated.
-        let code =
-            unsafe { sys::cuStreamEndCapture(self.lane(crate::driver::Lane::Compute), &mut graph) };
+        let code = unsafe { sys::cuStreamEndCapture(stream, &mut graph) };
         match (DriverError::check(code), graph.is_null()) {
             (Ok(()), false) => Ok(GraphHandle(graph as u64)),
             (Ok(()), true) => Err(DriverError::UNKNOWN),
