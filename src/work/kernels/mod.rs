@@ -100,11 +100,14 @@ impl CudaEngine {
             ..
         } = &mut *st;
         let function = kernels.function(driver.as_mut(), spec)?;
-        // Reads first, the write last: an output identical to an operand ends up written.
-        let reads = [(spec.op.reads_a(), args.a), (spec.op.reads_b(), args.b)];
-        let uses: Vec<Use> = (reads.iter().filter(|r| r.0).map(|r| Use::Read(r.1)))
-            .chain([Use::Write(args.out)])
-            .collect();
+        // Reads first, the write last: an output identical to an operand ends up written. An
+        // operand the kernel does not read is named as address 0, which the order skips.
+        let read = |used: bool, ptr| Use::Read(if used { ptr } else { 0 });
+        let uses = [
+            read(spec.op.reads_a(), args.a),
+            read(spec.op.reads_b(), args.b),
+            Use::Write(args.out),
+        ];
         order.prepare(driver.as_mut(), Lane::Compute, &uses)?;
         order.mark(Lane::Compute, &uses);
         // SAFETY: `function` is the cached kernel compiled for `spec` (still loaded: the cache
