@@ -82,7 +82,7 @@ pub(crate) struct State {
 impl State {
     /// Queues one operation on `lane` that makes `uses` of device values: first the waits that
     /// order it after the work on other lanes it must follow, then `op`, then the record of its
-    /// uses. When a wait or `op` fails, nothing of the operation is queued (a wait already
+    /// uses (recorded before `op`). When a wait or `op` fails, nothing of the operation is queued (a wait already
     /// queued only delays the lane).
     pub(crate) fn queue<R>(
         &mut self,
@@ -91,9 +91,11 @@ impl State {
         op: impl FnOnce(&mut dyn Driver) -> Result<R>,
     ) -> Result<R> {
         self.order.prepare(&mut *self.driver, lane, uses)?;
-        let out = op(&mut *self.driver)?;
+        // Marked before the operation is queued (the lock is held throughout, so no ordering
+        // record can fall between): a driver call that panics after queueing leaves the use
+        // recorded, and a refused one only a mark of nothing, which orders nothing wrongly.
         self.order.mark(lane, uses);
-        Ok(out)
+        op(&mut *self.driver)
     }
 
     /// Orders the work this lock hold is about to queue on `lane` with `uses`: queues its waits
@@ -159,9 +161,11 @@ impl State {
         let lane = Lane::of_copy(upload);
         let uses = [Use::of_copy(upload, tensor)];
         self.order.prepare(&mut *self.driver, lane, &uses)?;
+        // Marked first, as in `queue`: a copy queued by a driver call that then panics is still
+        // waited for by later work on the tensor.
+        self.order.mark(lane, &uses);
         // SAFETY: the caller's contract.
         unsafe { crate::driver::copy_host(&mut *self.driver, upload, device, host, bytes) }?;
-        self.order.mark(lane, &uses);
         Ok(lane)
     }
 
