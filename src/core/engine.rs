@@ -81,9 +81,9 @@ pub(crate) struct State {
 
 impl State {
     /// Queues one operation on `lane` that makes `uses` of device values: first the waits that
-    /// order it after the work on other lanes it must follow, then `op`, then the record of its
-    /// uses (recorded before `op`). When a wait or `op` fails, nothing of the operation is queued (a wait already
-    /// queued only delays the lane).
+    /// order it after the work on other lanes it must follow, then the record of its uses, then
+    /// `op`. When a wait or `op` fails, nothing of the operation is queued (a wait already queued
+    /// only delays the lane, and a recorded use of nothing only orders more than needed).
     pub(crate) fn queue<R>(
         &mut self,
         lane: Lane,
