@@ -163,3 +163,32 @@ fn pinned_pressure_reuses_the_memory_of_completed_detached_transfers() {
         assert!(sim.violations().is_empty());
     });
 }
+
+/// A prepared program's run refused before its launch (here, its wait for an input still being
+/// uploaded on the upload stream) hands its new output's block back to the program's recycler;
+/// dropping the program must free that block even though no run was ever queued.
+#[test]
+fn a_run_refused_before_its_launch_frees_its_output_with_the_program() {
+    use cuferry::graph::{GraphCompiler, Input, TracedTensor};
+    use cuferry::DType;
+    let sim = cuferry::sim::SimDevice::new(SimConfig::default());
+    let mut engine = CudaEngine::simulated_on(&sim);
+    let x = TracedTensor::input_symbolic_shape(DType::F32, 1);
+    let y = (&(&x * &x).unwrap() + &x).unwrap();
+    let program = GraphCompiler::new()
+        .compile_with_input_specs(&[&y], &[(&x, DType::F32, &[17])])
+        .unwrap();
+    let mut prepared = engine.prepare(&program).unwrap();
+    let buffer = PinnedHostBuffer::from_slice(&mut engine, &distinct(17)).unwrap();
+    let tensor = engine.alloc_tensor::<f32>(&[17]).unwrap();
+    let pending = upload_pending(&mut engine, buffer, tensor).unwrap();
+    sim.fail_nth(SimOp::StreamWait, 1, DriverError::LAUNCH_FAILED);
+    let refused = engine.run(&mut prepared, &[Input::from(pending.device_tensor())]);
+    assert!(matches!(refused, Err(Error::Driver { .. })), "{refused:?}");
+    drop(refused);
+    sim.clear_faults();
+    drop(pending.wait().unwrap());
+    drop(prepared);
+    drop(engine);
+    assert_eq!(sim.device_live().0, 0, "device memory left allocated");
+}

@@ -299,7 +299,7 @@ impl Drop for Prepared {
         };
         // Outputs dropped from now on free their own memory.
         let recycled = self.recycler.close();
-        if self.stats.runs == 0 {
+        if self.stats.runs == 0 && recycled.is_empty() {
             drop(lent); // nothing was ever queued with it
             return;
         }
@@ -307,10 +307,17 @@ impl Drop for Prepared {
             std::mem::forget(lent); // sound: leaked, never released early
             return;
         };
+        // Outputs of a run refused before its launch (a refused wait, say) were handed back
+        // too: their blocks are freed like any other, though nothing was queued with `lent`.
         for ptr in recycled {
             // SAFETY: each block came from this engine's driver for an output tensor that was
             // dropped and gave it back; it is freed once, here, and no later work names it.
             unsafe { st.free_device(&*self.owner.waits, ptr) };
+        }
+        if self.stats.runs == 0 {
+            drop(st);
+            drop(lent); // nothing was ever queued with it
+            return;
         }
         let fencing = fence(
             &mut st,
