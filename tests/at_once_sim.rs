@@ -212,3 +212,48 @@ fn a_slot_refused_up_front_leaves_nothing_leased() {
     upload_tensor_into(&mut engine, &mut tensor, &data).unwrap();
     assert_eq!(download_tensor(&mut engine, &tensor).unwrap(), data);
 }
+
+/// Downloads that fit at once are queued in marked parts of 512 KiB and copied out part by
+/// part: every element type, with totals one element either side of a part, of a chunk and of
+/// the ring's depth, and a partial last part.
+#[test]
+fn marked_parts_copy_out_every_element_type_at_every_boundary() {
+    fn case<T: common::Reference + std::fmt::Debug>(engine: &mut CudaEngine, rng: &mut Rng) {
+        const MARK: usize = 512 << 10;
+        let size = std::mem::size_of::<T>();
+        let (part, chunk) = (MARK / size, CHUNK / size);
+        let totals = [
+            chunk + 1,
+            chunk + part - 1,
+            chunk + part,
+            chunk + part + 1,
+            2 * chunk - 1,
+            3 * chunk + part / 3,
+            DEPTH * chunk,
+        ];
+        for n in totals {
+            let data = random_vec::<T>(rng, n);
+            let tensor = upload_tensor(engine, &data, &[n]).unwrap();
+            let back = download_tensor(engine, &tensor).unwrap();
+            common::assert_same(&format!("{} n={n}", T::DTYPE), &back, &data);
+            if T::DTYPE.any_bit_pattern() {
+                let into = download_tensor_into(engine, &tensor, Vec::new()).unwrap();
+                common::assert_same(&format!("{} into n={n}", T::DTYPE), &into, &data);
+            }
+        }
+    }
+    let (mut engine, sim) = engine();
+    let mut rng = Rng::new(29);
+    case::<u8>(&mut engine, &mut rng);
+    case::<bool>(&mut engine, &mut rng);
+    case::<i16>(&mut engine, &mut rng);
+    case::<half::f16>(&mut engine, &mut rng);
+    case::<half::bf16>(&mut engine, &mut rng);
+    case::<f32>(&mut engine, &mut rng);
+    case::<i32>(&mut engine, &mut rng);
+    case::<u64>(&mut engine, &mut rng);
+    case::<f64>(&mut engine, &mut rng);
+    engine.synchronize().unwrap();
+    assert_eq!(engine.staging_stats().leased, 0);
+    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+}

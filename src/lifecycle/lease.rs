@@ -259,7 +259,7 @@ impl StagingLease<Proven> {
         offset: usize,
         len: usize,
     ) -> Result<StagingLease<Unproven>, BeginError> {
-        self.begin(engine, destination, offset, len, true)
+        self.begin(engine, destination, offset, len, true, None)
     }
 
     /// Queues a copy of `len` elements of `source`, starting at element `offset`, into the
@@ -274,7 +274,34 @@ impl StagingLease<Proven> {
         offset: usize,
         len: usize,
     ) -> Result<StagingLease<Unproven>, BeginError> {
-        self.begin(engine, source, offset, len, false)
+        self.begin(engine, source, offset, len, false, None)
+    }
+
+    /// As [`begin_download`](Self::begin_download), queued as copies of at most `part`
+    /// elements each, with a [`Mark`] recorded after every part but the last, so the parts'
+    /// bytes can be read as they arrive while the later parts are still on the wire.
+    ///
+    /// The lease covers every queued part; a mark covers only the bytes of the parts before it.
+    /// When a part after the first cannot be queued, or a mark cannot be recorded, the parts
+    /// queued so far stay covered by the lease (which comes back `Unproven` as usual) and the
+    /// failure is the last entry of `marks`, as [`Mark::Failed`]: nothing after it was queued.
+    pub(crate) fn begin_download_marked<T: Element>(
+        self,
+        engine: &mut CudaEngine,
+        source: &DeviceTensor<T>,
+        offset: usize,
+        len: usize,
+        part: usize,
+        marks: &mut Vec<Mark>,
+    ) -> Result<StagingLease<Unproven>, BeginError> {
+        self.begin(
+            engine,
+            source,
+            offset,
+            len,
+            false,
+            Some((part.max(1), marks)),
+        )
     }
 
     /// Why a chunk of `len` elements at `offset` of `tensor` cannot be queued, if it cannot.
@@ -327,33 +354,81 @@ impl StagingLease<Proven> {
         offset: usize,
         len: usize,
         upload: bool,
+        mut marks: Option<(usize, &mut Vec<Mark>)>,
     ) -> Result<StagingLease<Unproven>, BeginError> {
         if let Some(error) = self.refusal(engine, tensor, offset, len) {
             return Err(BeginError::NotQueued { lease: self, error });
         }
         let size = T::DTYPE.size_bytes();
-        let bytes = len * size;
-        let device = tensor.raw_ptr() + (offset * size) as u64;
+        let part = marks.as_ref().map_or(len, |(part, _)| *part);
         let host = self.slot().ptr();
         let owner = &engine.shared;
         let mut st = match owner.enter() {
             Ok(st) => st,
             Err(error) => return Err(BeginError::NotQueued { lease: self, error }),
         };
-        // SAFETY: the slot holds at least `bytes` bytes and is fenced below (unreachable until
-        // its event proves the copy complete); the device range lies in the tensor, whose free
-        // is ordered after this copy.
-        let queued = unsafe { st.queue_host_copy(upload, tensor.raw_ptr(), device, host, bytes) };
-        let lane = match queued {
-            Ok(lane) => lane,
-            Err(error) => {
-                drop(st);
-                return Err(BeginError::NotQueued { lease: self, error });
+        let mut lane = None;
+        let mut unproven_mark = None;
+        let mut at = 0;
+        while at < len {
+            let n = part.min(len - at);
+            let device = tensor.raw_ptr() + ((offset + at) * size) as u64;
+            // SAFETY: the slot holds at least `len * size` bytes and is fenced below (unreachable
+            // until its event proves the copies complete); the device range lies in the tensor,
+            // whose free is ordered after this copy.
+            let queued = unsafe {
+                st.queue_host_copy(
+                    upload,
+                    tensor.raw_ptr(),
+                    device,
+                    host.add(at * size),
+                    n * size,
+                )
+            };
+            match (queued, &mut marks) {
+                (Ok(queued), _) => lane = Some(queued),
+                (Err(error), _) if lane.is_none() => {
+                    drop(st);
+                    return Err(BeginError::NotQueued { lease: self, error });
+                }
+                // Only a marked chunk has a second part.
+                (Err(error), marks) => {
+                    if let Some((_, marks)) = marks {
+                        marks.push(Mark::Failed(error));
+                    }
+                    break;
+                }
             }
-        };
+            at += n;
+            let (Some((_, marks)), Some(lane)) = (&mut marks, lane) else {
+                continue;
+            };
+            if at == len {
+                break;
+            }
+            match fence(&mut st, owner, lane, (), None, "staging progress mark") {
+                Fencing::Fenced(mark) => marks.push(Mark::Recorded(mark)),
+                Fencing::Proven((), error) => {
+                    marks.push(Mark::Failed(error));
+                    break;
+                }
+                Fencing::Untracked(untracked, error) => {
+                    // Retained once the lock is released (retaining counts it under the lock).
+                    unproven_mark = Some(untracked);
+                    marks.push(Mark::Failed(error));
+                    break;
+                }
+            }
+        }
+        let lane = lane.expect("at least one part was queued");
         let ProvenSlot { slot, event } = self.hold;
         let event = event.map(IdleEvent::into_raw);
-        match fence(&mut st, owner, lane, slot, event, "staging chunk") {
+        let fencing = fence(&mut st, owner, lane, slot, event, "staging chunk");
+        drop(st);
+        if let Some(untracked) = unproven_mark {
+            untracked.retain();
+        }
+        match fencing {
             Fencing::Fenced(fenced) => Ok(StagingLease::new(fenced)),
             Fencing::Proven(slot, error) => Err(BeginError::NotQueued {
                 lease: StagingLease::new(ProvenSlot { slot, event: None }),
@@ -365,6 +440,16 @@ impl StagingLease<Proven> {
             }),
         }
     }
+}
+
+/// A point inside a download chunk queued in parts ([`StagingLease::begin_download_marked`]).
+pub(crate) enum Mark {
+    /// An event recorded after a part's copy: once it completes, the bytes of that part and of
+    /// every part before it have arrived in the slot. It proves nothing about later parts, so
+    /// the slot stays the lease's.
+    Recorded(Fenced<()>),
+    /// A part or a mark that could not be queued or recorded: nothing after it was queued.
+    Failed(Error),
 }
 
 mod keep_alive {

@@ -16,11 +16,24 @@
 //! Each engine's [`StagingConfig::copy_threads`](crate::StagingConfig::copy_threads) then caps how
 //! many of these threads one of its transfers splits across.
 //!
+//! The threads are cheap to hand work to, because a mid-size transfer hands them work many times
+//! in a few hundred microseconds (every chunk of a download is copied out by all of them): a
+//! thread that finishes a task stays hot for [`HOT`], watching its slot, and only then parks. A
+//! transfer claims idle threads, writes its task into their slots and runs its own part (the
+//! lead) on the calling thread; it returns once every claimed thread has finished. Measured on the
+//! H200 host, an 8 MiB download copied out by twelve such threads took 190 µs in 512 KiB pieces,
+//! where the same plan on a pool whose threads sleep between tasks took about 400 µs
+//! (`docs/records/mid-size-transfers.md`).
+//!
 //! Process state with no knowledge of any engine: it depends only on the errors.
 
 use crate::error::{Error, Result};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::cell::UnsafeCell;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::thread::Thread;
+use std::time::{Duration, Instant};
 
 /// The environment variable that sets the pool's size when the process does not.
 pub(crate) const ENV: &str = "CUFERRY_COPY_THREADS";
@@ -29,12 +42,20 @@ pub(crate) const ENV: &str = "CUFERRY_COPY_THREADS";
 pub(crate) const MAX_THREADS: usize = 256;
 
 /// The most threads the machine's rule picks: on the H200 reference host 16 threads gained at
-/// most about 16% over 12 on 256 MiB transfers and were slower on 8 MiB ones, where every
-/// chunk's fork-join wakes them all (`docs/records/blocking-staging.md`).
+/// most about 16% over 12 on 256 MiB transfers (`docs/records/blocking-staging.md`).
 const RULE_MAX: usize = 12;
 
+/// How long a copy thread keeps watching for its next task after finishing one, before it
+/// parks: long enough to span the gaps inside a transfer and between back-to-back transfers, short
+/// enough that an idle process does not keep cores busy. Waking a parked thread costs tens of
+/// microseconds on a virtual machine; a hot one starts within a microsecond.
+pub(crate) const HOT: Duration = Duration::from_micros(300);
+
+/// Within [`HOT`], how long a thread spins before it starts yielding its core between looks.
+const SPIN: Duration = Duration::from_micros(50);
+
 /// The shared pool, once built.
-static POOL: OnceLock<rayon::ThreadPool> = OnceLock::new();
+static POOL: OnceLock<CopyPool> = OnceLock::new();
 
 /// The size asked for by [`set_copy_threads`]; held while the pool is built, so a request
 /// cannot slip in between reading it and building.
@@ -134,11 +155,11 @@ pub fn set_copy_threads(threads: usize) -> Result<()> {
 /// This is also the default of [`StagingConfig::copy_threads`](crate::StagingConfig::copy_threads).
 pub fn copy_threads() -> usize {
     if let Some(pool) = POOL.get() {
-        return pool.current_num_threads();
+        return pool.threads();
     }
     let requested = requested();
     match POOL.get() {
-        Some(pool) => pool.current_num_threads(),
+        Some(pool) => pool.threads(),
         None => requested.unwrap_or_else(automatic),
     }
 }
@@ -147,7 +168,7 @@ pub fn copy_threads() -> usize {
 ///
 /// # Errors
 /// [`Error::InvalidSetting`] when the threads could not be started (the next call tries again).
-pub(crate) fn pool() -> Result<&'static rayon::ThreadPool> {
+pub(crate) fn pool() -> Result<&'static CopyPool> {
     if let Some(pool) = POOL.get() {
         return Ok(pool);
     }
@@ -156,20 +177,222 @@ pub(crate) fn pool() -> Result<&'static rayon::ThreadPool> {
         return Ok(pool);
     }
     let threads = requested.unwrap_or_else(automatic);
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .thread_name(|i| format!("cuferry-copy-{i}"))
-        .build()
-        .map_err(|_| Error::InvalidSetting {
-            setting: "copy_threads",
-            value: threads,
-            reason: "the host-copy threads could not be started",
-        })?;
+    let pool = CopyPool::start(threads).map_err(|_| Error::InvalidSetting {
+        setting: "copy_threads",
+        value: threads,
+        reason: "the host-copy threads could not be started",
+    })?;
     BUILT.fetch_add(1, Ordering::Relaxed);
     // Only this thread can be here (it holds `REQUESTED`), so the pool just built is the one set.
     let pool = POOL.get_or_init(|| pool);
     drop(requested);
     Ok(pool)
+}
+
+/// A worker's slot: free, taken by a transfer that is writing its task, or holding a task to run.
+const IDLE: u8 = 0;
+const CLAIMED: u8 = 1;
+const READY: u8 = 2;
+
+/// The copy threads: one slot each, through which a transfer hands a thread its task.
+pub(crate) struct CopyPool {
+    workers: Arc<[Worker]>,
+}
+
+/// One copy thread's slot.
+struct Worker {
+    /// [`IDLE`], [`CLAIMED`] or [`READY`].
+    state: AtomicU8,
+    /// Whether the thread is parked (or about to park) and must be unparked to see a task.
+    parked: AtomicBool,
+    /// The task, written by the claimer between `CLAIMED` and `READY` and taken by the thread
+    /// once it sees `READY`; nobody else touches it.
+    task: UnsafeCell<Option<Task>>,
+    /// The thread, to unpark it; set before the pool is published.
+    thread: OnceLock<Thread>,
+}
+
+// SAFETY: `task` is the only field that is not `Sync`. Its accesses are ordered by `state`: only
+// the transfer that moved `state` from `IDLE` to `CLAIMED` writes it, before storing `READY`
+// (release); only the worker reads it, after loading `READY` (acquire), and it sets `IDLE` again
+// only after taking the task out. So no two threads ever touch it at once.
+unsafe impl Sync for Worker {}
+
+/// A task handed to a worker: the work to call and the latch to count down after it.
+struct Task {
+    work: *const (dyn Fn() + Sync + 'static),
+    latch: *const Latch,
+}
+
+// SAFETY: the pointers are only dereferenced by the worker while the transfer that made them is
+// blocked in `join`, which keeps both alive until the latch reaches zero; the work is `Sync`.
+unsafe impl Send for Task {}
+
+/// What a transfer waits on: its claimed workers still running, and whether one panicked.
+struct Latch {
+    pending: AtomicUsize,
+    panicked: AtomicBool,
+}
+
+/// Waits, when dropped (on return or unwind alike), until every worker counted in the latch has
+/// finished its task: the task borrows the transfer's stack, which must outlive it.
+struct WaitForWorkers<'a>(&'a Latch);
+
+impl Drop for WaitForWorkers<'_> {
+    fn drop(&mut self) {
+        let start = Instant::now();
+        while self.0.pending.load(Ordering::Acquire) != 0 {
+            if start.elapsed() < SPIN {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
+        }
+    }
+}
+
+impl CopyPool {
+    /// Starts `threads` copy threads.
+    fn start(threads: usize) -> std::io::Result<CopyPool> {
+        let workers: Arc<[Worker]> = (0..threads)
+            .map(|_| Worker {
+                state: AtomicU8::new(IDLE),
+                parked: AtomicBool::new(false),
+                task: UnsafeCell::new(None),
+                thread: OnceLock::new(),
+            })
+            .collect();
+        for i in 0..threads {
+            let all = Arc::clone(&workers);
+            let handle = std::thread::Builder::new()
+                .name(format!("cuferry-copy-{i}"))
+                .spawn(move || run_worker(&all[i]))?;
+            let _ = workers[i].thread.set(handle.thread().clone());
+        }
+        Ok(CopyPool { workers })
+    }
+
+    /// The pool's number of threads.
+    pub(crate) fn threads(&self) -> usize {
+        self.workers.len()
+    }
+
+    /// Runs `work` on up to `helpers` idle copy threads while the calling thread runs `lead`
+    /// (given how many helpers it got, possibly none), and returns `lead`'s result once every
+    /// helper has returned from `work`.
+    ///
+    /// `work` must return on its own once `lead` has returned or unwound (a helper waiting for
+    /// something only the lead provides must also watch for the lead giving up), or this waits
+    /// forever. A panic in `work` is raised again here, after every helper has finished.
+    pub(crate) fn join<R>(
+        &self,
+        helpers: usize,
+        work: &(dyn Fn() + Sync),
+        lead: impl FnOnce(usize) -> R,
+    ) -> R {
+        let latch = Latch {
+            pending: AtomicUsize::new(0),
+            panicked: AtomicBool::new(false),
+        };
+        // Created before the first hand-off, so whatever happens below, this frame (which the
+        // tasks borrow) is not left until the helpers are done.
+        let wait = WaitForWorkers(&latch);
+        // SAFETY: only the lifetime is erased. The pointer is dereferenced by helpers counted in
+        // the latch, and `wait` keeps this frame, and so `work`'s borrow, alive until they are
+        // done.
+        let work: *const (dyn Fn() + Sync + 'static) = unsafe { std::mem::transmute(work) };
+        let mut claimed = 0;
+        for worker in self.workers.iter() {
+            if claimed == helpers {
+                break;
+            }
+            if worker
+                .state
+                .compare_exchange(IDLE, CLAIMED, Ordering::Acquire, Ordering::Relaxed)
+                .is_err()
+            {
+                continue;
+            }
+            latch.pending.fetch_add(1, Ordering::Relaxed);
+            // SAFETY: this thread moved the slot from IDLE to CLAIMED, so it alone may write the
+            // task until it stores READY (see `Worker`).
+            unsafe {
+                *worker.task.get() = Some(Task {
+                    work,
+                    latch: &latch,
+                })
+            };
+            worker.state.store(READY, Ordering::SeqCst);
+            // Pairs with the worker's `parked` store and `state` load (both SeqCst): either it
+            // sees READY before parking, or this sees it parked and unparks it.
+            if worker.parked.load(Ordering::SeqCst) {
+                if let Some(thread) = worker.thread.get() {
+                    thread.unpark();
+                }
+            }
+            claimed += 1;
+        }
+        let out = lead(claimed);
+        drop(wait);
+        if latch.panicked.load(Ordering::Relaxed) {
+            panic!("a host-copy task panicked");
+        }
+        out
+    }
+}
+
+/// A copy thread: waits for a task in its slot, runs it, and waits again.
+fn run_worker(me: &Worker) {
+    loop {
+        wait_for_task(me);
+        // SAFETY: READY was loaded with acquire ordering, so the claimer's write of the task is
+        // visible, and the claimer touches the slot no more (see `Worker`).
+        let task = unsafe { (*me.task.get()).take() };
+        let Some(Task { work, latch }) = task else {
+            me.state.store(IDLE, Ordering::Release);
+            continue;
+        };
+        // SAFETY: the transfer that handed over the task waits in `join` until the latch
+        // reaches zero, so `work` and `latch` are alive until the count down below.
+        let ran = catch_unwind(AssertUnwindSafe(|| unsafe { (*work)() }));
+        // SAFETY: as above: the count down is the last use of the latch.
+        let latch = unsafe { &*latch };
+        if ran.is_err() {
+            latch.panicked.store(true, Ordering::Relaxed);
+        }
+        me.state.store(IDLE, Ordering::Release);
+        latch.pending.fetch_sub(1, Ordering::Release);
+    }
+}
+
+/// Returns once the slot holds a task: spinning for [`SPIN`], then yielding between looks until
+/// [`HOT`] has passed, then parked until a claimer unparks the thread.
+fn wait_for_task(me: &Worker) {
+    let mut since = Instant::now();
+    let mut looks = 0u32;
+    loop {
+        if me.state.load(Ordering::Acquire) == READY {
+            return;
+        }
+        looks = looks.wrapping_add(1);
+        if looks.is_multiple_of(64) {
+            let idle = since.elapsed();
+            if idle >= HOT {
+                me.parked.store(true, Ordering::SeqCst);
+                if me.state.load(Ordering::SeqCst) != READY {
+                    std::thread::park();
+                }
+                me.parked.store(false, Ordering::SeqCst);
+                since = Instant::now();
+                continue;
+            }
+            if idle >= SPIN {
+                std::thread::yield_now();
+                continue;
+            }
+        }
+        std::hint::spin_loop();
+    }
 }
 
 /// How many pools this process has built (0 or 1).
@@ -212,8 +435,115 @@ mod tests {
         assert_eq!(copy_threads(), expected);
         assert_eq!(crate::StagingConfig::default().copy_threads, expected);
         let pool = pool().unwrap();
-        assert_eq!(pool.current_num_threads(), expected);
+        assert_eq!(pool.threads(), expected);
         assert_eq!(copy_threads(), expected);
+    }
+
+    #[test]
+    fn join_runs_the_work_on_claimed_threads_and_waits_for_them() {
+        let pool = CopyPool::start(3).unwrap();
+        for round in 0..50 {
+            let done = AtomicUsize::new(0);
+            let names = Mutex::new(Vec::new());
+            let work = || {
+                std::thread::sleep(Duration::from_micros(round % 7 * 100));
+                let name = std::thread::current().name().map(str::to_owned);
+                names.lock().unwrap().push(name);
+                done.fetch_add(1, Ordering::Relaxed);
+            };
+            let helpers = pool.join(3, &work, |helpers| helpers);
+            assert_eq!(
+                helpers, 3,
+                "round {round}: every thread is idle between joins"
+            );
+            // Every helper finished before `join` returned.
+            assert_eq!(done.load(Ordering::Relaxed), 3);
+            let names = names.into_inner().unwrap();
+            assert!(names
+                .iter()
+                .all(|n| n.as_deref().is_some_and(|n| n.starts_with("cuferry-copy-"))));
+            // Rounds far apart find the threads parked, and still wake them.
+            if round % 10 == 9 {
+                std::thread::sleep(HOT * 3);
+            }
+        }
+    }
+
+    #[test]
+    fn concurrent_joins_share_the_threads_and_never_claim_one_twice() {
+        let pool = CopyPool::start(4).unwrap();
+        let total = AtomicUsize::new(0);
+        std::thread::scope(|s| {
+            for _ in 0..4 {
+                s.spawn(|| {
+                    for _ in 0..200 {
+                        let ran = AtomicUsize::new(0);
+                        let work = || {
+                            ran.fetch_add(1, Ordering::Relaxed);
+                        };
+                        let helpers = pool.join(4, &work, |helpers| {
+                            work();
+                            helpers
+                        });
+                        assert!(helpers <= 4);
+                        assert_eq!(ran.load(Ordering::Relaxed), helpers + 1);
+                        total.fetch_add(helpers + 1, Ordering::Relaxed);
+                    }
+                });
+            }
+        });
+        assert!(total.load(Ordering::Relaxed) >= 800);
+    }
+
+    #[test]
+    fn a_panicking_task_is_raised_in_the_caller_after_every_helper_finished() {
+        let pool = CopyPool::start(2).unwrap();
+        let finished = AtomicUsize::new(0);
+        let which = AtomicUsize::new(0);
+        let work = || {
+            if which.fetch_add(1, Ordering::Relaxed) == 0 {
+                panic!("a task fails");
+            }
+            std::thread::sleep(Duration::from_millis(5));
+            finished.fetch_add(1, Ordering::Relaxed);
+        };
+        let raised = catch_unwind(AssertUnwindSafe(|| pool.join(2, &work, |_| ())));
+        assert!(raised.is_err());
+        assert_eq!(finished.load(Ordering::Relaxed), 1);
+        // The threads survive a panicking task.
+        let ran = AtomicUsize::new(0);
+        let work = || {
+            ran.fetch_add(1, Ordering::Relaxed);
+        };
+        assert_eq!(pool.join(2, &work, |helpers| helpers), 2);
+        assert_eq!(ran.load(Ordering::Relaxed), 2);
+    }
+
+    #[test]
+    fn a_panicking_lead_still_waits_for_the_helpers() {
+        let pool = CopyPool::start(2).unwrap();
+        let stop = AtomicBool::new(false);
+        let finished = AtomicUsize::new(0);
+        let work = || {
+            while !stop.load(Ordering::Acquire) {
+                std::hint::spin_loop();
+            }
+            finished.fetch_add(1, Ordering::Relaxed);
+        };
+        struct Stop<'a>(&'a AtomicBool);
+        impl Drop for Stop<'_> {
+            fn drop(&mut self) {
+                self.0.store(true, Ordering::Release);
+            }
+        }
+        let raised = catch_unwind(AssertUnwindSafe(|| {
+            pool.join(2, &work, |_| {
+                let _stop = Stop(&stop);
+                panic!("the lead fails");
+            })
+        }));
+        assert!(raised.is_err());
+        assert_eq!(finished.load(Ordering::Relaxed), 2);
     }
 
     #[test]

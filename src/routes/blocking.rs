@@ -24,13 +24,15 @@ use crate::core::engine::CudaEngine;
 use crate::driver::Lane;
 use crate::dtype::DType;
 use crate::error::{Error, Refused, Result};
-use crate::lifecycle::lease::{BeginError, KeepAlive, Proven, ScalarHost, StagingLease, Unproven};
-use crate::memory::copy_pool;
+use crate::lifecycle::lease::{
+    BeginError, KeepAlive, Mark, Proven, ScalarHost, StagingLease, Unproven,
+};
+use crate::memory::copy_pool::{self, CopyPool};
 use crate::memory::element::{as_bytes, byte_len, Element};
 use crate::memory::stream_copy::copy_streaming;
 use crate::memory::tensor::{shape_len, DeviceTensor};
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 /// Bytes one host-copy task handles at least: below this, splitting costs more than it gains.
 const MIN_COPY_PART: usize = 256 << 10;
@@ -54,33 +56,48 @@ impl SendPtr {
 /// pool's threads).
 #[derive(Clone, Copy)]
 struct Copiers {
-    pool: &'static rayon::ThreadPool,
+    pool: &'static CopyPool,
     parts: usize,
+}
+
+/// Hands out the indices `0..len` one at a time to whichever thread asks next.
+struct Claims {
+    next: AtomicUsize,
+    len: usize,
+}
+
+impl Claims {
+    fn new(len: usize) -> Self {
+        Claims {
+            next: AtomicUsize::new(0),
+            len,
+        }
+    }
+
+    /// The next unclaimed index, if any is left.
+    fn claim(&self) -> Option<usize> {
+        let i = self.next.fetch_add(1, Ordering::Relaxed);
+        (i < self.len).then_some(i)
+    }
 }
 
 /// Runs `f(offset, len)` over `bytes` split into parts, on the shared copy threads when the range
 /// is large enough.
 fn par_bytes(copiers: Option<Copiers>, bytes: usize, f: impl Fn(usize, usize) + Sync) {
-    let parts = match copiers {
-        Some(copiers) if bytes >= 2 * MIN_COPY_PART => (bytes / MIN_COPY_PART).min(copiers.parts),
-        _ => 1,
-    };
-    if parts <= 1 {
+    let parts = copiers.map_or(1, |c| (bytes / MIN_COPY_PART).min(c.parts));
+    let Some(copiers) = copiers.filter(|_| parts >= 2) else {
         f(0, bytes);
         return;
-    }
+    };
     let part = bytes.div_ceil(parts).next_multiple_of(64);
-    let f = &f;
-    if let Some(copiers) = copiers {
-        copiers.pool.scope(|scope| {
-            let mut offset = 0;
-            while offset < bytes {
-                let len = part.min(bytes - offset);
-                scope.spawn(move |_| f(offset, len));
-                offset += len;
-            }
-        });
-    }
+    let claims = Claims::new(bytes.div_ceil(part));
+    let work = || {
+        while let Some(i) = claims.claim() {
+            let offset = i * part;
+            f(offset, part.min(bytes - offset));
+        }
+    };
+    copiers.pool.join(parts - 1, &work, |_| work());
 }
 
 /// Copies `bytes` bytes from `src` to `dst` with the engine's copy threads; with `streaming`,
@@ -152,7 +169,7 @@ fn pool_for(engine: &mut CudaEngine, bytes: usize) -> Result<Option<Copiers>> {
     let pool = copy_pool::pool()?;
     Ok(Some(Copiers {
         pool,
-        parts: cap.min(pool.current_num_threads()),
+        parts: cap.min(pool.threads()),
     }))
 }
 
@@ -227,6 +244,8 @@ const MIN_PIPELINE_CHUNK: usize = 1 << 20;
 struct Plan {
     /// Elements per chunk.
     per_chunk: usize,
+    /// Elements a staging slot holds (at least `per_chunk`).
+    per_slot: usize,
     /// Chunks in flight at once.
     depth: usize,
 }
@@ -249,6 +268,7 @@ fn plan<T: Element>(engine: &CudaEngine, bytes: usize) -> Plan {
     };
     Plan {
         per_chunk: (chunk / T::DTYPE.size_bytes()).max(1),
+        per_slot: (config.chunk_bytes / T::DTYPE.size_bytes()).max(1),
         depth: config.ring_depth,
     }
 }
@@ -256,54 +276,57 @@ fn plan<T: Element>(engine: &CudaEngine, bytes: usize) -> Plan {
 /// Fresh download buffers at least this large are backed by huge pages and populated ahead.
 const POPULATE_MIN: usize = 4 << 20;
 
-/// A rayon scope of either order, for [`populate`].
-trait SpawnIn<'s> {
-    fn spawn_task(&self, task: impl FnOnce() + Send + 's);
-}
-
-impl<'s> SpawnIn<'s> for rayon::Scope<'s> {
-    fn spawn_task(&self, task: impl FnOnce() + Send + 's) {
-        self.spawn(move |_| task());
-    }
-}
-
-impl<'s> SpawnIn<'s> for rayon::ScopeFifo<'s> {
-    fn spawn_task(&self, task: impl FnOnce() + Send + 's) {
-        self.spawn_fifo(move |_| task());
-    }
-}
-
-/// Prepares a fresh (never touched) destination of `bytes` bytes at `ptr`: asks for transparent
-/// huge pages, then populates its pages on the copy threads (`MADV_POPULATE_WRITE`) while the
-/// pipeline runs, so the copy-out does not stop at a page fault per page. Populating never
+/// Prepares a fresh (never touched) destination of `bytes` bytes at `ptr` on the copy threads:
+/// asks for transparent huge pages, then populates its pages (`MADV_POPULATE_WRITE`) in parts
+/// that helpers claim, so the copy-out does not stop at a page fault per page. Populating never
 /// changes contents, so it may race with the copy-out writing the same pages.
-#[cfg(target_os = "linux")]
-fn populate<'s>(scope: &impl SpawnIn<'s>, ptr: SendPtr, bytes: usize) {
-    const PAGE: usize = 4096;
-    const PART: usize = 16 << 20;
-    let start = (ptr.get() as usize).next_multiple_of(PAGE);
-    let end = (ptr.get() as usize + bytes) & !(PAGE - 1);
-    if end <= start {
-        return;
-    }
-    // SAFETY: the range lies inside memory the caller owns (a vector's spare capacity);
-    // MADV_HUGEPAGE only changes how the kernel backs it. A refusal is harmless.
-    unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE) };
-    let mut at = start;
-    while at < end {
-        let len = PART.min(end - at);
-        scope.spawn_task(move || {
-            // SAFETY: as above; MADV_POPULATE_WRITE maps the pages writable without changing
-            // their contents. Kernels without it refuse with EINVAL, which is harmless.
-            unsafe { libc::madvise(at as *mut libc::c_void, len, libc::MADV_POPULATE_WRITE) };
-        });
-        at += len;
-    }
+struct Populate {
+    start: usize,
+    end: usize,
+    parts: Claims,
 }
 
-/// Elsewhere the copy-out faults the pages in itself.
-#[cfg(not(target_os = "linux"))]
-fn populate<'s>(_scope: &impl SpawnIn<'s>, _ptr: SendPtr, _bytes: usize) {}
+impl Populate {
+    /// The bytes one populate call covers.
+    const PART: usize = 16 << 20;
+    const PAGE: usize = 4096;
+
+    /// The whole pages of `ptr..ptr + bytes`, asked to be backed by huge pages.
+    fn new(ptr: SendPtr, bytes: usize) -> Self {
+        let start = (ptr.get() as usize).next_multiple_of(Self::PAGE);
+        let end = ((ptr.get() as usize + bytes) & !(Self::PAGE - 1)).max(start);
+        #[cfg(target_os = "linux")]
+        if end > start {
+            // SAFETY: the range lies inside memory the caller owns (a vector's spare capacity);
+            // MADV_HUGEPAGE only changes how the kernel backs it. A refusal is harmless.
+            unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE) };
+        }
+        Populate {
+            start,
+            end,
+            parts: Claims::new((end - start).div_ceil(Self::PART)),
+        }
+    }
+
+    /// How many parts there are to claim.
+    fn parts(&self) -> usize {
+        self.parts.len
+    }
+
+    /// Populates parts until none is left unclaimed.
+    fn run(&self) {
+        while let Some(i) = self.parts.claim() {
+            let at = self.start + i * Self::PART;
+            let _len = Self::PART.min(self.end - at);
+            // SAFETY: as in `new`; MADV_POPULATE_WRITE maps the pages writable without
+            // changing their contents. Kernels without it refuse with EINVAL, which is harmless.
+            #[cfg(target_os = "linux")]
+            unsafe {
+                libc::madvise(at as *mut libc::c_void, _len, libc::MADV_POPULATE_WRITE)
+            };
+        }
+    }
+}
 
 /// Uploads `data` into a new device tensor of the given shape, and returns once `data` has been
 /// read.
@@ -406,14 +429,7 @@ fn upload_staged<T: Element>(
             .map_err(Stranded::alone);
     }
     let copiers = pool_for(engine, std::mem::size_of_val(data)).map_err(Stranded::alone)?;
-    match copiers {
-        // The loop runs on one of the copy threads, so splitting each chunk's host copy is a
-        // local spawn onto warm workers rather than an injection from outside the pool.
-        Some(copiers) => copiers
-            .pool
-            .install(|| upload_chunks(engine, data, tensor, Some(copiers))),
-        None => upload_chunks(engine, data, tensor, None),
-    }
+    upload_chunks(engine, data, tensor, copiers)
 }
 
 /// The chunk loop of [`upload_tensor`] and [`upload_tensor_into`].
@@ -556,16 +572,11 @@ fn download_staged<T: Element>(
         }
         return Ok(());
     }
-    match pool_for(engine, bytes)? {
-        // As in `upload_tensor`: the loop runs on a copy thread.
-        Some(copiers) => copiers
-            .pool
-            .install(|| download_chunks(engine, tensor, out, fresh, Some(copiers))),
-        None => download_chunks(engine, tensor, out, fresh, None),
-    }
+    let copiers = pool_for(engine, bytes)?;
+    download_chunks(engine, tensor, out, fresh, copiers)
 }
 
-/// The body of [`download_staged`], on the copy threads when there are any.
+/// The body of [`download_staged`], with the copy threads when there are any.
 fn download_chunks<T: Element>(
     engine: &mut CudaEngine,
     tensor: &DeviceTensor<T>,
@@ -581,10 +592,14 @@ fn download_chunks<T: Element>(
         Some(c) if fits_at_once(&plan, total, bytes, c) => {
             download_at_once::<T>(engine, tensor, dst, fresh, c, &plan)
         }
-        Some(c) if fresh && bytes >= POPULATE_MIN => c.pool.scope(|scope| {
-            populate(scope, dst, bytes);
-            chunk_loop::<T>(engine, tensor, dst, &plan, copiers)
-        }),
+        // Half the copy threads populate the pages while the other half copy chunks out.
+        Some(c) if fresh && bytes >= POPULATE_MIN => {
+            let populate = Populate::new(dst, bytes);
+            let helpers = populate.parts().min(c.parts / 2);
+            c.pool.join(helpers, &|| populate.run(), |_| {
+                chunk_loop::<T>(engine, tensor, dst, &plan, copiers)
+            })
+        }
         _ => chunk_loop::<T>(engine, tensor, dst, &plan, copiers),
     }?;
     // SAFETY: every chunk `0..total` was written by `chunk_loop`, each element a valid `T` (any
@@ -689,34 +704,19 @@ fn fits_at_once(plan: &Plan, len: usize, bytes: usize, copiers: Copiers) -> bool
         && len.div_ceil(plan.per_chunk) >= 2
 }
 
-/// The host-copy parts of one chunk of `bytes`: at least [`MIN_COPY_PART`] each, about one per
-/// copy thread. Yields `(offset, len)` within the chunk.
-fn copy_parts(bytes: usize, threads: usize) -> impl Iterator<Item = (usize, usize)> {
-    let part = bytes
-        .div_ceil(threads.max(1))
-        .max(MIN_COPY_PART)
-        .next_multiple_of(64);
+/// The host-copy parts of one chunk of `bytes`: at least `min` bytes each, about one per copy
+/// thread. Yields `(offset, len)` within the chunk.
+fn copy_parts(bytes: usize, threads: usize, min: usize) -> impl Iterator<Item = (usize, usize)> {
+    let part = bytes.div_ceil(threads.max(1)).max(min).next_multiple_of(64);
     (0..bytes)
         .step_by(part)
         .map(move |offset| (offset, part.min(bytes - offset)))
 }
 
-/// Waits until `done` reaches zero, running this thread's queued copy tasks meanwhile, so the
-/// driving thread works instead of sleeping.
-fn help_until_zero(done: &AtomicUsize) {
-    while done.load(Ordering::Acquire) != 0 {
-        // Only this thread's own queue: never another transfer's whole loop, which would make
-        // this one wait behind it.
-        if rayon::yield_local() != Some(rayon::Yield::Executed) {
-            std::hint::spin_loop();
-        }
-    }
-}
-
 /// An upload whose chunks all fit in the ring at once: every slot is leased up front, the host
-/// copies of all chunks run as one parallel region (in chunk order), and each chunk's DMA is
-/// queued as soon as its last part has landed, so the copies of later chunks overlap the DMA of
-/// earlier ones with one fork-join per transfer instead of one per chunk.
+/// copies of all chunks are claimed in chunk order by the copy threads and the calling thread
+/// together, and each chunk's DMA is queued as soon as its last part has landed, so the copies
+/// of later chunks overlap the DMA of earlier ones with one hand-off per transfer.
 fn upload_at_once<T: Element>(
     engine: &mut CudaEngine,
     data: &[T],
@@ -724,9 +724,11 @@ fn upload_at_once<T: Element>(
     copiers: Copiers,
     plan: &Plan,
 ) -> Result<(), Stranded> {
-    let src = as_bytes(data);
+    let src = SendPtr(as_bytes(data).as_ptr().cast_mut());
     let size = T::DTYPE.size_bytes();
+    let chunk_bytes = plan.per_chunk * size;
     let chunks = data.len().div_ceil(plan.per_chunk);
+    let chunk_len = |c: usize| plan.per_chunk.min(data.len() - c * plan.per_chunk);
     let mut leases: VecDeque<StagingLease<Proven>> = VecDeque::with_capacity(chunks);
     for _ in 0..chunks {
         match engine.route_lease() {
@@ -737,48 +739,59 @@ fn upload_at_once<T: Element>(
             }
         }
     }
-    let threads = copiers.parts;
-    let remaining: Vec<AtomicUsize> = (0..chunks)
-        .map(|c| {
-            let n = plan.per_chunk.min(data.len() - c * plan.per_chunk);
-            AtomicUsize::new(copy_parts(n * size, threads).count())
-        })
-        .collect();
     let targets: Vec<SendPtr> = leases
         .iter_mut()
         .map(|lease| SendPtr(lease.as_mut_bytes().as_mut_ptr()))
         .collect();
+    // Every piece of every chunk, in chunk order: (chunk, offset in the chunk, bytes).
+    let pieces: Vec<(usize, usize, usize)> = (0..chunks)
+        .flat_map(|c| {
+            copy_parts(chunk_len(c) * size, copiers.parts, MIN_COPY_PART)
+                .map(move |(offset, len)| (c, offset, len))
+        })
+        .collect();
+    let remaining: Vec<AtomicUsize> = (0..chunks)
+        .map(|c| AtomicUsize::new(pieces.iter().filter(|p| p.0 == c).count()))
+        .collect();
+    let claims = Claims::new(pieces.len());
+    let copy_piece = |i: usize| {
+        let (c, offset, len) = pieces[i];
+        // SAFETY: the slot is leased and proven (no DMA touches it until its chunk is queued,
+        // after every piece has landed); it holds the chunk (`plan.per_chunk` elements fit a
+        // slot); pieces are disjoint ranges of both sides; `data` is borrowed for the call, and
+        // the leases are held until `join` has returned.
+        unsafe {
+            copy_streaming(
+                targets[c].get().add(offset),
+                src.get().add(c * chunk_bytes + offset),
+                len,
+            )
+        };
+        remaining[c].fetch_sub(1, Ordering::Release);
+    };
+    let work = || {
+        while let Some(i) = claims.claim() {
+            copy_piece(i);
+        }
+    };
     let mut in_flight = VecDeque::with_capacity(chunks);
     let mut failure = None;
-    copiers.pool.scope_fifo(|scope| {
-        for (c, &target) in targets.iter().enumerate() {
-            let start = c * plan.per_chunk * size;
-            let bytes = plan.per_chunk.min(data.len() - c * plan.per_chunk) * size;
-            let remaining = &remaining[c];
-            for (offset, len) in copy_parts(bytes, threads) {
-                let from = SendPtr(src[start + offset..].as_ptr().cast_mut());
-                scope.spawn_fifo(move |_| {
-                    // SAFETY: the slot is leased and proven (no DMA touches it until its chunk
-                    // is queued, after every part has landed); it holds at least `bytes` bytes
-                    // (`plan.per_chunk` elements fit a slot); each part is a disjoint range of
-                    // both; `data` is borrowed until the region ends.
-                    unsafe { copy_streaming(target.get().add(offset), from.get(), len) };
-                    remaining.fetch_sub(1, Ordering::Release);
-                });
-            }
-        }
-        // Queue each chunk as soon as its copies are done, in order. After a failure the
-        // remaining copies still run to the end of the region (they write only our slots).
+    copiers.pool.join(copiers.parts - 1, &work, |_| {
         for (c, done) in remaining.iter().enumerate() {
-            help_until_zero(done);
+            // The calling thread copies too, taking the next piece in order, until this chunk
+            // has landed.
+            while done.load(Ordering::Acquire) != 0 {
+                match claims.claim() {
+                    Some(i) => copy_piece(i),
+                    None => std::hint::spin_loop(),
+                }
+            }
             let lease = leases.pop_front().expect("one lease per chunk");
             if failure.is_some() {
                 lease.release();
                 continue;
             }
-            let offset = c * plan.per_chunk;
-            let n = plan.per_chunk.min(data.len() - offset);
-            match lease.begin_upload(engine, tensor, offset, n) {
+            match lease.begin_upload(engine, tensor, c * plan.per_chunk, chunk_len(c)) {
                 Ok(unproven) => in_flight.push_back(unproven),
                 Err(BeginError::NotQueued { lease, error }) => {
                     lease.release();
@@ -797,10 +810,33 @@ fn upload_at_once<T: Element>(
     }
 }
 
-/// A download whose chunks all fit in the ring at once: every chunk's DMA is queued up front,
-/// then each chunk is copied out, in parallel, as soon as its event proves it arrived, while
-/// later chunks are still on the wire. A `fresh` destination has its pages populated in the same
-/// region.
+/// The bytes a download of a mid-size transfer marks as arrived at a time (see
+/// [`download_at_once`]). A mark costs an event record, a wait and a hand-off to the copy
+/// threads, a few microseconds in all, which the DMA of 512 KiB (about 11 µs at the 49 GiB/s of
+/// the H200's link) covers; smaller marks stop the copy threads between marks, larger ones leave
+/// more to copy after the last byte has arrived. Measured for an 8 MiB download with twelve
+/// threads on the H200 host (`docs/records/mid-size-transfers.md`): 64 KiB marks 418 µs, 128 KiB
+/// 274 µs, 256 KiB 216 µs, 512 KiB 195 µs, 1 MiB 267 µs, 2 MiB 326 µs.
+const MARK_BYTES: usize = 512 << 10;
+
+/// The smallest piece of a marked part one copy thread copies out.
+const MIN_MARKED_PIECE: usize = 32 << 10;
+
+/// Raises `flag` when dropped: the lead of a download stops its helpers waiting for marks it
+/// will no longer prove, on return and on unwind alike.
+struct RaiseOnDrop<'a>(&'a AtomicBool);
+
+impl Drop for RaiseOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Release);
+    }
+}
+
+/// A download whose chunks all fit in the ring at once: every chunk's DMA is queued up front in
+/// parts of [`MARK_BYTES`], each part followed by a mark; the calling thread waits for the marks
+/// in order and publishes each part as it arrives, and the copy threads (and then the calling
+/// thread) copy the published parts out, each part split between them, while later parts are
+/// still on the wire. A `fresh` destination has its pages populated by the same threads first.
 fn download_at_once<T: Element>(
     engine: &mut CudaEngine,
     tensor: &DeviceTensor<T>,
@@ -811,77 +847,147 @@ fn download_at_once<T: Element>(
 ) -> Result<()> {
     let total = tensor.len();
     let size = T::DTYPE.size_bytes();
-    let chunks = total.div_ceil(plan.per_chunk);
-    let fail = |in_flight: VecDeque<StagingLease<Unproven>>, error| {
-        in_flight
+    // As few slots as hold the transfer: one mark stream over one slot copies out faster than
+    // the same marks spread over several (8 MiB with 512 KiB marks on the H200 host: 238 µs in
+    // one slot, 261 µs in four; `docs/records/mid-size-transfers.md`).
+    let per_chunk = plan.per_slot;
+    let chunks = total.div_ceil(per_chunk);
+    let mark = (MARK_BYTES / size).max(1);
+    let fail = |queued: VecDeque<(StagingLease<Unproven>, Vec<Mark>)>, error| {
+        // Dropping a mark detaches it; each lease is retired until its copies are proven.
+        queued
             .into_iter()
-            .for_each(StagingLease::<Unproven>::retire);
+            .for_each(|(lease, _marks)| lease.retire());
         Err(error)
     };
-    let mut in_flight = VecDeque::with_capacity(chunks);
+    // Queue every chunk, in marked parts, keeping each slot's address for the copy-out.
+    let mut queued = VecDeque::with_capacity(chunks);
+    let mut slots = Vec::with_capacity(chunks);
     for c in 0..chunks {
         let lease = match engine.route_lease() {
             Ok(lease) => lease,
-            Err(error) => return fail(in_flight, error),
+            Err(error) => return fail(queued, error),
         };
-        let offset = c * plan.per_chunk;
-        let n = plan.per_chunk.min(total - offset);
-        match lease.begin_download(engine, tensor, offset, n) {
-            Ok(unproven) => in_flight.push_back(unproven),
+        let slot = SendPtr(lease.as_bytes().as_ptr().cast_mut());
+        let offset = c * per_chunk;
+        let n = per_chunk.min(total - offset);
+        let mut marks = Vec::with_capacity(n.div_ceil(mark));
+        match lease.begin_download_marked(engine, tensor, offset, n, mark, &mut marks) {
+            Ok(unproven) => {
+                slots.push(slot);
+                let failed = matches!(marks.last(), Some(Mark::Failed(_)));
+                queued.push_back((unproven, marks));
+                // Nothing after a failed part was queued; the wait below meets the failure.
+                if failed {
+                    break;
+                }
+            }
             Err(BeginError::NotQueued { lease, error }) => {
                 lease.release();
-                return fail(in_flight, error);
+                return fail(queued, error);
             }
             Err(BeginError::Untracked { lease, error }) => {
                 lease.retire();
-                return fail(in_flight, error);
+                return fail(queued, error);
             }
         }
     }
-    let threads = copiers.parts;
-    let mut landed: Vec<StagingLease<Proven>> = Vec::with_capacity(chunks);
-    let mut failure = None;
-    copiers.pool.scope_fifo(|scope| {
-        if fresh && total * size >= POPULATE_MIN {
-            populate(scope, dst, total * size);
+    // Every marked part, in order: (chunk, offset in the chunk, bytes); then every part's
+    // pieces: (part, offset in the chunk, bytes).
+    let parts: Vec<(usize, usize, usize)> = (0..chunks)
+        .flat_map(|c| {
+            let n = per_chunk.min(total - c * per_chunk);
+            (0..n)
+                .step_by(mark)
+                .map(move |at| (c, at * size, mark.min(n - at) * size))
+        })
+        .collect();
+    let pieces: Vec<(usize, usize, usize)> = parts
+        .iter()
+        .enumerate()
+        .flat_map(|(p, &(_, start, bytes))| {
+            copy_parts(bytes, copiers.parts, MIN_MARKED_PIECE)
+                .map(move |(offset, len)| (p, start + offset, len))
+        })
+        .collect();
+    let arrived = AtomicUsize::new(0);
+    let gave_up = AtomicBool::new(false);
+    let claims = Claims::new(pieces.len());
+    let populate =
+        (fresh && total * size >= POPULATE_MIN).then(|| Populate::new(dst, total * size));
+    let chunk_bytes = per_chunk * size;
+    let work = || {
+        if let Some(populate) = &populate {
+            populate.run();
         }
-        for c in 0..chunks {
-            let Some(lease) = in_flight.pop_front() else {
+        while let Some(i) = claims.claim() {
+            let (p, offset, len) = pieces[i];
+            // Giving up is seen after the last publication, so the count is asked again.
+            while arrived.load(Ordering::Acquire) <= p {
+                if gave_up.load(Ordering::Acquire) && arrived.load(Ordering::Acquire) <= p {
+                    return;
+                }
+                std::hint::spin_loop();
+            }
+            let c = parts[p].0;
+            // SAFETY: part `p` was published only after its mark (or its chunk's event) proved
+            // its bytes arrived in slot `c`, and no later copy writes them; the slot stays
+            // allocated until `join` returns (its lease is held until then, and the ring frees
+            // slots only at teardown, which needs the engine this call borrows); `dst` has room
+            // for `total` elements and the piece lies in chunk `c`; pieces are disjoint; pinned
+            // staging and the caller's vector do not overlap.
+            unsafe {
+                let at = dst.get().add(c * chunk_bytes + offset);
+                let from = slots[c].get().add(offset);
+                if T::DTYPE == DType::Bool {
+                    decode_bool(at, from, len);
+                } else {
+                    std::ptr::copy_nonoverlapping(from, at, len);
+                }
+            }
+        }
+    };
+    let (landed, stranded, failure) = copiers.pool.join(copiers.parts - 1, &work, |_| {
+        let give_up = RaiseOnDrop(&gave_up);
+        let mut landed = Vec::with_capacity(queued.len());
+        let mut failure = None;
+        let mut next = 0;
+        while let Some((lease, marks)) = queued.pop_front() {
+            for mark in marks {
+                let proved = match mark {
+                    Mark::Recorded(mark) => mark.wait_parts().map(drop),
+                    Mark::Failed(error) => Err(error),
+                };
+                if let Err(error) = proved {
+                    failure = Some(error);
+                    break;
+                }
+                next += 1;
+                arrived.store(next, Ordering::Release);
+            }
+            if failure.is_some() {
+                queued.push_front((lease, Vec::new()));
                 break;
-            };
-            let proven = match lease.end_chunk() {
-                Ok(proven) => proven,
+            }
+            match lease.end_chunk() {
+                Ok(proven) => landed.push(proven),
                 Err(error) => {
                     failure = Some(error);
                     break;
                 }
-            };
-            let from = SendPtr(proven.as_bytes().as_ptr().cast_mut());
-            let start = c * plan.per_chunk * size;
-            let bytes = plan.per_chunk.min(total - c * plan.per_chunk) * size;
-            for (offset, len) in copy_parts(bytes, threads) {
-                scope.spawn_fifo(move |_| {
-                    // SAFETY: the lease is proven, so its chunk has arrived, and it is kept
-                    // (in `landed`) until the region ends; `dst` has room for `total` elements
-                    // and this part lies inside chunk `c`; parts are disjoint; the ranges do not
-                    // overlap (pinned staging and the caller's vector).
-                    unsafe {
-                        let at = dst.get().add(start + offset);
-                        let from = from.get().add(offset);
-                        if T::DTYPE == DType::Bool {
-                            decode_bool(at, from, len);
-                        } else {
-                            std::ptr::copy_nonoverlapping(from, at, len);
-                        }
-                    }
-                });
             }
-            landed.push(proven);
+            next += 1;
+            arrived.store(next, Ordering::Release);
         }
+        drop(give_up);
+        // Copy out alongside the helpers (or alone, without any): after a failure this stops
+        // at the first part that never arrived.
+        work();
+        (landed, std::mem::take(&mut queued), failure)
     });
     landed.into_iter().for_each(StagingLease::release);
     match failure {
-        Some(error) => fail(in_flight, error),
+        Some(error) => fail(stranded, error),
         None => Ok(()),
     }
 }
@@ -915,16 +1021,10 @@ mod tests {
         );
         let (ca, cb) = (ca.unwrap(), cb.unwrap());
         assert!(std::ptr::eq(ca.pool, cb.pool));
-        assert_eq!(ca.pool.current_num_threads(), copy_pool::copy_threads());
+        assert_eq!(ca.pool.threads(), copy_pool::copy_threads());
         // Each engine's cap applies to its own transfers only.
         assert_eq!(ca.parts, copy_pool::copy_threads());
         assert_eq!(cb.parts, 1);
-        let names = ca
-            .pool
-            .broadcast(|_| std::thread::current().name().map(str::to_owned));
-        assert!(names.iter().all(|name| name
-            .as_deref()
-            .is_some_and(|n| n.starts_with("cuferry-copy-"))));
         assert!(a.sim().unwrap().violations().is_empty());
         assert!(b.sim().unwrap().violations().is_empty());
     }

@@ -19,6 +19,9 @@ fn sizes(engine: &CudaEngine, size: usize) -> Vec<usize> {
         e(c.cutoff_bytes),
         e(c.cutoff_bytes) + 1,
     ];
+    // Transfers served at once, downloaded in marked parts of 512 KiB: a partial last part,
+    // and one element either side of a whole number of parts.
+    v.extend([e(3 << 19) + 1, e(8 << 20) - 1, e(8 << 20) + 3]);
     v.extend([e(c.chunk_bytes) - 1, e(c.chunk_bytes), e(c.chunk_bytes) + 1]);
     v.push(e(c.chunk_bytes) * (c.ring_depth * 2 + 1) + 5);
     v.retain(|&n| n > 0 || size == 1);
