@@ -12,8 +12,9 @@
 //! once, against one engine alone.
 //!
 //! Writes `transfer_sweep.csv` and `transfer_sweep.svg` into `$OUT` (or the current directory),
-//! and prints every figure. Run on a GPU machine: `cargo bench --bench transfer_sweep`. Without a
-//! GPU it prints a note and measures nothing.
+//! and prints every figure; `--plot FILE.csv` redraws the SVG from a CSV, with no GPU. Run on a
+//! GPU machine: `cargo bench --bench transfer_sweep`. Without a GPU it prints a note and measures
+//! nothing.
 
 use cudarc::driver::sys;
 use cuferry::{download_tensor_into, upload_tensor, upload_tensor_into, CudaEngine};
@@ -61,6 +62,67 @@ struct Series {
     name: &'static str,
     color: &'static str,
     points: Vec<(usize, f64)>,
+}
+
+fn all_series() -> [Series; 6] {
+    [
+        Series {
+            name: "upload_tensor_into",
+            color: "#1f77b4",
+            points: vec![],
+        },
+        Series {
+            name: "download_tensor_into",
+            color: "#d62728",
+            points: vec![],
+        },
+        Series {
+            name: "raw pageable up",
+            color: "#aec7e8",
+            points: vec![],
+        },
+        Series {
+            name: "raw pageable down",
+            color: "#ff9896",
+            points: vec![],
+        },
+        Series {
+            name: "raw pinned up",
+            color: "#2ca02c",
+            points: vec![],
+        },
+        Series {
+            name: "raw pinned down",
+            color: "#98df8a",
+            points: vec![],
+        },
+    ]
+}
+
+/// The plot's title.
+const TITLE: &str = "cuferry blocking routes vs the raw driver (H200, median of repeated runs)";
+
+/// Redraws the plot from a sweep's CSV (`--plot FILE`), writing the SVG beside it.
+fn plot_from_csv(path: &str) {
+    let text = std::fs::read_to_string(path).expect("a sweep CSV");
+    let mut series = all_series();
+    for line in text.lines().skip(1) {
+        let fields: Vec<&str> = line.split(',').collect();
+        let (Some(bytes), Some(name), Some(gib)) = (fields.first(), fields.get(1), fields.get(3))
+        else {
+            continue;
+        };
+        if let (Some(s), Ok(bytes), Ok(gib)) = (
+            series.iter_mut().find(|s| s.name == *name),
+            bytes.parse::<usize>(),
+            gib.parse::<f64>(),
+        ) {
+            s.points.push((bytes, gib));
+        }
+    }
+    let out = std::path::Path::new(path).with_extension("svg");
+    std::fs::write(&out, svg(&series, TITLE)).expect("the SVG written");
+    println!("wrote {}", out.display());
 }
 
 /// A log-log plot of GiB/s against size.
@@ -166,6 +228,10 @@ fn main() {
     if std::env::args().any(|a| a == "--list") {
         return; // nothing for the test harness to list
     }
+    let args: Vec<String> = std::env::args().collect();
+    if let Some(at) = args.iter().position(|a| a == "--plot") {
+        return plot_from_csv(args.get(at + 1).expect("--plot FILE"));
+    }
     let mut engine = match CudaEngine::open(0) {
         Ok(engine) => engine,
         Err(e) => {
@@ -195,38 +261,7 @@ fn main() {
             ),
         );
     }
-    let mut series = [
-        Series {
-            name: "upload_tensor_into",
-            color: "#1f77b4",
-            points: vec![],
-        },
-        Series {
-            name: "download_tensor_into",
-            color: "#d62728",
-            points: vec![],
-        },
-        Series {
-            name: "raw pageable up",
-            color: "#aec7e8",
-            points: vec![],
-        },
-        Series {
-            name: "raw pageable down",
-            color: "#ff9896",
-            points: vec![],
-        },
-        Series {
-            name: "raw pinned up",
-            color: "#2ca02c",
-            points: vec![],
-        },
-        Series {
-            name: "raw pinned down",
-            color: "#98df8a",
-            points: vec![],
-        },
-    ];
+    let mut series = all_series();
     let mut csv = String::from("bytes,case,median_us,gib_per_s\n");
     for bytes in sizes() {
         let n = bytes / 4;
@@ -311,14 +346,7 @@ fn main() {
     }
     let dir = std::env::var("OUT").unwrap_or_else(|_| ".".into());
     std::fs::write(format!("{dir}/transfer_sweep.csv"), &csv).unwrap();
-    std::fs::write(
-        format!("{dir}/transfer_sweep.svg"),
-        svg(
-            &series,
-            "cuferry blocking routes vs the raw driver (H200, median of repeated runs)",
-        ),
-    )
-    .unwrap();
+    std::fs::write(format!("{dir}/transfer_sweep.svg"), svg(&series, TITLE)).unwrap();
 
     // Four engines on four threads against one alone: 64 MiB up and down each.
     let n = (64 << 20) / 4;
