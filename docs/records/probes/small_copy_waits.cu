@@ -15,10 +15,14 @@ int main() {
   CUevent ev; CK(cuEventCreate(&ev, CU_EVENT_DISABLE_TIMING)); char src[16] = {1}; char dst[16];
   for (int round = 0; round < 3; round++)
   for (int up = 1; up >= 0; up--) {
-    for (int mode = 0; mode < 4; mode++) {
+    for (int mode = 0; mode < 7; mode++) {
+      if (mode >= 4 && !up && mode != 6) continue;
       std::vector<double> t;
       for (int r = 0; r < 20001; r++) {
         double a = now_us();
+        if (mode == 4) { CK(cuMemcpyHtoDAsync(d, src, 16, st)); CK(cuStreamSynchronize(st)); t.push_back(now_us() - a); continue; }
+        if (mode == 5) { CK(cuMemcpyHtoDAsync(d, src, 16, st)); CK(cuEventRecord(ev, st)); CK(cuEventSynchronize(ev)); t.push_back(now_us() - a); continue; }
+        if (mode == 6) { if (up) CK(cuMemcpyHtoDAsync(d, src, 16, st)); else CK(cuMemcpyDtoHAsync(dst, d, 16, st)); t.push_back(now_us() - a); continue; }
         if (up) { memcpy(pin, src, 16); CK(cuMemcpyHtoDAsync(d, pin, 16, st)); } else CK(cuMemcpyDtoHAsync(pin, d, 16, st));
         if (mode == 0) { CK(cuEventRecord(ev, st)); CK(cuEventSynchronize(ev)); }
         else if (mode == 1) CK(cuStreamSynchronize(st));
@@ -28,7 +32,7 @@ int main() {
         t.push_back(now_us() - a);
       }
       std::sort(t.begin(), t.end());
-      const char* mn[] = {"record+event sync", "stream sync", "stream query spin", "record+event query spin"};
+      const char* mn[] = {"record+event sync", "stream sync", "stream query spin", "record+event query spin", "PAGEABLE async + stream sync", "PAGEABLE async + event sync", "PAGEABLE async alone"};
       printf("round %d %s 16B %-26s median %.2f us  p10 %.2f\n", round, up ? "up" : "down", mn[mode], t[t.size()/2], t[t.size()/10]);
     }
   }
