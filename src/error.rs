@@ -453,6 +453,17 @@ pub enum Error {
         /// What was given.
         found: String,
     },
+    /// Work on one device cannot be ordered after, or reach, work of another: simulated devices
+    /// share no clock with each other, and a real and a simulated device nothing at all.
+    #[error("{to} cannot reach {from}: {reason}")]
+    Unreachable {
+        /// The device whose work was to be reached.
+        from: DeviceId,
+        /// The device that was to reach it.
+        to: DeviceId,
+        /// Why not.
+        reason: &'static str,
+    },
     /// An engine setting is out of range.
     #[error("invalid setting {setting} = {value}: {reason}")]
     InvalidSetting {

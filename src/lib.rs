@@ -87,6 +87,7 @@ pub use lifecycle::lease::{
     BeginError, KeepAlive, LeaseState, Proven, StagingLease, Unproven, Untracked,
 };
 pub use lifecycle::retire::RetirementStats;
+pub use lifecycle::signal::Signal;
 pub use memory::copy_pool::{copy_threads, set_copy_threads};
 pub use memory::element::Element;
 pub use memory::host::HostBuffer;

@@ -22,6 +22,8 @@ assert_impl_all!(CudaEngine: Send);
 assert_impl_all!(DeviceTensor<f32>: Send, Sync);
 // `&PinnedHostBuffer` only reads through `as_slice`.
 assert_impl_all!(PinnedHostBuffer<f32>: Send, Sync);
+// A signal crosses to the thread that holds the engine that waits for it.
+assert_impl_all!(cuferry::Signal: Send, Sync);
 assert_impl_all!(Pending<Upload, f32, InFlight>: Send);
 assert_impl_all!(Pending<Download, f32, InFlight>: Send);
 assert_impl_all!(Pending<Upload, f32, Returned>: Send, Sync);

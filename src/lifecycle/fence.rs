@@ -137,6 +137,12 @@ impl<R: Send + 'static> Fenced<R> {
         &self.inner().owner
     }
 
+    /// The event recorded after the work, for another stream to wait on (never to record again:
+    /// it stays this fence's until a proof).
+    pub(crate) fn event(&self) -> EventHandle {
+        self.inner().event
+    }
+
     /// The resources, shared, while the proof is still owed. Only for parts that the caller may
     /// use on the engine's own stream (where queued work runs after the fenced work) and that a
     /// shared borrow cannot write: a pending transfer's device tensor, never its host buffer.

@@ -8,6 +8,8 @@
 //! - [`wake`]: a future over a fence, woken by the device once the work has completed or failed.
 //! - [`lease`]: the `StagingLease<Proven/Unproven/Untracked>` typestate over the staging ring's
 //!   slots, public for hand-built chunked pipelines.
+//! - [`signal`]: the same proof handed to another engine, whose streams wait for it on the
+//!   device.
 //!
 //! Pending transfers, staging leases, the CubeCL boundary and every detached value are built on
 //! the first two, so the rules (no host wait under the engine's lock; a panic leaks, never
@@ -21,4 +23,5 @@
 pub(crate) mod fence;
 pub(crate) mod lease;
 pub(crate) mod retire;
+pub(crate) mod signal;
 pub(crate) mod wake;

@@ -16,6 +16,7 @@ mod kernels;
 mod pending;
 mod raw_scope;
 mod registered;
+mod signal;
 mod staging;
 mod vendor;
 

@@ -1,0 +1,200 @@
+//! Ordering one engine's work after another's on the device, with no host wait: [`Signal`].
+//!
+//! Engines never share values, so nothing orders the streams of two engines by itself. A
+//! [`Signal`] is the crate's one proof of completion (a fence, recorded after everything queued on
+//! an engine so far) handed to another engine: [`CudaEngine::wait_signal`] makes every stream of
+//! the waiting engine wait for it on the device (`cuStreamWaitEvent`), so work queued there
+//! afterwards runs after the signalled work, while the host moves on. The same signal is a host
+//! proof too ([`Signal::is_ready`], [`Signal::wait`]).
+//!
+//! Real devices wait for each other's events across contexts and devices. A simulated device
+//! waits only for engines of the same simulated device (separate ones share no clock): anything
+//! else is refused with [`Error::Unreachable`].
+
+use super::fence::{fence, Fenced, Fencing};
+use crate::core::engine::CudaEngine;
+use crate::driver::Lane;
+use crate::error::{DeviceId, DeviceKind, Error, Result};
+
+/// A point in one engine's work that other engines' streams can wait for on the device.
+///
+/// Made by [`CudaEngine::signal`] after everything queued on that engine so far, on all of its
+/// streams. Hand it (by reference) to [`CudaEngine::wait_signal`] of any engine whose later work
+/// must follow; wait for it on the host with [`wait`](Self::wait), or ask with
+/// [`is_ready`](Self::is_ready). A signal is `Send + Sync`: it may cross to the thread that
+/// holds the other engine. Dropping it is free (its event returns to its engine once complete),
+/// and so is forgetting it (the event leaks).
+///
+/// ```
+/// # fn main() -> Result<(), cuferry::Error> {
+/// use cuferry::sim::{SimConfig, SimDevice};
+/// use cuferry::{download_tensor, upload_tensor, CudaEngine};
+/// # /*
+/// let (mut a, mut b) = (CudaEngine::open(0)?, CudaEngine::open(1)?);
+/// # */
+/// # let sim = SimDevice::new(SimConfig::default());
+/// # let (mut a, mut b) = (CudaEngine::simulated_on(&sim), CudaEngine::simulated_on(&sim));
+/// let x = upload_tensor(&mut a, &[1.0f32, 2.0, 3.0], &[3])?;
+/// let doubled = a.scale(&x, 2.0)?;
+/// let done = a.signal()?; // after the upload and the kernel
+///
+/// b.wait_signal(&done)?; // b's streams wait for them on the device; the host goes on
+/// let y = upload_tensor(&mut b, &[4.0f32], &[1])?; // runs after a's kernel
+///
+/// done.wait()?; // the host can wait for the same point
+/// assert_eq!(download_tensor(&mut a, &doubled)?, [2.0, 4.0, 6.0]);
+/// assert_eq!(download_tensor(&mut b, &y)?, [4.0]);
+/// # Ok(()) }
+/// ```
+#[must_use = "a signal orders nothing until an engine waits for it"]
+pub struct Signal {
+    /// The fence after the signalled work; `None` when that work was already proven complete
+    /// when the signal was made (there is nothing to wait for).
+    fence: Option<Fenced<()>>,
+    /// The signalling engine's device.
+    device: DeviceId,
+}
+
+impl std::fmt::Debug for Signal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Signal")
+            .field("device", &self.device)
+            .field("proven_at_creation", &self.fence.is_none())
+            .finish()
+    }
+}
+
+impl Signal {
+    /// The device of the engine that made the signal.
+    pub fn device(&self) -> DeviceId {
+        self.device
+    }
+
+    /// Whether the signalled work has completed. Never waits and takes no engine lock.
+    ///
+    /// # Errors
+    /// [`Error::DeviceFault`] when the device reports a failure of the signalled work (or of
+    /// earlier work on its engine).
+    pub fn is_ready(&self) -> Result<bool> {
+        match &self.fence {
+            Some(fence) => fence.is_ready(),
+            None => Ok(true),
+        }
+    }
+
+    /// Waits on the host until the signalled work has completed.
+    ///
+    /// # Errors
+    /// As [`is_ready`](Self::is_ready).
+    pub fn wait(self) -> Result<()> {
+        match self.fence {
+            Some(fence) => fence.wait_parts().map(drop),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Whether an engine on `to` can wait on the device for work of an engine on `from`.
+fn reachable(from: DeviceId, to: DeviceId) -> std::result::Result<(), &'static str> {
+    match (from.kind, to.kind) {
+        (DeviceKind::Cuda, DeviceKind::Cuda) => Ok(()),
+        (DeviceKind::Simulated, DeviceKind::Simulated) if from.instance == to.instance => Ok(()),
+        (DeviceKind::Simulated, DeviceKind::Simulated) => {
+            Err("separate simulated devices share no clock, so one cannot wait for the other")
+        }
+        _ => Err("a real and a simulated device cannot wait for each other"),
+    }
+}
+
+impl CudaEngine {
+    /// A [`Signal`] after everything queued on this engine so far, on all three of its streams.
+    ///
+    /// The engine's compute stream first waits (on the device) for its copy streams, then an
+    /// event is recorded on it: later copies and kernels on this engine are not delayed by it,
+    /// beyond that one join.
+    ///
+    /// # Errors
+    /// [`Error::Driver`] when a wait or the event record is refused and nothing could prove the
+    /// work complete instead. When the record is refused but a stream synchronize proves the work
+    /// complete, the signal is returned (already complete) and the refusal is reported at the
+    /// next [`flush`](Self::flush) or [`synchronize`](Self::synchronize).
+    pub fn signal(&mut self) -> Result<Signal> {
+        let device = self.shared.device;
+        let mut st = self.shared.enter()?;
+        {
+            let st = &mut *st;
+            st.order.join(&mut *st.driver, Lane::Compute)?;
+        }
+        match fence(&mut st, &self.shared, Lane::Compute, (), None, "signal") {
+            Fencing::Fenced(fence) => Ok(Signal {
+                fence: Some(fence),
+                device,
+            }),
+            Fencing::Proven((), error) => {
+                st.defer(error);
+                Ok(Signal {
+                    fence: None,
+                    device,
+                })
+            }
+            Fencing::Untracked(untracked, error) => {
+                drop(st);
+                untracked.retain();
+                Err(error)
+            }
+        }
+    }
+
+    /// Makes every later operation of this engine wait, on the device, for the work `signal`
+    /// covers (queued on its own engine, this one or another, before the signal was made). The
+    /// host does not wait.
+    ///
+    /// A signal already complete, or whose engine has been torn down (its work is complete),
+    /// queues nothing. When the device refuses a wait, the host waits for the signal instead, so
+    /// the order holds either way, and the refusal is reported at the next
+    /// [`flush`](Self::flush) or [`synchronize`](Self::synchronize).
+    ///
+    /// # Errors
+    /// [`Error::Unreachable`] when this engine's device cannot wait for the signal's (separate
+    /// simulated devices, or a real and a simulated one); nothing is queued.
+    /// [`Error::DeviceFault`] when the signalled work failed.
+    pub fn wait_signal(&mut self, signal: &Signal) -> Result<()> {
+        let Some(fence) = &signal.fence else {
+            return Ok(());
+        };
+        let to = self.shared.device;
+        if let Err(reason) = reachable(signal.device, to) {
+            return Err(Error::Unreachable {
+                from: signal.device,
+                to,
+                reason,
+            });
+        }
+        if fence.is_ready()? || fence.owner().lock().torn_down {
+            return Ok(());
+        }
+        let event = fence.event();
+        let mut st = self.shared.enter()?;
+        let refused = Lane::ALL
+            .into_iter()
+            .find_map(|lane| st.driver.stream_wait(lane, event).err());
+        let Some(source) = refused else {
+            return Ok(());
+        };
+        drop(st);
+        // The device would not wait: the host does, so the order still holds.
+        fence
+            .owner()
+            .waits
+            .event_synchronize(event)
+            .map_err(|source| Error::DeviceFault {
+                what: "signal",
+                source,
+            })?;
+        self.shared.lock().defer(Error::Driver {
+            call: "cuStreamWaitEvent",
+            source,
+        });
+        Ok(())
+    }
+}

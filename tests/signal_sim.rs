@@ -1,0 +1,203 @@
+//! Signals between engines on the simulated device: work queued on one engine after
+//! `wait_signal` runs after the signalled work of another, whatever order the device's streams
+//! run in; a refused wait falls back to a host wait and is reported; signals between separate
+//! simulated devices are refused; a signal of failed work reports the failure.
+
+use cuferry::sim::{Schedule, SimConfig, SimDevice, SimOp};
+use cuferry::{upload_pending, CudaEngine, DriverError, Error, PendingUpload, PinnedHostBuffer};
+
+fn data(n: usize, salt: f32) -> Vec<f32> {
+    (0..n).map(|i| i as f32 * 0.5 + salt).collect()
+}
+
+/// A pending upload of `n` elements on `engine`.
+fn upload(engine: &mut CudaEngine, n: usize, salt: f32) -> PendingUpload<f32> {
+    let buffer = PinnedHostBuffer::from_slice(engine, &data(n, salt)).unwrap();
+    let tensor = engine.alloc_tensor::<f32>(&[n]).unwrap();
+    upload_pending(engine, buffer, tensor).unwrap()
+}
+
+/// On one simulated device with the clock held and the streams interleaved by `seed`: engine A
+/// queues an upload and a kernel on it, B queues an upload, optionally after waiting for A's
+/// signal. Steps the clock one job at a time and returns whether B's upload was ever seen
+/// complete while A's work was not.
+fn b_finished_first(seed: u64, wait: bool) -> bool {
+    let sim = SimDevice::new(SimConfig::default());
+    sim.set_schedule(Schedule::Interleaved { seed });
+    let mut a = CudaEngine::simulated_on(&sim);
+    let mut b = CudaEngine::simulated_on(&sim);
+    sim.hold_clock(true);
+    let mut first = upload(&mut a, 64, 1.0);
+    let scaled = a.scale(first.device_tensor(), 2.0).unwrap();
+    let signal = a.signal().unwrap();
+    if wait {
+        b.wait_signal(&signal).unwrap();
+    }
+    let mut second = upload(&mut b, 64, 2.0);
+    let mut early = false;
+    for _ in 0..200 {
+        let b_done = second.is_ready().unwrap();
+        let a_done = signal.is_ready().unwrap() && first.is_ready().unwrap();
+        early |= b_done && !a_done;
+        if b_done && a_done {
+            break;
+        }
+        sim.advance(1);
+    }
+    sim.hold_clock(false);
+    drop((
+        first.wait().unwrap(),
+        second.wait().unwrap(),
+        scaled,
+        signal,
+    ));
+    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+    early
+}
+
+#[test]
+fn work_after_a_wait_runs_after_the_signalled_work_of_another_engine() {
+    for seed in 0..64 {
+        assert!(
+            !b_finished_first(seed, true),
+            "seed {seed}: B ran before A's signalled work"
+        );
+    }
+    // The check can fail: without the wait, some interleaving finishes B first.
+    assert!(
+        (0..64).any(|seed| b_finished_first(seed, false)),
+        "no interleaving finished B first without the wait"
+    );
+}
+
+#[test]
+fn the_wait_is_on_the_device_not_the_host() {
+    let sim = SimDevice::new(SimConfig::default());
+    let mut a = CudaEngine::simulated_on(&sim);
+    let mut b = CudaEngine::simulated_on(&sim);
+    sim.hold_clock(true);
+    let pending = upload(&mut a, 16, 1.0);
+    let signal = a.signal().unwrap();
+    let waits = sim.calls(SimOp::StreamWait);
+    b.wait_signal(&signal).unwrap();
+    // One wait per stream of B, queued while A's work is still pending: the host went on.
+    assert_eq!(sim.calls(SimOp::StreamWait) - waits, 3);
+    let ready = signal.is_ready().unwrap();
+    sim.hold_clock(false);
+    assert!(!ready, "the signalled upload was still queued");
+    signal.wait().unwrap();
+    drop(pending.wait().unwrap());
+    // A signal already complete queues nothing.
+    let signal = a.signal().unwrap();
+    a.synchronize().unwrap();
+    let waits = sim.calls(SimOp::StreamWait);
+    b.wait_signal(&signal).unwrap();
+    assert_eq!(sim.calls(SimOp::StreamWait), waits);
+}
+
+#[test]
+fn a_refused_wait_falls_back_to_the_host_and_is_reported() {
+    let sim = SimDevice::new(SimConfig::default());
+    let mut a = CudaEngine::simulated_on(&sim);
+    let mut b = CudaEngine::simulated_on(&sim);
+    sim.hold_clock(true);
+    let mut pending = upload(&mut a, 16, 1.0);
+    let signal = a.signal().unwrap();
+    sim.fail_nth(SimOp::StreamWait, 1, DriverError::INVALID_VALUE);
+    // The host wait needs the clock to run.
+    sim.hold_clock(false);
+    b.wait_signal(&signal).unwrap();
+    sim.clear_faults();
+    assert!(signal.is_ready().unwrap(), "the host waited for the signal");
+    assert!(pending.is_ready().unwrap());
+    match b.flush() {
+        Err(Error::Deferred { count: 1, first }) => assert!(
+            matches!(
+                *first,
+                Error::Driver {
+                    call: "cuStreamWaitEvent",
+                    ..
+                }
+            ),
+            "{first:?}"
+        ),
+        other => panic!("the refusal was not reported: {other:?}"),
+    }
+    b.flush().unwrap();
+    drop(pending.wait().unwrap());
+}
+
+#[test]
+fn separate_simulated_devices_cannot_wait_for_each_other() {
+    let mut a = CudaEngine::simulated(SimConfig::default());
+    let mut b = CudaEngine::simulated(SimConfig::default());
+    let sim_b = b.sim().unwrap();
+    a.sim().unwrap().hold_clock(true);
+    let pending = upload(&mut a, 16, 1.0);
+    let signal = a.signal().unwrap();
+    let refused = b.wait_signal(&signal);
+    a.sim().unwrap().hold_clock(false);
+    assert!(
+        matches!(refused, Err(Error::Unreachable { from, to, .. }) if from == a.device() && to == b.device()),
+        "{refused:?}"
+    );
+    assert_eq!(sim_b.calls(SimOp::StreamWait), 0, "nothing was queued");
+    drop(pending.wait().unwrap());
+    drop(signal);
+}
+
+#[test]
+fn a_signal_of_failed_work_reports_the_failure() {
+    let sim = SimDevice::new(SimConfig::default());
+    let mut a = CudaEngine::simulated_on(&sim);
+    let mut b = CudaEngine::simulated_on(&sim);
+    // The signals' own records are the next events recorded on the device.
+    let before = sim.calls(SimOp::EventRecord);
+    sim.fail_event(before + 1, DriverError::LAUNCH_FAILED);
+    sim.fail_event(before + 2, DriverError::LAUNCH_FAILED);
+    sim.hold_clock(true);
+    let known = a.signal().unwrap();
+    let unknown = a.signal().unwrap();
+    // A failure already known is reported by the wait, which queues nothing.
+    sim.advance(1);
+    let waits = sim.calls(SimOp::StreamWait);
+    let refused = b.wait_signal(&known);
+    let queued = sim.calls(SimOp::StreamWait) - waits;
+    // One the device has not reached yet is not: the wait is queued, and the host proof reports
+    // it.
+    let later = b.wait_signal(&unknown);
+    let queued_later = sim.calls(SimOp::StreamWait) - waits - queued;
+    sim.hold_clock(false);
+    assert!(
+        matches!(refused, Err(Error::DeviceFault { .. })),
+        "{refused:?}"
+    );
+    assert_eq!(queued, 0);
+    assert!(later.is_ok(), "{later:?}");
+    assert_eq!(queued_later, 3);
+    assert!(matches!(known.wait(), Err(Error::DeviceFault { .. })));
+    assert!(matches!(unknown.wait(), Err(Error::DeviceFault { .. })));
+    sim.clear_faults();
+}
+
+#[test]
+fn signals_outlive_their_engine_and_leak_nothing() {
+    let sim = SimDevice::new(SimConfig::default());
+    let mut a = CudaEngine::simulated_on(&sim);
+    let mut b = CudaEngine::simulated_on(&sim);
+    let pending = upload(&mut a, 16, 1.0);
+    let kept = a.signal().unwrap();
+    let dropped = a.signal().unwrap();
+    let forgotten = a.signal().unwrap();
+    drop(dropped); // detached: its event returns once complete
+    std::mem::forget(forgotten); // leaks its event, nothing else
+    drop(pending.wait().unwrap());
+    drop(a); // teardown completes everything a queued
+    b.wait_signal(&kept).unwrap();
+    assert!(kept.is_ready().unwrap());
+    drop(kept);
+    drop(b);
+    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+    assert_eq!(sim.device_live().0, 0);
+    assert_eq!(sim.pinned_live().0, 0);
+}
