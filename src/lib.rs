@@ -97,9 +97,10 @@ pub use memory::registered::RegisteredBuffer;
 pub use memory::ring::{StagingConfig, StagingStats};
 pub use memory::tensor::DeviceTensor;
 pub use routes::{
-    download_pending, download_tensor, download_tensor_into, upload_pending, upload_tensor,
-    upload_tensor_into, Direction, Download, InFlight, Pending, PendingDownload, PendingFuture,
-    PendingUpload, Returned, TransferPackage, TransferState, TransferSubmitError, TryWait, Upload,
+    download_pending, download_tensor, download_tensor_into, peer_copy, peer_copy_into,
+    peer_copy_staged, upload_pending, upload_tensor, upload_tensor_into, Direction, Download,
+    InFlight, Pending, PendingDownload, PendingFuture, PendingUpload, Returned, TransferPackage,
+    TransferState, TransferSubmitError, TryWait, Upload,
 };
 pub use work::libs::{BlasElement, GemmConfig, SolverStatus, TensorElement, Transpose};
 pub use work::raw::{RawContext, RawDevicePtr, RawScope, RawStream};

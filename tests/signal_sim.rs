@@ -152,9 +152,8 @@ fn a_signal_of_failed_work_reports_the_failure() {
     let mut a = CudaEngine::simulated_on(&sim);
     let mut b = CudaEngine::simulated_on(&sim);
     // The signals' own records are the next events recorded on the device.
-    let before = sim.calls(SimOp::EventRecord);
-    sim.fail_event(before + 1, DriverError::LAUNCH_FAILED);
-    sim.fail_event(before + 2, DriverError::LAUNCH_FAILED);
+    sim.fail_event(1, DriverError::LAUNCH_FAILED);
+    sim.fail_event(2, DriverError::LAUNCH_FAILED);
     sim.hold_clock(true);
     let known = a.signal().unwrap();
     let unknown = a.signal().unwrap();

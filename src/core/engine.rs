@@ -426,6 +426,27 @@ impl CudaEngine {
         Self::from_driver(Box::new(driver))
     }
 
+    /// Opens an engine on device `index` of a simulated machine of several devices (feature
+    /// `sim`; [`SimConfig::devices`](crate::sim::SimConfig::devices)): the engines of one machine
+    /// share its clock, so they can wait for each other's [`Signal`](crate::Signal)s and, where
+    /// the devices are linked, copy between each other.
+    ///
+    /// # Errors
+    /// [`Error::NoSuchDevice`] when the machine has no device `index`.
+    #[cfg(any(test, feature = "sim"))]
+    pub fn simulated_on_device(
+        device: &crate::driver::sim::SimDevice,
+        index: usize,
+    ) -> Result<Self> {
+        match crate::driver::sim::SimDriver::on(device.clone(), index) {
+            Some(driver) => Ok(Self::from_driver(Box::new(driver))),
+            None => Err(Error::NoSuchDevice {
+                ordinal: index,
+                count: device.devices(),
+            }),
+        }
+    }
+
     fn from_driver(driver: Box<dyn Driver>) -> Self {
         let device = driver.device();
         let order = Order::default();

@@ -30,6 +30,8 @@ pub(crate) struct CudaDriver {
     /// The lanes' streams, by [`Lane::index`].
     streams: Streams,
     pool: sys::CUmemoryPool,
+    /// The devices (ordinals) the pool lets read and write its memory, besides this one.
+    granted: Vec<usize>,
     waits: Arc<CudaWaits>,
     /// Where [`Driver::notify_after`] queues its waits and callbacks; made on first use.
     side: notify::SideStreams,
@@ -127,6 +129,7 @@ impl CudaDriver {
             ctx,
             streams: [std::ptr::null_mut(); 3],
             pool: std::ptr::null_mut(),
+            granted: Vec::new(),
             side: notify::SideStreams::default(),
             waits: Arc::new(CudaWaits {
                 ctx,
@@ -336,10 +339,82 @@ impl Driver for CudaDriver {
     }
 
     fn stream_wait(&mut self, lane: Lane, event: EventHandle) -> Result<(), DriverError> {
-        // SAFETY: the event and the stream belong to this driver; CUDA captures the event's
-        // last record at this call, so a later record does not change the wait.
+        // SAFETY: the stream belongs to this driver and the event is live (the caller holds it,
+        // this driver's or another's: CUDA waits on events of other contexts and devices); CUDA
+        // captures the event's last record at this call, so a later record does not change the
+        // wait.
         DriverError::check(unsafe {
             sys::cuStreamWaitEvent(self.lane(lane), event.0 as sys::CUevent, 0)
+        })
+    }
+
+    fn can_access_peer(&self, peer: DeviceId) -> Result<bool, DriverError> {
+        if peer == self.id {
+            return Ok(true);
+        }
+        let ordinal = i32::try_from(peer.ordinal).map_err(|_| DriverError::INVALID_VALUE)?;
+        let mut device = MaybeUninit::uninit();
+        let mut can = 0;
+        // SAFETY: out pointers valid; `ordinal` is checked by the driver.
+        unsafe {
+            DriverError::check(sys::cuDeviceGet(device.as_mut_ptr(), ordinal))?;
+            DriverError::check(sys::cuDeviceCanAccessPeer(
+                &mut can,
+                self.device,
+                device.assume_init(),
+            ))?;
+        }
+        Ok(can != 0)
+    }
+
+    fn enable_peer_access(&mut self, peer: ContextHandle) -> Result<(), DriverError> {
+        /// `CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED`.
+        const ALREADY_ENABLED: u32 = 704;
+        // SAFETY: this driver's context is current (the engine enters it around every call) and
+        // `peer` is another live primary context.
+        match DriverError::check(unsafe { sys::cuCtxEnablePeerAccess(peer.0 as sys::CUcontext, 0) })
+        {
+            Err(e) if e.code() == ALREADY_ENABLED => Ok(()),
+            other => other,
+        }
+    }
+
+    fn grant_peer_access(&mut self, peer: DeviceId) -> Result<(), DriverError> {
+        if peer == self.id || self.granted.contains(&peer.ordinal) {
+            return Ok(());
+        }
+        let id = i32::try_from(peer.ordinal).map_err(|_| DriverError::INVALID_VALUE)?;
+        // SAFETY: an all-zero descriptor is a valid start; every field is set below.
+        let mut desc: sys::CUmemAccessDesc = unsafe { std::mem::zeroed() };
+        desc.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+        desc.location.id = id;
+        desc.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+        // SAFETY: the pool belongs to this driver; one descriptor, valid for the call.
+        DriverError::check(unsafe { sys::cuMemPoolSetAccess(self.pool, &desc, 1) })?;
+        self.granted.push(peer.ordinal);
+        Ok(())
+    }
+
+    unsafe fn copy_peer(
+        &mut self,
+        lane: Lane,
+        dst: DevicePtr,
+        dst_ctx: ContextHandle,
+        src: DevicePtr,
+        src_ctx: ContextHandle,
+        bytes: usize,
+    ) -> Result<(), DriverError> {
+        // SAFETY: the caller guarantees both ranges are live until the copy completes and
+        // disjoint; both contexts are live primary contexts.
+        DriverError::check(unsafe {
+            sys::cuMemcpyPeerAsync(
+                dst,
+                dst_ctx.0 as sys::CUcontext,
+                src,
+                src_ctx.0 as sys::CUcontext,
+                bytes,
+                self.lane(lane),
+            )
         })
     }
 

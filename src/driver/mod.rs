@@ -208,8 +208,41 @@ pub(crate) trait Driver: Send + launch::Launch + graph::Graphs {
     fn event_record(&mut self, lane: Lane, event: EventHandle) -> Result<(), DriverError>;
     /// Makes work queued on `lane` from now on wait until the work before `event`'s last record
     /// (as of this call) has completed. Never waits on the host; a later record of `event` does
-    /// not change what this wait waits for.
+    /// not change what this wait waits for. `event` may be another driver's (a signal), on this
+    /// device or, for a real device, another one.
     fn stream_wait(&mut self, lane: Lane, event: EventHandle) -> Result<(), DriverError>;
+
+    /// Whether this device reaches the memory of device `peer` directly (a peer link), so a
+    /// [`copy_peer`](Driver::copy_peer) between them runs device to device. The same device:
+    /// `true`.
+    fn can_access_peer(&self, peer: DeviceId) -> Result<bool, DriverError>;
+
+    /// Lets this driver's context reach the memory of the context `peer` (another driver's, on
+    /// a device [`can_access_peer`](Driver::can_access_peer) reaches). Enabling it again is not
+    /// an error.
+    fn enable_peer_access(&mut self, peer: ContextHandle) -> Result<(), DriverError>;
+
+    /// Lets device `peer` read and write the memory this driver allocates (its memory pool's
+    /// blocks are reachable only by the devices the pool names, whatever the contexts allow).
+    /// Granting it again is not an error.
+    fn grant_peer_access(&mut self, peer: DeviceId) -> Result<(), DriverError>;
+
+    /// Queues on `lane` a copy of `bytes` from `src`, memory of the context `src_ctx`, to `dst`,
+    /// memory of the context `dst_ctx`: one of them this driver's, the other a peer's (or the
+    /// same device's).
+    ///
+    /// # Safety
+    /// Both ranges lie in live allocations that stay live until the copy completes, and do not
+    /// overlap.
+    unsafe fn copy_peer(
+        &mut self,
+        lane: Lane,
+        dst: DevicePtr,
+        dst_ctx: ContextHandle,
+        src: DevicePtr,
+        src_ctx: ContextHandle,
+        bytes: usize,
+    ) -> Result<(), DriverError>;
     /// Destroys an event.
     ///
     /// # Safety

@@ -79,6 +79,11 @@ pub struct SimConfig {
     /// Page-locked host memory capacity in bytes, pinned allocations and registered ranges
     /// together; allocations and registrations beyond it fail likewise.
     pub pinned_bytes: usize,
+    /// How many devices the simulated machine has (ordinals `ordinal`, `ordinal + 1`, ...), each
+    /// with `memory_bytes` of its own, one clock for all, and every pair joined by a peer link
+    /// unless [`SimDevice::set_peer_link`] removes it. An engine opens on one by its index
+    /// (`simulated_on_device`).
+    pub devices: usize,
 }
 
 impl Default for SimConfig {
@@ -87,6 +92,7 @@ impl Default for SimConfig {
             ordinal: 0,
             memory_bytes: 4 << 30,
             pinned_bytes: 4 << 30,
+            devices: 1,
         }
     }
 }
@@ -174,6 +180,10 @@ pub enum SimOp {
     OrderEventCreate,
     /// A record of such an event.
     OrderRecord,
+    /// Enabling a context's access to a peer device's memory, or a pool's to a peer device.
+    PeerEnable,
+    /// Peer copy enqueue (between engines, on one device or across a peer link).
+    CopyPeer,
 }
 
 /// `CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED`.
@@ -298,6 +308,8 @@ fn splitmix64(state: &mut u64) -> u64 {
 struct Touch {
     /// The allocation's length in bytes.
     len: usize,
+    /// The device (index on the machine) that holds it.
+    device: usize,
     /// The highest sequence number of a job that has read it.
     read: Option<u64>,
     /// The highest sequence number of a job that has written (or freed) it.
@@ -324,11 +336,15 @@ struct SimEvent {
 struct State {
     instance: u64,
     ordinal: usize,
-    ctx: u64,
+    /// Each device's context, by device index.
+    ctxs: Vec<u64>,
+    /// Whether two devices (by index) are joined by a peer link.
+    peer_linked: Vec<Vec<bool>>,
     memory_bytes: usize,
     pinned_bytes: usize,
     mem: BTreeMap<DevicePtr, Vec<u8>>,
-    device_used: usize,
+    /// Bytes allocated on each device.
+    device_used: Vec<usize>,
     next_addr: DevicePtr,
     /// The streams that hold queued jobs (an empty stream is removed), each in queue order.
     streams: BTreeMap<StreamId, VecDeque<(u64, Job)>>,
@@ -415,11 +431,14 @@ impl SimDevice {
         let state = State {
             instance: NEXT_INSTANCE.fetch_add(1, Ordering::Relaxed),
             ordinal: config.ordinal,
-            ctx: NEXT_CONTEXT.fetch_add(1, Ordering::Relaxed),
+            ctxs: (0..config.devices.max(1))
+                .map(|_| NEXT_CONTEXT.fetch_add(1, Ordering::Relaxed))
+                .collect(),
+            peer_linked: vec![vec![true; config.devices.max(1)]; config.devices.max(1)],
             memory_bytes: config.memory_bytes,
             pinned_bytes: config.pinned_bytes,
             mem: BTreeMap::new(),
-            device_used: 0,
+            device_used: vec![0; config.devices.max(1)],
             next_addr: 0x7f00_0000_0000,
             streams: BTreeMap::new(),
             pending: BTreeMap::new(),
@@ -574,7 +593,7 @@ impl SimDevice {
     /// Live device allocations: (count, bytes), counting frees that have run.
     pub fn device_live(&self) -> (usize, usize) {
         let s = self.lock();
-        (s.mem.len(), s.device_used)
+        (s.mem.len(), s.device_used.iter().sum())
     }
 
     /// Live events (created and not destroyed).
@@ -605,9 +624,27 @@ impl SimDevice {
         NEXT_CONTEXT.fetch_add(1, Ordering::Relaxed)
     }
 
-    /// This device's own context handle.
+    /// This device's own context handle (the first device's, on a machine of several).
     pub fn context(&self) -> u64 {
-        self.lock().ctx
+        self.lock().ctxs[0]
+    }
+
+    /// How many devices the simulated machine has.
+    pub fn devices(&self) -> usize {
+        self.lock().ctxs.len()
+    }
+
+    /// Joins (or, with `linked` false, separates) devices `a` and `b` (indices on the machine):
+    /// peer copies between engines on them are possible only while they are linked.
+    ///
+    /// # Panics
+    /// When `a` or `b` is not a device of the machine.
+    pub fn set_peer_link(&self, a: usize, b: usize, linked: bool) {
+        let mut s = self.lock();
+        let n = s.ctxs.len();
+        assert!(a < n && b < n, "devices {a} and {b} of a machine of {n}");
+        s.peer_linked[a][b] = linked;
+        s.peer_linked[b][a] = linked;
     }
 
     /// Reads device memory directly, bypassing the stream (for assertions in tests): the bytes
@@ -962,7 +999,10 @@ impl State {
             Job::Free(ptr) => {
                 self.access(ptr, true);
                 match self.mem.remove(&ptr) {
-                    Some(block) => self.device_used -= block.len(),
+                    Some(block) => {
+                        let device = self.touches.get(&ptr).map_or(0, |t| t.device);
+                        self.device_used[device] -= block.len();
+                    }
                     None => self
                         .violations
                         .push(format!("free of unknown device pointer {ptr:#x}")),
@@ -1016,30 +1056,43 @@ impl State {
 pub(crate) struct SimDriver {
     device: SimDevice,
     id: DeviceId,
+    /// Which device of the machine the driver drives.
+    index: usize,
+    /// The devices (indices) granted access to this driver's memory.
+    granted: Vec<usize>,
     ctx: u64,
     /// The driver's first stream on the device: its lanes' streams are `streams + lane index`.
     streams: StreamId,
 }
 
 impl SimDriver {
-    /// A driver on `device`, with three streams of its own there.
+    /// A driver on the first device of the machine `device`, with three streams of its own there.
     pub(crate) fn new(device: SimDevice) -> Self {
+        Self::on(device, 0).expect("a simulated machine has at least one device")
+    }
+
+    /// A driver on device `index` of the machine `device`, with three streams of its own there;
+    /// `None` when the machine has no such device.
+    pub(crate) fn on(device: SimDevice, index: usize) -> Option<Self> {
         let (instance, ordinal, ctx, streams) = {
             let mut s = device.lock();
+            let ctx = *s.ctxs.get(index)?;
             let streams = s.next_stream;
             s.next_stream += Lane::ALL.len();
-            (s.instance, s.ordinal, s.ctx, streams)
+            (s.instance, s.ordinal + index, ctx, streams)
         };
-        SimDriver {
+        Some(SimDriver {
             device,
             id: DeviceId {
                 kind: DeviceKind::Simulated,
                 ordinal,
                 instance,
             },
+            index,
+            granted: Vec::new(),
             ctx,
             streams,
-        }
+        })
     }
 
     fn lock(&self) -> Locked<'_> {
@@ -1099,7 +1152,7 @@ impl Driver for SimDriver {
     fn alloc(&mut self, lane: Lane, bytes: usize) -> Result<DevicePtr, DriverError> {
         let mut s = self.lock();
         s.enter_stream(SimOp::Alloc, self.stream(lane))?;
-        if s.device_used.saturating_add(bytes) > s.memory_bytes {
+        if s.device_used[self.index].saturating_add(bytes) > s.memory_bytes {
             return Err(DriverError::OUT_OF_MEMORY);
         }
         // Device memory lives in host memory here: an allocation the host cannot back is the
@@ -1117,11 +1170,12 @@ impl Driver for SimDriver {
             ptr,
             Touch {
                 len: bytes,
+                device: self.index,
                 read: None,
                 write: None,
             },
         );
-        s.device_used += bytes;
+        s.device_used[self.index] += bytes;
         Ok(ptr)
     }
 
@@ -1232,6 +1286,75 @@ impl Driver for SimDriver {
                 s.push(stream, Job::Wait { for_seq });
             }
         }
+        Ok(())
+    }
+
+    fn can_access_peer(&self, peer: DeviceId) -> Result<bool, DriverError> {
+        let s = self.lock();
+        let index = peer.ordinal.checked_sub(s.ordinal);
+        Ok(match index {
+            Some(index) if peer.kind == DeviceKind::Simulated && peer.instance == s.instance => {
+                s.peer_linked.get(self.index).and_then(|l| l.get(index)) == Some(&true)
+            }
+            _ => false,
+        })
+    }
+
+    fn enable_peer_access(&mut self, peer: ContextHandle) -> Result<(), DriverError> {
+        let mut s = self.lock();
+        s.enter(SimOp::PeerEnable)?;
+        match s.ctxs.iter().position(|&c| c == peer.0) {
+            Some(index) if s.peer_linked[self.index][index] => Ok(()),
+            _ => Err(DriverError::NOT_SUPPORTED),
+        }
+    }
+
+    fn grant_peer_access(&mut self, peer: DeviceId) -> Result<(), DriverError> {
+        let mut s = self.lock();
+        let index = peer.ordinal.checked_sub(s.ordinal);
+        if index == Some(self.index) || index.is_some_and(|i| self.granted.contains(&i)) {
+            return Ok(());
+        }
+        s.enter(SimOp::PeerEnable)?;
+        let granted = match index {
+            Some(index)
+                if peer.instance == s.instance
+                    && s.peer_linked.get(self.index).and_then(|l| l.get(index)) == Some(&true) =>
+            {
+                index
+            }
+            _ => return Err(DriverError::NOT_SUPPORTED),
+        };
+        drop(s);
+        self.granted.push(granted);
+        Ok(())
+    }
+
+    unsafe fn copy_peer(
+        &mut self,
+        lane: Lane,
+        dst: DevicePtr,
+        dst_ctx: ContextHandle,
+        src: DevicePtr,
+        src_ctx: ContextHandle,
+        bytes: usize,
+    ) -> Result<(), DriverError> {
+        let mut s = self.lock();
+        let stream = self.stream(lane);
+        s.enter_stream(SimOp::CopyPeer, stream)?;
+        let index = |ctx: ContextHandle| s.ctxs.iter().position(|&c| c == ctx.0);
+        let (Some(d), Some(from)) = (index(dst_ctx), index(src_ctx)) else {
+            return Err(DriverError::INVALID_CONTEXT);
+        };
+        if !s.peer_linked[d][from] || (d != self.index && from != self.index) {
+            return Err(DriverError::NOT_SUPPORTED);
+        }
+        // Each side must lie on the device its context names.
+        let on = |ptr: DevicePtr| s.touches.range(..=ptr).next_back().map(|(_, t)| t.device);
+        if on(dst) != Some(d) || on(src) != Some(from) {
+            return Err(DriverError::INVALID_VALUE);
+        }
+        s.push(stream, Job::DtoD { dst, src, bytes });
         Ok(())
     }
 

@@ -95,7 +95,7 @@ impl Signal {
 }
 
 /// Whether an engine on `to` can wait on the device for work of an engine on `from`.
-fn reachable(from: DeviceId, to: DeviceId) -> std::result::Result<(), &'static str> {
+pub(crate) fn reachable(from: DeviceId, to: DeviceId) -> std::result::Result<(), &'static str> {
     match (from.kind, to.kind) {
         (DeviceKind::Cuda, DeviceKind::Cuda) => Ok(()),
         (DeviceKind::Simulated, DeviceKind::Simulated) if from.instance == to.instance => Ok(()),
@@ -159,6 +159,11 @@ impl CudaEngine {
     /// simulated devices, or a real and a simulated one); nothing is queued.
     /// [`Error::DeviceFault`] when the signalled work failed.
     pub fn wait_signal(&mut self, signal: &Signal) -> Result<()> {
+        self.wait_signal_on(signal, &Lane::ALL)
+    }
+
+    /// As [`wait_signal`](Self::wait_signal), for the given lanes of this engine only.
+    pub(crate) fn wait_signal_on(&mut self, signal: &Signal, lanes: &[Lane]) -> Result<()> {
         let Some(fence) = &signal.fence else {
             return Ok(());
         };
@@ -175,9 +180,9 @@ impl CudaEngine {
         }
         let event = fence.event();
         let mut st = self.shared.enter()?;
-        let refused = Lane::ALL
-            .into_iter()
-            .find_map(|lane| st.driver.stream_wait(lane, event).err());
+        let refused = lanes
+            .iter()
+            .find_map(|&lane| st.driver.stream_wait(lane, event).err());
         let Some(source) = refused else {
             return Ok(());
         };

@@ -13,6 +13,7 @@ mod duplex;
 mod engine;
 mod handoff;
 mod kernels;
+mod peer;
 mod pending;
 mod raw_scope;
 mod registered;

@@ -1,0 +1,123 @@
+//! Peer copies between engines beside the raw driver, in the same run.
+//!
+//! For 16 B, 8 MiB, 64 MiB, 256 MiB and 1 GiB: the median time of `peer_copy` (a tensor of the
+//! engine on GPU 0 into a new tensor of the engine on GPU 1, returned once the copy is proven
+//! complete) and of `peer_copy_into` (into one existing tensor of GPU 1's engine) against the raw `cuMemcpyPeerAsync` between two preallocated buffers on a stream
+//! of GPU 0's context, followed by an event record and its wait. With one GPU, both engines are
+//! on GPU 0. Prints each pair with its ratio. Run on a GPU machine: `cargo bench --bench
+//! peer_routes`. Without a GPU it prints a note and measures nothing.
+
+use cudarc::driver::sys;
+use cuferry::{peer_copy, peer_copy_into, CudaEngine};
+use std::time::{Duration, Instant};
+
+fn check(call: &str, code: sys::CUresult) {
+    assert_eq!(code, sys::CUresult::CUDA_SUCCESS, "{call}");
+}
+
+/// The median of repeated runs of `f` (at least 5, until 0.5 s have passed, at most 2000).
+fn median(mut f: impl FnMut()) -> Duration {
+    f();
+    let start = Instant::now();
+    let mut times = Vec::new();
+    while times.len() < 5 || (start.elapsed() < Duration::from_millis(500) && times.len() < 2000) {
+        let t = Instant::now();
+        f();
+        times.push(t.elapsed());
+    }
+    times.sort_unstable();
+    times[times.len() / 2]
+}
+
+fn context(engine: &mut CudaEngine) -> sys::CUcontext {
+    engine
+        .with_raw(|r| Ok::<_, cuferry::Error>(r.context().as_raw() as usize))
+        .unwrap() as sys::CUcontext
+}
+
+fn main() {
+    if std::env::args().any(|a| a == "--list") {
+        return; // nothing for the test harness to list
+    }
+    let mut a = match CudaEngine::open(0) {
+        Ok(engine) => engine,
+        Err(e) => {
+            eprintln!("peer_routes: no CUDA device ({e}); nothing measured");
+            return;
+        }
+    };
+    let (mut b, pair) = match CudaEngine::open(1) {
+        Ok(b) => (b, "GPU 0 to GPU 1"),
+        Err(_) => (CudaEngine::open(0).unwrap(), "two engines on GPU 0"),
+    };
+    println!("{pair}: peer access {}", a.peer_access(&b).unwrap());
+    let (ca, cb) = (context(&mut a), context(&mut b));
+    let (mut stream, mut event) = (std::ptr::null_mut(), std::ptr::null_mut());
+    // SAFETY: `ca` is the engine's live context; out pointers valid.
+    unsafe {
+        check("cuCtxSetCurrent", sys::cuCtxSetCurrent(ca));
+        check(
+            "cuStreamCreate",
+            sys::cuStreamCreate(
+                &mut stream,
+                sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
+            ),
+        );
+        check(
+            "cuEventCreate",
+            sys::cuEventCreate(
+                &mut event,
+                sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32,
+            ),
+        );
+    }
+    for (bytes, label) in [
+        (16usize, "16 B"),
+        (8 << 20, "8 MiB"),
+        (64 << 20, "64 MiB"),
+        (256 << 20, "256 MiB"),
+        (1 << 30, "1 GiB"),
+    ] {
+        let n = bytes / 4;
+        let x = cuferry::upload_tensor(&mut a, &vec![1.5f32; n], &[n]).unwrap();
+        let ours = median(|| drop(peer_copy(&mut a, &x, &mut b).unwrap()));
+        let mut landing = b.alloc_tensor::<f32>(&[n]).unwrap();
+        let into = median(|| peer_copy_into(&mut a, &x, &mut b, &mut landing).unwrap());
+        let (mut src, mut dst) = (0, 0);
+        // SAFETY: contexts live; out pointers valid; the buffers hold `bytes` bytes and are idle
+        // once each wait returns.
+        let raw = unsafe {
+            check("cuCtxSetCurrent", sys::cuCtxSetCurrent(ca));
+            check("cuMemAlloc", sys::cuMemAlloc_v2(&mut src, bytes));
+            check("cuCtxSetCurrent", sys::cuCtxSetCurrent(cb));
+            check("cuMemAlloc", sys::cuMemAlloc_v2(&mut dst, bytes));
+            check("cuCtxSetCurrent", sys::cuCtxSetCurrent(ca));
+            let raw = median(|| {
+                check(
+                    "cuMemcpyPeerAsync",
+                    sys::cuMemcpyPeerAsync(dst, cb, src, ca, bytes, stream),
+                );
+                check("cuEventRecord", sys::cuEventRecord(event, stream));
+                check("cuEventSynchronize", sys::cuEventSynchronize(event));
+            });
+            check("cuMemFree", sys::cuMemFree_v2(src));
+            check("cuMemFree", sys::cuMemFree_v2(dst));
+            raw
+        };
+        let gib = |t: Duration| bytes as f64 / t.as_secs_f64() / (1u64 << 30) as f64;
+        println!(
+            "{label:>8}: peer_copy {:10.2} µs ({:6.1} GiB/s), raw cuMemcpyPeerAsync + wait {:10.2} µs ({:6.1} GiB/s): {:.3}× the raw time",
+            ours.as_secs_f64() * 1e6,
+            gib(ours),
+            raw.as_secs_f64() * 1e6,
+            gib(raw),
+            ours.as_secs_f64() / raw.as_secs_f64()
+        );
+        println!(
+            "{label:>8}: peer_copy_into {:10.2} µs ({:6.1} GiB/s): {:.3}× the raw time",
+            into.as_secs_f64() * 1e6,
+            gib(into),
+            into.as_secs_f64() / raw.as_secs_f64()
+        );
+    }
+}

@@ -1,0 +1,307 @@
+//! Peer routes: a tensor of one engine copied to another engine, device to device.
+//!
+//! Engines never share values, so moving data between them is a route of its own. [`peer_copy`]
+//! copies a tensor of one engine into a new tensor of another over the devices' peer link (or
+//! within one device, for two engines on it), with no host memory in between, and
+//! [`peer_copy_into`] into a tensor the other engine already has; where the devices
+//! have no peer link it is refused, and [`peer_copy_staged`] is the copy through host memory,
+//! taken only when asked for by name.
+//!
+//! The copy runs on the source engine's compute stream: the source engine's own order keeps its
+//! later writes and its free of the source behind the copy. The destination is allocated first
+//! on the destination engine, and the source engine's compute stream waits for that allocation
+//! on the device (a [`Signal`](crate::Signal)) unless the destination engine was idle. The route
+//! returns once a synchronize of the copy's stream proves it complete, so the new tensor is
+//! ready for anything the destination engine queues next.
+
+use crate::core::engine::CudaEngine;
+use crate::core::order::Use;
+use crate::driver::Lane;
+use crate::error::{DeviceId, Error, Result};
+use crate::memory::element::Element;
+use crate::memory::tensor::DeviceTensor;
+use crate::routes::blocking::{download_tensor, upload_tensor};
+use std::sync::Mutex;
+
+/// The ordered pairs of devices (reaching, reached) whose peer access this process has enabled.
+static ENABLED: Mutex<Vec<(DeviceId, DeviceId)>> = Mutex::new(Vec::new());
+
+impl CudaEngine {
+    /// Whether this engine's device reaches `other`'s device memory directly: the same device,
+    /// or a device it has a peer link to (NVLink or PCIe peer-to-peer). Where it does, the access
+    /// is enabled: this device's context to the other's (`cuCtxEnablePeerAccess`, once per pair
+    /// of devices in the process), and the other engine's memory pool to this device
+    /// (`cuMemPoolSetAccess`, once per engine).
+    ///
+    /// # Errors
+    /// [`Error::Unreachable`] when the two engines' devices cannot reach each other at all
+    /// (separate simulated devices, or a real and a simulated one); [`Error::Driver`] when the
+    /// driver refuses the question or the enabling.
+    pub fn peer_access(&mut self, other: &CudaEngine) -> Result<bool> {
+        let (me, peer) = (self.device(), other.device());
+        crate::lifecycle::signal::reachable(peer, me).map_err(|reason| Error::Unreachable {
+            from: peer,
+            to: me,
+            reason,
+        })?;
+        if me == peer {
+            return Ok(true);
+        }
+        let peer_ctx = other.shared.lock().driver.context();
+        {
+            let mut enabled = ENABLED.lock().unwrap_or_else(|e| e.into_inner());
+            let mut st = self.enter()?;
+            let reachable = st
+                .driver
+                .can_access_peer(peer)
+                .map_err(Error::driver("cuDeviceCanAccessPeer"))?;
+            if !reachable {
+                return Ok(false);
+            }
+            if !enabled.contains(&(me, peer)) {
+                st.driver
+                    .enable_peer_access(peer_ctx)
+                    .map_err(Error::driver("cuCtxEnablePeerAccess"))?;
+                enabled.push((me, peer));
+            }
+        }
+        // The other engine's memory comes from its own pool, which must name this device too.
+        other
+            .shared
+            .enter()?
+            .driver
+            .grant_peer_access(me)
+            .map_err(Error::driver("cuMemPoolSetAccess"))?;
+        Ok(true)
+    }
+}
+
+/// Copies `src`, a tensor of `src_engine`, into a new tensor of the same shape on `dst_engine`,
+/// device to device, and returns it once the copy has completed.
+///
+/// Everything queued on `src_engine` before the call that writes `src` is copied; later work
+/// on either engine sees the copy done. The copy runs on `src_engine`'s compute stream (over the
+/// peer link, when the devices differ).
+///
+/// ```
+/// # fn main() -> Result<(), cuferry::Error> {
+/// use cuferry::sim::{SimConfig, SimDevice};
+/// use cuferry::{download_tensor, peer_copy, upload_tensor, CudaEngine};
+/// # /*
+/// let (mut gpu0, mut gpu1) = (CudaEngine::open(0)?, CudaEngine::open(1)?);
+/// # */
+/// # let machine = SimDevice::new(SimConfig { devices: 2, ..SimConfig::default() });
+/// # let mut gpu0 = CudaEngine::simulated_on_device(&machine, 0)?;
+/// # let mut gpu1 = CudaEngine::simulated_on_device(&machine, 1)?;
+/// let x = upload_tensor(&mut gpu0, &[1.0f32, 2.0, 3.0], &[3])?;
+/// let y = gpu0.scale(&x, 10.0)?;
+/// let there = peer_copy(&mut gpu0, &y, &mut gpu1)?; // GPU 0 to GPU 1, no host memory
+/// assert_eq!(download_tensor(&mut gpu1, &there)?, [10.0, 20.0, 30.0]);
+/// # Ok(()) }
+/// ```
+///
+/// # Errors
+/// [`Error::WrongEngine`] when `src` is not `src_engine`'s; [`Error::Unreachable`] when the
+/// devices have no peer link ([`peer_copy_staged`] copies through host memory) or cannot reach
+/// each other at all; [`Error::Driver`] or [`Error::DeviceFault`] when the device refuses or
+/// fails. After a failure that leaves the copy unproven, the new tensor's free is ordered after
+/// the copy on the device, or, when that cannot be arranged either, its memory is leaked: never
+/// freed under the copy.
+pub fn peer_copy<T: Element>(
+    src_engine: &mut CudaEngine,
+    src: &DeviceTensor<T>,
+    dst_engine: &mut CudaEngine,
+) -> Result<DeviceTensor<T>> {
+    src.check_engine(src_engine)?;
+    if !src_engine.peer_access(dst_engine)? {
+        return Err(Error::Unreachable {
+            from: dst_engine.device(),
+            to: src_engine.device(),
+            reason: "the devices have no peer link; peer_copy_staged copies through host memory",
+        });
+    }
+    let dst = DeviceTensor::<T>::alloc_on(dst_engine, Lane::Compute, src.shape())?;
+    let bytes = src.byte_len();
+    if bytes == 0 {
+        return Ok(dst);
+    }
+    // The copy writes `dst` only once its allocation on the destination engine is done there:
+    // at once when that engine has nothing else queued, else after a wait on the device.
+    let idle = dst_engine.shared.waits.stream_query().unwrap_or(false);
+    if !idle {
+        let allocated = dst_engine.signal()?;
+        src_engine.wait_signal_on(&allocated, &[Lane::Compute])?;
+    }
+    let dst_ctx = dst_engine.shared.lock().driver.context();
+    {
+        let mut st = src_engine.enter()?;
+        let src_ctx = st.driver.context();
+        // Recorded before the copy is queued, so the source engine's later writes and free of
+        // `src` wait for it (a use recorded for a refused copy only orders more than needed).
+        st.order_uses(Lane::Compute, &[Use::Read(src.raw_ptr())])?;
+        // SAFETY: `src` is borrowed for the call and its free is ordered after the copy on this
+        // engine's lanes (the use above); `dst` is owned here and is not freed before the copy is
+        // proven complete below (or ever, when it cannot be); both hold `bytes` bytes, on the
+        // devices of the two contexts.
+        unsafe {
+            st.driver.copy_peer(
+                Lane::Compute,
+                dst.raw_ptr(),
+                dst_ctx,
+                src.raw_ptr(),
+                src_ctx,
+                bytes,
+            )
+        }
+        .map_err(Error::driver("cuMemcpyPeerAsync"))?;
+    }
+    // The proof: a synchronize of the copy's stream (the caller waits at once, so an event would
+    // add a record for the same answer).
+    let upto = src_engine.shared.lock().order.position(Lane::Compute);
+    match src_engine.shared.waits.lane_synchronize(Lane::Compute) {
+        Ok(()) => {
+            src_engine.shared.proven.prove(Lane::Compute, upto);
+            Ok(dst)
+        }
+        Err(source) => {
+            // Unproven: the destination's free must follow the copy. Its engine's compute stream
+            // (where it frees) waits for the copy on the device; when even that cannot be
+            // arranged, the destination is never freed.
+            let ordered = src_engine
+                .signal()
+                .and_then(|done| dst_engine.wait_signal_on(&done, &[Lane::Compute]));
+            if ordered.is_err() {
+                std::mem::forget(dst);
+            }
+            Err(Error::DeviceFault {
+                what: "peer copy",
+                source,
+            })
+        }
+    }
+}
+
+/// Copies `src`, a tensor of `src_engine`, into `dst`, an existing tensor of `dst_engine` of the
+/// same length, device to device, and returns once the copy has completed: [`peer_copy`] with
+/// no allocation.
+///
+/// The copy runs on `dst_engine`'s compute stream, after everything queued there that uses
+/// `dst` and after everything queued on `src_engine` that writes `src` (a wait on the device,
+/// skipped when `src_engine` has nothing queued).
+///
+/// ```
+/// # fn main() -> Result<(), cuferry::Error> {
+/// use cuferry::sim::{SimConfig, SimDevice};
+/// use cuferry::{download_tensor, peer_copy_into, upload_tensor, CudaEngine};
+/// # /*
+/// let (mut gpu0, mut gpu1) = (CudaEngine::open(0)?, CudaEngine::open(1)?);
+/// # */
+/// # let machine = SimDevice::new(SimConfig { devices: 2, ..SimConfig::default() });
+/// # let mut gpu0 = CudaEngine::simulated_on_device(&machine, 0)?;
+/// # let mut gpu1 = CudaEngine::simulated_on_device(&machine, 1)?;
+/// let mut landing = gpu1.alloc_tensor::<f32>(&[3])?; // reused for every step
+/// for step in 0..3 {
+///     let x = upload_tensor(&mut gpu0, &[step as f32; 3], &[3])?;
+///     peer_copy_into(&mut gpu0, &x, &mut gpu1, &mut landing)?;
+///     assert_eq!(download_tensor(&mut gpu1, &landing)?, [step as f32; 3]);
+/// }
+/// # Ok(()) }
+/// ```
+///
+/// # Errors
+/// As [`peer_copy`], and [`Error::WrongEngine`] when `dst` is not `dst_engine`'s,
+/// [`Error::LengthMismatch`] (`left` the source's length, `right` the destination's) when the
+/// lengths differ: both refused before anything is queued. After a failure, `dst`'s contents
+/// are unspecified; its free stays ordered after the copy on its engine's stream. When the copy
+/// could not be proven complete, `src_engine`'s streams are made to wait for it on the device.
+pub fn peer_copy_into<T: Element>(
+    src_engine: &mut CudaEngine,
+    src: &DeviceTensor<T>,
+    dst_engine: &mut CudaEngine,
+    dst: &mut DeviceTensor<T>,
+) -> Result<()> {
+    src.check_engine(src_engine)?;
+    dst.check_engine(dst_engine)?;
+    if src.len() != dst.len() {
+        return Err(Error::LengthMismatch {
+            what: "peer_copy_into: elements in the source and in the destination",
+            left: src.len(),
+            right: dst.len(),
+        });
+    }
+    if !dst_engine.peer_access(src_engine)? {
+        return Err(Error::Unreachable {
+            from: src_engine.device(),
+            to: dst_engine.device(),
+            reason: "the devices have no peer link; peer_copy_staged copies through host memory",
+        });
+    }
+    let bytes = src.byte_len();
+    if bytes == 0 {
+        return Ok(());
+    }
+    // The copy reads `src` only once the source engine's writes of it are done there: at once
+    // when that engine has nothing queued, else after a wait on the device.
+    if !src_engine.shared.waits.stream_query().unwrap_or(false) {
+        let written = src_engine.signal()?;
+        dst_engine.wait_signal_on(&written, &[Lane::Compute])?;
+    }
+    let src_ctx = src_engine.shared.lock().driver.context();
+    {
+        let mut st = dst_engine.enter()?;
+        let dst_ctx = st.driver.context();
+        // Recorded before the copy is queued: the destination engine's later uses and free of
+        // `dst` follow it (a use recorded for a refused copy only orders more than needed).
+        st.order_uses(Lane::Compute, &[Use::Write(dst.raw_ptr())])?;
+        // SAFETY: `dst` is borrowed mutably for the call and its free is ordered after the copy
+        // on its engine's lanes (the use above); `src` is borrowed for the call, which returns
+        // only once the copy is proven complete (or, unproven, after ordering its engine behind
+        // the copy); both hold `bytes` bytes, on the devices of the two contexts.
+        unsafe {
+            st.driver.copy_peer(
+                Lane::Compute,
+                dst.raw_ptr(),
+                dst_ctx,
+                src.raw_ptr(),
+                src_ctx,
+                bytes,
+            )
+        }
+        .map_err(Error::driver("cuMemcpyPeerAsync"))?;
+    }
+    let upto = dst_engine.shared.lock().order.position(Lane::Compute);
+    match dst_engine.shared.waits.lane_synchronize(Lane::Compute) {
+        Ok(()) => {
+            dst_engine.shared.proven.prove(Lane::Compute, upto);
+            Ok(())
+        }
+        Err(source) => {
+            // Unproven: the source engine's later writes and free of `src` must follow the copy.
+            // Its streams wait for it on the device; should even that fail, a later free of
+            // `src` could come before the copy reads it, which leaves only `dst`'s contents
+            // (unspecified after this error anyway) wrong: the copy writes nothing but `dst`.
+            let _ = dst_engine
+                .signal()
+                .and_then(|done| src_engine.wait_signal(&done));
+            Err(Error::DeviceFault {
+                what: "peer copy",
+                source,
+            })
+        }
+    }
+}
+
+/// Copies `src`, a tensor of `src_engine`, into a new tensor of the same shape on `dst_engine`
+/// through host memory: a [`download_tensor`] then an [`upload_tensor`]. For devices without a
+/// peer link, where [`peer_copy`] is refused; it takes about twice as long as either transfer.
+///
+/// # Errors
+/// As [`download_tensor`] and [`upload_tensor`].
+pub fn peer_copy_staged<T: Element>(
+    src_engine: &mut CudaEngine,
+    src: &DeviceTensor<T>,
+    dst_engine: &mut CudaEngine,
+) -> Result<DeviceTensor<T>> {
+    let host = download_tensor(src_engine, src)?;
+    upload_tensor(dst_engine, &host, src.shape())
+}
