@@ -16,7 +16,7 @@
 
 use crate::core::engine::CudaEngine;
 use crate::core::order::Use;
-use crate::driver::Lane;
+use crate::driver::{DevicePtr, Lane};
 use crate::error::{DeviceId, Error, Result};
 use crate::memory::element::Element;
 use crate::memory::tensor::DeviceTensor;
@@ -125,59 +125,101 @@ pub fn peer_copy<T: Element>(
     if bytes == 0 {
         return Ok(dst);
     }
-    // The copy writes `dst` only once its allocation on the destination engine is done there:
-    // at once when that engine has nothing else queued, else after a wait on the device.
-    let idle = dst_engine.shared.waits.stream_query().unwrap_or(false);
-    if !idle {
-        let allocated = dst_engine.signal()?;
-        src_engine.wait_signal_on(&allocated, &[Lane::Compute])?;
-    }
-    let dst_ctx = dst_engine.shared.lock().driver.context();
-    {
-        let mut st = src_engine.enter()?;
-        let src_ctx = st.driver.context();
-        // Recorded before the copy is queued, so the source engine's later writes and free of
-        // `src` wait for it (a use recorded for a refused copy only orders more than needed).
-        st.order_uses(Lane::Compute, &[Use::Read(src.raw_ptr())])?;
-        // SAFETY: `src` is borrowed for the call and its free is ordered after the copy on this
-        // engine's lanes (the use above); `dst` is owned here and is not freed before the copy is
-        // proven complete below (or ever, when it cannot be); both hold `bytes` bytes, on the
-        // devices of the two contexts.
-        unsafe {
-            st.driver.copy_peer(
-                Lane::Compute,
-                dst.raw_ptr(),
-                dst_ctx,
-                src.raw_ptr(),
-                src_ctx,
-                bytes,
-            )
-        }
-        .map_err(Error::driver("cuMemcpyPeerAsync"))?;
-    }
-    // The proof: a synchronize of the copy's stream (the caller waits at once, so an event would
-    // add a record for the same answer).
-    let upto = src_engine.shared.lock().order.position(Lane::Compute);
-    match src_engine.shared.waits.lane_synchronize(Lane::Compute) {
-        Ok(()) => {
-            src_engine.shared.proven.prove(Lane::Compute, upto);
-            Ok(dst)
-        }
-        Err(source) => {
-            // Unproven: the destination's free must follow the copy. Its engine's compute stream
-            // (where it frees) waits for the copy on the device; when even that cannot be
-            // arranged, the destination is never freed.
+    // The copy runs on the source engine's stream, after the destination's allocation there.
+    // SAFETY: `src` is borrowed for the call and its free is ordered after the copy on its
+    // engine's lanes (the read recorded); `dst` is owned here and not freed before the copy is
+    // proven complete (or ever, when it cannot be); both hold `bytes` bytes.
+    let copied = unsafe {
+        copy_and_prove(
+            src_engine,
+            dst_engine,
+            Use::Read(src.raw_ptr()),
+            dst.raw_ptr(),
+            src.raw_ptr(),
+            bytes,
+        )
+    };
+    match copied {
+        Ok(()) => Ok(dst),
+        Err(Copied::NotQueued(error)) => Err(error),
+        Err(Copied::Unproven(error)) => {
+            // The destination's free must follow the copy: its engine's compute stream (where it
+            // frees) waits for the copy on the device; when even that cannot be arranged, the
+            // destination is never freed.
             let ordered = src_engine
                 .signal()
                 .and_then(|done| dst_engine.wait_signal_on(&done, &[Lane::Compute]));
             if ordered.is_err() {
                 std::mem::forget(dst);
             }
-            Err(Error::DeviceFault {
-                what: "peer copy",
-                source,
-            })
+            Err(error)
         }
+    }
+}
+
+/// Why [`copy_and_prove`] failed.
+enum Copied {
+    /// Nothing was queued.
+    NotQueued(Error),
+    /// The copy was queued but could not be proven complete.
+    Unproven(Error),
+}
+
+/// Queues a copy of `bytes` from `src` to `dst` on `carrier`'s compute stream (after `other`'s
+/// queued work, on the device, unless `other` is idle; `carrier`'s use of its own side, `mine`,
+/// recorded first) and proves it complete with a synchronize of that stream.
+///
+/// # Safety
+/// `dst` and `src` hold `bytes` bytes, one on each engine's device (`mine` names `carrier`'s),
+/// and stay allocated until the copy is proven complete or, unproven, until the caller has
+/// ordered their frees after it.
+unsafe fn copy_and_prove(
+    carrier: &mut CudaEngine,
+    other: &mut CudaEngine,
+    mine: Use,
+    dst: DevicePtr,
+    src: DevicePtr,
+    bytes: usize,
+) -> std::result::Result<(), Copied> {
+    // The copy touches `other`'s side only once `other`'s work queued so far is done there: at
+    // once when it has nothing queued, else after a wait on the device.
+    if !other.shared.waits.stream_query().unwrap_or(false) {
+        let done = other.signal().map_err(Copied::NotQueued)?;
+        carrier
+            .wait_signal_on(&done, &[Lane::Compute])
+            .map_err(Copied::NotQueued)?;
+    }
+    let other_ctx = other.shared.lock().driver.context();
+    {
+        let mut st = carrier.enter().map_err(Copied::NotQueued)?;
+        let my_ctx = st.driver.context();
+        let (dst_ctx, src_ctx) = match mine {
+            Use::Write(_) => (my_ctx, other_ctx),
+            _ => (other_ctx, my_ctx),
+        };
+        // Recorded before the copy is queued, so `carrier`'s later uses and free of its side wait
+        // for it (a use recorded for a refused copy only orders more than needed).
+        st.order_uses(Lane::Compute, &[mine])
+            .map_err(Copied::NotQueued)?;
+        // SAFETY: the caller's contract; `carrier`'s side is ordered by the use above.
+        unsafe {
+            st.driver
+                .copy_peer(Lane::Compute, dst, dst_ctx, src, src_ctx, bytes)
+        }
+        .map_err(|e| Copied::NotQueued(Error::driver("cuMemcpyPeerAsync")(e)))?;
+    }
+    // The proof: a synchronize of the copy's stream (the caller waits at once, so an event would
+    // add a record for the same answer).
+    let upto = carrier.shared.lock().order.position(Lane::Compute);
+    match carrier.shared.waits.lane_synchronize(Lane::Compute) {
+        Ok(()) => {
+            carrier.shared.proven.prove(Lane::Compute, upto);
+            Ok(())
+        }
+        Err(source) => Err(Copied::Unproven(Error::DeviceFault {
+            what: "peer copy",
+            source,
+        })),
     }
 }
 
@@ -240,53 +282,33 @@ pub fn peer_copy_into<T: Element>(
     if bytes == 0 {
         return Ok(());
     }
-    // The copy reads `src` only once the source engine's writes of it are done there: at once
-    // when that engine has nothing queued, else after a wait on the device.
-    if !src_engine.shared.waits.stream_query().unwrap_or(false) {
-        let written = src_engine.signal()?;
-        dst_engine.wait_signal_on(&written, &[Lane::Compute])?;
-    }
-    let src_ctx = src_engine.shared.lock().driver.context();
-    {
-        let mut st = dst_engine.enter()?;
-        let dst_ctx = st.driver.context();
-        // Recorded before the copy is queued: the destination engine's later uses and free of
-        // `dst` follow it (a use recorded for a refused copy only orders more than needed).
-        st.order_uses(Lane::Compute, &[Use::Write(dst.raw_ptr())])?;
-        // SAFETY: `dst` is borrowed mutably for the call and its free is ordered after the copy
-        // on its engine's lanes (the use above); `src` is borrowed for the call, which returns
-        // only once the copy is proven complete (or, unproven, after ordering its engine behind
-        // the copy); both hold `bytes` bytes, on the devices of the two contexts.
-        unsafe {
-            st.driver.copy_peer(
-                Lane::Compute,
-                dst.raw_ptr(),
-                dst_ctx,
-                src.raw_ptr(),
-                src_ctx,
-                bytes,
-            )
-        }
-        .map_err(Error::driver("cuMemcpyPeerAsync"))?;
-    }
-    let upto = dst_engine.shared.lock().order.position(Lane::Compute);
-    match dst_engine.shared.waits.lane_synchronize(Lane::Compute) {
-        Ok(()) => {
-            dst_engine.shared.proven.prove(Lane::Compute, upto);
-            Ok(())
-        }
-        Err(source) => {
-            // Unproven: the source engine's later writes and free of `src` must follow the copy.
-            // Its streams wait for it on the device; should even that fail, a later free of
-            // `src` could come before the copy reads it, which leaves only `dst`'s contents
+    // The copy runs on the destination engine's stream, after the source engine's writes.
+    // SAFETY: `dst` is borrowed mutably for the call and its free is ordered after the copy on its
+    // engine's lanes (the write recorded); `src` is borrowed for the call, which returns only once
+    // the copy is proven complete or, unproven, has ordered `src`'s engine behind it; both hold
+    // `bytes` bytes.
+    let copied = unsafe {
+        copy_and_prove(
+            dst_engine,
+            src_engine,
+            Use::Write(dst.raw_ptr()),
+            dst.raw_ptr(),
+            src.raw_ptr(),
+            bytes,
+        )
+    };
+    match copied {
+        Ok(()) => Ok(()),
+        Err(Copied::NotQueued(error)) => Err(error),
+        Err(Copied::Unproven(error)) => {
+            // The source engine's later writes and free of `src` must follow the copy: its
+            // streams wait for it on the device. Should even that fail, a later free of `src`
+            // could come before the copy reads it, which leaves only `dst`'s contents
             // (unspecified after this error anyway) wrong: the copy writes nothing but `dst`.
             let _ = dst_engine
                 .signal()
                 .and_then(|done| src_engine.wait_signal(&done));
-            Err(Error::DeviceFault {
-                what: "peer copy",
-                source,
-            })
+            Err(error)
         }
     }
 }
