@@ -12,9 +12,11 @@
 //! - **Above:** a pipeline over the bounded ring of [`StagingLease`]s: host threads copy chunk
 //!   k+1 into its slot while the DMA of chunk k runs; each chunk has its own event, and a slot
 //!   is reused only after its event proved the previous chunk complete. A transfer of up to
-//!   16 MiB whose chunks all fit in the ring at once is served by one parallel region instead:
-//!   every slot is leased up front, all host copies run together (in chunk order), and each
-//!   chunk is queued (or, downloading, copied out) as soon as it is ready.
+//!   16 MiB whose chunks all fit in the ring at once is served in one hand-off to the copy
+//!   threads instead: an upload leases every slot up front, copies all chunks together (in chunk
+//!   order) and queues each chunk as soon as it has landed; a download queues its DMA into as
+//!   few slots as hold it, in marked parts of 512 KiB, and copies each part out as soon as its
+//!   mark proves it arrived.
 //!
 //! A failure after the first enqueue retires every unproven lease (with the destination tensor,
 //! on uploads) into the retirement queue, so nothing is freed while DMA may still touch it, and
