@@ -257,3 +257,44 @@ fn marked_parts_copy_out_every_element_type_at_every_boundary() {
     assert_eq!(engine.staging_stats().leased, 0);
     assert!(sim.violations().is_empty(), "{:?}", sim.violations());
 }
+
+/// A driver that panics in the middle of a download served at once (while the calling thread
+/// waits for a mark or a chunk) unwinds out of the route only after the copy threads have
+/// stopped reading the slots, and nothing queued is released under the device.
+#[test]
+fn a_driver_panic_while_parts_are_copied_out_unwinds_cleanly() {
+    let n = 3 * CHUNK / 4 + 5;
+    let waits = calls(false, n, SimOp::EventSynchronize);
+    assert!(waits >= 2, "{waits} waits");
+    for nth in 1..=waits {
+        let (mut engine, sim) = engine();
+        let data = random_vec::<u32>(&mut Rng::new(nth), n);
+        let tensor = upload_tensor(&mut engine, &data, &[n]).unwrap();
+        engine.synchronize().unwrap();
+        sim.panic_nth(SimOp::EventSynchronize, nth);
+        let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            download_tensor_into(&mut engine, &tensor, Vec::new())
+        }));
+        assert!(unwound.is_err(), "wait {nth}: the driver's panic surfaces");
+        sim.clear_faults();
+        let _ = engine.synchronize();
+        assert!(
+            sim.violations().is_empty(),
+            "wait {nth}: {:?}",
+            sim.violations()
+        );
+        // The engine still serves the same transfer.
+        assert_eq!(
+            download_tensor_into(&mut engine, &tensor, Vec::new()).unwrap(),
+            data,
+            "wait {nth}"
+        );
+        drop(tensor);
+        drop(engine);
+        assert!(
+            sim.violations().is_empty(),
+            "wait {nth}: {:?}",
+            sim.violations()
+        );
+    }
+}

@@ -319,13 +319,16 @@ impl Populate {
     fn run(&self) {
         while let Some(i) = self.parts.claim() {
             let at = self.start + i * Self::PART;
-            let _len = Self::PART.min(self.end - at);
-            // SAFETY: as in `new`; MADV_POPULATE_WRITE maps the pages writable without
-            // changing their contents. Kernels without it refuse with EINVAL, which is harmless.
             #[cfg(target_os = "linux")]
-            unsafe {
-                libc::madvise(at as *mut libc::c_void, _len, libc::MADV_POPULATE_WRITE)
-            };
+            {
+                let len = Self::PART.min(self.end - at);
+                // SAFETY: as in `new`; MADV_POPULATE_WRITE maps the pages writable without
+                // changing their contents. Kernels without it refuse with EINVAL, which is
+                // harmless.
+                unsafe { libc::madvise(at as *mut libc::c_void, len, libc::MADV_POPULATE_WRITE) };
+            }
+            #[cfg(not(target_os = "linux"))]
+            let _ = at; // elsewhere the copy-out faults the pages in itself
         }
     }
 }
@@ -933,11 +936,10 @@ fn download_at_once<T: Element>(
             }
             let c = parts[p].0;
             // SAFETY: part `p` was published only after its mark (or its chunk's event) proved
-            // its bytes arrived in slot `c`, and no later copy writes them; the slot stays
-            // allocated until `join` returns (its lease is held until then, and the ring frees
-            // slots only at teardown, which needs the engine this call borrows); `dst` has room
-            // for `total` elements and the piece lies in chunk `c`; pieces are disjoint; pinned
-            // staging and the caller's vector do not overlap.
+            // its bytes arrived in slot `c`, and no later copy writes them; the slot's lease is
+            // held by this function's frame (in `queued`, then `landed`) until `join` has
+            // returned; `dst` has room for `total` elements and the piece lies in chunk `c`;
+            // pieces are disjoint; pinned staging and the caller's vector do not overlap.
             unsafe {
                 let at = dst.get().add(c * chunk_bytes + offset);
                 let from = slots[c].get().add(offset);
@@ -949,47 +951,41 @@ fn download_at_once<T: Element>(
             }
         }
     };
-    let (landed, stranded, failure) = copiers.pool.join(copiers.parts - 1, &work, |_| {
+    // Every lease stays in `queued` until its chunk is proven, then in `landed`, both owned by
+    // this frame: they are released (or retired) only after `join` has returned, when no helper
+    // reads their slots any more, on unwind as well.
+    let mut landed = Vec::with_capacity(queued.len());
+    let failure = copiers.pool.join(copiers.parts - 1, &work, |_| {
         let give_up = RaiseOnDrop(&gave_up);
-        let mut landed = Vec::with_capacity(queued.len());
-        let mut failure = None;
         let mut next = 0;
-        while let Some((lease, marks)) = queued.pop_front() {
-            for mark in marks {
+        while let Some((_, marks)) = queued.front_mut() {
+            for mark in std::mem::take(marks) {
                 let proved = match mark {
                     Mark::Recorded(mark) => mark.wait_parts().map(drop),
                     Mark::Failed(error) => Err(error),
                 };
                 if let Err(error) = proved {
-                    failure = Some(error);
-                    break;
+                    return Some(error);
                 }
                 next += 1;
                 arrived.store(next, Ordering::Release);
             }
-            if failure.is_some() {
-                queued.push_front((lease, Vec::new()));
-                break;
-            }
+            let (lease, _) = queued.pop_front().expect("the chunk just waited for");
             match lease.end_chunk() {
                 Ok(proven) => landed.push(proven),
-                Err(error) => {
-                    failure = Some(error);
-                    break;
-                }
+                Err(error) => return Some(error),
             }
             next += 1;
             arrived.store(next, Ordering::Release);
         }
         drop(give_up);
-        // Copy out alongside the helpers (or alone, without any): after a failure this stops
-        // at the first part that never arrived.
+        // Copy out alongside the helpers (or alone, without any).
         work();
-        (landed, std::mem::take(&mut queued), failure)
+        None
     });
     landed.into_iter().for_each(StagingLease::release);
     match failure {
-        Some(error) => fail(stranded, error),
+        Some(error) => fail(queued, error),
         None => Ok(()),
     }
 }
