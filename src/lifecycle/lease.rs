@@ -385,28 +385,29 @@ impl StagingLease<Proven> {
                     n * size,
                 )
             };
-            match (queued, &mut marks) {
-                (Ok(queued), _) => lane = Some(queued),
-                (Err(error), _) if lane.is_none() => {
-                    drop(st);
-                    return Err(BeginError::NotQueued { lease: self, error });
-                }
-                // Only a marked chunk has a second part.
-                (Err(error), marks) => {
-                    if let Some((_, marks)) = marks {
+            let queued = match queued {
+                Ok(queued) => queued,
+                Err(error) => match (&mut marks, lane) {
+                    // A later part (only a marked chunk has one): the parts before it stand.
+                    (Some((_, marks)), Some(_)) => {
                         marks.push(Mark::Failed(error));
+                        break;
                     }
-                    break;
-                }
-            }
+                    _ => {
+                        drop(st);
+                        return Err(BeginError::NotQueued { lease: self, error });
+                    }
+                },
+            };
+            lane = Some(queued);
             at += n;
-            let (Some((_, marks)), Some(lane)) = (&mut marks, lane) else {
-                continue;
+            let Some((_, marks)) = &mut marks else {
+                continue; // one part: the whole chunk
             };
             if at == len {
                 break;
             }
-            match fence(&mut st, owner, lane, (), None, "staging progress mark") {
+            match fence(&mut st, owner, queued, (), None, "staging progress mark") {
                 Fencing::Fenced(mark) => marks.push(Mark::Recorded(mark)),
                 Fencing::Proven((), error) => {
                     marks.push(Mark::Failed(error));
