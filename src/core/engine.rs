@@ -77,6 +77,9 @@ pub(crate) struct State {
     pub(crate) libs: LibraryHandles,
     /// The order of the three lanes: which value was last used where, and the waits between.
     pub(crate) order: Order,
+    /// The engines (by id) whose memory this engine's device reaches with every access a peer
+    /// copy needs already enabled (see `CudaEngine::peer_access`).
+    pub(crate) peers: Vec<u64>,
 }
 
 impl State {
@@ -468,6 +471,7 @@ impl CudaEngine {
                     kernels: KernelCache::default(),
                     libs: LibraryHandles::default(),
                     order,
+                    peers: Vec::new(),
                 }),
             }),
         }

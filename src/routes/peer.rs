@@ -44,7 +44,8 @@ impl CudaEngine {
             to: me,
             reason,
         })?;
-        if me == peer {
+        // Asked (and enabled) once per pair of engines: a copy's hot path only looks it up.
+        if me == peer || self.shared.lock().peers.contains(&other.shared.engine_id) {
             return Ok(true);
         }
         let peer_ctx = other.shared.lock().driver.context();
@@ -72,6 +73,7 @@ impl CudaEngine {
             .driver
             .grant_peer_access(me)
             .map_err(Error::driver("cuMemPoolSetAccess"))?;
+        self.shared.lock().peers.push(other.shared.engine_id);
         Ok(true)
     }
 }
