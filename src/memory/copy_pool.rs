@@ -347,11 +347,8 @@ fn run_worker(me: &Worker) {
         wait_for_task(me);
         // SAFETY: READY was loaded with acquire ordering, so the claimer's write of the task is
         // visible, and the claimer touches the slot no more (see `Worker`).
-        let task = unsafe { (*me.task.get()).take() };
-        let Some(Task { work, latch }) = task else {
-            me.state.store(IDLE, Ordering::Release);
-            continue;
-        };
+        let Task { work, latch } = unsafe { (*me.task.get()).take() }
+            .expect("a claimer writes the task before it marks the slot ready");
         // SAFETY: the transfer that handed over the task waits in `join` until the latch
         // reaches zero, so `work` and `latch` are alive until the count down below.
         let ran = catch_unwind(AssertUnwindSafe(|| unsafe { (*work)() }));
