@@ -1099,6 +1099,14 @@ impl SimDriver {
         self.device.lock()
     }
 
+    /// The index on the machine of device `peer`, when it is a device of this machine linked to
+    /// this driver's (or this driver's own).
+    fn linked(&self, s: &State, peer: DeviceId) -> Option<usize> {
+        let index = peer.ordinal.checked_sub(s.ordinal)?;
+        let ours = peer.kind == DeviceKind::Simulated && peer.instance == s.instance;
+        (ours && s.peer_linked.get(self.index)?.get(index) == Some(&true)).then_some(index)
+    }
+
     /// The device stream of one of the driver's lanes.
     fn stream(&self, lane: Lane) -> StreamId {
         self.streams + lane.index()
@@ -1290,14 +1298,7 @@ impl Driver for SimDriver {
     }
 
     fn can_access_peer(&self, peer: DeviceId) -> Result<bool, DriverError> {
-        let s = self.lock();
-        let index = peer.ordinal.checked_sub(s.ordinal);
-        Ok(match index {
-            Some(index) if peer.kind == DeviceKind::Simulated && peer.instance == s.instance => {
-                s.peer_linked.get(self.index).and_then(|l| l.get(index)) == Some(&true)
-            }
-            _ => false,
-        })
+        Ok(self.linked(&self.lock(), peer).is_some())
     }
 
     fn enable_peer_access(&mut self, peer: ContextHandle) -> Result<(), DriverError> {
@@ -1316,15 +1317,7 @@ impl Driver for SimDriver {
             return Ok(());
         }
         s.enter(SimOp::PeerEnable)?;
-        let granted = match index {
-            Some(index)
-                if peer.instance == s.instance
-                    && s.peer_linked.get(self.index).and_then(|l| l.get(index)) == Some(&true) =>
-            {
-                index
-            }
-            _ => return Err(DriverError::NOT_SUPPORTED),
-        };
+        let granted = self.linked(&s, peer).ok_or(DriverError::NOT_SUPPORTED)?;
         drop(s);
         self.granted.push(granted);
         Ok(())
