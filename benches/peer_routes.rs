@@ -7,13 +7,12 @@
 //! on GPU 0. Prints each pair with its ratio. Run on a GPU machine: `cargo bench --bench
 //! peer_routes`. Without a GPU it prints a note and measures nothing.
 
+mod raw;
+
 use cudarc::driver::sys;
 use cuferry::{peer_copy, peer_copy_into, CudaEngine};
+use raw::{check, context, event, stream};
 use std::time::{Duration, Instant};
-
-fn check(call: &str, code: sys::CUresult) {
-    assert_eq!(code, sys::CUresult::CUDA_SUCCESS, "{call}");
-}
 
 /// The median of repeated runs of `f` (at least 5, until 0.5 s have passed, at most 2000).
 fn median(mut f: impl FnMut()) -> Duration {
@@ -27,12 +26,6 @@ fn median(mut f: impl FnMut()) -> Duration {
     }
     times.sort_unstable();
     times[times.len() / 2]
-}
-
-fn context(engine: &mut CudaEngine) -> sys::CUcontext {
-    engine
-        .with_raw(|r| Ok::<_, cuferry::Error>(r.context().as_raw() as usize))
-        .unwrap() as sys::CUcontext
 }
 
 fn main() {
@@ -52,25 +45,7 @@ fn main() {
     };
     println!("{pair}: peer access {}", a.peer_access(&b).unwrap());
     let (ca, cb) = (context(&mut a), context(&mut b));
-    let (mut stream, mut event) = (std::ptr::null_mut(), std::ptr::null_mut());
-    // SAFETY: `ca` is the engine's live context; out pointers valid.
-    unsafe {
-        check("cuCtxSetCurrent", sys::cuCtxSetCurrent(ca));
-        check(
-            "cuStreamCreate",
-            sys::cuStreamCreate(
-                &mut stream,
-                sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
-            ),
-        );
-        check(
-            "cuEventCreate",
-            sys::cuEventCreate(
-                &mut event,
-                sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32,
-            ),
-        );
-    }
+    let (stream, event) = (stream(ca), event(ca));
     for (bytes, label) in [
         (16usize, "16 B"),
         (8 << 20, "8 MiB"),

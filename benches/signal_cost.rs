@@ -9,13 +9,12 @@
 //! rounds, untimed. Prints the median of 2000 rounds of each. Run on a GPU machine: `cargo bench
 //! --bench signal_cost`. Without a GPU it prints a note and measures nothing.
 
+mod raw;
+
 use cudarc::driver::sys;
 use cuferry::CudaEngine;
+use raw::{check, context, event, stream};
 use std::time::{Duration, Instant};
-
-fn check(call: &str, code: sys::CUresult) {
-    assert_eq!(code, sys::CUresult::CUDA_SUCCESS, "{call}");
-}
 
 fn median(mut times: Vec<Duration>) -> Duration {
     times.sort_unstable();
@@ -44,40 +43,13 @@ fn crate_cost(a: &mut CudaEngine, b: &mut CudaEngine) -> Duration {
 /// The same dependency raw: one record on a stream of `a`'s context, three waits on streams of
 /// `b`'s context.
 fn raw_cost(a: &mut CudaEngine, b: &mut CudaEngine) -> Duration {
-    let context = |e: &mut CudaEngine| {
-        e.with_raw(|r| Ok::<_, cuferry::Error>(r.context().as_raw() as usize))
-            .unwrap() as sys::CUcontext
-    };
     let (ca, cb) = (context(a), context(b));
-    let stream = |ctx: sys::CUcontext| {
-        let mut s = std::ptr::null_mut();
-        // SAFETY: `ctx` is an engine's live context; out pointer valid.
-        unsafe {
-            check("cuCtxSetCurrent", sys::cuCtxSetCurrent(ctx));
-            check(
-                "cuStreamCreate",
-                sys::cuStreamCreate(&mut s, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32),
-            );
-        }
-        s
-    };
     let sa = stream(ca);
     let sb: Vec<sys::CUstream> = (0..3).map(|_| stream(cb)).collect();
-    let mut event = std::ptr::null_mut();
-    // SAFETY: as above.
-    unsafe {
-        check("cuCtxSetCurrent", sys::cuCtxSetCurrent(ca));
-        check(
-            "cuEventCreate",
-            sys::cuEventCreate(
-                &mut event,
-                sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32,
-            ),
-        );
-    }
+    let event = event(ca);
     let times = (0..2000)
         .map(|_| {
-            // SAFETY: the event and streams are live; contexts as above.
+            // SAFETY: the event and the streams are live, made in the engines' live contexts.
             unsafe {
                 check("cuCtxSetCurrent", sys::cuCtxSetCurrent(ca));
                 let start = Instant::now();

@@ -1,0 +1,44 @@
+//! Raw-driver helpers shared by the benches that compare two engines with the raw driver.
+
+use cudarc::driver::sys;
+use cuferry::CudaEngine;
+
+/// Panics, naming `call`, unless `code` is success.
+pub fn check(call: &str, code: sys::CUresult) {
+    assert_eq!(code, sys::CUresult::CUDA_SUCCESS, "{call}");
+}
+
+/// The engine's context, for raw calls beside it.
+pub fn context(engine: &mut CudaEngine) -> sys::CUcontext {
+    engine
+        .with_raw(|r| Ok::<_, cuferry::Error>(r.context().as_raw() as usize))
+        .unwrap() as sys::CUcontext
+}
+
+/// A new non-blocking stream of `ctx` (made current).
+pub fn stream(ctx: sys::CUcontext) -> sys::CUstream {
+    let mut s = std::ptr::null_mut();
+    // SAFETY: `ctx` is an engine's live context; out pointer valid.
+    unsafe {
+        check("cuCtxSetCurrent", sys::cuCtxSetCurrent(ctx));
+        check(
+            "cuStreamCreate",
+            sys::cuStreamCreate(&mut s, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32),
+        );
+    }
+    s
+}
+
+/// A new event of `ctx` with timing disabled (the context made current).
+pub fn event(ctx: sys::CUcontext) -> sys::CUevent {
+    let mut e = std::ptr::null_mut();
+    // SAFETY: as in `stream`.
+    unsafe {
+        check("cuCtxSetCurrent", sys::cuCtxSetCurrent(ctx));
+        check(
+            "cuEventCreate",
+            sys::cuEventCreate(&mut e, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32),
+        );
+    }
+    e
+}
