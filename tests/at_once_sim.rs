@@ -83,14 +83,14 @@ fn every_direction_moves_the_right_bytes_around_the_ring_depth() {
 
 /// One transfer of `n` `u32`s with `fault` armed: it fails, nothing is freed early or leaked,
 /// and the same transfer succeeds afterwards.
-fn fault_case(upload: bool, n: usize, fault: Fault) {
-    let what = format!("upload={upload} n={n} {fault:?}");
+fn fault_case(upload: bool, n: usize, faults: &[Fault]) {
+    let what = format!("upload={upload} n={n} {faults:?}");
     let (mut engine, sim) = engine();
     let mut rng = Rng::new(n as u64);
     let data = random_vec::<u32>(&mut rng, n);
     let mut tensor = upload_tensor(&mut engine, &data, &[n]).unwrap();
     engine.synchronize().unwrap();
-    fault.arm(&sim);
+    faults.iter().for_each(|fault| fault.arm(&sim));
     let failed = if upload {
         upload_tensor_into(&mut engine, &mut tensor, &random_vec::<u32>(&mut rng, n)).is_err()
     } else {
@@ -173,13 +173,13 @@ fn sweep(upload: bool, n: usize) -> usize {
             "upload={upload} n={n}: {op:?} called {count} times"
         );
         for nth in 1..=count {
-            fault_case(upload, n, Fault::Call(op, nth, error));
+            fault_case(upload, n, &[Fault::Call(op, nth, error)]);
             runs += 1;
         }
     }
     for nth in 1..=calls(upload, n, SimOp::EventRecord) {
-        fault_case(upload, n, Fault::Untracked(nth));
-        fault_case(upload, n, Fault::Event(nth));
+        fault_case(upload, n, &[Fault::Untracked(nth)]);
+        fault_case(upload, n, &[Fault::Event(nth)]);
         runs += 2;
     }
     runs
@@ -195,6 +195,27 @@ fn a_fault_at_every_call_of_an_upload_that_fits_at_once_loses_nothing() {
 fn a_fault_at_every_call_of_a_download_that_fits_at_once_loses_nothing() {
     let n = 3 * CHUNK / 4 + 5;
     assert!(sweep(false, n) >= 12);
+}
+
+/// Two faults in one download served at once: a failing event (a mark's or a chunk's) and a
+/// refused host wait, at every pair of calls; nothing is freed early or leaked.
+#[test]
+fn two_faults_in_one_marked_download_lose_nothing() {
+    let n = 3 * CHUNK / 4 + 5;
+    let records = calls(false, n, SimOp::EventRecord);
+    let waits = calls(false, n, SimOp::EventSynchronize);
+    for event in 1..=records {
+        for wait in 1..=waits {
+            fault_case(
+                false,
+                n,
+                &[
+                    Fault::Event(event),
+                    Fault::Call(SimOp::EventSynchronize, wait, DriverError::LAUNCH_FAILED),
+                ],
+            );
+        }
+    }
 }
 
 #[test]
