@@ -98,8 +98,9 @@ pub use memory::ring::{StagingConfig, StagingStats};
 pub use memory::tensor::DeviceTensor;
 pub use routes::{
     download_pending, download_tensor, download_tensor_into, peer_copy, peer_copy_into,
-    peer_copy_staged, upload_pending, upload_tensor, upload_tensor_into, Direction, Download,
-    InFlight, Pending, PendingDownload, PendingFuture, PendingUpload, Returned, TransferPackage,
+    peer_copy_pending, peer_copy_staged, upload_pending, upload_tensor, upload_tensor_into,
+    Direction, Download, InFlight, PeerFuture, PeerPackage, PeerSubmitError, PeerTryWait, Pending,
+    PendingDownload, PendingFuture, PendingPeer, PendingUpload, Returned, TransferPackage,
     TransferState, TransferSubmitError, TryWait, Upload,
 };
 pub use work::libs::{BlasElement, GemmConfig, SolverStatus, TensorElement, Transpose};

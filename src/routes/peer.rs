@@ -23,6 +23,13 @@ use crate::memory::tensor::DeviceTensor;
 use crate::routes::blocking::{download_tensor, upload_tensor};
 use std::sync::Mutex;
 
+mod pending;
+
+pub(crate) use pending::PeerLanded;
+pub use pending::{
+    peer_copy_pending, PeerFuture, PeerPackage, PeerSubmitError, PeerTryWait, PendingPeer,
+};
+
 /// The ordered pairs of devices (reaching, reached) whose peer access this process has enabled.
 static ENABLED: Mutex<Vec<(DeviceId, DeviceId)>> = Mutex::new(Vec::new());
 
@@ -116,11 +123,7 @@ pub fn peer_copy<T: Element>(
 ) -> Result<DeviceTensor<T>> {
     src.check_engine(src_engine)?;
     if !src_engine.peer_access(dst_engine)? {
-        return Err(Error::Unreachable {
-            from: dst_engine.device(),
-            to: src_engine.device(),
-            reason: "the devices have no peer link; peer_copy_staged copies through host memory",
-        });
+        return Err(no_link(dst_engine, src_engine));
     }
     let dst = DeviceTensor::<T>::alloc_on(dst_engine, Lane::Compute, src.shape())?;
     let bytes = src.byte_len();
@@ -159,6 +162,25 @@ pub fn peer_copy<T: Element>(
     }
 }
 
+/// The refusal of a copy from `from`'s device to `to`'s, which have no peer link.
+fn no_link(from: &CudaEngine, to: &CudaEngine) -> Error {
+    Error::Unreachable {
+        from: from.device(),
+        to: to.device(),
+        reason: "the devices have no peer link; peer_copy_staged copies through host memory",
+    }
+}
+
+/// Makes `carrier`'s compute stream wait, on the device, for everything queued on `other` so
+/// far: at once (nothing queued) when `other` is idle, else through a [`Signal`](crate::Signal).
+fn wait_for_other(carrier: &mut CudaEngine, other: &mut CudaEngine) -> Result<()> {
+    if other.shared.waits.stream_query().unwrap_or(false) {
+        return Ok(());
+    }
+    let done = other.signal()?;
+    carrier.wait_signal_on(&done, &[Lane::Compute])
+}
+
 /// Why [`copy_and_prove`] failed.
 enum Copied {
     /// Nothing was queued.
@@ -183,14 +205,8 @@ unsafe fn copy_and_prove(
     src: DevicePtr,
     bytes: usize,
 ) -> std::result::Result<(), Copied> {
-    // The copy touches `other`'s side only once `other`'s work queued so far is done there: at
-    // once when it has nothing queued, else after a wait on the device.
-    if !other.shared.waits.stream_query().unwrap_or(false) {
-        let done = other.signal().map_err(Copied::NotQueued)?;
-        carrier
-            .wait_signal_on(&done, &[Lane::Compute])
-            .map_err(Copied::NotQueued)?;
-    }
+    // The copy touches `other`'s side only once `other`'s work queued so far is done there.
+    wait_for_other(carrier, other).map_err(Copied::NotQueued)?;
     let other_ctx = other.shared.lock().driver.context();
     {
         let mut st = carrier.enter().map_err(Copied::NotQueued)?;
@@ -274,11 +290,7 @@ pub fn peer_copy_into<T: Element>(
         });
     }
     if !dst_engine.peer_access(src_engine)? {
-        return Err(Error::Unreachable {
-            from: src_engine.device(),
-            to: dst_engine.device(),
-            reason: "the devices have no peer link; peer_copy_staged copies through host memory",
-        });
+        return Err(no_link(src_engine, dst_engine));
     }
     let bytes = src.byte_len();
     if bytes == 0 {

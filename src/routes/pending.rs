@@ -39,6 +39,7 @@ use crate::memory::element::Element;
 use crate::memory::host::HostBuffer;
 use crate::memory::pinned::PinnedHostBuffer;
 use crate::memory::tensor::DeviceTensor;
+use crate::routes::peer::{PeerLanded, PeerPackage};
 use std::fmt;
 use std::marker::PhantomData;
 
@@ -46,11 +47,13 @@ mod future;
 
 pub use future::PendingFuture;
 
-mod sealed {
+pub(in crate::routes) mod sealed {
     pub trait Direction {}
     /// What a transfer in this state holds.
     pub trait State {
         type Hold<T: crate::Element, B: crate::memory::host::HostBuffer<T>>: Send + Sync;
+        /// What a peer copy in this state holds.
+        type PeerHold<T: crate::Element>: Send + Sync;
     }
 }
 
@@ -85,9 +88,11 @@ impl sealed::Direction for Upload {}
 impl sealed::Direction for Download {}
 impl sealed::State for InFlight {
     type Hold<T: Element, B: HostBuffer<T>> = Fenced<TransferPackage<T, B>>;
+    type PeerHold<T: Element> = Fenced<PeerPackage<T>>;
 }
 impl sealed::State for Returned {
     type Hold<T: Element, B: HostBuffer<T>> = Landed<T, B>;
+    type PeerHold<T: Element> = PeerLanded<T>;
 }
 
 impl Direction for Upload {

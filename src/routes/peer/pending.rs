@@ -1,0 +1,436 @@
+//! The pending peer route: a device-to-device copy between two engines whose state is a type.
+//!
+//! [`peer_copy_pending`] takes a tensor of one engine and a tensor of another by value, queues
+//! the copy on the destination engine's compute stream (after the source engine's queued work,
+//! on the device, unless that engine is idle), records an event after it and returns a
+//! [`PendingPeer`] in state [`InFlight`]. In that state the handle owns both tensors; it lends
+//! them only shared, for device work that reads them ([`PendingPeer::destination`] on the
+//! destination engine, whose stream runs it after the copy; [`PendingPeer::source`] on the
+//! source engine, beside the copy), and nothing can write or free either. [`PendingPeer::wait`]
+//! (or `.await`) proves the copy complete and returns both in state [`Returned`].
+//!
+//! The exits are those of the host routes ([`crate::routes::pending`]): a refused submission
+//! hands both tensors back ([`PeerSubmitError`]); dropping the handle in flight detaches it into
+//! the retirement queue of the destination engine (whose stream carries the copy), which
+//! releases both tensors once the event proves the copy complete; `mem::forget` leaks them; a
+//! wait that fails retains them for that engine's lifetime.
+
+// A refused submission hands both tensors back by value (see `routes::pending`).
+#![allow(clippy::result_large_err)]
+
+use crate::core::engine::CudaEngine;
+use crate::core::order::Use;
+use crate::driver::Lane;
+use crate::error::{Error, Result};
+use crate::lifecycle::fence::{fence, Fencing, IdleEvent};
+use crate::lifecycle::wake::FenceFuture;
+use crate::memory::element::Element;
+use crate::memory::tensor::DeviceTensor;
+use crate::routes::pending::{sealed, InFlight, Returned, TransferState};
+use std::fmt;
+use std::future::{Future, IntoFuture};
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+/// What a pending peer copy owns: the tensor it reads, of the source engine, and the tensor it
+/// writes, of the destination engine.
+#[derive(Debug)]
+pub struct PeerPackage<T: Element> {
+    /// The source engine's tensor, read by the copy.
+    pub source: DeviceTensor<T>,
+    /// The destination engine's tensor, written by the copy.
+    pub destination: DeviceTensor<T>,
+}
+
+/// A returned peer copy's tensors, with its idle event kept for resubmission.
+pub struct PeerLanded<T: Element> {
+    package: PeerPackage<T>,
+    event: IdleEvent,
+}
+
+/// A peer submission that did not produce an in-flight copy.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PeerSubmitError<T: Element> {
+    /// Refused before anything was queued; both tensors come back untouched.
+    #[error("peer copy rejected: {error}")]
+    Rejected {
+        /// Both tensors.
+        package: PeerPackage<T>,
+        /// Why: [`Error::WrongEngine`] for a tensor of another engine than the one named beside
+        /// it, [`Error::ZeroLength`], [`Error::LengthMismatch`] between the tensors,
+        /// [`Error::Unreachable`] for devices with no peer link.
+        error: Error,
+    },
+    /// The driver refused a step before the copy was queued (enabling peer access, the wait
+    /// for the source engine, the copy itself), or the copy was queued and then proven complete
+    /// without an event; nothing is in flight and both tensors come back.
+    #[error("peer copy could not be queued: {error}")]
+    Failed {
+        /// Both tensors.
+        package: PeerPackage<T>,
+        /// The driver failure.
+        error: Error,
+    },
+    /// The copy was queued but its completion could not be tracked or proven. The device may
+    /// still touch both tensors, so the destination engine retains them for its lifetime.
+    #[error(
+        "peer copy queued but its completion cannot be proven; its memory is retained: {error}"
+    )]
+    Retained {
+        /// The driver failure.
+        error: Error,
+    },
+}
+
+impl<T: Element> PeerSubmitError<T> {
+    /// The tensors, when they came back.
+    pub fn into_package(self) -> Option<PeerPackage<T>> {
+        match self {
+            PeerSubmitError::Rejected { package, .. } | PeerSubmitError::Failed { package, .. } => {
+                Some(package)
+            }
+            PeerSubmitError::Retained { .. } => None,
+        }
+    }
+
+    /// The error, dropping the tensors if they came back.
+    pub fn into_error(self) -> Error {
+        match self {
+            PeerSubmitError::Rejected { error, .. }
+            | PeerSubmitError::Failed { error, .. }
+            | PeerSubmitError::Retained { error } => error,
+        }
+    }
+
+    /// The error, whatever became of the tensors.
+    pub fn error(&self) -> &Error {
+        match self {
+            PeerSubmitError::Rejected { error, .. }
+            | PeerSubmitError::Failed { error, .. }
+            | PeerSubmitError::Retained { error } => error,
+        }
+    }
+}
+
+impl<T: Element> From<PeerSubmitError<T>> for Error {
+    fn from(refused: PeerSubmitError<T>) -> Error {
+        refused.into_error()
+    }
+}
+
+/// A copy of one engine's tensor into another engine's, in state `S`.
+///
+/// In [`InFlight`] it owns both tensors and lends them only shared; [`Returned`] gives both
+/// back.
+#[must_use = "a pending peer copy owns both tensors: wait for it (in flight) or take them back with `into_parts` (returned)"]
+pub struct PendingPeer<T: Element, S: TransferState = InFlight> {
+    hold: <S as sealed::State>::PeerHold<T>,
+}
+
+impl<T: Element, S: TransferState> fmt::Debug for PendingPeer<T, S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PendingPeer")
+            .field("in_flight", &S::IN_FLIGHT)
+            .field("dtype", &T::DTYPE)
+            .finish()
+    }
+}
+
+/// What [`PendingPeer::try_wait`] found.
+#[derive(Debug)]
+#[must_use]
+pub enum PeerTryWait<T: Element> {
+    /// The copy completed.
+    Returned(PendingPeer<T, Returned>),
+    /// Not yet: the handle comes back unchanged.
+    InFlight(PendingPeer<T, InFlight>),
+}
+
+impl<T: Element> PendingPeer<T, InFlight> {
+    /// Whether the copy has completed. Never waits, and takes no engine lock.
+    ///
+    /// # Errors
+    /// [`Error::DeviceFault`] when the device reports a failure of the copy (or of earlier work
+    /// on the destination engine's stream).
+    pub fn is_ready(&mut self) -> Result<bool> {
+        self.hold.is_ready()
+    }
+
+    /// The destination tensor, for device work queued on the destination engine while the copy
+    /// is in flight: the in-flight handoff.
+    ///
+    /// The copy runs on the destination engine's stream, so every operation queued there
+    /// afterwards (a kernel, a library call, a download, a further peer copy out of it) reads the
+    /// data after it has landed, with no host wait. The borrow is shared: nothing can write the
+    /// tensor or free it while the copy may still touch it, and the borrow ends before
+    /// [`wait`](Self::wait) can return it. Any other engine refuses the tensor
+    /// ([`Error::WrongEngine`]).
+    pub fn destination(&self) -> &DeviceTensor<T> {
+        &self.hold.resources().destination
+    }
+
+    /// The source tensor, for device work on the source engine that reads it beside the copy
+    /// (the borrow is shared: nothing can write or free it while the copy may still read it).
+    pub fn source(&self) -> &DeviceTensor<T> {
+        &self.hold.resources().source
+    }
+
+    /// Waits for the copy and returns both tensors in state [`Returned`]. The wait holds no
+    /// engine lock.
+    ///
+    /// # Errors
+    /// [`Error::DeviceFault`] when the device reports a failure: both tensors are then retained
+    /// by the destination engine for its lifetime, never freed.
+    pub fn wait(self) -> Result<PendingPeer<T, Returned>> {
+        let (package, event) = self.hold.wait_parts()?;
+        Ok(PendingPeer {
+            hold: PeerLanded { package, event },
+        })
+    }
+
+    /// Returns the copy in state [`Returned`] if it has completed, or the [`InFlight`] handle
+    /// back if not. Never waits.
+    ///
+    /// # Errors
+    /// As [`wait`](Self::wait).
+    pub fn try_wait(self) -> Result<PeerTryWait<T>> {
+        Ok(match self.hold.try_wait()? {
+            Ok((package, event)) => PeerTryWait::Returned(PendingPeer {
+                hold: PeerLanded { package, event },
+            }),
+            Err(hold) => PeerTryWait::InFlight(PendingPeer { hold }),
+        })
+    }
+}
+
+impl<T: Element> PendingPeer<T, Returned> {
+    /// The source tensor.
+    pub fn source(&self) -> &DeviceTensor<T> {
+        &self.hold.package.source
+    }
+
+    /// The destination tensor, now holding the source's values.
+    pub fn destination(&self) -> &DeviceTensor<T> {
+        &self.hold.package.destination
+    }
+
+    /// Gives back the source and the destination, in that order.
+    pub fn into_parts(self) -> (DeviceTensor<T>, DeviceTensor<T>) {
+        let PeerPackage {
+            source,
+            destination,
+        } = self.hold.package;
+        (source, destination)
+    }
+
+    /// Queues the same copy again, between the same tensors, reusing the copy's event: for a
+    /// loop that refreshes the destination from a source the source engine keeps rewriting
+    /// (write it between [`into_parts`](Self::into_parts) and a new submission instead when the
+    /// source must change hands).
+    ///
+    /// # Errors
+    /// As [`peer_copy_pending`].
+    pub fn resubmit(
+        self,
+        src_engine: &mut CudaEngine,
+        dst_engine: &mut CudaEngine,
+    ) -> Result<PendingPeer<T, InFlight>, PeerSubmitError<T>> {
+        let PeerLanded { package, event } = self.hold;
+        submit(src_engine, package, dst_engine, Some(event))
+    }
+}
+
+/// An in-flight peer copy being awaited: what `.await` on a [`PendingPeer`] in state
+/// [`InFlight`] polls. Woken by the device as [`PendingFuture`](crate::PendingFuture) is, with
+/// its rules: it resolves to the copy in state [`Returned`], and dropping it before it resolves
+/// detaches the copy into the destination engine's retirement queue.
+#[must_use = "futures do nothing unless you `.await` or poll them"]
+pub struct PeerFuture<T: Element> {
+    inner: FenceFuture<PeerPackage<T>>,
+}
+
+impl<T: Element> fmt::Debug for PeerFuture<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PeerFuture")
+            .field("dtype", &T::DTYPE)
+            .finish()
+    }
+}
+
+// Nothing is pinned structurally: the tensors do not care where the future lives.
+impl<T: Element> Unpin for PeerFuture<T> {}
+
+impl<T: Element> Future for PeerFuture<T> {
+    type Output = Result<PendingPeer<T, Returned>>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        self.get_mut().inner.poll(cx).map(|answer| {
+            answer.map(|(package, event)| PendingPeer {
+                hold: PeerLanded { package, event },
+            })
+        })
+    }
+}
+
+impl<T: Element> IntoFuture for PendingPeer<T, InFlight> {
+    type Output = Result<PendingPeer<T, Returned>>;
+    type IntoFuture = PeerFuture<T>;
+
+    /// Awaits the copy: see [`PeerFuture`].
+    fn into_future(self) -> PeerFuture<T> {
+        PeerFuture {
+            inner: FenceFuture::new(self.hold),
+        }
+    }
+}
+
+/// Why a submission of `package` from `src_engine` to `dst_engine` is refused, if it is.
+fn refusal<T: Element>(
+    src_engine: &mut CudaEngine,
+    package: &PeerPackage<T>,
+    dst_engine: &mut CudaEngine,
+) -> Option<Error> {
+    let (source, destination) = (&package.source, &package.destination);
+    if let Err(error) = source
+        .check_engine(src_engine)
+        .and_then(|()| destination.check_engine(dst_engine))
+    {
+        return Some(error);
+    }
+    if source.is_empty() {
+        return Some(Error::ZeroLength {
+            what: "a pending peer copy",
+        });
+    }
+    if source.len() != destination.len() {
+        return Some(Error::LengthMismatch {
+            what: "peer_copy_pending: elements in the source and in the destination",
+            left: source.len(),
+            right: destination.len(),
+        });
+    }
+    None
+}
+
+/// Validates and queues one peer copy on `dst_engine`'s compute stream. `event` is the copy's
+/// own idle event on resubmission.
+fn submit<T: Element>(
+    src_engine: &mut CudaEngine,
+    package: PeerPackage<T>,
+    dst_engine: &mut CudaEngine,
+    event: Option<IdleEvent>,
+) -> Result<PendingPeer<T, InFlight>, PeerSubmitError<T>> {
+    if let Some(error) = refusal(src_engine, &package, dst_engine) {
+        return Err(PeerSubmitError::Rejected { package, error });
+    }
+    match dst_engine.peer_access(src_engine) {
+        Ok(true) => {}
+        Ok(false) => {
+            return Err(PeerSubmitError::Rejected {
+                package,
+                error: super::no_link(src_engine, dst_engine),
+            })
+        }
+        Err(error @ Error::Unreachable { .. }) => {
+            return Err(PeerSubmitError::Rejected { package, error })
+        }
+        Err(error) => return Err(PeerSubmitError::Failed { package, error }),
+    }
+    // The copy reads the source only once the source engine's work queued so far is done.
+    if let Err(error) = super::wait_for_other(dst_engine, src_engine) {
+        return Err(PeerSubmitError::Failed { package, error });
+    }
+    let src_ctx = src_engine.shared.lock().driver.context();
+    let owner = &dst_engine.shared;
+    let mut st = match owner.enter() {
+        Ok(st) => st,
+        Err(error) => return Err(PeerSubmitError::Failed { package, error }),
+    };
+    let (dst, src) = (package.destination.raw_ptr(), package.source.raw_ptr());
+    let dst_ctx = st.driver.context();
+    // Recorded before the copy is queued: the destination engine's later uses of the tensor, on
+    // any of its streams, and its free wait for the copy.
+    if let Err(error) = st.order_uses(Lane::Compute, &[Use::Write(dst)]) {
+        return Err(PeerSubmitError::Failed { package, error });
+    }
+    // SAFETY: both tensors move into the fence below (or come back only once the stream is
+    // proven idle), so neither is written or freed until the event proves the copy complete;
+    // both hold exactly `byte_len` bytes (the lengths were checked equal); the source's writes
+    // queued on its engine run first (`wait_for_other`), and the destination's uses on its own
+    // engine are ordered by the use recorded above.
+    let queued = unsafe {
+        st.driver.copy_peer(
+            Lane::Compute,
+            dst,
+            dst_ctx,
+            src,
+            src_ctx,
+            package.source.byte_len(),
+        )
+    };
+    if let Err(source) = queued {
+        let error = Error::driver("cuMemcpyPeerAsync")(source);
+        return Err(PeerSubmitError::Failed { package, error });
+    }
+    let event = event.map(IdleEvent::into_raw);
+    match fence(&mut st, owner, Lane::Compute, package, event, "peer copy") {
+        Fencing::Fenced(hold) => Ok(PendingPeer { hold }),
+        Fencing::Proven(package, error) => Err(PeerSubmitError::Failed { package, error }),
+        Fencing::Untracked(untracked, error) => {
+            drop(st);
+            untracked.retain();
+            Err(PeerSubmitError::Retained { error })
+        }
+    }
+}
+
+/// Queues a copy of `source`, a tensor of `src_engine`, into `destination`, a tensor of
+/// `dst_engine` of the same length, and returns the copy in flight: the handle owns both
+/// tensors until [`PendingPeer::wait`] proves the copy complete.
+///
+/// The copy runs on `dst_engine`'s compute stream (over the peer link, when the devices differ)
+/// after everything queued on `src_engine` so far (a wait on the device, skipped when
+/// `src_engine` is idle), so later work on `dst_engine` that reads
+/// [`PendingPeer::destination`] runs after it with no host wait. Neither engine stays borrowed.
+///
+/// ```
+/// # fn main() -> Result<(), cuferry::Error> {
+/// use cuferry::sim::{SimConfig, SimDevice};
+/// use cuferry::{download_tensor, peer_copy_pending, upload_tensor, CudaEngine};
+/// # /*
+/// let (mut gpu0, mut gpu1) = (CudaEngine::open(0)?, CudaEngine::open(1)?);
+/// # */
+/// # let machine = SimDevice::new(SimConfig { devices: 2, ..SimConfig::default() });
+/// # let mut gpu0 = CudaEngine::simulated_on_device(&machine, 0)?;
+/// # let mut gpu1 = CudaEngine::simulated_on_device(&machine, 1)?;
+/// let x = upload_tensor(&mut gpu0, &[1.0f32, 2.0, 3.0], &[3])?;
+/// let landing = gpu1.alloc_tensor::<f32>(&[3])?;
+/// let copy = peer_copy_pending(&mut gpu0, x, &mut gpu1, landing)?;
+/// // Queued on GPU 1 after the copy: no host wait in between.
+/// let doubled = gpu1.scale(copy.destination(), 2.0)?;
+/// assert_eq!(download_tensor(&mut gpu1, &doubled)?, [2.0, 4.0, 6.0]);
+/// let (x, landing) = copy.wait()?.into_parts(); // complete already: stream order
+/// # drop((x, landing));
+/// # Ok(()) }
+/// ```
+///
+/// # Errors
+/// [`PeerSubmitError::Rejected`] (both tensors untouched) for a tensor of another engine than
+/// the one named beside it, a zero length, a length mismatch, or devices that cannot reach each
+/// other ([`Error::Unreachable`]; [`peer_copy_staged`](crate::peer_copy_staged) copies through
+/// host memory); [`PeerSubmitError::Failed`] (both back) when the driver refuses a step before
+/// the copy is in flight; [`PeerSubmitError::Retained`] when the copy was queued but cannot be
+/// tracked.
+pub fn peer_copy_pending<T: Element>(
+    src_engine: &mut CudaEngine,
+    source: DeviceTensor<T>,
+    dst_engine: &mut CudaEngine,
+    destination: DeviceTensor<T>,
+) -> Result<PendingPeer<T, InFlight>, PeerSubmitError<T>> {
+    let package = PeerPackage {
+        source,
+        destination,
+    };
+    submit(src_engine, package, dst_engine, None)
+}
