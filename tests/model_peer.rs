@@ -13,8 +13,8 @@
 
 use cuferry::sim::{Schedule, SimConfig, SimDevice, SimOp};
 use cuferry::{
-    download_tensor, peer_copy, peer_copy_into, upload_tensor, CudaEngine, DeviceTensor,
-    DriverError, Error, Signal,
+    download_tensor, peer_copy, peer_copy_into, peer_copy_pending, upload_tensor, CudaEngine,
+    DeviceTensor, DriverError, Error, PeerSubmitError, PendingPeer, Signal,
 };
 use proptest::prelude::*;
 
@@ -49,6 +49,23 @@ enum Op {
         to: usize,
         into: usize,
     },
+    /// A pending copy of `from`'s `slot` into `to`'s existing `into` (both move into it).
+    Pending {
+        from: usize,
+        slot: usize,
+        to: usize,
+        into: usize,
+    },
+    /// The destination engine scales the in-flight copy `i`'s destination into its `slot`.
+    Handoff {
+        i: usize,
+        slot: usize,
+    },
+    /// The in-flight copy `i` waited for (its tensors back in their slots) or dropped.
+    Settle {
+        i: usize,
+        wait: bool,
+    },
     Signal {
         e: usize,
     },
@@ -78,12 +95,23 @@ fn op(engines: usize) -> impl Strategy<Value = Op> {
         1 => (e.clone(), s.clone(), 0u32..1000).prop_map(|(e, slot, value)| Op::Fill { e, slot, value }),
         3 => (e.clone(), s.clone(), e.clone(), s.clone()).prop_map(|(from, slot, to, into)| Op::Copy { from, slot, to, into }),
         3 => (e.clone(), s.clone(), e.clone(), s.clone()).prop_map(|(from, slot, to, into)| Op::CopyInto { from, slot, to, into }),
+        3 => (e.clone(), s.clone(), e.clone(), s.clone()).prop_map(|(from, slot, to, into)| Op::Pending { from, slot, to, into }),
+        2 => (0usize..3, s.clone()).prop_map(|(i, slot)| Op::Handoff { i, slot }),
+        2 => (0usize..3, any::<bool>()).prop_map(|(i, wait)| Op::Settle { i, wait }),
         1 => e.clone().prop_map(|e| Op::Signal { e }),
         1 => (e.clone(), 0usize..4).prop_map(|(e, signal)| Op::Wait { e, signal }),
         1 => (e.clone(), s.clone()).prop_map(|(e, slot)| Op::Drop { e, slot }),
         2 => (e.clone(), s.clone()).prop_map(|(e, slot)| Op::Read { e, slot }),
         1 => (1usize..6).prop_map(|n| Op::Advance { n }),
     ]
+}
+
+/// A pending copy in flight: its handle, where its tensors came from, and what the source held.
+struct InFlightCopy {
+    copy: PendingPeer<u32>,
+    from: (usize, usize),
+    to: (usize, usize),
+    values: Option<Vec<u32>>,
 }
 
 /// One run: the machine, its engines (the last one shares device 0 with the first), their
@@ -95,6 +123,8 @@ struct Model {
     /// The values each slot must read back; `None` where a fault left them unspecified.
     reference: Vec<Vec<Option<Vec<u32>>>>,
     signals: Vec<Signal>,
+    /// Pending copies in flight, oldest first.
+    in_flight: Vec<InFlightCopy>,
     len: usize,
     faults: bool,
     /// Whether the first and the last device have no peer link.
@@ -122,6 +152,7 @@ impl Model {
             slots: (0..n).map(|_| (0..SLOTS).map(|_| None).collect()).collect(),
             reference: vec![vec![None; SLOTS]; n],
             signals: Vec::new(),
+            in_flight: Vec::new(),
             len,
             faults,
             unlinked,
@@ -256,6 +287,85 @@ impl Model {
                     }
                 }
             }
+            Op::Pending {
+                from,
+                slot,
+                to,
+                into,
+            } => {
+                if from == to || self.slots[from][slot].is_none() || self.slots[to][into].is_none()
+                {
+                    return;
+                }
+                let linked = self.linked(from, to);
+                let src = self.slots[from][slot].take().unwrap();
+                let dst = self.slots[to][into].take().unwrap();
+                let values = self.reference[from][slot].take();
+                self.reference[to][into] = None;
+                let (a, b) = self.pair(from, to);
+                match peer_copy_pending(a, src, b, dst) {
+                    Ok(copy) => {
+                        assert!(linked, "a copy between unlinked devices went through");
+                        self.in_flight.push(InFlightCopy {
+                            copy,
+                            from: (from, slot),
+                            to: (to, into),
+                            values,
+                        });
+                    }
+                    Err(refused) => {
+                        match refused.error() {
+                            Error::Unreachable { .. } => assert!(!linked, "a linked copy refused"),
+                            error => self.failed("pending peer copy", error),
+                        }
+                        let retained = matches!(refused, PeerSubmitError::Retained { .. });
+                        if let Some(package) = refused.into_package() {
+                            // Handed back untouched: the source as it was, the destination's
+                            // contents unspecified only if the copy may have run.
+                            self.slots[from][slot] = Some(package.source);
+                            self.reference[from][slot] = values;
+                            self.slots[to][into] = Some(package.destination);
+                        } else {
+                            assert!(retained);
+                        }
+                    }
+                }
+            }
+            Op::Handoff { i, slot } => {
+                let Some(flight) = self.in_flight.get(i) else {
+                    return;
+                };
+                let to = flight.to.0;
+                let values = flight.values.clone();
+                match self.engines[to].scale(flight.copy.destination(), 3) {
+                    Ok(out) => {
+                        self.slots[to][slot] = Some(out);
+                        self.reference[to][slot] =
+                            values.map(|v| v.iter().map(|x| x.wrapping_mul(3)).collect());
+                    }
+                    Err(error) => self.failed("scale of an in-flight destination", &error),
+                }
+            }
+            Op::Settle { i, wait } => {
+                if i >= self.in_flight.len() {
+                    return;
+                }
+                let flight = self.in_flight.remove(i);
+                if !wait {
+                    return; // detached: the destination engine releases both once proven
+                }
+                match flight.copy.wait() {
+                    Ok(returned) => {
+                        let (src, dst) = returned.into_parts();
+                        let ((f, fs), (t, ts)) = (flight.from, flight.to);
+                        self.slots[f][fs] = Some(src);
+                        self.reference[f][fs] = flight.values.clone();
+                        self.slots[t][ts] = Some(dst);
+                        self.reference[t][ts] = flight.values;
+                    }
+                    Err(error) => self.failed("wait of a pending peer copy", &error),
+                }
+            }
             Op::Signal { e } => match self.engines[e].signal() {
                 Ok(signal) => {
                     self.signals.push(signal);
@@ -317,12 +427,17 @@ impl Model {
             engines,
             slots,
             signals,
+            in_flight,
             ..
         } = self;
+        drop(in_flight);
         drop(signals);
         drop(slots);
         let retained: usize = engines.iter().map(|e| e.retirement_stats().retained).sum();
         drop(engines);
+        // A pending copy released by its destination engine's teardown frees its source on the
+        // source engine's stream, which may have been torn down first: the device runs it still.
+        sim.advance_all();
         assert!(sim.violations().is_empty(), "{:?}", sim.violations());
         if retained == 0 {
             assert_eq!(sim.device_live().0, 0, "device memory left allocated");
@@ -399,7 +514,44 @@ fn op_fits(op: &Op, engines: usize) -> bool {
         | Op::Wait { e, .. }
         | Op::Drop { e, .. }
         | Op::Read { e, .. } => ok(e),
-        Op::Copy { from, to, .. } | Op::CopyInto { from, to, .. } => ok(from) && ok(to),
+        Op::Copy { from, to, .. }
+        | Op::CopyInto { from, to, .. }
+        | Op::Pending { from, to, .. } => ok(from) && ok(to),
+        Op::Handoff { .. } | Op::Settle { .. } => true,
         Op::Advance { .. } => true,
+    }
+}
+
+/// The sequence the pending route's order hangs on, under 64 interleavings: a pending copy
+/// whose source a kernel still queued on the source engine writes, then read on the
+/// destination engine.
+#[test]
+fn a_pending_copy_waits_for_its_sources_queued_writer() {
+    for seed in 0..64 {
+        let mut model = Model::new(2, false, seed, 1025, false);
+        for op in [
+            Op::Upload {
+                e: 0,
+                slot: 0,
+                salt: 1,
+            },
+            Op::Upload {
+                e: 1,
+                slot: 0,
+                salt: 2,
+            },
+            Op::Scale { e: 0, slot: 0 },
+            Op::Pending {
+                from: 0,
+                slot: 0,
+                to: 1,
+                into: 0,
+            },
+            Op::Settle { i: 0, wait: true },
+            Op::Read { e: 1, slot: 0 },
+        ] {
+            model.apply(&op);
+        }
+        model.finish();
     }
 }
