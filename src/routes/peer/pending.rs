@@ -113,12 +113,6 @@ impl<T: Element> PeerSubmitError<T> {
     }
 }
 
-impl<T: Element> From<PeerSubmitError<T>> for Error {
-    fn from(refused: PeerSubmitError<T>) -> Error {
-        refused.into_error()
-    }
-}
-
 /// A copy of one engine's tensor into another engine's, in state `S`.
 ///
 /// In [`InFlight`] it owns both tensors and lends them only shared; [`Returned`] gives both
@@ -406,7 +400,7 @@ fn submit<T: Element>(
 /// # let mut gpu1 = CudaEngine::simulated_on_device(&machine, 1)?;
 /// let x = upload_tensor(&mut gpu0, &[1.0f32, 2.0, 3.0], &[3])?;
 /// let landing = gpu1.alloc_tensor::<f32>(&[3])?;
-/// let copy = peer_copy_pending(&mut gpu0, x, &mut gpu1, landing)?;
+/// let copy = peer_copy_pending(&mut gpu0, x, &mut gpu1, landing).map_err(|e| e.into_error())?;
 /// // Queued on GPU 1 after the copy: no host wait in between.
 /// let doubled = gpu1.scale(copy.destination(), 2.0)?;
 /// assert_eq!(download_tensor(&mut gpu1, &doubled)?, [2.0, 4.0, 6.0]);
