@@ -103,6 +103,10 @@ pub use routes::{
     PendingDownload, PendingFuture, PendingPeer, PendingUpload, Returned, TransferPackage,
     TransferState, TransferSubmitError, TryWait, Upload,
 };
+pub use work::collective::{
+    all_reduce, broadcast, CollectiveElement, CollectiveSubmitError, Communicator,
+    PendingCollective, ReduceOp,
+};
 pub use work::libs::{BlasElement, GemmConfig, SolverStatus, TensorElement, Transpose};
 pub use work::raw::{RawContext, RawDevicePtr, RawScope, RawStream};
 

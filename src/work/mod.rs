@@ -6,6 +6,7 @@
 //! - [`interop`]: CubeCL kernels on engine data.
 //! - [`graph`]: traced programs, compiled, prepared for an engine and replayed as CUDA graphs.
 //! - [`raw`]: raw scopes, for code that calls CUDA itself.
+//! - [`collective`]: NCCL all-reduce and broadcast over one engine per GPU.
 //!
 //! The level exists so the device seam names device operations only: a kernel is a function, a
 //! grid, a block and parameters there; what it computes, and how a device that cannot run PTX
@@ -14,6 +15,7 @@
 //! and depend only on the seam, the errors and engine-free files of this level (see
 //! [`core`](crate::core)).
 
+pub mod collective;
 pub mod graph;
 pub mod interop;
 pub mod kernels;

@@ -3,6 +3,7 @@
 //! `cargo test --release --test gpu -- --ignored --test-threads=1`. Each opens device 0.
 
 mod awaiting;
+mod collective;
 mod common;
 #[path = "../common/mod.rs"]
 mod reference;

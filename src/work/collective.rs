@@ -1,0 +1,534 @@
+//! Collectives across engines through NCCL: all-reduce and broadcast over one engine per GPU.
+//!
+//! A [`Communicator`] joins engines on distinct devices, one NCCL rank each, in the order given.
+//! [`all_reduce`] and [`broadcast`] take one tensor per rank by value, queue the collective on
+//! every rank's compute stream (in one NCCL group, so one thread drives every GPU), record an
+//! event after it on each, and return a [`PendingCollective`]: the tensors are owned by the
+//! operation while it is in flight and come back from [`PendingCollective::wait`], in rank
+//! order, with the rules of every pending route:
+//!
+//! - a refused call hands the tensors back ([`CollectiveSubmitError::Rejected`]);
+//! - each rank's tensor is lent shared, for work on its own engine that its stream runs after the
+//!   collective ([`PendingCollective::tensor`]);
+//! - dropping the handle in flight detaches each tensor into its own engine's retirement queue,
+//!   released once that engine's event proves its part complete; `mem::forget` leaks them;
+//! - a wait that fails retains the failing rank's tensor for its engine's lifetime.
+//!
+//! The communicators live as long as the [`Communicator`] and every collective queued on them,
+//! and are destroyed after the last of those. NCCL is loaded at run time (`libnccl.so.2`, then
+//! `libnccl.so`, or the file `CUFERRY_NCCL` names); without it, and on the simulated device, the
+//! calls are a typed [`Error::Unavailable`].
+
+// A refused call hands its tensors back by value (see `routes::pending`).
+#![allow(clippy::result_large_err)]
+
+mod ffi;
+
+use crate::core::engine::CudaEngine;
+use crate::core::order::Use;
+use crate::driver::Lane;
+use crate::error::{DeviceId, DeviceKind, Error, Result};
+use crate::lifecycle::fence::{fence, Fenced, Fencing};
+use crate::memory::element::Element;
+use crate::memory::tensor::DeviceTensor;
+use std::ffi::c_int;
+use std::fmt;
+use std::sync::Arc;
+
+mod sealed {
+    pub trait Sealed {}
+}
+
+/// An element type NCCL reduces and broadcasts: the integers of 8, 32 and 64 bits, `f16`,
+/// `bf16`, `f32` and `f64`. Sealed.
+pub trait CollectiveElement: Element + sealed::Sealed {
+    /// `ncclDataType_t`.
+    #[doc(hidden)]
+    const NCCL: c_int;
+}
+
+macro_rules! collective_element {
+    ($($t:ty => $code:expr),* $(,)?) => {$(
+        impl sealed::Sealed for $t {}
+        impl CollectiveElement for $t {
+            const NCCL: c_int = $code;
+        }
+    )*};
+}
+
+collective_element!(
+    i8 => 0, u8 => 1, i32 => 2, u32 => 3, i64 => 4, u64 => 5,
+    half::f16 => 6, f32 => 7, f64 => 8, half::bf16 => 9,
+);
+
+/// How [`all_reduce`] combines the ranks' elements.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ReduceOp {
+    /// The sum.
+    Sum,
+    /// The product.
+    Prod,
+    /// The largest.
+    Max,
+    /// The smallest.
+    Min,
+    /// The mean (the sum divided by the number of ranks).
+    Avg,
+}
+
+impl ReduceOp {
+    /// `ncclRedOp_t`.
+    fn code(self) -> c_int {
+        match self {
+            ReduceOp::Sum => 0,
+            ReduceOp::Prod => 1,
+            ReduceOp::Max => 2,
+            ReduceOp::Min => 3,
+            ReduceOp::Avg => 4,
+        }
+    }
+}
+
+/// The NCCL communicators of one [`Communicator`], destroyed when the last collective queued on
+/// them and the communicator itself are gone.
+struct Comms {
+    comms: Vec<ffi::Comm>,
+    /// Each rank's engine: its device and id.
+    members: Vec<(DeviceId, u64)>,
+}
+
+// SAFETY: NCCL communicators may be used from any thread as long as calls on one are not made
+// concurrently; every call on them is made with every member engine borrowed `&mut`, which
+// serialises them, and the destroy runs once, from the last owner.
+unsafe impl Send for Comms {}
+// SAFETY: as above: shared references never call NCCL on their own.
+unsafe impl Sync for Comms {}
+
+impl Drop for Comms {
+    fn drop(&mut self) {
+        let Ok(nccl) = ffi::nccl() else {
+            return; // never made without the library
+        };
+        for &comm in &self.comms {
+            // SAFETY: made by `ncclCommInitAll`, destroyed once; every collective queued on it
+            // was proven complete before its fence released this value's last reference.
+            let _ = unsafe { nccl.comm_destroy(comm) };
+        }
+    }
+}
+
+/// NCCL communicators over engines on distinct devices, one rank per engine, in the order the
+/// engines were given.
+///
+/// ```no_run
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// use cuferry::{all_reduce, upload_tensor, Communicator, CudaEngine, ReduceOp};
+/// let (mut gpu0, mut gpu1) = (CudaEngine::open(0)?, CudaEngine::open(1)?);
+/// let comm = Communicator::new(&mut [&mut gpu0, &mut gpu1])?;
+/// let a = upload_tensor(&mut gpu0, &[1.0f32, 2.0], &[2])?;
+/// let b = upload_tensor(&mut gpu1, &[10.0f32, 20.0], &[2])?;
+/// let summed = all_reduce(&comm, &mut [&mut gpu0, &mut gpu1], vec![a, b], ReduceOp::Sum)?;
+/// let [a, b]: [_; 2] = summed.wait()?.try_into().unwrap();
+/// assert_eq!(cuferry::download_tensor(&mut gpu1, &b)?, [11.0, 22.0]);
+/// # drop(a); Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct Communicator {
+    inner: Arc<Comms>,
+}
+
+impl fmt::Debug for Communicator {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Communicator")
+            .field("ranks", &self.inner.members.len())
+            .finish()
+    }
+}
+
+impl Communicator {
+    /// One NCCL communicator per engine (`ncclCommInitAll`), rank `i` being `engines[i]`.
+    ///
+    /// # Errors
+    /// [`Error::Unavailable`] without NCCL or for a simulated engine;
+    /// [`Error::InvalidArgument`] for no engines or two on one device (NCCL ranks are devices);
+    /// [`Error::Vendor`] when NCCL refuses.
+    pub fn new(engines: &mut [&mut CudaEngine]) -> Result<Communicator> {
+        if engines.is_empty() {
+            return Err(invalid("no engines"));
+        }
+        let mut members: Vec<(DeviceId, u64)> = Vec::with_capacity(engines.len());
+        for engine in engines.iter() {
+            let device = engine.device();
+            if device.kind() == DeviceKind::Simulated {
+                return Err(Error::Unavailable {
+                    library: "NCCL",
+                    detail: "simulated device: collectives run only on CUDA devices".into(),
+                });
+            }
+            if members.iter().any(|&(d, _)| d == device) {
+                return Err(invalid(format!(
+                    "two engines on {device}: NCCL takes one rank per device"
+                )));
+            }
+            members.push((device, engine.shared.engine_id));
+        }
+        let nccl = ffi::nccl()?;
+        let devices = members
+            .iter()
+            .map(|(d, _)| c_int::try_from(d.ordinal()).map_err(|_| invalid("device ordinal")))
+            .collect::<Result<Vec<_>>>()?;
+        // NCCL makes each device's primary context (the engines') current as it goes: the
+        // caller's is restored after.
+        let comms = with_context_kept(&mut *engines[0], || nccl.comm_init_all(&devices))??;
+        Ok(Communicator {
+            inner: Arc::new(Comms { comms, members }),
+        })
+    }
+
+    /// The number of ranks.
+    pub fn ranks(&self) -> usize {
+        self.inner.members.len()
+    }
+
+    /// The version of the NCCL library loaded, as `(major, minor, patch)`.
+    ///
+    /// # Errors
+    /// [`Error::Unavailable`] without NCCL.
+    pub fn nccl_version() -> Result<(u32, u32, u32)> {
+        let v = u32::try_from(ffi::nccl()?.version).unwrap_or(0);
+        Ok((v / 10000, v / 100 % 100, v % 100))
+    }
+}
+
+fn invalid(detail: impl Into<String>) -> Error {
+    Error::InvalidArgument {
+        operation: "collective",
+        detail: detail.into(),
+    }
+}
+
+/// Runs `f` and restores the context current on the calling thread before it (NCCL switches
+/// devices as it goes), through `engine`'s driver.
+fn with_context_kept<R>(engine: &mut CudaEngine, f: impl FnOnce() -> R) -> Result<R> {
+    let st = engine.shared.lock();
+    let before = st
+        .driver
+        .current_context()
+        .map_err(Error::driver("cuCtxGetCurrent"))?;
+    let result = f();
+    st.driver
+        .set_current_context(before)
+        .map_err(Error::driver("cuCtxSetCurrent (restore)"))?;
+    Ok(result)
+}
+
+/// A rank's part of a collective in flight: its tensor fenced on its engine, or proven complete
+/// already (where the event could not be recorded but a synchronize proved the work done).
+enum Part<T: Element> {
+    Fenced(Fenced<(DeviceTensor<T>, Arc<Comms>)>),
+    Done(DeviceTensor<T>),
+}
+
+/// A collective in flight over every rank's tensor.
+///
+/// It owns the tensors and lends each only shared, to work on its own engine; [`wait`](Self::wait)
+/// proves every rank's part complete and gives them back in rank order. Dropping it detaches each
+/// tensor into its own engine's retirement queue.
+#[must_use = "a collective in flight owns every rank's tensor: wait for it to get them back"]
+pub struct PendingCollective<T: Element> {
+    parts: Vec<Part<T>>,
+}
+
+impl<T: Element> fmt::Debug for PendingCollective<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PendingCollective")
+            .field("ranks", &self.parts.len())
+            .field("dtype", &T::DTYPE)
+            .finish()
+    }
+}
+
+impl<T: Element> PendingCollective<T> {
+    /// Whether every rank's part has completed. Never waits.
+    ///
+    /// # Errors
+    /// [`Error::DeviceFault`] when a rank's device reports a failure.
+    pub fn is_ready(&mut self) -> Result<bool> {
+        for part in &self.parts {
+            if let Part::Fenced(fenced) = part {
+                if !fenced.is_ready()? {
+                    return Ok(false);
+                }
+            }
+        }
+        Ok(true)
+    }
+
+    /// Rank `rank`'s tensor, for work on its own engine: that engine's stream runs it after the
+    /// collective, with no host wait. `None` past the last rank.
+    pub fn tensor(&self, rank: usize) -> Option<&DeviceTensor<T>> {
+        self.parts.get(rank).map(|part| match part {
+            Part::Fenced(fenced) => &fenced.resources().0,
+            Part::Done(tensor) => tensor,
+        })
+    }
+
+    /// Waits for every rank's part (outside the engines' locks) and gives the tensors back in
+    /// rank order.
+    ///
+    /// # Errors
+    /// [`Error::DeviceFault`] when a rank's device reports a failure: that rank's tensor is
+    /// retained by its engine for its lifetime; the other ranks' tensors are released by their
+    /// engines once proven.
+    pub fn wait(self) -> Result<Vec<DeviceTensor<T>>> {
+        let mut tensors = Vec::with_capacity(self.parts.len());
+        let mut parts = self.parts.into_iter();
+        for part in parts.by_ref() {
+            match part {
+                Part::Done(tensor) => tensors.push(tensor),
+                Part::Fenced(fenced) => match fenced.wait_parts() {
+                    Ok(((tensor, _comms), _event)) => tensors.push(tensor),
+                    // The parts not waited for detach as they drop.
+                    Err(error) => return Err(error),
+                },
+            }
+        }
+        Ok(tensors)
+    }
+}
+
+/// A collective that did not go in flight.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CollectiveSubmitError<T: Element> {
+    /// Refused before anything was queued; the tensors come back untouched, in rank order.
+    #[error("collective rejected: {error}")]
+    Rejected {
+        /// The tensors, as given.
+        tensors: Vec<DeviceTensor<T>>,
+        /// Why: [`Error::InvalidArgument`] for a count of engines or tensors other than the
+        /// ranks, a root past the last rank, or lengths that differ; [`Error::WrongEngine`]
+        /// for an engine that is not the rank's or a tensor not of its rank's engine;
+        /// [`Error::ZeroLength`]; [`Error::Unavailable`] without NCCL; [`Error::Driver`] when
+        /// an engine could not order the collective after its earlier work.
+        error: Error,
+    },
+    /// NCCL refused the collective, or an event could not be fenced, after parts of it may have
+    /// been queued: every rank's tensor is held by its engine until that engine proves its
+    /// stream complete (retained for good where it cannot), never freed under the device.
+    #[error("collective failed after it may have been queued; its tensors are held by their engines until proven: {error}")]
+    Detached {
+        /// The failure.
+        error: Error,
+    },
+}
+
+impl<T: Element> CollectiveSubmitError<T> {
+    /// The error.
+    pub fn error(&self) -> &Error {
+        match self {
+            CollectiveSubmitError::Rejected { error, .. }
+            | CollectiveSubmitError::Detached { error } => error,
+        }
+    }
+
+    /// The error, dropping any tensors that came back.
+    pub fn into_error(self) -> Error {
+        match self {
+            CollectiveSubmitError::Rejected { error, .. }
+            | CollectiveSubmitError::Detached { error } => error,
+        }
+    }
+
+    /// The tensors, when they came back.
+    pub fn into_tensors(self) -> Option<Vec<DeviceTensor<T>>> {
+        match self {
+            CollectiveSubmitError::Rejected { tensors, .. } => Some(tensors),
+            CollectiveSubmitError::Detached { .. } => None,
+        }
+    }
+}
+
+/// What the collective does on each rank.
+#[derive(Clone, Copy)]
+enum Kind {
+    AllReduce(ReduceOp),
+    Broadcast(usize),
+}
+
+/// Sums (or otherwise reduces, by `op`) every rank's tensor, element by element, into every
+/// rank's tensor, in place: `tensors[i]` is rank `i`'s, of `engines[i]`.
+///
+/// # Errors
+/// See [`CollectiveSubmitError`].
+pub fn all_reduce<T: CollectiveElement>(
+    comm: &Communicator,
+    engines: &mut [&mut CudaEngine],
+    tensors: Vec<DeviceTensor<T>>,
+    op: ReduceOp,
+) -> Result<PendingCollective<T>, CollectiveSubmitError<T>> {
+    submit(comm, engines, tensors, Kind::AllReduce(op))
+}
+
+/// Copies rank `root`'s tensor into every other rank's, in place: `tensors[i]` is rank `i`'s,
+/// of `engines[i]`.
+///
+/// # Errors
+/// See [`CollectiveSubmitError`].
+pub fn broadcast<T: CollectiveElement>(
+    comm: &Communicator,
+    engines: &mut [&mut CudaEngine],
+    tensors: Vec<DeviceTensor<T>>,
+    root: usize,
+) -> Result<PendingCollective<T>, CollectiveSubmitError<T>> {
+    submit(comm, engines, tensors, Kind::Broadcast(root))
+}
+
+/// Why a collective over `tensors` on `engines` is refused, if it is.
+fn refusal<T: Element>(
+    comm: &Communicator,
+    engines: &[&mut CudaEngine],
+    tensors: &[DeviceTensor<T>],
+    kind: Kind,
+) -> Option<Error> {
+    let ranks = comm.ranks();
+    if engines.len() != ranks || tensors.len() != ranks {
+        return Some(invalid(format!(
+            "{} engines and {} tensors for {ranks} ranks",
+            engines.len(),
+            tensors.len()
+        )));
+    }
+    if let Kind::Broadcast(root) = kind {
+        if root >= ranks {
+            return Some(invalid(format!("root {root} of {ranks} ranks")));
+        }
+    }
+    for ((engine, tensor), &(device, id)) in engines.iter().zip(tensors).zip(&comm.inner.members) {
+        if let Err(error) = engine
+            .shared
+            .check_owner(device, id)
+            .and_then(|()| tensor.check_engine(engine))
+        {
+            return Some(error);
+        }
+    }
+    let len = tensors[0].len();
+    if len == 0 {
+        return Some(Error::ZeroLength {
+            what: "a collective",
+        });
+    }
+    if let Some(other) = tensors.iter().find(|t| t.len() != len) {
+        return Some(invalid(format!(
+            "rank tensors of {len} and {} elements",
+            other.len()
+        )));
+    }
+    None
+}
+
+fn submit<T: CollectiveElement>(
+    comm: &Communicator,
+    engines: &mut [&mut CudaEngine],
+    tensors: Vec<DeviceTensor<T>>,
+    kind: Kind,
+) -> Result<PendingCollective<T>, CollectiveSubmitError<T>> {
+    if let Some(error) = refusal(comm, engines, &tensors, kind) {
+        return Err(CollectiveSubmitError::Rejected { tensors, error });
+    }
+    let nccl = match ffi::nccl() {
+        Ok(nccl) => nccl,
+        Err(error) => return Err(CollectiveSubmitError::Rejected { tensors, error }),
+    };
+    // Each rank's compute stream first waits for the earlier work on its tensor (its engine's
+    // other streams); the use is recorded, so the engine's later uses and free wait for the
+    // collective.
+    let mut streams = Vec::with_capacity(engines.len());
+    for (engine, tensor) in engines.iter_mut().zip(&tensors) {
+        let ordered = engine.shared.enter().and_then(|mut st| {
+            st.order_uses(Lane::Compute, &[Use::Write(tensor.raw_ptr())])?;
+            Ok(st.driver.stream_handle())
+        });
+        match ordered {
+            Ok(stream) => streams.push(stream as ffi::Stream),
+            // Nothing of the collective is queued: a recorded use only orders more than needed.
+            Err(error) => return Err(CollectiveSubmitError::Rejected { tensors, error }),
+        }
+    }
+    let count = tensors[0].len();
+    let queued = with_context_kept(&mut *engines[0], || -> Result<()> {
+        nccl.group_start()?;
+        let mut first = Ok(());
+        for ((&comm, &stream), tensor) in comm.inner.comms.iter().zip(&streams).zip(&tensors) {
+            let ptr = tensor.raw_ptr();
+            // SAFETY: `ptr` holds `count` elements of `T` on the rank's device (checked above),
+            // and the tensors move into fences below, which release them only once each rank's
+            // event proves its part complete (or never, when nothing can prove it); `stream` is
+            // the rank's engine's compute stream, of that device's primary context, which
+            // waited above for the tensor's earlier uses.
+            let call = unsafe {
+                match kind {
+                    Kind::AllReduce(op) => {
+                        nccl.all_reduce(ptr, count, T::NCCL, op.code(), comm, stream)
+                    }
+                    Kind::Broadcast(root) => {
+                        nccl.broadcast(ptr, count, T::NCCL, root as c_int, comm, stream)
+                    }
+                }
+            };
+            if first.is_ok() {
+                first = call;
+            }
+        }
+        // Closed whatever happened inside, as NCCL requires.
+        let ended = nccl.group_end();
+        first.and(ended)
+    });
+    let queued = queued.and_then(|q| q);
+    // From here the device may touch every tensor: each is fenced on its engine.
+    let mut parts = Vec::with_capacity(tensors.len());
+    let mut failure = queued.err();
+    for (engine, tensor) in engines.iter_mut().zip(tensors) {
+        let owner = std::sync::Arc::clone(&engine.shared);
+        let resources = (tensor, Arc::clone(&comm.inner));
+        let mut st = match owner.enter() {
+            Ok(st) => st,
+            Err(error) => {
+                // Without the context no event can be recorded and nothing can prove the part
+                // complete.
+                failure.get_or_insert(error);
+                std::mem::forget(resources); // leaked: never freed under the device
+                continue;
+            }
+        };
+        match fence(
+            &mut st,
+            &owner,
+            Lane::Compute,
+            resources,
+            None,
+            "collective",
+        ) {
+            Fencing::Fenced(fenced) => parts.push(Part::Fenced(fenced)),
+            Fencing::Proven((tensor, _comms), error) => {
+                st.defer(error);
+                parts.push(Part::Done(tensor));
+            }
+            Fencing::Untracked(untracked, error) => {
+                drop(st);
+                untracked.retain();
+                failure.get_or_insert(error);
+            }
+        }
+    }
+    match failure {
+        None => Ok(PendingCollective { parts }),
+        Some(error) => {
+            // Every fenced part detaches into its engine's queue as `parts` drops.
+            drop(parts);
+            Err(CollectiveSubmitError::Detached { error })
+        }
+    }
+}

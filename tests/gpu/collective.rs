@@ -1,0 +1,207 @@
+//! NCCL collectives over one engine per GPU: all-reduce (every operation) and broadcast (every
+//! root) for every element type NCCL takes, at the size boundaries, the tensors lent to their
+//! engines' next work in flight, detached on drop, and the refusals. Needs two GPUs and NCCL;
+//! with fewer GPUs or without NCCL it says so and checks the refusal.
+
+use crate::reference::{assert_same, random_vec, Hub, Reference, Rng};
+use cuferry::{
+    all_reduce, broadcast, download_tensor, upload_tensor, CollectiveElement,
+    CollectiveSubmitError, Communicator, CudaEngine, Error, ReduceOp,
+};
+
+/// Two engines on GPU 0 and 1, and their communicator; `None` (after saying why) without a
+/// second GPU or NCCL.
+fn pair() -> Option<(CudaEngine, CudaEngine, Communicator)> {
+    let mut a = CudaEngine::open(0).unwrap();
+    let Ok(mut b) = CudaEngine::open(1) else {
+        println!("one GPU: collectives need two");
+        let mut c = CudaEngine::open(0).unwrap();
+        let refused = Communicator::new(&mut [&mut a, &mut c]);
+        assert!(
+            matches!(
+                refused,
+                Err(Error::InvalidArgument { .. } | Error::Unavailable { .. })
+            ),
+            "{refused:?}"
+        );
+        return None;
+    };
+    match Communicator::new(&mut [&mut a, &mut b]) {
+        Ok(comm) => {
+            println!("NCCL {:?}", Communicator::nccl_version().unwrap());
+            Some((a, b, comm))
+        }
+        Err(Error::Unavailable { detail, .. }) => {
+            println!("no NCCL: {detail}");
+            None
+        }
+        Err(other) => panic!("{other}"),
+    }
+}
+
+/// Values whose sums, products, maxima and minima are exact in every type: integers 0 to 4.
+fn small<T: Reference>(rng: &mut Rng, n: usize) -> Vec<T> {
+    random_vec::<u8>(rng, n)
+        .into_iter()
+        .map(|v| small_value::<T>(v % 5))
+        .collect()
+}
+
+fn small_value<T: Reference>(v: u8) -> T {
+    T::from_hub(Hub::Int(i128::from(v)))
+}
+
+/// `op` of two elements, as the reference computes it.
+fn reduce<T: Reference>(op: ReduceOp, p: T, q: T) -> T {
+    let less = |x: T, y: T| match (x.hub(), y.hub()) {
+        (Hub::Float(x), Hub::Float(y)) => x < y,
+        (Hub::Int(x), Hub::Int(y)) => x < y,
+        _ => unreachable!("no bool collectives"),
+    };
+    match op {
+        ReduceOp::Sum => p.add(q),
+        ReduceOp::Prod => p.mul(q),
+        ReduceOp::Max => {
+            if less(p, q) {
+                q
+            } else {
+                p
+            }
+        }
+        ReduceOp::Min => {
+            if less(p, q) {
+                p
+            } else {
+                q
+            }
+        }
+        other => unreachable!("{other:?} is checked on its own"),
+    }
+}
+
+fn check_type<T: CollectiveElement + Reference>(
+    a: &mut CudaEngine,
+    b: &mut CudaEngine,
+    comm: &Communicator,
+    rng: &mut Rng,
+) {
+    let size = std::mem::size_of::<T>();
+    for n in [1, 16 / size, 16 / size + 1, (4 << 20) / size + 3] {
+        let (x, y) = (small::<T>(rng, n), small::<T>(rng, n));
+        for op in [ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Max, ReduceOp::Min] {
+            let ta = upload_tensor(a, &x, &[n]).unwrap();
+            let tb = upload_tensor(b, &y, &[n]).unwrap();
+            let pending = all_reduce(comm, &mut [a, b], vec![ta, tb], op).unwrap();
+            // Rank 1's tensor, read by its engine after the collective with no host wait.
+            let early = download_tensor(b, pending.tensor(1).unwrap()).unwrap();
+            let back = pending.wait().unwrap();
+            let want: Vec<T> = x.iter().zip(&y).map(|(&p, &q)| reduce(op, p, q)).collect();
+            let what = format!("{} {op:?} n={n}", T::DTYPE);
+            assert_same(&format!("{what}: rank 1 in flight"), &early, &want);
+            assert_same(
+                &format!("{what}: rank 0"),
+                &download_tensor(a, &back[0]).unwrap(),
+                &want,
+            );
+            assert_same(
+                &format!("{what}: rank 1"),
+                &download_tensor(b, &back[1]).unwrap(),
+                &want,
+            );
+        }
+        for root in 0..2 {
+            let ta = upload_tensor(a, &x, &[n]).unwrap();
+            let tb = upload_tensor(b, &y, &[n]).unwrap();
+            let back = broadcast(comm, &mut [a, b], vec![ta, tb], root)
+                .unwrap()
+                .wait()
+                .unwrap();
+            let want = if root == 0 { &x } else { &y };
+            let what = format!("{} broadcast from {root} n={n}", T::DTYPE);
+            assert_same(&what, &download_tensor(a, &back[0]).unwrap(), want);
+            assert_same(&what, &download_tensor(b, &back[1]).unwrap(), want);
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn all_reduce_and_broadcast_for_every_element_type() {
+    let Some((mut a, mut b, comm)) = pair() else {
+        return;
+    };
+    let mut rng = Rng::new(0xcc11);
+    check_type::<i8>(&mut a, &mut b, &comm, &mut rng);
+    check_type::<u8>(&mut a, &mut b, &comm, &mut rng);
+    check_type::<i32>(&mut a, &mut b, &comm, &mut rng);
+    check_type::<u32>(&mut a, &mut b, &comm, &mut rng);
+    check_type::<i64>(&mut a, &mut b, &comm, &mut rng);
+    check_type::<u64>(&mut a, &mut b, &comm, &mut rng);
+    check_type::<half::f16>(&mut a, &mut b, &comm, &mut rng);
+    check_type::<half::bf16>(&mut a, &mut b, &comm, &mut rng);
+    check_type::<f32>(&mut a, &mut b, &comm, &mut rng);
+    check_type::<f64>(&mut a, &mut b, &comm, &mut rng);
+    // The mean, where it is exact.
+    let ta = upload_tensor(&mut a, &[2.0f32, 4.0], &[2]).unwrap();
+    let tb = upload_tensor(&mut b, &[4.0f32, 8.0], &[2]).unwrap();
+    let back = all_reduce(&comm, &mut [&mut a, &mut b], vec![ta, tb], ReduceOp::Avg)
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert_eq!(download_tensor(&mut b, &back[1]).unwrap(), [3.0, 6.0]);
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_collective_follows_queued_kernels_and_detaches_on_drop() {
+    let Some((mut a, mut b, comm)) = pair() else {
+        return;
+    };
+    let n = 32 << 20;
+    let ones = vec![1.0f32; n];
+    let (xa, xb) = (
+        upload_tensor(&mut a, &ones, &[n]).unwrap(),
+        upload_tensor(&mut b, &ones, &[n]).unwrap(),
+    );
+    for round in 0..4 {
+        // Kernels still running on both engines when the collective is queued.
+        let mut ya = a.scale(&xa, 2.0).unwrap();
+        let mut yb = b.scale(&xb, 3.0).unwrap();
+        for _ in 0..4 {
+            ya = a.add(&ya, &xa).unwrap();
+            yb = b.add(&yb, &xb).unwrap();
+        }
+        let pending =
+            all_reduce(&comm, &mut [&mut a, &mut b], vec![ya, yb], ReduceOp::Sum).unwrap();
+        let za = a.scale(pending.tensor(0).unwrap(), 1.0).unwrap();
+        drop(pending); // each tensor detaches into its own engine's queue
+        let got = download_tensor(&mut a, &za).unwrap();
+        assert!(
+            got.iter().all(|&v| v == 13.0),
+            "round {round}: {:?}",
+            &got[..4]
+        );
+    }
+    a.synchronize().unwrap();
+    b.synchronize().unwrap();
+    assert_eq!(
+        a.retirement_stats().pending + b.retirement_stats().pending,
+        0
+    );
+    // Refusals hand the tensors back.
+    let ta = upload_tensor(&mut a, &[1u32, 2], &[2]).unwrap();
+    let tb = upload_tensor(&mut b, &[1u32, 2, 3], &[3]).unwrap();
+    let refused =
+        all_reduce(&comm, &mut [&mut a, &mut b], vec![ta, tb], ReduceOp::Sum).unwrap_err();
+    assert!(
+        matches!(refused, CollectiveSubmitError::Rejected { .. }),
+        "{refused}"
+    );
+    let back = refused.into_tensors().unwrap();
+    assert_eq!(download_tensor(&mut b, &back[1]).unwrap(), [1, 2, 3]);
+    let refused = broadcast(&comm, &mut [&mut b, &mut a], back, 0).unwrap_err();
+    assert!(
+        matches!(refused.error(), Error::WrongEngine { .. }),
+        "{refused}"
+    );
+}
