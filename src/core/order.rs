@@ -152,6 +152,18 @@ impl Order {
         uses: &[Use],
     ) -> Result<()> {
         let me = lane.index();
+        let need = self.needs(uses);
+        for other in Lane::ALL {
+            let o = other.index();
+            if o != me && need[o] > self.seen[me][o].max(self.proven.get(o)) {
+                self.wait_for(driver, lane, other)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The position on each lane that work using `uses` must follow.
+    fn needs(&self, uses: &[Use]) -> [u64; 3] {
         let mut need = [0u64; 3];
         for &u in uses {
             let Some(touch) = self.touches.get(&u.ptr()) else {
@@ -167,13 +179,16 @@ impl Order {
                 }
             }
         }
-        for other in Lane::ALL {
-            let o = other.index();
-            if o != me && need[o] > self.seen[me][o].max(self.proven.get(o)) {
-                self.wait_for(driver, lane, other)?;
-            }
-        }
-        Ok(())
+        need
+    }
+
+    /// Whether work outside this engine's lanes (another engine's stream) may make `uses` now,
+    /// with no wait: every use of this engine's that it must follow is proven complete.
+    pub(crate) fn settled_for(&self, uses: &[Use]) -> bool {
+        let need = self.needs(uses);
+        Lane::ALL
+            .into_iter()
+            .all(|lane| need[lane.index()] <= self.proven.get(lane.index()))
     }
 
     /// Makes `lane` wait for everything queued on the other lanes so far.

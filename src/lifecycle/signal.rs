@@ -53,6 +53,9 @@ pub struct Signal {
     fence: Option<Fenced<()>>,
     /// The signalling engine's device.
     device: DeviceId,
+    /// Each of the signalling engine's lanes' position when the signal was made: what the
+    /// signal's completion proves complete.
+    covers: [u64; 3],
 }
 
 impl std::fmt::Debug for Signal {
@@ -79,6 +82,17 @@ impl Signal {
         match &self.fence {
             Some(fence) => fence.is_ready(),
             None => Ok(true),
+        }
+    }
+
+    /// Records, on the signalling engine, that everything the signal covers has completed: for
+    /// a caller that has just proven that, through work on another engine that waited for the
+    /// signal on the device.
+    pub(crate) fn proven_complete(&self) {
+        if let Some(fence) = &self.fence {
+            for (lane, upto) in Lane::ALL.into_iter().zip(self.covers) {
+                fence.owner().proven.prove(lane, upto);
+            }
         }
     }
 
@@ -125,16 +139,20 @@ impl CudaEngine {
             let st = &mut *st;
             st.order.join(&mut *st.driver, Lane::Compute)?;
         }
+        // The compute lane has joined the copy lanes: its event proves each lane up to here.
+        let covers = st.order.positions();
         match fence(&mut st, &self.shared, Lane::Compute, (), None, "signal") {
             Fencing::Fenced(fence) => Ok(Signal {
                 fence: Some(fence),
                 device,
+                covers,
             }),
             Fencing::Proven((), error) => {
                 st.defer(error);
                 Ok(Signal {
                     fence: None,
                     device,
+                    covers,
                 })
             }
             Fencing::Untracked(untracked, error) => {

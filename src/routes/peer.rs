@@ -7,12 +7,16 @@
 //! have no peer link it is refused, and [`peer_copy_staged`] is the copy through host memory,
 //! taken only when asked for by name.
 //!
-//! The copy runs on the source engine's compute stream: the source engine's own order keeps its
-//! later writes and its free of the source behind the copy. The destination is allocated first
-//! on the destination engine, and the source engine's compute stream waits for that allocation
-//! on the device (a [`Signal`](crate::Signal)) unless the destination engine was idle. The route
-//! returns once a synchronize of the copy's stream proves it complete, so the new tensor is
-//! ready for anything the destination engine queues next.
+//! A copy runs on one engine's compute stream, the carrier's: the destination engine's for a new
+//! tensor (allocated on that stream just before, so it needs no wait) and for the pending route
+//! (whose destination the destination engine's next work may read), the source engine's for
+//! [`peer_copy_into`] (a copy pushed over the link starts sooner than one pulled: 6.6 against
+//! 9.3 µs for 16 bytes between two H200s). The carrier's own side is ordered by its lane order;
+//! the other engine's side only needs a wait when work queued there on that tensor is not yet
+//! proven complete (the engine's own bookkeeping answers, with no driver call): then the
+//! carrier's stream waits for a [`Signal`](crate::Signal) of the other engine, on the device.
+//! The blocking routes return once a synchronize of the carrier's stream proves the copy
+//! complete.
 
 use crate::core::engine::CudaEngine;
 use crate::core::order::Use;
@@ -25,10 +29,10 @@ use std::sync::Mutex;
 
 mod pending;
 
-pub(crate) use pending::PeerLanded;
 pub use pending::{
     peer_copy_pending, PeerFuture, PeerPackage, PeerSubmitError, PeerTryWait, PendingPeer,
 };
+pub(crate) use pending::{InFlightPeer, PeerLanded};
 
 /// The ordered pairs of devices (reaching, reached) whose peer access this process has enabled.
 static ENABLED: Mutex<Vec<(DeviceId, DeviceId)>> = Mutex::new(Vec::new());
@@ -122,22 +126,24 @@ pub fn peer_copy<T: Element>(
     dst_engine: &mut CudaEngine,
 ) -> Result<DeviceTensor<T>> {
     src.check_engine(src_engine)?;
-    if !src_engine.peer_access(dst_engine)? {
-        return Err(no_link(dst_engine, src_engine));
+    if !dst_engine.peer_access(src_engine)? {
+        return Err(no_link(src_engine, dst_engine));
     }
+    // On the stream that carries the copy: no wait for the allocation.
     let dst = DeviceTensor::<T>::alloc_on(dst_engine, Lane::Compute, src.shape())?;
     let bytes = src.byte_len();
     if bytes == 0 {
         return Ok(dst);
     }
-    // The copy runs on the source engine's stream, after the destination's allocation there.
-    // SAFETY: `src` is borrowed for the call and its free is ordered after the copy on its
-    // engine's lanes (the read recorded); `dst` is owned here and not freed before the copy is
-    // proven complete (or ever, when it cannot be); both hold `bytes` bytes.
+    // SAFETY: `dst` is owned here and its free is ordered after the copy on its engine's lanes
+    // (the write recorded); `src` is borrowed for the call, which returns only once the copy is
+    // proven complete or, unproven, has ordered `src`'s engine behind it; both hold `bytes`
+    // bytes.
     let copied = unsafe {
         copy_and_prove(
-            src_engine,
             dst_engine,
+            src_engine,
+            Use::Write(dst.raw_ptr()),
             Use::Read(src.raw_ptr()),
             dst.raw_ptr(),
             src.raw_ptr(),
@@ -148,15 +154,13 @@ pub fn peer_copy<T: Element>(
         Ok(()) => Ok(dst),
         Err(Copied::NotQueued(error)) => Err(error),
         Err(Copied::Unproven(error)) => {
-            // The destination's free must follow the copy: its engine's compute stream (where it
-            // frees) waits for the copy on the device; when even that cannot be arranged, the
-            // destination is never freed.
-            let ordered = src_engine
+            // The source engine's later writes and free of `src` must follow the copy: its
+            // streams wait for it on the device. Should even that fail, a later free of `src`
+            // could come before the copy reads it, which only leaves the new tensor's contents
+            // wrong, and it is dropped here (its free follows the copy on its own stream).
+            let _ = dst_engine
                 .signal()
-                .and_then(|done| dst_engine.wait_signal_on(&done, &[Lane::Compute]));
-            if ordered.is_err() {
-                std::mem::forget(dst);
-            }
+                .and_then(|done| src_engine.wait_signal(&done));
             Err(error)
         }
     }
@@ -171,14 +175,21 @@ fn no_link(from: &CudaEngine, to: &CudaEngine) -> Error {
     }
 }
 
-/// Makes `carrier`'s compute stream wait, on the device, for everything queued on `other` so
-/// far: at once (nothing queued) when `other` is idle, else through a [`Signal`](crate::Signal).
-fn wait_for_other(carrier: &mut CudaEngine, other: &mut CudaEngine) -> Result<()> {
-    if other.shared.waits.stream_query().unwrap_or(false) {
-        return Ok(());
+/// Makes `carrier`'s compute stream wait, on the device, for the work queued on `other` that
+/// `theirs` (the copy's use of `other`'s side) must follow: nothing when `other`'s bookkeeping
+/// proves that work complete, else a [`Signal`](crate::Signal) of everything `other` has queued,
+/// which is returned (its completion proves `other`'s lanes once the copy is proven).
+fn wait_for_other(
+    carrier: &mut CudaEngine,
+    other: &mut CudaEngine,
+    theirs: Use,
+) -> Result<Option<crate::Signal>> {
+    if other.shared.lock().order.settled_for(&[theirs]) {
+        return Ok(None);
     }
     let done = other.signal()?;
-    carrier.wait_signal_on(&done, &[Lane::Compute])
+    carrier.wait_signal_on(&done, &[Lane::Compute])?;
+    Ok(Some(done))
 }
 
 /// Why [`copy_and_prove`] failed.
@@ -189,9 +200,10 @@ enum Copied {
     Unproven(Error),
 }
 
-/// Queues a copy of `bytes` from `src` to `dst` on `carrier`'s compute stream (after `other`'s
-/// queued work, on the device, unless `other` is idle; `carrier`'s use of its own side, `mine`,
-/// recorded first) and proves it complete with a synchronize of that stream.
+/// Queues a copy of `bytes` from `src` to `dst` on `carrier`'s compute stream (after the work
+/// queued on `other` that `theirs`, the copy's use of `other`'s side, must follow; `carrier`'s
+/// use of its own side, `mine`, recorded first) and proves it complete with a synchronize of
+/// that stream.
 ///
 /// # Safety
 /// `dst` and `src` hold `bytes` bytes, one on each engine's device (`mine` names `carrier`'s),
@@ -201,12 +213,12 @@ unsafe fn copy_and_prove(
     carrier: &mut CudaEngine,
     other: &mut CudaEngine,
     mine: Use,
+    theirs: Use,
     dst: DevicePtr,
     src: DevicePtr,
     bytes: usize,
 ) -> std::result::Result<(), Copied> {
-    // The copy touches `other`'s side only once `other`'s work queued so far is done there.
-    wait_for_other(carrier, other).map_err(Copied::NotQueued)?;
+    let signal = wait_for_other(carrier, other, theirs).map_err(Copied::NotQueued)?;
     let other_ctx = other.shared.lock().driver.context();
     {
         let mut st = carrier.enter().map_err(Copied::NotQueued)?;
@@ -219,7 +231,8 @@ unsafe fn copy_and_prove(
         // for it (a use recorded for a refused copy only orders more than needed).
         st.order_uses(Lane::Compute, &[mine])
             .map_err(Copied::NotQueued)?;
-        // SAFETY: the caller's contract; `carrier`'s side is ordered by the use above.
+        // SAFETY: the caller's contract; `carrier`'s side is ordered by the use above, `other`'s
+        // by the wait above (or needs none).
         unsafe {
             st.driver
                 .copy_peer(Lane::Compute, dst, dst_ctx, src, src_ctx, bytes)
@@ -232,6 +245,11 @@ unsafe fn copy_and_prove(
     match carrier.shared.waits.lane_synchronize(Lane::Compute) {
         Ok(()) => {
             carrier.shared.proven.prove(Lane::Compute, upto);
+            // The stream waited for the signal before the copy: what it covers is complete too,
+            // so the next copy between these engines needs no wait.
+            if let Some(signal) = &signal {
+                signal.proven_complete();
+            }
             Ok(())
         }
         Err(source) => Err(Copied::Unproven(Error::DeviceFault {
@@ -245,9 +263,9 @@ unsafe fn copy_and_prove(
 /// same length, device to device, and returns once the copy has completed: [`peer_copy`] with
 /// no allocation.
 ///
-/// The copy runs on `dst_engine`'s compute stream, after everything queued there that uses
-/// `dst` and after everything queued on `src_engine` that writes `src` (a wait on the device,
-/// skipped when `src_engine` has nothing queued).
+/// The copy runs on `src_engine`'s compute stream, pushed over the link, after everything queued
+/// there that writes `src` and, unless `dst_engine` has proven it complete, after everything
+/// queued on `dst_engine` (a wait on the device).
 ///
 /// ```
 /// # fn main() -> Result<(), cuferry::Error> {
@@ -272,8 +290,9 @@ unsafe fn copy_and_prove(
 /// As [`peer_copy`], and [`Error::WrongEngine`] when `dst` is not `dst_engine`'s,
 /// [`Error::LengthMismatch`] (`left` the source's length, `right` the destination's) when the
 /// lengths differ: both refused before anything is queued. After a failure, `dst`'s contents
-/// are unspecified; its free stays ordered after the copy on its engine's stream. When the copy
-/// could not be proven complete, `src_engine`'s streams are made to wait for it on the device.
+/// are unspecified. When the copy could not be proven complete, `dst_engine`'s streams are made
+/// to wait for it on the device; when even that cannot be arranged, `dst`'s memory is leaked
+/// (never freed under the copy) and `dst` is left an empty tensor of `dst_engine`.
 pub fn peer_copy_into<T: Element>(
     src_engine: &mut CudaEngine,
     src: &DeviceTensor<T>,
@@ -289,22 +308,22 @@ pub fn peer_copy_into<T: Element>(
             right: dst.len(),
         });
     }
-    if !dst_engine.peer_access(src_engine)? {
-        return Err(no_link(src_engine, dst_engine));
+    if !src_engine.peer_access(dst_engine)? {
+        return Err(no_link(dst_engine, src_engine));
     }
     let bytes = src.byte_len();
     if bytes == 0 {
         return Ok(());
     }
-    // The copy runs on the destination engine's stream, after the source engine's writes.
-    // SAFETY: `dst` is borrowed mutably for the call and its free is ordered after the copy on its
-    // engine's lanes (the write recorded); `src` is borrowed for the call, which returns only once
-    // the copy is proven complete or, unproven, has ordered `src`'s engine behind it; both hold
-    // `bytes` bytes.
+    // SAFETY: `src` is borrowed for the call and its free is ordered after the copy on its
+    // engine's lanes (the read recorded); `dst` is borrowed mutably for the call, which returns
+    // only once the copy is proven complete or, unproven, has ordered `dst`'s engine behind it
+    // or leaked `dst`'s memory; both hold `bytes` bytes.
     let copied = unsafe {
         copy_and_prove(
-            dst_engine,
             src_engine,
+            dst_engine,
+            Use::Read(src.raw_ptr()),
             Use::Write(dst.raw_ptr()),
             dst.raw_ptr(),
             src.raw_ptr(),
@@ -315,13 +334,18 @@ pub fn peer_copy_into<T: Element>(
         Ok(()) => Ok(()),
         Err(Copied::NotQueued(error)) => Err(error),
         Err(Copied::Unproven(error)) => {
-            // The source engine's later writes and free of `src` must follow the copy: its
-            // streams wait for it on the device. Should even that fail, a later free of `src`
-            // could come before the copy reads it, which leaves only `dst`'s contents
-            // (unspecified after this error anyway) wrong: the copy writes nothing but `dst`.
-            let _ = dst_engine
+            // `dst`'s engine must not write or free `dst` before the copy has landed: its
+            // streams wait for the copy on the device, or, when that cannot be arranged, `dst`'s
+            // memory is leaked and an empty tensor takes its place.
+            let ordered = src_engine
                 .signal()
-                .and_then(|done| src_engine.wait_signal(&done));
+                .and_then(|done| dst_engine.wait_signal(&done));
+            if ordered.is_err() {
+                // A tensor of no elements allocates nothing, so this cannot fail.
+                if let Ok(empty) = DeviceTensor::<T>::alloc_on(dst_engine, Lane::Compute, &[0]) {
+                    std::mem::forget(std::mem::replace(dst, empty));
+                }
+            }
             Err(error)
         }
     }

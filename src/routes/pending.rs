@@ -39,7 +39,7 @@ use crate::memory::element::Element;
 use crate::memory::host::HostBuffer;
 use crate::memory::pinned::PinnedHostBuffer;
 use crate::memory::tensor::DeviceTensor;
-use crate::routes::peer::{PeerLanded, PeerPackage};
+use crate::routes::peer::{InFlightPeer, PeerLanded};
 use std::fmt;
 use std::marker::PhantomData;
 
@@ -88,7 +88,7 @@ impl sealed::Direction for Upload {}
 impl sealed::Direction for Download {}
 impl sealed::State for InFlight {
     type Hold<T: Element, B: HostBuffer<T>> = Fenced<TransferPackage<T, B>>;
-    type PeerHold<T: Element> = Fenced<PeerPackage<T>>;
+    type PeerHold<T: Element> = Fenced<InFlightPeer<T>>;
 }
 impl sealed::State for Returned {
     type Hold<T: Element, B: HostBuffer<T>> = Landed<T, B>;

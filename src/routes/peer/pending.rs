@@ -1,8 +1,8 @@
 //! The pending peer route: a device-to-device copy between two engines whose state is a type.
 //!
 //! [`peer_copy_pending`] takes a tensor of one engine and a tensor of another by value, queues
-//! the copy on the destination engine's compute stream (after the source engine's queued work,
-//! on the device, unless that engine is idle), records an event after it and returns a
+//! the copy on the destination engine's compute stream (after the source engine's work on the
+//! source, on the device, unless that engine has proven it complete), records an event after it and returns a
 //! [`PendingPeer`] in state [`InFlight`]. In that state the handle owns both tensors; it lends
 //! them only shared, for device work that reads them ([`PendingPeer::destination`] on the
 //! destination engine, whose stream runs it after the copy; [`PendingPeer::source`] on the
@@ -23,6 +23,7 @@ use crate::core::order::Use;
 use crate::driver::Lane;
 use crate::error::{Error, Result};
 use crate::lifecycle::fence::{fence, Fencing, IdleEvent};
+use crate::lifecycle::signal::Signal;
 use crate::lifecycle::wake::FenceFuture;
 use crate::memory::element::Element;
 use crate::memory::tensor::DeviceTensor;
@@ -40,6 +41,24 @@ pub struct PeerPackage<T: Element> {
     pub source: DeviceTensor<T>,
     /// The destination engine's tensor, written by the copy.
     pub destination: DeviceTensor<T>,
+}
+
+/// What an in-flight peer copy holds: both tensors, and the signal of the source engine its copy
+/// waited for on the device, if any (its completion is proven with the copy's).
+pub struct InFlightPeer<T: Element> {
+    package: PeerPackage<T>,
+    waited_for: Option<Signal>,
+}
+
+impl<T: Element> InFlightPeer<T> {
+    /// The tensors, once the copy is proven complete: the signal it waited for is complete too,
+    /// which the source engine records (its next copy of the source then needs no wait).
+    fn landed(self) -> PeerPackage<T> {
+        if let Some(signal) = &self.waited_for {
+            signal.proven_complete();
+        }
+        self.package
+    }
 }
 
 /// A returned peer copy's tensors, with its idle event kept for resubmission.
@@ -161,13 +180,13 @@ impl<T: Element> PendingPeer<T, InFlight> {
     /// [`wait`](Self::wait) can return it. Any other engine refuses the tensor
     /// ([`Error::WrongEngine`]).
     pub fn destination(&self) -> &DeviceTensor<T> {
-        &self.hold.resources().destination
+        &self.hold.resources().package.destination
     }
 
     /// The source tensor, for device work on the source engine that reads it beside the copy
     /// (the borrow is shared: nothing can write or free it while the copy may still read it).
     pub fn source(&self) -> &DeviceTensor<T> {
-        &self.hold.resources().source
+        &self.hold.resources().package.source
     }
 
     /// Waits for the copy and returns both tensors in state [`Returned`]. The wait holds no
@@ -177,9 +196,12 @@ impl<T: Element> PendingPeer<T, InFlight> {
     /// [`Error::DeviceFault`] when the device reports a failure: both tensors are then retained
     /// by the destination engine for its lifetime, never freed.
     pub fn wait(self) -> Result<PendingPeer<T, Returned>> {
-        let (package, event) = self.hold.wait_parts()?;
+        let (held, event) = self.hold.wait_parts()?;
         Ok(PendingPeer {
-            hold: PeerLanded { package, event },
+            hold: PeerLanded {
+                package: held.landed(),
+                event,
+            },
         })
     }
 
@@ -190,8 +212,11 @@ impl<T: Element> PendingPeer<T, InFlight> {
     /// As [`wait`](Self::wait).
     pub fn try_wait(self) -> Result<PeerTryWait<T>> {
         Ok(match self.hold.try_wait()? {
-            Ok((package, event)) => PeerTryWait::Returned(PendingPeer {
-                hold: PeerLanded { package, event },
+            Ok((held, event)) => PeerTryWait::Returned(PendingPeer {
+                hold: PeerLanded {
+                    package: held.landed(),
+                    event,
+                },
             }),
             Err(hold) => PeerTryWait::InFlight(PendingPeer { hold }),
         })
@@ -241,7 +266,7 @@ impl<T: Element> PendingPeer<T, Returned> {
 /// detaches the copy into the destination engine's retirement queue.
 #[must_use = "futures do nothing unless you `.await` or poll them"]
 pub struct PeerFuture<T: Element> {
-    inner: FenceFuture<PeerPackage<T>>,
+    inner: FenceFuture<InFlightPeer<T>>,
 }
 
 impl<T: Element> fmt::Debug for PeerFuture<T> {
@@ -260,8 +285,11 @@ impl<T: Element> Future for PeerFuture<T> {
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         self.get_mut().inner.poll(cx).map(|answer| {
-            answer.map(|(package, event)| PendingPeer {
-                hold: PeerLanded { package, event },
+            answer.map(|(held, event)| PendingPeer {
+                hold: PeerLanded {
+                    package: held.landed(),
+                    event,
+                },
             })
         })
     }
@@ -331,10 +359,12 @@ fn submit<T: Element>(
         }
         Err(error) => return Err(PeerSubmitError::Failed { package, error }),
     }
-    // The copy reads the source only once the source engine's work queued so far is done.
-    if let Err(error) = super::wait_for_other(dst_engine, src_engine) {
-        return Err(PeerSubmitError::Failed { package, error });
-    }
+    // The copy reads the source only once the source engine's work that writes it is done.
+    let source = Use::Read(package.source.raw_ptr());
+    let waited_for = match super::wait_for_other(dst_engine, src_engine, source) {
+        Ok(signal) => signal,
+        Err(error) => return Err(PeerSubmitError::Failed { package, error }),
+    };
     let src_ctx = src_engine.shared.lock().driver.context();
     let owner = &dst_engine.shared;
     let mut st = match owner.enter() {
@@ -368,11 +398,21 @@ fn submit<T: Element>(
         return Err(PeerSubmitError::Failed { package, error });
     }
     let event = event.map(IdleEvent::into_raw);
-    match fence(&mut st, owner, Lane::Compute, package, event, "peer copy") {
+    let held = InFlightPeer {
+        package,
+        waited_for,
+    };
+    let fencing = fence(&mut st, owner, Lane::Compute, held, event, "peer copy");
+    // Released before anything the fencing hands back is dropped (a signal's drop takes its
+    // engine's lock).
+    drop(st);
+    match fencing {
         Fencing::Fenced(hold) => Ok(PendingPeer { hold }),
-        Fencing::Proven(package, error) => Err(PeerSubmitError::Failed { package, error }),
+        Fencing::Proven(held, error) => Err(PeerSubmitError::Failed {
+            package: held.landed(),
+            error,
+        }),
         Fencing::Untracked(untracked, error) => {
-            drop(st);
             untracked.retain();
             Err(PeerSubmitError::Retained { error })
         }
@@ -384,8 +424,9 @@ fn submit<T: Element>(
 /// tensors until [`PendingPeer::wait`] proves the copy complete.
 ///
 /// The copy runs on `dst_engine`'s compute stream (over the peer link, when the devices differ)
-/// after everything queued on `src_engine` so far (a wait on the device, skipped when
-/// `src_engine` is idle), so later work on `dst_engine` that reads
+/// after the work queued on `src_engine` that writes `source` (a wait on the device, for
+/// everything queued there so far, skipped when `src_engine` has proven that work complete), so
+/// later work on `dst_engine` that reads
 /// [`PendingPeer::destination`] runs after it with no host wait. Neither engine stays borrowed.
 ///
 /// ```
