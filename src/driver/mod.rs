@@ -31,6 +31,34 @@ use std::sync::Arc;
 /// A device address.
 pub(crate) type DevicePtr = u64;
 
+/// One rank of a collective: its engine's compute stream ([`Driver::stream_handle`]) and its
+/// buffer, on that engine's device.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct CollectiveRank {
+    pub(crate) stream: u64,
+    pub(crate) ptr: DevicePtr,
+}
+
+/// What a collective does with its ranks' buffers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum CollectiveKind {
+    /// Every buffer becomes the element-wise reduction of all of them.
+    AllReduce(Reduction),
+    /// Every buffer becomes a copy of rank `root`'s.
+    Broadcast { root: usize },
+}
+
+/// How an all-reduce combines elements.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Reduction {
+    Sum,
+    Prod,
+    Max,
+    Min,
+    /// The sum divided by the number of ranks (truncated, for integers).
+    Avg,
+}
+
 /// An event owned by a driver. Created by [`Driver::event_create`], valid until
 /// [`Driver::event_destroy`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -243,6 +271,25 @@ pub(crate) trait Driver: Send + launch::Launch + graph::Graphs {
         src_ctx: ContextHandle,
         bytes: usize,
     ) -> Result<(), DriverError>;
+    /// Queues a collective over `ranks`, rank `i`'s part on its own stream, all parts or none:
+    /// each part runs once every rank's stream has reached its own, and they run together.
+    /// The simulated device's stand-in for a collective library; on CUDA, collectives go through
+    /// NCCL, whose communicators this seam does not hold, and this refuses (`NOT_SUPPORTED`).
+    ///
+    /// # Safety
+    /// Each buffer holds `count` elements of `dtype` in a live allocation on its stream's device
+    /// that stays live, and untouched by other work, until its part has completed.
+    unsafe fn collective(
+        &mut self,
+        ranks: &[CollectiveRank],
+        count: usize,
+        dtype: crate::dtype::DType,
+        kind: CollectiveKind,
+    ) -> Result<(), DriverError> {
+        let _ = (ranks, count, dtype, kind);
+        Err(DriverError::NOT_SUPPORTED)
+    }
+
     /// Destroys an event.
     ///
     /// # Safety

@@ -55,11 +55,15 @@
 //! Contexts are modelled per thread, so the context-restoring rules of raw scopes are testable
 //! too ([`thread_context`], [`set_thread_context`], [`SimDevice::foreign_context`]).
 
+mod collective;
 mod graph;
 mod launch;
 
 use super::launch::Emulation;
-use super::{ContextHandle, DevicePtr, Driver, EventHandle, Lane, Waits, Wake};
+use super::{
+    CollectiveKind, CollectiveRank, ContextHandle, DevicePtr, Driver, EventHandle, Lane, Waits,
+    Wake,
+};
 use crate::error::{DeviceId, DeviceKind, DriverError};
 use std::alloc::Layout;
 use std::cell::Cell;
@@ -184,6 +188,8 @@ pub enum SimOp {
     PeerEnable,
     /// Peer copy enqueue (between engines, on one device or across a peer link).
     CopyPeer,
+    /// A collective's enqueue (every rank's part, in one call).
+    Collective,
 }
 
 /// `CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED`.
@@ -246,6 +252,9 @@ enum Job {
     Wait {
         for_seq: u64,
     },
+    /// Rank `rank`'s part of collective `group`: it runs, with every other rank's part, once
+    /// each has reached the head of its stream.
+    Collective(collective::Part),
 }
 
 impl Job {
@@ -269,6 +278,7 @@ impl Job {
             Job::OrderMarker => "ordering event record",
             Job::Launch { .. } => "kernel launch",
             Job::Wait { .. } => "wait",
+            Job::Collective(_) => "collective",
         }
     }
 
@@ -384,6 +394,8 @@ struct State {
     /// Loaded modules, by handle: the emulation of the one kernel each holds.
     modules: HashMap<u64, Arc<dyn Emulation>>,
     next_module: u64,
+    /// The next collective's number.
+    next_group: u64,
     /// The captures in progress, by the compute stream they capture.
     captures: HashMap<StreamId, graph::Capture>,
     /// Captured graphs and the executable graphs instantiated from them.
@@ -464,6 +476,7 @@ impl SimDevice {
             completed_jobs: 0,
             modules: HashMap::new(),
             next_module: 1,
+            next_group: 1,
             captures: HashMap::new(),
             graphs: graph::GraphTable::default(),
             wakes: BTreeMap::new(),
@@ -836,6 +849,7 @@ impl State {
     fn blocked_on(&self, stream: StreamId) -> Option<u64> {
         match self.streams.get(&stream)?.front()? {
             (_, Job::Wait { for_seq }) if !self.is_done(*for_seq) => Some(*for_seq),
+            (_, Job::Collective(part)) => self.collective_blocked_on(part),
             _ => None,
         }
     }
@@ -890,7 +904,13 @@ impl State {
     fn pick(&mut self) -> Option<StreamId> {
         match self.schedule {
             // The job queued first can always run: whatever it waits for was queued before it.
-            Schedule::InOrder => self.pending.first_key_value().map(|(_, &stream)| stream),
+            // (Or, where it is a collective's part, the first one that can: its other parts
+            // were queued right after it.)
+            Schedule::InOrder => self
+                .pending
+                .values()
+                .copied()
+                .find(|&stream| self.blocked_on(stream).is_none()),
             Schedule::Interleaved { .. } => {
                 let ready: Vec<StreamId> = self
                     .streams
@@ -1014,6 +1034,7 @@ impl State {
                     self.violations.push(violation);
                 }
             }
+            Job::Collective(part) => self.run_collective(seq, stream, part),
         }
         self.running = None;
         if counted {
@@ -1039,6 +1060,8 @@ impl State {
                 continue;
             };
             match self.blocked_on(stream) {
+                // Never given out: nothing can run it (a collective missing a part).
+                Some(first) if first >= self.next_seq => return,
                 Some(first) => goals.push(first),
                 None => self.run_head(stream),
             }
@@ -1349,6 +1372,18 @@ impl Driver for SimDriver {
         }
         s.push(stream, Job::DtoD { dst, src, bytes });
         Ok(())
+    }
+
+    unsafe fn collective(
+        &mut self,
+        ranks: &[CollectiveRank],
+        count: usize,
+        dtype: crate::dtype::DType,
+        kind: CollectiveKind,
+    ) -> Result<(), DriverError> {
+        let mut s = self.lock();
+        s.enter_stream(SimOp::Collective, self.streams + Lane::Compute.index())?;
+        s.queue_collective(ranks, count, dtype, kind)
     }
 
     unsafe fn event_destroy(&mut self, event: EventHandle) -> Result<(), DriverError> {

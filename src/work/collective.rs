@@ -16,8 +16,11 @@
 //!
 //! The communicators live as long as the [`Communicator`] and every collective queued on them,
 //! and are destroyed after the last of those. NCCL is loaded at run time (`libnccl.so.2`, then
-//! `libnccl.so`, or the file `CUFERRY_NCCL` names); without it, and on the simulated device, the
-//! calls are a typed [`Error::Unavailable`].
+//! `libnccl.so`, or the file `CUFERRY_NCCL` names); without it the calls are a typed
+//! [`Error::Unavailable`]. On a simulated machine (engines of one
+//! [`SimDevice`](crate::sim::SimDevice), feature `sim`) the device itself runs the collective,
+//! every rank's part together once each has reached the head of its stream, so the same
+//! lifecycle is tested without a GPU.
 
 // A refused call hands its tensors back by value (see `routes::pending`).
 #![allow(clippy::result_large_err)]
@@ -26,7 +29,7 @@ mod ffi;
 
 use crate::core::engine::CudaEngine;
 use crate::core::order::Use;
-use crate::driver::Lane;
+use crate::driver::{CollectiveKind, CollectiveRank, Lane, Reduction};
 use crate::error::{DeviceId, DeviceKind, Error, Result};
 use crate::lifecycle::fence::{fence, Fenced, Fencing};
 use crate::memory::element::Element;
@@ -78,6 +81,17 @@ pub enum ReduceOp {
 }
 
 impl ReduceOp {
+    /// The device's name for it.
+    fn reduction(self) -> Reduction {
+        match self {
+            ReduceOp::Sum => Reduction::Sum,
+            ReduceOp::Prod => Reduction::Prod,
+            ReduceOp::Max => Reduction::Max,
+            ReduceOp::Min => Reduction::Min,
+            ReduceOp::Avg => Reduction::Avg,
+        }
+    }
+
     /// `ncclRedOp_t`.
     fn code(self) -> c_int {
         match self {
@@ -93,9 +107,17 @@ impl ReduceOp {
 /// The NCCL communicators of one [`Communicator`], destroyed when the last collective queued on
 /// them and the communicator itself are gone.
 struct Comms {
-    comms: Vec<ffi::Comm>,
+    backend: Backend,
     /// Each rank's engine: its device and id.
     members: Vec<(DeviceId, u64)>,
+}
+
+/// What runs the collectives.
+enum Backend {
+    /// NCCL, one communicator per rank.
+    Nccl(Vec<ffi::Comm>),
+    /// The simulated machine the engines share.
+    Simulated,
 }
 
 // SAFETY: NCCL communicators may be used from any thread as long as calls on one are not made
@@ -107,10 +129,13 @@ unsafe impl Sync for Comms {}
 
 impl Drop for Comms {
     fn drop(&mut self) {
+        let Backend::Nccl(comms) = &self.backend else {
+            return;
+        };
         let Ok(nccl) = ffi::nccl() else {
             return; // never made without the library
         };
-        for &comm in &self.comms {
+        for &comm in comms {
             // SAFETY: made by `ncclCommInitAll`, destroyed once; every collective queued on it
             // was proven complete before its fence released this value's last reference.
             let _ = unsafe { nccl.comm_destroy(comm) };
@@ -147,42 +172,51 @@ impl fmt::Debug for Communicator {
 }
 
 impl Communicator {
-    /// One NCCL communicator per engine (`ncclCommInitAll`), rank `i` being `engines[i]`.
+    /// One NCCL communicator per engine (`ncclCommInitAll`), rank `i` being `engines[i]`; for
+    /// engines of one simulated machine, the machine's own collectives.
     ///
     /// # Errors
-    /// [`Error::Unavailable`] without NCCL or for a simulated engine;
-    /// [`Error::InvalidArgument`] for no engines or two on one device (NCCL ranks are devices);
-    /// [`Error::Vendor`] when NCCL refuses.
+    /// [`Error::Unavailable`] without NCCL; [`Error::Unreachable`] for engines of different
+    /// simulated machines, or real and simulated engines together; [`Error::InvalidArgument`]
+    /// for no engines or two on one device (ranks are devices); [`Error::Vendor`] when NCCL
+    /// refuses.
     pub fn new(engines: &mut [&mut CudaEngine]) -> Result<Communicator> {
-        if engines.is_empty() {
+        let Some(first) = engines.first().map(|e| e.device()) else {
             return Err(invalid("no engines"));
-        }
+        };
         let mut members: Vec<(DeviceId, u64)> = Vec::with_capacity(engines.len());
         for engine in engines.iter() {
             let device = engine.device();
-            if device.kind() == DeviceKind::Simulated {
-                return Err(Error::Unavailable {
-                    library: "NCCL",
-                    detail: "simulated device: collectives run only on CUDA devices".into(),
+            if let Err(reason) = crate::lifecycle::signal::reachable(first, device) {
+                return Err(Error::Unreachable {
+                    from: first,
+                    to: device,
+                    reason,
                 });
             }
             if members.iter().any(|&(d, _)| d == device) {
                 return Err(invalid(format!(
-                    "two engines on {device}: NCCL takes one rank per device"
+                    "two engines on {device}: a collective takes one rank per device"
                 )));
             }
             members.push((device, engine.shared.engine_id));
         }
-        let nccl = ffi::nccl()?;
-        let devices = members
-            .iter()
-            .map(|(d, _)| c_int::try_from(d.ordinal()).map_err(|_| invalid("device ordinal")))
-            .collect::<Result<Vec<_>>>()?;
-        // NCCL makes each device's primary context (the engines') current as it goes: the
-        // caller's is restored after.
-        let comms = with_context_kept(&mut *engines[0], || nccl.comm_init_all(&devices))??;
+        let backend = if first.kind() == DeviceKind::Simulated {
+            Backend::Simulated
+        } else {
+            let nccl = ffi::nccl()?;
+            let devices = members
+                .iter()
+                .map(|(d, _)| c_int::try_from(d.ordinal()).map_err(|_| invalid("device ordinal")))
+                .collect::<Result<Vec<_>>>()?;
+            // NCCL makes each device's primary context (the engines') current as it goes: the
+            // caller's is restored after.
+            Backend::Nccl(with_context_kept(&mut *engines[0], || {
+                nccl.comm_init_all(&devices)
+            })??)
+        };
         Ok(Communicator {
-            inner: Arc::new(Comms { comms, members }),
+            inner: Arc::new(Comms { backend, members }),
         })
     }
 
@@ -310,8 +344,16 @@ pub enum CollectiveSubmitError<T: Element> {
         /// Why: [`Error::InvalidArgument`] for a count of engines or tensors other than the
         /// ranks, a root past the last rank, or lengths that differ; [`Error::WrongEngine`]
         /// for an engine that is not the rank's or a tensor not of its rank's engine;
-        /// [`Error::ZeroLength`]; [`Error::Unavailable`] without NCCL; [`Error::Driver`] when
-        /// an engine could not order the collective after its earlier work.
+        /// [`Error::ZeroLength`].
+        error: Error,
+    },
+    /// An engine could not order the collective after its earlier work, or the device refused
+    /// it, before any of it was queued; the tensors come back.
+    #[error("collective could not be queued: {error}")]
+    Failed {
+        /// The tensors, as given.
+        tensors: Vec<DeviceTensor<T>>,
+        /// The refusal.
         error: Error,
     },
     /// NCCL refused the collective, or an event could not be fenced, after parts of it may have
@@ -329,6 +371,7 @@ impl<T: Element> CollectiveSubmitError<T> {
     pub fn error(&self) -> &Error {
         match self {
             CollectiveSubmitError::Rejected { error, .. }
+            | CollectiveSubmitError::Failed { error, .. }
             | CollectiveSubmitError::Detached { error } => error,
         }
     }
@@ -337,6 +380,7 @@ impl<T: Element> CollectiveSubmitError<T> {
     pub fn into_error(self) -> Error {
         match self {
             CollectiveSubmitError::Rejected { error, .. }
+            | CollectiveSubmitError::Failed { error, .. }
             | CollectiveSubmitError::Detached { error } => error,
         }
     }
@@ -344,7 +388,8 @@ impl<T: Element> CollectiveSubmitError<T> {
     /// The tensors, when they came back.
     pub fn into_tensors(self) -> Option<Vec<DeviceTensor<T>>> {
         match self {
-            CollectiveSubmitError::Rejected { tensors, .. } => Some(tensors),
+            CollectiveSubmitError::Rejected { tensors, .. }
+            | CollectiveSubmitError::Failed { tensors, .. } => Some(tensors),
             CollectiveSubmitError::Detached { .. } => None,
         }
     }
@@ -429,45 +474,28 @@ fn refusal<T: Element>(
     None
 }
 
-fn submit<T: CollectiveElement>(
-    comm: &Communicator,
-    engines: &mut [&mut CudaEngine],
-    tensors: Vec<DeviceTensor<T>>,
+/// Queues every rank's part of the collective through NCCL, in one group, keeping the calling
+/// thread's context.
+///
+/// # Safety
+/// Each tensor holds `count` elements of `T` on its rank's device and stays allocated, and
+/// untouched by other work, until its part has completed on its rank's stream, `streams[i]`,
+/// a compute stream of that device's primary context.
+unsafe fn queue_nccl<T: CollectiveElement>(
+    engine: &mut CudaEngine,
+    comms: &[ffi::Comm],
+    streams: &[ffi::Stream],
+    tensors: &[DeviceTensor<T>],
+    count: usize,
     kind: Kind,
-) -> Result<PendingCollective<T>, CollectiveSubmitError<T>> {
-    if let Some(error) = refusal(comm, engines, &tensors, kind) {
-        return Err(CollectiveSubmitError::Rejected { tensors, error });
-    }
-    let nccl = match ffi::nccl() {
-        Ok(nccl) => nccl,
-        Err(error) => return Err(CollectiveSubmitError::Rejected { tensors, error }),
-    };
-    // Each rank's compute stream first waits for the earlier work on its tensor (its engine's
-    // other streams); the use is recorded, so the engine's later uses and free wait for the
-    // collective.
-    let mut streams = Vec::with_capacity(engines.len());
-    for (engine, tensor) in engines.iter_mut().zip(&tensors) {
-        let ordered = engine.shared.enter().and_then(|mut st| {
-            st.order_uses(Lane::Compute, &[Use::Write(tensor.raw_ptr())])?;
-            Ok(st.driver.stream_handle())
-        });
-        match ordered {
-            Ok(stream) => streams.push(stream as ffi::Stream),
-            // Nothing of the collective is queued: a recorded use only orders more than needed.
-            Err(error) => return Err(CollectiveSubmitError::Rejected { tensors, error }),
-        }
-    }
-    let count = tensors[0].len();
-    let queued = with_context_kept(&mut *engines[0], || -> Result<()> {
+) -> Result<()> {
+    let nccl = ffi::nccl()?;
+    with_context_kept(engine, || -> Result<()> {
         nccl.group_start()?;
         let mut first = Ok(());
-        for ((&comm, &stream), tensor) in comm.inner.comms.iter().zip(&streams).zip(&tensors) {
+        for ((&comm, &stream), tensor) in comms.iter().zip(streams).zip(tensors) {
             let ptr = tensor.raw_ptr();
-            // SAFETY: `ptr` holds `count` elements of `T` on the rank's device (checked above),
-            // and the tensors move into fences below, which release them only once each rank's
-            // event proves its part complete (or never, when nothing can prove it); `stream` is
-            // the rank's engine's compute stream, of that device's primary context, which
-            // waited above for the tensor's earlier uses.
+            // SAFETY: the caller's contract.
             let call = unsafe {
                 match kind {
                     Kind::AllReduce(op) => {
@@ -485,8 +513,67 @@ fn submit<T: CollectiveElement>(
         // Closed whatever happened inside, as NCCL requires.
         let ended = nccl.group_end();
         first.and(ended)
-    });
-    let queued = queued.and_then(|q| q);
+    })?
+}
+
+fn submit<T: CollectiveElement>(
+    comm: &Communicator,
+    engines: &mut [&mut CudaEngine],
+    tensors: Vec<DeviceTensor<T>>,
+    kind: Kind,
+) -> Result<PendingCollective<T>, CollectiveSubmitError<T>> {
+    if let Some(error) = refusal(comm, engines, &tensors, kind) {
+        return Err(CollectiveSubmitError::Rejected { tensors, error });
+    }
+    // Each rank's compute stream first waits for the earlier work on its tensor (its engine's
+    // other streams); the use is recorded, so the engine's later uses and free wait for the
+    // collective.
+    let mut streams = Vec::with_capacity(engines.len());
+    for (engine, tensor) in engines.iter_mut().zip(&tensors) {
+        let ordered = engine.shared.enter().and_then(|mut st| {
+            st.order_uses(Lane::Compute, &[Use::Write(tensor.raw_ptr())])?;
+            Ok(st.driver.stream_handle())
+        });
+        match ordered {
+            Ok(stream) => streams.push(stream as ffi::Stream),
+            // Nothing of the collective is queued: a recorded use only orders more than needed.
+            Err(error) => return Err(CollectiveSubmitError::Failed { tensors, error }),
+        }
+    }
+    let count = tensors[0].len();
+    let queued = match &comm.inner.backend {
+        Backend::Nccl(comms) => {
+            // SAFETY: as `queue_nccl` requires: the buffers hold `count` elements of `T` on their
+            // ranks' devices (checked), the streams are the ranks' engines' compute streams,
+            // which waited for the tensors' earlier uses above, and the tensors are fenced below
+            // before anything can release them.
+            unsafe { queue_nccl::<T>(&mut *engines[0], comms, &streams, &tensors, count, kind) }
+        }
+        Backend::Simulated => {
+            let ranks: Vec<CollectiveRank> = streams
+                .iter()
+                .zip(&tensors)
+                .map(|(&stream, t)| CollectiveRank {
+                    stream: stream as u64,
+                    ptr: t.raw_ptr(),
+                })
+                .collect();
+            let kind = match kind {
+                Kind::AllReduce(op) => CollectiveKind::AllReduce(op.reduction()),
+                Kind::Broadcast(root) => CollectiveKind::Broadcast { root },
+            };
+            // All of it or none: a refusal queues nothing, and the tensors come back.
+            let refused = engines[0].shared.enter().and_then(|mut st| {
+                // SAFETY: as for NCCL above.
+                unsafe { st.driver.collective(&ranks, count, T::DTYPE, kind) }
+                    .map_err(Error::driver("collective"))
+            });
+            if let Err(error) = refused {
+                return Err(CollectiveSubmitError::Failed { tensors, error });
+            }
+            Ok(())
+        }
+    };
     // From here the device may touch every tensor: each is fenced on its engine.
     let mut parts = Vec::with_capacity(tensors.len());
     let mut failure = queued.err();

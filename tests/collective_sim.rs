@@ -1,0 +1,410 @@
+//! Collectives on a simulated machine of several devices: all-reduce (every operation) and
+//! broadcast (every root) for every element type they take, at the size boundaries, with work
+//! still queued on every engine; the tensors lent to their engines' next work in flight; the
+//! refusals, which hand the tensors back; detach on drop into each engine's queue; a failed wait
+//! that retains; and a fault at every driver call of the route.
+
+mod common;
+
+use common::{assert_same, random_vec, Hub, Reference, Rng};
+use cuferry::sim::{Schedule, SimConfig, SimDevice, SimOp};
+use cuferry::{
+    all_reduce, broadcast, download_tensor, upload_tensor, CollectiveElement,
+    CollectiveSubmitError, Communicator, CudaEngine, DeviceTensor, DriverError, Error, ReduceOp,
+};
+
+fn machine(devices: usize, seed: u64) -> (SimDevice, Vec<CudaEngine>) {
+    let sim = SimDevice::new(SimConfig {
+        devices,
+        ..SimConfig::default()
+    });
+    sim.set_schedule(Schedule::Interleaved { seed });
+    let engines = (0..devices)
+        .map(|d| CudaEngine::simulated_on_device(&sim, d).unwrap())
+        .collect();
+    (sim, engines)
+}
+
+fn all(engines: &mut [CudaEngine]) -> Vec<&mut CudaEngine> {
+    engines.iter_mut().collect()
+}
+
+/// Integers 0 to 4: their sums, products, maxima and minima are exact in every type.
+fn small<T: Reference>(rng: &mut Rng, n: usize) -> Vec<T> {
+    random_vec::<u8>(rng, n)
+        .into_iter()
+        .map(|v| T::from_hub(Hub::Int(i128::from(v % 5))))
+        .collect()
+}
+
+fn reduce<T: Reference>(op: ReduceOp, p: T, q: T) -> T {
+    let less = |x: T, y: T| match (x.hub(), y.hub()) {
+        (Hub::Float(x), Hub::Float(y)) => x < y,
+        (Hub::Int(x), Hub::Int(y)) => x < y,
+        _ => unreachable!("no bool collectives"),
+    };
+    match op {
+        ReduceOp::Sum => p.add(q),
+        ReduceOp::Prod => p.mul(q),
+        ReduceOp::Max if less(p, q) => q,
+        ReduceOp::Min if !less(p, q) => q,
+        _ => p,
+    }
+}
+
+/// Each engine's values uploaded, then scaled by one on the device (still queued when the
+/// collective is), as tensors.
+fn busy_tensors<T: Reference + CollectiveElement>(
+    engines: &mut [CudaEngine],
+    values: &[Vec<T>],
+) -> Vec<DeviceTensor<T>> {
+    engines
+        .iter_mut()
+        .zip(values)
+        .map(|(engine, v)| {
+            let t = upload_tensor(engine, v, &[v.len()]).unwrap();
+            // A copy queued on the compute stream: the collective must follow it.
+            engine.copy_tensor(&t).unwrap()
+        })
+        .collect()
+}
+
+fn check_type<T: Reference + CollectiveElement>(devices: usize, seed: u64) {
+    let (sim, mut engines) = machine(devices, seed);
+    let comm = Communicator::new(&mut all(&mut engines)).unwrap();
+    assert_eq!(comm.ranks(), devices);
+    let mut rng = Rng::new(seed);
+    let size = std::mem::size_of::<T>();
+    for n in [1, 16 / size, 16 / size + 1, (1 << 16) / size + 3] {
+        let values: Vec<Vec<T>> = (0..devices).map(|_| small::<T>(&mut rng, n)).collect();
+        for op in [ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Max, ReduceOp::Min] {
+            let tensors = busy_tensors(&mut engines, &values);
+            let pending = all_reduce(&comm, &mut all(&mut engines), tensors, op).unwrap();
+            let want: Vec<T> = (0..n)
+                .map(|i| {
+                    values[1..]
+                        .iter()
+                        .fold(values[0][i], |acc, v| reduce(op, acc, v[i]))
+                })
+                .collect();
+            let what = format!("{} {op:?} n={n} on {devices}", T::DTYPE);
+            // The last rank's tensor, read by its engine in flight: after the collective.
+            let last = devices - 1;
+            let early = download_tensor(&mut engines[last], pending.tensor(last).unwrap()).unwrap();
+            assert_same(&format!("{what}, in flight"), &early, &want);
+            let back = pending.wait().unwrap();
+            for (rank, t) in back.iter().enumerate() {
+                let got = download_tensor(&mut engines[rank], t).unwrap();
+                assert_same(&format!("{what}, rank {rank}"), &got, &want);
+            }
+        }
+        for root in 0..devices {
+            let tensors = busy_tensors(&mut engines, &values);
+            let back = broadcast(&comm, &mut all(&mut engines), tensors, root)
+                .unwrap()
+                .wait()
+                .unwrap();
+            for (rank, t) in back.iter().enumerate() {
+                let got = download_tensor(&mut engines[rank], t).unwrap();
+                let what = format!("{} broadcast from {root} n={n}, rank {rank}", T::DTYPE);
+                assert_same(&what, &got, &values[root]);
+            }
+        }
+    }
+    drop((comm, engines));
+    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+    assert_eq!(sim.device_live().0, 0);
+}
+
+#[test]
+fn all_reduce_and_broadcast_for_every_element_type_on_two_and_three_devices() {
+    for (devices, seed) in [(2, 1), (3, 2)] {
+        check_type::<i8>(devices, seed);
+        check_type::<u8>(devices, seed);
+        check_type::<i32>(devices, seed);
+        check_type::<u32>(devices, seed);
+        check_type::<i64>(devices, seed);
+        check_type::<u64>(devices, seed);
+        check_type::<half::f16>(devices, seed);
+        check_type::<half::bf16>(devices, seed);
+        check_type::<f32>(devices, seed);
+        check_type::<f64>(devices, seed);
+    }
+}
+
+#[test]
+fn the_mean_divides_the_sum_by_the_ranks() {
+    let (_sim, mut engines) = machine(2, 5);
+    let comm = Communicator::new(&mut all(&mut engines)).unwrap();
+    let tensors = vec![
+        upload_tensor(&mut engines[0], &[2.0f32, 4.0], &[2]).unwrap(),
+        upload_tensor(&mut engines[1], &[4.0f32, 8.0], &[2]).unwrap(),
+    ];
+    let back = all_reduce(&comm, &mut all(&mut engines), tensors, ReduceOp::Avg)
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert_eq!(
+        download_tensor(&mut engines[1], &back[1]).unwrap(),
+        [3.0, 6.0]
+    );
+}
+
+#[test]
+fn communicators_take_one_engine_per_device_of_one_machine() {
+    let (_sim, mut engines) = machine(2, 6);
+    let mut again = CudaEngine::simulated_on_device(&engines[0].sim().unwrap(), 0).unwrap();
+    let refused = Communicator::new(&mut [&mut engines[0], &mut again]);
+    assert!(
+        matches!(refused, Err(Error::InvalidArgument { .. })),
+        "{refused:?}"
+    );
+    let mut elsewhere = CudaEngine::simulated(SimConfig::default());
+    let refused = Communicator::new(&mut [&mut engines[0], &mut elsewhere]);
+    assert!(
+        matches!(refused, Err(Error::Unreachable { .. })),
+        "{refused:?}"
+    );
+    assert!(matches!(
+        Communicator::new(&mut []),
+        Err(Error::InvalidArgument { .. })
+    ));
+}
+
+#[test]
+fn refusals_hand_the_tensors_back_with_nothing_queued() {
+    let (sim, mut engines) = machine(2, 7);
+    let comm = Communicator::new(&mut all(&mut engines)).unwrap();
+    let calls = || sim.calls(SimOp::Collective);
+    let before = calls();
+    let tensors = |engines: &mut [CudaEngine], lens: [usize; 2]| -> Vec<DeviceTensor<u32>> {
+        engines
+            .iter_mut()
+            .zip(lens)
+            .map(|(e, n)| upload_tensor(e, &vec![7u32; n], &[n]).unwrap())
+            .collect()
+    };
+    let expect = |refused: CollectiveSubmitError<u32>, is: fn(&Error) -> bool| {
+        assert!(is(refused.error()), "{refused}");
+        assert!(matches!(refused, CollectiveSubmitError::Rejected { .. }));
+        refused.into_tensors().expect("handed back")
+    };
+    // Lengths that differ.
+    let t = tensors(&mut engines, [3, 4]);
+    let back = expect(
+        all_reduce(&comm, &mut all(&mut engines), t, ReduceOp::Sum).unwrap_err(),
+        |e| matches!(e, Error::InvalidArgument { .. }),
+    );
+    assert_eq!(download_tensor(&mut engines[1], &back[1]).unwrap(), [7; 4]);
+    // The engines in another order than the ranks.
+    let t = tensors(&mut engines, [3, 3]);
+    let (left, right) = engines.split_at_mut(1);
+    let back = expect(
+        broadcast(&comm, &mut [&mut right[0], &mut left[0]], t, 0).unwrap_err(),
+        |e| matches!(e, Error::WrongEngine { .. }),
+    );
+    // A root past the last rank; too few tensors; nothing to reduce.
+    let back = expect(
+        broadcast(&comm, &mut all(&mut engines), back, 2).unwrap_err(),
+        |e| matches!(e, Error::InvalidArgument { .. }),
+    );
+    let mut back = back;
+    let kept = back.pop().unwrap();
+    let back = expect(
+        all_reduce(&comm, &mut all(&mut engines), back, ReduceOp::Sum).unwrap_err(),
+        |e| matches!(e, Error::InvalidArgument { .. }),
+    );
+    drop((back, kept));
+    let t = tensors(&mut engines, [0, 0]);
+    expect(
+        all_reduce(&comm, &mut all(&mut engines), t, ReduceOp::Sum).unwrap_err(),
+        |e| matches!(e, Error::ZeroLength { .. }),
+    );
+    assert_eq!(calls(), before, "nothing was queued");
+}
+
+#[test]
+fn dropped_in_flight_each_tensor_detaches_into_its_engine() {
+    let (sim, mut engines) = machine(3, 8);
+    let comm = Communicator::new(&mut all(&mut engines)).unwrap();
+    let values = vec![vec![1.0f32; 1000]; 3];
+    let tensors = busy_tensors(&mut engines, &values);
+    let live = sim.device_live().0;
+    sim.hold_clock(true);
+    drop(all_reduce(&comm, &mut all(&mut engines), tensors, ReduceOp::Sum).unwrap());
+    for engine in &engines {
+        assert_eq!(engine.retirement_stats().pending, 1);
+    }
+    for engine in &mut engines {
+        engine.flush().unwrap();
+    }
+    assert_eq!(
+        sim.device_live().0,
+        live,
+        "nothing freed under the collective"
+    );
+    sim.hold_clock(false);
+    for engine in &mut engines {
+        engine.synchronize().unwrap();
+        assert_eq!(engine.retirement_stats().released, 1);
+    }
+    for engine in &mut engines {
+        engine.synchronize().unwrap();
+    }
+    drop((comm, engines));
+    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+    assert_eq!(sim.device_live().0, 0);
+}
+
+#[test]
+fn forgotten_in_flight_nothing_is_released() {
+    let (sim, mut engines) = machine(2, 9);
+    let comm = Communicator::new(&mut all(&mut engines)).unwrap();
+    let tensors = busy_tensors(&mut engines, &[vec![1u64; 10], vec![2u64; 10]]);
+    std::mem::forget(all_reduce(&comm, &mut all(&mut engines), tensors, ReduceOp::Max).unwrap());
+    for engine in &mut engines {
+        engine.synchronize().unwrap();
+    }
+    drop((comm, engines));
+    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+    assert!(sim.device_live().0 >= 2, "both tensors leaked in place");
+}
+
+#[test]
+fn a_failed_wait_retains_the_failing_ranks_tensor() {
+    let (sim, mut engines) = machine(2, 10);
+    let comm = Communicator::new(&mut all(&mut engines)).unwrap();
+    let tensors = vec![
+        upload_tensor(&mut engines[0], &[1i32; 64], &[64]).unwrap(),
+        upload_tensor(&mut engines[1], &[2i32; 64], &[64]).unwrap(),
+    ];
+    for engine in &mut engines {
+        engine.synchronize().unwrap();
+    }
+    // The first event recorded next is rank 0's.
+    sim.fail_event(1, DriverError::LAUNCH_FAILED);
+    let err = all_reduce(&comm, &mut all(&mut engines), tensors, ReduceOp::Sum)
+        .unwrap()
+        .wait()
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::DeviceFault {
+                what: "collective",
+                source: DriverError::LAUNCH_FAILED
+            }
+        ),
+        "{err:?}"
+    );
+    let _ = engines[0].synchronize();
+    assert_eq!(engines[0].retirement_stats().retained, 1);
+    engines[1].synchronize().unwrap();
+    drop((comm, engines));
+    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+    assert_eq!(
+        sim.device_live().0,
+        1,
+        "rank 0's tensor retained, rank 1's released"
+    );
+}
+
+/// The route's driver calls, and the failure each is given in the sweep.
+const OPS: [(SimOp, DriverError); 5] = [
+    (SimOp::Collective, DriverError::INVALID_VALUE),
+    (SimOp::EventRecord, DriverError::UNKNOWN),
+    (SimOp::StreamWait, DriverError::INVALID_VALUE),
+    (SimOp::OrderRecord, DriverError::UNKNOWN),
+    (SimOp::StreamSynchronize, DriverError::LAUNCH_FAILED),
+];
+
+/// One all-reduce over two engines with `arm` applied just before it: whether a failure was
+/// reported (by the call, its wait, or the next boundary); panics on a wrong result, an untyped
+/// error, a violation or a leak.
+fn faulted(arm: impl FnOnce(&SimDevice)) -> bool {
+    let (sim, mut engines) = machine(2, 11);
+    let comm = Communicator::new(&mut all(&mut engines)).unwrap();
+    let tensors = busy_tensors(&mut engines, &[vec![3u32; 500], vec![4u32; 500]]);
+    arm(&sim);
+    let mut failed = false;
+    let mut kept = Vec::new();
+    match all_reduce(&comm, &mut all(&mut engines), tensors, ReduceOp::Sum) {
+        Ok(pending) => match pending.wait() {
+            Ok(back) => {
+                for (rank, t) in back.iter().enumerate() {
+                    match download_tensor(&mut engines[rank], t) {
+                        Ok(got) => assert_eq!(got, vec![7; 500]),
+                        Err(_) => failed = true,
+                    }
+                }
+                kept = back;
+            }
+            Err(Error::DeviceFault { .. }) => failed = true,
+            Err(other) => panic!("an untyped failure: {other:?}"),
+        },
+        Err(refused) => {
+            failed = true;
+            assert!(
+                matches!(
+                    refused.error(),
+                    Error::Driver { .. } | Error::DeviceFault { .. } | Error::Deferred { .. }
+                ),
+                "an untyped failure: {refused}"
+            );
+            let detached = matches!(refused, CollectiveSubmitError::Detached { .. });
+            assert_eq!(refused.into_tensors().is_none(), detached);
+        }
+    }
+    sim.clear_faults();
+    drop(kept);
+    let mut retained = 0;
+    for engine in &mut engines {
+        failed |= engine.synchronize().is_err();
+        retained += engine.retirement_stats().retained;
+    }
+    drop((comm, engines));
+    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+    if retained == 0 {
+        assert_eq!(sim.device_live().0, 0, "device memory left allocated");
+    }
+    failed
+}
+
+#[test]
+fn a_fault_at_every_call_of_the_route_is_reported_and_loses_nothing() {
+    let counts: Vec<u64> = {
+        let (sim, mut engines) = machine(2, 11);
+        let comm = Communicator::new(&mut all(&mut engines)).unwrap();
+        let tensors = busy_tensors(&mut engines, &[vec![3u32; 500], vec![4u32; 500]]);
+        let before: Vec<u64> = OPS.iter().map(|&(op, _)| sim.calls(op)).collect();
+        drop(
+            all_reduce(&comm, &mut all(&mut engines), tensors, ReduceOp::Sum)
+                .unwrap()
+                .wait()
+                .unwrap(),
+        );
+        OPS.iter()
+            .zip(before)
+            .map(|(&(op, _), before)| sim.calls(op) - before)
+            .collect()
+    };
+    assert_eq!(counts[0], 1, "one collective call");
+    let mut runs = 0;
+    for (&(op, error), &count) in OPS.iter().zip(&counts) {
+        for n in 1..=count {
+            assert!(
+                faulted(|sim| sim.fail_nth(op, n, error)),
+                "a fault at {op:?} call {n} was not reported"
+            );
+            runs += 1;
+        }
+    }
+    for n in 1..=2 {
+        assert!(
+            faulted(|sim| sim.fail_event(n, DriverError::LAUNCH_FAILED)),
+            "an event fault at record {n} was not reported"
+        );
+        runs += 1;
+    }
+    assert!(runs >= 4, "only {runs} runs");
+}
