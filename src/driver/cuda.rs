@@ -277,6 +277,31 @@ impl Driver for CudaDriver {
         Ok(unsafe { ptr.assume_init() })
     }
 
+    fn pool(&self) -> u64 {
+        self.pool as u64
+    }
+
+    fn alloc_from(
+        &mut self,
+        lane: Lane,
+        pool: u64,
+        bytes: usize,
+    ) -> Result<DevicePtr, DriverError> {
+        let mut ptr = MaybeUninit::uninit();
+        // SAFETY: `pool` is another live driver's pool (the caller's contract on `pool()`'s
+        // value) and the stream is this driver's, whose context the engine made current.
+        DriverError::check(unsafe {
+            sys::cuMemAllocFromPoolAsync(
+                ptr.as_mut_ptr(),
+                bytes,
+                pool as sys::CUmemoryPool,
+                self.lane(lane),
+            )
+        })?;
+        // SAFETY: written by the successful call above.
+        Ok(unsafe { ptr.assume_init() })
+    }
+
     unsafe fn free(&mut self, lane: Lane, ptr: DevicePtr) -> Result<(), DriverError> {
         // SAFETY: the caller guarantees `ptr` is a live allocation of this driver, ordered
         // before this free on `lane` with every use of it.

@@ -182,6 +182,15 @@ pub(crate) trait Driver: Send + launch::Launch + graph::Graphs {
     /// may use it at once, work on another lane only after a wait for an event recorded on
     /// `lane` after the allocation.
     fn alloc(&mut self, lane: Lane, bytes: usize) -> Result<DevicePtr, DriverError>;
+    /// This driver's memory pool, for another driver of the machine to allocate from
+    /// ([`Driver::alloc_from`]).
+    fn pool(&self) -> u64;
+    /// Allocates `bytes` from `pool`, another driver's ([`Driver::pool`], possibly of another
+    /// device), ordered on this driver's `lane` (`cuMemAllocFromPoolAsync` allows a pool of a
+    /// device other than the stream's). The memory is the pool's driver's: it frees it, after
+    /// the allocation has completed.
+    fn alloc_from(&mut self, lane: Lane, pool: u64, bytes: usize)
+        -> Result<DevicePtr, DriverError>;
     /// Frees an allocation, ordered on `lane`.
     ///
     /// # Safety

@@ -1075,6 +1075,47 @@ impl State {
     }
 }
 
+impl SimDriver {
+    /// Allocates `bytes` on device `index` of the machine, ordered on this driver's `lane`.
+    fn alloc_on_device(
+        &mut self,
+        lane: Lane,
+        index: usize,
+        bytes: usize,
+    ) -> Result<DevicePtr, DriverError> {
+        let mut s = self.lock();
+        s.enter_stream(SimOp::Alloc, self.stream(lane))?;
+        if index >= s.device_used.len() {
+            return Err(DriverError::INVALID_VALUE);
+        }
+        if s.device_used[index].saturating_add(bytes) > s.memory_bytes {
+            return Err(DriverError::OUT_OF_MEMORY);
+        }
+        // Device memory lives in host memory here: an allocation the host cannot back is the
+        // device's out-of-memory, not an abort.
+        let mut block = Vec::new();
+        if block.try_reserve_exact(bytes).is_err() {
+            return Err(DriverError::OUT_OF_MEMORY);
+        }
+        block.resize(bytes, 0xA5);
+        let ptr = s.next_addr;
+        // Keep allocations 256-byte aligned and apart, as the real allocator does.
+        s.next_addr += (bytes as u64).div_ceil(256).max(1) * 256 + 256;
+        s.mem.insert(ptr, block);
+        s.touches.insert(
+            ptr,
+            Touch {
+                len: bytes,
+                device: index,
+                read: None,
+                write: None,
+            },
+        );
+        s.device_used[index] += bytes;
+        Ok(ptr)
+    }
+}
+
 /// The driver half of a simulated device: what a simulated engine drives.
 pub(crate) struct SimDriver {
     device: SimDevice,
@@ -1181,33 +1222,24 @@ impl Driver for SimDriver {
     }
 
     fn alloc(&mut self, lane: Lane, bytes: usize) -> Result<DevicePtr, DriverError> {
-        let mut s = self.lock();
-        s.enter_stream(SimOp::Alloc, self.stream(lane))?;
-        if s.device_used[self.index].saturating_add(bytes) > s.memory_bytes {
-            return Err(DriverError::OUT_OF_MEMORY);
+        self.alloc_on_device(lane, self.index, bytes)
+    }
+
+    fn pool(&self) -> u64 {
+        // The machine's tag, and the device whose memory the pool holds.
+        (self.id.instance << 16) | self.index as u64
+    }
+
+    fn alloc_from(
+        &mut self,
+        lane: Lane,
+        pool: u64,
+        bytes: usize,
+    ) -> Result<DevicePtr, DriverError> {
+        if pool >> 16 != self.id.instance {
+            return Err(DriverError::INVALID_VALUE);
         }
-        // Device memory lives in host memory here: an allocation the host cannot back is the
-        // device's out-of-memory, not an abort.
-        let mut block = Vec::new();
-        if block.try_reserve_exact(bytes).is_err() {
-            return Err(DriverError::OUT_OF_MEMORY);
-        }
-        block.resize(bytes, 0xA5);
-        let ptr = s.next_addr;
-        // Keep allocations 256-byte aligned and apart, as the real allocator does.
-        s.next_addr += (bytes as u64).div_ceil(256).max(1) * 256 + 256;
-        s.mem.insert(ptr, block);
-        s.touches.insert(
-            ptr,
-            Touch {
-                len: bytes,
-                device: self.index,
-                read: None,
-                write: None,
-            },
-        );
-        s.device_used[self.index] += bytes;
-        Ok(ptr)
+        self.alloc_on_device(lane, (pool & 0xffff) as usize, bytes)
     }
 
     unsafe fn free(&mut self, lane: Lane, ptr: DevicePtr) -> Result<(), DriverError> {
@@ -1217,7 +1249,6 @@ impl Driver for SimDriver {
         s.push(stream, Job::Free(ptr));
         Ok(())
     }
-
     unsafe fn copy_htod(
         &mut self,
         dst: DevicePtr,

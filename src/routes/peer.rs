@@ -7,11 +7,12 @@
 //! have no peer link it is refused, and [`peer_copy_staged`] is the copy through host memory,
 //! taken only when asked for by name.
 //!
-//! A copy runs on one engine's compute stream, the carrier's: the destination engine's for a new
-//! tensor (allocated on that stream just before, so it needs no wait) and for the pending route
-//! (whose destination the destination engine's next work may read), the source engine's for
-//! [`peer_copy_into`] (a copy pushed over the link starts sooner than one pulled: 6.6 against
-//! 9.3 µs for 16 bytes between two H200s). The carrier's own side is ordered by its lane order;
+//! A copy runs on one engine's compute stream, the carrier's: the source engine's for the blocking
+//! routes (a copy pushed over the link completes sooner than one pulled: 6.6 against 9.3 µs for
+//! 16 bytes between two H200s), where a new destination is allocated from the destination
+//! engine's memory pool on that same stream (`cuMemAllocFromPoolAsync` takes a pool of another
+//! device), so neither engine waits for the other's allocation; the destination engine's for the
+//! pending route, whose destination that engine's next work may read. The carrier's own side is ordered by its lane order;
 //! the other engine's side only needs a wait when work queued there on that tensor is not yet
 //! proven complete (the engine's own bookkeeping answers, with no driver call): then the
 //! carrier's stream waits for a [`Signal`](crate::Signal) of the other engine, on the device.
@@ -126,41 +127,65 @@ pub fn peer_copy<T: Element>(
     dst_engine: &mut CudaEngine,
 ) -> Result<DeviceTensor<T>> {
     src.check_engine(src_engine)?;
-    if !dst_engine.peer_access(src_engine)? {
-        return Err(no_link(src_engine, dst_engine));
+    if !src_engine.peer_access(dst_engine)? {
+        return Err(no_link(dst_engine, src_engine));
     }
-    // On the stream that carries the copy: no wait for the allocation.
-    let dst = DeviceTensor::<T>::alloc_on(dst_engine, Lane::Compute, src.shape())?;
     let bytes = src.byte_len();
     if bytes == 0 {
-        return Ok(dst);
+        return DeviceTensor::alloc_on(dst_engine, Lane::Compute, src.shape());
     }
-    // SAFETY: `dst` is owned here and its free is ordered after the copy on its engine's lanes
-    // (the write recorded); `src` is borrowed for the call, which returns only once the copy is
-    // proven complete or, unproven, has ordered `src`'s engine behind it; both hold `bytes`
-    // bytes.
+    // Allocated from the destination engine's pool on the stream that carries the copy, so
+    // neither waits for the other engine.
+    let pool = dst_engine.shared.lock().driver.pool();
+    let ptr = src_engine
+        .enter()?
+        .driver
+        .alloc_from(Lane::Compute, pool, bytes)
+        .map_err(Error::driver("cuMemAllocFromPoolAsync"))?;
+    // SAFETY: `ptr` is a fresh allocation of `bytes` bytes (`src.len()` elements of `T`) from
+    // the destination engine's pool, which its driver frees; nothing else owns it. Its free is
+    // queued only once the allocation and the copy are proven complete below (or never).
+    let dst = unsafe {
+        DeviceTensor::<T>::from_raw(ptr, src.shape(), src.len(), &dst_engine.shared, None)
+    };
+    // SAFETY: `src` is borrowed for the call and its free is ordered after the copy on its
+    // engine's lanes (the read recorded); `dst` is owned here and not freed before the copy is
+    // proven complete (or ever, when it cannot be); both hold `bytes` bytes.
     let copied = unsafe {
         copy_and_prove(
-            dst_engine,
             src_engine,
-            Use::Write(dst.raw_ptr()),
+            dst_engine,
             Use::Read(src.raw_ptr()),
-            dst.raw_ptr(),
+            Use::Write(ptr),
+            ptr,
             src.raw_ptr(),
             bytes,
         )
     };
     match copied {
         Ok(()) => Ok(dst),
-        Err(Copied::NotQueued(error)) => Err(error),
+        Err(Copied::NotQueued(error)) => {
+            // The allocation is still ordered on the source engine's stream: the destination
+            // engine frees it only once that stream is proven past it.
+            if src_engine
+                .shared
+                .waits
+                .lane_synchronize(Lane::Compute)
+                .is_err()
+            {
+                std::mem::forget(dst);
+            }
+            Err(error)
+        }
         Err(Copied::Unproven(error)) => {
-            // The source engine's later writes and free of `src` must follow the copy: its
-            // streams wait for it on the device. Should even that fail, a later free of `src`
-            // could come before the copy reads it, which only leaves the new tensor's contents
-            // wrong, and it is dropped here (its free follows the copy on its own stream).
-            let _ = dst_engine
+            // The destination's free must follow the copy: its engine's streams wait for it on
+            // the device; when even that cannot be arranged, the destination is never freed.
+            let ordered = src_engine
                 .signal()
-                .and_then(|done| src_engine.wait_signal(&done));
+                .and_then(|done| dst_engine.wait_signal(&done));
+            if ordered.is_err() {
+                std::mem::forget(dst);
+            }
             Err(error)
         }
     }
