@@ -198,6 +198,16 @@ fn current_raw() -> Result<sys::CUcontext, DriverError> {
     Ok(unsafe { ctx.assume_init() })
 }
 
+/// `bytes` rounded up to whole 16-byte vectors: library kernels read a buffer's tail with vector
+/// loads (NCCL's all-reduce reads 4 bytes of a 1-byte buffer), so every allocation covers the
+/// vectors its last byte lies in. The pool hands out 256-byte aligned blocks anyway, so this
+/// costs no memory, and it makes those reads lie inside the allocation for memory checkers too.
+fn whole_vectors(bytes: usize) -> Result<usize, DriverError> {
+    bytes
+        .checked_next_multiple_of(16)
+        .ok_or(DriverError::OUT_OF_MEMORY)
+}
+
 impl Drop for CudaDriver {
     fn drop(&mut self) {
         // Errors are ignored: drop never reports. The engine has already synchronised the stream
@@ -266,6 +276,7 @@ impl Driver for CudaDriver {
     }
 
     fn alloc(&mut self, lane: Lane, bytes: usize) -> Result<DevicePtr, DriverError> {
+        let bytes = whole_vectors(bytes)?;
         let mut ptr = MaybeUninit::uninit();
         // SAFETY: pool and stream belong to this driver's context, which the engine made current.
         // The pool reuses memory freed on another lane only after the free has completed, by
@@ -287,6 +298,7 @@ impl Driver for CudaDriver {
         pool: u64,
         bytes: usize,
     ) -> Result<DevicePtr, DriverError> {
+        let bytes = whole_vectors(bytes)?;
         let mut ptr = MaybeUninit::uninit();
         // SAFETY: `pool` is another live driver's pool (the caller's contract on `pool()`'s
         // value) and the stream is this driver's, whose context the engine made current.
