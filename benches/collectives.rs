@@ -15,20 +15,11 @@ use cudarc::driver::sys;
 use cuferry::{all_reduce, upload_tensor, Communicator, CudaEngine, ReduceOp};
 use raw::{check, context, event, stream};
 use std::ffi::{c_int, c_void};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-/// The median of repeated runs of `f` (at least 5, until 1 s has passed, at most 500).
-fn median(mut f: impl FnMut()) -> Duration {
-    f();
-    let start = Instant::now();
-    let mut times = Vec::new();
-    while times.len() < 5 || (start.elapsed() < Duration::from_secs(1) && times.len() < 500) {
-        let t = Instant::now();
-        f();
-        times.push(t.elapsed());
-    }
-    times.sort_unstable();
-    times[times.len() / 2]
+/// The median time of `f`: see `raw::median_within`.
+fn median(f: impl FnMut()) -> Duration {
+    raw::median_within(Duration::from_secs(1), 500, f)
 }
 
 type Comm = *mut c_void;

@@ -15,20 +15,11 @@ mod raw;
 use cudarc::driver::sys;
 use cuferry::{peer_copy, peer_copy_into, peer_copy_pending, CudaEngine};
 use raw::{check, context, event, stream};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-/// The median of repeated runs of `f` (at least 5, until 0.5 s have passed, at most 2000).
-fn median(mut f: impl FnMut()) -> Duration {
-    f();
-    let start = Instant::now();
-    let mut times = Vec::new();
-    while times.len() < 5 || (start.elapsed() < Duration::from_millis(500) && times.len() < 2000) {
-        let t = Instant::now();
-        f();
-        times.push(t.elapsed());
-    }
-    times.sort_unstable();
-    times[times.len() / 2]
+/// The median time of `f`: see `raw::median_within`.
+fn median(f: impl FnMut()) -> Duration {
+    raw::median_within(Duration::from_millis(500), 2000, f)
 }
 
 fn main() {

@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{assert_same, random_vec, Hub, Reference, Rng};
+use common::{assert_same, reduce_pair, small_values, Reference, Rng};
 use cuferry::sim::{Schedule, SimConfig, SimDevice, SimOp};
 use cuferry::{
     all_reduce, broadcast, download_tensor, upload_tensor, CollectiveElement,
@@ -27,29 +27,6 @@ fn machine(devices: usize, seed: u64) -> (SimDevice, Vec<CudaEngine>) {
 
 fn all(engines: &mut [CudaEngine]) -> Vec<&mut CudaEngine> {
     engines.iter_mut().collect()
-}
-
-/// Integers 0 to 4: their sums, products, maxima and minima are exact in every type.
-fn small<T: Reference>(rng: &mut Rng, n: usize) -> Vec<T> {
-    random_vec::<u8>(rng, n)
-        .into_iter()
-        .map(|v| T::from_hub(Hub::Int(i128::from(v % 5))))
-        .collect()
-}
-
-fn reduce<T: Reference>(op: ReduceOp, p: T, q: T) -> T {
-    let less = |x: T, y: T| match (x.hub(), y.hub()) {
-        (Hub::Float(x), Hub::Float(y)) => x < y,
-        (Hub::Int(x), Hub::Int(y)) => x < y,
-        _ => unreachable!("no bool collectives"),
-    };
-    match op {
-        ReduceOp::Sum => p.add(q),
-        ReduceOp::Prod => p.mul(q),
-        ReduceOp::Max if less(p, q) => q,
-        ReduceOp::Min if !less(p, q) => q,
-        _ => p,
-    }
 }
 
 /// Each engine's values uploaded, then scaled by one on the device (still queued when the
@@ -76,7 +53,9 @@ fn check_type<T: Reference + CollectiveElement>(devices: usize, seed: u64) {
     let mut rng = Rng::new(seed);
     let size = std::mem::size_of::<T>();
     for n in [1, 16 / size, 16 / size + 1, (1 << 16) / size + 3] {
-        let values: Vec<Vec<T>> = (0..devices).map(|_| small::<T>(&mut rng, n)).collect();
+        let values: Vec<Vec<T>> = (0..devices)
+            .map(|_| small_values::<T>(&mut rng, n))
+            .collect();
         for op in [ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Max, ReduceOp::Min] {
             let tensors = busy_tensors(&mut engines, &values);
             let pending = all_reduce(&comm, &mut all(&mut engines), tensors, op).unwrap();
@@ -84,7 +63,7 @@ fn check_type<T: Reference + CollectiveElement>(devices: usize, seed: u64) {
                 .map(|i| {
                     values[1..]
                         .iter()
-                        .fold(values[0][i], |acc, v| reduce(op, acc, v[i]))
+                        .fold(values[0][i], |acc, v| reduce_pair(op, acc, v[i]))
                 })
                 .collect();
             let what = format!("{} {op:?} n={n} on {devices}", T::DTYPE);

@@ -5,26 +5,14 @@
 
 mod common;
 
-use common::{assert_same, random_vec, Reference, Rng};
+use common::{
+    assert_same, engines_on as engines, random_vec, sim_machine as machine, Reference, Rng,
+};
 use cuferry::sim::{Schedule, SimConfig, SimDevice, SimOp};
 use cuferry::{
     download_tensor, peer_copy, peer_copy_into, peer_copy_staged, upload_pending, upload_tensor,
     CudaEngine, DriverError, Error, PinnedHostBuffer,
 };
-
-fn machine(devices: usize) -> SimDevice {
-    SimDevice::new(SimConfig {
-        devices,
-        ..SimConfig::default()
-    })
-}
-
-fn engines(sim: &SimDevice, a: usize, b: usize) -> (CudaEngine, CudaEngine) {
-    (
-        CudaEngine::simulated_on_device(sim, a).unwrap(),
-        CudaEngine::simulated_on_device(sim, b).unwrap(),
-    )
-}
 
 fn round_trip<T: Reference>(a: &mut CudaEngine, b: &mut CudaEngine, rng: &mut Rng) {
     let size = std::mem::size_of::<T>();

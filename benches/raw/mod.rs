@@ -42,3 +42,24 @@ pub fn event(ctx: sys::CUcontext) -> sys::CUevent {
     }
     e
 }
+
+/// The median time of `f`: one warm-up run, then at least 5 runs, and more until `budget` has
+/// passed or `most` runs are in.
+#[allow(dead_code)] // not every bench that shares this module times with it
+pub fn median_within(
+    budget: std::time::Duration,
+    most: usize,
+    mut f: impl FnMut(),
+) -> std::time::Duration {
+    use std::time::Instant;
+    f();
+    let start = Instant::now();
+    let mut times = Vec::new();
+    while times.len() < 5 || (start.elapsed() < budget && times.len() < most) {
+        let t = Instant::now();
+        f();
+        times.push(t.elapsed());
+    }
+    times.sort_unstable();
+    times[times.len() / 2]
+}

@@ -523,3 +523,44 @@ impl Fault {
         )
     }
 }
+
+/// A simulated machine of `devices` devices.
+pub fn sim_machine(devices: usize) -> SimDevice {
+    SimDevice::new(cuferry::sim::SimConfig {
+        devices,
+        ..cuferry::sim::SimConfig::default()
+    })
+}
+
+/// Two engines of `sim`, on its devices `a` and `b`.
+pub fn engines_on(sim: &SimDevice, a: usize, b: usize) -> (CudaEngine, CudaEngine) {
+    (
+        CudaEngine::simulated_on_device(sim, a).unwrap(),
+        CudaEngine::simulated_on_device(sim, b).unwrap(),
+    )
+}
+
+/// `n` integers from 0 to 4 as `T`: their sums, products, maxima and minima over a few ranks are
+/// exact in every element type a collective takes.
+pub fn small_values<T: Reference>(rng: &mut Rng, n: usize) -> Vec<T> {
+    random_vec::<u8>(rng, n)
+        .into_iter()
+        .map(|v| T::from_hub(Hub::Int(i128::from(v % 5))))
+        .collect()
+}
+
+/// `op` of two elements, as the reference computes it (the mean is checked on its own).
+pub fn reduce_pair<T: Reference>(op: cuferry::ReduceOp, p: T, q: T) -> T {
+    let less = |x: T, y: T| match (x.hub(), y.hub()) {
+        (Hub::Float(x), Hub::Float(y)) => x < y,
+        (Hub::Int(x), Hub::Int(y)) => x < y,
+        _ => unreachable!("no bool collectives"),
+    };
+    match op {
+        cuferry::ReduceOp::Sum => p.add(q),
+        cuferry::ReduceOp::Prod => p.mul(q),
+        cuferry::ReduceOp::Max if less(p, q) => q,
+        cuferry::ReduceOp::Min if !less(p, q) => q,
+        _ => p,
+    }
+}

@@ -3,7 +3,7 @@
 //! engines' next work in flight, detached on drop, and the refusals. Needs two GPUs and NCCL;
 //! with fewer GPUs or without NCCL it says so and checks the refusal.
 
-use crate::reference::{assert_same, random_vec, Hub, Reference, Rng};
+use crate::reference::{assert_same, reduce_pair, small_values, Reference, Rng};
 use cuferry::{
     all_reduce, broadcast, download_tensor, upload_tensor, CollectiveElement,
     CollectiveSubmitError, Communicator, CudaEngine, Error, ReduceOp,
@@ -39,46 +39,6 @@ fn pair() -> Option<(CudaEngine, CudaEngine, Communicator)> {
     }
 }
 
-/// Values whose sums, products, maxima and minima are exact in every type: integers 0 to 4.
-fn small<T: Reference>(rng: &mut Rng, n: usize) -> Vec<T> {
-    random_vec::<u8>(rng, n)
-        .into_iter()
-        .map(|v| small_value::<T>(v % 5))
-        .collect()
-}
-
-fn small_value<T: Reference>(v: u8) -> T {
-    T::from_hub(Hub::Int(i128::from(v)))
-}
-
-/// `op` of two elements, as the reference computes it.
-fn reduce<T: Reference>(op: ReduceOp, p: T, q: T) -> T {
-    let less = |x: T, y: T| match (x.hub(), y.hub()) {
-        (Hub::Float(x), Hub::Float(y)) => x < y,
-        (Hub::Int(x), Hub::Int(y)) => x < y,
-        _ => unreachable!("no bool collectives"),
-    };
-    match op {
-        ReduceOp::Sum => p.add(q),
-        ReduceOp::Prod => p.mul(q),
-        ReduceOp::Max => {
-            if less(p, q) {
-                q
-            } else {
-                p
-            }
-        }
-        ReduceOp::Min => {
-            if less(p, q) {
-                p
-            } else {
-                q
-            }
-        }
-        other => unreachable!("{other:?} is checked on its own"),
-    }
-}
-
 fn check_type<T: CollectiveElement + Reference>(
     a: &mut CudaEngine,
     b: &mut CudaEngine,
@@ -87,7 +47,7 @@ fn check_type<T: CollectiveElement + Reference>(
 ) {
     let size = std::mem::size_of::<T>();
     for n in [1, 16 / size, 16 / size + 1, (4 << 20) / size + 3] {
-        let (x, y) = (small::<T>(rng, n), small::<T>(rng, n));
+        let (x, y) = (small_values::<T>(rng, n), small_values::<T>(rng, n));
         for op in [ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Max, ReduceOp::Min] {
             let ta = upload_tensor(a, &x, &[n]).unwrap();
             let tb = upload_tensor(b, &y, &[n]).unwrap();
@@ -95,7 +55,11 @@ fn check_type<T: CollectiveElement + Reference>(
             // Rank 1's tensor, read by its engine after the collective with no host wait.
             let early = download_tensor(b, pending.tensor(1).unwrap()).unwrap();
             let back = pending.wait().unwrap();
-            let want: Vec<T> = x.iter().zip(&y).map(|(&p, &q)| reduce(op, p, q)).collect();
+            let want: Vec<T> = x
+                .iter()
+                .zip(&y)
+                .map(|(&p, &q)| reduce_pair(op, p, q))
+                .collect();
             let what = format!("{} {op:?} n={n}", T::DTYPE);
             assert_same(&format!("{what}: rank 1 in flight"), &early, &want);
             assert_same(
