@@ -43,15 +43,9 @@ fn every_element_type_crosses_in_flight_between_devices_and_within_one() {
     let mut rng = Rng::new(43);
     for (a, b) in [(0, 1), (2, 0), (1, 1)] {
         let (mut x, mut y) = engines(&sim, a, b);
-        round_trip::<u8>(&mut x, &mut y, &mut rng);
-        round_trip::<bool>(&mut x, &mut y, &mut rng);
-        round_trip::<i16>(&mut x, &mut y, &mut rng);
-        round_trip::<half::f16>(&mut x, &mut y, &mut rng);
-        round_trip::<half::bf16>(&mut x, &mut y, &mut rng);
-        round_trip::<f32>(&mut x, &mut y, &mut rng);
-        round_trip::<i32>(&mut x, &mut y, &mut rng);
-        round_trip::<u64>(&mut x, &mut y, &mut rng);
-        round_trip::<f64>(&mut x, &mut y, &mut rng);
+        for_each_element!(T => {
+            round_trip::<T>(&mut x, &mut y, &mut rng);
+        });
     }
     assert!(sim.violations().is_empty(), "{:?}", sim.violations());
     assert_eq!(sim.device_live().0, 0);
