@@ -42,6 +42,15 @@ assert_impl_all!(
 assert_impl_all!(RegisteredBuffer<f32>: Send, Sync);
 assert_impl_all!(Pending<Upload, f32, InFlight, RegisteredBuffer<f32>>: Send, Sync);
 assert_impl_all!(Pending<Download, f32, Returned, RegisteredBuffer<f32>>: Send, Sync);
+// A pending peer copy crosses to the thread that drives its destination engine (the two-GPU
+// pattern); a collective in flight and its communicator move like any other value.
+assert_impl_all!(cuferry::PendingPeer<f32>: Send, Sync, std::future::IntoFuture);
+assert_impl_all!(cuferry::PendingPeer<f32, Returned>: Send, Sync);
+assert_impl_all!(cuferry::PeerFuture<f32>: Send, Sync, Unpin, std::future::Future);
+assert_impl_all!(cuferry::PendingCollective<f32>: Send, Sync);
+assert_impl_all!(cuferry::Communicator: Send, Sync);
+assert_impl_all!(cuferry::PeerSubmitError<f32>: Send, Sync, std::error::Error);
+assert_impl_all!(cuferry::CollectiveSubmitError<f32>: Send, Sync, std::error::Error);
 assert_impl_all!(StagingLease<Proven>: Send, Sync);
 assert_impl_all!(StagingLease<Unproven>: Send, Sync);
 assert_impl_all!(StagingLease<Untracked>: Send, Sync);

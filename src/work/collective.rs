@@ -135,10 +135,21 @@ impl Drop for Comms {
         let Ok(nccl) = ffi::nccl() else {
             return; // never made without the library
         };
+        // NCCL makes each communicator's device current to destroy it: the context current on
+        // this thread (any thread may drop the last reference) is put back after.
+        let mut before = std::ptr::null_mut();
+        // SAFETY: an out pointer valid for one write.
+        let saved = unsafe { cudarc::driver::sys::cuCtxGetCurrent(&mut before) }
+            == cudarc::driver::sys::CUresult::CUDA_SUCCESS;
         for &comm in comms {
             // SAFETY: made by `ncclCommInitAll`, destroyed once; every collective queued on it
             // was proven complete before its fence released this value's last reference.
             let _ = unsafe { nccl.comm_destroy(comm) };
+        }
+        if saved {
+            // SAFETY: `before` was current on this thread a moment ago (or is null, which
+            // unbinds).
+            unsafe { cudarc::driver::sys::cuCtxSetCurrent(before) };
         }
     }
 }
