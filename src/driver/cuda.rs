@@ -276,16 +276,9 @@ impl Driver for CudaDriver {
     }
 
     fn alloc(&mut self, lane: Lane, bytes: usize) -> Result<DevicePtr, DriverError> {
-        let bytes = whole_vectors(bytes)?;
-        let mut ptr = MaybeUninit::uninit();
-        // SAFETY: pool and stream belong to this driver's context, which the engine made current.
         // The pool reuses memory freed on another lane only after the free has completed, by
         // its default reuse policy (it inserts the dependency itself).
-        DriverError::check(unsafe {
-            sys::cuMemAllocFromPoolAsync(ptr.as_mut_ptr(), bytes, self.pool, self.lane(lane))
-        })?;
-        // SAFETY: written by the successful call above.
-        Ok(unsafe { ptr.assume_init() })
+        self.alloc_from(lane, self.pool(), bytes)
     }
 
     fn pool(&self) -> u64 {
@@ -300,8 +293,9 @@ impl Driver for CudaDriver {
     ) -> Result<DevicePtr, DriverError> {
         let bytes = whole_vectors(bytes)?;
         let mut ptr = MaybeUninit::uninit();
-        // SAFETY: `pool` is another live driver's pool (the caller's contract on `pool()`'s
-        // value) and the stream is this driver's, whose context the engine made current.
+        // SAFETY: `pool` is a live driver's pool (this one's, or another's: the caller's contract
+        // on `pool()`'s value) and the stream is this driver's, whose context the engine made
+        // current.
         DriverError::check(unsafe {
             sys::cuMemAllocFromPoolAsync(
                 ptr.as_mut_ptr(),

@@ -135,22 +135,15 @@ impl Drop for Comms {
         let Ok(nccl) = ffi::nccl() else {
             return; // never made without the library
         };
-        // NCCL makes each communicator's device current to destroy it: the context current on
-        // this thread (any thread may drop the last reference) is put back after.
-        let mut before = std::ptr::null_mut();
-        // SAFETY: an out pointer valid for one write.
-        let saved = unsafe { cudarc::driver::sys::cuCtxGetCurrent(&mut before) }
-            == cudarc::driver::sys::CUresult::CUDA_SUCCESS;
-        for &comm in comms {
-            // SAFETY: made by `ncclCommInitAll`, destroyed once; every collective queued on it
-            // was proven complete before its fence released this value's last reference.
-            let _ = unsafe { nccl.comm_destroy(comm) };
-        }
-        if saved {
-            // SAFETY: `before` was current on this thread a moment ago (or is null, which
-            // unbinds).
-            unsafe { cudarc::driver::sys::cuCtxSetCurrent(before) };
-        }
+        // Any thread may drop the last reference: NCCL makes each communicator's device current
+        // to destroy it, and the thread's own context is put back.
+        ffi::keeping_context(|| {
+            for &comm in comms {
+                // SAFETY: made by `ncclCommInitAll`, destroyed once; every collective queued on
+                // it was proven complete before its fence released this value's last reference.
+                let _ = unsafe { nccl.comm_destroy(comm) };
+            }
+        });
     }
 }
 
@@ -222,9 +215,7 @@ impl Communicator {
                 .collect::<Result<Vec<_>>>()?;
             // NCCL makes each device's primary context (the engines') current as it goes: the
             // caller's is restored after.
-            Backend::Nccl(with_context_kept(&mut *engines[0], || {
-                nccl.comm_init_all(&devices)
-            })??)
+            Backend::Nccl(ffi::keeping_context(|| nccl.comm_init_all(&devices))?)
         };
         Ok(Communicator {
             inner: Arc::new(Comms { backend, members }),
@@ -251,21 +242,6 @@ fn invalid(detail: impl Into<String>) -> Error {
         operation: "collective",
         detail: detail.into(),
     }
-}
-
-/// Runs `f` and restores the context current on the calling thread before it (NCCL switches
-/// devices as it goes), through `engine`'s driver.
-fn with_context_kept<R>(engine: &mut CudaEngine, f: impl FnOnce() -> R) -> Result<R> {
-    let st = engine.shared.lock();
-    let before = st
-        .driver
-        .current_context()
-        .map_err(Error::driver("cuCtxGetCurrent"))?;
-    let result = f();
-    st.driver
-        .set_current_context(before)
-        .map_err(Error::driver("cuCtxSetCurrent (restore)"))?;
-    Ok(result)
 }
 
 /// A rank's part of a collective in flight: its tensor fenced on its engine, or proven complete
@@ -493,7 +469,6 @@ fn refusal<T: Element>(
 /// untouched by other work, until its part has completed on its rank's stream, `streams[i]`,
 /// a compute stream of that device's primary context.
 unsafe fn queue_nccl<T: CollectiveElement>(
-    engine: &mut CudaEngine,
     comms: &[ffi::Comm],
     streams: &[ffi::Stream],
     tensors: &[DeviceTensor<T>],
@@ -501,7 +476,7 @@ unsafe fn queue_nccl<T: CollectiveElement>(
     kind: Kind,
 ) -> Result<()> {
     let nccl = ffi::nccl()?;
-    with_context_kept(engine, || -> Result<()> {
+    ffi::keeping_context(|| -> Result<()> {
         nccl.group_start()?;
         let mut first = Ok(());
         for ((&comm, &stream), tensor) in comms.iter().zip(streams).zip(tensors) {
@@ -524,7 +499,7 @@ unsafe fn queue_nccl<T: CollectiveElement>(
         // Closed whatever happened inside, as NCCL requires.
         let ended = nccl.group_end();
         first.and(ended)
-    })?
+    })
 }
 
 fn submit<T: CollectiveElement>(
@@ -558,7 +533,7 @@ fn submit<T: CollectiveElement>(
             // ranks' devices (checked), the streams are the ranks' engines' compute streams,
             // which waited for the tensors' earlier uses above, and the tensors are fenced below
             // before anything can release them.
-            unsafe { queue_nccl::<T>(&mut *engines[0], comms, &streams, &tensors, count, kind) }
+            unsafe { queue_nccl::<T>(comms, &streams, &tensors, count, kind) }
         }
         Backend::Simulated => {
             let ranks: Vec<CollectiveRank> = streams

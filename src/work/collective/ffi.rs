@@ -49,6 +49,22 @@ pub(crate) struct Nccl {
     group_end: unsafe extern "C" fn() -> Status,
 }
 
+/// Runs `f`, then makes current again the context that was current on the calling thread before
+/// it: NCCL makes each of its devices' primary context current as it goes (the engines' promise
+/// is that the caller's context is theirs to keep).
+pub(crate) fn keeping_context<R>(f: impl FnOnce() -> R) -> R {
+    use cudarc::driver::sys;
+    let mut before = std::ptr::null_mut();
+    // SAFETY: an out pointer valid for one write.
+    let saved = unsafe { sys::cuCtxGetCurrent(&mut before) } == sys::CUresult::CUDA_SUCCESS;
+    let result = f();
+    if saved {
+        // SAFETY: `before` was current on this thread before `f` (or is null, which unbinds).
+        unsafe { sys::cuCtxSetCurrent(before) };
+    }
+    result
+}
+
 /// The file names tried, in order.
 fn candidates() -> Vec<String> {
     let mut names: Vec<String> = std::env::var("CUFERRY_NCCL").into_iter().collect();
