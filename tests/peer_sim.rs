@@ -286,3 +286,54 @@ fn a_fault_at_every_call_of_the_route_is_reported_and_loses_nothing() {
     }
     assert!(runs >= 24, "only {runs} runs");
 }
+
+/// A driver panic at any of the proving calls of a peer route (after the copy is queued) unwinds
+/// without freeing either side under the copy: the new destination of `peer_copy` and the
+/// existing one of `peer_copy_into` are leaked, and a pending copy's tensors never reach a free.
+#[test]
+fn a_panic_after_the_copy_is_queued_frees_nothing_under_it() {
+    for route in 0..3 {
+        for seed in 0..16 {
+            let sim = machine(2);
+            sim.set_schedule(Schedule::Interleaved { seed });
+            let (mut a, mut b) = engines(&sim, 0, 1);
+            let x = upload_tensor(&mut a, &[3u32; 4096], &[4096]).unwrap();
+            let mut existing = b.alloc_tensor::<u32>(&[4096]).unwrap();
+            a.synchronize().unwrap();
+            b.synchronize().unwrap();
+            sim.hold_clock(true);
+            sim.panic_nth(
+                match route {
+                    2 => SimOp::EventRecord,
+                    _ => SimOp::StreamSynchronize,
+                },
+                1,
+            );
+            let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match route {
+                0 => drop(peer_copy(&mut a, &x, &mut b)),
+                1 => drop(peer_copy_into(&mut a, &x, &mut b, &mut existing)),
+                _ => {
+                    let landing = b.alloc_tensor::<u32>(&[4096]).unwrap();
+                    let x = upload_tensor(&mut a, &[5u32; 4096], &[4096]).unwrap();
+                    drop(cuferry::peer_copy_pending(&mut a, x, &mut b, landing));
+                }
+            }));
+            assert!(
+                unwound.is_err(),
+                "route {route}: the driver's panic surfaces"
+            );
+            sim.clear_faults();
+            // The caller's tensors go; the held clock then runs in every order it allows.
+            drop((x, existing));
+            sim.hold_clock(false);
+            let _ = (a.synchronize(), b.synchronize());
+            drop((a, b));
+            sim.advance_all();
+            assert!(
+                sim.violations().is_empty(),
+                "route {route}, seed {seed}: {:?}",
+                sim.violations()
+            );
+        }
+    }
+}

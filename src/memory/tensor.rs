@@ -255,6 +255,16 @@ impl<T: Element> DeviceTensor<T> {
         }
     }
 
+    /// Gives up the tensor's memory without freeing it, for memory another engine's stream may
+    /// still write and that nothing can order this engine's free after: the tensor becomes an
+    /// empty tensor of the same engine, and the memory is leaked.
+    pub(crate) fn leak_memory(&mut self) {
+        self.ptr = 0;
+        self.len = 0;
+        self.shape = Box::new([0]);
+        self.recycle = None;
+    }
+
     pub(crate) fn raw_ptr(&self) -> DevicePtr {
         self.ptr
     }

@@ -26,6 +26,7 @@ use crate::error::{DeviceId, Error, Result};
 use crate::memory::element::Element;
 use crate::memory::tensor::DeviceTensor;
 use crate::routes::blocking::{download_tensor, upload_tensor};
+use std::mem::ManuallyDrop;
 use std::sync::Mutex;
 
 mod pending;
@@ -143,14 +144,15 @@ pub fn peer_copy<T: Element>(
         .alloc_from(Lane::Compute, pool, bytes)
         .map_err(Error::driver("cuMemAllocFromPoolAsync"))?;
     // SAFETY: `ptr` is a fresh allocation of `bytes` bytes (`src.len()` elements of `T`) from
-    // the destination engine's pool, which its driver frees; nothing else owns it. Its free is
-    // queued only once the allocation and the copy are proven complete below (or never).
-    let dst = unsafe {
+    // the destination engine's pool, which its driver frees; nothing else owns it. Held in
+    // `ManuallyDrop` until the allocation and the copy are proven complete, so no path (a panic
+    // included) frees it under them.
+    let dst = ManuallyDrop::new(unsafe {
         DeviceTensor::<T>::from_raw(ptr, src.shape(), src.len(), &dst_engine.shared, None)
-    };
+    });
     // SAFETY: `src` is borrowed for the call and its free is ordered after the copy on its
-    // engine's lanes (the read recorded); `dst` is owned here and not freed before the copy is
-    // proven complete (or ever, when it cannot be); both hold `bytes` bytes.
+    // engine's lanes (the read recorded); `dst` is not freed before the copy is proven complete
+    // (or ever, when it cannot be); both hold `bytes` bytes.
     let copied = unsafe {
         copy_and_prove(
             src_engine,
@@ -162,33 +164,28 @@ pub fn peer_copy<T: Element>(
             bytes,
         )
     };
-    match copied {
-        Ok(()) => Ok(dst),
+    let (error, freeable) = match copied {
+        Ok(()) => return Ok(ManuallyDrop::into_inner(dst)),
+        // The allocation is still ordered on the source engine's stream: the destination engine
+        // frees it only once that stream is proven past it.
         Err(Copied::NotQueued(error)) => {
-            // The allocation is still ordered on the source engine's stream: the destination
-            // engine frees it only once that stream is proven past it.
-            if src_engine
-                .shared
-                .waits
-                .lane_synchronize(Lane::Compute)
-                .is_err()
-            {
-                std::mem::forget(dst);
-            }
-            Err(error)
+            let past = src_engine.shared.waits.lane_synchronize(Lane::Compute);
+            (error, past.is_ok())
         }
+        // The destination's free must follow the copy: its engine's streams wait for it on the
+        // device.
         Err(Copied::Unproven(error)) => {
-            // The destination's free must follow the copy: its engine's streams wait for it on
-            // the device; when even that cannot be arranged, the destination is never freed.
             let ordered = src_engine
                 .signal()
                 .and_then(|done| dst_engine.wait_signal(&done));
-            if ordered.is_err() {
-                std::mem::forget(dst);
-            }
-            Err(error)
+            (error, ordered.is_ok())
         }
+    };
+    // Otherwise left in `ManuallyDrop`: its memory is leaked, never freed under the copy.
+    if freeable {
+        drop(ManuallyDrop::into_inner(dst));
     }
+    Err(error)
 }
 
 /// The refusal of a copy from `from`'s device to `to`'s, which have no peer link.
@@ -316,8 +313,9 @@ unsafe fn copy_and_prove(
 /// [`Error::LengthMismatch`] (`left` the source's length, `right` the destination's) when the
 /// lengths differ: both refused before anything is queued. After a failure, `dst`'s contents
 /// are unspecified. When the copy could not be proven complete, `dst_engine`'s streams are made
-/// to wait for it on the device; when even that cannot be arranged, `dst`'s memory is leaked
-/// (never freed under the copy) and `dst` is left an empty tensor of `dst_engine`.
+/// to wait for it on the device; when even that cannot be arranged (or a panic unwinds through
+/// the call), `dst`'s memory is leaked (never freed under the copy)
+/// and `dst` is left an empty tensor of `dst_engine`.
 pub fn peer_copy_into<T: Element>(
     src_engine: &mut CudaEngine,
     src: &DeviceTensor<T>,
@@ -340,38 +338,60 @@ pub fn peer_copy_into<T: Element>(
     if bytes == 0 {
         return Ok(());
     }
+    let (dst_ptr, src_ptr) = (dst.raw_ptr(), src.raw_ptr());
+    let landing = Landing(Some(dst));
     // SAFETY: `src` is borrowed for the call and its free is ordered after the copy on its
-    // engine's lanes (the read recorded); `dst` is borrowed mutably for the call, which returns
-    // only once the copy is proven complete or, unproven, has ordered `dst`'s engine behind it
-    // or leaked `dst`'s memory; both hold `bytes` bytes.
+    // engine's lanes (the read recorded); `dst`'s memory is held by `landing`, which leaks it
+    // unless the copy is proven complete or `dst`'s engine is ordered behind it; both hold
+    // `bytes` bytes.
     let copied = unsafe {
         copy_and_prove(
             src_engine,
             dst_engine,
-            Use::Read(src.raw_ptr()),
-            Use::Write(dst.raw_ptr()),
-            dst.raw_ptr(),
-            src.raw_ptr(),
+            Use::Read(src_ptr),
+            Use::Write(dst_ptr),
+            dst_ptr,
+            src_ptr,
             bytes,
         )
     };
-    match copied {
-        Ok(()) => Ok(()),
-        Err(Copied::NotQueued(error)) => Err(error),
+    let (error, ordered) = match copied {
+        Ok(()) => {
+            landing.disarm();
+            return Ok(());
+        }
+        Err(Copied::NotQueued(error)) => (error, true),
+        // `dst`'s engine must not write or free `dst` before the copy has landed: its streams
+        // wait for the copy on the device.
         Err(Copied::Unproven(error)) => {
-            // `dst`'s engine must not write or free `dst` before the copy has landed: its
-            // streams wait for the copy on the device, or, when that cannot be arranged, `dst`'s
-            // memory is leaked and an empty tensor takes its place.
             let ordered = src_engine
                 .signal()
                 .and_then(|done| dst_engine.wait_signal(&done));
-            if ordered.is_err() {
-                // A tensor of no elements allocates nothing, so this cannot fail.
-                if let Ok(empty) = DeviceTensor::<T>::alloc_on(dst_engine, Lane::Compute, &[0]) {
-                    std::mem::forget(std::mem::replace(dst, empty));
-                }
-            }
-            Err(error)
+            (error, ordered.is_ok())
+        }
+    };
+    if ordered {
+        landing.disarm();
+    }
+    Err(error)
+}
+
+/// A destination that another engine's stream may still write. Unless disarmed (the copy
+/// proven complete, never queued, or its engine ordered behind it), it gives up its memory when
+/// the guard goes, a panic's unwinding included: the tensor is left empty and the memory leaked,
+/// never freed under the copy.
+struct Landing<'a, T: Element>(Option<&'a mut DeviceTensor<T>>);
+
+impl<T: Element> Landing<'_, T> {
+    fn disarm(mut self) {
+        self.0 = None;
+    }
+}
+
+impl<T: Element> Drop for Landing<'_, T> {
+    fn drop(&mut self) {
+        if let Some(dst) = self.0.take() {
+            dst.leak_memory();
         }
     }
 }

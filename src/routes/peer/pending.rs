@@ -30,6 +30,7 @@ use crate::memory::tensor::DeviceTensor;
 use crate::routes::pending::{sealed, InFlight, Returned, TransferState};
 use std::fmt;
 use std::future::{Future, IntoFuture};
+use std::mem::ManuallyDrop;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
@@ -378,6 +379,10 @@ fn submit<T: Element>(
     if let Err(error) = st.order_uses(Lane::Compute, &[Use::Write(dst)]) {
         return Err(PeerSubmitError::Failed { package, error });
     }
+    // From the copy's enqueue until the fence holds them, a panic (inside a driver call) leaks
+    // both tensors: the source's engine knows nothing of the copy, so dropping it could free it
+    // under the copy.
+    let package = ManuallyDrop::new(package);
     // SAFETY: both tensors move into the fence below (or come back only once the stream is
     // proven idle), so neither is written or freed until the event proves the copy complete;
     // both hold exactly `byte_len` bytes (the lengths were checked equal); the source's writes
@@ -393,6 +398,7 @@ fn submit<T: Element>(
             package.source.byte_len(),
         )
     };
+    let package = ManuallyDrop::into_inner(package);
     if let Err(source) = queued {
         let error = Error::driver("cuMemcpyPeerAsync")(source);
         return Err(PeerSubmitError::Failed { package, error });
