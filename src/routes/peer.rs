@@ -21,7 +21,7 @@
 
 use crate::core::engine::CudaEngine;
 use crate::core::order::Use;
-use crate::driver::{DevicePtr, Lane};
+use crate::driver::{ContextHandle, DevicePtr, Lane};
 use crate::error::{DeviceId, Error, Result};
 use crate::memory::element::Element;
 use crate::memory::tensor::DeviceTensor;
@@ -197,21 +197,26 @@ fn no_link(from: &CudaEngine, to: &CudaEngine) -> Error {
     }
 }
 
-/// Makes `carrier`'s compute stream wait, on the device, for the work queued on `other` that
-/// `theirs` (the copy's use of `other`'s side) must follow: nothing when `other`'s bookkeeping
-/// proves that work complete, else a [`Signal`](crate::Signal) of everything `other` has queued,
-/// which is returned (its completion proves `other`'s lanes once the copy is proven).
-fn wait_for_other(
+/// The other side of a copy: `other`'s context, and the [`Signal`](crate::Signal) of `other`'s
+/// work that `carrier`'s compute stream now waits for on the device, if the copy's use of
+/// `other`'s side (`theirs`) must follow work there that `other`'s bookkeeping has not proven
+/// complete (its completion proves `other`'s lanes once the copy is proven). One lock of `other`
+/// when nothing needs waiting for.
+fn other_side(
     carrier: &mut CudaEngine,
     other: &mut CudaEngine,
     theirs: Use,
-) -> Result<Option<crate::Signal>> {
-    if other.shared.lock().order.settled_for(&[theirs]) {
-        return Ok(None);
+) -> Result<(ContextHandle, Option<crate::Signal>)> {
+    let (ctx, settled) = {
+        let st = other.shared.lock();
+        (st.driver.context(), st.order.settled_for(&[theirs]))
+    };
+    if settled {
+        return Ok((ctx, None));
     }
     let done = other.signal()?;
     carrier.wait_signal_on(&done, &[Lane::Compute])?;
-    Ok(Some(done))
+    Ok((ctx, Some(done)))
 }
 
 /// Why [`copy_and_prove`] failed.
@@ -240,8 +245,7 @@ unsafe fn copy_and_prove(
     src: DevicePtr,
     bytes: usize,
 ) -> std::result::Result<(), Copied> {
-    let signal = wait_for_other(carrier, other, theirs).map_err(Copied::NotQueued)?;
-    let other_ctx = other.shared.lock().driver.context();
+    let (other_ctx, signal) = other_side(carrier, other, theirs).map_err(Copied::NotQueued)?;
     {
         let mut st = carrier.enter().map_err(Copied::NotQueued)?;
         let my_ctx = st.driver.context();

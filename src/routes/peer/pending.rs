@@ -362,11 +362,10 @@ fn submit<T: Element>(
     }
     // The copy reads the source only once the source engine's work that writes it is done.
     let source = Use::Read(package.source.raw_ptr());
-    let waited_for = match super::wait_for_other(dst_engine, src_engine, source) {
-        Ok(signal) => signal,
+    let (src_ctx, waited_for) = match super::other_side(dst_engine, src_engine, source) {
+        Ok(side) => side,
         Err(error) => return Err(PeerSubmitError::Failed { package, error }),
     };
-    let src_ctx = src_engine.shared.lock().driver.context();
     let owner = &dst_engine.shared;
     let mut st = match owner.enter() {
         Ok(st) => st,
@@ -386,7 +385,7 @@ fn submit<T: Element>(
     // SAFETY: both tensors move into the fence below (or come back only once the stream is
     // proven idle), so neither is written or freed until the event proves the copy complete;
     // both hold exactly `byte_len` bytes (the lengths were checked equal); the source's writes
-    // queued on its engine run first (`wait_for_other`), and the destination's uses on its own
+    // queued on its engine run first (`other_side`), and the destination's uses on its own
     // engine are ordered by the use recorded above.
     let queued = unsafe {
         st.driver.copy_peer(
