@@ -12,7 +12,7 @@
 mod raw;
 
 use cudarc::driver::sys;
-use cuferry::{all_reduce, upload_tensor, Communicator, CudaEngine, ReduceOp};
+use cuferry::{all_reduce, upload_tensor, Communicator, ReduceOp};
 use raw::{check, context, event, stream};
 use std::ffi::{c_int, c_void};
 use std::time::Duration;
@@ -36,15 +36,8 @@ type AllReduce = unsafe extern "C" fn(
 type Group = unsafe extern "C" fn() -> c_int;
 
 fn main() {
-    if std::env::args().any(|a| a == "--list") {
+    let Some((mut a, mut b)) = raw::two_gpus("collectives") else {
         return;
-    }
-    let (mut a, mut b) = match (CudaEngine::open(0), CudaEngine::open(1)) {
-        (Ok(a), Ok(b)) => (a, b),
-        _ => {
-            eprintln!("collectives: two CUDA devices are needed; nothing measured");
-            return;
-        }
     };
     let comm = match Communicator::new(&mut [&mut a, &mut b]) {
         Ok(comm) => comm,

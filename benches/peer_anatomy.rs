@@ -16,7 +16,7 @@
 mod raw;
 
 use cudarc::driver::sys;
-use cuferry::{peer_copy, peer_copy_into, upload_tensor, CudaEngine};
+use cuferry::{peer_copy, peer_copy_into, upload_tensor};
 use raw::{check, context, event, stream};
 use std::time::{Duration, Instant};
 
@@ -36,15 +36,8 @@ fn median(mut f: impl FnMut()) -> Duration {
 }
 
 fn main() {
-    if std::env::args().any(|a| a == "--list") {
+    let Some((mut a, mut b)) = raw::two_gpus("peer_anatomy") else {
         return;
-    }
-    let (mut a, mut b) = match (CudaEngine::open(0), CudaEngine::open(1)) {
-        (Ok(a), Ok(b)) => (a, b),
-        _ => {
-            eprintln!("peer_anatomy: two CUDA devices are needed; nothing measured");
-            return;
-        }
     };
     assert!(b.peer_access(&a).unwrap() && a.peer_access(&b).unwrap());
     let (ca, cb) = (context(&mut a), context(&mut b));

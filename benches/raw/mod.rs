@@ -63,3 +63,19 @@ pub fn median_within(
     times.sort_unstable();
     times[times.len() / 2]
 }
+
+/// Engines on GPU 0 and GPU 1, or `None` (after saying so, as `bench`) when the machine has
+/// fewer than two GPUs, or when the test harness only lists the benches (`--list`).
+#[allow(dead_code)] // not every bench that shares this module needs two GPUs
+pub fn two_gpus(bench: &str) -> Option<(CudaEngine, CudaEngine)> {
+    if std::env::args().any(|a| a == "--list") {
+        return None;
+    }
+    match (CudaEngine::open(0), CudaEngine::open(1)) {
+        (Ok(a), Ok(b)) => Some((a, b)),
+        _ => {
+            eprintln!("{bench}: two CUDA devices are needed; nothing measured");
+            None
+        }
+    }
+}
