@@ -65,16 +65,18 @@ pub(crate) enum Fencing<R: Send + 'static> {
 ///
 /// Called with the engine's state locked (the caller has just queued the work). The fallback
 /// stream synchronize, on the failure path only, waits with the lock held.
+///
+/// `resources` arrive in `ManuallyDrop`, put there by the caller before the first enqueue of the
+/// work: a panic inside any driver call from that enqueue to the proof leaks them, never
+/// releases them (the type makes every route hold them from the start, not from here).
 pub(crate) fn fence<R: Send + 'static>(
     st: &mut State,
     owner: &Arc<Shared>,
     lane: Lane,
-    resources: R,
+    resources: ManuallyDrop<R>,
     event: Option<EventHandle>,
     what: &'static str,
 ) -> Fencing<R> {
-    // From here until a proof, a panic (inside a driver call) leaks the resources.
-    let resources = ManuallyDrop::new(resources);
     let recorded = match event {
         Some(event) => Ok(event),
         None => st.events.take(&mut *st.driver),
@@ -481,6 +483,9 @@ pub(crate) fn wait_for_queued<R: Send + 'static>(
     resources: R,
     what: &'static str,
 ) -> Result<R> {
+    // The caller's work on the resources is already queued: held from here, so a failure or a
+    // panic below leaks them rather than freeing them under it.
+    let resources = ManuallyDrop::new(resources);
     {
         let st = &mut *st;
         st.order.join(&mut *st.driver, Lane::Compute)?;

@@ -367,15 +367,21 @@ impl StagingLease<Proven> {
             Ok(st) => st,
             Err(error) => return Err(BeginError::NotQueued { lease: self, error }),
         };
+        // From the first enqueue until the fence holds it (or a refusal proves nothing was
+        // queued), a panic inside any driver call below leaks the slot: returned to the ring, it
+        // would be reused while a queued copy still reads or writes it.
+        let ProvenSlot { slot, event } = self.hold;
+        let slot = ManuallyDrop::new(slot);
         let mut lane = None;
         let mut unproven_mark = None;
         let mut at = 0;
         while at < len {
             let n = part.min(len - at);
             let device = tensor.raw_ptr() + ((offset + at) * size) as u64;
-            // SAFETY: the slot holds at least `len * size` bytes and is fenced below (unreachable
-            // until its event proves the copies complete); the device range lies in the tensor,
-            // whose free is ordered after this copy.
+            // SAFETY: the slot holds at least `len * size` bytes and is held in `ManuallyDrop`
+            // from here, then fenced below (unreachable until its event proves the copies
+            // complete); the device range lies in the tensor, whose free is ordered after this
+            // copy.
             let queued = unsafe {
                 st.queue_host_copy(
                     upload,
@@ -395,7 +401,10 @@ impl StagingLease<Proven> {
                     }
                     _ => {
                         drop(st);
-                        return Err(BeginError::NotQueued { lease: self, error });
+                        // Nothing was queued: the lease comes back proven.
+                        let slot = ManuallyDrop::into_inner(slot);
+                        let lease = StagingLease::new(ProvenSlot { slot, event });
+                        return Err(BeginError::NotQueued { lease, error });
                     }
                 },
             };
@@ -407,7 +416,14 @@ impl StagingLease<Proven> {
             if at == len {
                 break;
             }
-            match fence(&mut st, owner, queued, (), None, "staging progress mark") {
+            match fence(
+                &mut st,
+                owner,
+                queued,
+                ManuallyDrop::new(()),
+                None,
+                "staging progress mark",
+            ) {
                 Fencing::Fenced(mark) => marks.push(Mark::Recorded(mark)),
                 Fencing::Proven((), error) => {
                     marks.push(Mark::Failed(error));
@@ -422,7 +438,6 @@ impl StagingLease<Proven> {
             }
         }
         let lane = lane.expect("at least one part was queued");
-        let ProvenSlot { slot, event } = self.hold;
         let event = event.map(IdleEvent::into_raw);
         let fencing = fence(&mut st, owner, lane, slot, event, "staging chunk");
         drop(st);

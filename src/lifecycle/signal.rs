@@ -15,6 +15,7 @@ use super::fence::{fence, Fenced, Fencing};
 use crate::core::engine::CudaEngine;
 use crate::driver::Lane;
 use crate::error::{DeviceId, DeviceKind, Error, Result};
+use std::mem::ManuallyDrop;
 
 /// A point in one engine's work that other engines' streams can wait for on the device.
 ///
@@ -141,7 +142,15 @@ impl CudaEngine {
         }
         // The compute lane has joined the copy lanes: its event proves each lane up to here.
         let covers = st.order.positions();
-        match fence(&mut st, &self.shared, Lane::Compute, (), None, "signal") {
+        let nothing = ManuallyDrop::new(());
+        match fence(
+            &mut st,
+            &self.shared,
+            Lane::Compute,
+            nothing,
+            None,
+            "signal",
+        ) {
             Fencing::Fenced(fence) => Ok(Signal {
                 fence: Some(fence),
                 device,

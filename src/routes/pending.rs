@@ -42,6 +42,7 @@ use crate::memory::tensor::DeviceTensor;
 use crate::routes::peer::{InFlightPeer, PeerLanded};
 use std::fmt;
 use std::marker::PhantomData;
+use std::mem::ManuallyDrop;
 
 mod future;
 
@@ -406,6 +407,9 @@ fn submit<D: Direction, T: Element, B: HostBuffer<T>>(
     let bytes = package.tensor.byte_len();
     let host = package.buffer.host_ptr();
     let device = package.tensor.raw_ptr();
+    // From the enqueue until the fence holds it, a panic inside a driver call leaks the package:
+    // dropped, its buffer would go back to the pool under the queued copy.
+    let package = ManuallyDrop::new(package);
     // SAFETY: the buffer and tensor move into the fence below (or come back only once the stream
     // is proven idle), untouched by the host until the event proves the copy complete (the host
     // cannot read the buffer before the handle is `Returned`); both hold exactly `bytes` bytes
@@ -414,7 +418,11 @@ fn submit<D: Direction, T: Element, B: HostBuffer<T>>(
     // until the fence releases it.
     let lane = match unsafe { st.queue_host_copy(D::UPLOAD, device, device, host, bytes) } {
         Ok(lane) => lane,
-        Err(error) => return Err(TransferSubmitError::Failed { package, error }),
+        Err(error) => {
+            // Nothing was queued: the package comes back untouched.
+            let package = ManuallyDrop::into_inner(package);
+            return Err(TransferSubmitError::Failed { package, error });
+        }
     };
     let event = event.map(IdleEvent::into_raw);
     match fence(&mut st, owner, lane, package, event, D::NAME) {

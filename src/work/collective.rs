@@ -36,6 +36,7 @@ use crate::memory::element::Element;
 use crate::memory::tensor::DeviceTensor;
 use std::ffi::c_int;
 use std::fmt;
+use std::mem::ManuallyDrop;
 use std::sync::Arc;
 
 mod sealed {
@@ -565,15 +566,14 @@ fn submit<T: CollectiveElement>(
     let mut failure = queued.err();
     for (engine, tensor) in engines.iter_mut().zip(tensors) {
         let owner = std::sync::Arc::clone(&engine.shared);
-        let resources = (tensor, Arc::clone(&comm.inner));
+        let resources = ManuallyDrop::new((tensor, Arc::clone(&comm.inner)));
         let mut st = match owner.enter() {
             Ok(st) => st,
             Err(error) => {
                 // Without the context no event can be recorded and nothing can prove the part
                 // complete.
                 failure.get_or_insert(error);
-                std::mem::forget(resources); // leaked: never freed under the device
-                continue;
+                continue; // left in `ManuallyDrop`: leaked, never freed under the device
             }
         };
         match fence(

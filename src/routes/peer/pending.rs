@@ -397,16 +397,18 @@ fn submit<T: Element>(
             package.source.byte_len(),
         )
     };
-    let package = ManuallyDrop::into_inner(package);
     if let Err(source) = queued {
+        // Nothing was queued: both tensors come back.
+        let package = ManuallyDrop::into_inner(package);
         let error = Error::driver("cuMemcpyPeerAsync")(source);
         return Err(PeerSubmitError::Failed { package, error });
     }
     let event = event.map(IdleEvent::into_raw);
-    let held = InFlightPeer {
-        package,
+    // Moved from one holder to the other with no call in between: held throughout.
+    let held = ManuallyDrop::new(InFlightPeer {
+        package: ManuallyDrop::into_inner(package),
         waited_for,
-    };
+    });
     let fencing = fence(&mut st, owner, Lane::Compute, held, event, "peer copy");
     // Released before anything the fencing hands back is dropped (a signal's drop takes its
     // engine's lock).

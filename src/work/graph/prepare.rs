@@ -31,6 +31,7 @@ use crate::memory::element::Element;
 use crate::memory::tensor::{alloc_device, DeviceTensor, Recycler};
 use crate::work::kernels::fused::FusedKernel;
 use std::any::Any;
+use std::mem::ManuallyDrop;
 use std::sync::Arc;
 
 /// An input of a run: a borrowed tensor of any element type.
@@ -297,15 +298,16 @@ impl Drop for Prepared {
         let Some(lent) = self.lent.take() else {
             return;
         };
+        // Runs queued earlier may still use it: from here until a proof, a panic leaks it.
+        let lent = ManuallyDrop::new(lent);
         // Outputs dropped from now on free their own memory.
         let recycled = self.recycler.close();
         if self.stats.runs == 0 && recycled.is_empty() {
-            drop(lent); // nothing was ever queued with it
+            drop(ManuallyDrop::into_inner(lent)); // nothing was ever queued with it
             return;
         }
         let Some(mut st) = self.owner.enter_for_drop() else {
-            std::mem::forget(lent); // sound: leaked, never released early
-            return;
+            return; // left in `ManuallyDrop`: leaked, never released early
         };
         // Outputs of a run refused before its launch (a refused wait, say) were handed back
         // too: their blocks are freed like any other, though nothing was queued with `lent`.
@@ -316,7 +318,7 @@ impl Drop for Prepared {
         }
         if self.stats.runs == 0 {
             drop(st);
-            drop(lent); // nothing was ever queued with it
+            drop(ManuallyDrop::into_inner(lent)); // nothing was ever queued with it
             return;
         }
         let fencing = fence(
