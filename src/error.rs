@@ -474,6 +474,19 @@ pub enum Error {
         /// What range is accepted.
         reason: &'static str,
     },
+    /// An engine call, or the release of one of its values, made inside a wake: the device's
+    /// callback (on CUDA the driver's callback thread, where the driver refuses every call).
+    /// Refused calls queue nothing; a value dropped there is leaked (never freed under the
+    /// device) and this is reported at the engine's next `flush` or `synchronize`. A wake may
+    /// only signal (wake a task, send on a channel, set a flag); the woken task calls the engine.
+    #[error(
+        "{what} inside a wake, the device's callback, where the driver refuses every call: a \
+         wake may only signal, and the task it wakes calls the engine"
+    )]
+    InDeviceCallback {
+        /// What was refused: an engine call, or a value's release (leaked).
+        what: &'static str,
+    },
 }
 
 impl Error {

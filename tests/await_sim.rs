@@ -714,3 +714,81 @@ fn transfers_over_registered_buffers_are_awaited_and_hand_their_vec_back() {
     assert_eq!(sim.registered_live().0, 0);
     assert!(sim.violations().is_empty(), "{:?}", sim.violations());
 }
+
+/// What a waker does with the engine when woken: polls another transfer's future inline (an
+/// executor that polls from its wake), and drops a tensor it was given.
+struct Meddler {
+    future: Mutex<Option<PendingFuture<Upload, u32>>>,
+    tensor: Mutex<Option<cuferry::DeviceTensor<u32>>>,
+    polled: Mutex<Option<String>>,
+}
+
+impl std::task::Wake for Meddler {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        if let Some(mut future) = self.future.lock().unwrap().take() {
+            let waker = Waker::from(Arc::new(Counter::default()));
+            let polled = Pin::new(&mut future).poll(&mut Context::from_waker(&waker));
+            *self.polled.lock().unwrap() = Some(match polled {
+                Poll::Pending => "pending".to_owned(),
+                Poll::Ready(Ok(_)) => "ready".to_owned(),
+                Poll::Ready(Err(e)) => format!("{e}"),
+            });
+        }
+        drop(self.tensor.lock().unwrap().take());
+    }
+}
+
+/// A wake runs with no engine lock held, marked as the device's callback on both drivers: a waker
+/// that calls into the engine gets a typed refusal (no deadlock), and a value it drops is
+/// reported at the next boundary, never lost silently.
+#[test]
+fn a_waker_that_calls_the_engine_is_refused_and_what_it_drops_is_reported() {
+    let (done, result) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let (mut engine, sim) = engine();
+        let (first, ..) = upload(&mut engine, &distinct(64, 1));
+        let (second, ..) = upload(&mut engine, &distinct(64, 2));
+        let tensor = engine.alloc_tensor::<u32>(&[16]).unwrap();
+        let meddler = Arc::new(Meddler {
+            future: Mutex::new(Some(second.into_future())),
+            tensor: Mutex::new(Some(tensor)),
+            polled: Mutex::new(None),
+        });
+        let waker = Waker::from(Arc::clone(&meddler));
+        let mut future = first.into_future();
+        // The clock is free: registering the wake runs the stream up to the copy's event, inside
+        // the engine call that registers it, and the wake comes due there (the poll then finds
+        // the copy done).
+        let first_poll = Pin::new(&mut future).poll(&mut Context::from_waker(&waker));
+        let polled = meddler.polled.lock().unwrap().take();
+        let flushed = engine.flush();
+        let resolved = match first_poll {
+            Poll::Ready(answer) => answer.is_ok(),
+            Poll::Pending => matches!(Probe::new().poll(&mut future), Poll::Ready(Ok(_))),
+        };
+        let _ = done.send((polled, flushed.map_err(|e| e.to_string()), resolved));
+        drop(future);
+        drop(engine);
+        let _ = done.send((None, Ok(()), sim.violations().is_empty()));
+    });
+    let (polled, flushed, resolved) = result
+        .recv_timeout(Duration::from_secs(20))
+        .expect("a waker that calls the engine deadlocked");
+    let polled = polled.expect("the wake ran");
+    assert!(
+        polled.contains("inside a wake"),
+        "the inline poll was refused with a typed error, got {polled}"
+    );
+    let reported = flushed.expect_err("the tensor dropped in the wake is reported");
+    assert!(reported.contains("inside a wake"), "{reported}");
+    assert!(
+        resolved,
+        "the awaited transfer itself resolves (or had resolved)"
+    );
+    let (_, _, clean) = result.recv_timeout(Duration::from_secs(20)).unwrap();
+    assert!(clean, "no violations");
+}

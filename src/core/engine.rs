@@ -17,7 +17,7 @@
 //! on a caller's behalf lives there too, as `impl CudaEngine` or `impl State` blocks.
 
 use super::order::{Order, Proven, Use};
-use crate::driver::{ContextHandle, DevicePtr, Driver, Lane, Waits};
+use crate::driver::{wakes, ContextHandle, DevicePtr, Driver, Lane, Waits};
 use crate::error::{DeviceId, Error, Result};
 // The subsystems' state, which the engine holds and locks with the driver. Each of these files
 // depends only on the driver seam and the errors, never on the engine (see the level docs in
@@ -27,19 +27,11 @@ use crate::memory::pool::{PinnedPool, PinnedPoolStats};
 use crate::memory::ring::StagingRing;
 use crate::work::kernels::cache::KernelCache;
 use crate::work::libs::handles::LibraryHandles;
-use std::cell::Cell;
 use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 static NEXT_ENGINE: AtomicU64 = AtomicU64::new(1);
-
-thread_local! {
-    /// How many engine locks this thread holds. A drop that would take an engine's lock while
-    /// this thread already holds one (only possible while a panic unwinds through a locked
-    /// section) leaks instead of deadlocking.
-    static LOCKS_HELD: Cell<usize> = const { Cell::new(0) };
-}
 
 /// The state shared between an engine and the values it handed out.
 pub(crate) struct Shared {
@@ -51,6 +43,10 @@ pub(crate) struct Shared {
     /// What host waits have proven complete, per lane (shared with the lane order).
     pub(crate) proven: Arc<Proven>,
     state: Mutex<State>,
+    /// Failures met inside wakes (values dropped there, leaked), for the next boundary. Its own
+    /// lock, held for a push or a take only: a wake never waits for the state's lock, which a
+    /// thread may hold across a driver call that waits for the device's callbacks.
+    in_wake: Mutex<Vec<Error>>,
 }
 
 /// What the mutex guards: the driver and everything that must change together with it.
@@ -246,8 +242,10 @@ impl Drop for Locked<'_> {
         };
         let released = std::mem::take(&mut guard.released);
         drop(guard);
-        LOCKS_HELD.with(|held| held.set(held.get() - 1));
+        wakes::engine_lock_released();
         drop(released);
+        // The device's wakes that came due under the lock run now, with no lock held.
+        wakes::run_deferred();
     }
 }
 
@@ -291,14 +289,22 @@ impl Shared {
         // call is atomic, and unproven resources are leaked, not released, on unwind), so a
         // poisoned lock is still usable.
         let guard = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        LOCKS_HELD.with(|held| held.set(held.get() + 1));
+        wakes::engine_lock_taken();
         Locked { guard: Some(guard) }
     }
 
     /// Locks the state for a drop path: `None` when this thread already holds an engine lock
-    /// (a panic is unwinding through a locked section), and the caller then leaks instead.
+    /// (a panic is unwinding through a locked section), or runs a wake (the device's callback,
+    /// where nothing may be released: the drop is reported at the next boundary), and the
+    /// caller then leaks instead.
     pub(crate) fn lock_for_drop(&self) -> Option<Locked<'_>> {
-        if LOCKS_HELD.with(Cell::get) > 0 {
+        if wakes::in_wake() {
+            self.report_in_wake(Error::InDeviceCallback {
+                what: "a value of the engine was dropped, and leaked,",
+            });
+            return None;
+        }
+        if wakes::engine_locks_held() > 0 {
             // Outside an unwind this is a bug: a value dropped under the lock would leak.
             debug_assert!(
                 std::thread::panicking(),
@@ -309,8 +315,25 @@ impl Shared {
         Some(self.lock())
     }
 
+    /// Records a failure met inside a wake for the next boundary, without the state's lock.
+    pub(crate) fn report_in_wake(&self, error: Error) {
+        self.in_wake
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(error);
+    }
+
     /// Locks the state and makes the engine's context current for the duration.
+    ///
+    /// # Errors
+    /// [`Error::InDeviceCallback`] inside a wake, where the driver refuses every call (nothing
+    /// is locked then); the driver's refusal to make the context current.
     pub(crate) fn enter(&self) -> Result<Entered<'_>> {
+        if wakes::in_wake() {
+            return Err(Error::InDeviceCallback {
+                what: "an engine call",
+            });
+        }
         Self::enter_locked(self.lock())
     }
 
@@ -355,6 +378,8 @@ impl Shared {
             drop(st);
             st = self.enter()?;
         }
+        let in_wake = std::mem::take(&mut *self.in_wake.lock().unwrap_or_else(|e| e.into_inner()));
+        st.deferred.extend(in_wake);
         st.take_deferred()
     }
 
@@ -473,6 +498,7 @@ impl CudaEngine {
                     order,
                     peers: Vec::new(),
                 }),
+                in_wake: Mutex::new(Vec::new()),
             }),
         }
     }

@@ -24,6 +24,7 @@ pub(crate) mod graph;
 pub(crate) mod launch;
 #[cfg(any(test, feature = "sim"))]
 pub mod sim;
+pub(crate) mod wakes;
 
 use crate::error::{DeviceId, DriverError};
 use std::sync::Arc;
@@ -312,9 +313,10 @@ pub(crate) trait Driver: Send + launch::Launch + graph::Graphs {
     ///
     /// This is how a host task learns, without a thread blocked in a wait and without polling,
     /// that queued work is done: the device itself calls back. The call may come at once (on
-    /// the calling thread, after this method's own locks are released) when the work is already
-    /// complete, and is not delayed by work queued on the stream after the record. `wake` must
-    /// not call the driver, block, or take the engine's lock; it should only signal. It says
+    /// the calling thread, once it holds no engine lock) when the work is already complete, and
+    /// is not delayed by work queued on the stream after the record. Every driver hands its
+    /// wakes to [`wakes::call`], so a wake never runs under an engine's lock and always runs
+    /// marked as the device's callback. `wake` should only signal. It says
     /// nothing about the outcome: whoever is woken asks the event ([`Waits::event_query`]),
     /// which tells completion from failure.
     ///

@@ -69,7 +69,6 @@ use std::alloc::Layout;
 use std::cell::Cell;
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::ops::{Deref, DerefMut};
-use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
@@ -386,6 +385,10 @@ struct State {
     faults: Vec<(SimOp, u64, DriverError)>,
     /// Calls that panic instead of returning: (operation, call number).
     panics: Vec<(SimOp, u64)>,
+    /// Calls that take effect and then panic: (operation, call number).
+    panics_after: Vec<(SimOp, u64)>,
+    /// The panic of an armed call that has taken effect, raised once the lock is released.
+    panic_on_release: Option<String>,
     /// Whether only `advance` runs queued work (waits block instead).
     clock_held: bool,
     event_faults: Vec<(u64, DriverError)>,
@@ -470,6 +473,8 @@ impl SimDevice {
             calls: BTreeMap::new(),
             faults: Vec::new(),
             panics: Vec::new(),
+            panics_after: Vec::new(),
+            panic_on_release: None,
             clock_held: false,
             event_faults: Vec::new(),
             violations: Vec::new(),
@@ -541,6 +546,15 @@ impl SimDevice {
         s.panics.push((op, at));
     }
 
+    /// Makes the `n`-th call of `op` from now (`n >= 1`) take effect and then panic inside the
+    /// driver, before it returns: a copy is queued (or memory allocated, an event recorded) and
+    /// the caller never learns it. No panic may then release what the call's work may touch.
+    pub fn panic_after_nth(&self, op: SimOp, n: u64) {
+        let mut s = self.lock();
+        let at = s.nth_call_from_now(op, n);
+        s.panics_after.push((op, at));
+    }
+
     /// Runs every queued operation.
     pub fn advance_all(&self) -> usize {
         self.advance(usize::MAX)
@@ -579,6 +593,8 @@ impl SimDevice {
         s.faults.clear();
         s.event_faults.clear();
         s.panics.clear();
+        s.panics_after.clear();
+        s.panic_on_release = None;
     }
 
     /// How many times `op` has been called.
@@ -711,13 +727,13 @@ impl Drop for Locked<'_> {
             return;
         }
         let woken = std::mem::take(&mut guard.woken);
+        let panic = guard.panic_on_release.take();
         drop(guard);
-        for wake in woken {
-            // A wake that panics must not keep the others from being called.
-            if let Err(payload) = std::panic::catch_unwind(AssertUnwindSafe(wake)) {
-                // Dropping a panic's payload may itself panic: leak it instead.
-                std::mem::forget(payload);
-            }
+        // Now, or once this thread holds no engine lock (see `driver::wakes`).
+        super::wakes::call(woken);
+        if let Some(message) = panic {
+            // A call armed by `panic_after_nth`: it has taken effect, and now panics.
+            panic!("{message}");
         }
     }
 }
@@ -740,6 +756,10 @@ impl State {
         if let Some(i) = self.panics.iter().position(|p| *p == (op, n)) {
             self.panics.remove(i);
             panic!("simulated driver panic in {op:?} (call {n})");
+        }
+        if let Some(i) = self.panics_after.iter().position(|p| *p == (op, n)) {
+            self.panics_after.remove(i);
+            self.panic_on_release = Some(format!("simulated driver panic after {op:?} (call {n})"));
         }
         if let Some(i) = self.faults.iter().position(|f| f.0 == op && f.1 == n) {
             return Err(self.faults.remove(i).2);

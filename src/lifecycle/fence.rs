@@ -20,7 +20,7 @@
 
 use super::retire::Record;
 use crate::core::engine::{Shared, State};
-use crate::driver::{EventHandle, Lane, Wake};
+use crate::driver::{wakes, EventHandle, Lane, Wake};
 use crate::error::{DriverError, Error, Result};
 use std::mem::ManuallyDrop;
 use std::sync::Arc;
@@ -172,6 +172,7 @@ impl<R: Send + 'static> Fenced<R> {
     /// # Errors
     /// [`Error::DeviceFault`] when the device reports a failure of the work (or of earlier work).
     pub(crate) fn is_ready(&self) -> Result<bool> {
+        in_wake_refused("a readiness check")?;
         let inner = self.inner();
         inner
             .owner
@@ -245,6 +246,7 @@ impl<R: Send + 'static> Fenced<R> {
     /// for the engine's lifetime (the device may still touch them), never released.
     pub(crate) fn wait_parts(mut self) -> Result<(R, IdleEvent)> {
         let inner = self.take();
+        leak_in_wake(&inner, "a wait")?;
         let waited = inner.owner.waits.event_synchronize(inner.event);
         match settle(inner, waited.map(|()| true))? {
             Settled::Done(resources, event) => Ok((resources, event)),
@@ -258,12 +260,31 @@ impl<R: Send + 'static> Fenced<R> {
     /// As [`wait_parts`](Self::wait_parts).
     pub(crate) fn try_wait(mut self) -> Result<std::result::Result<(R, IdleEvent), Self>> {
         let inner = self.take();
+        leak_in_wake(&inner, "a wait")?;
         let done = inner.owner.waits.event_query(inner.event);
         Ok(match settle(inner, done)? {
             Settled::Done(resources, event) => Ok((resources, event)),
             Settled::NotYet(inner) => Err(Fenced { inner: Some(inner) }),
         })
     }
+}
+
+/// Refuses `what` inside a wake, where the driver refuses every call (see `driver::wakes`).
+fn in_wake_refused(what: &'static str) -> Result<()> {
+    if wakes::in_wake() {
+        return Err(Error::InDeviceCallback { what });
+    }
+    Ok(())
+}
+
+/// Inside a wake, refuses `what`, which consumes the fence: its resources are leaked (the
+/// device may still touch them) and the refusal is also reported at the engine's next boundary.
+fn leak_in_wake<R>(inner: &Inner<R>, what: &'static str) -> Result<()> {
+    in_wake_refused(what).inspect_err(|_| {
+        inner.owner.report_in_wake(Error::InDeviceCallback {
+            what: "a wait, whose resources were leaked,",
+        });
+    })
 }
 
 /// What a wait or a query found.

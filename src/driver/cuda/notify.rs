@@ -15,11 +15,12 @@
 //! would leave a future pending forever, so only the stream callback fits. The status itself is
 //! ignored: whoever is woken asks the event, which reports the failure.
 //!
-//! A wake only signals (see the seam). Should it still end up dropping the last handle on the
-//! engine (an executor that drops a task's future when woken after its own shutdown), the drops
-//! then run on the driver's callback thread, where CUDA refuses every call
-//! (`CUDA_ERROR_NOT_PERMITTED`) instead of running it; every drop path treats a refused call by
-//! leaking what it would have released, never by freeing it.
+//! A wake only signals (see the seam and `driver::wakes`). Should it still call the engine or
+//! drop one of its values (an executor that drops a task's future when woken after its own
+//! shutdown), it runs on the driver's callback thread, where CUDA refuses every call
+//! (`CUDA_ERROR_NOT_PERMITTED`): the engine refuses such calls itself with
+//! `Error::InDeviceCallback`, and a value dropped there is leaked (never freed under the device)
+//! and reported at the engine's next boundary.
 //!
 //! Side streams are made on first use and reused: a registration takes a side stream with no
 //! callback pending, or makes a new one, up to [`SIDE_STREAMS`]. Beyond that many wakes pending
@@ -30,7 +31,6 @@ use crate::driver::{EventHandle, Wake};
 use crate::error::DriverError;
 use cudarc::driver::{result, sys};
 use std::ffi::c_void;
-use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
@@ -64,10 +64,9 @@ unsafe extern "C" fn call_back(_stream: sys::CUstream, _status: sys::CUresult, d
     // and CUDA calls a stream callback exactly once, so the box is taken back exactly once.
     let callback = unsafe { Box::from_raw(data.cast::<Callback>()) };
     let Callback { wake, pending } = *callback;
-    if let Err(payload) = std::panic::catch_unwind(AssertUnwindSafe(wake)) {
-        // Dropping a panic's payload may itself panic: leak it instead.
-        std::mem::forget(payload);
-    }
+    // The driver's callback thread holds no engine lock: the wake runs now, marked as the
+    // device's callback, and a panic inside it never unwinds into the driver.
+    crate::driver::wakes::call(vec![wake]);
     pending.fetch_sub(1, Ordering::AcqRel);
 }
 

@@ -1,0 +1,372 @@
+//! The panic sweep: a mixed workload over every route (the blocking routes at every band, the
+//! pending and registered routes, the peer routes and a collective between two engines, a
+//! prepared program, kernels, a signal, teardown) with a panic inside the driver at every driver
+//! call in turn: once before the call takes effect, and once after (the copy queued, the event
+//! recorded, and then the panic). After each run: no data that came back was wrong, nothing was
+//! freed or reused under queued work (the simulator's violations), both engines serve the next
+//! transfers correctly, and teardown leaves at most what the panic leaked live.
+//!
+//! The staged routes hand their host copies to the process's copy threads, whose number is fixed
+//! for the process: the sweep runs in child processes of this test binary, one with two copy
+//! threads and one with four, so the parallel paths are swept whatever the machine.
+
+use cuferry::graph::{GraphCompiler, Input, TracedTensor};
+use cuferry::sim::{SimConfig, SimDevice, SimOp};
+use cuferry::{
+    all_reduce, download_pending, download_tensor, download_tensor_into, peer_copy, peer_copy_into,
+    peer_copy_pending, upload_pending, upload_tensor, Communicator, CudaEngine, DType, Error,
+    PinnedHostBuffer, ReduceOp, RegisteredBuffer, StagingConfig,
+};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::process::Command;
+use std::sync::{mpsc, Mutex};
+use std::time::Duration;
+
+/// The child's variable: how many copy threads its sweep runs with.
+const CHILD: &str = "CUFERRY_PANIC_SWEEP_THREADS";
+
+/// Every driver operation the workload reaches.
+const OPS: [SimOp; 20] = [
+    SimOp::Alloc,
+    SimOp::Free,
+    SimOp::CopyHtoD,
+    SimOp::CopyDtoH,
+    SimOp::CopyDtoD,
+    SimOp::EventCreate,
+    SimOp::EventRecord,
+    SimOp::EventQuery,
+    SimOp::EventSynchronize,
+    SimOp::HostAlloc,
+    SimOp::HostRegister,
+    SimOp::HostUnregister,
+    SimOp::StreamSynchronize,
+    SimOp::ModuleLoad,
+    SimOp::Launch,
+    SimOp::GraphLaunch,
+    SimOp::StreamWait,
+    SimOp::PeerEnable,
+    SimOp::CopyPeer,
+    SimOp::Collective,
+];
+
+/// Per-index distinct values, never zero.
+fn distinct(n: usize, salt: u32) -> Vec<u32> {
+    (0..n as u32)
+        .map(|i| (i ^ salt).wrapping_mul(2_654_435_761) | 1)
+        .collect()
+}
+
+/// What the workload found wrong (it records rather than asserts: an assertion's panic would
+/// look like the injected one).
+type Wrong = Mutex<Vec<String>>;
+
+fn expect<T: PartialEq + std::fmt::Debug>(wrong: &Wrong, what: &str, got: &[T], want: &[T]) {
+    if got != want {
+        wrong.lock().unwrap().push(format!("{what}: wrong data"));
+    }
+}
+
+/// The staging settings the sweep runs with: 1 MiB slots four deep, so 2 MiB transfers take the
+/// one-hand-off paths (a download in marked parts of 512 KiB), and 6 MiB the chunk pipeline (a
+/// fresh download's pages populated by half the copy threads).
+fn staging() -> StagingConfig {
+    let mut config = StagingConfig::default();
+    config.chunk_bytes = 1 << 20;
+    config.cutoff_bytes = 64 << 10;
+    config.ring_depth = 4;
+    config
+}
+
+/// The workload; stops at the first error, dropping what it holds, as a caller's `?` would.
+fn workload(a: &mut CudaEngine, b: &mut CudaEngine, wrong: &Wrong) -> Result<(), Error> {
+    a.set_staging_config(staging())?;
+    b.set_staging_config(staging())?;
+    // Blocking routes, every band: the scalar slot, one staged copy, one hand-off, the pipeline.
+    for (n, salt) in [(3, 1), (3000, 2), (512 << 10, 3), (1536 << 10, 4)] {
+        let data = distinct(n, salt);
+        let t = upload_tensor(a, &data, &[n])?;
+        expect(wrong, "download_tensor", &download_tensor(a, &t)?, &data);
+        let reused = download_tensor_into(a, &t, Vec::with_capacity(n)).map_err(|r| r.error)?;
+        expect(wrong, "download_tensor_into", &reused, &data);
+    }
+    // A kernel and a device copy on the stream.
+    let x = upload_tensor(a, &distinct(4096, 5), &[4096])?;
+    let sum = a.add(&x, &x)?;
+    let want: Vec<u32> = distinct(4096, 5)
+        .iter()
+        .map(|v| v.wrapping_add(*v))
+        .collect();
+    expect(wrong, "add", &download_tensor(a, &sum)?, &want);
+    let copy = a.copy_tensor(&x)?;
+
+    // Pending routes: submit, wait, resubmit, detach; a registered buffer.
+    let data = distinct(4096, 6);
+    let buffer = PinnedHostBuffer::from_slice(a, &data)?;
+    let dest = a.alloc_tensor::<u32>(&[4096])?;
+    let returned = upload_pending(a, buffer, dest)
+        .map_err(|e| e.into_error())?
+        .wait()?;
+    drop(returned.resubmit(a).map_err(|e| e.into_error())?); // detached in flight
+    let buffer = PinnedHostBuffer::<u32>::new(a, 4096)?;
+    let back = download_pending(a, copy, buffer)
+        .map_err(|e| e.into_error())?
+        .wait()?;
+    expect(
+        wrong,
+        "download_pending",
+        back.buffer().as_slice(),
+        &distinct(4096, 5),
+    );
+    drop(back);
+    let registered = RegisteredBuffer::register(a, distinct(2048, 7))?;
+    let dest = a.alloc_tensor::<u32>(&[2048])?;
+    let landed = upload_pending(a, registered, dest)
+        .map_err(|e| e.into_error())?
+        .wait()?;
+    drop(landed);
+
+    // A prepared program, run twice.
+    let t = TracedTensor::input_symbolic_shape(DType::U32, 1);
+    let y = (&(&t * &t)? + &t)?;
+    let program =
+        GraphCompiler::new().compile_with_input_specs(&[&y], &[(&t, DType::U32, &[64])])?;
+    let mut prepared = a.prepare(&program)?;
+    let input = upload_tensor(a, &distinct(64, 8), &[64])?;
+    for _ in 0..2 {
+        let out = a.run(&mut prepared, &[Input::from(&input)])?;
+        let want: Vec<u32> = distinct(64, 8)
+            .iter()
+            .map(|v| v.wrapping_mul(*v).wrapping_add(*v))
+            .collect();
+        let got = out[0].as_tensor::<u32>().expect("a u32 output");
+        expect(wrong, "prepared run", &download_tensor(a, got)?, &want);
+    }
+    drop(prepared);
+
+    // Between the engines: a signal, the peer routes, a collective.
+    let signal = a.signal()?;
+    b.wait_signal(&signal)?;
+    drop(signal);
+    let src = upload_tensor(a, &distinct(5000, 9), &[5000])?;
+    let there = peer_copy(a, &src, b)?;
+    expect(
+        wrong,
+        "peer_copy",
+        &download_tensor(b, &there)?,
+        &distinct(5000, 9),
+    );
+    let mut into = b.alloc_tensor::<u32>(&[5000])?;
+    peer_copy_into(a, &src, b, &mut into)?;
+    expect(
+        wrong,
+        "peer_copy_into",
+        &download_tensor(b, &into)?,
+        &distinct(5000, 9),
+    );
+    let returned = peer_copy_pending(a, src, b, into)
+        .map_err(|e| e.into_error())?
+        .wait()?;
+    drop(returned);
+    let comm = Communicator::new(&mut [&mut *a, &mut *b])?;
+    let ta = upload_tensor(a, &distinct(300, 10), &[300])?;
+    let tb = upload_tensor(b, &distinct(300, 11), &[300])?;
+    let reduced = all_reduce(&comm, &mut [&mut *a, &mut *b], vec![ta, tb], ReduceOp::Max)
+        .map_err(|e| e.into_error())?
+        .wait()?;
+    let want: Vec<u32> = distinct(300, 10)
+        .iter()
+        .zip(distinct(300, 11))
+        .map(|(p, q)| (*p).max(q))
+        .collect();
+    expect(
+        wrong,
+        "all_reduce",
+        &download_tensor(b, &reduced[1])?,
+        &want,
+    );
+    drop(reduced);
+    drop(comm);
+    a.flush()?;
+    b.flush()?;
+    a.synchronize()?;
+    b.synchronize()
+}
+
+/// Whether an engine still serves transfers correctly at every band.
+fn serves(engine: &mut CudaEngine) -> Result<(), String> {
+    for (n, salt) in [(3, 21), (3000, 22), (512 << 10, 23), (1536 << 10, 24)] {
+        let data = distinct(n, salt);
+        let back = upload_tensor(engine, &data, &[n])
+            .and_then(|t| download_tensor(engine, &t))
+            .map_err(|e| format!("a transfer of {n} after the panic failed: {e}"))?;
+        if back != data {
+            return Err(format!(
+                "a transfer of {n} after the panic returned wrong data"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// A machine of two simulated devices, engines on both, released pinned memory freed at once
+/// (so a release under a queued copy shows as a violation, or as wrong data later).
+fn machine() -> (SimDevice, CudaEngine, CudaEngine) {
+    let sim = SimDevice::new(SimConfig {
+        devices: 2,
+        ..SimConfig::default()
+    });
+    let mut a = CudaEngine::simulated_on_device(&sim, 0).unwrap();
+    let mut b = CudaEngine::simulated_on_device(&sim, 1).unwrap();
+    a.set_pinned_pool_budget(0).unwrap();
+    b.set_pinned_pool_budget(0).unwrap();
+    (sim, a, b)
+}
+
+/// One run with a panic armed at `op`'s call `n`, after the call took effect when `after`.
+fn run(op: SimOp, n: u64, after: bool) -> Result<bool, String> {
+    let (sim, mut a, mut b) = machine();
+    if after {
+        sim.panic_after_nth(op, n);
+    } else {
+        sim.panic_nth(op, n);
+    }
+    let wrong = Wrong::default();
+    let in_workload = catch_unwind(AssertUnwindSafe(|| {
+        let _ = workload(&mut a, &mut b, &wrong);
+    }))
+    .is_err();
+    sim.clear_faults();
+    if let Some(what) = wrong.lock().unwrap().first() {
+        return Err(what.clone());
+    }
+    if in_workload {
+        // Failures the panic left behind may be reported once; then the engines work.
+        let _ = (a.synchronize(), b.synchronize());
+        serves(&mut a)?;
+        serves(&mut b)?;
+        a.synchronize()
+            .map_err(|e| format!("a synchronize failed: {e}"))?;
+        b.synchronize()
+            .map_err(|e| format!("b synchronize failed: {e}"))?;
+    }
+    let retained = a.retirement_stats().retained + b.retirement_stats().retained;
+    let teardown = catch_unwind(AssertUnwindSafe(move || {
+        drop(a);
+        drop(b);
+    }));
+    if !in_workload && teardown.is_ok() {
+        // The clean pass made more such calls than this one (a wait the copy threads' timing
+        // made unnecessary): nothing to check.
+        return Ok(false);
+    }
+    sim.advance_all();
+    let violations = sim.violations();
+    if !violations.is_empty() {
+        return Err(format!("violations: {violations:?}"));
+    }
+    // A panic leaks what its route held (at most a ring of slots, a pending transfer's buffer
+    // and tensor, a program's arena); everything else is released.
+    let (pinned, _) = sim.pinned_live();
+    let (device, _) = sim.device_live();
+    let bound = retained + staging().ring_depth + 4;
+    if in_workload && (pinned > bound || device > bound) {
+        return Err(format!(
+            "after teardown {pinned} pinned and {device} device allocations live, {retained} \
+             retained"
+        ));
+    }
+    Ok(true)
+}
+
+/// How often each operation runs in one clean pass, teardown included.
+fn clean_calls() -> Vec<u64> {
+    let (sim, mut a, mut b) = machine();
+    let wrong = Wrong::default();
+    workload(&mut a, &mut b, &wrong).expect("the clean workload");
+    assert!(wrong.lock().unwrap().is_empty(), "{:?}", wrong.lock());
+    drop((a, b));
+    OPS.iter().map(|&op| sim.calls(op)).collect()
+}
+
+/// The sweep itself, in a process whose copy pool has `threads` threads.
+fn sweep(threads: usize) {
+    cuferry::set_copy_threads(threads).unwrap();
+    assert_eq!(cuferry::copy_threads(), threads);
+    let counts = clean_calls();
+    for (op, &count) in OPS.iter().zip(&counts) {
+        assert!(count > 0, "the workload never calls {op:?}");
+    }
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        // The injected panics are expected; anything else is reported.
+        if !info.to_string().contains("simulated driver panic") {
+            hook(info);
+        }
+    }));
+    let (mut runs, mut panicked) = (0, 0);
+    let mut failures = Vec::new();
+    for (&op, &count) in OPS.iter().zip(&counts) {
+        for n in 1..=count {
+            for after in [false, true] {
+                // In a thread of its own, so a deadlock shows as a failure, not a hang.
+                let (done, result) = mpsc::channel();
+                std::thread::spawn(move || {
+                    let _ = done.send(run(op, n, after));
+                });
+                let when = if after { "after" } else { "in" };
+                match result.recv_timeout(Duration::from_secs(60)) {
+                    Ok(Ok(hit)) => panicked += usize::from(hit),
+                    Ok(Err(what)) => failures.push(format!("a panic {when} {op:?} #{n}: {what}")),
+                    Err(_) => failures.push(format!("a panic {when} {op:?} #{n}: deadlock")),
+                }
+                runs += 1;
+            }
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} of {runs} runs with {threads} copy threads failed:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+    // Timing may save a wait or two near the end of a pass; every other armed call is made.
+    assert!(
+        panicked + 8 >= runs,
+        "only {panicked} of {runs} armed calls were made"
+    );
+    println!("panic sweep: {runs} runs with {threads} copy threads, {panicked} panicked");
+}
+
+/// Runs the sweep in child processes, with two copy threads and with four.
+#[test]
+fn a_panic_at_every_driver_call_leaks_never_releases_with_two_and_four_copy_threads() {
+    if let Ok(threads) = std::env::var(CHILD) {
+        sweep(threads.parse().expect("a thread count"));
+        return;
+    }
+    let me = std::env::current_exe().unwrap();
+    let name = "a_panic_at_every_driver_call_leaks_never_releases_with_two_and_four_copy_threads";
+    let children: Vec<_> = [2, 4]
+        .into_iter()
+        .map(|threads| {
+            let child = Command::new(&me)
+                .args(["--exact", name, "--nocapture", "--test-threads=1"])
+                .env(CHILD, threads.to_string())
+                .output()
+                .unwrap();
+            (threads, child)
+        })
+        .collect();
+    for (threads, child) in children {
+        let out = String::from_utf8_lossy(&child.stdout);
+        let err = String::from_utf8_lossy(&child.stderr);
+        assert!(
+            child.status.success() && out.contains("panic sweep:"),
+            "the sweep with {threads} copy threads failed:\n{out}\n{err}"
+        );
+        println!(
+            "{}",
+            out.lines().find(|l| l.contains("panic sweep:")).unwrap()
+        );
+    }
+}
