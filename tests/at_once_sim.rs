@@ -6,6 +6,8 @@
 //! The process's copy pool is set to four threads before anything uses it, so the parallel path
 //! runs whatever the machine's core count.
 
+mod copy_threads;
+
 mod common;
 
 use common::{random_vec, Fault, Rng};

@@ -1,5 +1,7 @@
 //! The engine's rules, checked on the simulated device.
 
+mod copy_threads;
+
 use cuferry::sim::{set_thread_context, thread_context, SimConfig, SimDevice, SimOp};
 use cuferry::{
     download_tensor, download_tensor_into, upload_tensor, CudaEngine, DType, DriverError, Error,

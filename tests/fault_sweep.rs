@@ -5,6 +5,8 @@
 //! works again or refuses clearly, and what is still pinned or allocated after teardown is what
 //! the engine says it retained.
 
+mod copy_threads;
+
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{
     download_pending, download_tensor, download_tensor_into, upload_pending, upload_tensor,

@@ -4,6 +4,8 @@
 //! Host waits are counted by the simulator (event and stream synchronizes); "nothing ran yet" is
 //! its queue: with the clock held, queued work runs only when a test advances it.
 
+mod copy_threads;
+
 mod common;
 
 use common::{random_vec, Reference, Rng};

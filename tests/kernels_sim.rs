@@ -2,6 +2,8 @@
 //! element type, typed refusals, the per-engine kernel cache, and stream ordering (a queued
 //! kernel has written nothing until the device clock reaches it, and a chain waits for nothing).
 
+mod copy_threads;
+
 mod common;
 
 use common::{check_casts_from, check_ops, Reference, Rng};

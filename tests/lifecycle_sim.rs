@@ -1,6 +1,8 @@
 //! The proof of completion under faults, threads, memory pressure, panics and foreign engines, on
 //! the simulated device.
 
+mod copy_threads;
+
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{
     download_pending, download_tensor, download_tensor_into, upload_pending, upload_tensor,

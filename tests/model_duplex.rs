@@ -12,6 +12,8 @@
 //! property injects faults into the cross-stream waits and the ordering events' records: every
 //! failure is a typed error, nothing runs out of order, nothing leaks.
 
+mod copy_threads;
+
 mod common;
 
 use common::duplex::{op, Run};

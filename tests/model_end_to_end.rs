@@ -13,6 +13,8 @@
 //! exactly what the model says; transfers must be ready exactly when the clock has passed their
 //! event.
 
+mod copy_threads;
+
 use cuferry::sim::SimDevice;
 use cuferry::{
     download_pending, download_tensor, upload_pending, upload_tensor, CudaEngine, DeviceTensor,

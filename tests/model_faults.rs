@@ -97,6 +97,8 @@
 // Refused submissions hand their package back by value, as the engine's own APIs do.
 #![allow(clippy::result_large_err)]
 
+mod copy_threads;
+
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{
     download_pending, download_tensor, download_tensor_into, upload_pending, upload_tensor,

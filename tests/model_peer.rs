@@ -11,6 +11,8 @@
 //! fault into one call of the routes (peer copies, waits, records, synchronizes, peer access):
 //! every failure is a typed error, and nothing runs out of order or leaks.
 
+mod copy_threads;
+
 use cuferry::sim::{Schedule, SimConfig, SimDevice, SimOp};
 use cuferry::{
     download_tensor, peer_copy, peer_copy_into, peer_copy_pending, upload_tensor, CudaEngine,

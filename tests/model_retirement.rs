@@ -22,6 +22,8 @@
 //! synchronize that fails (in `synchronize`, in the teardown's final wait, or in the fallback
 //! wait after a failed event record, which leaves the submission retained).
 
+mod copy_threads;
+
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{
     download_pending, upload_pending, CudaEngine, DeviceTensor, Direction, DriverError, Error,

@@ -3,6 +3,8 @@
 //! step. The reference is the host data itself: whatever comes back must equal it, and whatever
 //! fails must leave the ring, the retirement queue and the pinned memory accounted for.
 
+mod copy_threads;
+
 use cuferry::sim::{SimConfig, SimOp};
 use cuferry::{download_tensor, upload_tensor, CudaEngine, DriverError, Error, StagingConfig};
 use proptest::prelude::*;

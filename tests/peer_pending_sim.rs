@@ -4,6 +4,8 @@
 //! the destination engine's queue, `mem::forget`, a failed wait that retains both tensors,
 //! resubmission, `.await`, and a fault at every driver call of the route.
 
+mod copy_threads;
+
 mod common;
 
 use common::{

@@ -3,6 +3,8 @@
 //! under interleaved streams; refusals where there is no link; a fault at every driver call of the
 //! route reported, with nothing freed under the copy and nothing leaked.
 
+mod copy_threads;
+
 mod common;
 
 use common::{

@@ -1,5 +1,7 @@
 //! Pinned buffers and pending transfers on the simulated device.
 
+mod copy_threads;
+
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{
     download_pending, download_tensor, download_tensor_into, upload_pending, upload_tensor,

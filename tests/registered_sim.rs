@@ -2,6 +2,8 @@
 //! simulated device: round trips for every element type, when the copies touch the caller's
 //! memory, detach-on-drop, `mem::forget`, and a fault at every driver call of the lifecycle.
 
+mod copy_threads;
+
 mod common;
 
 use common::{

@@ -1,5 +1,7 @@
 //! Regression tests for lifecycle bugs, each reduced to the scenario that found it.
 
+mod copy_threads;
+
 use cuferry::sim::{SimConfig, SimOp};
 use cuferry::{
     upload_pending, CudaEngine, DriverError, Error, PinnedHostBuffer, TransferSubmitError,

@@ -1,6 +1,8 @@
 //! The blocking routes' staging pipeline on the simulated device: correctness at every size
 //! boundary for every element type, fault injection at every step, and concurrency.
 
+mod copy_threads;
+
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{
     bf16, download_tensor, download_tensor_into, f16, upload_tensor, CudaEngine, DriverError,

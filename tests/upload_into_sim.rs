@@ -4,6 +4,8 @@
 //! call the route makes, after which nothing is freed early, nothing leaks and the same tensor
 //! takes a correct upload again.
 
+mod copy_threads;
+
 mod common;
 
 use common::{assert_same, random_vec, Fault, Reference, Rng};

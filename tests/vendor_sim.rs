@@ -2,6 +2,8 @@
 //! library ("simulated device"), only after its arguments are validated, and it leaves every
 //! operand as it was.
 
+mod copy_threads;
+
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{download_tensor, upload_tensor, CudaEngine, Error, GemmConfig};
 
