@@ -164,7 +164,13 @@ fn the_mean_over_hundreds_of_ranks_divides_by_the_rank_count() {
         // Rank 0 holds the extremes of the 8-bit types, every other rank zeros: the sum is
         // exact, and so is its truncated quotient.
         let ints: Vec<Vec<i8>> = (0..ranks)
-            .map(|r| if r == 0 { vec![-128, 127, 100] } else { vec![0; 3] })
+            .map(|r| {
+                if r == 0 {
+                    vec![-128, 127, 100]
+                } else {
+                    vec![0; 3]
+                }
+            })
             .collect();
         let want: Vec<i8> = [-128i32, 127, 100]
             .iter()
@@ -183,7 +189,11 @@ fn the_mean_over_hundreds_of_ranks_divides_by_the_rank_count() {
         let wide: Vec<Vec<i32>> = (0..ranks).map(|r| vec![r as i32, -(r as i32)]).collect();
         let sum = (ranks * (ranks - 1) / 2) as i32;
         let n = ranks as i32;
-        assert_eq!(mean_over_ranks(&wide), [sum / n, -sum / n], "i32 over {ranks} ranks");
+        assert_eq!(
+            mean_over_ranks(&wide),
+            [sum / n, -sum / n],
+            "i32 over {ranks} ranks"
+        );
         let floats: Vec<Vec<f64>> = (0..ranks).map(|r| vec![r as f64]).collect();
         assert_eq!(
             mean_over_ranks(&floats),

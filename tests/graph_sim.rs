@@ -358,7 +358,10 @@ fn assert_size_overflow(r: Result<Program, Error>, count: usize, element_bytes: 
         Err(e @ Error::SizeOverflow { .. }) => {
             let message = e.to_string();
             assert!(message.contains(&count.to_string()), "{message}");
-            assert!(message.contains(&format!("{element_bytes} byte")), "{message}");
+            assert!(
+                message.contains(&format!("{element_bytes} byte")),
+                "{message}"
+            );
         }
         other => panic!("expected SizeOverflow, got {other:?}"),
     }
@@ -396,7 +399,10 @@ fn a_product_past_the_addressable_limit_is_refused_when_compiled() {
     assert_size_overflow(
         c.compile_with_input_specs(
             &[&p],
-            &[(&a, DType::F64, &[1 << 31, 1]), (&b, DType::F64, &[1, 1 << 31])],
+            &[
+                (&a, DType::F64, &[1 << 31, 1]),
+                (&b, DType::F64, &[1, 1 << 31]),
+            ],
         ),
         1 << 62,
         8,

@@ -72,7 +72,7 @@ pub struct PeerLanded<T: Element> {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum PeerSubmitError<T: Element> {
-    /// Refused before anything was queued; both tensors come back untouched.
+    /// Refused before the copy was queued; both tensors come back untouched.
     #[error("peer copy rejected: {error}")]
     Rejected {
         /// Both tensors.
@@ -399,8 +399,20 @@ fn submit<T: Element>(
     };
     let package = ManuallyDrop::into_inner(package);
     if let Err(source) = queued {
-        let error = Error::driver("cuMemcpyPeerAsync")(source);
-        return Err(PeerSubmitError::Failed { package, error });
+        let (src_id, from, to) = (
+            src_engine.shared.engine_id,
+            src_engine.device(),
+            st.driver.device(),
+        );
+        return Err(
+            match super::refused_copy(&mut st, src_id, from, to, source) {
+                // The link went away after the pair's first copy: refused as for a pair never
+                // linked (the copy was not queued, and a wait for the source engine queued before
+                // it only orders this engine's stream).
+                error @ Error::Unreachable { .. } => PeerSubmitError::Rejected { package, error },
+                error => PeerSubmitError::Failed { package, error },
+            },
+        );
     }
     let event = event.map(IdleEvent::into_raw);
     let held = InFlightPeer {
