@@ -285,7 +285,8 @@ impl CudaEngine {
     /// A new tensor of `shape` with every element `value`. Queued; does not wait.
     ///
     /// # Errors
-    /// As [`fill`](Self::fill), plus [`Error::SizeOverflow`] for a shape too large.
+    /// As [`fill`](Self::fill), plus [`Error::ShapeOverflow`] when the shape's element count
+    /// overflows `usize` and [`Error::SizeOverflow`] when its bytes exceed `isize::MAX`.
     pub fn full<T: Element>(&mut self, shape: &[usize], value: T) -> Result<DeviceTensor<T>> {
         let mut out = DeviceTensor::alloc(self, shape)?;
         self.fill(&mut out, value)?;
