@@ -166,7 +166,7 @@ impl<T: Element> PendingPeer<T, InFlight> {
     ///
     /// # Errors
     /// [`Error::DeviceFault`] when the device reports a failure of the copy (or of earlier work
-    /// on the destination engine's stream).
+    /// on the destination engine's compute stream).
     pub fn is_ready(&mut self) -> Result<bool> {
         self.hold.is_ready()
     }
@@ -174,12 +174,13 @@ impl<T: Element> PendingPeer<T, InFlight> {
     /// The destination tensor, for device work queued on the destination engine while the copy
     /// is in flight: the in-flight handoff.
     ///
-    /// The copy runs on the destination engine's stream, so every operation queued there
-    /// afterwards (a kernel, a library call, a download, a further peer copy out of it) reads the
-    /// data after it has landed, with no host wait. The borrow is shared: nothing can write the
-    /// tensor or free it while the copy may still touch it, and the borrow ends before
-    /// [`wait`](Self::wait) can return it. Any other engine refuses the tensor
-    /// ([`Error::WrongEngine`]).
+    /// The copy runs on the destination engine's compute stream, and its write of the tensor is
+    /// in that engine's order, so every operation queued there afterwards that uses the tensor (a
+    /// kernel, a library call, a download on its own stream after an event wait, a further peer
+    /// copy out of it) reads the data after it has landed, with no host wait. The borrow is
+    /// shared: nothing can write the tensor or free it while the copy may still touch it, and
+    /// the borrow ends before [`wait`](Self::wait) can return it. Any other engine refuses the
+    /// tensor ([`Error::WrongEngine`]).
     pub fn destination(&self) -> &DeviceTensor<T> {
         &self.hold.resources().package.destination
     }
