@@ -309,7 +309,7 @@ pub enum Error {
     /// A value (tensor, pinned buffer, staging lease, pending transfer) belongs to another
     /// engine than the one it was given to. Engines have separate streams (and maybe separate
     /// devices), so using one engine's value on another would race with its pending work.
-    #[error("the value belongs to engine #{found} on {found_device}, not to engine #{expected} on {expected_device} (each engine has its own stream)")]
+    #[error("the value belongs to engine #{found} on {found_device}, not to engine #{expected} on {expected_device} (each engine has its own streams)")]
     WrongEngine {
         /// The engine the operation ran on.
         expected: u64,
@@ -453,8 +453,9 @@ pub enum Error {
         /// What was given.
         found: String,
     },
-    /// Work on one device cannot be ordered after, or reach, work of another: simulated devices
-    /// share no clock with each other, and a real and a simulated device nothing at all.
+    /// Work on one device cannot be ordered after, or reach, work or memory of another: separate
+    /// simulated machines share no clock, a real and a simulated device share nothing at all, and
+    /// devices without a peer link cannot copy between each other directly.
     #[error("{to} cannot reach {from}: {reason}")]
     Unreachable {
         /// The device whose work was to be reached.

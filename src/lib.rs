@@ -29,6 +29,11 @@
 //! - Prepared graphs ([`graph`]): a computation traced once, compiled for fixed shapes into fused
 //!   kernels and cuBLAS products, prepared for an engine ([`CudaEngine::prepare`]) and replayed as
 //!   a CUDA graph ([`CudaEngine::run`]) for about the host cost of one graph launch.
+//! - Several engines, several GPUs: a [`Signal`] orders one engine's work after another's on the
+//!   device ([`CudaEngine::signal`], [`CudaEngine::wait_signal`]); [`peer_copy`],
+//!   [`peer_copy_into`] and the pending [`peer_copy_pending`] copy a tensor to another engine,
+//!   device to device ([`peer_copy_staged`] through host memory, when asked for by name); a
+//!   [`Communicator`] runs NCCL's [`all_reduce`] and [`broadcast`] over one engine per GPU.
 //!
 //! Every route runs against a deterministic simulated device (feature `sim`, module [`sim`]) with
 //! fault injection, so lifecycle code is tested without a GPU.

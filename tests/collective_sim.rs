@@ -131,6 +131,80 @@ fn the_mean_divides_the_sum_by_the_ranks() {
     );
 }
 
+/// The mean of `values` (one vector per rank) over a simulated machine of as many devices.
+fn mean_over_ranks<T: Reference + CollectiveElement>(values: &[Vec<T>]) -> Vec<T> {
+    let sim = SimDevice::new(SimConfig {
+        devices: values.len(),
+        ..SimConfig::default()
+    });
+    let mut engines: Vec<CudaEngine> = (0..values.len())
+        .map(|d| CudaEngine::simulated_on_device(&sim, d).unwrap())
+        .collect();
+    let comm = Communicator::new(&mut all(&mut engines)).unwrap();
+    let tensors = engines
+        .iter_mut()
+        .zip(values)
+        .map(|(e, v)| upload_tensor(e, v, &[v.len()]).unwrap())
+        .collect();
+    let back = all_reduce(&comm, &mut all(&mut engines), tensors, ReduceOp::Avg)
+        .unwrap()
+        .wait()
+        .unwrap();
+    let last = values.len() - 1;
+    let got = download_tensor(&mut engines[last], &back[last]).unwrap();
+    drop((back, comm, engines));
+    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+    got
+}
+
+/// The mean over as many ranks as NCCL takes, past what the smallest element types hold (255,
+/// 256 and a few hundred), is the sum divided by the rank count, truncated toward zero for
+/// integers.
+#[test]
+fn the_mean_over_hundreds_of_ranks_divides_by_the_rank_count() {
+    for ranks in [127usize, 128, 200, 255, 256, 300] {
+        // Rank 0 holds the extremes of the 8-bit types, every other rank zeros: the sum is
+        // exact, and so is its truncated quotient.
+        let ints: Vec<Vec<i8>> = (0..ranks)
+            .map(|r| {
+                if r == 0 {
+                    vec![-128, 127, 100]
+                } else {
+                    vec![0; 3]
+                }
+            })
+            .collect();
+        let want: Vec<i8> = [-128i32, 127, 100]
+            .iter()
+            .map(|&s| i8::try_from(s / ranks as i32).unwrap())
+            .collect();
+        assert_eq!(mean_over_ranks(&ints), want, "i8 over {ranks} ranks");
+        let uints: Vec<Vec<u8>> = (0..ranks)
+            .map(|r| if r == 0 { vec![255, 200] } else { vec![0; 2] })
+            .collect();
+        let want: Vec<u8> = [255usize, 200]
+            .iter()
+            .map(|&s| u8::try_from(s / ranks).unwrap())
+            .collect();
+        assert_eq!(mean_over_ranks(&uints), want, "u8 over {ranks} ranks");
+        // Wider integers and floats: every rank holds its rank (negated in the second element).
+        let wide: Vec<Vec<i32>> = (0..ranks).map(|r| vec![r as i32, -(r as i32)]).collect();
+        let sum = (ranks * (ranks - 1) / 2) as i32;
+        let n = ranks as i32;
+        assert_eq!(
+            mean_over_ranks(&wide),
+            [sum / n, -sum / n],
+            "i32 over {ranks} ranks"
+        );
+        let floats: Vec<Vec<f64>> = (0..ranks).map(|r| vec![r as f64]).collect();
+        assert_eq!(
+            mean_over_ranks(&floats),
+            [f64::from(sum) / ranks as f64],
+            "f64 over {ranks} ranks"
+        );
+    }
+}
+
 #[test]
 fn communicators_take_one_engine_per_device_of_one_machine() {
     let (_sim, mut engines) = machine(2, 6);

@@ -291,10 +291,20 @@ fn reshape_keeps_the_element_count() {
     assert!(matches!(refused.error(), Error::ShapeMismatch { .. }));
     let t = refused.into_input();
     assert_eq!(t.shape(), &[2, 6], "handed back unchanged");
+    // A zero dimension holds no elements, whatever the others are: a mismatch.
     let refused = t.reshape(&[usize::MAX, 2, 0, 3]).unwrap_err();
     assert!(
-        matches!(refused.error(), Error::SizeOverflow { .. })
-            || matches!(refused.error(), Error::ShapeMismatch { .. })
+        matches!(refused.error(), Error::ShapeMismatch { expected: 0, .. }),
+        "{refused}"
+    );
+    // A product past usize is the shape's overflow.
+    let refused = refused
+        .into_input()
+        .reshape(&[usize::MAX, 2, 3])
+        .unwrap_err();
+    assert!(
+        matches!(refused.error(), Error::ShapeOverflow { shape } if shape == &[usize::MAX, 2, 3]),
+        "{refused}"
     );
     assert_eq!(
         download_tensor(&mut engine, &refused.into_input())

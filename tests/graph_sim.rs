@@ -353,3 +353,100 @@ fn products_of_inputs_run_between_graph_launches() {
     let s = prepared.stats();
     assert_eq!((s.eager_calls, s.graph_launches, s.graphs), (1, 1, 1));
 }
+
+/// Asserts `r` is [`Error::SizeOverflow`] naming `count` elements of `element_bytes` bytes.
+fn assert_size_overflow(r: Result<Program, Error>, count: usize, element_bytes: usize) {
+    match r {
+        Err(e @ Error::SizeOverflow { .. }) => {
+            let message = e.to_string();
+            assert!(message.contains(&count.to_string()), "{message}");
+            assert!(
+                message.contains(&format!("{element_bytes} byte")),
+                "{message}"
+            );
+        }
+        other => panic!("expected SizeOverflow, got {other:?}"),
+    }
+}
+
+/// An input whose element count fits in usize but whose bytes do not (2^61 `f64`s) is refused
+/// when compiled, whether its values stay in kernels or pass through an intermediate.
+#[test]
+fn an_input_past_the_addressable_limit_is_refused_when_compiled() {
+    let c = GraphCompiler::new();
+    let x = TracedTensor::input_symbolic_shape(DType::F64, 2);
+    let w = TracedTensor::input_symbolic_shape(DType::F64, 2);
+    let squared = (&x * &x).unwrap();
+    let through_product = (&squared.matmul(&w).unwrap() + &x).unwrap();
+    for y in [&through_product, &squared] {
+        assert_size_overflow(
+            c.compile_with_input_specs(
+                &[y],
+                &[(&x, DType::F64, &[1 << 61, 1]), (&w, DType::F64, &[1, 1])],
+            ),
+            1 << 61,
+            8,
+        );
+    }
+}
+
+/// A product of two addressable inputs whose result is not ([2^31, 1] times [1, 2^31] `f64`s)
+/// is refused when compiled; one whose element count overflows usize names its shape.
+#[test]
+fn a_product_past_the_addressable_limit_is_refused_when_compiled() {
+    let c = GraphCompiler::new();
+    let a = TracedTensor::input_symbolic_shape(DType::F64, 2);
+    let b = TracedTensor::input_symbolic_shape(DType::F64, 2);
+    let p = a.matmul(&b).unwrap();
+    assert_size_overflow(
+        c.compile_with_input_specs(
+            &[&p],
+            &[
+                (&a, DType::F64, &[1 << 31, 1]),
+                (&b, DType::F64, &[1, 1 << 31]),
+            ],
+        ),
+        1 << 62,
+        8,
+    );
+    let q = TracedTensor::input_symbolic_shape(DType::F64, 2);
+    let big = q.matmul(&q.reshape(&[1, 1 << 40])).unwrap();
+    match c.compile_with_input_specs(&[&big], &[(&q, DType::F64, &[1 << 40, 1])]) {
+        Err(Error::ShapeOverflow { shape }) => assert_eq!(shape, [1 << 40, 1 << 40]),
+        other => panic!("expected ShapeOverflow, got {other:?}"),
+    }
+}
+
+/// Intermediates that are each addressable but not together, being live at once, are refused
+/// when compiled: four, then two, of 2^62 bytes, each read by a product after the one kernel
+/// that writes them all.
+#[test]
+fn intermediates_live_at_once_past_the_addressable_limit_are_refused_when_compiled() {
+    let c = GraphCompiler::new();
+    let x = TracedTensor::input_symbolic_shape(DType::F64, 2);
+    let w = TracedTensor::input_symbolic_shape(DType::F64, 2);
+    let parts = [
+        (&x * &x).unwrap(),
+        (&x + &x).unwrap(),
+        (&x - &x).unwrap(),
+        (&x / &x).unwrap(),
+    ];
+    let products: Vec<TracedTensor> = parts.iter().map(|v| v.matmul(&w).unwrap()).collect();
+    let outputs: Vec<&TracedTensor> = products.iter().collect();
+    let specs = [
+        (&x, DType::F64, &[1usize << 58, 2][..]),
+        (&w, DType::F64, &[2, 1][..]),
+    ];
+    for live in [4, 2] {
+        match c.compile_with_input_specs(&outputs[..live], &specs) {
+            Err(Error::ProgramSpec { detail }) => {
+                assert!(detail.contains("intermediates"), "{live}: {detail}");
+                assert!(detail.contains(&isize::MAX.to_string()), "{live}: {detail}");
+            }
+            other => panic!("{live} live at once: expected ProgramSpec, got {other:?}"),
+        }
+    }
+    // One fits: its 2^62 bytes and the product's own 2^61 (a product writes an intermediate).
+    let one = c.compile_with_input_specs(&outputs[..1], &specs).unwrap();
+    assert_eq!(one.stats().intermediate_bytes, (1 << 62) + (1 << 61));
+}

@@ -126,6 +126,56 @@ fn without_a_link_the_copy_is_refused_and_the_staged_copy_is_taken_by_name() {
     drop((other, short, unlinked, c));
 }
 
+/// A link removed after the pair's first copy: the next copy on each route is refused as
+/// unreachable (not as the driver's refusal), the pair is asked again from then on (refused
+/// with nothing queued), and once the link is back the copies run again.
+#[test]
+fn a_link_removed_after_first_use_is_unreachable_and_asked_again() {
+    let sim = machine(2);
+    let (mut a, mut b) = engines(&sim, 0, 1);
+    let data = vec![1u32, 2, 3];
+    let x = upload_tensor(&mut a, &data, &[3]).unwrap();
+    let mut landing = b.alloc_tensor::<u32>(&[3]).unwrap();
+    // First use of both directions: access asked, enabled and remembered.
+    drop(peer_copy(&mut a, &x, &mut b).unwrap());
+    let pending = cuferry::peer_copy_pending(&mut a, x, &mut b, landing).unwrap();
+    let (x, back) = pending.wait().unwrap().into_parts();
+    landing = back;
+    sim.set_peer_link(0, 1, false);
+    let unreachable = |e: &Error, reached: &CudaEngine, reaching: &CudaEngine| {
+        matches!(e, Error::Unreachable { from, to, reason }
+            if *from == reached.device() && *to == reaching.device() && reason.contains("peer link"))
+    };
+    // The remembered pair: the copy reaches the driver, whose refusal says why.
+    let e = peer_copy(&mut a, &x, &mut b).unwrap_err();
+    assert!(unreachable(&e, &b, &a), "{e:?}");
+    // Asked again: refused before the copy is queued.
+    let copies = sim.calls(SimOp::CopyPeer);
+    let e = peer_copy_into(&mut a, &x, &mut b, &mut landing).unwrap_err();
+    assert!(unreachable(&e, &b, &a), "{e:?}");
+    assert!(!a.peer_access(&b).unwrap());
+    assert_eq!(sim.calls(SimOp::CopyPeer), copies, "nothing queued");
+    // The pending route, carried by the destination engine: its remembered pair too.
+    let refused = cuferry::peer_copy_pending(&mut a, x, &mut b, landing).unwrap_err();
+    assert!(unreachable(refused.error(), &a, &b), "{refused:?}");
+    assert!(
+        matches!(refused, cuferry::PeerSubmitError::Rejected { .. }),
+        "{refused:?}"
+    );
+    let package = refused.into_package().unwrap();
+    let (x, landing) = (package.source, package.destination);
+    assert!(!b.peer_access(&a).unwrap());
+    // Linked again: both directions copy, asked once more.
+    sim.set_peer_link(0, 1, true);
+    let there = peer_copy(&mut a, &x, &mut b).unwrap();
+    assert_eq!(download_tensor(&mut b, &there).unwrap(), data);
+    let copy = cuferry::peer_copy_pending(&mut a, x, &mut b, landing).unwrap();
+    let (_, landing) = copy.wait().unwrap().into_parts();
+    assert_eq!(download_tensor(&mut b, &landing).unwrap(), data);
+    drop((there, landing));
+    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+}
+
 /// Under interleaved streams: a kernel writes the source, the copy takes it, a later fill
 /// overwrites the source, and a kernel on the other engine reads the copy. The copy holds the
 /// kernel's values, the fill never reaches it, and the race checker finds nothing.

@@ -1,10 +1,10 @@
 //! The graph half of the device seam: capturing queued work into a graph, instantiating it,
-//! updating the parameters of its kernel nodes and replaying it on the stream.
+//! updating the parameters of its kernel nodes and replaying it on the compute stream.
 //!
 //! Like [`launch`](super::launch), it is a supertrait of [`Driver`](super::Driver) and names
 //! device operations only. A graph is made by stream capture: between
-//! [`Graphs::capture_begin`] and [`Graphs::capture_end`], what the caller queues on the stream
-//! (kernel launches and library calls bound to the stream) is recorded into a graph instead of
+//! [`Graphs::capture_begin`] and [`Graphs::capture_end`], what the caller queues on the compute
+//! stream (kernel launches and library calls bound to it) is recorded into a graph instead of
 //! running. [`Graphs::capture_last_node`] names the node the last queued operation became, so
 //! its parameters can be replaced later in the instantiated graph without capturing again.
 //!

@@ -6,9 +6,9 @@
 //! computes is the business of the level that wrote it.
 //!
 //! A real device compiles the source with NVRTC, loads the PTX into the engine's context and
-//! launches it on the engine's stream. A device that cannot run PTX (the simulator) runs the
-//! module's [`Emulation`] instead, which the code that builds the module registers in its
-//! [`ModuleSource`]: the simulator queues it on its stream, so it runs at the same point in
+//! launches it on the engine's compute stream. A device that cannot run PTX (the simulator) runs
+//! the module's [`Emulation`] instead, which the code that builds the module registers in its
+//! [`ModuleSource`]: the simulator queues it on the compute stream, so it runs at the same point in
 //! stream order as the kernel would, against the device's own memory. A module without an
 //! emulation (a user kernel) is refused there with a typed error.
 

@@ -3,7 +3,7 @@
 //! Everything above this module speaks to a [`Driver`], never to the CUDA driver API itself. Two
 //! implementations exist: [`cuda::CudaDriver`] over `cudarc::driver::result` for real GPUs, and
 //! (feature `sim`) the simulated device in [`sim`], which keeps device memory in host memory,
-//! runs its stream only when its clock advances, and injects faults on request. Because the
+//! runs its streams only when its clock advances, and injects faults on request. Because the
 //! lifecycle code above the seam is the same for both, CI without a GPU checks what the GPU runs.
 //!
 //! A driver object is one device, one context and three streams, the engine's [`Lane`]s:
@@ -17,7 +17,7 @@
 //! Besides the memory, copy and event operations of [`Driver`] itself, the seam has two halves
 //! that are supertraits of it: [`launch::Launch`] compiles, loads and launches kernels, and
 //! [`graph::Graphs`] captures queued launches into graphs, instantiates them, updates their
-//! kernel nodes' parameters and replays them on the stream.
+//! kernel nodes' parameters and replays them on the compute stream.
 
 pub(crate) mod cuda;
 pub(crate) mod graph;

@@ -676,7 +676,7 @@ impl SimDevice {
         s.peer_linked[b][a] = linked;
     }
 
-    /// Reads device memory directly, bypassing the stream (for assertions in tests): the bytes
+    /// Reads device memory directly, bypassing the streams (for assertions in tests): the bytes
     /// the device holds now, as of the operations that have run.
     pub fn peek(&self, ptr: u64, bytes: usize) -> Option<Vec<u8>> {
         let s = self.lock();

@@ -11,7 +11,7 @@
 //!
 //! The queue is polled without waiting at `flush`, when an allocation fails, and cheaply (the
 //! oldest records only) when pinned memory is requested; `synchronize` and teardown settle it
-//! after waiting for the stream, outside the engine's lock. Released resources are not dropped
+//! after waiting for the streams, outside the engine's lock. Released resources are not dropped
 //! here: they go to the engine's release list, dropped once its lock is released, because their
 //! drops take that lock.
 

@@ -7,9 +7,9 @@
 //! afterwards runs after the signalled work, while the host moves on. The same signal is a host
 //! proof too ([`Signal::is_ready`], [`Signal::wait`]).
 //!
-//! Real devices wait for each other's events across contexts and devices. A simulated device
-//! waits only for engines of the same simulated device (separate ones share no clock): anything
-//! else is refused with [`Error::Unreachable`].
+//! Real devices wait for each other's events across contexts and devices. A simulated engine
+//! waits only for engines of the same simulated machine, on any of its devices (separate
+//! machines share no clock): anything else is refused with [`Error::Unreachable`].
 
 use super::fence::{fence, Fenced, Fencing};
 use crate::core::engine::CudaEngine;

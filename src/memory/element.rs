@@ -61,12 +61,18 @@ pub(crate) fn as_bytes<T: Element>(data: &[T]) -> &[u8] {
 
 /// Byte length of `count` elements of `T`, checked.
 pub(crate) fn byte_len<T: Element>(count: usize, what: &'static str) -> Result<usize> {
+    dtype_byte_len(T::DTYPE, count, what)
+}
+
+/// Byte length of `count` elements of `dtype`: [`Error::SizeOverflow`] past `isize::MAX` bytes,
+/// the most one allocation can address.
+pub(crate) fn dtype_byte_len(dtype: DType, count: usize, what: &'static str) -> Result<usize> {
     count
-        .checked_mul(T::DTYPE.size_bytes())
+        .checked_mul(dtype.size_bytes())
         .filter(|&b| b <= isize::MAX as usize)
         .ok_or(Error::SizeOverflow {
             what,
             count,
-            element_bytes: T::DTYPE.size_bytes(),
+            element_bytes: dtype.size_bytes(),
         })
 }

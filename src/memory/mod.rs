@@ -14,7 +14,7 @@
 //! - [`stream_copy`]: the copy into pinned staging memory, written around the CPU's caches so
 //!   the DMA that reads it next does not have to pull it out of them.
 //!
-//! The level exists so that owning memory (allocating it on the engine's stream, returning it to
+//! The level exists so that owning memory (allocating it on the engine's streams, returning it to
 //! a pool, freeing it stream-ordered) is written once, apart from the proofs of when the device
 //! is done with it, which are the lifecycle level's. It depends on the seam, the core and the
 //! errors. `pool` and `ring` are the engine's state and depend only on the seam and the errors

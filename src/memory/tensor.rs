@@ -208,8 +208,9 @@ impl<T: Element> DeviceTensor<T> {
     /// Gives the tensor a new shape with the same element count. No data moves.
     ///
     /// # Errors
-    /// [`Error::ShapeMismatch`] when the element counts differ, [`Error::SizeOverflow`] when the
-    /// shape's element count overflows; the tensor comes back in the [`Refused`], unchanged.
+    /// [`Error::ShapeMismatch`] when the element counts differ, [`Error::ShapeOverflow`] when the
+    /// shape's element count overflows `usize`; the tensor comes back in the [`Refused`],
+    /// unchanged.
     pub fn reshape(mut self, shape: &[usize]) -> Result<Self, Refused<Self>> {
         let refusal = match shape_len(shape) {
             Ok(expected) if expected == self.len => None,
@@ -312,8 +313,9 @@ impl CudaEngine {
     /// wait); a kernel or library call that writes it first waits for the allocation once.
     ///
     /// # Errors
-    /// [`Error::SizeOverflow`] for a shape too large to address, [`Error::Driver`] when the
-    /// allocation fails.
+    /// [`Error::ShapeOverflow`] when the shape's element count overflows `usize`,
+    /// [`Error::SizeOverflow`] when its bytes exceed `isize::MAX` (the most one allocation can
+    /// address), [`Error::Driver`] when the allocation fails.
     pub fn alloc_tensor<T: Element>(&mut self, shape: &[usize]) -> Result<DeviceTensor<T>> {
         DeviceTensor::alloc_on(self, Lane::Upload, shape)
     }

@@ -2,7 +2,8 @@
 //!
 //! Each route returns only when the caller's host memory is no longer touched by the device: an
 //! upload has read its source, a download has written its destination. Device-side ordering is
-//! the stream's: an upload is visible to every later operation on the engine.
+//! the engine's order (an event wait between its streams wherever a tensor is shared): an upload
+//! is visible to every later operation on the engine.
 //!
 //! Three size bands, all through pinned staging (the device only reaches full speed from
 //! page-locked memory, and the caller's memory is pageable):
@@ -337,7 +338,8 @@ impl Populate {
 /// read.
 ///
 /// # Errors
-/// [`Error::ShapeMismatch`] when `shape` does not describe `data.len()` elements;
+/// [`Error::ShapeMismatch`] when `shape` does not describe `data.len()` elements,
+/// [`Error::ShapeOverflow`] when its element count overflows `usize`;
 /// [`Error::Driver`] or [`Error::DeviceFault`] when the device refuses or fails (everything a
 /// queued copy may still touch is then retired, not freed).
 pub fn upload_tensor<T: Element>(
@@ -367,8 +369,9 @@ pub fn upload_tensor<T: Element>(
 /// The counterpart of [`download_tensor_into`]: the same routes as [`upload_tensor`] (the 16-byte
 /// scalar slot, one staged copy up to `cutoff_bytes`, the pipelined ring above it), with no
 /// device allocation on any path. The tensor's shape is kept; only its length must match. Like
-/// every upload, the copy is ordered on the engine's stream after the work queued before it, so
-/// device work that reads the tensor's old contents and was queued earlier still sees them.
+/// every upload, the copy is ordered after the work queued before it that uses the tensor (on
+/// another stream, by an event wait on the device), so device work that reads the tensor's old
+/// contents and was queued earlier still sees them.
 ///
 /// ```
 /// # fn main() -> Result<(), cuferry::Error> {
@@ -396,9 +399,9 @@ pub fn upload_tensor<T: Element>(
 /// before anything is queued, and the tensor is untouched. An empty upload into an empty tensor
 /// queues nothing and succeeds. [`Error::Driver`] or [`Error::DeviceFault`] when the device
 /// refuses or fails: every staging slot a queued copy may still read is then retired, not freed,
-/// and the tensor stays the caller's (its eventual free is ordered on the stream after the queued
-/// copies). After such an error the tensor's contents are unspecified: some chunks may have
-/// landed and others not.
+/// and the tensor stays the caller's (its eventual free is ordered after the queued copies).
+/// After such an error the tensor's contents are unspecified: some chunks may have landed and
+/// others not.
 pub fn upload_tensor_into<T: Element>(
     engine: &mut CudaEngine,
     tensor: &mut DeviceTensor<T>,

@@ -2,10 +2,11 @@
 //!
 //! Blocking routes ([`upload_tensor`], [`upload_tensor_into`], [`download_tensor`],
 //! [`download_tensor_into`]) take ordinary host memory and return when the host memory may be
-//! reused. Pending routes ([`upload_pending`], [`download_pending`]) take pinned buffers by value
-//! and return a handle whose state is a type, which can also be awaited ([`PendingFuture`]). Peer
-//! routes ([`peer_copy`], [`peer_copy_into`], [`peer_copy_staged`], and the pending
-//! [`peer_copy_pending`]) move a tensor of one engine to another.
+//! reused. Pending routes ([`upload_pending`], [`download_pending`]) take page-locked buffers
+//! (pinned or registered) by value and return a handle whose state is a type, which can also be
+//! awaited ([`PendingFuture`]). Peer routes ([`peer_copy`], [`peer_copy_into`],
+//! [`peer_copy_staged`], and the pending [`peer_copy_pending`]) move a tensor of one engine to
+//! another.
 //!
 //! The level exists so a route is only a composition: it moves values the memory level defines
 //! (tensors, pinned buffers, staging slots) under the proofs the lifecycle level defines

@@ -19,10 +19,10 @@
 //! The blocking routes return once a synchronize of the carrier's stream proves the copy
 //! complete.
 
-use crate::core::engine::CudaEngine;
+use crate::core::engine::{CudaEngine, State};
 use crate::core::order::Use;
 use crate::driver::{ContextHandle, DevicePtr, Lane};
-use crate::error::{DeviceId, Error, Result};
+use crate::error::{DeviceId, DriverError, Error, Result};
 use crate::memory::element::Element;
 use crate::memory::tensor::DeviceTensor;
 use crate::routes::blocking::{download_tensor, upload_tensor};
@@ -44,7 +44,9 @@ impl CudaEngine {
     /// or a device it has a peer link to (NVLink or PCIe peer-to-peer). Where it does, the access
     /// is enabled: this device's context to the other's (`cuCtxEnablePeerAccess`, once per pair
     /// of devices in the process), and the other engine's memory pool to this device
-    /// (`cuMemPoolSetAccess`, once per engine).
+    /// (`cuMemPoolSetAccess`, once per engine). The answer is remembered for the pair of
+    /// engines, so later copies do not ask; a copy the driver refuses forgets it, and the next
+    /// one asks again.
     ///
     /// # Errors
     /// [`Error::Unreachable`] when the two engines' devices cannot reach each other at all
@@ -193,8 +195,37 @@ fn no_link(from: &CudaEngine, to: &CudaEngine) -> Error {
     Error::Unreachable {
         from: from.device(),
         to: to.device(),
-        reason: "the devices have no peer link; peer_copy_staged copies through host memory",
+        reason: NO_LINK,
     }
+}
+
+const NO_LINK: &str = "the devices have no peer link; peer_copy_staged copies through host memory";
+
+/// What a copy the driver refused (`source`) on the stream of `st`'s engine (on device `to`)
+/// reports, `other` the engine on the far side (on device `from`).
+///
+/// Peer access is remembered per pair of engines after the first copy, so a later copy reaches
+/// the driver without asking: when the link has gone since (a simulated machine's
+/// [`set_peer_link`](crate::sim::SimDevice::set_peer_link)), the refusal is the driver's. The
+/// pair is forgotten here, so the next copy asks again, and the driver is asked now: where the
+/// devices no longer reach each other the refusal is [`Error::Unreachable`], as it is for a pair
+/// never linked; otherwise it is the driver's own.
+fn refused_copy(
+    st: &mut State,
+    other: u64,
+    from: DeviceId,
+    to: DeviceId,
+    source: DriverError,
+) -> Error {
+    st.peers.retain(|&id| id != other);
+    if from != to && st.driver.can_access_peer(from) == Ok(false) {
+        return Error::Unreachable {
+            from,
+            to,
+            reason: NO_LINK,
+        };
+    }
+    Error::driver("cuMemcpyPeerAsync")(source)
 }
 
 /// The other side of a copy: `other`'s context, and the [`Signal`](crate::Signal) of `other`'s
@@ -246,6 +277,7 @@ unsafe fn copy_and_prove(
     bytes: usize,
 ) -> std::result::Result<(), Copied> {
     let (other_ctx, signal) = other_side(carrier, other, theirs).map_err(Copied::NotQueued)?;
+    let (other_id, other_device) = (other.shared.engine_id, other.device());
     {
         let mut st = carrier.enter().map_err(Copied::NotQueued)?;
         let my_ctx = st.driver.context();
@@ -263,7 +295,10 @@ unsafe fn copy_and_prove(
             st.driver
                 .copy_peer(Lane::Compute, dst, dst_ctx, src, src_ctx, bytes)
         }
-        .map_err(|e| Copied::NotQueued(Error::driver("cuMemcpyPeerAsync")(e)))?;
+        .map_err(|e| {
+            let to = st.driver.device();
+            Copied::NotQueued(refused_copy(&mut st, other_id, other_device, to, e))
+        })?;
     }
     // The proof: a synchronize of the copy's stream (the caller waits at once, so an event would
     // add a record for the same answer).

@@ -2,12 +2,12 @@
 //!
 //! [`upload_pending`] and [`download_pending`] take a host buffer (a [`PinnedHostBuffer`] or a
 //! [`RegisteredBuffer`](crate::RegisteredBuffer), anything that is a [`HostBuffer`]) and a
-//! [`DeviceTensor`] by value, queue one copy on the engine's stream, record an event after it,
-//! and return a [`Pending`] handle in state [`InFlight`]. In that state nothing can reach the
-//! buffer or the tensor: the handle owns them, and offers only [`Pending::is_ready`] (never
-//! waits), [`Pending::wait`], [`Pending::try_wait`] and `.await` ([`PendingFuture`]). The
-//! [`Returned`] state, reached once the event proves the copy complete, gives both back, and can
-//! resubmit the same pair without allocating anything.
+//! [`DeviceTensor`] by value, queue one copy on the engine's upload or download stream, record an
+//! event after it, and return a [`Pending`] handle in state [`InFlight`]. In that state nothing
+//! can reach the buffer or the tensor: the handle owns them, and offers only
+//! [`Pending::is_ready`] (never waits), [`Pending::wait`], [`Pending::try_wait`] and `.await`
+//! ([`PendingFuture`]). The [`Returned`] state, reached once the event proves the copy complete,
+//! gives both back, and can resubmit the same pair without allocating anything.
 //!
 //! Awaiting is woken by the device, never by polling: the future asks the event once, and if
 //! the copy is not done it registers a call back that the device makes once the copy has
@@ -258,7 +258,9 @@ impl<D: Direction, T: Element, B: HostBuffer<T>> Pending<D, T, InFlight, B> {
     /// The device tensor, for device work queued on this engine while the copy is in flight:
     /// the in-flight handoff.
     ///
-    /// The engine has one stream, so every operation queued after the copy runs after it: a
+    /// The copy's use of the tensor is in the engine's order, so every operation of this engine
+    /// queued after the copy that uses the tensor runs after it, on whichever of the engine's
+    /// three streams it goes (after an event wait on the device where that is not the copy's): a
     /// kernel, a library call, a device copy, a blocking or pending download, a prepared program
     /// given this tensor reads an upload's destination only after the data has landed, with no
     /// host wait in between. For a download, the tensor is its source, and other work may read it
@@ -268,8 +270,9 @@ impl<D: Direction, T: Element, B: HostBuffer<T>> Pending<D, T, InFlight, B> {
     ///
     /// Only the engine that queued the copy accepts the tensor: another engine refuses it with
     /// [`Error::WrongEngine`], as it refuses any tensor it does not own. A CubeCL import
-    /// (`CubeclScope::import`, feature `cubecl`) queues its copy on this engine's stream and waits for it on the host, so it too reads the
-    /// data after it has landed.
+    /// (`CubeclScope::import`, feature `cubecl`) queues its copy on this engine's compute stream,
+    /// ordered after the upload, and waits for it on the host, so it too reads the data after it
+    /// has landed.
     ///
     /// ```
     /// # use cuferry::sim::SimConfig;
@@ -278,13 +281,13 @@ impl<D: Direction, T: Element, B: HostBuffer<T>> Pending<D, T, InFlight, B> {
     /// let source = PinnedHostBuffer::from_slice(&mut engine, &[1.0f32, 2.0, 3.0])?;
     /// let destination = engine.alloc_tensor::<f32>(&[3])?;
     /// let upload = upload_pending(&mut engine, source, destination).map_err(|e| e.into_error())?;
-    /// // Queued after the copy on the same stream: no host wait.
+    /// // Ordered after the copy by an event wait on the device: no host wait.
     /// let doubled = engine.add(upload.device_tensor(), upload.device_tensor())?;
     /// let buffer = PinnedHostBuffer::<f32>::new(&mut engine, 3)?;
     /// let download = download_pending(&mut engine, doubled, buffer).map_err(|e| e.into_error())?;
     /// let download = download.wait()?; // the one host wait
     /// assert_eq!(download.buffer().as_slice(), &[2.0, 4.0, 6.0]);
-    /// let _upload = upload.wait()?; // already complete: stream order
+    /// let _upload = upload.wait()?; // already complete: the kernel that read it waited for it
     /// # Ok::<(), cuferry::Error>(())
     /// ```
     pub fn device_tensor(&self) -> &DeviceTensor<T> {

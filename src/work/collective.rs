@@ -8,8 +8,8 @@
 //! order, with the rules of every pending route:
 //!
 //! - a refused call hands the tensors back ([`CollectiveSubmitError::Rejected`]);
-//! - each rank's tensor is lent shared, for work on its own engine that its stream runs after the
-//!   collective ([`PendingCollective::tensor`]);
+//! - each rank's tensor is lent shared, for work on its own engine that the engine orders after
+//!   the collective ([`PendingCollective::tensor`]);
 //! - dropping the handle in flight detaches each tensor into its own engine's retirement queue,
 //!   released once that engine's event proves its part complete; `mem::forget` leaks them;
 //! - a wait that fails retains the failing rank's tensor for its engine's lifetime.
@@ -287,8 +287,9 @@ impl<T: Element> PendingCollective<T> {
         Ok(true)
     }
 
-    /// Rank `rank`'s tensor, for work on its own engine: that engine's stream runs it after the
-    /// collective, with no host wait. `None` past the last rank.
+    /// Rank `rank`'s tensor, for work on its own engine: that engine orders it after the
+    /// collective (on another of its streams, by an event wait on the device), with no host
+    /// wait. `None` past the last rank.
     pub fn tensor(&self, rank: usize) -> Option<&DeviceTensor<T>> {
         self.parts.get(rank).map(|part| match part {
             Part::Fenced(fenced) => &fenced.resources().0,

@@ -209,7 +209,7 @@ impl std::fmt::Debug for RawScope<'_, '_> {
 }
 
 impl CudaEngine {
-    /// Runs `f` with the engine's raw context, stream and tensor pointers.
+    /// Runs `f` with the engine's raw context, compute stream and tensor pointers.
     ///
     /// Saves the calling thread's current context, makes the engine's current, and restores the
     /// previous one when `f` returns, returns `Err`, or unwinds. Not a host barrier.

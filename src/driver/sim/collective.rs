@@ -167,7 +167,8 @@ impl State {
 }
 
 /// The element-wise reduction of `inputs` (one buffer per rank, in rank order) by `op`: in rank
-/// order, rounded to the element type at each step, integers wrapping.
+/// order, rounded to the element type at each step, integers wrapping. The mean divides the
+/// reduced sum by the rank count, whatever it is (integers truncated toward zero).
 fn reduce(dtype: DType, op: Reduction, inputs: &[Vec<u8>]) -> Vec<u8> {
     let n = inputs.len();
     macro_rules! fold {
@@ -219,7 +220,12 @@ fn reduce(dtype: DType, op: Reduction, inputs: &[Vec<u8>]) -> Vec<u8> {
                 <$t>::to_le_bytes,
                 <$t>::wrapping_add,
                 <$t>::wrapping_mul,
-                |a: $t, n: usize| a / (n as $t)
+                // In a type that holds every element and every rank count: `n` as `$t` wraps
+                // (256 ranks are 0 as `u8`, 255 are -1 as `i8`), and NCCL takes any count.
+                |a: $t, n: usize| {
+                    let q = i128::from(a) / i128::try_from(n).expect("a rank count fits in i128");
+                    <$t>::try_from(q).expect("a quotient is no larger than its dividend")
+                }
             )
         };
     }

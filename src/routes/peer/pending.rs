@@ -72,7 +72,7 @@ pub struct PeerLanded<T: Element> {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum PeerSubmitError<T: Element> {
-    /// Refused before anything was queued; both tensors come back untouched.
+    /// Refused before the copy was queued; both tensors come back untouched.
     #[error("peer copy rejected: {error}")]
     Rejected {
         /// Both tensors.
@@ -166,7 +166,7 @@ impl<T: Element> PendingPeer<T, InFlight> {
     ///
     /// # Errors
     /// [`Error::DeviceFault`] when the device reports a failure of the copy (or of earlier work
-    /// on the destination engine's stream).
+    /// on the destination engine's compute stream).
     pub fn is_ready(&mut self) -> Result<bool> {
         self.hold.is_ready()
     }
@@ -174,12 +174,13 @@ impl<T: Element> PendingPeer<T, InFlight> {
     /// The destination tensor, for device work queued on the destination engine while the copy
     /// is in flight: the in-flight handoff.
     ///
-    /// The copy runs on the destination engine's stream, so every operation queued there
-    /// afterwards (a kernel, a library call, a download, a further peer copy out of it) reads the
-    /// data after it has landed, with no host wait. The borrow is shared: nothing can write the
-    /// tensor or free it while the copy may still touch it, and the borrow ends before
-    /// [`wait`](Self::wait) can return it. Any other engine refuses the tensor
-    /// ([`Error::WrongEngine`]).
+    /// The copy runs on the destination engine's compute stream, and its write of the tensor is
+    /// in that engine's order, so every operation queued there afterwards that uses the tensor (a
+    /// kernel, a library call, a download on its own stream after an event wait, a further peer
+    /// copy out of it) reads the data after it has landed, with no host wait. The borrow is
+    /// shared: nothing can write the tensor or free it while the copy may still touch it, and
+    /// the borrow ends before [`wait`](Self::wait) can return it. Any other engine refuses the
+    /// tensor ([`Error::WrongEngine`]).
     pub fn destination(&self) -> &DeviceTensor<T> {
         &self.hold.resources().package.destination
     }
@@ -398,10 +399,21 @@ fn submit<T: Element>(
         )
     };
     if let Err(source) = queued {
+        let (src_id, from, to) = (
+            src_engine.shared.engine_id,
+            src_engine.device(),
+            st.driver.device(),
+        );
+        let error = super::refused_copy(&mut st, src_id, from, to, source);
         // Nothing was queued: both tensors come back.
         let package = ManuallyDrop::into_inner(package);
-        let error = Error::driver("cuMemcpyPeerAsync")(source);
-        return Err(PeerSubmitError::Failed { package, error });
+        return Err(match error {
+            // The link went away after the pair's first copy: refused as for a pair never
+            // linked (the copy was not queued, and a wait for the source engine queued before it
+            // only orders this engine's stream).
+            error @ Error::Unreachable { .. } => PeerSubmitError::Rejected { package, error },
+            error => PeerSubmitError::Failed { package, error },
+        });
     }
     let event = event.map(IdleEvent::into_raw);
     // Moved from one holder to the other with no call in between: held throughout.

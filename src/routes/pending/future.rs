@@ -44,7 +44,7 @@ use std::task::{Context, Poll};
 /// once the copy has completed or the device has failed, and returns `Pending`; the call back
 /// wakes the task, and the next poll asks the event again. On CUDA the call back is a stream callback
 /// (`cuStreamAddCallback`) on a side stream that waits for the transfer's event, so it comes
-/// right after the copy, is not held up by work queued later on the engine's stream, and is
+/// right after the copy, is not held up by work queued later on the engine's streams, and is
 /// made after a device fault too (unlike `cuLaunchHostFunc`, which CUDA does not call once the
 /// context has an error). Beyond the first poll's 20 µs, no host thread spends anything on the
 /// transfer: nothing polls, and no thread is parked in an event wait. The alternative, a watcher thread blocked in
@@ -55,7 +55,7 @@ use std::task::{Context, Poll};
 /// [`SimDevice::hold_clock`](crate::sim::SimDevice::hold_clock)).
 ///
 /// Registering the call back takes the engine's lock briefly, once per await. When it cannot be
-/// registered (the engine was dropped, whose teardown waited for its stream, or the driver
+/// registered (the engine was dropped, whose teardown waited for its streams, or the driver
 /// refused), the poll waits for the event on the polling thread instead: rare, and short.
 ///
 /// # Cancellation

@@ -24,6 +24,7 @@
 use super::trace::{Op, TracedTensor};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::memory::element::dtype_byte_len;
 use crate::memory::tensor::shape_len;
 use crate::work::kernels::fused::{FusedKernel, FusedOp};
 use crate::work::kernels::spec::ElementwiseOp;
@@ -74,7 +75,8 @@ pub struct ProgramStats {
     pub matmuls: usize,
     /// Bytes of the intermediate arena a prepared program allocates once.
     pub intermediate_bytes: usize,
-    /// Bytes the intermediates would take without sharing (the sum of their sizes).
+    /// Bytes the intermediates would take without sharing (the sum of their sizes, saturating at
+    /// `usize::MAX`).
     pub unshared_intermediate_bytes: usize,
 }
 
@@ -219,6 +221,14 @@ impl Lowered {
             return Ok(id);
         }
         let len = shape_len(&key.2)?;
+        // Every value may live in memory (an input, an output, an intermediate): its bytes must
+        // be addressable, so no later size computation of the plan or of a run overflows.
+        let what = match kind {
+            Kind::Input(_) => "program input",
+            Kind::Matmul(..) => "program matrix product",
+            _ => "program value",
+        };
+        dtype_byte_len(dtype, len, what)?;
         let id = self.values.len();
         self.values.push(Value {
             kind,
@@ -381,7 +391,10 @@ impl GraphCompiler {
     /// twice, or disagrees with its element type or rank; when an output depends on an input
     /// without a specification; or when shapes do not fit an operation (elementwise operands of
     /// different shapes, matrix products whose inner dimensions differ, reshapes that change the
-    /// element count). [`Error::ShapeOverflow`] when a shape's element count overflows.
+    /// element count), or when the intermediates live at once need more than `isize::MAX` bytes.
+    /// [`Error::ShapeOverflow`] when a shape's element count (an input's, or one an operation
+    /// makes, as a product's) overflows `usize`; [`Error::SizeOverflow`] when a value's bytes
+    /// exceed `isize::MAX`, the most one allocation can address.
     pub fn compile_with_input_specs(
         &self,
         outputs: &[&TracedTensor],
@@ -402,7 +415,7 @@ impl GraphCompiler {
                     t.rank()
                 )));
             }
-            shape_len(shape)?;
+            dtype_byte_len(*dtype, shape_len(shape)?, "program input")?;
             if inputs.insert(t.node.id, index).is_some() {
                 return Err(Lowered::spec_error(format!(
                     "input specification {index} names an input that an earlier specification names"
@@ -416,7 +429,7 @@ impl GraphCompiler {
         for t in outputs {
             roots.push(lowered.lower(t, &inputs, &specs, &mut memo)?);
         }
-        Ok(plan(lowered, specs, &roots))
+        plan(lowered, specs, &roots)
     }
 }
 
@@ -475,7 +488,7 @@ impl KernelBuilder {
     }
 }
 
-fn plan(lowered: Lowered, inputs: Vec<(DType, Vec<usize>)>, roots: &[usize]) -> Program {
+fn plan(lowered: Lowered, inputs: Vec<(DType, Vec<usize>)>, roots: &[usize]) -> Result<Program> {
     let values = &lowered.values;
     let n = values.len();
     let root = |id: usize| lowered.root(id);
@@ -704,8 +717,10 @@ fn plan(lowered: Lowered, inputs: Vec<(DType, Vec<usize>)>, roots: &[usize]) -> 
     let mut arena = 0usize;
     slot_values.sort_by_key(|v| def.get(v).copied().unwrap_or(0));
     for &v in &slot_values {
-        let bytes = (values[v].len * values[v].dtype.size_bytes()).div_ceil(ALIGN) * ALIGN;
-        stats.unshared_intermediate_bytes += bytes;
+        // At most `isize::MAX` (checked when the value was lowered) rounded up to `ALIGN`: no
+        // overflow, and neither has any end of a placed buffer (each at most `isize::MAX`).
+        let bytes = (values[v].len * values[v].dtype.size_bytes()).next_multiple_of(ALIGN);
+        stats.unshared_intermediate_bytes = stats.unshared_intermediate_bytes.saturating_add(bytes);
         let born = def.get(&v).copied().unwrap_or(0);
         let dies = last_use.get(&v).copied().unwrap_or(born).max(born);
         let mut busy: Vec<(usize, usize)> = placed
@@ -721,9 +736,21 @@ fn plan(lowered: Lowered, inputs: Vec<(DType, Vec<usize>)>, roots: &[usize]) -> 
             }
             at = at.max(end);
         }
+        let end = at
+            .checked_add(bytes)
+            .filter(|&end| end <= isize::MAX as usize)
+            .ok_or_else(|| {
+                Lowered::spec_error(format!(
+                    "the intermediates live at once need more than {} bytes: a {} intermediate \
+                     of shape {:?} ({bytes} bytes) does not fit after {at} bytes",
+                    isize::MAX,
+                    values[v].dtype,
+                    values[v].shape
+                ))
+            })?;
         placed.push((at, bytes, dies));
         offset.insert(v, at);
-        arena = arena.max(at + bytes);
+        arena = arena.max(end);
     }
     stats.intermediate_bytes = arena;
     let place = |loc: Loc| match loc {
@@ -764,11 +791,11 @@ fn plan(lowered: Lowered, inputs: Vec<(DType, Vec<usize>)>, roots: &[usize]) -> 
         })
         .collect();
     stats.operations += stats.matmuls;
-    Program {
+    Ok(Program {
         inputs,
         steps,
         arena_bytes: arena,
         outputs,
         stats,
-    }
+    })
 }

@@ -12,7 +12,8 @@
 //! 3. **Prepare** ([`CudaEngine::prepare`](crate::CudaEngine::prepare) → [`Prepared`]): kernels
 //!    compiled with NVRTC (or found in the engine's cache, keyed by the fused expression and its
 //!    element types), the intermediate arena allocated once, and the steps captured into one
-//!    CUDA graph (split around library calls that cannot be captured) and instantiated.
+//!    CUDA graph (split around the matrix products that read an input or an output, whose
+//!    addresses change from run to run: those run as eager cuBLAS calls) and instantiated.
 //! 4. **Run** ([`CudaEngine::run`](crate::CudaEngine::run)): inputs checked, new outputs
 //!    allocated, only the kernel-node parameters whose addresses moved are rewritten, and the
 //!    graph launched on the engine's compute stream. It returns once the work is queued.

@@ -412,7 +412,7 @@ impl CudaEngine {
     /// CUDA graphs, instantiated and ready to replay. Queues nothing that runs.
     ///
     /// The engine is the runtime: a prepared program belongs to the engine it was prepared on,
-    /// shares its stream, kernel cache and library handles, and is refused by any other.
+    /// shares its compute stream, kernel cache and library handles, and is refused by any other.
     ///
     /// # Errors
     /// [`Error::Unavailable`] when NVRTC (or, for a program with matrix products, cuBLAS) is

@@ -7,21 +7,23 @@
 //!
 //! - [`CubeclScope::import`] copies a tensor into a fresh CubeCL buffer. It first waits for
 //!   CubeCL's stream (so the buffer is allocated and no earlier CubeCL work still uses its
-//!   memory), then queues the copy on the engine's stream and waits for it, so the copy has seen
-//!   every earlier engine operation and CubeCL sees the copy.
+//!   memory), then queues the copy on the engine's compute stream and waits for it, so the copy
+//!   has seen every earlier engine operation and CubeCL sees the copy.
 //! - [`CubeclScope::export`] copies a CubeCL buffer into a new [`DeviceTensor`]. It first waits
 //!   for CubeCL's stream (so the kernels that wrote the buffer have finished), then queues the
-//!   copy on the engine's stream and waits for it, so CubeCL may reuse the buffer at once; later
-//!   engine operations on the tensor are ordered after the copy by the stream.
+//!   copy on the engine's compute stream and waits for it, so CubeCL may reuse the buffer at
+//!   once; later engine operations on the tensor are ordered after the copy by the engine's order.
 //!
 //! # What the boundary costs
 //!
 //! Each import and each export is one device-to-device copy of the data plus two host waits: one
 //! CubeCL `sync` (which also drains whatever else CubeCL queued on this thread's stream) and one
-//! event wait on the engine's stream (which drains everything queued on it before). Entering the
-//! scope itself is not a host barrier. Measured on an H200 (`docs/records/cubecl-boundary.md`):
-//! entering and leaving a scope 0.23 µs; an import of 4 MiB 36.8 µs and an import plus an export
-//! 79.1 µs, against 15.0 µs for the engine copying the same 4 MiB and waiting on its own. Keep data on one side for a whole stage and cross once.
+//! event wait on the engine's compute stream (which, joined to the copy streams first, drains
+//! everything the engine queued before). Entering the scope itself is not a host barrier.
+//! Measured on an H200 (`docs/records/cubecl-boundary.md`): entering and leaving a scope
+//! 0.23 µs; an import of 4 MiB 36.8 µs and an import plus an export 79.1 µs, against 15.0 µs for
+//! the engine copying the same 4 MiB and waiting on its own. Keep data on one side for a whole
+//! stage and cross once.
 //! A cross-stream event wait would avoid the host waits, but CubeCL 0.10 does not expose its
 //! streams, so a host wait is the only ordering it offers.
 
@@ -70,7 +72,7 @@ impl<'e> CubeclScope<'e> {
         &self.client
     }
 
-    /// The engine, for eager operations inside the scope. They queue on the engine's stream, not
+    /// The engine, for eager operations inside the scope. They queue on the engine's streams, not
     /// CubeCL's: only [`import`](Self::import) and [`export`](Self::export) order the two.
     pub fn engine(&mut self) -> &mut CudaEngine {
         self.engine

@@ -262,11 +262,11 @@ impl CudaEngine {
         Ok(out)
     }
 
-    /// Writes `value` into every element of `tensor`. Queued; does not wait.
+    /// Writes `value` into every element of `tensor`, of any element type. Queued; does not wait.
     ///
     /// # Errors
-    /// [`Error::WrongEngine`] for another engine's tensor; otherwise as
-    /// [`add`](Self::add).
+    /// [`Error::WrongEngine`] for another engine's tensor; [`Error::Unavailable`],
+    /// [`Error::Compile`] or [`Error::Driver`] as for [`add`](Self::add).
     pub fn fill<T: Element>(&mut self, tensor: &mut DeviceTensor<T>, value: T) -> Result<()> {
         let spec = spec(ElementwiseOp::Fill, T::DTYPE, T::DTYPE)?;
         tensor.check_engine(self)?;
@@ -285,7 +285,8 @@ impl CudaEngine {
     /// A new tensor of `shape` with every element `value`. Queued; does not wait.
     ///
     /// # Errors
-    /// As [`fill`](Self::fill), plus [`Error::SizeOverflow`] for a shape too large.
+    /// As [`fill`](Self::fill), plus [`Error::ShapeOverflow`] when the shape's element count
+    /// overflows `usize` and [`Error::SizeOverflow`] when its bytes exceed `isize::MAX`.
     pub fn full<T: Element>(&mut self, shape: &[usize], value: T) -> Result<DeviceTensor<T>> {
         let mut out = DeviceTensor::alloc(self, shape)?;
         self.fill(&mut out, value)?;

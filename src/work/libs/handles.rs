@@ -1,8 +1,9 @@
 //! The library handles an engine holds, and the probes for the libraries behind them.
 //!
 //! One handle per library, created the first time an operation needs it and bound to the
-//! engine's stream, destroyed when the engine is dropped, after its stream has drained. This is
-//! engine state, held by the engine and locked with the driver; it knows only the driver seam.
+//! engine's compute stream, destroyed when the engine is dropped, after its streams have
+//! drained. This is engine state, held by the engine and locked with the driver; it knows only
+//! the driver seam.
 //!
 //! The libraries are loaded at run time. cudarc panics when a dynamically loaded library is
 //! missing, so each one is probed first (once per process) and an absent library is a typed

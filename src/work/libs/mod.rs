@@ -2,8 +2,8 @@
 //!
 //! The engine owns one handle per library, created the first time an operation needs it and
 //! bound to the engine's compute stream, so library calls are ordered with every other operation and none
-//! waits for the host. The handles are destroyed when the engine is dropped, after its stream
-//! has drained.
+//! waits for the host. The handles are destroyed when the engine is dropped, after its streams
+//! have drained.
 //!
 //! The libraries are loaded at run time. cudarc panics when a dynamically loaded library is
 //! missing, so each one is probed first (once per process) and an absent library is a typed
@@ -35,19 +35,19 @@ pub use solver::SolverStatus;
 use crate::core::engine::Entered;
 use crate::error::{Error, Result};
 
-/// The engine's cuBLAS handle, made and bound to the stream on first use.
+/// The engine's cuBLAS handle, made and bound to the compute stream on first use.
 pub(crate) fn cublas(st: &mut Entered<'_>) -> Result<cudarc::cublas::sys::cublasHandle_t> {
     let st = &mut **st;
     st.libs.cublas(&*st.driver)
 }
 
-/// The engine's dense cuSOLVER handle, made and bound to the stream on first use.
+/// The engine's dense cuSOLVER handle, made and bound to the compute stream on first use.
 pub(crate) fn cusolver(st: &mut Entered<'_>) -> Result<cudarc::cusolver::sys::cusolverDnHandle_t> {
     let st = &mut **st;
     st.libs.cusolver(&*st.driver)
 }
 
-/// The engine's cuTENSOR handle, made on first use (cuTENSOR takes the stream per call).
+/// The engine's cuTENSOR handle, made on first use (cuTENSOR takes the compute stream per call).
 pub(crate) fn cutensor(st: &mut Entered<'_>) -> Result<cudarc::cutensor::sys::cutensorHandle_t> {
     let st = &mut **st;
     st.libs.cutensor(&*st.driver)
