@@ -557,7 +557,7 @@ impl CudaEngine {
             .waits
             .stream_query()
             .map_err(|source| Error::DeviceFault {
-                what: "work queued on the engine's stream",
+                what: "work queued on the engine's streams",
                 source,
             })?;
         Ok(())
@@ -582,7 +582,7 @@ impl CudaEngine {
             .waits
             .stream_synchronize()
             .map_err(|source| Error::DeviceFault {
-                what: "work queued on the engine's stream",
+                what: "work queued on the engine's streams",
                 source,
             })?;
         // What was queued before the wait is complete: later work needs no wait for it.

@@ -115,7 +115,7 @@ pub(crate) fn reachable(from: DeviceId, to: DeviceId) -> std::result::Result<(),
         (DeviceKind::Cuda, DeviceKind::Cuda) => Ok(()),
         (DeviceKind::Simulated, DeviceKind::Simulated) if from.instance == to.instance => Ok(()),
         (DeviceKind::Simulated, DeviceKind::Simulated) => {
-            Err("separate simulated devices share no clock, so one cannot wait for the other")
+            Err("separate simulated machines share no clock, so one cannot wait for the other")
         }
         _ => Err("a real and a simulated device cannot wait for each other"),
     }
