@@ -450,3 +450,92 @@ fn intermediates_live_at_once_past_the_addressable_limit_are_refused_when_compil
     let one = c.compile_with_input_specs(&outputs[..1], &specs).unwrap();
     assert_eq!(one.stats().intermediate_bytes, (1 << 62) + (1 << 61));
 }
+
+/// A program whose one graph captures three launches: a fused scale, a product of two
+/// intermediates, and a fused scale of the product into the output.
+fn scale_square_scale(n: usize) -> Program {
+    let m = TracedTensor::input_symbolic_shape(DType::F32, 2);
+    let s = m.scale(0.5f32).unwrap();
+    let t = s.matmul(&s).unwrap();
+    let y = t.scale(2.0f32).unwrap();
+    GraphCompiler::new()
+        .compile_with_input_specs(&[&y], &[(&m, DType::F32, &[n, n])])
+        .unwrap()
+}
+
+/// The reference: `2 * (m/2 · m/2)` for an `n×n` row-major `m`.
+fn scale_square_scale_reference(m: &[f32], n: usize) -> Vec<f32> {
+    let s: Vec<f32> = m.iter().map(|v| v * 0.5).collect();
+    let mut out = vec![0.0f32; n * n];
+    for i in 0..n {
+        for j in 0..n {
+            let dot: f32 = (0..n).map(|k| s[i * n + k] * s[k * n + j]).sum();
+            out[i * n + j] = dot * 2.0;
+        }
+    }
+    out
+}
+
+/// A panic inside a driver call during `prepare`'s capture (at every launch in turn, and at the
+/// capture's end) leaves the engine's stream not capturing: it synchronizes, round-trips a
+/// tensor, prepares and runs the program right, and its teardown releases everything.
+#[test]
+fn a_driver_panic_inside_a_capture_ends_the_capture_and_the_engine_works_on() {
+    let n = 4;
+    let program = scale_square_scale(n);
+    assert_eq!(program.stats().matmuls, 1);
+    let host: Vec<f32> = (0..n * n).map(|i| i as f32 * 0.25 + 1.0).collect();
+    let want = scale_square_scale_reference(&host, n);
+    for (op, captured) in [(SimOp::Launch, 3), (SimOp::CaptureEnd, 1)] {
+        let mut panicked = 0;
+        for call in 1.. {
+            let mut engine = CudaEngine::simulated(SimConfig::default());
+            let sim = engine.sim().unwrap();
+            let (begins, before) = (sim.calls(SimOp::CaptureBegin), sim.calls(op));
+            sim.panic_nth(op, call);
+            let prepared =
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| engine.prepare(&program)));
+            let reached = sim.calls(op) - before >= call;
+            sim.clear_faults();
+            match prepared {
+                Ok(prepared) => {
+                    assert!(!reached, "{op:?} {call}: the panic was not raised");
+                    drop(prepared.unwrap());
+                    assert_eq!(panicked, captured, "{op:?} calls inside the capture");
+                    break;
+                }
+                Err(_) => panicked += 1,
+            }
+            assert_eq!(sim.calls(SimOp::CaptureBegin) - begins, 1, "{op:?} {call}");
+            // The stream is no longer capturing: a synchronize works, and so does the rest.
+            engine
+                .synchronize()
+                .unwrap_or_else(|e| panic!("{op:?} {call}: {e}"));
+            let x = upload_tensor(&mut engine, &host, &[n, n]).unwrap();
+            assert_eq!(
+                download_tensor(&mut engine, &x).unwrap(),
+                host,
+                "{op:?} {call}"
+            );
+            let mut prepared = engine.prepare(&program).unwrap();
+            let out = engine.run(&mut prepared, &[Input::from(&x)]).unwrap();
+            assert_eq!(
+                download_tensor(&mut engine, out[0].as_tensor::<f32>().unwrap()).unwrap(),
+                want,
+                "{op:?} {call}"
+            );
+            drop((out, prepared));
+            drop(x);
+            engine.synchronize().unwrap();
+            drop(engine);
+            assert_eq!(sim.graphs_live(), 0, "{op:?} {call}");
+            assert_eq!(sim.device_live(), (0, 0), "{op:?} {call}");
+            assert_eq!(sim.events_live(), 0, "{op:?} {call}");
+            assert!(
+                sim.violations().is_empty(),
+                "{op:?} {call}: {:?}",
+                sim.violations()
+            );
+        }
+    }
+}

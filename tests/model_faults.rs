@@ -1152,7 +1152,7 @@ impl Model {
             .iter()
             .filter(|f| match f.op {
                 None => true,
-                Some(Alloc) => f.code != DriverError::OUT_OF_MEMORY,
+                Some(Alloc | HostAlloc) => f.code != DriverError::OUT_OF_MEMORY,
                 Some(op) => matches!(
                     op,
                     CopyHtoD
@@ -1161,16 +1161,15 @@ impl Model {
                         | EventRecord
                         | EventSynchronize
                         | StreamSynchronize
-                        | HostAlloc
                 ),
             })
             .copied()
             .collect();
-        // An allocation refused for want of memory is retried once the retired work is released.
-        let oom = obs
-            .fired
-            .iter()
-            .any(|f| f.op == Some(Alloc) && f.code == DriverError::OUT_OF_MEMORY);
+        // An allocation (device memory or a staging slot) refused for want of memory is retried
+        // once the retired work is released and idle pinned memory freed.
+        let oom = obs.fired.iter().any(|f| {
+            matches!(f.op, Some(Alloc | HostAlloc)) && f.code == DriverError::OUT_OF_MEMORY
+        });
         match error {
             None => ensure!(
                 fatal.is_empty(),

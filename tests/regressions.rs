@@ -4,7 +4,8 @@ mod copy_threads;
 
 use cuferry::sim::{SimConfig, SimOp};
 use cuferry::{
-    upload_pending, CudaEngine, DriverError, Error, PinnedHostBuffer, TransferSubmitError,
+    download_tensor, upload_pending, upload_tensor, CudaEngine, DriverError, Error,
+    PinnedHostBuffer, StagingConfig, TransferSubmitError,
 };
 
 fn distinct(n: usize) -> Vec<f32> {
@@ -193,4 +194,107 @@ fn a_run_refused_before_its_launch_frees_its_output_with_the_program() {
     drop(prepared);
     drop(engine);
     assert_eq!(sim.device_live().0, 0, "device memory left allocated");
+}
+
+/// The staging chunk of the out-of-memory cases below.
+const SLOT: usize = 64 << 10;
+
+/// An engine on a simulated device with `pinned_bytes` of page-locked memory and `memory_bytes`
+/// of device memory, staging through 64 KiB chunks, four at a time, with the process's copy
+/// pool set to four threads before any transfer.
+fn tight_engine(pinned_bytes: usize, memory_bytes: usize) -> CudaEngine {
+    static POOL: std::sync::Once = std::sync::Once::new();
+    POOL.call_once(|| cuferry::set_copy_threads(4).expect("set before first use"));
+    assert!(cuferry::copy_threads() >= 2);
+    let mut engine = CudaEngine::simulated(SimConfig {
+        pinned_bytes,
+        memory_bytes,
+        ..SimConfig::default()
+    });
+    let mut config = StagingConfig::default();
+    config.chunk_bytes = SLOT;
+    config.cutoff_bytes = 16 << 10;
+    config.ring_depth = 4;
+    config.copy_threads = 4;
+    engine.set_staging_config(config).unwrap();
+    engine
+}
+
+/// `n` distinct `u32`s, never zero.
+fn words(n: usize, salt: u32) -> Vec<u32> {
+    (0..n as u32)
+        .map(|i| i.wrapping_mul(2_654_435_761) ^ salt | 1)
+        .collect()
+}
+
+/// A pipelined upload of six chunks (384 KiB) whose third chunk's copy is refused: the two
+/// chunks before it are in flight, so their slots and the destination are retired. Then the
+/// device runs them to completion; nothing proves that to the engine yet.
+fn fail_a_pipelined_upload(engine: &mut CudaEngine) {
+    let sim = engine.sim().unwrap();
+    sim.fail_nth(SimOp::CopyHtoD, 3, DriverError::ILLEGAL_ADDRESS);
+    let failed = upload_tensor(engine, &words(6 * SLOT / 4, 1), &[6 * SLOT / 4]);
+    assert!(
+        matches!(
+            failed,
+            Err(Error::Driver {
+                source: DriverError::ILLEGAL_ADDRESS,
+                ..
+            })
+        ),
+        "{failed:?}"
+    );
+    sim.clear_faults();
+    assert_eq!(engine.retirement_stats().pending, 2, "two chunks retired");
+    sim.advance_all();
+    assert_eq!(sim.queued(), 0, "the device has finished");
+}
+
+/// A 100 KB upload after a failed pipelined upload, with the device finished: its staging slots
+/// need the pinned memory of the retired ones, which the slot request releases (no flush).
+#[test]
+fn a_staging_slot_request_releases_completed_retired_slots() {
+    // Room for three slots: the two retired and the one the failed copy handed back.
+    let mut engine = tight_engine(3 * SLOT, 4 << 30);
+    fail_a_pipelined_upload(&mut engine);
+    let data = words(100_000 / 4, 2);
+    let tensor = upload_tensor(&mut engine, &data, &[data.len()]);
+    let tensor = tensor.unwrap_or_else(|e| panic!("the 100 KB upload was refused: {e}"));
+    assert_eq!(engine.retirement_stats().released, 2);
+    assert_eq!(download_tensor(&mut engine, &tensor).unwrap(), data);
+    let sim = engine.sim().unwrap();
+    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+}
+
+/// A device allocation after a failed pipelined upload, with the device finished: it needs the
+/// memory of the retired destination, which the allocation releases (no flush).
+#[test]
+fn a_device_allocation_releases_completed_retired_tensors() {
+    // Room for the failed upload's 384 KiB destination and 128 KiB more.
+    let mut engine = tight_engine(4 << 30, 512 << 10);
+    fail_a_pipelined_upload(&mut engine);
+    let n = (256 << 10) / 4;
+    let tensor = engine.alloc_tensor::<u32>(&[n]);
+    let tensor = tensor.unwrap_or_else(|e| panic!("the device allocation was refused: {e}"));
+    assert_eq!(engine.retirement_stats().released, 2);
+    let data = words(n, 3);
+    let mut tensor = tensor;
+    cuferry::upload_tensor_into(&mut engine, &mut tensor, &data).unwrap();
+    assert_eq!(download_tensor(&mut engine, &tensor).unwrap(), data);
+    let sim = engine.sim().unwrap();
+    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+}
+
+/// A pinned buffer after a failed pipelined upload, with the device finished: it needs the
+/// pinned memory of the retired slots, which the allocation releases (no flush).
+#[test]
+fn a_pinned_buffer_allocation_releases_completed_retired_slots() {
+    let mut engine = tight_engine(3 * SLOT, 4 << 30);
+    fail_a_pipelined_upload(&mut engine);
+    let buffer = PinnedHostBuffer::<u32>::from_slice(&mut engine, &words(2 * SLOT / 4, 4));
+    let buffer = buffer.unwrap_or_else(|e| panic!("the pinned buffer was refused: {e}"));
+    assert_eq!(buffer.as_slice(), &words(2 * SLOT / 4, 4)[..]);
+    assert_eq!(engine.retirement_stats().released, 2);
+    let sim = engine.sim().unwrap();
+    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
 }

@@ -202,3 +202,66 @@ fn signals_outlive_their_engine_and_leak_nothing() {
     assert_eq!(sim.device_live().0, 0);
     assert_eq!(sim.pinned_live().0, 0);
 }
+
+/// As [`b_finished_first`], but engine A is dropped after its signal and its teardown wait
+/// fails, so nothing has proven A's work complete: B's wait must still order B's upload after
+/// it (or be refused with a typed error). Returns whether B's upload was ever seen complete
+/// while A's work was not.
+fn b_ran_ahead_of_a_failed_teardown(seed: u64) -> bool {
+    let sim = SimDevice::new(SimConfig::default());
+    sim.set_schedule(Schedule::Interleaved { seed });
+    let mut a = CudaEngine::simulated_on(&sim);
+    let mut b = CudaEngine::simulated_on(&sim);
+    sim.hold_clock(true);
+    let mut first = upload(&mut a, 64, 1.0);
+    let scaled = a.scale(first.device_tensor(), 2.0).unwrap();
+    let signal = a.signal().unwrap();
+    // A's teardown wait is its next stream synchronize.
+    sim.fail_nth(SimOp::StreamSynchronize, 1, DriverError::LAUNCH_FAILED);
+    drop(a);
+    assert!(sim.queued() > 0, "seed {seed}: A's work is still queued");
+    match b.wait_signal(&signal) {
+        Ok(()) => {}
+        Err(Error::DeviceFault { .. }) => {
+            sim.hold_clock(false);
+            drop((first.wait().unwrap(), scaled, signal));
+            return false;
+        }
+        Err(other) => panic!("seed {seed}: not a typed refusal: {other:?}"),
+    }
+    let mut second = upload(&mut b, 64, 2.0);
+    let mut early = false;
+    for _ in 0..200 {
+        let b_done = second.is_ready().unwrap();
+        let a_done = signal.is_ready().unwrap() && first.is_ready().unwrap();
+        early |= b_done && !a_done;
+        if b_done && a_done {
+            break;
+        }
+        sim.advance(1);
+    }
+    sim.hold_clock(false);
+    let (first, second) = (first.wait().unwrap(), second.wait().unwrap());
+    assert_eq!(first.buffer().as_slice(), &data(64, 1.0)[..]);
+    assert_eq!(second.buffer().as_slice(), &data(64, 2.0)[..]);
+    drop((first, second, scaled, signal));
+    b.synchronize().unwrap();
+    sim.advance_all();
+    assert!(
+        sim.violations().is_empty(),
+        "seed {seed}: {:?}",
+        sim.violations()
+    );
+    early
+}
+
+#[test]
+fn a_failed_teardown_proves_nothing_to_a_waiting_engine() {
+    let early: Vec<u64> = (0..64)
+        .filter(|&seed| b_ran_ahead_of_a_failed_teardown(seed))
+        .collect();
+    assert!(
+        early.is_empty(),
+        "B ran before the work of A's failed teardown in seeds {early:?}"
+    );
+}

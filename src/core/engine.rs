@@ -56,6 +56,9 @@ pub(crate) struct State {
     pub(crate) deferred: Vec<Error>,
     /// Set once the engine has been dropped.
     pub(crate) torn_down: bool,
+    /// Set once the teardown's wait for the streams has succeeded: everything queued before it
+    /// is proven complete. A failed wait leaves it unset (being torn down proves nothing).
+    pub(crate) settled: bool,
     /// Idle pinned host blocks for reuse.
     pub(crate) pinned: PinnedPool,
     /// Idle events for reuse.
@@ -488,6 +491,7 @@ impl CudaEngine {
                     driver,
                     deferred: Vec::new(),
                     torn_down: false,
+                    settled: false,
                     pinned: PinnedPool::default(),
                     events: EventPool::default(),
                     retire: RetireQueue::default(),
@@ -655,6 +659,7 @@ impl Drop for CudaEngine {
             return;
         }
         // Everything queued before the wait is complete: frees from here on need no waits.
+        st.settled = true;
         st.order.settled(upto);
         st.poll_retired(&*shared.waits, Poll::Settle);
         // Teardown never reports: refused frees leave their memory with the driver.

@@ -46,6 +46,10 @@
 //!   and invalidates the capture; the upload and download lanes are not captured. A replay of
 //!   an instantiated graph queues its launches in order on the compute stream, like eager
 //!   launches ([`SimDevice::graph_launches`], [`SimDevice::graphs_live`]).
+//! - **Stream-ordered allocation.** Device memory is allocated at the call and released when
+//!   its queued free runs. An allocation that does not fit may take the memory of frees its
+//!   driver has queued and the device has not run yet: its stream then waits for them, as CUDA's
+//!   pools reuse memory through internal dependencies by default.
 //! - **Use-after-free of DMA memory.** Freeing pinned host memory that a queued copy still names
 //!   is recorded as a [violation](SimDevice::violations) and the memory is kept (never freed), so
 //!   a lifecycle bug is reported by the tests instead of corrupting memory. Unregistering a
@@ -77,7 +81,10 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 pub struct SimConfig {
     /// The ordinal the device reports.
     pub ordinal: usize,
-    /// Device memory capacity in bytes; allocations beyond it fail with `CUDA_ERROR_OUT_OF_MEMORY`.
+    /// Device memory capacity in bytes; allocations beyond it fail with
+    /// `CUDA_ERROR_OUT_OF_MEMORY`. Memory whose free an engine has queued counts as available
+    /// to that engine's allocations, which are then ordered after the free on the device (as
+    /// CUDA's stream-ordered allocator reuses it).
     pub memory_bytes: usize,
     /// Page-locked host memory capacity in bytes, pinned allocations and registered ranges
     /// together; allocations and registrations beyond it fail likewise.
@@ -1088,6 +1095,28 @@ impl State {
         }
     }
 
+    /// The frees queued on `streams` and not yet run of blocks on device `index`: their bytes
+    /// in all, and each one's stream and sequence number.
+    fn queued_frees(
+        &self,
+        streams: impl IntoIterator<Item = StreamId>,
+        index: usize,
+    ) -> (usize, Vec<(StreamId, u64)>) {
+        let mut bytes = 0;
+        let mut frees = Vec::new();
+        for stream in streams {
+            for (seq, job) in self.streams.get(&stream).into_iter().flatten() {
+                let Job::Free(ptr) = job else { continue };
+                let on_device = self.touches.get(ptr).is_some_and(|t| t.device == index);
+                if let (true, Some(block)) = (on_device, self.mem.get(ptr)) {
+                    bytes += block.len();
+                    frees.push((stream, *seq));
+                }
+            }
+        }
+        (bytes, frees)
+    }
+
     fn event(&mut self, event: EventHandle) -> Result<&mut SimEvent, DriverError> {
         self.events
             .get_mut(&event.0)
@@ -1108,8 +1137,21 @@ impl SimDriver {
         if index >= s.device_used.len() {
             return Err(DriverError::INVALID_VALUE);
         }
+        let stream = self.stream(lane);
+        let mut after = Vec::new();
         if s.device_used[index].saturating_add(bytes) > s.memory_bytes {
-            return Err(DriverError::OUT_OF_MEMORY);
+            // As CUDA's stream-ordered allocator (whose pools allow reuse through internal
+            // dependencies by default): memory that frees this driver has queued will release
+            // may serve the allocation, which is then ordered after those frees.
+            let (freeing, frees) = s.queued_frees(Lane::ALL.map(|l| self.stream(l)), index);
+            if s.device_used[index].saturating_add(bytes) > s.memory_bytes.saturating_add(freeing) {
+                return Err(DriverError::OUT_OF_MEMORY);
+            }
+            after = frees
+                .into_iter()
+                .filter(|&(on, _)| on != stream)
+                .map(|(_, seq)| seq)
+                .collect();
         }
         // Device memory lives in host memory here: an allocation the host cannot back is the
         // device's out-of-memory, not an abort.
@@ -1118,6 +1160,11 @@ impl SimDriver {
             return Err(DriverError::OUT_OF_MEMORY);
         }
         block.resize(bytes, 0xA5);
+        // The allocating stream waits for the frees whose memory it takes (one queued on the
+        // same stream runs first anyway).
+        for for_seq in after {
+            s.push(stream, Job::Wait { for_seq });
+        }
         let ptr = s.next_addr;
         // Keep allocations 256-byte aligned and apart, as the real allocator does.
         s.next_addr += (bytes as u64).div_ceil(256).max(1) * 256 + 256;
@@ -2027,6 +2074,42 @@ mod tests {
         unsafe { d.free(Lane::Compute, a).unwrap() };
         d.waits().stream_synchronize().unwrap();
         assert!(d.alloc(Lane::Compute, 60).is_ok());
+    }
+
+    #[test]
+    fn an_allocation_may_take_the_memory_of_a_queued_free_and_waits_for_it() {
+        let dev = SimDevice::new(SimConfig {
+            memory_bytes: 100,
+            ..SimConfig::default()
+        });
+        let mut d = SimDriver::new(dev.clone());
+        let mut other = SimDriver::new(dev.clone());
+        let a = d.alloc(Lane::Compute, 60).unwrap();
+        dev.hold_clock(true);
+        // SAFETY: `a` is live and unused.
+        unsafe { d.free(Lane::Compute, a).unwrap() };
+        // Another driver's queued free makes no room for this one (another pool).
+        assert_eq!(
+            other.alloc(Lane::Upload, 60),
+            Err(DriverError::OUT_OF_MEMORY)
+        );
+        // The free is still queued; an allocation on another lane takes its memory and its
+        // lane waits for the free.
+        let b = d.alloc(Lane::Upload, 60).unwrap();
+        assert_eq!(dev.device_live(), (2, 120), "until the free runs");
+        // A synchronize of the upload lane alone (only what it waits for runs) runs the free.
+        dev.set_schedule(Schedule::Interleaved { seed: 1 });
+        dev.hold_clock(false);
+        d.waits().lane_synchronize(Lane::Upload).unwrap();
+        assert_eq!(
+            dev.device_live(),
+            (1, 60),
+            "the upload lane waited for the free"
+        );
+        assert!(dev.peek(b, 60).is_some());
+        // Nothing more is queued to free: beyond capacity is out of memory again.
+        assert_eq!(d.alloc(Lane::Compute, 60), Err(DriverError::OUT_OF_MEMORY));
+        assert!(dev.violations().is_empty(), "{:?}", dev.violations());
     }
 
     #[test]

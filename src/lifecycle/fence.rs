@@ -212,9 +212,10 @@ impl<R: Send + 'static> Fenced<R> {
     /// completed or the device has failed (see `Driver::notify_after`). Takes the engine's lock
     /// for the registration only; never waits.
     ///
-    /// `false` when no wake was registered: the engine has been torn down (its stream is idle,
-    /// so a query or a wait answers at once), its context could not be made current, or the
-    /// device refused the registration. `wake` was then dropped uncalled. The caller falls back
+    /// `false` when no wake was registered: the engine has been torn down (its teardown waited
+    /// for its streams, so a query answers at once; should that wait have failed, the caller's
+    /// wait waits for the event itself), its context could not be made current, or the device
+    /// refused the registration. `wake` was then dropped uncalled. The caller falls back
     /// to a query or a wait, which report any failure of the work itself.
     pub(crate) fn notify_on_completion(&self, wake: Wake) -> bool {
         let inner = self.inner();

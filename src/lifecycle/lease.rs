@@ -32,6 +32,7 @@ use crate::core::engine::{CudaEngine, Shared};
 use crate::error::{Error, Result};
 use crate::memory::element::Element;
 use crate::memory::pinned::PinnedHostBuffer;
+use crate::memory::pressure::Memory;
 use crate::memory::ring::{free_slot, Slot, SlotKind, StagingConfig, StagingStats};
 use crate::memory::tensor::DeviceTensor;
 use std::marker::PhantomData;
@@ -557,7 +558,9 @@ impl CudaEngine {
     ///
     /// # Errors
     /// [`Error::StagingExhausted`] when `ring_depth` leases are out; [`Error::Driver`] when a new
-    /// slot cannot be allocated.
+    /// slot cannot be allocated (out of memory: only after the slots of retired work the device
+    /// has finished were released, the engine's idle pinned memory freed, and the allocation
+    /// tried once more).
     pub fn staging_lease(&mut self) -> Result<StagingLease<Proven>> {
         self.lease(SlotKind::User)
     }
@@ -568,11 +571,15 @@ impl CudaEngine {
     }
 
     fn lease(&mut self, kind: SlotKind) -> Result<StagingLease<Proven>> {
-        let slot = {
-            let mut st = self.enter()?;
-            let st = &mut *st;
-            st.staging.take_slot(&mut *st.driver, kind)?
-        };
+        let (st, slot) = self.shared.allocate(Memory::PageLocked, |st, pressure| {
+            // Under pressure a slot released meanwhile serves first; else idle pinned memory
+            // is freed to make room for a new one.
+            if pressure && !st.staging.has_idle() {
+                st.free_idle_pinned();
+            }
+            st.staging.take_slot(&mut *st.driver, kind)
+        })?;
+        drop(st);
         Ok(StagingLease::from_slot(slot, &self.shared, None))
     }
 
@@ -611,11 +618,12 @@ impl CudaEngine {
             });
         }
         let owner = &self.shared;
-        let mut st = owner.enter()?;
-        let slot = {
-            let st = &mut *st;
-            st.staging.take_scalar(&mut *st.driver)?
-        };
+        let (mut st, slot) = owner.allocate(Memory::PageLocked, |st, pressure| {
+            if pressure && !st.staging.stats().scalar_slot {
+                st.free_idle_pinned();
+            }
+            st.staging.take_scalar(&mut *st.driver)
+        })?;
         let slot = LeasedSlot {
             slot: Some(slot),
             owner: Arc::clone(owner),

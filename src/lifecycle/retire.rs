@@ -9,8 +9,10 @@
 //! release what was never proven. A record whose event reports a failure is retained for the
 //! engine's lifetime and reported once, at the next `flush` or `synchronize`.
 //!
-//! The queue is polled without waiting at `flush`, when an allocation fails, and cheaply (the
-//! oldest records only) when pinned memory is requested; `synchronize` and teardown settle it
+//! The queue is polled without waiting at `flush`, cheaply (the oldest records only) when a
+//! pinned buffer is requested, and in full before any allocation that ran out of memory (device
+//! memory, a pinned buffer, a registration, a staging slot) is retried once
+//! (`memory::pressure`); `synchronize` and teardown settle it
 //! after waiting for the streams, outside the engine's lock. Released resources are not dropped
 //! here: they go to the engine's release list, dropped once its lock is released, because their
 //! drops take that lock.

@@ -176,10 +176,12 @@ impl CudaEngine {
     /// covers (queued on its own engine, this one or another, before the signal was made). The
     /// host does not wait.
     ///
-    /// A signal already complete, or whose engine has been torn down (its work is complete),
-    /// queues nothing. When the device refuses a wait, the host waits for the signal instead, so
-    /// the order holds either way, and the refusal is reported at the next
-    /// [`flush`](Self::flush) or [`synchronize`](Self::synchronize).
+    /// A signal whose work is proven complete queues nothing: its event reports completion, or
+    /// its engine has been dropped and that teardown's wait for its streams succeeded. A teardown
+    /// whose wait failed proves nothing: the wait is queued on the device as for a live engine. When the device refuses a
+    /// wait, the host waits for the signal instead, so the order holds either way, and the
+    /// refusal is reported at the next [`flush`](Self::flush) or
+    /// [`synchronize`](Self::synchronize).
     ///
     /// # Errors
     /// [`Error::Unreachable`] when this engine's device cannot wait for the signal's (separate
@@ -202,7 +204,11 @@ impl CudaEngine {
                 reason,
             });
         }
-        if fence.is_ready()? || fence.owner().lock().torn_down {
+        // Only a proof lets the wait be skipped: the event's own answer, or the signalling
+        // engine's teardown wait, which covers everything queued there, when it succeeded. A
+        // teardown whose wait failed proves nothing, so the wait is queued on the device as for
+        // a live engine (the event lives as long as the signal).
+        if fence.is_ready()? || fence.owner().lock().settled {
             return Ok(());
         }
         let event = fence.event();

@@ -9,6 +9,8 @@
 //! - [`host`]: `HostBuffer<T>`, the sealed trait of what a pending transfer's host side is.
 //! - [`pool`]: the pinned pool the buffers come from (engine state).
 //! - [`ring`]: the staging ring's chunks, settings and counters (engine state).
+//! - [`pressure`]: the one answer of every allocation path to out-of-memory: release what the
+//!   retirement queue has proven complete, then retry once.
 //! - [`copy_pool`]: the host-copy threads of the blocking routes, one pool per process shared by
 //!   every engine (process state).
 //! - [`stream_copy`]: the copy into pinned staging memory, written around the CPU's caches so
@@ -25,6 +27,7 @@ pub(crate) mod element;
 pub(crate) mod host;
 pub(crate) mod pinned;
 pub(crate) mod pool;
+pub(crate) mod pressure;
 pub(crate) mod registered;
 pub(crate) mod ring;
 pub(crate) mod stream_copy;

@@ -14,6 +14,7 @@
 use super::element::{byte_len, Element};
 use super::host::{sealed::HostMemory, HostBuffer};
 use super::pool::{Block, GRANULE};
+use super::pressure::Memory;
 use crate::core::engine::{CudaEngine, Shared, State};
 use crate::driver::Waits;
 use crate::error::{DeviceId, DriverError, Error, Result};
@@ -21,38 +22,31 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 
 impl State {
-    /// One attempt at a pinned block of at least `bytes`: from the pool, or freshly allocated.
-    ///
-    /// `Ok(None)` means the allocation failed on a first attempt: everything the retirement
-    /// queue has proven is released (its blocks return to the pool once the lock is released)
-    /// and the caller tries once more `under_pressure`, which takes from the pool first, then
-    /// frees idle blocks to make room.
+    /// One attempt at a pinned block of at least `bytes`: from the pool, or freshly allocated
+    /// with `capacity` bytes. `under_pressure` (the retry after an allocation ran out of memory
+    /// and the retirement queue released what it had proven): a block that came back serves
+    /// first, and otherwise the idle page-locked memory is freed before allocating.
     fn try_acquire_pinned(
         &mut self,
         waits: &dyn Waits,
         bytes: usize,
         capacity: usize,
         under_pressure: bool,
-    ) -> Result<Option<Block>> {
+    ) -> Result<Block> {
         // A cheap poll: release the oldest detached records if they are done.
         self.release_completed_front(waits);
         if let Some(block) = self.pinned.reuse(bytes) {
-            return Ok(Some(block));
+            return Ok(block);
         }
         if under_pressure {
-            self.pinned
-                .trim_to(&mut *self.driver, 0, &mut self.deferred);
+            self.free_idle_pinned();
         }
         match self.pinned.allocate(&mut *self.driver, capacity) {
-            Ok(Some(block)) => Ok(Some(block)),
+            Ok(Some(block)) => Ok(block),
             Ok(None) => Err(Error::Driver {
                 call: "cuMemHostAlloc",
                 source: DriverError::OUT_OF_MEMORY,
             }),
-            Err(_) if !under_pressure => {
-                self.release_completed(waits);
-                Ok(None)
-            }
             Err(source) => Err(Error::Driver {
                 call: "cuMemHostAlloc",
                 source,
@@ -62,7 +56,8 @@ impl State {
 }
 
 /// A pinned block of at least `bytes` for `engine`: from its pool, freshly allocated, or, when
-/// allocation fails, after releasing completed retirement records and idle blocks.
+/// allocation runs out of memory, after releasing completed retirement records and idle
+/// page-locked memory (`memory::pressure`).
 fn acquire_pinned(engine: &mut CudaEngine, bytes: usize) -> Result<Block> {
     let capacity = bytes
         .checked_next_multiple_of(GRANULE)
@@ -72,21 +67,10 @@ fn acquire_pinned(engine: &mut CudaEngine, bytes: usize) -> Result<Block> {
             element_bytes: 1,
         })?;
     let shared = &*engine.shared;
-    for under_pressure in [false, true] {
-        // Released records drop when the lock does: their buffers go back to the pool before
-        // the second attempt.
-        let outcome =
-            shared
-                .enter()?
-                .try_acquire_pinned(&*shared.waits, bytes, capacity, under_pressure);
-        if let Some(block) = outcome? {
-            return Ok(block);
-        }
-    }
-    Err(Error::Driver {
-        call: "cuMemHostAlloc",
-        source: DriverError::OUT_OF_MEMORY,
-    })
+    let (_st, block) = shared.allocate(Memory::PageLocked, |st, under_pressure| {
+        st.try_acquire_pinned(&*shared.waits, bytes, capacity, under_pressure)
+    })?;
+    Ok(block)
 }
 
 /// Page-locked host memory holding `len` elements of `T`, drawn from an engine's pool.
@@ -119,7 +103,9 @@ impl<T: Element> PinnedHostBuffer<T> {
     ///
     /// # Errors
     /// [`Error::ZeroLength`] for `len == 0`; [`Error::SizeOverflow`] for a size that cannot be
-    /// addressed; [`Error::Driver`] when pinned memory cannot be allocated.
+    /// addressed; [`Error::Driver`] when pinned memory cannot be allocated (out of memory: only
+    /// after the memory of retired work the device has finished was released, the engine's
+    /// idle pinned memory freed, and the allocation tried once more).
     pub fn new(engine: &mut CudaEngine, len: usize) -> Result<Self> {
         if len == 0 {
             return Err(Error::ZeroLength {

@@ -65,6 +65,7 @@
 
 use super::element::Element;
 use super::host::{sealed::HostMemory, HostBuffer};
+use super::pressure::Memory;
 use crate::core::engine::{CudaEngine, Shared};
 use crate::error::{DeviceId, Error, Refused, Result};
 use std::sync::Arc;
@@ -161,11 +162,18 @@ impl<T: Element> RegisteredBuffer<T> {
             });
         }
         let bytes = std::mem::size_of_val(data.as_slice());
-        let registered = engine.enter().and_then(|mut st| {
-            st.driver
-                .host_register(data.as_mut_ptr().cast::<u8>(), bytes)
-                .map_err(Error::driver("cuMemHostRegister"))
-        });
+        let host = data.as_mut_ptr().cast::<u8>();
+        let registered = engine
+            .shared
+            .allocate(Memory::PageLocked, |st, under_pressure| {
+                if under_pressure {
+                    st.free_idle_pinned();
+                }
+                st.driver
+                    .host_register(host, bytes)
+                    .map_err(Error::driver("cuMemHostRegister"))
+            })
+            .map(drop);
         if let Err(error) = registered {
             return Err(Refused { error, input: data });
         }

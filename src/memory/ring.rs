@@ -198,18 +198,26 @@ impl StagingRing {
     /// Frees idle slots (and the scalar slot); used at teardown after a successful wait and when
     /// the configuration changes. Returns the first refusal.
     pub(crate) fn free_idle(&mut self, driver: &mut dyn Driver) -> Result<()> {
-        let mut first = Ok(());
+        let mut refused = Vec::new();
+        self.free_idle_into(driver, &mut refused);
+        refused.into_iter().next().map_or(Ok(()), Err)
+    }
+
+    /// As [`free_idle`](Self::free_idle), with every refusal put onto `refused` (for an
+    /// allocation under pressure, which reports each at the next boundary).
+    pub(crate) fn free_idle_into(&mut self, driver: &mut dyn Driver, refused: &mut Vec<Error>) {
         let idle = std::mem::take(&mut self.idle);
         for slot in idle.into_iter().chain(self.scalar.take()) {
             if slot.kind != SlotKind::Scalar {
                 self.slots -= 1;
             }
-            let freed = free_slot(driver, slot);
-            if first.is_ok() {
-                first = freed;
-            }
+            refused.extend(free_slot(driver, slot).err());
         }
-        first
+    }
+
+    /// Whether the ring keeps an idle chunk-sized slot.
+    pub(crate) fn has_idle(&self) -> bool {
+        !self.idle.is_empty()
     }
 
     /// Counts a slot handed to the retirement queue by a lease.

@@ -8,11 +8,12 @@
 //! device-to-device copy, never an implicit clone.
 
 use super::element::{byte_len, Element};
+use super::pressure::Memory;
 use crate::core::engine::{CudaEngine, Shared, State};
 use crate::core::order::Use;
 use crate::driver::{DevicePtr, Lane};
 use crate::dtype::DType;
-use crate::error::{DeviceId, DriverError, Error, Refused, Result};
+use crate::error::{DeviceId, Error, Refused, Result};
 use std::marker::PhantomData;
 use std::sync::Arc;
 use std::sync::Mutex;
@@ -119,28 +120,20 @@ pub(crate) fn shape_len(shape: &[usize]) -> Result<usize> {
 /// previous user on that lane has not finished). When the driver reports
 /// out-of-memory, everything the retirement queue has proven complete is released first (its
 /// device memory frees, stream-ordered, once the lock is released) and the allocation is tried
-/// once more.
+/// once more (`memory::pressure`).
 pub(crate) fn alloc_device(shared: &Shared, lane: Lane, bytes: usize) -> Result<DevicePtr> {
-    let refused = |source| Error::Driver {
-        call: "cuMemAllocFromPoolAsync",
-        source,
-    };
-    let alloc = |st: &mut State| -> std::result::Result<DevicePtr, DriverError> {
-        let ptr = st.driver.alloc(lane, bytes)?;
+    let (_st, ptr) = shared.allocate(Memory::Device, |st: &mut State, _| {
+        let ptr = st
+            .driver
+            .alloc(lane, bytes)
+            .map_err(|source| Error::Driver {
+                call: "cuMemAllocFromPoolAsync",
+                source,
+            })?;
         st.order.mark(lane, &[Use::Alloc(ptr)]);
         Ok(ptr)
-    };
-    {
-        let mut st = shared.enter()?;
-        match alloc(&mut st) {
-            Ok(ptr) => return Ok(ptr),
-            Err(source) if source == DriverError::OUT_OF_MEMORY && st.retire.has_pending() => {
-                st.release_completed(&*shared.waits);
-            }
-            Err(source) => return Err(refused(source)),
-        }
-    } // Released records drop here, queueing the frees of their device memory.
-    alloc(&mut *shared.enter()?).map_err(refused)
+    })?;
+    Ok(ptr)
 }
 
 impl<T: Element> DeviceTensor<T> {
@@ -315,7 +308,9 @@ impl CudaEngine {
     /// # Errors
     /// [`Error::ShapeOverflow`] when the shape's element count overflows `usize`,
     /// [`Error::SizeOverflow`] when its bytes exceed `isize::MAX` (the most one allocation can
-    /// address), [`Error::Driver`] when the allocation fails.
+    /// address), [`Error::Driver`] when the allocation fails (out of memory: only after the
+    /// memory of retired work the device has finished was released and the allocation tried once
+    /// more).
     pub fn alloc_tensor<T: Element>(&mut self, shape: &[usize]) -> Result<DeviceTensor<T>> {
         DeviceTensor::alloc_on(self, Lane::Upload, shape)
     }

@@ -417,7 +417,9 @@ impl CudaEngine {
     /// # Errors
     /// [`Error::Unavailable`] when NVRTC (or, for a program with matrix products, cuBLAS) is
     /// missing; [`Error::Compile`] or [`Error::Driver`] when a kernel cannot be built, memory
-    /// cannot be allocated or a graph cannot be captured or instantiated. Nothing is kept.
+    /// cannot be allocated or a graph cannot be captured or instantiated. Nothing is kept, and
+    /// a capture in progress is ended first, on an error and on a panic that unwinds through it
+    /// alike, so the engine's stream is never left capturing.
     pub fn prepare(&mut self, program: &Program) -> Result<Prepared> {
         let arena = if program.arena_bytes > 0 {
             Some(DeviceTensor::<u8>::alloc(self, &[program.arena_bytes])?)
@@ -720,6 +722,51 @@ impl CudaEngine {
     }
 }
 
+/// A stream capture in progress on the engine's compute stream, ended on every way out.
+///
+/// While the stream captures, every operation on it but a launch fails (CUDA refuses them with
+/// `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`), so a capture left open would turn every later
+/// synchronize and free on the engine into a failure. [`end`](Self::end) ends it on the normal
+/// path and on an error; a panic inside a driver call (or anywhere else) that unwinds through
+/// the capture drops the guard, which ends the capture and destroys what it recorded. Nothing of
+/// a capture has run or been instantiated, so discarding it releases nothing the device uses.
+/// The end is the seam's own call, so this works alike on every driver.
+struct Capturing<'c, 'e> {
+    st: &'c mut Entered<'e>,
+    /// Whether the capture still has to be ended (by the guard's drop).
+    open: bool,
+}
+
+impl<'c, 'e> Capturing<'c, 'e> {
+    /// Starts capturing the compute stream.
+    fn begin(st: &'c mut Entered<'e>) -> Result<Self> {
+        st.driver
+            .capture_begin()
+            .map_err(Error::driver("cuStreamBeginCapture"))?;
+        Ok(Capturing { st, open: true })
+    }
+
+    /// Ends the capture and returns its graph (or why it failed: the capture is ended then
+    /// too). A panic inside the end itself is not followed by a second end.
+    fn end(mut self) -> std::result::Result<GraphHandle, crate::error::DriverError> {
+        self.open = false;
+        self.st.driver.capture_end()
+    }
+}
+
+impl Drop for Capturing<'_, '_> {
+    fn drop(&mut self) {
+        if !self.open {
+            return;
+        }
+        self.open = false;
+        if let Ok(graph) = self.st.driver.capture_end() {
+            // SAFETY: the graph was just captured, never instantiated, destroyed once.
+            let _ = unsafe { self.st.driver.graph_destroy(graph) };
+        }
+    }
+}
+
 /// Captures `steps` into one graph and instantiates it.
 fn capture(
     st: &mut Entered<'_>,
@@ -737,11 +784,10 @@ fn capture(
             functions.push(kernels.fused(driver.as_mut(), kernel)?);
         }
     }
-    st.driver
-        .capture_begin()
-        .map_err(Error::driver("cuStreamBeginCapture"))?;
+    let capturing = Capturing::begin(st)?;
     let mut nodes = Vec::new();
     let captured = (|| -> Result<()> {
+        let st = &mut *capturing.st;
         let mut functions = functions.iter();
         for step in steps {
             match step {
@@ -823,7 +869,7 @@ fn capture(
         }
         Ok(())
     })();
-    let ended = st.driver.capture_end();
+    let ended = capturing.end();
     let graph = match (captured, ended) {
         (Ok(()), Ok(graph)) => graph,
         (Err(error), Ok(graph)) => {
