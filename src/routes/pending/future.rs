@@ -58,6 +58,17 @@ use std::task::{Context, Poll};
 /// registered (the engine was dropped, whose teardown waited for its streams, or the driver
 /// refused), the poll waits for the event on the polling thread instead: rare, and short.
 ///
+/// # What the waker may do
+///
+/// The task's [`Waker`](std::task::Waker) is called as the device's callback: on CUDA on the
+/// driver's callback thread, where the driver refuses every call, and on the simulated device
+/// the same way, once the thread that ran the device's work holds no engine lock. It may only
+/// signal (schedule the task, send on a channel, set a flag), as executors' wakers do. An engine
+/// call made from it (polling another transfer inline, say) is refused with
+/// [`Error::InDeviceCallback`](crate::Error::InDeviceCallback); a value of the engine dropped in
+/// it is leaked, never freed under the device, and reported at the next
+/// [`flush`](crate::CudaEngine::flush) or [`synchronize`](crate::CudaEngine::synchronize).
+///
 /// # Cancellation
 ///
 /// Dropping the future before it resolves is exactly dropping the in-flight handle: the
