@@ -6,7 +6,9 @@
 mod copy_threads;
 
 use cuferry::sim::{Schedule, SimConfig, SimDevice, SimOp};
-use cuferry::{upload_pending, CudaEngine, DriverError, Error, PendingUpload, PinnedHostBuffer};
+use cuferry::{
+    upload_pending, CudaEngine, DriverError, Error, PendingUpload, PinnedHostBuffer, Signal,
+};
 
 fn data(n: usize, salt: f32) -> Vec<f32> {
     (0..n).map(|i| i as f32 * 0.5 + salt).collect()
@@ -36,16 +38,7 @@ fn b_finished_first(seed: u64, wait: bool) -> bool {
         b.wait_signal(&signal).unwrap();
     }
     let mut second = upload(&mut b, 64, 2.0);
-    let mut early = false;
-    for _ in 0..200 {
-        let b_done = second.is_ready().unwrap();
-        let a_done = signal.is_ready().unwrap() && first.is_ready().unwrap();
-        early |= b_done && !a_done;
-        if b_done && a_done {
-            break;
-        }
-        sim.advance(1);
-    }
+    let early = ran_early(&sim, &mut first, &mut second, &signal);
     sim.hold_clock(false);
     drop((
         first.wait().unwrap(),
@@ -57,6 +50,26 @@ fn b_finished_first(seed: u64, wait: bool) -> bool {
     early
 }
 
+/// Steps the held clock until both uploads and the signal are done; whether `second` (the
+/// waiting engine's) ever completed before `first` and the signal (the signalling engine's).
+fn ran_early(
+    sim: &SimDevice,
+    first: &mut PendingUpload<f32>,
+    second: &mut PendingUpload<f32>,
+    signal: &Signal,
+) -> bool {
+    let mut early = false;
+    for _ in 0..200 {
+        let b_done = second.is_ready().unwrap();
+        let a_done = signal.is_ready().unwrap() && first.is_ready().unwrap();
+        early |= b_done && !a_done;
+        if b_done && a_done {
+            break;
+        }
+        sim.advance(1);
+    }
+    early
+}
 #[test]
 fn work_after_a_wait_runs_after_the_signalled_work_of_another_engine() {
     for seed in 0..64 {
@@ -230,16 +243,7 @@ fn b_ran_ahead_of_a_failed_teardown(seed: u64) -> bool {
         Err(other) => panic!("seed {seed}: not a typed refusal: {other:?}"),
     }
     let mut second = upload(&mut b, 64, 2.0);
-    let mut early = false;
-    for _ in 0..200 {
-        let b_done = second.is_ready().unwrap();
-        let a_done = signal.is_ready().unwrap() && first.is_ready().unwrap();
-        early |= b_done && !a_done;
-        if b_done && a_done {
-            break;
-        }
-        sim.advance(1);
-    }
+    let early = ran_early(&sim, &mut first, &mut second, &signal);
     sim.hold_clock(false);
     let (first, second) = (first.wait().unwrap(), second.wait().unwrap());
     assert_eq!(first.buffer().as_slice(), &data(64, 1.0)[..]);
