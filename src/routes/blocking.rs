@@ -33,8 +33,8 @@ use crate::memory::copy_pool::{self, CopyPool};
 use crate::memory::element::{as_bytes, byte_len, Element};
 use crate::memory::stream_copy::copy_streaming;
 use crate::memory::tensor::{shape_len, DeviceTensor};
+use crate::sync::{AtomicBool, AtomicUsize, Ordering, SpinWait};
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 /// Bytes one host-copy task handles at least: below this, splitting costs more than it gains.
 const MIN_COPY_PART: usize = 256 << 10;
@@ -62,7 +62,9 @@ struct Copiers {
     parts: usize,
 }
 
-/// Hands out the indices `0..len` one at a time to whichever thread asks next.
+/// Hands out the indices `0..len` one at a time to whichever thread asks next: each index to
+/// exactly one caller (a read-modify-write sees every earlier one, so no ordering is needed; what
+/// an index stands for is published by other means).
 struct Claims {
     next: AtomicUsize,
     len: usize,
@@ -782,13 +784,14 @@ fn upload_at_once<T: Element>(
     let mut in_flight = VecDeque::with_capacity(chunks);
     let mut failure = None;
     copiers.pool.join(copiers.parts - 1, &work, |_| {
+        let mut wait = SpinWait::new();
         for (c, done) in remaining.iter().enumerate() {
             // The calling thread copies too, taking the next piece in order, until this chunk
             // has landed.
             while done.load(Ordering::Acquire) != 0 {
                 match claims.claim() {
                     Some(i) => copy_piece(i),
-                    None => std::hint::spin_loop(),
+                    None => wait.spin(),
                 }
             }
             let lease = leases.pop_front().expect("one lease per chunk");
@@ -827,13 +830,55 @@ const MARK_BYTES: usize = 512 << 10;
 /// The smallest piece of a marked part one copy thread copies out.
 const MIN_MARKED_PIECE: usize = 32 << 10;
 
-/// Raises `flag` when dropped: the lead of a download stops its helpers waiting for marks it
-/// will no longer prove, on return and on unwind alike.
-struct RaiseOnDrop<'a>(&'a AtomicBool);
+/// How many parts of a download the lead has proven arrived, for the helpers that copy them
+/// out, and whether it has given up proving more.
+///
+/// The lead publishes a count, in order, each time one more part (or a chunk's last) is proven
+/// ([`publish`](Arrivals::publish), release); a helper that needs part `p` waits until the count
+/// passes `p` (acquire: the proof, and so the bytes, are visible to it) and never reads a part
+/// the count does not cover. The lead gives up ([`GiveUpOnDrop`]) once it has published all it
+/// will, on return and on unwind alike; a helper that sees that, and still sees its part
+/// unpublished, stops waiting. Giving up is stored after the last publication, so the count
+/// is read again after it is seen.
+struct Arrivals {
+    arrived: AtomicUsize,
+    gave_up: AtomicBool,
+}
 
-impl Drop for RaiseOnDrop<'_> {
+impl Arrivals {
+    fn new() -> Self {
+        Arrivals {
+            arrived: AtomicUsize::new(0),
+            gave_up: AtomicBool::new(false),
+        }
+    }
+
+    /// The lead: parts `0..count` have arrived (`count` only grows).
+    fn publish(&self, count: usize) {
+        self.arrived.store(count, Ordering::Release);
+    }
+
+    /// A helper: waits until part `p` has arrived (`true`), or until the lead has given up with
+    /// it unpublished (`false`).
+    fn wait_for(&self, p: usize) -> bool {
+        let mut wait = SpinWait::new();
+        while self.arrived.load(Ordering::Acquire) <= p {
+            if self.gave_up.load(Ordering::Acquire) && self.arrived.load(Ordering::Acquire) <= p {
+                return false;
+            }
+            wait.spin();
+        }
+        true
+    }
+}
+
+/// Gives up when dropped: the lead of a download stops its helpers waiting for marks it will no
+/// longer prove, on return and on unwind alike.
+struct GiveUpOnDrop<'a>(&'a Arrivals);
+
+impl Drop for GiveUpOnDrop<'_> {
     fn drop(&mut self) {
-        self.0.store(true, Ordering::Release);
+        self.0.gave_up.store(true, Ordering::Release);
     }
 }
 
@@ -915,8 +960,7 @@ fn download_at_once<T: Element>(
                 .map(move |(offset, len)| (p, start + offset, len))
         })
         .collect();
-    let arrived = AtomicUsize::new(0);
-    let gave_up = AtomicBool::new(false);
+    let arrivals = Arrivals::new();
     let claims = Claims::new(pieces.len());
     let populate =
         (fresh && total * size >= POPULATE_MIN).then(|| Populate::new(dst, total * size));
@@ -927,12 +971,8 @@ fn download_at_once<T: Element>(
         }
         while let Some(i) = claims.claim() {
             let (p, offset, len) = pieces[i];
-            // Giving up is seen after the last publication, so the count is asked again.
-            while arrived.load(Ordering::Acquire) <= p {
-                if gave_up.load(Ordering::Acquire) && arrived.load(Ordering::Acquire) <= p {
-                    return;
-                }
-                std::hint::spin_loop();
+            if !arrivals.wait_for(p) {
+                return;
             }
             let c = parts[p].0;
             // SAFETY: part `p` was published only after its mark (or its chunk's event) proved
@@ -956,7 +996,7 @@ fn download_at_once<T: Element>(
     // reads their slots any more, on unwind as well.
     let mut landed = Vec::with_capacity(queued.len());
     let failure = copiers.pool.join(copiers.parts - 1, &work, |_| {
-        let give_up = RaiseOnDrop(&gave_up);
+        let give_up = GiveUpOnDrop(&arrivals);
         let mut next = 0;
         while let Some((_, marks)) = queued.front_mut() {
             for mark in std::mem::take(marks) {
@@ -968,7 +1008,7 @@ fn download_at_once<T: Element>(
                     return Some(error);
                 }
                 next += 1;
-                arrived.store(next, Ordering::Release);
+                arrivals.publish(next);
             }
             let (lease, _) = queued.pop_front().expect("the chunk just waited for");
             match lease.end_chunk() {
@@ -976,7 +1016,7 @@ fn download_at_once<T: Element>(
                 Err(error) => return Some(error),
             }
             next += 1;
-            arrived.store(next, Ordering::Release);
+            arrivals.publish(next);
         }
         drop(give_up);
         // Copy out alongside the helpers (or alone, without any).
