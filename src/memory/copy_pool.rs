@@ -30,7 +30,7 @@
 //! interleaving: a join hands its task over and returns only after every helper is done with the
 //! borrowed work, a parking thread never misses its wake-up, a panicking task is raised after
 //! every helper finished and frees its slot, a lead that unwinds still waits, and two joins never
-//! claim one thread twice. Three choices in it are deliberate:
+//! claim one thread twice. Four choices in it are deliberate:
 //!
 //! - **The park hand-shake uses fences.** A thread going cold stores `parked` then loads its
 //!   slot; a claimer stores `READY` then loads `parked`; a sequentially consistent fence between
@@ -50,6 +50,11 @@
 //!   through the benches' rayon, then needs its own loom feature), and its `unpark` of a parked
 //!   thread takes a mutex and signals a condition variable where `std`'s (a futex on Linux) swaps
 //!   one atomic and wakes. The `parked` flag already spares hot threads any unpark.
+//! - **Each slot has cache lines of its own** (crossbeam's `CachePadded`): unpadded, a slot
+//!   shares a line with its neighbours', so each claim took a line another thread was watching.
+//!   In the same replica, with 20 µs tasks, the time a join took past its tasks went from
+//!   3.2–3.7 to 2.9–3.2 µs with 4 helpers and from 4.6–5.1 to 4.0–4.4 µs with 11; with one
+//!   helper it stayed at 1.9–2.1 µs.
 //!
 //! Process state with no knowledge of any engine: it depends only on the errors.
 
@@ -57,6 +62,7 @@ use crate::error::{Error, Result};
 use crate::sync::thread::{self, Thread};
 use crate::sync::{arc_slice, fence, Arc, AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use crate::sync::{SpinWait, UnsafeCell};
+use crossbeam_utils::CachePadded;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
@@ -230,7 +236,9 @@ const LOOKS_BEFORE_PARKING: u32 = 0;
 
 /// The copy threads: one slot each, through which a transfer hands a thread its task.
 pub(crate) struct CopyPool {
-    workers: Arc<[Worker]>,
+    /// Each slot on cache lines of its own: a claimer writing one slot does not take the line
+    /// another thread is watching.
+    workers: Arc<[CachePadded<Worker>]>,
     /// The threads, joined by `CopyPool::shutdown` (the process's pool is never shut down).
     #[cfg(all(test, cuferry_loom))]
     handles: Vec<thread::JoinHandle<()>>,
@@ -349,11 +357,13 @@ impl Drop for WaitForWorkers<'_> {
 impl CopyPool {
     /// Starts `threads` copy threads.
     fn start(threads: usize) -> std::io::Result<CopyPool> {
-        let workers: Arc<[Worker]> = arc_slice((0..threads).map(|_| Worker {
-            state: AtomicU8::new(IDLE),
-            parked: AtomicBool::new(false),
-            task: UnsafeCell::new(None),
-            thread: OnceLock::new(),
+        let workers: Arc<[CachePadded<Worker>]> = arc_slice((0..threads).map(|_| {
+            CachePadded::new(Worker {
+                state: AtomicU8::new(IDLE),
+                parked: AtomicBool::new(false),
+                task: UnsafeCell::new(None),
+                thread: OnceLock::new(),
+            })
         }));
         #[cfg(all(test, cuferry_loom))]
         let mut handles = Vec::with_capacity(threads);
