@@ -702,3 +702,225 @@ mod tests {
         }
     }
 }
+
+/// The copy threads' protocols under every interleaving loom can reach (see `crate::sync`).
+#[cfg(all(test, cuferry_loom))]
+mod loom_models {
+    use super::*;
+
+    /// Runs `f` under loom with a pool of `threads` copy threads, its preemptions bounded: 3
+    /// with one copy thread, 2 with two (every order of their hand-offs needs no more; with 3 a
+    /// model of two threads takes about 15 s instead of 1).
+    fn check(threads: usize, f: impl Fn(CopyPool) + Sync + Send + 'static) {
+        quiet_panics();
+        let mut builder = loom::model::Builder::new();
+        builder.preemption_bound = Some(if threads == 1 { 3 } else { 2 });
+        builder.check(move || f(CopyPool::start(threads).unwrap()));
+    }
+
+    /// The panics the models raise on purpose are not printed (once per explored schedule);
+    /// every other panic, loom's reports included, is.
+    fn quiet_panics() {
+        static ONCE: std::sync::Once = std::sync::Once::new();
+        ONCE.call_once(|| {
+            let report = std::panic::take_hook();
+            std::panic::set_hook(Box::new(move |info| {
+                let payload = info.payload();
+                let message = payload
+                    .downcast_ref::<&str>()
+                    .copied()
+                    .or_else(|| payload.downcast_ref::<String>().map(String::as_str));
+                if !matches!(
+                    message,
+                    Some("a task fails" | "the lead fails" | "a host-copy task panicked")
+                ) {
+                    report(info);
+                }
+            }));
+        });
+    }
+
+    /// Work that marks one of `marks` per call (each call claims the next): a helper's write
+    /// that `join`'s return does not follow is a race loom reports when the lead reads it.
+    struct Marks {
+        next: AtomicUsize,
+        marks: Vec<UnsafeCell<usize>>,
+    }
+
+    // SAFETY: each cell is written by the one call that claimed its index, and read only after
+    // the helpers are done; loom checks both.
+    unsafe impl Sync for Marks {}
+
+    impl Marks {
+        fn new(n: usize) -> Self {
+            Marks {
+                next: AtomicUsize::new(0),
+                marks: (0..n).map(|_| UnsafeCell::new(0)).collect(),
+            }
+        }
+
+        /// Marks the next cell; returns its index.
+        fn mark(&self) -> usize {
+            let i = self.next.fetch_add(1, Ordering::Relaxed);
+            // SAFETY: each index is taken by one call only; the lead reads the cells after
+            // `join` returned, which loom checks follows every write.
+            self.marks[i].with_mut(|m| unsafe { *m += 1 });
+            i
+        }
+
+        /// How many cells were marked, once each (as the lead, after `join`: written through
+        /// `with_mut`, so loom checks every helper's write happened before).
+        fn marked(&self) -> usize {
+            let taken = self.next.load(Ordering::Relaxed).min(self.marks.len());
+            for cell in &self.marks[..taken] {
+                // SAFETY: the helpers are done (that is what the model checks).
+                cell.with_mut(|m| assert_eq!(unsafe { *m }, 1));
+            }
+            taken
+        }
+    }
+
+    fn every_slot_is_idle(pool: &CopyPool) -> bool {
+        pool.workers
+            .iter()
+            .all(|w| w.state.load(Ordering::Relaxed) == IDLE)
+    }
+
+    /// (a) The task reaches every claimed thread, and `join` returns only after each has
+    /// finished with the work it borrowed.
+    #[test]
+    fn loom_join_hands_over_and_returns_after_every_helper() {
+        for helpers in [1, 2] {
+            check(helpers, move |pool| {
+                let marks = Marks::new(helpers);
+                let work = || {
+                    marks.mark();
+                };
+                let claimed = pool.join(helpers, &work, |claimed| claimed);
+                assert_eq!(claimed, helpers, "every thread is idle");
+                assert_eq!(marks.marked(), helpers);
+                assert!(every_slot_is_idle(&pool));
+                pool.shutdown();
+            });
+        }
+    }
+
+    /// (b) A thread that goes cold after a task and parks still sees the next hand-off: the
+    /// claimer unparks it or it sees the task before parking. A lost wake-up leaves the second
+    /// hand-off (or the shutdown's) waiting forever, which loom reports as a deadlock.
+    #[test]
+    fn loom_a_parking_thread_never_misses_its_wake_up() {
+        check(1, |pool| {
+            for _ in 0..2 {
+                let marks = Marks::new(1);
+                let work = || {
+                    marks.mark();
+                };
+                assert_eq!(pool.join(1, &work, |claimed| claimed), 1);
+                assert_eq!(marks.marked(), 1);
+            }
+            pool.shutdown();
+        });
+    }
+
+    /// (c) A panic in a helper's task is raised in the caller, after every helper finished, and
+    /// leaves every slot free for the next transfer.
+    #[test]
+    fn loom_a_panicking_task_is_raised_after_every_helper_and_frees_its_slot() {
+        check(2, |pool| {
+            let marks = Marks::new(2);
+            let work = || {
+                if marks.mark() == 0 {
+                    panic!("a task fails");
+                }
+            };
+            let raised = catch_unwind(AssertUnwindSafe(|| pool.join(2, &work, |_| ())));
+            let message = raised.expect_err("the task's panic is raised in the caller");
+            assert_eq!(
+                message.downcast_ref::<&str>(),
+                Some(&"a host-copy task panicked")
+            );
+            assert_eq!(marks.marked(), 2, "the other helper finished first");
+            assert!(every_slot_is_idle(&pool));
+            pool.shutdown();
+        });
+    }
+
+    /// (d) A lead that unwinds still waits, in `join`, for every helper to finish with the
+    /// work it borrowed: helpers that only work, and a helper that waits for the lead to let it
+    /// go (as a download's helpers wait for its marks), let go by the lead's guard on unwind.
+    #[test]
+    fn loom_a_lead_that_unwinds_waits_for_its_helpers() {
+        check(2, |pool| {
+            let marks = Marks::new(2);
+            let work = || {
+                marks.mark();
+            };
+            let raised = catch_unwind(AssertUnwindSafe(|| {
+                pool.join(2, &work, |_| panic!("the lead fails"))
+            }));
+            assert!(raised.is_err());
+            assert_eq!(marks.marked(), 2);
+            assert!(every_slot_is_idle(&pool));
+            pool.shutdown();
+        });
+        check(2, |pool| {
+            let marks = Marks::new(2);
+            let stop = AtomicBool::new(false);
+            let work = || {
+                let mut wait = SpinWait::new();
+                while !stop.load(Ordering::Acquire) {
+                    wait.spin();
+                }
+                marks.mark();
+            };
+            struct Release<'a>(&'a AtomicBool);
+            impl Drop for Release<'_> {
+                fn drop(&mut self) {
+                    self.0.store(true, Ordering::Release);
+                }
+            }
+            let raised = catch_unwind(AssertUnwindSafe(|| {
+                pool.join(2, &work, |_| {
+                    let _release = Release(&stop);
+                    panic!("the lead fails");
+                })
+            }));
+            assert!(raised.is_err());
+            assert_eq!(marks.marked(), 2);
+            assert!(every_slot_is_idle(&pool));
+            pool.shutdown();
+        });
+    }
+
+    /// (e) Two transfers joining at once never claim one thread twice: each gets back exactly
+    /// the helpers it handed its task to, and each of those runs its task once. One copy thread,
+    /// which both want: the race that matters, a second claim of a busy slot, is the one every
+    /// schedule offers (with two threads the model runs for many minutes).
+    #[test]
+    fn loom_concurrent_joins_never_claim_one_thread_twice() {
+        const THREADS: usize = 1;
+        check(THREADS, |pool| {
+            let pool = Arc::new(pool);
+            let join_once = |pool: &CopyPool| {
+                let marks = Marks::new(THREADS);
+                let work = || {
+                    marks.mark();
+                };
+                let claimed = pool.join(THREADS, &work, |claimed| claimed);
+                assert_eq!(marks.marked(), claimed);
+            };
+            let other = {
+                let pool = Arc::clone(&pool);
+                thread::Builder::new()
+                    .spawn(move || join_once(&pool))
+                    .unwrap()
+            };
+            join_once(&pool);
+            other.join().unwrap();
+            let pool = Arc::try_unwrap(pool).unwrap_or_else(|_| panic!("the other lead is done"));
+            assert!(every_slot_is_idle(&pool));
+            pool.shutdown();
+        });
+    }
+}

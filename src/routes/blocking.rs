@@ -1067,3 +1067,133 @@ mod tests {
         assert!(b.sim().unwrap().violations().is_empty());
     }
 }
+
+/// The blocking routes' own protocols under every interleaving loom can reach (see
+/// `crate::sync`): the index hand-out and the publication of a download's parts.
+#[cfg(all(test, cuferry_loom))]
+mod loom_models {
+    use super::*;
+    use crate::sync::{thread, Arc};
+    use loom::cell::UnsafeCell;
+
+    /// Runs `f` under loom, with at most `preemptions` preemptions in a schedule.
+    fn check(preemptions: usize, f: impl Fn() + Sync + Send + 'static) {
+        let mut builder = loom::model::Builder::new();
+        builder.preemption_bound = Some(preemptions);
+        builder.check(f);
+    }
+
+    /// (f) Three threads claiming from one hand-out get every index exactly once between them.
+    #[test]
+    fn loom_claims_hand_out_each_index_exactly_once() {
+        check(3, || {
+            let claims = Arc::new(Claims::new(3));
+            let claim_all = |claims: &Claims| {
+                let mut mine = Vec::new();
+                while let Some(i) = claims.claim() {
+                    mine.push(i);
+                }
+                mine
+            };
+            let others: Vec<_> = (0..2)
+                .map(|_| {
+                    let claims = Arc::clone(&claims);
+                    thread::Builder::new()
+                        .spawn(move || claim_all(&claims))
+                        .unwrap()
+                })
+                .collect();
+            let mut all = claim_all(&claims);
+            for other in others {
+                all.extend(other.join().unwrap());
+            }
+            all.sort_unstable();
+            assert_eq!(all, [0, 1, 2]);
+        });
+    }
+
+    /// A download's parts as the model sees them: what the lead proved arrived in each (0 until
+    /// then), the claims of the copy-out and the publication between them.
+    struct Download {
+        parts: Vec<UnsafeCell<usize>>,
+        claims: Claims,
+        arrivals: Arrivals,
+    }
+
+    // SAFETY: a part's cell is written by the lead before it is published and read by helpers
+    // only after; loom checks both.
+    unsafe impl Sync for Download {}
+
+    impl Download {
+        const PARTS: usize = 3;
+
+        fn new() -> Self {
+            Download {
+                parts: (0..Self::PARTS).map(|_| UnsafeCell::new(0)).collect(),
+                claims: Claims::new(Self::PARTS),
+                arrivals: Arrivals::new(),
+            }
+        }
+
+        /// The copy-out as `download_at_once`'s work does it: claims a part, waits for it, reads
+        /// it; stops when the lead gave up before publishing the part. Returns the parts read.
+        fn copy_out(&self) -> usize {
+            let mut read = 0;
+            while let Some(p) = self.claims.claim() {
+                if !self.arrivals.wait_for(p) {
+                    break;
+                }
+                // SAFETY: the model checks it: the lead wrote the part before publishing it and
+                // never writes it again.
+                let seen = self.parts[p].with(|v| unsafe { *v });
+                assert_eq!(seen, p + 1, "part {p} was read before it arrived");
+                read += 1;
+            }
+            read
+        }
+
+        /// The lead: proves the first `arrive` parts in order, publishing each, then gives up
+        /// (as it does on a failed mark, and after the last) and copies out beside the helpers.
+        fn lead(&self, arrive: usize) -> usize {
+            let give_up = GiveUpOnDrop(&self.arrivals);
+            for p in 0..arrive {
+                // SAFETY: no helper reads part `p` before it is published below.
+                self.parts[p].with_mut(|v| unsafe { *v = p + 1 });
+                self.arrivals.publish(p + 1);
+            }
+            drop(give_up);
+            self.copy_out()
+        }
+    }
+
+    /// (g) Helpers copying out a download never read a part the lead has not published, and
+    /// stop once the lead gives up (a helper that kept waiting would never end the model),
+    /// whether the lead proves every part or fails after some; the lead copies out beside them.
+    #[test]
+    fn loom_a_download_publishes_its_parts_and_its_helpers_stop_when_it_gives_up() {
+        for arrive in 0..=Download::PARTS {
+            check(2, move || {
+                let download = Arc::new(Download::new());
+                let helpers: Vec<_> = (0..2)
+                    .map(|_| {
+                        let download = Arc::clone(&download);
+                        thread::Builder::new()
+                            .spawn(move || download.copy_out())
+                            .unwrap()
+                    })
+                    .collect();
+                let mut read = download.lead(arrive);
+                for helper in helpers {
+                    read += helper.join().unwrap();
+                }
+                // Parts are claimed in order, so every part that arrived was claimed by a thread
+                // that had not stopped, and read.
+                assert_eq!(read, arrive);
+                for part in &download.parts {
+                    // SAFETY: the helpers are done; loom checks their reads happened before.
+                    part.with_mut(|v| unsafe { *v = 0 });
+                }
+            });
+        }
+    }
+}
