@@ -59,7 +59,7 @@
 #![warn(clippy::undocumented_unsafe_blocks)]
 
 // The levels, lowest first; a module never imports a level above its own (`tests/levels.rs`
-// checks it). `error` and `dtype` sit below them all.
+// checks it). `error`, `dtype` and `sync` sit below them all.
 //
 // The seam: the one trait that names device operations, and its two implementations.
 mod driver;
@@ -81,7 +81,10 @@ mod work;
 
 mod dtype;
 mod error;
+// The atomics, threads and cells of the hand-written concurrency: `std`'s, or loom's when the
+// loom models are built.
 pub mod guide;
+mod sync;
 
 pub use work::{graph, interop, kernels, libs};
 

@@ -34,8 +34,8 @@ use crate::memory::copy_pool::{self, CopyPool};
 use crate::memory::element::{as_bytes, byte_len, Element};
 use crate::memory::stream_copy::copy_streaming;
 use crate::memory::tensor::{shape_len, DeviceTensor};
+use crate::sync::{AtomicBool, AtomicUsize, Ordering, SpinWait};
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 /// Bytes one host-copy task handles at least: below this, splitting costs more than it gains.
 const MIN_COPY_PART: usize = 256 << 10;
@@ -63,7 +63,9 @@ struct Copiers {
     parts: usize,
 }
 
-/// Hands out the indices `0..len` one at a time to whichever thread asks next.
+/// Hands out the indices `0..len` one at a time to whichever thread asks next: each index to
+/// exactly one caller (a read-modify-write sees every earlier one, so no ordering is needed; what
+/// an index stands for is published by other means).
 struct Claims {
     next: AtomicUsize,
     len: usize,
@@ -785,13 +787,14 @@ fn upload_at_once<T: Element>(
     let mut in_flight = VecDeque::with_capacity(chunks);
     let mut failure = None;
     copiers.pool.join(copiers.parts - 1, &work, |_| {
+        let mut wait = SpinWait::new();
         for (c, done) in remaining.iter().enumerate() {
             // The calling thread copies too, taking the next piece in order, until this chunk
             // has landed.
             while done.load(Ordering::Acquire) != 0 {
                 match claims.claim() {
                     Some(i) => copy_piece(i),
-                    None => std::hint::spin_loop(),
+                    None => wait.spin(),
                 }
             }
             let lease = leases.pop_front().expect("one lease per chunk");
@@ -830,13 +833,55 @@ const MARK_BYTES: usize = 512 << 10;
 /// The smallest piece of a marked part one copy thread copies out.
 const MIN_MARKED_PIECE: usize = 32 << 10;
 
-/// Raises `flag` when dropped: the lead of a download stops its helpers waiting for marks it
-/// will no longer prove, on return and on unwind alike.
-struct RaiseOnDrop<'a>(&'a AtomicBool);
+/// How many parts of a download the lead has proven arrived, for the helpers that copy them
+/// out, and whether it has given up proving more.
+///
+/// The lead publishes a count, in order, each time one more part (or a chunk's last) is proven
+/// ([`publish`](Arrivals::publish), release); a helper that needs part `p` waits until the count
+/// passes `p` (acquire: the proof, and so the bytes, are visible to it) and never reads a part
+/// the count does not cover. The lead gives up ([`GiveUpOnDrop`]) once it has published all it
+/// will, on return and on unwind alike; a helper that sees that, and still sees its part
+/// unpublished, stops waiting. Giving up is stored after the last publication, so the count
+/// is read again after it is seen.
+struct Arrivals {
+    arrived: AtomicUsize,
+    gave_up: AtomicBool,
+}
 
-impl Drop for RaiseOnDrop<'_> {
+impl Arrivals {
+    fn new() -> Self {
+        Arrivals {
+            arrived: AtomicUsize::new(0),
+            gave_up: AtomicBool::new(false),
+        }
+    }
+
+    /// The lead: parts `0..count` have arrived (`count` only grows).
+    fn publish(&self, count: usize) {
+        self.arrived.store(count, Ordering::Release);
+    }
+
+    /// A helper: waits until part `p` has arrived (`true`), or until the lead has given up with
+    /// it unpublished (`false`).
+    fn wait_for(&self, p: usize) -> bool {
+        let mut wait = SpinWait::new();
+        while self.arrived.load(Ordering::Acquire) <= p {
+            if self.gave_up.load(Ordering::Acquire) && self.arrived.load(Ordering::Acquire) <= p {
+                return false;
+            }
+            wait.spin();
+        }
+        true
+    }
+}
+
+/// Gives up when dropped: the lead of a download stops its helpers waiting for marks it will no
+/// longer prove, on return and on unwind alike.
+struct GiveUpOnDrop<'a>(&'a Arrivals);
+
+impl Drop for GiveUpOnDrop<'_> {
     fn drop(&mut self) {
-        self.0.store(true, Ordering::Release);
+        self.0.gave_up.store(true, Ordering::Release);
     }
 }
 
@@ -918,8 +963,7 @@ fn download_at_once<T: Element>(
                 .map(move |(offset, len)| (p, start + offset, len))
         })
         .collect();
-    let arrived = AtomicUsize::new(0);
-    let gave_up = AtomicBool::new(false);
+    let arrivals = Arrivals::new();
     let claims = Claims::new(pieces.len());
     let populate =
         (fresh && total * size >= POPULATE_MIN).then(|| Populate::new(dst, total * size));
@@ -930,12 +974,8 @@ fn download_at_once<T: Element>(
         }
         while let Some(i) = claims.claim() {
             let (p, offset, len) = pieces[i];
-            // Giving up is seen after the last publication, so the count is asked again.
-            while arrived.load(Ordering::Acquire) <= p {
-                if gave_up.load(Ordering::Acquire) && arrived.load(Ordering::Acquire) <= p {
-                    return;
-                }
-                std::hint::spin_loop();
+            if !arrivals.wait_for(p) {
+                return;
             }
             let c = parts[p].0;
             // SAFETY: part `p` was published only after its mark (or its chunk's event) proved
@@ -959,7 +999,7 @@ fn download_at_once<T: Element>(
     // reads their slots any more, on unwind as well.
     let mut landed = Vec::with_capacity(queued.len());
     let failure = copiers.pool.join(copiers.parts - 1, &work, |_| {
-        let give_up = RaiseOnDrop(&gave_up);
+        let give_up = GiveUpOnDrop(&arrivals);
         let mut next = 0;
         while let Some((_, marks)) = queued.front_mut() {
             for mark in std::mem::take(marks) {
@@ -971,7 +1011,7 @@ fn download_at_once<T: Element>(
                     return Some(error);
                 }
                 next += 1;
-                arrived.store(next, Ordering::Release);
+                arrivals.publish(next);
             }
             let (lease, _) = queued.pop_front().expect("the chunk just waited for");
             match lease.end_chunk() {
@@ -979,7 +1019,7 @@ fn download_at_once<T: Element>(
                 Err(error) => return Some(error),
             }
             next += 1;
-            arrived.store(next, Ordering::Release);
+            arrivals.publish(next);
         }
         drop(give_up);
         // Copy out alongside the helpers (or alone, without any).
@@ -1028,5 +1068,135 @@ mod tests {
         assert_eq!(cb.parts, 1);
         assert!(a.sim().unwrap().violations().is_empty());
         assert!(b.sim().unwrap().violations().is_empty());
+    }
+}
+
+/// The blocking routes' own protocols under every interleaving loom can reach (see
+/// `crate::sync`): the index hand-out and the publication of a download's parts.
+#[cfg(all(test, cuferry_loom))]
+mod loom_models {
+    use super::*;
+    use crate::sync::{thread, Arc};
+    use loom::cell::UnsafeCell;
+
+    /// Runs `f` under loom, with at most `preemptions` preemptions in a schedule.
+    fn check(preemptions: usize, f: impl Fn() + Sync + Send + 'static) {
+        let mut builder = loom::model::Builder::new();
+        builder.preemption_bound = Some(preemptions);
+        builder.check(f);
+    }
+
+    /// (f) Three threads claiming from one hand-out get every index exactly once between them.
+    #[test]
+    fn loom_claims_hand_out_each_index_exactly_once() {
+        check(3, || {
+            let claims = Arc::new(Claims::new(3));
+            let claim_all = |claims: &Claims| {
+                let mut mine = Vec::new();
+                while let Some(i) = claims.claim() {
+                    mine.push(i);
+                }
+                mine
+            };
+            let others: Vec<_> = (0..2)
+                .map(|_| {
+                    let claims = Arc::clone(&claims);
+                    thread::Builder::new()
+                        .spawn(move || claim_all(&claims))
+                        .unwrap()
+                })
+                .collect();
+            let mut all = claim_all(&claims);
+            for other in others {
+                all.extend(other.join().unwrap());
+            }
+            all.sort_unstable();
+            assert_eq!(all, [0, 1, 2]);
+        });
+    }
+
+    /// A download's parts as the model sees them: what the lead proved arrived in each (0 until
+    /// then), the claims of the copy-out and the publication between them.
+    struct Download {
+        parts: Vec<UnsafeCell<usize>>,
+        claims: Claims,
+        arrivals: Arrivals,
+    }
+
+    // SAFETY: a part's cell is written by the lead before it is published and read by helpers
+    // only after; loom checks both.
+    unsafe impl Sync for Download {}
+
+    impl Download {
+        const PARTS: usize = 3;
+
+        fn new() -> Self {
+            Download {
+                parts: (0..Self::PARTS).map(|_| UnsafeCell::new(0)).collect(),
+                claims: Claims::new(Self::PARTS),
+                arrivals: Arrivals::new(),
+            }
+        }
+
+        /// The copy-out as `download_at_once`'s work does it: claims a part, waits for it, reads
+        /// it; stops when the lead gave up before publishing the part. Returns the parts read.
+        fn copy_out(&self) -> usize {
+            let mut read = 0;
+            while let Some(p) = self.claims.claim() {
+                if !self.arrivals.wait_for(p) {
+                    break;
+                }
+                // SAFETY: the model checks it: the lead wrote the part before publishing it and
+                // never writes it again.
+                let seen = self.parts[p].with(|v| unsafe { *v });
+                assert_eq!(seen, p + 1, "part {p} was read before it arrived");
+                read += 1;
+            }
+            read
+        }
+
+        /// The lead: proves the first `arrive` parts in order, publishing each, then gives up
+        /// (as it does on a failed mark, and after the last) and copies out beside the helpers.
+        fn lead(&self, arrive: usize) -> usize {
+            let give_up = GiveUpOnDrop(&self.arrivals);
+            for p in 0..arrive {
+                // SAFETY: no helper reads part `p` before it is published below.
+                self.parts[p].with_mut(|v| unsafe { *v = p + 1 });
+                self.arrivals.publish(p + 1);
+            }
+            drop(give_up);
+            self.copy_out()
+        }
+    }
+
+    /// (g) Helpers copying out a download never read a part the lead has not published, and
+    /// stop once the lead gives up (a helper that kept waiting would never end the model),
+    /// whether the lead proves every part or fails after some; the lead copies out beside them.
+    #[test]
+    fn loom_a_download_publishes_its_parts_and_its_helpers_stop_when_it_gives_up() {
+        for arrive in 0..=Download::PARTS {
+            check(2, move || {
+                let download = Arc::new(Download::new());
+                let helpers: Vec<_> = (0..2)
+                    .map(|_| {
+                        let download = Arc::clone(&download);
+                        thread::Builder::new()
+                            .spawn(move || download.copy_out())
+                            .unwrap()
+                    })
+                    .collect();
+                let mut read = download.lead(arrive);
+                for helper in helpers {
+                    read += helper.join().unwrap();
+                }
+                // Parts are claimed in order, so every part that arrived was claimed by a thread
+                // that had not stopped, and read.
+                assert_eq!(read, arrive);
+                for part in &download.parts {
+                    // SAFETY: the helpers are done; loom checks their reads happened before.
+                    part.with_mut(|v| unsafe { *v = 0 });
+                }
+            });
+        }
     }
 }
