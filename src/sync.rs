@@ -23,14 +23,14 @@
 #[cfg(not(cuferry_loom))]
 pub(crate) use std::sync::atomic::{fence, AtomicBool, AtomicU8, AtomicUsize, Ordering};
 #[cfg(not(cuferry_loom))]
-#[allow(unused_imports)] // No protocol locks yet; a lock must come from here to be modelled.
-pub(crate) use std::sync::{Arc, Mutex};
+#[allow(unused_imports)] // `Arc` is for the models; a protocol's lock must come from here.
+pub(crate) use std::sync::{Arc, Mutex, MutexGuard};
 
 #[cfg(cuferry_loom)]
 pub(crate) use loom::sync::atomic::{fence, AtomicBool, AtomicU8, AtomicUsize, Ordering};
 #[cfg(cuferry_loom)]
 #[allow(unused_imports)]
-pub(crate) use loom::sync::{Arc, Mutex};
+pub(crate) use loom::sync::{Arc, Mutex, MutexGuard};
 
 /// Threads: spawning, parking and unparking, yielding.
 pub(crate) mod thread {

@@ -36,8 +36,8 @@
 
 use super::fence::{Fenced, IdleEvent};
 use crate::error::Result;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use crate::sync::{AtomicBool, Mutex, MutexGuard, Ordering};
+use std::sync::{Arc, PoisonError};
 use std::task::{Context, Poll, Waker};
 
 /// Where the device's wake finds the task: the waker of the latest poll, and whether the device
@@ -189,5 +189,90 @@ impl<R: Send + 'static> Drop for FenceFuture<R> {
         if let Some(slot) = &self.slot {
             slot.clear();
         }
+    }
+}
+
+/// The wake slot's protocol under every interleaving loom explores: the device's call (`fire`)
+/// against a poll that stores its waker and then reads `fired`. A wake is never lost: either the
+/// poll sees the slot fired, or the device finds the stored waker and wakes it.
+#[cfg(all(test, cuferry_loom))]
+mod loom_models {
+    use super::WakeSlot;
+    use crate::sync::{AtomicBool, Mutex, Ordering};
+    use std::sync::Arc;
+    use std::task::{Wake, Waker};
+
+    /// A waker that records that it was woken.
+    struct Flag(AtomicBool);
+
+    impl Wake for Flag {
+        fn wake(self: Arc<Self>) {
+            self.0.store(true, Ordering::Release);
+        }
+    }
+
+    fn slot() -> Arc<WakeSlot> {
+        Arc::new(WakeSlot {
+            waker: Mutex::new(None),
+            fired: AtomicBool::new(false),
+        })
+    }
+
+    #[test]
+    fn loom_a_wake_is_never_lost_between_a_poll_and_the_device() {
+        loom::model(|| {
+            let slot = slot();
+            let device = {
+                let slot = Arc::clone(&slot);
+                loom::thread::spawn(move || slot.fire())
+            };
+            let flag = Arc::new(Flag(AtomicBool::new(false)));
+            let waker = Waker::from(Arc::clone(&flag));
+            // What a poll does: store the waker, then read `fired`.
+            slot.store(&waker);
+            let saw_fired = slot.fired();
+            device.join().unwrap();
+            assert!(
+                saw_fired || flag.0.load(Ordering::Acquire),
+                "the device called back, but the task was neither woken nor saw it"
+            );
+        });
+    }
+
+    #[test]
+    fn loom_a_later_poll_replaces_the_waker_and_one_of_them_is_woken_or_sees_it() {
+        loom::model(|| {
+            let slot = slot();
+            let first = Arc::new(Flag(AtomicBool::new(false)));
+            slot.store(&Waker::from(Arc::clone(&first)));
+            let device = {
+                let slot = Arc::clone(&slot);
+                loom::thread::spawn(move || slot.fire())
+            };
+            // A second poll, from another task's waker.
+            let second = Arc::new(Flag(AtomicBool::new(false)));
+            slot.store(&Waker::from(Arc::clone(&second)));
+            let saw_fired = slot.fired();
+            device.join().unwrap();
+            // The latest poll's task must learn of the call: woken, or told by `fired`.
+            assert!(saw_fired || second.0.load(Ordering::Acquire));
+        });
+    }
+
+    #[test]
+    fn loom_a_cleared_slot_wakes_nobody() {
+        loom::model(|| {
+            let slot = slot();
+            let flag = Arc::new(Flag(AtomicBool::new(false)));
+            slot.store(&Waker::from(Arc::clone(&flag)));
+            let device = {
+                let slot = Arc::clone(&slot);
+                loom::thread::spawn(move || slot.fire())
+            };
+            slot.clear();
+            device.join().unwrap();
+            // Woken only if the call came before the clear; either way the slot is empty after.
+            assert!(slot.lock().is_none());
+        });
     }
 }
