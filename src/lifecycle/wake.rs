@@ -27,7 +27,10 @@
 //! What it promises:
 //! - Never spins and never hangs: when no wake can be registered (the engine was torn down, or
 //!   the device refused), the poll resolves through a blocking wait on the polling thread,
-//!   which is rare and short (after a teardown the stream is already idle).
+//!   which is rare and short (a teardown waited for the streams; should that wait have failed,
+//!   this one reports the failure too).
+//! - Wakes come as the device's callback (`driver::wakes`): the device's side only marks the
+//!   slot fired and wakes the stored waker, and never runs with an engine lock held.
 //! - Exactly the rules of [`Fenced::wait_parts`]: a failure retains the resources for the
 //!   engine's lifetime and returns the typed error.
 //! - Dropping it before it resolves drops the [`Fenced`], which detaches into the retirement
