@@ -178,9 +178,9 @@ impl CudaEngine {
     ///
     /// A signal whose work is proven complete queues nothing: its event reports completion, or
     /// its engine has been dropped and that teardown's wait for its streams succeeded. A teardown
-    /// whose wait failed proves nothing: the wait is queued on the device as for a live engine. When the device refuses a
-    /// wait, the host waits for the signal instead, so the order holds either way, and the
-    /// refusal is reported at the next [`flush`](Self::flush) or
+    /// whose wait failed proves nothing: the wait is queued on the device as for a live engine.
+    /// When the device refuses a wait, the host waits for the signal instead, so the order holds
+    /// either way, and the refusal is reported at the next [`flush`](Self::flush) or
     /// [`synchronize`](Self::synchronize).
     ///
     /// # Errors
