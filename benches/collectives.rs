@@ -12,7 +12,10 @@
 mod raw;
 
 use cudarc::driver::sys;
-use cuferry::{all_reduce, upload_tensor, Communicator, ReduceOp};
+use cuferry::{
+    collective::{all_reduce, Communicator, ReduceOp},
+    upload_tensor,
+};
 use raw::{check, context, event, stream};
 use std::ffi::{c_int, c_void};
 use std::time::Duration;
@@ -84,7 +87,8 @@ fn main() {
             tensors = all_reduce(&comm, &mut [&mut a, &mut b], taken, ReduceOp::Sum)
                 .unwrap()
                 .wait()
-                .unwrap();
+                .unwrap()
+                .into_parts();
         });
         let mut bufs = [0u64; 2];
         // SAFETY: live contexts; out pointers valid; each buffer holds `bytes` bytes and is idle

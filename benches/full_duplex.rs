@@ -52,8 +52,9 @@ use criterion::measurement::WallTime;
 use criterion::{criterion_group, criterion_main, BenchmarkGroup, Criterion, Throughput};
 use cudarc::driver::sys;
 use cuferry::{
-    download_pending, upload_pending, CudaEngine, DeviceTensor, PendingDownload, PendingUpload,
-    PinnedHostBuffer, Returned,
+    download_pending,
+    pending::{Download, Returned, Upload},
+    upload_pending, CudaEngine, DeviceTensor, Pending, PinnedHostBuffer,
 };
 use std::cell::RefCell;
 use std::collections::VecDeque;
@@ -464,7 +465,7 @@ fn duplex(c: &mut Criterion, engine: &mut CudaEngine) {
 /// The crate's streaming loop: its reusable parts between runs.
 struct CrateLoop {
     /// Returned uploads, each a pinned source and its device destination, ready to resubmit.
-    idle_uploads: Vec<PendingUpload<f32, Returned>>,
+    idle_uploads: Vec<Pending<Upload<f32>, Returned>>,
     /// Pinned result buffers not in use.
     idle_results: Vec<PinnedHostBuffer<f32>>,
 }
@@ -496,8 +497,8 @@ impl CrateLoop {
     fn upload(
         &mut self,
         engine: &mut CudaEngine,
-        spent: &mut VecDeque<PendingUpload<f32>>,
-    ) -> PendingUpload<f32> {
+        spent: &mut VecDeque<Pending<Upload<f32>>>,
+    ) -> Pending<Upload<f32>> {
         let slot = match self.idle_uploads.pop() {
             Some(slot) => slot,
             None => spent.pop_front().expect("a slot in use").wait().unwrap(),
@@ -511,7 +512,7 @@ impl CrateLoop {
         &mut self,
         engine: &mut CudaEngine,
         result: DeviceTensor<f32>,
-        downloads: &mut VecDeque<PendingDownload<f32>>,
+        downloads: &mut VecDeque<Pending<Download<f32>>>,
     ) {
         let buffer = match self.idle_results.pop() {
             Some(buffer) => buffer,
@@ -534,7 +535,7 @@ impl CrateLoop {
             let next = (k + 1 < BATCHES).then(|| self.upload(engine, &mut spent));
             let batch = current.take().expect("batch k is uploaded");
             // Read from the upload's destination while the upload may still be in flight.
-            let result = engine.scale(batch.device_tensor(), FACTOR).unwrap();
+            let result = engine.scale(batch.tensor(), FACTOR).unwrap();
             spent.push_back(batch);
             if let Some(previous) = computed.replace(result) {
                 self.download(engine, previous, &mut downloads);
@@ -775,7 +776,7 @@ fn ordering_cost(c: &mut Criterion, engine: &mut CudaEngine) {
                 for _ in 0..iters {
                     let in_flight = upload.take().unwrap().resubmit(engine).unwrap();
                     let input = if in_flight_destination {
-                        in_flight.device_tensor()
+                        in_flight.tensor()
                     } else {
                         &resident
                     };

@@ -16,7 +16,7 @@
 mod raw;
 
 use cudarc::driver::sys;
-use cuferry::{peer_copy, peer_copy_into, upload_tensor};
+use cuferry::{peer, upload_tensor};
 use raw::{check, context, event, stream};
 use std::time::{Duration, Instant};
 
@@ -39,7 +39,7 @@ fn main() {
     let Some((mut a, mut b)) = raw::two_gpus("peer_anatomy") else {
         return;
     };
-    assert!(b.peer_access(&a).unwrap() && a.peer_access(&b).unwrap());
+    assert!(peer::access(&mut b, &a).unwrap() && peer::access(&mut a, &b).unwrap());
     let (ca, cb) = (context(&mut a), context(&mut b));
     let (sa, ea) = (stream(ca), event(ca));
     let (sb, eb) = (stream(cb), event(cb));
@@ -128,11 +128,11 @@ fn main() {
     }
     rows.push((
         "peer_copy_into",
-        median(|| peer_copy_into(&mut a, &x, &mut b, &mut landing).unwrap()),
+        median(|| peer::copy_into(&mut a, &x, &mut b, &mut landing).unwrap()),
     ));
     rows.push((
         "peer_copy",
-        median(|| drop(peer_copy(&mut a, &x, &mut b).unwrap())),
+        median(|| drop(peer::copy(&mut a, &x, &mut b).unwrap())),
     ));
     let base = rows[0].1;
     for (label, t) in rows {

@@ -13,7 +13,7 @@
 mod raw;
 
 use cudarc::driver::sys;
-use cuferry::{peer_copy, peer_copy_into, peer_copy_pending, CudaEngine};
+use cuferry::{peer, CudaEngine};
 use raw::{check, context, event, stream};
 use std::time::Duration;
 
@@ -37,7 +37,7 @@ fn main() {
         Ok(b) => (b, "GPU 0 to GPU 1"),
         Err(_) => (CudaEngine::open(0).unwrap(), "two engines on GPU 0"),
     };
-    println!("{pair}: peer access {}", a.peer_access(&b).unwrap());
+    println!("{pair}: peer access {}", peer::access(&mut a, &b).unwrap());
     let (ca, cb) = (context(&mut a), context(&mut b));
     let (stream_b, event_b) = (stream(cb), event(cb));
     let (stream, event) = (stream(ca), event(ca));
@@ -50,13 +50,13 @@ fn main() {
     ] {
         let n = bytes / 4;
         let x = cuferry::upload_tensor(&mut a, &vec![1.5f32; n], &[n]).unwrap();
-        let ours = median(|| drop(peer_copy(&mut a, &x, &mut b).unwrap()));
+        let ours = median(|| drop(peer::copy(&mut a, &x, &mut b).unwrap()));
         let mut landing = b.alloc_tensor::<f32>(&[n]).unwrap();
-        let into = median(|| peer_copy_into(&mut a, &x, &mut b, &mut landing).unwrap());
+        let into = median(|| peer::copy_into(&mut a, &x, &mut b, &mut landing).unwrap());
         let mut pair = Some((x, landing));
         let pending = median(|| {
             let (x, landing) = pair.take().unwrap();
-            let copy = peer_copy_pending(&mut a, x, &mut b, landing).unwrap();
+            let copy = peer::copy_pending(&mut a, x, &mut b, landing).unwrap();
             pair = Some(copy.wait().unwrap().into_parts());
         });
         drop(pair);

@@ -41,7 +41,7 @@ fn main() {
         .ok()
         .map(|v| v.split(',').filter_map(|x| x.trim().parse().ok()).collect())
         .unwrap_or_else(|| vec![1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384]);
-    println!("copy threads {}", cuferry::copy_threads());
+    println!("copy threads {}", cuferry::staging::copy_threads());
     for kib in sizes {
         let n = kib * 256;
         let data: Vec<f32> = (0..n).map(|i| i as f32).collect();

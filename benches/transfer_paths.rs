@@ -39,7 +39,7 @@
 //!   the registered route's ratio to the raw copy, and for each size and direction the break-even
 //!   count: the number of transfers after which registering once beats the staged route.
 //!
-//! The copy threads are one pool per process (`cuferry::copy_threads()`, sized from the machine),
+//! The copy threads are one pool per process (`cuferry::staging::copy_threads()`, sized from the machine),
 //! and an engine's `copy_threads` only caps its share: sweep rows asking for more threads than the
 //! pool has are skipped. Run with `CUFERRY_COPY_THREADS=16` to measure them.
 //!
@@ -51,8 +51,10 @@
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use cudarc::driver::sys;
 use cuferry::{
-    download_pending, download_tensor_into, upload_pending, upload_tensor_into, CudaEngine,
-    DeviceTensor, Direction, Pending, PinnedHostBuffer, RegisteredBuffer, Returned,
+    download_pending, download_tensor_into,
+    pending::{Operation, Returned},
+    upload_pending, upload_tensor_into, CudaEngine, DeviceTensor, Pending, PinnedHostBuffer,
+    RegisteredBuffer,
 };
 use std::cell::RefCell;
 use std::ffi::c_void;
@@ -223,8 +225,8 @@ fn pending(c: &mut Criterion, engine: &mut CudaEngine, raw: &Raw) {
 }
 
 enum Either {
-    Up(cuferry::Pending<cuferry::Upload, f32, cuferry::Returned>),
-    Down(cuferry::Pending<cuferry::Download, f32, cuferry::Returned>),
+    Up(cuferry::Pending<cuferry::pending::Upload<f32>, cuferry::pending::Returned>),
+    Down(cuferry::Pending<cuferry::pending::Download<f32>, cuferry::pending::Returned>),
 }
 
 fn download_into(c: &mut Criterion, engine: &mut CudaEngine, raw: &Raw) {
@@ -410,7 +412,7 @@ fn four_threads(c: &mut Criterion) {
 
 /// Whether the shared copy pool has `threads` threads for one transfer; says so when not.
 fn pool_has(threads: usize) -> bool {
-    let pool = cuferry::copy_threads();
+    let pool = cuferry::staging::copy_threads();
     if threads > pool {
         eprintln!("transfer_paths: skipping {threads} copy threads (the pool has {pool})");
     }
@@ -459,7 +461,7 @@ fn host_copy(c: &mut Criterion, raw: &Raw) {
     group.throughput(Throughput::Bytes(bytes as u64));
     let src: Vec<u8> = (0..bytes).map(|i| i as u8).collect();
     let dst = raw.pinned(bytes);
-    let threads = cuferry::StagingConfig::default().copy_threads;
+    let threads = cuferry::staging::StagingConfig::default().copy_threads;
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
         .build()
@@ -523,7 +525,7 @@ fn copy_wake(c: &mut Criterion, raw: &Raw) {
     group.throughput(Throughput::Bytes(bytes as u64));
     let src: Vec<u8> = (0..bytes).map(|i| i as u8).collect();
     let dst = raw.pinned(bytes);
-    let threads = cuferry::copy_threads();
+    let threads = cuferry::staging::copy_threads();
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
         .build()
@@ -584,7 +586,7 @@ fn midsize_anatomy(c: &mut Criterion, engine: &mut CudaEngine, raw: &Raw) {
     let chunks = 4;
     let chunk = bytes / chunks;
     group.throughput(Throughput::Bytes(bytes as u64));
-    let threads = cuferry::copy_threads();
+    let threads = cuferry::staging::copy_threads();
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
         .build()
@@ -862,13 +864,17 @@ const REGISTERED_SIZES: [(usize, &str); 3] = [
     (256 << 20, "256MiB"),
 ];
 
+/// Queues a returned transfer again: `Pending::resubmit` of an upload or a download.
+type Resubmit<D> = fn(Pending<D, Returned>, &mut CudaEngine) -> Pending<D>;
+
 /// Resubmit-and-wait of a returned transfer over a registered buffer, under `cuferry_registered`;
 /// gives back the transfer's parts and the median time.
-fn bench_registered<D: Direction>(
+fn bench_registered<D: Operation<Parts = (RegisteredBuffer<f32>, DeviceTensor<f32>)>>(
     group: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
     engine: &mut CudaEngine,
     label: &str,
-    transfer: Pending<D, f32, Returned, RegisteredBuffer<f32>>,
+    transfer: Pending<D, Returned>,
+    resubmit: Resubmit<D>,
 ) -> (RegisteredBuffer<f32>, DeviceTensor<f32>, Duration) {
     let samples = Samples::default();
     let mut transfer = Some(transfer);
@@ -876,7 +882,7 @@ fn bench_registered<D: Direction>(
         b.iter_custom(|iters| {
             samples.time(iters, || {
                 let r = transfer.take().unwrap();
-                transfer = Some(r.resubmit(engine).unwrap().wait().unwrap());
+                transfer = Some(resubmit(r, engine).wait().unwrap());
             })
         })
     });
@@ -909,10 +915,14 @@ fn registered(c: &mut Criterion) {
             let tensor = engine.alloc_tensor::<f32>(&[n]).unwrap();
             let (_buffer, mut tensor, registered) = if upload {
                 let first = upload_pending(engine, buffer, tensor).unwrap();
-                bench_registered(&mut group, engine, label, first.wait().unwrap())
+                bench_registered(&mut group, engine, label, first.wait().unwrap(), |r, e| {
+                    r.resubmit(e).unwrap()
+                })
             } else {
                 let first = download_pending(engine, tensor, buffer).unwrap();
-                bench_registered(&mut group, engine, label, first.wait().unwrap())
+                bench_registered(&mut group, engine, label, first.wait().unwrap(), |r, e| {
+                    r.resubmit(e).unwrap()
+                })
             };
             let staged = Samples::default();
             if upload {

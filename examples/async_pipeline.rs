@@ -12,8 +12,9 @@
 //! timings there say nothing about a GPU.
 
 use cuferry::{
-    download_pending, upload_pending, CudaEngine, PendingDownload, PendingUpload, PinnedHostBuffer,
-    Result,
+    download_pending,
+    pending::{Download, Upload},
+    upload_pending, CudaEngine, Pending, PinnedHostBuffer, Result,
 };
 use std::future::IntoFuture;
 use std::process::ExitCode;
@@ -79,6 +80,9 @@ impl Slot {
     }
 }
 
+/// One batch in flight: its upload and its download.
+type InFlightBatch = (Pending<Upload<f32>>, Pending<Download<f32>>);
+
 /// Queues batch `k` in `slot` with no host wait: the upload, `y = 2x` and `z = y + x` on the
 /// upload's destination while it is in flight, and the download of `z`. Returns the in-flight
 /// upload and download.
@@ -86,12 +90,12 @@ fn submit(
     engine: &mut CudaEngine,
     mut slot: Slot,
     k: usize,
-) -> std::result::Result<(PendingUpload<f32>, PendingDownload<f32>), BoxError> {
+) -> std::result::Result<InFlightBatch, BoxError> {
     slot.source.as_mut_slice()[0] = k as f32;
     let n = slot.source.len();
     let destination = engine.alloc_tensor::<f32>(&[n])?;
     let upload = upload_pending(engine, slot.source, destination).map_err(|e| e.into_error())?;
-    let x = upload.device_tensor();
+    let x = upload.tensor();
     let y = engine.scale(x, 2.0f32)?;
     let z = engine.add(&y, x)?;
     let download = download_pending(engine, z, slot.result).map_err(|e| e.into_error())?;
@@ -122,8 +126,8 @@ fn one_at_a_time(
 /// Awaits batch `k`'s transfers, then checks its result on the blocking pool; gives the slot
 /// back, or says what was wrong.
 async fn finish(
-    upload: PendingUpload<f32>,
-    download: PendingDownload<f32>,
+    upload: Pending<Upload<f32>>,
+    download: Pending<Download<f32>>,
     k: usize,
     pattern: Arc<Pattern>,
 ) -> std::result::Result<Slot, BoxError> {

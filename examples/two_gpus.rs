@@ -16,8 +16,10 @@
 //! `--simulated` runs on a simulated machine of two devices (feature `sim`).
 
 use cuferry::{
-    download_pending, peer_copy_pending, upload_pending, CudaEngine, PendingDownload, PendingPeer,
-    PinnedHostBuffer, TryWait,
+    download_pending, peer,
+    peer::PeerCopy,
+    pending::{Download, TryWait},
+    upload_pending, CudaEngine, Pending, PinnedHostBuffer,
 };
 use std::process::ExitCode;
 use std::sync::{mpsc, Mutex, MutexGuard, PoisonError};
@@ -63,7 +65,7 @@ pub fn pipeline(
 ) -> Result<Report, BoxError> {
     let (gpu0, gpu1) = (Mutex::new(gpu0), Mutex::new(gpu1));
     let (gpu0, gpu1) = (&gpu0, &gpu1);
-    let (to_gpu1, arrivals) = mpsc::sync_channel::<PendingPeer<f32>>(DEPTH);
+    let (to_gpu1, arrivals) = mpsc::sync_channel::<Pending<PeerCopy<f32>>>(DEPTH);
     let start = Instant::now();
     let (downloads, copies) = std::thread::scope(|s| {
         // GPU 0's thread: upload, compute, and the copy to GPU 1.
@@ -75,14 +77,14 @@ pub fn pipeline(
                 let destination = g0.alloc_tensor::<f32>(&[n])?;
                 let upload = upload_pending(&mut g0, buffer, destination)?;
                 // Queued after the upload on GPU 0's stream: no host wait.
-                let doubled = g0.scale(upload.device_tensor(), 2.0)?;
-                let tripled = g0.add(&doubled, upload.device_tensor())?;
+                let doubled = g0.scale(upload.tensor(), 2.0)?;
+                let tripled = g0.add(&doubled, upload.tensor())?;
                 // Detached: GPU 0's engine releases the pinned buffer once the upload is proven.
                 drop(upload);
                 let copy = {
                     let mut g1 = lock(gpu1);
                     let landing = g1.alloc_tensor::<f32>(&[n])?;
-                    peer_copy_pending(&mut g0, tripled, &mut g1, landing)?
+                    peer::copy_pending(&mut g0, tripled, &mut g1, landing)?
                 };
                 drop(g0);
                 if to_gpu1.send(copy).is_err() {
@@ -93,7 +95,7 @@ pub fn pipeline(
         });
         // GPU 1's thread (this one): compute on each arrival, then a pending download.
         let consumer = || -> Result<_, BoxError> {
-            let mut downloads: Vec<PendingDownload<f32>> = Vec::with_capacity(batches);
+            let mut downloads: Vec<Pending<Download<f32>>> = Vec::with_capacity(batches);
             let mut copies = Vec::with_capacity(batches);
             for copy in arrivals {
                 let mut g1 = lock(gpu1);
@@ -131,7 +133,7 @@ pub fn pipeline(
     for copy in copies {
         if copy
             .try_wait()
-            .map(|t| matches!(t, cuferry::PeerTryWait::InFlight(_)))?
+            .map(|t| matches!(t, cuferry::pending::TryWait::InFlight(_)))?
         {
             return Err("a peer copy was still in flight".into());
         }
@@ -184,7 +186,7 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match gpu0.peer_access(&gpu1) {
+    match peer::access(&mut gpu0, &gpu1) {
         Ok(true) => println!("peer access: enabled"),
         Ok(false) => {
             eprintln!("two_gpus: the devices have no peer link (peer_copy_staged would copy through host memory)");

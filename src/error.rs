@@ -7,6 +7,10 @@
 use crate::dtype::DType;
 use std::fmt;
 
+mod submit;
+
+pub use submit::SubmitError;
+
 /// A CUDA driver result code other than success.
 ///
 /// It is the crate's own type, not cudarc's: it holds the numeric `CUresult` value, so it is a
@@ -17,7 +21,7 @@ use std::fmt;
 /// `CUDA_ERROR_OUT_OF_MEMORY (2)`.
 ///
 /// ```
-/// use cuferry::DriverError;
+/// use cuferry::error::DriverError;
 ///
 /// let e = DriverError::from_code(2);
 /// assert_eq!(e, DriverError::OUT_OF_MEMORY);
@@ -498,49 +502,6 @@ impl Error {
 
 /// Shorthand for results of this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
-
-/// A refused or failed operation that hands back what it was given, as
-/// [`TrySendError<T>`](std::sync::mpsc::TrySendError) does: nothing the caller owned is lost on
-/// an error.
-#[derive(thiserror::Error)]
-#[error("{error}")]
-pub struct Refused<V> {
-    /// What went wrong.
-    pub error: Error,
-    /// The input, handed back.
-    pub input: V,
-}
-
-impl<V> Refused<V> {
-    /// What went wrong.
-    pub fn error(&self) -> &Error {
-        &self.error
-    }
-
-    /// The error, dropping the input.
-    pub fn into_error(self) -> Error {
-        self.error
-    }
-
-    /// The input, dropping the error.
-    pub fn into_input(self) -> V {
-        self.input
-    }
-}
-
-impl<V> fmt::Debug for Refused<V> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Refused")
-            .field("error", &self.error)
-            .finish_non_exhaustive()
-    }
-}
-
-impl<V> From<Refused<V>> for Error {
-    fn from(refused: Refused<V>) -> Error {
-        refused.error
-    }
-}
 
 #[cfg(test)]
 mod tests {

@@ -17,6 +17,16 @@ pub mod transfers {
     #![doc = include_str!("../docs/guide/transfers.md")]
 }
 
+pub mod kernels {
+    // The elementwise kernels: which element types each serves, and their semantics.
+    #![doc = include_str!("../docs/guide/kernels.md")]
+}
+
+pub mod api {
+    // The rule every public item follows, the modules, and what moved since 0.1.
+    #![doc = include_str!("../docs/guide/api.md")]
+}
+
 pub mod prepared_graphs {
     // Tracing, compiling, preparing and running programs; borrowed outputs and the rules.
     #![doc = include_str!("../docs/guide/prepared-graphs.md")]

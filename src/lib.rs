@@ -9,36 +9,40 @@
 //!   ([the rules](guide::rules#one-order-three-streams)). Operations borrow it `&mut`;
 //!   [`CudaEngine::flush`] is a submission boundary, [`CudaEngine::synchronize`] the explicit
 //!   host barrier; [`CudaEngine::with_raw`] hands out the raw context, compute stream and device
-//!   pointers inside a scope that restores the caller's context on return, error and unwind.
+//!   pointers ([`raw`]) inside a scope that restores the caller's context on return, error and
+//!   unwind.
 //! - [`DeviceTensor`]: a compact, shaped, stream-ordered device allocation of an [`Element`].
 //! - Blocking routes: [`upload_tensor`], [`upload_tensor_into`], [`download_tensor`],
-//!   [`download_tensor_into`], whose host copies run on one pool of threads shared by the
-//!   process's engines ([`copy_threads`], [`set_copy_threads`]).
-//! - Pending routes over page-locked buffers handed over by value: [`upload_pending`],
-//!   [`download_pending`], returning a [`Pending`] transfer in state [`InFlight`] until it is
-//!   [`Returned`]. The buffer is a [`PinnedHostBuffer`] (the engine's page-locked memory) or a
-//!   [`RegisteredBuffer`] (a `Vec` of yours, page-locked in place); both are [`HostBuffer`]s. An
-//!   in-flight transfer can be `.await`ed on any executor ([`PendingFuture`]), woken by the
-//!   device.
-//! - [`StagingLease`]: the `Proven/Unproven` typestate behind the blocking routes' bounded,
-//!   pipelined pinned staging, public for hand-built chunked pipelines.
-//! - Work on the engine's compute stream, with no host wait: elementwise kernels compiled once per engine
-//!   ([`CudaEngine::add`] and the rest; semantics and supported types in [`kernels`]), cuBLAS,
-//!   cuSOLVER and cuTENSOR bound to that stream ([`libs`]), and CubeCL kernels (feature
-//!   `cubecl`, [`interop`]).
+//!   [`download_tensor_into`], through the engine's pipelined pinned staging ([`staging`]).
+//! - Pending routes over page-locked buffers handed over by value: [`upload_pending`] and
+//!   [`download_pending`] take a [`PinnedHostBuffer`] (the engine's page-locked memory) or a
+//!   [`RegisteredBuffer`] (a `Vec` of yours, page-locked in place) and return an operation in
+//!   flight.
+//! - One lifecycle for everything the device finishes later: a [`Pending<Op, S>`](Pending),
+//!   [`InFlight`](pending::InFlight) until a proof makes it [`Returned`](pending::Returned), with
+//!   the same verbs for host transfers, peer copies and collectives ([`pending`]): `is_ready`,
+//!   `wait`, `try_wait`, `.await` on any executor (woken by the device), detach on drop,
+//!   `into_parts`, `resubmit`. A call that takes something by value and does not go through
+//!   hands back what it can in one error, [`SubmitError`].
+//! - Work on the engine's compute stream, with no host wait: elementwise kernels compiled once
+//!   per engine ([`CudaEngine::add`] and the rest; [the guide](guide::kernels) lists types and
+//!   semantics), cuBLAS, cuSOLVER and cuTENSOR bound to that stream ([`libs`]), and CubeCL kernels
+//!   (feature `cubecl`, module `cubecl`).
 //! - Prepared graphs ([`graph`]): a computation traced once, compiled for fixed shapes into fused
 //!   kernels and cuBLAS products, prepared for an engine ([`CudaEngine::prepare`]) and replayed as
 //!   a CUDA graph ([`CudaEngine::run`]) for about the host cost of one graph launch.
-//! - Several engines, several GPUs: a [`Signal`] orders one engine's work after another's on the
-//!   device ([`CudaEngine::signal`], [`CudaEngine::wait_signal`]); [`peer_copy`],
-//!   [`peer_copy_into`] and the pending [`peer_copy_pending`] copy a tensor to another engine,
-//!   device to device ([`peer_copy_staged`] through host memory, when asked for by name); a
-//!   [`Communicator`] runs NCCL's [`all_reduce`] and [`broadcast`] over one engine per GPU.
+//! - Several engines, several GPUs: a [`Signal`](engine::Signal) orders one engine's work after
+//!   another's on the device ([`CudaEngine::signal`], [`CudaEngine::wait_signal`]); [`peer`]
+//!   copies a tensor to another engine, device to device; a
+//!   [`Communicator`](collective::Communicator) runs NCCL's all-reduce and broadcast over one
+//!   engine per GPU ([`collective`]).
 //!
-//! Every route runs against a deterministic simulated device (feature `sim`, module [`sim`]) with
+//! Every route runs against a deterministic simulated device (feature `sim`, module `sim`) with
 //! fault injection, so lifecycle code is tested without a GPU.
 //!
-//! The [`guide`] explains the engine, its routes and the rules they keep, chapter by chapter.
+//! The [`guide`] explains the engine, its routes and the rules they keep, chapter by chapter;
+//! [its API chapter](guide::api) states the rule every item follows (what is a method, what is a
+//! free function, which module holds what) and lists what moved since 0.1.
 //!
 //! ```
 //! # fn main() -> Result<(), cuferry::Error> {
@@ -80,43 +84,90 @@ mod routes;
 mod work;
 
 mod dtype;
-mod error;
+pub mod error;
+pub mod guide;
 // The atomics, threads and cells of the hand-written concurrency: `std`'s, or loom's when the
 // loom models are built.
-pub mod guide;
 mod sync;
 
-pub use work::{graph, interop, kernels, libs};
-
+// The root: the engine, its values, the error, and the host routes of the seed. Everything
+// else lives in a module named for what it holds.
 pub use crate::core::engine::CudaEngine;
 pub use dtype::DType;
-pub use error::{DeviceId, DeviceKind, DriverError, Error, Refused, Result};
-pub use lifecycle::lease::{
-    BeginError, KeepAlive, LeaseState, Proven, StagingLease, Unproven, Untracked,
-};
-pub use lifecycle::retire::RetirementStats;
-pub use lifecycle::signal::Signal;
-pub use memory::copy_pool::{copy_threads, set_copy_threads};
+pub use error::{Error, Result, SubmitError};
 pub use memory::element::Element;
-pub use memory::host::HostBuffer;
 pub use memory::pinned::PinnedHostBuffer;
-pub use memory::pool::PinnedPoolStats;
 pub use memory::registered::RegisteredBuffer;
-pub use memory::ring::{StagingConfig, StagingStats};
 pub use memory::tensor::DeviceTensor;
+pub use routes::pending::Pending;
 pub use routes::{
-    download_pending, download_tensor, download_tensor_into, peer_copy, peer_copy_into,
-    peer_copy_pending, peer_copy_staged, upload_pending, upload_tensor, upload_tensor_into,
-    Direction, Download, InFlight, PeerFuture, PeerPackage, PeerSubmitError, PeerTryWait, Pending,
-    PendingDownload, PendingFuture, PendingPeer, PendingUpload, Returned, TransferPackage,
-    TransferState, TransferSubmitError, TryWait, Upload,
+    download_pending, download_tensor, download_tensor_into, upload_pending, upload_tensor,
+    upload_tensor_into,
 };
-pub use work::collective::{
-    all_reduce, broadcast, CollectiveElement, CollectiveSubmitError, Communicator,
-    PendingCollective, ReduceOp,
-};
-pub use work::libs::{BlasElement, GemmConfig, SolverStatus, TensorElement, Transpose};
-pub use work::raw::{RawContext, RawDevicePtr, RawScope, RawStream};
+
+/// `f16` and `bf16`, re-exported from the `half` crate.
+pub use half::{bf16, f16};
+
+pub use routes::peer;
+pub use work::{collective, graph, libs};
+
+/// What the engine reports about itself and its device: the device's identity, the
+/// retirement queue's and the pinned pool's statistics, and the [`Signal`](engine::Signal) that
+/// orders one engine's work after another's.
+pub mod engine {
+    pub use crate::error::{DeviceId, DeviceKind};
+    pub use crate::lifecycle::retire::RetirementStats;
+    pub use crate::lifecycle::signal::Signal;
+    pub use crate::memory::pool::PinnedPoolStats;
+}
+
+/// Operations in flight: the states, operations, future and host-buffer trait of
+/// [`Pending`].
+///
+/// Everything the device finishes later is a `Pending<Op, S>`: host transfers (`upload_pending`,
+/// `download_pending`), peer copies (`peer::copy_pending`) and collectives
+/// (`collective::all_reduce`, `collective::broadcast`). Each has the same verbs: `is_ready`
+/// (never waits), `wait`, `try_wait` (hands the value back if not done), `.await`
+/// ([`PendingFuture`](crate::pending::PendingFuture)), detach on drop, `mem::forget` a sound leak, the device side lent shared
+/// to the engine that carries the work, `into_parts` once [`Returned`](crate::pending::Returned), and `resubmit` with the
+/// same event. [The guide](crate::guide::lifecycles) tells the story.
+pub mod pending {
+    pub use crate::memory::host::HostBuffer;
+    pub use crate::routes::pending::{
+        Download, InFlight, Operation, PendingFuture, Returned, State, TryWait, Upload,
+    };
+}
+
+/// Pinned staging for the blocking routes: the ring's configuration and statistics, the copy
+/// threads, and the [`StagingLease`](staging::StagingLease) typestate for chunked pipelines
+/// built by hand.
+pub mod staging {
+    pub use crate::lifecycle::lease::{KeepAlive, LeaseState, Proven, StagingLease, Unproven};
+    pub use crate::memory::copy_pool::{copy_threads, set_copy_threads};
+    pub use crate::memory::ring::{StagingConfig, StagingStats};
+}
+
+/// Raw scopes ([`CudaEngine::with_raw`]): the engine's context, compute stream and device
+/// pointers for code that calls CUDA itself, and the cudarc release they speak.
+pub mod raw {
+    pub use crate::work::raw::{RawContext, RawDevicePtr, RawScope, RawStream};
+
+    /// The cudarc release the raw scopes speak, re-exported: cudarc 0.19 (`cudarc = "0.19"`,
+    /// one `0.19.x` per build), with its bindings for CUDA 13.0 (feature `cuda-13000`) and the
+    /// `driver`, `nvrtc`, `cublas`, `cusolver` and `cutensor` modules, loaded at run time.
+    ///
+    /// The crate's own API names no cudarc type: errors are
+    /// [`DriverError`](crate::error::DriverError), a plain CUDA result code. The one exception
+    /// is the raw handles of [`CudaEngine::with_raw`](crate::CudaEngine::with_raw):
+    /// [`RawContext::as_raw`], [`RawStream::as_raw`] and [`RawDevicePtr::as_raw`] return
+    /// `cudarc::driver::sys::CUcontext`, `CUstream` and `CUdeviceptr` through this re-export.
+    /// Code that calls CUDA inside a raw scope should name cudarc as `cuferry::raw::cudarc` (or
+    /// depend on the same `0.19` line, which Cargo unifies with this one), so its handle types
+    /// are the ones the scope hands out; another cudarc release has types of the same names that
+    /// do not match. Moving to another cudarc minor version is therefore a breaking change of
+    /// this crate.
+    pub use cudarc;
+}
 
 /// The simulated device (feature `sim`).
 ///
@@ -131,21 +182,4 @@ pub mod sim {
 }
 
 #[cfg(feature = "cubecl")]
-pub use work::interop::cubecl::{runtime as cubecl, CubeclScope};
-
-/// The cudarc release the raw scopes speak, re-exported: cudarc 0.19 (`cudarc = "0.19"`, one
-/// `0.19.x` per build), with its bindings for CUDA 13.0 (feature `cuda-13000`) and the `driver`,
-/// `nvrtc`, `cublas`, `cusolver` and `cutensor` modules, loaded at run time.
-///
-/// The crate's own API names no cudarc type: errors are [`DriverError`], a plain CUDA result code.
-/// The one exception is the raw handles of [`CudaEngine::with_raw`]: [`RawContext::as_raw`],
-/// [`RawStream::as_raw`] and [`RawDevicePtr::as_raw`] return `cudarc::driver::sys::CUcontext`,
-/// `CUstream` and `CUdeviceptr` through this re-export. Code that calls CUDA inside a raw scope
-/// should name cudarc as `cuferry::cudarc` (or depend on the same `0.19` line, which Cargo
-/// unifies with this one), so its handle types are the ones the scope hands out; another cudarc
-/// release has types of the same names that do not match. Moving to another cudarc minor
-/// version is therefore a breaking change of this crate.
-pub use cudarc;
-
-/// `f16` and `bf16`, re-exported from the `half` crate.
-pub use half::{bf16, f16};
+pub use work::interop::cubecl;

@@ -13,8 +13,8 @@ mod common;
 use common::{random_vec, Fault, Rng};
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{
-    download_tensor, download_tensor_into, upload_tensor, upload_tensor_into, CudaEngine,
-    DriverError, Error, StagingConfig,
+    download_tensor, download_tensor_into, error::DriverError, staging::StagingConfig,
+    upload_tensor, upload_tensor_into, CudaEngine, Error,
 };
 use std::sync::Once;
 
@@ -23,7 +23,7 @@ const DEPTH: usize = 4;
 
 fn engine() -> (CudaEngine, SimDevice) {
     static POOL: Once = Once::new();
-    POOL.call_once(|| cuferry::set_copy_threads(4).expect("set before first use"));
+    POOL.call_once(|| cuferry::staging::set_copy_threads(4).expect("set before first use"));
     let mut engine = CudaEngine::simulated(SimConfig::default());
     let mut config = StagingConfig::default();
     config.chunk_bytes = CHUNK;
@@ -52,7 +52,7 @@ fn sizes() -> Vec<usize> {
 #[test]
 fn every_direction_moves_the_right_bytes_around_the_ring_depth() {
     let (mut engine, sim) = engine();
-    assert_eq!(cuferry::copy_threads(), 4);
+    assert_eq!(cuferry::staging::copy_threads(), 4);
     let mut rng = Rng::new(11);
     for n in sizes() {
         let data = random_vec::<u32>(&mut rng, n);

@@ -8,8 +8,10 @@ mod common;
 use common::Fault;
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{
-    download_pending, upload_pending, upload_tensor, CudaEngine, DriverError, Error, PendingFuture,
-    PendingUpload, PinnedHostBuffer, Upload,
+    download_pending,
+    error::DriverError,
+    pending::{PendingFuture, Upload},
+    upload_pending, upload_tensor, CudaEngine, Error, Pending, PinnedHostBuffer,
 };
 use std::future::{Future, IntoFuture};
 use std::pin::Pin;
@@ -34,7 +36,7 @@ fn distinct(n: usize, salt: u32) -> Vec<u32> {
 }
 
 /// A pending upload of `data`, with the address of its pinned buffer and of its tensor.
-fn upload(engine: &mut CudaEngine, data: &[u32]) -> (PendingUpload<u32>, *const u8, u64) {
+fn upload(engine: &mut CudaEngine, data: &[u32]) -> (Pending<Upload<u32>>, *const u8, u64) {
     let buffer = PinnedHostBuffer::from_slice(engine, data).unwrap();
     let host = buffer.as_slice().as_ptr().cast::<u8>();
     let tensor = engine.alloc_tensor::<u32>(&[data.len()]).unwrap();
@@ -116,7 +118,7 @@ fn awaited_transfers_are_woken_in_device_clock_order_once_each() {
     let data: Vec<Vec<u32>> = (0..3).map(|k| distinct(64 + 16 * k, k as u32)).collect();
     let transfers: Vec<_> = data.iter().map(|d| upload(&mut engine, d)).collect();
     assert_eq!(sim.queued(), 6, "a copy and an event record per transfer");
-    let mut futures: Vec<(PendingFuture<Upload, u32>, u64)> = transfers
+    let mut futures: Vec<(PendingFuture<Upload<u32>>, u64)> = transfers
         .into_iter()
         .map(|(pending, _, device)| (pending.into_future(), device))
         .collect();
@@ -690,7 +692,7 @@ fn transfers_over_registered_buffers_are_awaited_and_hand_their_vec_back() {
     let destination = engine.alloc_tensor::<u32>(&[4096]).unwrap();
     let upload = upload_pending(&mut engine, source, destination).unwrap();
     // Work on the in-flight destination, then a download into a second registered buffer.
-    let copy = engine.copy_tensor(upload.device_tensor()).unwrap();
+    let copy = engine.copy_tensor(upload.tensor()).unwrap();
     let target = cuferry::RegisteredBuffer::register(&mut engine, vec![0u32; 4096]).unwrap();
     let download = download_pending(&mut engine, copy, target).unwrap();
     let advancer = {
@@ -720,7 +722,7 @@ fn transfers_over_registered_buffers_are_awaited_and_hand_their_vec_back() {
 /// What a waker does with the engine when woken: polls another transfer's future inline (an
 /// executor that polls from its wake), and drops a tensor it was given.
 struct Meddler {
-    future: Mutex<Option<PendingFuture<Upload, u32>>>,
+    future: Mutex<Option<PendingFuture<Upload<u32>>>>,
     tensor: Mutex<Option<cuferry::DeviceTensor<u32>>>,
     polled: Mutex<Option<String>>,
 }

@@ -11,8 +11,10 @@ mod common;
 use common::{assert_same, reduce_pair, small_values, Reference, Rng};
 use cuferry::sim::{Schedule, SimConfig, SimDevice, SimOp};
 use cuferry::{
-    all_reduce, broadcast, download_tensor, upload_tensor, CollectiveElement,
-    CollectiveSubmitError, Communicator, CudaEngine, DeviceTensor, DriverError, Error, ReduceOp,
+    collective::{all_reduce, broadcast, CollectiveElement, Communicator, ReduceOp},
+    download_tensor,
+    error::DriverError,
+    upload_tensor, upload_tensor_into, CudaEngine, DeviceTensor, Error, SubmitError,
 };
 
 fn machine(devices: usize, seed: u64) -> (SimDevice, Vec<CudaEngine>) {
@@ -73,7 +75,7 @@ fn check_type<T: Reference + CollectiveElement>(devices: usize, seed: u64) {
             let last = devices - 1;
             let early = download_tensor(&mut engines[last], pending.tensor(last).unwrap()).unwrap();
             assert_same(&format!("{what}, in flight"), &early, &want);
-            let back = pending.wait().unwrap();
+            let back = pending.wait().unwrap().into_parts();
             for (rank, t) in back.iter().enumerate() {
                 let got = download_tensor(&mut engines[rank], t).unwrap();
                 assert_same(&format!("{what}, rank {rank}"), &got, &want);
@@ -84,7 +86,8 @@ fn check_type<T: Reference + CollectiveElement>(devices: usize, seed: u64) {
             let back = broadcast(&comm, &mut all(&mut engines), tensors, root)
                 .unwrap()
                 .wait()
-                .unwrap();
+                .unwrap()
+                .into_parts();
             for (rank, t) in back.iter().enumerate() {
                 let got = download_tensor(&mut engines[rank], t).unwrap();
                 let what = format!("{} broadcast from {root} n={n}, rank {rank}", T::DTYPE);
@@ -124,7 +127,8 @@ fn the_mean_divides_the_sum_by_the_ranks() {
     let back = all_reduce(&comm, &mut all(&mut engines), tensors, ReduceOp::Avg)
         .unwrap()
         .wait()
-        .unwrap();
+        .unwrap()
+        .into_parts();
     assert_eq!(
         download_tensor(&mut engines[1], &back[1]).unwrap(),
         [3.0, 6.0]
@@ -149,7 +153,8 @@ fn mean_over_ranks<T: Reference + CollectiveElement>(values: &[Vec<T>]) -> Vec<T
     let back = all_reduce(&comm, &mut all(&mut engines), tensors, ReduceOp::Avg)
         .unwrap()
         .wait()
-        .unwrap();
+        .unwrap()
+        .into_parts();
     let last = values.len() - 1;
     let got = download_tensor(&mut engines[last], &back[last]).unwrap();
     drop((back, comm, engines));
@@ -239,10 +244,10 @@ fn refusals_hand_the_tensors_back_with_nothing_queued() {
             .map(|(e, n)| upload_tensor(e, &vec![7u32; n], &[n]).unwrap())
             .collect()
     };
-    let expect = |refused: CollectiveSubmitError<u32>, is: fn(&Error) -> bool| {
+    let expect = |refused: SubmitError<Vec<DeviceTensor<u32>>>, is: fn(&Error) -> bool| {
         assert!(is(refused.error()), "{refused}");
-        assert!(matches!(refused, CollectiveSubmitError::Rejected { .. }));
-        refused.into_tensors().expect("handed back")
+        assert!(matches!(refused, SubmitError::Rejected { .. }));
+        refused.into_input().expect("handed back")
     };
     // Lengths that differ.
     let t = tensors(&mut engines, [3, 4]);
@@ -386,6 +391,7 @@ fn faulted(arm: impl FnOnce(&SimDevice)) -> bool {
     match all_reduce(&comm, &mut all(&mut engines), tensors, ReduceOp::Sum) {
         Ok(pending) => match pending.wait() {
             Ok(back) => {
+                let back = back.into_parts();
                 for (rank, t) in back.iter().enumerate() {
                     match download_tensor(&mut engines[rank], t) {
                         Ok(got) => assert_eq!(got, vec![7; 500]),
@@ -406,8 +412,8 @@ fn faulted(arm: impl FnOnce(&SimDevice)) -> bool {
                 ),
                 "an untyped failure: {refused}"
             );
-            let detached = matches!(refused, CollectiveSubmitError::Detached { .. });
-            assert_eq!(refused.into_tensors().is_none(), detached);
+            let detached = matches!(refused, SubmitError::Retained { .. });
+            assert_eq!(refused.into_input().is_none(), detached);
         }
     }
     sim.clear_faults();
@@ -436,7 +442,8 @@ fn a_fault_at_every_call_of_the_route_is_reported_and_loses_nothing() {
             all_reduce(&comm, &mut all(&mut engines), tensors, ReduceOp::Sum)
                 .unwrap()
                 .wait()
-                .unwrap(),
+                .unwrap()
+                .into_parts(),
         );
         OPS.iter()
             .zip(before)
@@ -462,4 +469,188 @@ fn a_fault_at_every_call_of_the_route_is_reported_and_loses_nothing() {
         runs += 1;
     }
     assert!(runs >= 4, "only {runs} runs");
+}
+
+/// Counts its wakes.
+#[derive(Default)]
+struct Wakes(std::sync::atomic::AtomicUsize);
+
+impl std::task::Wake for Wakes {
+    fn wake(self: std::sync::Arc<Self>) {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+#[test]
+fn try_wait_hands_the_collective_back_until_every_rank_is_done() {
+    use cuferry::pending::TryWait;
+    let (sim, mut engines) = machine(3, 11);
+    let comm = Communicator::new(&mut all(&mut engines)).unwrap();
+    let tensors = busy_tensors(&mut engines, &[vec![1u32; 64], vec![2; 64], vec![3; 64]]);
+    sim.hold_clock(true);
+    let mut summed = all_reduce(&comm, &mut all(&mut engines), tensors, ReduceOp::Sum).unwrap();
+    assert!(!summed.is_ready().unwrap());
+    let summed = match summed.try_wait().unwrap() {
+        TryWait::InFlight(summed) => summed,
+        TryWait::Returned(_) => panic!("returned before the devices ran it"),
+    };
+    assert_eq!(summed.ranks(), 3);
+    sim.hold_clock(false);
+    sim.advance_all();
+    let returned = match summed.try_wait().unwrap() {
+        TryWait::Returned(returned) => returned,
+        TryWait::InFlight(_) => panic!("still in flight after every device ran it"),
+    };
+    for (rank, engine) in engines.iter_mut().enumerate() {
+        let got = download_tensor(engine, returned.tensor(rank).unwrap()).unwrap();
+        assert_eq!(got, vec![6; 64], "rank {rank}");
+    }
+    assert!(returned.tensor(3).is_none());
+    drop((returned, comm, engines));
+    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+    assert_eq!(sim.device_live().0, 0);
+}
+
+#[test]
+fn an_awaited_collective_is_woken_by_the_devices() {
+    use std::future::{Future, IntoFuture};
+    use std::sync::Arc;
+    use std::task::{Context, Poll, Waker};
+    let (sim, mut engines) = machine(2, 12);
+    let comm = Communicator::new(&mut all(&mut engines)).unwrap();
+    let tensors = busy_tensors(&mut engines, &[vec![1.5f64; 100], vec![2.5; 100]]);
+    sim.hold_clock(true);
+    let summed = all_reduce(&comm, &mut all(&mut engines), tensors, ReduceOp::Sum).unwrap();
+    let mut future = summed.into_future();
+    let wakes = Arc::new(Wakes::default());
+    let waker = Waker::from(Arc::clone(&wakes));
+    let mut cx = Context::from_waker(&waker);
+    assert!(std::pin::Pin::new(&mut future).poll(&mut cx).is_pending());
+    assert_eq!(wakes.0.load(std::sync::atomic::Ordering::SeqCst), 0);
+    sim.hold_clock(false);
+    sim.advance_all();
+    let mut polls = 1;
+    let returned = loop {
+        // Polled again only once woken: each rank's device calls back in turn.
+        assert!(
+            wakes.0.load(std::sync::atomic::Ordering::SeqCst) >= polls,
+            "polled {polls} times, woken fewer"
+        );
+        match std::pin::Pin::new(&mut future).poll(&mut cx) {
+            Poll::Ready(returned) => break returned.unwrap(),
+            Poll::Pending => polls += 1,
+        }
+        sim.advance_all();
+    };
+    let tensors = returned.into_parts();
+    for (rank, engine) in engines.iter_mut().enumerate() {
+        assert_eq!(
+            download_tensor(engine, &tensors[rank]).unwrap(),
+            vec![4.0; 100]
+        );
+    }
+    drop((tensors, comm, engines));
+    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+}
+
+#[test]
+fn an_awaited_collective_dropped_before_it_resolves_detaches_into_each_engine() {
+    use std::future::{Future, IntoFuture};
+    use std::sync::Arc;
+    use std::task::{Context, Waker};
+    let (sim, mut engines) = machine(2, 13);
+    let comm = Communicator::new(&mut all(&mut engines)).unwrap();
+    let tensors = busy_tensors(&mut engines, &[vec![1u8; 10], vec![2; 10]]);
+    let live = sim.device_live().0;
+    sim.hold_clock(true);
+    let summed = all_reduce(&comm, &mut all(&mut engines), tensors, ReduceOp::Max).unwrap();
+    let mut future = summed.into_future();
+    let waker = Waker::from(Arc::new(Wakes::default()));
+    assert!(std::pin::Pin::new(&mut future)
+        .poll(&mut Context::from_waker(&waker))
+        .is_pending());
+    drop(future);
+    for engine in &mut engines {
+        assert_eq!(engine.retirement_stats().pending, 1);
+        engine.flush().unwrap();
+    }
+    assert_eq!(
+        sim.device_live().0,
+        live,
+        "nothing freed under the collective"
+    );
+    sim.hold_clock(false);
+    for engine in &mut engines {
+        engine.synchronize().unwrap();
+        assert_eq!(engine.retirement_stats().released, 1);
+    }
+    drop((comm, engines));
+    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+    assert_eq!(sim.device_live().0, 0);
+}
+
+#[test]
+fn a_resubmitted_collective_runs_again_on_the_same_tensors_and_events() {
+    let (sim, mut engines) = machine(2, 14);
+    let comm = Communicator::new(&mut all(&mut engines)).unwrap();
+    let tensors = busy_tensors(&mut engines, &[vec![1i64; 32], vec![2; 32]]);
+    let once = all_reduce(&comm, &mut all(&mut engines), tensors, ReduceOp::Sum)
+        .unwrap()
+        .wait()
+        .unwrap();
+    let ptrs: Vec<u64> = once.tensors().iter().map(|t| t.sim_address()).collect();
+    let events: Vec<u64> = engines.iter().map(|e| e.events_created()).collect();
+    // The sum of the sums, on every rank: 3 + 3.
+    let twice = once
+        .resubmit(&mut all(&mut engines))
+        .unwrap()
+        .wait()
+        .unwrap();
+    let again: Vec<u64> = engines.iter().map(|e| e.events_created()).collect();
+    assert_eq!(again, events, "the ranks' events were reused");
+    let tensors = twice.into_parts();
+    assert_eq!(
+        tensors.iter().map(|t| t.sim_address()).collect::<Vec<_>>(),
+        ptrs,
+        "the same tensors"
+    );
+    for (rank, engine) in engines.iter_mut().enumerate() {
+        assert_eq!(
+            download_tensor(engine, &tensors[rank]).unwrap(),
+            vec![6; 32]
+        );
+    }
+    // A broadcast keeps its root.
+    let mut from1 = broadcast(&comm, &mut all(&mut engines), tensors, 1)
+        .unwrap()
+        .wait()
+        .unwrap();
+    let (left, right) = engines.split_at_mut(1);
+    upload_tensor_into(&mut right[0], &mut from1.tensors_mut()[1], &[9i64; 32]).unwrap();
+    let again = from1
+        .resubmit(&mut [&mut left[0], &mut right[0]])
+        .unwrap()
+        .wait()
+        .unwrap()
+        .into_parts();
+    assert_eq!(
+        download_tensor(&mut engines[0], &again[0]).unwrap(),
+        vec![9; 32]
+    );
+    // Resubmitted with the engines in another order than the ranks: refused, all back.
+    let returned = broadcast(&comm, &mut all(&mut engines), again, 0)
+        .unwrap()
+        .wait()
+        .unwrap();
+    let (left, right) = engines.split_at_mut(1);
+    match returned.resubmit(&mut [&mut right[0], &mut left[0]]) {
+        Err(SubmitError::Rejected { input, error }) => {
+            assert!(matches!(error, Error::WrongEngine { .. }), "{error}");
+            assert_eq!(input.len(), 2);
+        }
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    drop((comm, engines));
+    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+    assert_eq!(sim.device_live().0, 0);
 }

@@ -8,21 +8,21 @@ use cuferry::{download_tensor, upload_tensor, CudaEngine, Error};
 #[test]
 fn the_number_of_copy_threads_is_set_before_first_use_and_fixed_after() {
     // Out of range: refused, nothing changes.
-    let before = cuferry::copy_threads();
+    let before = cuferry::staging::copy_threads();
     assert!(matches!(
-        cuferry::set_copy_threads(0),
+        cuferry::staging::set_copy_threads(0),
         Err(Error::InvalidSetting {
             setting: "copy_threads",
             value: 0,
             ..
         })
     ));
-    assert_eq!(cuferry::copy_threads(), before);
+    assert_eq!(cuferry::staging::copy_threads(), before);
 
     // Before first use: accepted (the last value counts) and read back.
-    cuferry::set_copy_threads(2).unwrap();
-    cuferry::set_copy_threads(3).unwrap();
-    assert_eq!(cuferry::copy_threads(), 3);
+    cuferry::staging::set_copy_threads(2).unwrap();
+    cuferry::staging::set_copy_threads(3).unwrap();
+    assert_eq!(cuferry::staging::copy_threads(), 3);
 
     // A new engine's per-transfer cap defaults to the pool's size.
     let mut engine = CudaEngine::simulated(SimConfig::default());
@@ -33,10 +33,10 @@ fn the_number_of_copy_threads_is_set_before_first_use_and_fixed_after() {
     let data: Vec<f32> = (0..n).map(|i| i as f32 * 0.5).collect();
     let t = upload_tensor(&mut engine, &data, &[n]).unwrap();
     assert_eq!(download_tensor(&mut engine, &t).unwrap(), data);
-    assert_eq!(cuferry::copy_threads(), 3);
+    assert_eq!(cuferry::staging::copy_threads(), 3);
 
     // After first use: refused with the reason, the size unchanged.
-    match cuferry::set_copy_threads(5) {
+    match cuferry::staging::set_copy_threads(5) {
         Err(Error::InvalidSetting {
             setting: "copy_threads",
             value: 5,
@@ -44,7 +44,7 @@ fn the_number_of_copy_threads_is_set_before_first_use_and_fixed_after() {
         }) => assert!(reason.contains("already running"), "{reason}"),
         other => panic!("expected InvalidSetting, got {other:?}"),
     }
-    assert_eq!(cuferry::copy_threads(), 3);
+    assert_eq!(cuferry::staging::copy_threads(), 3);
 
     // Engines made later still default to the pool's size, and a larger cap is accepted.
     let mut other = CudaEngine::simulated(SimConfig::default());

@@ -4,7 +4,8 @@ mod copy_threads;
 
 use cuferry::sim::{set_thread_context, thread_context, SimConfig, SimDevice, SimOp};
 use cuferry::{
-    download_tensor, download_tensor_into, upload_tensor, CudaEngine, DType, DriverError, Error,
+    download_tensor, download_tensor_into, error::DriverError, upload_tensor, CudaEngine, DType,
+    Error,
 };
 
 fn engine() -> (CudaEngine, SimDevice) {
@@ -273,7 +274,7 @@ fn bool_tensors_are_decoded_and_refused_by_download_into() {
             ..
         }
     ));
-    let mine = err.into_input();
+    let mine = err.into_input().expect("handed back");
     assert_eq!(
         (mine.as_slice(), mine.capacity()),
         (&[true][..], 7),
@@ -289,7 +290,7 @@ fn reshape_keeps_the_element_count() {
     assert_eq!(t.shape(), &[2, 6]);
     let refused = t.reshape(&[5]).unwrap_err();
     assert!(matches!(refused.error(), Error::ShapeMismatch { .. }));
-    let t = refused.into_input();
+    let t = refused.into_input().expect("handed back");
     assert_eq!(t.shape(), &[2, 6], "handed back unchanged");
     // A zero dimension holds no elements, whatever the others are: a mismatch.
     let refused = t.reshape(&[usize::MAX, 2, 0, 3]).unwrap_err();
@@ -300,6 +301,7 @@ fn reshape_keeps_the_element_count() {
     // A product past usize is the shape's overflow.
     let refused = refused
         .into_input()
+        .expect("handed back")
         .reshape(&[usize::MAX, 2, 3])
         .unwrap_err();
     assert!(
@@ -307,7 +309,7 @@ fn reshape_keeps_the_element_count() {
         "{refused}"
     );
     assert_eq!(
-        download_tensor(&mut engine, &refused.into_input())
+        download_tensor(&mut engine, &refused.into_input().expect("handed back"))
             .unwrap()
             .len(),
         12

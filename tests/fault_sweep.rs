@@ -9,8 +9,8 @@ mod copy_threads;
 
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{
-    download_pending, download_tensor, download_tensor_into, upload_pending, upload_tensor,
-    CudaEngine, DriverError, Error, PinnedHostBuffer, StagingConfig,
+    download_pending, download_tensor, download_tensor_into, error::DriverError,
+    staging::StagingConfig, upload_pending, upload_tensor, CudaEngine, Error, PinnedHostBuffer,
 };
 
 /// Every operation the workload reaches, with the failure a real driver could report for it.
@@ -106,12 +106,21 @@ fn workload(engine: &mut CudaEngine) -> Result<(), Error> {
     let mut bytes = engine.alloc_tensor::<u8>(&[8])?;
     match lease.begin_upload(engine, &mut bytes, 0, 8) {
         Ok(unproven) => unproven.retire_with(bytes),
-        Err(cuferry::BeginError::NotQueued { lease, error }) => {
+        Err(
+            cuferry::SubmitError::Rejected {
+                input: lease,
+                error,
+            }
+            | cuferry::SubmitError::Failed {
+                input: lease,
+                error,
+            },
+        ) => {
             lease.release();
             return Err(error);
         }
-        Err(cuferry::BeginError::Untracked { lease, error }) => {
-            lease.retire_with(bytes);
+        Err(cuferry::SubmitError::Retained { error }) => {
+            drop(bytes); // its free is ordered after the copy on the device
             return Err(error);
         }
     }

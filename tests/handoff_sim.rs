@@ -12,8 +12,8 @@ use common::{random_vec, Reference, Rng};
 use cuferry::graph::{GraphCompiler, Input, TracedTensor};
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{
-    download_pending, download_tensor, upload_pending, upload_tensor, CudaEngine, DType,
-    DriverError, Element, Error, PinnedHostBuffer, TransferSubmitError,
+    download_pending, download_tensor, error::DriverError, upload_pending, upload_tensor,
+    CudaEngine, DType, Element, Error, PinnedHostBuffer, SubmitError,
 };
 
 fn engine() -> (CudaEngine, SimDevice) {
@@ -38,7 +38,7 @@ fn chain_through_a_device_copy<T: Reference + Element>(rng: &mut Rng, n: usize) 
     let waits = host_waits(&sim);
 
     let upload = upload_pending(&mut engine, source, destination).unwrap();
-    let copy = engine.copy_tensor(upload.device_tensor()).unwrap();
+    let copy = engine.copy_tensor(upload.tensor()).unwrap();
     let buffer = PinnedHostBuffer::<T>::new(&mut engine, n).unwrap();
     let download = download_pending(&mut engine, copy, buffer).unwrap();
     assert!(
@@ -55,8 +55,8 @@ fn chain_through_a_device_copy<T: Reference + Element>(rng: &mut Rng, n: usize) 
     common::assert_same(&format!("{} n={n}", T::DTYPE), &got, &data);
     // The upload completed before the download in stream order: its proof needs no wait.
     let upload = match upload.try_wait().unwrap() {
-        cuferry::TryWait::Returned(r) => r,
-        cuferry::TryWait::InFlight(_) => panic!("{}: stream order", T::DTYPE),
+        cuferry::pending::TryWait::Returned(r) => r,
+        cuferry::pending::TryWait::InFlight(_) => panic!("{}: stream order", T::DTYPE),
     };
     assert_eq!(host_waits(&sim), waits + 1);
     drop((upload, download));
@@ -86,7 +86,7 @@ fn a_bool_destination_in_flight_is_read_in_stream_order() {
     let source = PinnedHostBuffer::from_slice(&mut engine, &data).unwrap();
     let destination = engine.alloc_tensor::<bool>(&[33]).unwrap();
     let upload = upload_pending(&mut engine, source, destination).unwrap();
-    let copy = engine.copy_tensor(upload.device_tensor()).unwrap();
+    let copy = engine.copy_tensor(upload.tensor()).unwrap();
     sim.hold_clock(false);
     assert_eq!(download_tensor(&mut engine, &copy).unwrap(), data);
     drop(upload.wait().unwrap());
@@ -109,12 +109,10 @@ fn kernels_and_a_prepared_program_read_an_in_flight_upload_without_host_waits() 
     let waits = host_waits(&sim);
 
     let upload = upload_pending(&mut engine, source, destination).unwrap();
-    let doubled = engine
-        .add(upload.device_tensor(), upload.device_tensor())
-        .unwrap();
+    let doubled = engine.add(upload.tensor(), upload.tensor()).unwrap();
     let scaled = engine.scale(&doubled, 0.25f32).unwrap();
     let outputs = engine
-        .run(&mut prepared, &[Input::from(upload.device_tensor())])
+        .run(&mut prepared, &[Input::from(upload.tensor())])
         .unwrap();
     let program_out = outputs
         .into_iter()
@@ -150,8 +148,8 @@ fn the_source_of_an_in_flight_download_is_readable_alongside_the_copy() {
     sim.hold_clock(true);
     let buffer = PinnedHostBuffer::<i32>::new(&mut engine, 512).unwrap();
     let download = download_pending(&mut engine, tensor, buffer).unwrap();
-    let negated = engine.neg(download.device_tensor()).unwrap();
-    let copy = engine.copy_tensor(download.device_tensor()).unwrap();
+    let negated = engine.neg(download.tensor()).unwrap();
+    let copy = engine.copy_tensor(download.tensor()).unwrap();
     sim.hold_clock(false);
     let want: Vec<i32> = data.iter().map(|v| -v).collect();
     assert_eq!(download_tensor(&mut engine, &negated).unwrap(), want);
@@ -169,15 +167,15 @@ fn another_engine_refuses_an_in_flight_tensor() {
     let upload = upload_pending(&mut engine, source, destination).unwrap();
     let queued = other_sim.queued();
     assert!(matches!(
-        other.copy_tensor(upload.device_tensor()),
+        other.copy_tensor(upload.tensor()),
         Err(Error::WrongEngine { .. })
     ));
     assert!(matches!(
-        other.add(upload.device_tensor(), upload.device_tensor()),
+        other.add(upload.tensor(), upload.tensor()),
         Err(Error::WrongEngine { .. })
     ));
     assert!(matches!(
-        download_tensor(&mut other, upload.device_tensor()),
+        download_tensor(&mut other, upload.tensor()),
         Err(Error::WrongEngine { .. })
     ));
     assert_eq!(
@@ -205,11 +203,11 @@ fn a_failed_kernel_in_the_middle_leaves_the_transfers_intact() {
     drop(engine.add(&warm, &warm).unwrap());
     sim.fail_nth(SimOp::Launch, 1, DriverError::LAUNCH_FAILED);
     assert!(matches!(
-        engine.add(upload.device_tensor(), upload.device_tensor()),
+        engine.add(upload.tensor(), upload.tensor()),
         Err(Error::Driver { .. })
     ));
     // The chain goes on after the refused step.
-    let copy = engine.copy_tensor(upload.device_tensor()).unwrap();
+    let copy = engine.copy_tensor(upload.tensor()).unwrap();
     let buffer = PinnedHostBuffer::<f64>::new(&mut engine, 64).unwrap();
     let download = download_pending(&mut engine, copy, buffer).unwrap();
     sim.hold_clock(false);
@@ -227,15 +225,15 @@ fn a_refused_download_in_the_middle_returns_its_package_and_the_upload_still_lan
     let source = PinnedHostBuffer::from_slice(&mut engine, &data).unwrap();
     let destination = engine.alloc_tensor::<u16>(&[300]).unwrap();
     let upload = upload_pending(&mut engine, source, destination).unwrap();
-    let copy = engine.copy_tensor(upload.device_tensor()).unwrap();
+    let copy = engine.copy_tensor(upload.tensor()).unwrap();
     let buffer = PinnedHostBuffer::<u16>::new(&mut engine, 300).unwrap();
     sim.fail_nth(SimOp::CopyDtoH, 1, DriverError::LAUNCH_FAILED);
     let package = match download_pending(&mut engine, copy, buffer) {
-        Err(TransferSubmitError::Failed { package, .. }) => package,
+        Err(SubmitError::Failed { input: package, .. }) => package,
         other => panic!("expected a failed submission, got {other:?}"),
     };
     // Resubmitted as it came back, the chain completes.
-    let download = download_pending(&mut engine, package.tensor, package.buffer).unwrap();
+    let download = download_pending(&mut engine, package.1, package.0).unwrap();
     sim.hold_clock(false);
     assert_eq!(download.wait().unwrap().buffer().as_slice(), &data[..]);
     drop(upload.wait().unwrap());
@@ -251,7 +249,7 @@ fn a_failed_upload_event_is_reported_while_the_work_after_it_still_lands() {
     // The next event recorded is the upload's.
     sim.fail_event(1, DriverError::LAUNCH_FAILED);
     let upload = upload_pending(&mut engine, source, destination).unwrap();
-    let copy = engine.copy_tensor(upload.device_tensor()).unwrap();
+    let copy = engine.copy_tensor(upload.tensor()).unwrap();
     let buffer = PinnedHostBuffer::<u8>::new(&mut engine, 256).unwrap();
     let download = download_pending(&mut engine, copy, buffer).unwrap();
     sim.hold_clock(false);
@@ -274,7 +272,7 @@ fn dropping_an_upload_after_handing_off_its_destination_frees_nothing_early() {
     let source = PinnedHostBuffer::from_slice(&mut engine, &data).unwrap();
     let destination = engine.alloc_tensor::<u32>(&[2048]).unwrap();
     let upload = upload_pending(&mut engine, source, destination).unwrap();
-    let copy = engine.copy_tensor(upload.device_tensor()).unwrap();
+    let copy = engine.copy_tensor(upload.tensor()).unwrap();
     drop(upload);
     assert_eq!(engine.retirement_stats().pending, 1);
     sim.hold_clock(false);

@@ -9,7 +9,7 @@ mod common;
 use common::{check_casts_from, check_ops, Reference, Rng};
 use cuferry::sim::{SimConfig, SimOp};
 use cuferry::{
-    download_tensor, upload_tensor, CudaEngine, DeviceTensor, DriverError, Element, Error,
+    download_tensor, error::DriverError, upload_tensor, CudaEngine, DeviceTensor, Element, Error,
 };
 
 fn engine() -> CudaEngine {

@@ -5,9 +5,9 @@ mod copy_threads;
 
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{
-    download_pending, download_tensor, download_tensor_into, upload_pending, upload_tensor,
-    BeginError, CudaEngine, DriverError, Error, GemmConfig, PinnedHostBuffer, StagingConfig,
-    TransferSubmitError,
+    download_pending, download_tensor, download_tensor_into, error::DriverError, libs::GemmConfig,
+    staging::StagingConfig, upload_pending, upload_tensor, CudaEngine, Error, PinnedHostBuffer,
+    SubmitError,
 };
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc;
@@ -30,15 +30,15 @@ fn distinct(n: usize) -> Vec<u32> {
 /// memory is never reachable again (it used to come back `Unproven`, and `end_chunk` then waited
 /// on the slot's previous event and handed the memory out while the copy was still queued).
 #[test]
-fn an_unprovable_chunk_can_only_be_retired_and_its_memory_is_never_reused() {
+fn an_unprovable_chunk_is_retained_and_its_memory_is_never_reused() {
     let (mut engine, sim) = engine();
     let tensor = upload_tensor(&mut engine, &[7u8; 64], &[64]).unwrap();
     let lease = engine.staging_lease().unwrap();
     let slot = lease.as_bytes().as_ptr();
     sim.fail_nth(SimOp::EventRecord, 1, DriverError::UNKNOWN);
     sim.fail_nth(SimOp::StreamSynchronize, 1, DriverError::UNKNOWN);
-    let untracked = match lease.begin_download(&mut engine, &tensor, 0, 64) {
-        Err(BeginError::Untracked { lease, error }) => {
+    match lease.begin_download(&mut engine, &tensor, 0, 64) {
+        Err(SubmitError::Retained { error }) => {
             assert!(
                 matches!(
                     error,
@@ -49,12 +49,10 @@ fn an_unprovable_chunk_can_only_be_retired_and_its_memory_is_never_reused() {
                 ),
                 "{error}"
             );
-            lease
         }
-        other => panic!("expected an untracked chunk, got {other:?}"),
-    };
+        other => panic!("expected a retained chunk, got {other:?}"),
+    }
     assert_eq!(sim.queued(), 1, "the copy is still queued");
-    untracked.retire();
     let retirement = engine.retirement_stats();
     assert_eq!(retirement.retained, 1);
     assert_eq!(
@@ -233,9 +231,9 @@ struct Snapshot {
     pinned: (usize, usize),
     device: (usize, usize),
     events: usize,
-    retirement: cuferry::RetirementStats,
-    staging: cuferry::StagingStats,
-    pool: cuferry::PinnedPoolStats,
+    retirement: cuferry::engine::RetirementStats,
+    staging: cuferry::staging::StagingStats,
+    pool: cuferry::engine::PinnedPoolStats,
 }
 
 fn snapshot(engine: &CudaEngine) -> Snapshot {
@@ -304,7 +302,7 @@ fn values_of_another_engine_are_refused_and_change_nothing() {
         match download_tensor_into(&mut b, &x, reused) {
             Err(refused) => {
                 assert!(matches!(refused.error(), Error::WrongEngine { .. }));
-                reused = refused.into_input();
+                reused = refused.into_input().expect("handed back");
             }
             Ok(_) => panic!("another engine's tensor was downloaded"),
         }
@@ -320,25 +318,35 @@ fn values_of_another_engine_are_refused_and_change_nothing() {
 
         // A pinned buffer of A, with a tensor of B, in both directions: rejected, returned.
         let refused = upload_pending(&mut b, buffer, own).unwrap_err();
-        let TransferSubmitError::Rejected { package, error } = refused else {
+        let SubmitError::Rejected {
+            input: package,
+            error,
+        } = refused
+        else {
             panic!("expected a rejection");
         };
         wrong_engine::<()>(Err(error), &a, &b);
-        assert_eq!(package.buffer.as_slice().as_ptr(), buffer_ptr);
-        let refused = download_pending(&mut b, package.tensor, package.buffer).unwrap_err();
+        assert_eq!(package.0.as_slice().as_ptr(), buffer_ptr);
+        let refused = download_pending(&mut b, package.1, package.0).unwrap_err();
         assert!(matches!(refused.error(), Error::WrongEngine { .. }));
-        let package = refused.into_package().unwrap();
+        let package = refused.into_input().unwrap();
 
         // A staging lease of A used on B.
         let lease = match lease.begin_upload(&mut b, &mut own_mut, 0, 4) {
-            Err(BeginError::NotQueued { lease, error }) => {
+            Err(SubmitError::Rejected {
+                input: lease,
+                error,
+            }) => {
                 wrong_engine::<()>(Err(error), &a, &b);
                 lease
             }
             other => panic!("expected a refusal, got {other:?}"),
         };
         let lease = match lease.begin_download(&mut b, &own_mut, 0, 4) {
-            Err(BeginError::NotQueued { lease, error }) => {
+            Err(SubmitError::Rejected {
+                input: lease,
+                error,
+            }) => {
                 wrong_engine::<()>(Err(error), &a, &b);
                 lease
             }
@@ -353,10 +361,7 @@ fn values_of_another_engine_are_refused_and_change_nothing() {
         let returned = upload_pending(&mut a, refill, y).unwrap().wait().unwrap();
         a.synchronize().unwrap();
         let (before_a, before_b) = (snapshot(&a), snapshot(&b));
-        let TransferSubmitError::Rejected {
-            package: back,
-            error,
-        } = returned.resubmit(&mut b).unwrap_err()
+        let SubmitError::Rejected { input: back, error } = returned.resubmit(&mut b).unwrap_err()
         else {
             panic!("expected a rejection");
         };
@@ -517,15 +522,15 @@ fn a_zero_length_chunk_is_refused_and_queues_nothing() {
     let queued = sim.queued();
     let lease = engine.staging_lease().unwrap();
     let lease = match lease.begin_upload(&mut engine, &mut empty, 0, 0) {
-        Err(BeginError::NotQueued {
-            lease,
+        Err(SubmitError::Rejected {
+            input: lease,
             error: Error::ZeroLength { .. },
         }) => lease,
         other => panic!("expected a zero-length refusal, got {other:?}"),
     };
     let lease = match lease.begin_download(&mut engine, &empty, 0, 0) {
-        Err(BeginError::NotQueued {
-            lease,
+        Err(SubmitError::Rejected {
+            input: lease,
             error: Error::ZeroLength { .. },
         }) => lease,
         other => panic!("expected a zero-length refusal, got {other:?}"),
@@ -545,7 +550,10 @@ fn errors_name_the_values_and_the_shape_check_is_order_independent() {
     let capacity = lease.capacity();
     let big = engine.alloc_tensor::<u8>(&[capacity + 8]).unwrap();
     let lease = match lease.begin_download(&mut engine, &big, 0, capacity + 8) {
-        Err(BeginError::NotQueued { lease, error }) => {
+        Err(SubmitError::Rejected {
+            input: lease,
+            error,
+        }) => {
             let message = error.to_string();
             assert!(
                 message.contains(&format!("{}", capacity + 8))
@@ -557,7 +565,10 @@ fn errors_name_the_values_and_the_shape_check_is_order_independent() {
         other => panic!("expected a refusal, got {other:?}"),
     };
     match lease.begin_download(&mut engine, &t, usize::MAX, 1) {
-        Err(BeginError::NotQueued { lease, error }) => {
+        Err(SubmitError::Rejected {
+            input: lease,
+            error,
+        }) => {
             let message = error.to_string();
             assert!(message.contains(&usize::MAX.to_string()), "{message}");
             assert!(message.contains("16 element"), "{message}");

@@ -17,8 +17,8 @@ mod copy_threads;
 mod common;
 
 use common::duplex::{op, Run};
+use cuferry::error::DriverError;
 use cuferry::sim::SimOp;
-use cuferry::DriverError;
 use proptest::prelude::*;
 
 proptest! {

@@ -17,9 +17,10 @@ mod copy_threads;
 
 use cuferry::sim::SimDevice;
 use cuferry::{
-    download_pending, download_tensor, upload_pending, upload_tensor, CudaEngine, DeviceTensor,
-    Direction, Download, HostBuffer, InFlight, Pending, PinnedHostBuffer, RegisteredBuffer,
-    Returned, TryWait, Upload,
+    download_pending, download_tensor,
+    pending::{Download, HostBuffer, InFlight, Operation, Returned, TryWait, Upload},
+    upload_pending, upload_tensor, CudaEngine, DeviceTensor, Pending, PinnedHostBuffer,
+    RegisteredBuffer,
 };
 use proptest::prelude::*;
 use proptest::sample::select;
@@ -705,10 +706,10 @@ impl Host for RegisteredBuffer<f32> {
 
 /// A transfer over a host buffer of kind `B`, in each direction and state.
 enum Xfer<B: Host> {
-    UpInFlight(Pending<Upload, f32, InFlight, B>),
-    DownInFlight(Pending<Download, f32, InFlight, B>),
-    UpReturned(Pending<Upload, f32, Returned, B>),
-    DownReturned(Pending<Download, f32, Returned, B>),
+    UpInFlight(Pending<Upload<f32, B>, InFlight>),
+    DownInFlight(Pending<Download<f32, B>, InFlight>),
+    UpReturned(Pending<Upload<f32, B>, Returned>),
+    DownReturned(Pending<Download<f32, B>, Returned>),
 }
 
 enum Handle {
@@ -739,23 +740,23 @@ fn assert_data(what: &str, got: &[f32], expected: &Data) {
     }
 }
 
-fn returned<D: Direction, B: Host>(r: Pending<D, f32, Returned, B>) -> Xfer<B> {
+fn returned<D: Operation, B: Host>(r: Pending<D, Returned>) -> Xfer<B> {
     let any: Box<dyn std::any::Any> = Box::new(r);
-    match any.downcast::<Pending<Upload, f32, Returned, B>>() {
+    match any.downcast::<Pending<Upload<f32, B>, Returned>>() {
         Ok(up) => Xfer::UpReturned(*up),
         Err(any) => Xfer::DownReturned(*any.downcast().expect("upload or download")),
     }
 }
 
-fn in_flight<D: Direction, B: Host>(p: Pending<D, f32, InFlight, B>) -> Xfer<B> {
+fn in_flight<D: Operation, B: Host>(p: Pending<D, InFlight>) -> Xfer<B> {
     let any: Box<dyn std::any::Any> = Box::new(p);
-    match any.downcast::<Pending<Upload, f32, InFlight, B>>() {
+    match any.downcast::<Pending<Upload<f32, B>, InFlight>>() {
         Ok(up) => Xfer::UpInFlight(*up),
         Err(any) => Xfer::DownInFlight(*any.downcast().expect("upload or download")),
     }
 }
 
-fn try_wait<D: Direction, B: Host>(p: Pending<D, f32, InFlight, B>, ready: bool) -> Xfer<B> {
+fn try_wait<D: Operation, B: Host>(p: Pending<D, InFlight>, ready: bool) -> Xfer<B> {
     match p.try_wait().unwrap() {
         TryWait::Returned(r) => {
             assert!(ready, "try_wait returned before the event");

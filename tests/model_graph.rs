@@ -14,7 +14,7 @@ use common::{random_vec, Reference, Rng};
 use cuferry::graph::{GraphCompiler, Input, Output, Prepared, TracedTensor};
 use cuferry::sim::{SimConfig, SimOp};
 use cuferry::{
-    bf16, download_tensor, f16, upload_tensor, CudaEngine, DType, DeviceTensor, DriverError,
+    bf16, download_tensor, error::DriverError, f16, upload_tensor, CudaEngine, DType, DeviceTensor,
 };
 use proptest::prelude::*;
 use std::any::Any;

@@ -15,8 +15,8 @@ mod copy_threads;
 
 use cuferry::sim::{Schedule, SimConfig, SimDevice, SimOp};
 use cuferry::{
-    download_tensor, peer_copy, peer_copy_into, peer_copy_pending, upload_tensor, CudaEngine,
-    DeviceTensor, DriverError, Error, PeerSubmitError, PendingPeer, Signal,
+    download_tensor, engine::Signal, error::DriverError, peer, peer::PeerCopy, upload_tensor,
+    CudaEngine, DeviceTensor, Error, Pending, SubmitError,
 };
 use proptest::prelude::*;
 
@@ -110,7 +110,7 @@ fn op(engines: usize) -> impl Strategy<Value = Op> {
 
 /// A pending copy in flight: its handle, where its tensors came from, and what the source held.
 struct InFlightCopy {
-    copy: PendingPeer<u32>,
+    copy: Pending<PeerCopy<u32>>,
     from: (usize, usize),
     to: (usize, usize),
     values: Option<Vec<u32>>,
@@ -263,8 +263,8 @@ impl Model {
                 };
                 let (a, b) = self.pair(from, to);
                 let outcome = match &mut dst {
-                    Some(d) => peer_copy_into(a, &src, b, d).map(|()| None),
-                    None => peer_copy(a, &src, b).map(Some),
+                    Some(d) => peer::copy_into(a, &src, b, d).map(|()| None),
+                    None => peer::copy(a, &src, b).map(Some),
                 };
                 self.slots[from][slot] = Some(src);
                 if existing {
@@ -305,7 +305,7 @@ impl Model {
                 let values = self.reference[from][slot].take();
                 self.reference[to][into] = None;
                 let (a, b) = self.pair(from, to);
-                match peer_copy_pending(a, src, b, dst) {
+                match peer::copy_pending(a, src, b, dst) {
                     Ok(copy) => {
                         assert!(linked, "a copy between unlinked devices went through");
                         self.in_flight.push(InFlightCopy {
@@ -320,13 +320,13 @@ impl Model {
                             Error::Unreachable { .. } => assert!(!linked, "a linked copy refused"),
                             error => self.failed("pending peer copy", error),
                         }
-                        let retained = matches!(refused, PeerSubmitError::Retained { .. });
-                        if let Some(package) = refused.into_package() {
+                        let retained = matches!(refused, SubmitError::Retained { .. });
+                        if let Some(package) = refused.into_input() {
                             // Handed back untouched: the source as it was, the destination's
                             // contents unspecified only if the copy may have run.
-                            self.slots[from][slot] = Some(package.source);
+                            self.slots[from][slot] = Some(package.0);
                             self.reference[from][slot] = values;
-                            self.slots[to][into] = Some(package.destination);
+                            self.slots[to][into] = Some(package.1);
                         } else {
                             assert!(retained);
                         }

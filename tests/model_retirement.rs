@@ -26,8 +26,10 @@ mod copy_threads;
 
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{
-    download_pending, upload_pending, CudaEngine, DeviceTensor, Direction, DriverError, Error,
-    InFlight, Pending, PinnedHostBuffer, Returned, TransferSubmitError, TryWait,
+    download_pending,
+    error::DriverError,
+    pending::{InFlight, Operation, Returned, TryWait},
+    upload_pending, CudaEngine, DeviceTensor, Error, Pending, PinnedHostBuffer, SubmitError,
 };
 use proptest::prelude::*;
 use proptest::sample::select;
@@ -713,10 +715,10 @@ type Buffer = PinnedHostBuffer<f32>;
 enum SutSlot {
     Gone,
     Idle(Buffer, Tensor),
-    UpInFlight(Pending<cuferry::Upload, f32, InFlight>),
-    DownInFlight(Pending<cuferry::Download, f32, InFlight>),
-    UpReturned(Pending<cuferry::Upload, f32, Returned>),
-    DownReturned(Pending<cuferry::Download, f32, Returned>),
+    UpInFlight(Pending<cuferry::pending::Upload<f32>, InFlight>),
+    DownInFlight(Pending<cuferry::pending::Download<f32>, InFlight>),
+    UpReturned(Pending<cuferry::pending::Upload<f32>, Returned>),
+    DownReturned(Pending<cuferry::pending::Download<f32>, Returned>),
 }
 
 struct Sut {
@@ -744,10 +746,10 @@ fn distinct(len: usize) -> Vec<f32> {
     (0..len).map(|i| i as f32 * 0.75 + 1.25).collect()
 }
 
-fn in_flight_slot<D: Direction>(p: Pending<D, f32, InFlight>) -> SutSlot {
+fn in_flight_slot<D: Operation>(p: Pending<D, InFlight>) -> SutSlot {
     // Dispatch on the direction marker through `Any`: the two directions are distinct types.
     let any: Box<dyn std::any::Any> = Box::new(p);
-    match any.downcast::<Pending<cuferry::Upload, f32, InFlight>>() {
+    match any.downcast::<Pending<cuferry::pending::Upload<f32>, InFlight>>() {
         Ok(up) => SutSlot::UpInFlight(*up),
         Err(any) => SutSlot::DownInFlight(
             *any.downcast()
@@ -756,9 +758,9 @@ fn in_flight_slot<D: Direction>(p: Pending<D, f32, InFlight>) -> SutSlot {
     }
 }
 
-fn returned_slot<D: Direction>(p: Pending<D, f32, Returned>) -> SutSlot {
+fn returned_slot<D: Operation>(p: Pending<D, Returned>) -> SutSlot {
     let any: Box<dyn std::any::Any> = Box::new(p);
-    match any.downcast::<Pending<cuferry::Upload, f32, Returned>>() {
+    match any.downcast::<Pending<cuferry::pending::Upload<f32>, Returned>>() {
         Ok(up) => SutSlot::UpReturned(*up),
         Err(any) => SutSlot::DownReturned(
             *any.downcast()
@@ -789,28 +791,25 @@ fn expected_outcome(model: &Model, after: &Slot) -> Outcome {
     }
 }
 
-fn settle(submitted: Result<SutSlot, TransferSubmitError<f32>>) -> (SutSlot, Outcome) {
+/// What a refused or failed submission hands back.
+type Refused = SubmitError<(PinnedHostBuffer<f32>, DeviceTensor<f32>)>;
+
+fn settle(submitted: Result<SutSlot, Refused>) -> (SutSlot, Outcome) {
     match submitted {
         Ok(slot) => (slot, Outcome::Queued),
-        Err(TransferSubmitError::Rejected {
-            package,
+        Err(SubmitError::Rejected {
+            input: package,
             error: Error::WrongEngine { .. },
-        }) => (
-            SutSlot::Idle(package.buffer, package.tensor),
-            Outcome::Rejected,
-        ),
-        Err(TransferSubmitError::Failed {
-            package,
+        }) => (SutSlot::Idle(package.0, package.1), Outcome::Rejected),
+        Err(SubmitError::Failed {
+            input: package,
             error:
                 Error::Driver {
                     source: DriverError::INVALID_VALUE,
                     ..
                 },
-        }) => (
-            SutSlot::Idle(package.buffer, package.tensor),
-            Outcome::Failed,
-        ),
-        Err(TransferSubmitError::Retained {
+        }) => (SutSlot::Idle(package.0, package.1), Outcome::Failed),
+        Err(SubmitError::Retained {
             error:
                 Error::Driver {
                     source: DriverError::INVALID_VALUE,
@@ -848,7 +847,7 @@ fn expect_fault(e: &Error) {
 }
 
 /// Waits on an in-flight transfer; the model says whether it comes back.
-fn wait<D: Direction>(p: Pending<D, f32, InFlight>, comes_back: bool) -> SutSlot {
+fn wait<D: Operation>(p: Pending<D, InFlight>, comes_back: bool) -> SutSlot {
     match p.wait() {
         Ok(r) => {
             assert!(comes_back, "wait succeeded on a failed event");
@@ -862,7 +861,7 @@ fn wait<D: Direction>(p: Pending<D, f32, InFlight>, comes_back: bool) -> SutSlot
     }
 }
 
-fn try_wait<D: Direction>(p: Pending<D, f32, InFlight>, expected: &Slot) -> SutSlot {
+fn try_wait<D: Operation>(p: Pending<D, InFlight>, expected: &Slot) -> SutSlot {
     match (p.try_wait(), expected) {
         (Ok(TryWait::InFlight(p)), Slot::InFlight { .. }) => in_flight_slot(p),
         (Ok(TryWait::Returned(r)), Slot::Returned { .. }) => returned_slot(r),
@@ -876,7 +875,7 @@ fn try_wait<D: Direction>(p: Pending<D, f32, InFlight>, expected: &Slot) -> SutS
     }
 }
 
-fn is_ready<D: Direction>(p: &mut Pending<D, f32, InFlight>, expected: Query) {
+fn is_ready<D: Operation>(p: &mut Pending<D, InFlight>, expected: Query) {
     match (p.is_ready(), expected) {
         (Ok(false), Query::NotReady) | (Ok(true), Query::Ready) => {}
         (Err(e), Query::Failed) => expect_fault(&e),

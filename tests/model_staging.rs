@@ -6,7 +6,9 @@
 mod copy_threads;
 
 use cuferry::sim::{SimConfig, SimOp};
-use cuferry::{download_tensor, upload_tensor, CudaEngine, DriverError, Error, StagingConfig};
+use cuferry::{
+    download_tensor, error::DriverError, staging::StagingConfig, upload_tensor, CudaEngine, Error,
+};
 use proptest::prelude::*;
 
 #[derive(Clone, Debug)]

@@ -13,9 +13,10 @@
 use cuferry::graph::{GraphCompiler, Input, TracedTensor};
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{
-    all_reduce, download_pending, download_tensor, download_tensor_into, peer_copy, peer_copy_into,
-    peer_copy_pending, upload_pending, upload_tensor, Communicator, CudaEngine, DType, Error,
-    PinnedHostBuffer, ReduceOp, RegisteredBuffer, StagingConfig,
+    collective::{all_reduce, Communicator, ReduceOp},
+    download_pending, download_tensor, download_tensor_into, peer,
+    staging::StagingConfig,
+    upload_pending, upload_tensor, CudaEngine, DType, Error, PinnedHostBuffer, RegisteredBuffer,
 };
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::process::Command;
@@ -86,7 +87,7 @@ fn workload(a: &mut CudaEngine, b: &mut CudaEngine, wrong: &Wrong) -> Result<(),
         let data = distinct(n, salt);
         let t = upload_tensor(a, &data, &[n])?;
         expect(wrong, "download_tensor", &download_tensor(a, &t)?, &data);
-        let reused = download_tensor_into(a, &t, Vec::with_capacity(n)).map_err(|r| r.error)?;
+        let reused = download_tensor_into(a, &t, Vec::with_capacity(n))?;
         expect(wrong, "download_tensor_into", &reused, &data);
     }
     // A kernel and a device copy on the stream.
@@ -148,7 +149,7 @@ fn workload(a: &mut CudaEngine, b: &mut CudaEngine, wrong: &Wrong) -> Result<(),
     b.wait_signal(&signal)?;
     drop(signal);
     let src = upload_tensor(a, &distinct(5000, 9), &[5000])?;
-    let there = peer_copy(a, &src, b)?;
+    let there = peer::copy(a, &src, b)?;
     expect(
         wrong,
         "peer_copy",
@@ -156,23 +157,23 @@ fn workload(a: &mut CudaEngine, b: &mut CudaEngine, wrong: &Wrong) -> Result<(),
         &distinct(5000, 9),
     );
     let mut into = b.alloc_tensor::<u32>(&[5000])?;
-    peer_copy_into(a, &src, b, &mut into)?;
+    peer::copy_into(a, &src, b, &mut into)?;
     expect(
         wrong,
         "peer_copy_into",
         &download_tensor(b, &into)?,
         &distinct(5000, 9),
     );
-    let returned = peer_copy_pending(a, src, b, into)
+    let returned = peer::copy_pending(a, src, b, into)
         .map_err(|e| e.into_error())?
         .wait()?;
     drop(returned);
     let comm = Communicator::new(&mut [&mut *a, &mut *b])?;
     let ta = upload_tensor(a, &distinct(300, 10), &[300])?;
     let tb = upload_tensor(b, &distinct(300, 11), &[300])?;
-    let reduced = all_reduce(&comm, &mut [&mut *a, &mut *b], vec![ta, tb], ReduceOp::Max)
-        .map_err(|e| e.into_error())?
-        .wait()?;
+    let reduced = all_reduce(&comm, &mut [&mut *a, &mut *b], vec![ta, tb], ReduceOp::Max)?
+        .wait()?
+        .into_parts();
     let want: Vec<u32> = distinct(300, 10)
         .iter()
         .zip(distinct(300, 11))
@@ -301,8 +302,8 @@ fn clean_calls() -> Vec<u64> {
 
 /// The sweep itself, in a process whose copy pool has `threads` threads.
 fn sweep(threads: usize) {
-    cuferry::set_copy_threads(threads).unwrap();
-    assert_eq!(cuferry::copy_threads(), threads);
+    cuferry::staging::set_copy_threads(threads).unwrap();
+    assert_eq!(cuferry::staging::copy_threads(), threads);
     let counts = clean_calls();
     for (op, &count) in OPS.iter().zip(&counts) {
         assert!(count > 0, "the workload never calls {op:?}");

@@ -13,8 +13,8 @@ use common::{
 };
 use cuferry::sim::{Schedule, SimDevice, SimOp};
 use cuferry::{
-    download_tensor, peer_copy_pending, upload_pending, upload_tensor, CudaEngine, DeviceTensor,
-    DriverError, Error, PeerSubmitError, PeerTryWait, PinnedHostBuffer,
+    download_tensor, error::DriverError, peer, pending::TryWait, upload_pending, upload_tensor,
+    CudaEngine, DeviceTensor, Error, PinnedHostBuffer, SubmitError,
 };
 
 fn round_trip<T: Reference>(a: &mut CudaEngine, b: &mut CudaEngine, rng: &mut Rng) {
@@ -23,7 +23,7 @@ fn round_trip<T: Reference>(a: &mut CudaEngine, b: &mut CudaEngine, rng: &mut Rn
         let data = random_vec::<T>(rng, n);
         let x = upload_tensor(a, &data, &[n]).unwrap();
         let landing = b.alloc_tensor::<T>(&[n]).unwrap();
-        let copy = peer_copy_pending(a, x, b, landing).unwrap();
+        let copy = peer::copy_pending(a, x, b, landing).unwrap();
         let what = format!("{} n={n}", T::DTYPE);
         // Handed to the destination engine in flight: its download (on another of its streams)
         // runs after the copy.
@@ -64,7 +64,7 @@ fn the_copy_follows_the_source_engines_queued_writes_and_precedes_the_destinatio
         // Queued on the source engine, not waited for: the copy must wait for it on the device.
         let y = a.scale(&x, 5).unwrap();
         let landing = b.alloc_tensor::<u32>(&[4099]).unwrap();
-        let copy = peer_copy_pending(&mut a, y, &mut b, landing).unwrap();
+        let copy = peer::copy_pending(&mut a, y, &mut b, landing).unwrap();
         // Queued on the destination engine after the copy: reads what landed.
         let z = b.scale(copy.destination(), 2).unwrap();
         // The source engine may read the source beside the copy.
@@ -92,7 +92,12 @@ fn the_copy_follows_the_source_engines_queued_writes_and_precedes_the_destinatio
 fn ptrs<T: cuferry::Element>(
     x: &DeviceTensor<T>,
     y: &DeviceTensor<T>,
-) -> (usize, cuferry::DeviceId, usize, cuferry::DeviceId) {
+) -> (
+    usize,
+    cuferry::engine::DeviceId,
+    usize,
+    cuferry::engine::DeviceId,
+) {
     (x.len(), x.device(), y.len(), y.device())
 }
 
@@ -104,65 +109,64 @@ fn refusals_hand_both_tensors_back_untouched_with_nothing_queued() {
     let mut c = CudaEngine::simulated_on_device(&sim, 0).unwrap();
     let copies = || sim.calls(SimOp::CopyPeer);
     let before = copies();
-    let check = |refused: Result<_, PeerSubmitError<u32>>,
-                 expected: (usize, cuferry::DeviceId, usize, cuferry::DeviceId),
+    let check = |refused: Result<_, SubmitError<(DeviceTensor<u32>, DeviceTensor<u32>)>>,
+                 expected: (
+        usize,
+        cuferry::engine::DeviceId,
+        usize,
+        cuferry::engine::DeviceId,
+    ),
                  is: fn(&Error) -> bool| {
         let Err(refused) = refused else {
             panic!("a refusal went through");
         };
         assert!(is(refused.error()), "{refused:?}");
-        assert!(matches!(refused, PeerSubmitError::Rejected { .. }));
-        let package = refused.into_package().expect("handed back");
-        assert_eq!(ptrs(&package.source, &package.destination), expected);
+        assert!(matches!(refused, SubmitError::Rejected { .. }));
+        let package = refused.into_input().expect("handed back");
+        assert_eq!(ptrs(&package.0, &package.1), expected);
         package
     };
     // No peer link between devices 0 and 1.
     let x = upload_tensor(&mut a, &[1u32, 2, 3], &[3]).unwrap();
     let y = b.alloc_tensor::<u32>(&[3]).unwrap();
     let p = ptrs(&x, &y);
-    let back = check(peer_copy_pending(&mut a, x, &mut b, y), p, |e| {
+    let back = check(peer::copy_pending(&mut a, x, &mut b, y), p, |e| {
         matches!(e, Error::Unreachable { .. })
     });
     // A tensor named beside the wrong engine.
-    let p = ptrs(&back.source, &back.destination);
-    let back = check(
-        peer_copy_pending(&mut b, back.source, &mut a, back.destination),
-        p,
-        |e| matches!(e, Error::WrongEngine { .. }),
-    );
+    let p = ptrs(&back.0, &back.1);
+    let back = check(peer::copy_pending(&mut b, back.0, &mut a, back.1), p, |e| {
+        matches!(e, Error::WrongEngine { .. })
+    });
     // Lengths that differ.
     let short = c.alloc_tensor::<u32>(&[2]).unwrap();
-    let p = ptrs(&back.source, &short);
-    let mismatched = check(
-        peer_copy_pending(&mut a, back.source, &mut c, short),
-        p,
-        |e| {
-            matches!(
-                e,
-                Error::LengthMismatch {
-                    left: 3,
-                    right: 2,
-                    ..
-                }
-            )
-        },
-    );
+    let p = ptrs(&back.0, &short);
+    let mismatched = check(peer::copy_pending(&mut a, back.0, &mut c, short), p, |e| {
+        matches!(
+            e,
+            Error::LengthMismatch {
+                left: 3,
+                right: 2,
+                ..
+            }
+        )
+    });
     // Nothing to copy.
     let (e0, e1) = (
         a.alloc_tensor::<u32>(&[0]).unwrap(),
         c.alloc_tensor::<u32>(&[0]).unwrap(),
     );
     let p = ptrs(&e0, &e1);
-    check(peer_copy_pending(&mut a, e0, &mut c, e1), p, |e| {
+    check(peer::copy_pending(&mut a, e0, &mut c, e1), p, |e| {
         matches!(e, Error::ZeroLength { .. })
     });
     assert_eq!(copies(), before, "nothing was queued");
     // The same tensors go through once the route is possible.
     let landing = c.alloc_tensor::<u32>(&[3]).unwrap();
-    let copy = peer_copy_pending(&mut a, mismatched.source, &mut c, landing).unwrap();
+    let copy = peer::copy_pending(&mut a, mismatched.0, &mut c, landing).unwrap();
     let (_, there) = copy.wait().unwrap().into_parts();
     assert_eq!(download_tensor(&mut c, &there).unwrap(), [1, 2, 3]);
-    drop((back.destination, mismatched.destination, there, a, b, c));
+    drop((back.1, mismatched.1, there, a, b, c));
     assert_eq!(sim.device_live().0, 0);
 }
 
@@ -173,17 +177,17 @@ fn in_flight_until_the_device_runs_it() {
     let x = upload_tensor(&mut a, &[7u64; 100], &[100]).unwrap();
     let landing = b.alloc_tensor::<u64>(&[100]).unwrap();
     sim.hold_clock(true);
-    let mut copy = peer_copy_pending(&mut a, x, &mut b, landing).unwrap();
+    let mut copy = peer::copy_pending(&mut a, x, &mut b, landing).unwrap();
     assert!(!copy.is_ready().unwrap());
     let copy = match copy.try_wait().unwrap() {
-        PeerTryWait::InFlight(copy) => copy,
-        PeerTryWait::Returned(_) => panic!("returned before the device ran the copy"),
+        TryWait::InFlight(copy) => copy,
+        TryWait::Returned(_) => panic!("returned before the device ran the copy"),
     };
     sim.hold_clock(false);
     sim.advance_all();
     let copy = match copy.try_wait().unwrap() {
-        PeerTryWait::Returned(copy) => copy,
-        PeerTryWait::InFlight(_) => panic!("still in flight after the device ran it"),
+        TryWait::Returned(copy) => copy,
+        TryWait::InFlight(_) => panic!("still in flight after the device ran it"),
     };
     assert_eq!(
         download_tensor(&mut b, copy.destination()).unwrap(),
@@ -201,7 +205,7 @@ fn dropped_in_flight_it_detaches_into_the_destination_engines_queue() {
     let landing = b.alloc_tensor::<f32>(&[4096]).unwrap();
     let live = sim.device_live().0;
     sim.hold_clock(true);
-    drop(peer_copy_pending(&mut a, x, &mut b, landing).unwrap());
+    drop(peer::copy_pending(&mut a, x, &mut b, landing).unwrap());
     assert_eq!(
         b.retirement_stats().pending,
         1,
@@ -233,7 +237,7 @@ fn forgotten_in_flight_it_is_never_released() {
     let (mut a, mut b) = engines(&sim, 0, 1);
     let x = upload_tensor(&mut a, &[3u16; 64], &[64]).unwrap();
     let landing = b.alloc_tensor::<u16>(&[64]).unwrap();
-    std::mem::forget(peer_copy_pending(&mut a, x, &mut b, landing).unwrap());
+    std::mem::forget(peer::copy_pending(&mut a, x, &mut b, landing).unwrap());
     a.synchronize().unwrap();
     b.synchronize().unwrap();
     drop((a, b));
@@ -251,7 +255,7 @@ fn a_failed_wait_retains_both_tensors_and_says_why() {
     b.synchronize().unwrap();
     // The next event recorded on the machine is the copy's.
     sim.fail_event(1, DriverError::LAUNCH_FAILED);
-    let err = peer_copy_pending(&mut a, x, &mut b, landing)
+    let err = peer::copy_pending(&mut a, x, &mut b, landing)
         .unwrap()
         .wait()
         .unwrap_err();
@@ -282,7 +286,7 @@ fn resubmission_copies_again_with_nothing_allocated() {
     let (mut a, mut b) = engines(&sim, 0, 1);
     let x = upload_tensor(&mut a, &[1i32; 256], &[256]).unwrap();
     let landing = b.alloc_tensor::<i32>(&[256]).unwrap();
-    let mut copy = peer_copy_pending(&mut a, x, &mut b, landing)
+    let mut copy = peer::copy_pending(&mut a, x, &mut b, landing)
         .unwrap()
         .wait()
         .unwrap();
@@ -291,7 +295,7 @@ fn resubmission_copies_again_with_nothing_allocated() {
         let (mut x, mut landing) = copy.into_parts();
         a.fill(&mut x, step).unwrap();
         b.fill(&mut landing, 0).unwrap();
-        copy = peer_copy_pending(&mut a, x, &mut b, landing)
+        copy = peer::copy_pending(&mut a, x, &mut b, landing)
             .unwrap()
             .wait()
             .unwrap();
@@ -320,7 +324,7 @@ fn awaited_on_any_executor() {
     let (mut a, mut b) = engines(&sim, 0, 1);
     let x = upload_tensor(&mut a, &[4u8; 33], &[33]).unwrap();
     let landing = b.alloc_tensor::<u8>(&[33]).unwrap();
-    let copy = peer_copy_pending(&mut a, x, &mut b, landing).unwrap();
+    let copy = peer::copy_pending(&mut a, x, &mut b, landing).unwrap();
     let returned = futures_lite::future::block_on(async { copy.await }).unwrap();
     assert_eq!(
         download_tensor(&mut b, returned.destination()).unwrap(),
@@ -330,7 +334,7 @@ fn awaited_on_any_executor() {
     let (x, _) = returned.into_parts();
     // A future dropped before it resolves detaches like the handle.
     sim.hold_clock(true);
-    let copy = peer_copy_pending(&mut a, x, &mut b, landing).unwrap();
+    let copy = peer::copy_pending(&mut a, x, &mut b, landing).unwrap();
     drop(std::future::IntoFuture::into_future(copy));
     assert_eq!(b.retirement_stats().pending, 1);
     sim.hold_clock(false);
@@ -352,7 +356,10 @@ const OPS: [(SimOp, DriverError); 7] = [
 ];
 
 /// The source engine's work still queued at the copy, when `busy`.
-fn keep_busy(a: &mut CudaEngine, busy: bool) -> Option<cuferry::PendingUpload<u32>> {
+fn keep_busy(
+    a: &mut CudaEngine,
+    busy: bool,
+) -> Option<cuferry::Pending<cuferry::pending::Upload<u32>>> {
     busy.then(|| {
         let buffer = PinnedHostBuffer::from_slice(a, &[5u32; 64]).unwrap();
         let tensor = a.alloc_tensor::<u32>(&[64]).unwrap();
@@ -373,7 +380,7 @@ fn faulted_copy(busy: bool, arm: impl FnOnce(&SimDevice)) -> bool {
     let queued = keep_busy(&mut a, busy);
     let landing = b.alloc_tensor::<u32>(&[1000]).unwrap();
     arm(&sim);
-    let submitted = peer_copy_pending(&mut a, y, &mut b, landing);
+    let submitted = peer::copy_pending(&mut a, y, &mut b, landing);
     let mut failed = false;
     let mut kept = None;
     match submitted {
@@ -401,9 +408,9 @@ fn faulted_copy(busy: bool, arm: impl FnOnce(&SimDevice)) -> bool {
                 ),
                 "an untyped failure: {refused:?}"
             );
-            let retained = matches!(refused, PeerSubmitError::Retained { .. });
+            let retained = matches!(refused, SubmitError::Retained { .. });
             assert_eq!(
-                refused.into_package().is_none(),
+                refused.into_input().is_none(),
                 retained,
                 "handed back unless retained"
             );
@@ -435,7 +442,7 @@ fn a_fault_at_every_call_of_the_route_is_reported_and_loses_nothing() {
             let queued = keep_busy(&mut a, busy);
             let landing = b.alloc_tensor::<u32>(&[1000]).unwrap();
             let before: Vec<u64> = OPS.iter().map(|&(op, _)| sim.calls(op)).collect();
-            let copy = peer_copy_pending(&mut a, y, &mut b, landing).unwrap();
+            let copy = peer::copy_pending(&mut a, y, &mut b, landing).unwrap();
             let z = b.scale(copy.destination(), 1).unwrap();
             drop((copy.wait().unwrap(), z, queued));
             OPS.iter()

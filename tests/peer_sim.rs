@@ -12,8 +12,8 @@ use common::{
 };
 use cuferry::sim::{Schedule, SimConfig, SimDevice, SimOp};
 use cuferry::{
-    download_tensor, peer_copy, peer_copy_into, peer_copy_staged, upload_pending, upload_tensor,
-    CudaEngine, DriverError, Error, PinnedHostBuffer,
+    download_tensor, error::DriverError, peer, upload_pending, upload_tensor, CudaEngine, Error,
+    PinnedHostBuffer,
 };
 
 fn round_trip<T: Reference>(a: &mut CudaEngine, b: &mut CudaEngine, rng: &mut Rng) {
@@ -21,13 +21,13 @@ fn round_trip<T: Reference>(a: &mut CudaEngine, b: &mut CudaEngine, rng: &mut Rn
     for n in [0, 1, 16 / size, 16 / size + 1, (1 << 20) / size + 3] {
         let data = random_vec::<T>(rng, n);
         let x = upload_tensor(a, &data, &[n]).unwrap();
-        let there = peer_copy(a, &x, b).unwrap();
+        let there = peer::copy(a, &x, b).unwrap();
         assert_eq!(there.shape(), &[n]);
         let what = format!("{} n={n}", T::DTYPE);
         assert_same(&what, &download_tensor(b, &there).unwrap(), &data);
         // And back, into a tensor the first engine already has.
         let mut back = a.alloc_tensor::<T>(&[n]).unwrap();
-        peer_copy_into(b, &there, a, &mut back).unwrap();
+        peer::copy_into(b, &there, a, &mut back).unwrap();
         assert_same(&what, &download_tensor(a, &back).unwrap(), &data);
     }
 }
@@ -50,24 +50,24 @@ fn every_element_type_crosses_between_devices_and_within_one() {
 fn peer_access_is_enabled_once_per_pair_and_reported() {
     let sim = machine(2);
     let (mut a, mut b) = engines(&sim, 0, 1);
-    assert!(a.peer_access(&b).unwrap());
-    assert!(a.peer_access(&b).unwrap());
+    assert!(peer::access(&mut a, &b).unwrap());
+    assert!(peer::access(&mut a, &b).unwrap());
     let x = upload_tensor(&mut a, &[1u32, 2, 3], &[3]).unwrap();
-    drop(peer_copy(&mut a, &x, &mut b).unwrap());
-    drop(peer_copy(&mut a, &x, &mut b).unwrap());
+    drop(peer::copy(&mut a, &x, &mut b).unwrap());
+    drop(peer::copy(&mut a, &x, &mut b).unwrap());
     // One direction, once: the context's access, and the other engine's pool's.
     assert_eq!(sim.calls(SimOp::PeerEnable), 2);
-    assert!(b.peer_access(&a).unwrap());
+    assert!(peer::access(&mut b, &a).unwrap());
     assert_eq!(sim.calls(SimOp::PeerEnable), 4);
     // Two engines on one device need no peer access.
     let mut c = CudaEngine::simulated_on_device(&sim, 1).unwrap();
-    assert!(b.peer_access(&c).unwrap());
+    assert!(peer::access(&mut b, &c).unwrap());
     let seven = upload_tensor(&mut b, &[7u8], &[1]).unwrap();
-    drop(peer_copy(&mut b, &seven, &mut c).unwrap());
+    drop(peer::copy(&mut b, &seven, &mut c).unwrap());
     assert_eq!(sim.calls(SimOp::PeerEnable), 4);
     // Another engine on a linked device has a pool of its own to grant; the contexts' access
     // is already enabled.
-    assert!(a.peer_access(&c).unwrap());
+    assert!(peer::access(&mut a, &c).unwrap());
     assert_eq!(sim.calls(SimOp::PeerEnable), 5);
 }
 
@@ -76,42 +76,42 @@ fn without_a_link_the_copy_is_refused_and_the_staged_copy_is_taken_by_name() {
     let sim = machine(2);
     sim.set_peer_link(0, 1, false);
     let (mut a, mut b) = engines(&sim, 0, 1);
-    assert!(!a.peer_access(&b).unwrap());
+    assert!(!peer::access(&mut a, &b).unwrap());
     let data = vec![1.5f32, 2.5, 3.5];
     let x = upload_tensor(&mut a, &data, &[3]).unwrap();
     let copies = sim.calls(SimOp::CopyPeer);
-    let refused = peer_copy(&mut a, &x, &mut b);
+    let refused = peer::copy(&mut a, &x, &mut b);
     assert!(
         matches!(refused, Err(Error::Unreachable { from, to, .. }) if from == b.device() && to == a.device()),
         "{refused:?}"
     );
     assert_eq!(sim.calls(SimOp::CopyPeer), copies, "nothing queued");
-    let staged = peer_copy_staged(&mut a, &x, &mut b).unwrap();
+    let staged = peer::copy_staged(&mut a, &x, &mut b).unwrap();
     assert_eq!(download_tensor(&mut b, &staged).unwrap(), data);
     // Separate machines share nothing at all.
     let mut other = CudaEngine::simulated(SimConfig::default());
     assert!(matches!(
-        peer_copy(&mut a, &x, &mut other),
+        peer::copy(&mut a, &x, &mut other),
         Err(Error::Unreachable { .. })
     ));
     assert!(matches!(
-        a.peer_access(&other),
+        peer::access(&mut a, &other),
         Err(Error::Unreachable { .. })
     ));
     // A tensor of another engine is refused before anything else.
     assert!(matches!(
-        peer_copy(&mut b, &x, &mut a),
+        peer::copy(&mut b, &x, &mut a),
         Err(Error::WrongEngine { .. })
     ));
     let (mut c, mut d) = engines(&sim, 0, 0);
     let mut other = c.alloc_tensor::<f32>(&[3]).unwrap();
     assert!(matches!(
-        peer_copy_into(&mut a, &x, &mut d, &mut other),
+        peer::copy_into(&mut a, &x, &mut d, &mut other),
         Err(Error::WrongEngine { .. })
     ));
     let mut short = d.alloc_tensor::<f32>(&[2]).unwrap();
     assert!(matches!(
-        peer_copy_into(&mut a, &x, &mut d, &mut short),
+        peer::copy_into(&mut a, &x, &mut d, &mut short),
         Err(Error::LengthMismatch {
             left: 3,
             right: 2,
@@ -120,7 +120,7 @@ fn without_a_link_the_copy_is_refused_and_the_staged_copy_is_taken_by_name() {
     ));
     let mut unlinked = b.alloc_tensor::<f32>(&[3]).unwrap();
     assert!(matches!(
-        peer_copy_into(&mut a, &x, &mut b, &mut unlinked),
+        peer::copy_into(&mut a, &x, &mut b, &mut unlinked),
         Err(Error::Unreachable { .. })
     ));
     drop((other, short, unlinked, c));
@@ -137,8 +137,8 @@ fn a_link_removed_after_first_use_is_unreachable_and_asked_again() {
     let x = upload_tensor(&mut a, &data, &[3]).unwrap();
     let mut landing = b.alloc_tensor::<u32>(&[3]).unwrap();
     // First use of both directions: access asked, enabled and remembered.
-    drop(peer_copy(&mut a, &x, &mut b).unwrap());
-    let pending = cuferry::peer_copy_pending(&mut a, x, &mut b, landing).unwrap();
+    drop(peer::copy(&mut a, &x, &mut b).unwrap());
+    let pending = cuferry::peer::copy_pending(&mut a, x, &mut b, landing).unwrap();
     let (x, back) = pending.wait().unwrap().into_parts();
     landing = back;
     sim.set_peer_link(0, 1, false);
@@ -147,29 +147,29 @@ fn a_link_removed_after_first_use_is_unreachable_and_asked_again() {
             if *from == reached.device() && *to == reaching.device() && reason.contains("peer link"))
     };
     // The remembered pair: the copy reaches the driver, whose refusal says why.
-    let e = peer_copy(&mut a, &x, &mut b).unwrap_err();
+    let e = peer::copy(&mut a, &x, &mut b).unwrap_err();
     assert!(unreachable(&e, &b, &a), "{e:?}");
     // Asked again: refused before the copy is queued.
     let copies = sim.calls(SimOp::CopyPeer);
-    let e = peer_copy_into(&mut a, &x, &mut b, &mut landing).unwrap_err();
+    let e = peer::copy_into(&mut a, &x, &mut b, &mut landing).unwrap_err();
     assert!(unreachable(&e, &b, &a), "{e:?}");
-    assert!(!a.peer_access(&b).unwrap());
+    assert!(!peer::access(&mut a, &b).unwrap());
     assert_eq!(sim.calls(SimOp::CopyPeer), copies, "nothing queued");
     // The pending route, carried by the destination engine: its remembered pair too.
-    let refused = cuferry::peer_copy_pending(&mut a, x, &mut b, landing).unwrap_err();
+    let refused = cuferry::peer::copy_pending(&mut a, x, &mut b, landing).unwrap_err();
     assert!(unreachable(refused.error(), &a, &b), "{refused:?}");
     assert!(
-        matches!(refused, cuferry::PeerSubmitError::Rejected { .. }),
+        matches!(refused, cuferry::SubmitError::Rejected { .. }),
         "{refused:?}"
     );
-    let package = refused.into_package().unwrap();
-    let (x, landing) = (package.source, package.destination);
-    assert!(!b.peer_access(&a).unwrap());
+    let package = refused.into_input().unwrap();
+    let (x, landing) = (package.0, package.1);
+    assert!(!peer::access(&mut b, &a).unwrap());
     // Linked again: both directions copy, asked once more.
     sim.set_peer_link(0, 1, true);
-    let there = peer_copy(&mut a, &x, &mut b).unwrap();
+    let there = peer::copy(&mut a, &x, &mut b).unwrap();
     assert_eq!(download_tensor(&mut b, &there).unwrap(), data);
-    let copy = cuferry::peer_copy_pending(&mut a, x, &mut b, landing).unwrap();
+    let copy = cuferry::peer::copy_pending(&mut a, x, &mut b, landing).unwrap();
     let (_, landing) = copy.wait().unwrap().into_parts();
     assert_eq!(download_tensor(&mut b, &landing).unwrap(), data);
     drop((there, landing));
@@ -188,7 +188,7 @@ fn the_copy_keeps_the_order_of_both_engines_under_every_interleaving() {
         let data: Vec<f32> = (0..4096).map(|i| i as f32).collect();
         let x = upload_tensor(&mut a, &data, &[4096]).unwrap();
         let mut y = a.scale(&x, 3.0).unwrap();
-        let there = peer_copy(&mut a, &y, &mut b).unwrap();
+        let there = peer::copy(&mut a, &y, &mut b).unwrap();
         a.fill(&mut y, -1.0).unwrap();
         let z = b.scale(&there, 2.0).unwrap();
         let expected: Vec<f32> = data.iter().map(|v| v * 6.0).collect();
@@ -205,7 +205,7 @@ fn the_copy_keeps_the_order_of_both_engines_under_every_interleaving() {
         let buffer = PinnedHostBuffer::from_slice(&mut a, &data).unwrap();
         let fresh = a.alloc_tensor::<f32>(&[4096]).unwrap();
         let in_flight = upload_pending(&mut a, buffer, fresh).unwrap();
-        let landed = peer_copy(&mut a, in_flight.device_tensor(), &mut b).unwrap();
+        let landed = peer::copy(&mut a, in_flight.tensor(), &mut b).unwrap();
         assert_eq!(
             download_tensor(&mut b, &landed).unwrap(),
             data,
@@ -237,7 +237,10 @@ const OPS: [(SimOp, DriverError); 8] = [
 
 /// The destination engine's work still queued at the copy, when `busy` (so the copy waits for
 /// its allocation on the device instead of finding the engine idle).
-fn keep_busy(b: &mut CudaEngine, busy: bool) -> Option<cuferry::PendingUpload<u32>> {
+fn keep_busy(
+    b: &mut CudaEngine,
+    busy: bool,
+) -> Option<cuferry::Pending<cuferry::pending::Upload<u32>>> {
     busy.then(|| {
         let buffer = PinnedHostBuffer::from_slice(b, &[5u32; 64]).unwrap();
         let tensor = b.alloc_tensor::<u32>(&[64]).unwrap();
@@ -259,8 +262,8 @@ fn faulted_copy(busy: bool, into: bool, arm: impl FnOnce(&SimDevice)) -> bool {
     let mut existing = into.then(|| b.alloc_tensor::<u32>(&[1000]).unwrap());
     arm(&sim);
     let outcome = match &mut existing {
-        Some(dst) => peer_copy_into(&mut a, &y, &mut b, dst).map(|()| existing.take().unwrap()),
-        None => peer_copy(&mut a, &y, &mut b),
+        Some(dst) => peer::copy_into(&mut a, &y, &mut b, dst).map(|()| existing.take().unwrap()),
+        None => peer::copy(&mut a, &y, &mut b),
     };
     sim.clear_faults();
     let failed = match outcome {
@@ -302,9 +305,9 @@ fn a_fault_at_every_call_of_the_route_is_reported_and_loses_nothing() {
             let mut existing = b.alloc_tensor::<u32>(&[1000]).unwrap();
             let before: Vec<u64> = OPS.iter().map(|&(op, _)| sim.calls(op)).collect();
             if into {
-                peer_copy_into(&mut a, &y, &mut b, &mut existing).unwrap();
+                peer::copy_into(&mut a, &y, &mut b, &mut existing).unwrap();
             } else {
-                drop(peer_copy(&mut a, &y, &mut b).unwrap());
+                drop(peer::copy(&mut a, &y, &mut b).unwrap());
             }
             drop((queued, existing));
             OPS.iter()
@@ -362,12 +365,12 @@ fn a_panic_after_the_copy_is_queued_frees_nothing_under_it() {
                 1,
             );
             let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match route {
-                0 => drop(peer_copy(&mut a, &x, &mut b)),
-                1 => drop(peer_copy_into(&mut a, &x, &mut b, &mut existing)),
+                0 => drop(peer::copy(&mut a, &x, &mut b)),
+                1 => drop(peer::copy_into(&mut a, &x, &mut b, &mut existing)),
                 _ => {
                     let landing = b.alloc_tensor::<u32>(&[4096]).unwrap();
                     let x = upload_tensor(&mut a, &[5u32; 4096], &[4096]).unwrap();
-                    drop(cuferry::peer_copy_pending(&mut a, x, &mut b, landing));
+                    drop(cuferry::peer::copy_pending(&mut a, x, &mut b, landing));
                 }
             }));
             assert!(

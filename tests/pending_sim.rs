@@ -4,8 +4,8 @@ mod copy_threads;
 
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{
-    download_pending, download_tensor, download_tensor_into, upload_pending, upload_tensor,
-    CudaEngine, DriverError, Error, PinnedHostBuffer, TransferSubmitError, TryWait,
+    download_pending, download_tensor, download_tensor_into, error::DriverError, pending::TryWait,
+    upload_pending, upload_tensor, CudaEngine, Error, PinnedHostBuffer, SubmitError,
 };
 
 fn engine() -> (CudaEngine, SimDevice) {
@@ -169,7 +169,11 @@ fn rejected_packages_come_back_untouched() {
     let queued = sim.queued();
     let err = upload_pending(&mut engine, buffer, dest).unwrap_err();
     assert_eq!(sim.queued(), queued, "nothing was queued");
-    let TransferSubmitError::Rejected { package, error } = err else {
+    let SubmitError::Rejected {
+        input: package,
+        error,
+    } = err
+    else {
         panic!("expected a rejection");
     };
     assert!(
@@ -183,29 +187,29 @@ fn rejected_packages_come_back_untouched() {
         ),
         "{error}"
     );
-    assert_eq!(package.buffer.as_slice(), &data[..]);
-    assert_eq!(package.tensor.len(), 11);
+    assert_eq!(package.0.as_slice(), &data[..]);
+    assert_eq!(package.1.len(), 11);
 
     // Another engine's tensor.
     let mut other = CudaEngine::simulated(SimConfig::default());
     let foreign = other.alloc_tensor::<u32>(&[10]).unwrap();
-    let err = download_pending(&mut engine, foreign, package.buffer).unwrap_err();
+    let err = download_pending(&mut engine, foreign, package.0).unwrap_err();
     assert!(matches!(
         err,
-        TransferSubmitError::Rejected {
+        SubmitError::Rejected {
             error: Error::WrongEngine { .. },
             ..
         }
     ));
-    let package = err.into_package().unwrap();
-    assert_eq!(package.buffer.as_slice(), &data[..]);
+    let package = err.into_input().unwrap();
+    assert_eq!(package.0.as_slice(), &data[..]);
 
     // bool downloads expose raw bytes: refused.
     let flags = upload_tensor(&mut engine, &[true, false], &[2]).unwrap();
     let bbuf = PinnedHostBuffer::<bool>::new(&mut engine, 2).unwrap();
     assert!(matches!(
         download_pending(&mut engine, flags, bbuf),
-        Err(TransferSubmitError::Rejected {
+        Err(SubmitError::Rejected {
             error: Error::UnsupportedElement { .. },
             ..
         })
@@ -219,8 +223,11 @@ fn a_failed_enqueue_returns_the_package() {
     let dest = engine.alloc_tensor::<u32>(&[8]).unwrap();
     sim.fail_nth(SimOp::CopyHtoD, 1, DriverError::INVALID_VALUE);
     match upload_pending(&mut engine, buffer, dest) {
-        Err(TransferSubmitError::Failed { package, error }) => {
-            assert_eq!(package.buffer.len(), 8);
+        Err(SubmitError::Failed {
+            input: package,
+            error,
+        }) => {
+            assert_eq!(package.0.len(), 8);
             assert!(error.to_string().contains("cuMemcpyHtoDAsync"), "{error}");
         }
         other => panic!("expected Failed, got {other:?}"),

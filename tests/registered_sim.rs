@@ -11,8 +11,8 @@ use common::{
 };
 use cuferry::sim::{SimConfig, SimOp};
 use cuferry::{
-    download_pending, download_tensor, upload_pending, upload_tensor, CudaEngine, DriverError,
-    Element, Error, RegisteredBuffer, TransferSubmitError, TryWait,
+    download_pending, download_tensor, error::DriverError, pending::TryWait, upload_pending,
+    upload_tensor, CudaEngine, Element, Error, RegisteredBuffer, SubmitError,
 };
 
 /// The device address of a tensor, for reading it with `SimDevice::peek`.
@@ -112,12 +112,12 @@ fn round_trip<T: Reference>(engine: &mut CudaEngine, rng: &mut Rng, n: usize) {
     if !T::DTYPE.any_bit_pattern() {
         // As for pinned buffers: raw device bytes need not be valid `bool`s.
         match submitted {
-            Err(TransferSubmitError::Rejected {
-                package,
+            Err(SubmitError::Rejected {
+                input: package,
                 error: Error::UnsupportedElement { .. },
             }) => assert_same(
                 &format!("refused download {what}"),
-                &package.buffer.into_vec().unwrap(),
+                &package.0.into_vec().unwrap(),
                 &data,
             ),
             other => panic!("{what}: expected UnsupportedElement, got {other:?}"),
@@ -325,7 +325,7 @@ fn an_empty_vec_is_refused_and_comes_back() {
         matches!(refused.error(), Error::ZeroLength { .. }),
         "{refused}"
     );
-    let back = refused.into_input();
+    let back = refused.into_input().expect("handed back");
     assert_eq!((back.as_ptr(), back.capacity()), (ptr, 12));
     assert_eq!(sim.calls(SimOp::HostRegister), 0);
 }
@@ -347,7 +347,7 @@ fn a_refused_registration_gives_the_vec_back() {
         ),
         "{refused}"
     );
-    let back = refused.into_input();
+    let back = refused.into_input().expect("handed back");
     assert_eq!((back.as_ptr(), &back), (ptr, &distinct(100)));
     assert_eq!(sim.registered_live(), (0, 0));
 
@@ -460,7 +460,10 @@ fn a_failed_enqueue_or_event_record_hands_the_buffer_back() {
             download_pending(&mut engine, value, buffer).map(drop)
         };
         let (package, error) = match submitted {
-            Err(TransferSubmitError::Failed { package, error }) => (package, error),
+            Err(SubmitError::Failed {
+                input: package,
+                error,
+            }) => (package, error),
             other => panic!("{op:?}: expected Failed, got {other:?}"),
         };
         assert!(
@@ -480,7 +483,7 @@ fn a_failed_enqueue_or_event_record_hands_the_buffer_back() {
         } else {
             distinct(16)
         };
-        assert_eq!(package.buffer.into_vec().unwrap(), expected, "{op:?}");
+        assert_eq!(package.0.into_vec().unwrap(), expected, "{op:?}");
         assert_eq!(sim.registered_live(), (0, 0));
         assert!(sim.violations().is_empty());
     }
@@ -521,7 +524,7 @@ fn an_unprovable_copy_retains_the_registered_memory_for_good() {
     Fault::Untracked(1).arm(&sim);
     assert!(matches!(
         upload_pending(&mut engine, buffer, dest),
-        Err(TransferSubmitError::Retained { .. })
+        Err(SubmitError::Retained { .. })
     ));
     sim.clear_faults();
     drop(engine);
@@ -536,8 +539,8 @@ fn rejected_submissions_give_the_buffer_back() {
     let dest = engine.alloc_tensor::<u32>(&[11]).unwrap();
     let queued = sim.queued();
     let package = match upload_pending(&mut engine, buffer, dest) {
-        Err(TransferSubmitError::Rejected {
-            package,
+        Err(SubmitError::Rejected {
+            input: package,
             error:
                 Error::LengthMismatch {
                     left: 10,
@@ -548,18 +551,18 @@ fn rejected_submissions_give_the_buffer_back() {
         other => panic!("expected a length mismatch, got {other:?}"),
     };
     assert_eq!(sim.queued(), queued, "nothing was queued");
-    assert_eq!(package.buffer.as_slice(), distinct(10));
+    assert_eq!(package.0.as_slice(), distinct(10));
 
     // A buffer of another engine.
     let mut other = CudaEngine::simulated(SimConfig::default());
     let foreign = other.alloc_tensor::<u32>(&[10]).unwrap();
-    let err = upload_pending(&mut other, package.buffer, foreign).unwrap_err();
+    let err = upload_pending(&mut other, package.0, foreign).unwrap_err();
     assert!(
         matches!(err.error(), Error::WrongEngine { .. }),
         "{}",
         err.error()
     );
-    let back = err.into_package().unwrap().buffer.into_vec().unwrap();
+    let back = err.into_input().unwrap().0.into_vec().unwrap();
     assert_eq!(back, distinct(10));
 }
 
@@ -580,16 +583,19 @@ enum End {
 fn lifecycle(engine: &mut CudaEngine, value: cuferry::DeviceTensor<u32>) -> (End, Option<Error>) {
     let buffer = match RegisteredBuffer::register(engine, distinct(64)) {
         Ok(buffer) => buffer,
-        Err(refused) => return (End::Back(refused.input), Some(refused.error)),
+        Err(SubmitError::Rejected { input, error } | SubmitError::Failed { input, error }) => {
+            return (End::Back(input), Some(error))
+        }
+        Err(other) => panic!("a registration is never retained: {other}"),
     };
-    let settle = |err: TransferSubmitError<u32, RegisteredBuffer<u32>>| match err {
-        TransferSubmitError::Retained { error } => (End::Retained, Some(error)),
+    let settle = |err: SubmitError<(RegisteredBuffer<u32>, cuferry::DeviceTensor<u32>)>| match err {
+        SubmitError::Retained { error } => (End::Retained, Some(error)),
         other => {
             let error = other.error().to_string();
             let buffer = other
-                .into_package()
+                .into_input()
                 .expect("a rejected or failed submission hands the package back")
-                .buffer;
+                .0;
             match buffer.into_vec() {
                 Ok(back) => (
                     End::Back(back),

@@ -4,8 +4,8 @@ mod copy_threads;
 
 use cuferry::sim::{SimConfig, SimOp};
 use cuferry::{
-    download_tensor, upload_pending, upload_tensor, CudaEngine, DriverError, Error,
-    PinnedHostBuffer, StagingConfig, TransferSubmitError,
+    download_tensor, error::DriverError, staging::StagingConfig, upload_pending, upload_tensor,
+    CudaEngine, Error, PinnedHostBuffer, SubmitError,
 };
 
 fn distinct(n: usize) -> Vec<f32> {
@@ -28,7 +28,7 @@ fn a_refused_resubmission_does_not_hand_its_event_to_the_refusing_engine() {
     let refused = returned.resubmit(&mut b).unwrap_err();
     assert!(matches!(
         refused,
-        TransferSubmitError::Rejected {
+        SubmitError::Rejected {
             error: Error::WrongEngine { .. },
             ..
         }
@@ -59,13 +59,13 @@ fn a_refused_resubmission_returns_its_event_to_its_own_engine() {
     let refused = returned.resubmit(&mut b).unwrap_err();
     assert!(matches!(
         refused,
-        TransferSubmitError::Rejected {
+        SubmitError::Rejected {
             error: Error::WrongEngine { .. },
             ..
         }
     ));
-    let package = refused.into_package().unwrap();
-    let (_buffer, _tensor) = upload_pending(&mut a, package.buffer, package.tensor)
+    let package = refused.into_input().unwrap();
+    let (_buffer, _tensor) = upload_pending(&mut a, package.0, package.1)
         .unwrap()
         .wait()
         .unwrap()
@@ -186,7 +186,7 @@ fn a_run_refused_before_its_launch_frees_its_output_with_the_program() {
     let tensor = engine.alloc_tensor::<f32>(&[17]).unwrap();
     let pending = upload_pending(&mut engine, buffer, tensor).unwrap();
     sim.fail_nth(SimOp::StreamWait, 1, DriverError::LAUNCH_FAILED);
-    let refused = engine.run(&mut prepared, &[Input::from(pending.device_tensor())]);
+    let refused = engine.run(&mut prepared, &[Input::from(pending.tensor())]);
     assert!(matches!(refused, Err(Error::Driver { .. })), "{refused:?}");
     drop(refused);
     sim.clear_faults();
@@ -204,8 +204,8 @@ const SLOT: usize = 64 << 10;
 /// pool set to four threads before any transfer.
 fn tight_engine(pinned_bytes: usize, memory_bytes: usize) -> CudaEngine {
     static POOL: std::sync::Once = std::sync::Once::new();
-    POOL.call_once(|| cuferry::set_copy_threads(4).expect("set before first use"));
-    assert!(cuferry::copy_threads() >= 2);
+    POOL.call_once(|| cuferry::staging::set_copy_threads(4).expect("set before first use"));
+    assert!(cuferry::staging::copy_threads() >= 2);
     let mut engine = CudaEngine::simulated(SimConfig {
         pinned_bytes,
         memory_bytes,

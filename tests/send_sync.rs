@@ -11,10 +11,13 @@
 //!   fit `Box<dyn std::error::Error + Send + Sync>`, `anyhow` and a channel to another thread.
 
 use cuferry::{
-    BeginError, CudaEngine, DeviceTensor, Download, DriverError, Error, InFlight, Pending,
-    PendingFuture, PinnedHostBuffer, Proven, RawContext, RawDevicePtr, RawScope, RawStream,
-    Refused, RegisteredBuffer, Returned, StagingLease, TransferSubmitError, Unproven, Untracked,
-    Upload,
+    collective::Collective,
+    error::DriverError,
+    peer::PeerCopy,
+    pending::{Download, InFlight, PendingFuture, Returned, Upload},
+    raw::{RawContext, RawDevicePtr, RawScope, RawStream},
+    staging::{Proven, StagingLease, Unproven},
+    CudaEngine, DeviceTensor, Error, Pending, PinnedHostBuffer, RegisteredBuffer, SubmitError,
 };
 use static_assertions::{assert_impl_all, assert_not_impl_any};
 
@@ -23,43 +26,45 @@ assert_impl_all!(DeviceTensor<f32>: Send, Sync);
 // `&PinnedHostBuffer` only reads through `as_slice`.
 assert_impl_all!(PinnedHostBuffer<f32>: Send, Sync);
 // A signal crosses to the thread that holds the engine that waits for it.
-assert_impl_all!(cuferry::Signal: Send, Sync);
-assert_impl_all!(Pending<Upload, f32, InFlight>: Send);
-assert_impl_all!(Pending<Download, f32, InFlight>: Send);
-assert_impl_all!(Pending<Upload, f32, Returned>: Send, Sync);
-assert_impl_all!(Pending<Download, f32, InFlight>: Sync);
+assert_impl_all!(cuferry::engine::Signal: Send, Sync);
+assert_impl_all!(Pending<Upload<f32>, InFlight>: Send);
+assert_impl_all!(Pending<Download<f32>, InFlight>: Send);
+assert_impl_all!(Pending<Upload<f32>, Returned>: Send, Sync);
+assert_impl_all!(Pending<Download<f32>, InFlight>: Sync);
 // An awaited transfer moves between an executor's threads, and is polled without pinning.
-assert_impl_all!(Pending<Upload, f32, InFlight>: std::future::IntoFuture);
-assert_impl_all!(PendingFuture<Upload, f32>: Send, Sync, Unpin, std::future::Future);
-assert_impl_all!(PendingFuture<Download, u8>: Send, Sync, Unpin, std::future::Future);
+assert_impl_all!(Pending<Upload<f32>, InFlight>: std::future::IntoFuture);
+assert_impl_all!(PendingFuture<Upload<f32>>: Send, Sync, Unpin, std::future::Future);
+assert_impl_all!(PendingFuture<Download<u8>>: Send, Sync, Unpin, std::future::Future);
 assert_impl_all!(
-    PendingFuture<Upload, f32, RegisteredBuffer<f32>>: Send,
+    PendingFuture<Upload<f32, RegisteredBuffer<f32>>>: Send,
     Sync,
     Unpin,
     std::future::Future
 );
 // `&RegisteredBuffer` only reads through `as_slice`; transfers over one move like any other.
 assert_impl_all!(RegisteredBuffer<f32>: Send, Sync);
-assert_impl_all!(Pending<Upload, f32, InFlight, RegisteredBuffer<f32>>: Send, Sync);
-assert_impl_all!(Pending<Download, f32, Returned, RegisteredBuffer<f32>>: Send, Sync);
+assert_impl_all!(Pending<Upload<f32, RegisteredBuffer<f32>>, InFlight>: Send, Sync);
+assert_impl_all!(Pending<Download<f32, RegisteredBuffer<f32>>, Returned>: Send, Sync);
 // A pending peer copy crosses to the thread that drives its destination engine (the two-GPU
 // pattern); a collective in flight and its communicator move like any other value.
-assert_impl_all!(cuferry::PendingPeer<f32>: Send, Sync, std::future::IntoFuture);
-assert_impl_all!(cuferry::PendingPeer<f32, Returned>: Send, Sync);
-assert_impl_all!(cuferry::PeerFuture<f32>: Send, Sync, Unpin, std::future::Future);
-assert_impl_all!(cuferry::PendingCollective<f32>: Send, Sync);
-assert_impl_all!(cuferry::Communicator: Send, Sync);
-assert_impl_all!(cuferry::PeerSubmitError<f32>: Send, Sync, std::error::Error);
-assert_impl_all!(cuferry::CollectiveSubmitError<f32>: Send, Sync, std::error::Error);
+assert_impl_all!(Pending<PeerCopy<f32>>: Send, Sync, std::future::IntoFuture);
+assert_impl_all!(Pending<PeerCopy<f32>, Returned>: Send, Sync);
+assert_impl_all!(PendingFuture<PeerCopy<f32>>: Send, Sync, Unpin, std::future::Future);
+assert_impl_all!(Pending<Collective<f32>>: Send, Sync, std::future::IntoFuture);
+assert_impl_all!(Pending<Collective<f32>, Returned>: Send, Sync);
+assert_impl_all!(PendingFuture<Collective<f32>>: Send, Unpin, std::future::Future);
+assert_impl_all!(cuferry::collective::Communicator: Send, Sync);
 assert_impl_all!(StagingLease<Proven>: Send, Sync);
 assert_impl_all!(StagingLease<Unproven>: Send, Sync);
-assert_impl_all!(StagingLease<Untracked>: Send, Sync);
 
-assert_impl_all!(BeginError: Send, Sync, std::error::Error);
-assert_impl_all!(TransferSubmitError<f32>: Send, Sync, std::error::Error);
-assert_impl_all!(TransferSubmitError<f32, RegisteredBuffer<f32>>: Send, Sync, std::error::Error);
-assert_impl_all!(Refused<Vec<f32>>: Send, Sync, std::error::Error);
-assert_impl_all!(Refused<DeviceTensor<f32>>: Send, Sync, std::error::Error);
+// The one give-back error, whatever it hands back.
+assert_impl_all!(SubmitError<(PinnedHostBuffer<f32>, DeviceTensor<f32>)>: Send, Sync, std::error::Error);
+assert_impl_all!(SubmitError<(RegisteredBuffer<f32>, DeviceTensor<f32>)>: Send, Sync, std::error::Error);
+assert_impl_all!(SubmitError<(DeviceTensor<f32>, DeviceTensor<f32>)>: Send, Sync, std::error::Error);
+assert_impl_all!(SubmitError<Vec<DeviceTensor<f32>>>: Send, Sync, std::error::Error);
+assert_impl_all!(SubmitError<StagingLease<Proven>>: Send, Sync, std::error::Error);
+assert_impl_all!(SubmitError<Vec<f32>>: Send, Sync, std::error::Error);
+assert_impl_all!(SubmitError<DeviceTensor<f32>>: Send, Sync, std::error::Error);
 
 /// Every error converts into the boxed error type that crosses threads.
 #[test]

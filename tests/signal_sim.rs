@@ -7,7 +7,8 @@ mod copy_threads;
 
 use cuferry::sim::{Schedule, SimConfig, SimDevice, SimOp};
 use cuferry::{
-    upload_pending, CudaEngine, DriverError, Error, PendingUpload, PinnedHostBuffer, Signal,
+    engine::Signal, error::DriverError, pending::Upload, upload_pending, CudaEngine, Error,
+    Pending, PinnedHostBuffer,
 };
 
 fn data(n: usize, salt: f32) -> Vec<f32> {
@@ -15,7 +16,7 @@ fn data(n: usize, salt: f32) -> Vec<f32> {
 }
 
 /// A pending upload of `n` elements on `engine`.
-fn upload(engine: &mut CudaEngine, n: usize, salt: f32) -> PendingUpload<f32> {
+fn upload(engine: &mut CudaEngine, n: usize, salt: f32) -> Pending<Upload<f32>> {
     let buffer = PinnedHostBuffer::from_slice(engine, &data(n, salt)).unwrap();
     let tensor = engine.alloc_tensor::<f32>(&[n]).unwrap();
     upload_pending(engine, buffer, tensor).unwrap()
@@ -32,7 +33,7 @@ fn b_finished_first(seed: u64, wait: bool) -> bool {
     let mut b = CudaEngine::simulated_on(&sim);
     sim.hold_clock(true);
     let mut first = upload(&mut a, 64, 1.0);
-    let scaled = a.scale(first.device_tensor(), 2.0).unwrap();
+    let scaled = a.scale(first.tensor(), 2.0).unwrap();
     let signal = a.signal().unwrap();
     if wait {
         b.wait_signal(&signal).unwrap();
@@ -54,8 +55,8 @@ fn b_finished_first(seed: u64, wait: bool) -> bool {
 /// waiting engine's) ever completed before `first` and the signal (the signalling engine's).
 fn ran_early(
     sim: &SimDevice,
-    first: &mut PendingUpload<f32>,
-    second: &mut PendingUpload<f32>,
+    first: &mut Pending<Upload<f32>>,
+    second: &mut Pending<Upload<f32>>,
     signal: &Signal,
 ) -> bool {
     let mut early = false;
@@ -227,7 +228,7 @@ fn b_ran_ahead_of_a_failed_teardown(seed: u64) -> bool {
     let mut b = CudaEngine::simulated_on(&sim);
     sim.hold_clock(true);
     let mut first = upload(&mut a, 64, 1.0);
-    let scaled = a.scale(first.device_tensor(), 2.0).unwrap();
+    let scaled = a.scale(first.tensor(), 2.0).unwrap();
     let signal = a.signal().unwrap();
     // A's teardown wait is its next stream synchronize.
     sim.fail_nth(SimOp::StreamSynchronize, 1, DriverError::LAUNCH_FAILED);

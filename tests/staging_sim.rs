@@ -5,8 +5,8 @@ mod copy_threads;
 
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{
-    bf16, download_tensor, download_tensor_into, f16, upload_tensor, CudaEngine, DriverError,
-    Element, Error, StagingConfig,
+    bf16, download_tensor, download_tensor_into, error::DriverError, f16, staging::StagingConfig,
+    upload_tensor, CudaEngine, Element, Error,
 };
 
 const CHUNK: usize = 4096;

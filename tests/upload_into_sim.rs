@@ -11,8 +11,8 @@ mod common;
 use common::{assert_same, random_vec, Fault, Reference, Rng};
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{
-    download_tensor, upload_tensor, upload_tensor_into, CudaEngine, DeviceTensor, DriverError,
-    Element, Error, StagingConfig,
+    download_tensor, error::DriverError, staging::StagingConfig, upload_tensor, upload_tensor_into,
+    CudaEngine, DeviceTensor, Element, Error,
 };
 
 const CHUNK: usize = 4096;

@@ -5,7 +5,7 @@
 mod copy_threads;
 
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
-use cuferry::{download_tensor, upload_tensor, CudaEngine, Error, GemmConfig};
+use cuferry::{download_tensor, libs::GemmConfig, upload_tensor, CudaEngine, Error};
 
 fn unavailable(result: Result<impl std::fmt::Debug, Error>, library: &str) {
     match result {

@@ -77,7 +77,7 @@ pub(crate) struct State {
     /// The order of the three lanes: which value was last used where, and the waits between.
     pub(crate) order: Order,
     /// The engines (by id) whose memory this engine's device reaches with every access a peer
-    /// copy needs already enabled (see `CudaEngine::peer_access`).
+    /// copy needs already enabled (see `peer::access`).
     pub(crate) peers: Vec<u64>,
 }
 
@@ -459,7 +459,7 @@ impl CudaEngine {
 
     /// Opens an engine on device `index` of a simulated machine of several devices (feature
     /// `sim`; [`SimConfig::devices`](crate::sim::SimConfig::devices)): the engines of one machine
-    /// share its clock, so they can wait for each other's [`Signal`](crate::Signal)s and, where
+    /// share its clock, so they can wait for each other's [`Signal`](crate::engine::Signal)s and, where
     /// the devices are linked, copy between each other.
     ///
     /// # Errors

@@ -408,6 +408,8 @@ impl Drop for IdleEvent {
 /// release: [`retain`](Self::retain) (or dropping it) keeps them for the life of the engine and
 /// counts them in its retirement statistics.
 pub struct Untracked<R: Send + 'static> {
+    /// Owned, never read and never dropped: the device may still touch it.
+    #[allow(dead_code)]
     resources: ManuallyDrop<R>,
     owner: Arc<Shared>,
     what: &'static str,
@@ -423,24 +425,6 @@ impl<R: Send + 'static> Untracked<R> {
     /// Keeps the resources for the life of the engine, never released (same as dropping).
     pub(crate) fn retain(self) {
         drop(self);
-    }
-
-    /// Retains `extra` with the resources.
-    pub(crate) fn attach<X: Send + 'static>(self, extra: X) -> Untracked<(R, X)> {
-        let mut this = ManuallyDrop::new(self);
-        // SAFETY: `this` is never dropped, so each field is moved out exactly once.
-        let (resources, owner) = unsafe {
-            (
-                ManuallyDrop::take(&mut this.resources),
-                std::ptr::read(&this.owner),
-            )
-        };
-        Untracked {
-            resources: ManuallyDrop::new((resources, extra)),
-            owner,
-            what: this.what,
-            failure: this.failure,
-        }
     }
 }
 

@@ -13,9 +13,10 @@
 //!   [`retire`](StagingLease::retire) (hand the slot, and any device resource, to the retirement
 //!   queue, which returns them once the event proves completion). Dropping an `Unproven` lease
 //!   retires it.
-//! - [`Untracked`]: a copy was queued but neither an event nor a stream synchronize could prove
-//!   it complete. The only way out is [`retire`](StagingLease::retire), which retains the slot
-//!   for the engine's lifetime: there is no `end_chunk` to call.
+//!
+//! A begin whose copy was queued but can be proven complete neither by an event nor by a stream
+//! synchronize returns [`SubmitError::Retained`]: the slot is retained for the engine's lifetime,
+//! and no lease comes back to reach it.
 //!
 //! The ring's slots serve the blocking routes; leases taken with [`CudaEngine::staging_lease`]
 //! draw on a budget of their own (`ring_depth` at a time), so leases held or forgotten by a
@@ -26,10 +27,10 @@
 // A failed begin hands the lease back by value inside its error, as `TrySendError<T>` does.
 #![allow(clippy::result_large_err)]
 
-use super::fence::{fence, synchronize_now, Fenced, Fencing, IdleEvent, Untracked as Unfenced};
+use super::fence::{fence, synchronize_now, Fenced, Fencing, IdleEvent};
 use crate::core::engine::{CudaEngine, Shared};
 
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, SubmitError};
 use crate::memory::element::Element;
 use crate::memory::pinned::PinnedHostBuffer;
 use crate::memory::pressure::Memory;
@@ -98,7 +99,7 @@ mod sealed {
     }
 }
 
-/// The state of a [`StagingLease`]. Sealed: [`Proven`], [`Unproven`] or [`Untracked`].
+/// The state of a [`StagingLease`]. Sealed: [`Proven`] or [`Unproven`].
 pub trait LeaseState: sealed::LeaseState + Send + Sync + 'static {
     /// A name for messages.
     const NAME: &'static str;
@@ -111,10 +112,6 @@ pub enum Proven {}
 /// unreachable until [`end_chunk`](StagingLease::end_chunk) proves it complete.
 #[derive(Debug)]
 pub enum Unproven {}
-/// Lease state: a copy was queued and nothing could prove it complete; the lease can only be
-/// [`retire`](StagingLease::retire)d, which retains the slot for the engine's lifetime.
-#[derive(Debug)]
-pub enum Untracked {}
 
 /// A proven lease's parts: the slot, and the idle event of its last chunk, reused by the next.
 pub struct ProvenSlot {
@@ -128,17 +125,11 @@ impl sealed::LeaseState for Proven {
 impl sealed::LeaseState for Unproven {
     type Hold = Fenced<LeasedSlot>;
 }
-impl sealed::LeaseState for Untracked {
-    type Hold = Unfenced<LeasedSlot>;
-}
 impl LeaseState for Proven {
     const NAME: &'static str = "proven";
 }
 impl LeaseState for Unproven {
     const NAME: &'static str = "unproven";
-}
-impl LeaseState for Untracked {
-    const NAME: &'static str = "untracked";
 }
 
 /// The exclusive use of one pinned staging slot of an engine, in state `S`.
@@ -147,8 +138,7 @@ impl LeaseState for Untracked {
 /// slot: its memory is reachable and the lease can be released or begin a chunk. In state
 /// [`Unproven`] a copy was queued: nothing reaches the memory, and the ways out are
 /// [`end_chunk`](StagingLease::end_chunk) (wait: `Proven` again) and
-/// [`retire`](StagingLease::retire) (to the retirement queue; dropping does the same). In state
-/// [`Untracked`] only `retire` remains.
+/// [`retire`](StagingLease::retire) (to the retirement queue; dropping does the same).
 #[must_use = "a lease holds a staging slot; release a proven lease, end or retire an unproven one"]
 pub struct StagingLease<S: LeaseState> {
     hold: <S as sealed::LeaseState>::Hold,
@@ -163,39 +153,8 @@ impl<S: LeaseState> std::fmt::Debug for StagingLease<S> {
     }
 }
 
-/// A [`StagingLease::begin_upload`] or [`StagingLease::begin_download`] that failed. Either
-/// nothing is in flight, or the copy was queued and nothing can prove it complete: there is no
-/// third outcome, so a match on the two variants is exhaustive.
-#[derive(Debug, thiserror::Error)]
-pub enum BeginError {
-    /// Nothing is in flight: nothing was queued, or the copy was queued and a stream synchronize
-    /// proved it complete after its event could not be recorded. The lease comes back proven.
-    #[error("staging chunk not queued: {error}")]
-    NotQueued {
-        /// The lease, proven.
-        lease: StagingLease<Proven>,
-        /// What failed.
-        error: Error,
-    },
-    /// The copy was queued but its event could not be recorded and the stream could not be
-    /// synchronized: the lease can only be retired.
-    #[error("staging chunk queued but not provable; retire the lease: {error}")]
-    Untracked {
-        /// The lease, untracked.
-        lease: StagingLease<Untracked>,
-        /// What failed.
-        error: Error,
-    },
-}
-
-impl BeginError {
-    /// The underlying error.
-    pub fn error(&self) -> &Error {
-        match self {
-            BeginError::NotQueued { error, .. } | BeginError::Untracked { error, .. } => error,
-        }
-    }
-}
+/// What a failed begin hands back: the lease, proven, when nothing is in flight.
+type Begun = Result<StagingLease<Unproven>, SubmitError<StagingLease<Proven>>>;
 
 impl<S: LeaseState> StagingLease<S> {
     fn new(hold: <S as sealed::LeaseState>::Hold) -> Self {
@@ -250,16 +209,20 @@ impl StagingLease<Proven> {
     /// element `offset`, records an event after it, and yields the lease [`Unproven`].
     ///
     /// # Errors
-    /// [`BeginError::NotQueued`] (lease back, proven) for an empty or out-of-range chunk, a lease
-    /// or tensor of another engine, or a refused enqueue; [`BeginError::Untracked`] when the copy
-    /// was queued but cannot be tracked.
+    /// [`SubmitError::Rejected`] (lease back, proven) for an empty or out-of-range chunk, or a
+    /// lease or tensor of another engine; [`SubmitError::Failed`] (lease back, proven) for a
+    /// refused enqueue, or a copy proven complete by a stream synchronize after its event could
+    /// not be recorded; [`SubmitError::Retained`] when the copy was queued but cannot be tracked:
+    /// the slot is then retained for the engine's lifetime, never reused, and stays counted as
+    /// leased in [`staging_stats`](CudaEngine::staging_stats) and as retained in
+    /// [`retirement_stats`](CudaEngine::retirement_stats).
     pub fn begin_upload<T: Element>(
         self,
         engine: &mut CudaEngine,
         destination: &mut DeviceTensor<T>,
         offset: usize,
         len: usize,
-    ) -> Result<StagingLease<Unproven>, BeginError> {
+    ) -> Begun {
         self.begin(engine, destination, offset, len, true, None)
     }
 
@@ -274,7 +237,7 @@ impl StagingLease<Proven> {
         source: &DeviceTensor<T>,
         offset: usize,
         len: usize,
-    ) -> Result<StagingLease<Unproven>, BeginError> {
+    ) -> Begun {
         self.begin(engine, source, offset, len, false, None)
     }
 
@@ -294,7 +257,7 @@ impl StagingLease<Proven> {
         len: usize,
         part: usize,
         marks: &mut Vec<Mark>,
-    ) -> Result<StagingLease<Unproven>, BeginError> {
+    ) -> Begun {
         self.begin(
             engine,
             source,
@@ -356,9 +319,9 @@ impl StagingLease<Proven> {
         len: usize,
         upload: bool,
         mut marks: Option<(usize, &mut Vec<Mark>)>,
-    ) -> Result<StagingLease<Unproven>, BeginError> {
+    ) -> Begun {
         if let Some(error) = self.refusal(engine, tensor, offset, len) {
-            return Err(BeginError::NotQueued { lease: self, error });
+            return Err(SubmitError::Rejected { input: self, error });
         }
         let size = T::DTYPE.size_bytes();
         let part = marks.as_ref().map_or(len, |(part, _)| *part);
@@ -366,7 +329,7 @@ impl StagingLease<Proven> {
         let owner = &engine.shared;
         let mut st = match owner.enter() {
             Ok(st) => st,
-            Err(error) => return Err(BeginError::NotQueued { lease: self, error }),
+            Err(error) => return Err(SubmitError::Failed { input: self, error }),
         };
         // From the first enqueue until the fence holds it (or a refusal proves nothing was
         // queued), a panic inside any driver call below leaks the slot: returned to the ring, it
@@ -405,7 +368,10 @@ impl StagingLease<Proven> {
                         // Nothing was queued: the lease comes back proven.
                         let slot = ManuallyDrop::into_inner(slot);
                         let lease = StagingLease::new(ProvenSlot { slot, event });
-                        return Err(BeginError::NotQueued { lease, error });
+                        return Err(SubmitError::Failed {
+                            input: lease,
+                            error,
+                        });
                     }
                 },
             };
@@ -447,14 +413,18 @@ impl StagingLease<Proven> {
         }
         match fencing {
             Fencing::Fenced(fenced) => Ok(StagingLease::new(fenced)),
-            Fencing::Proven(slot, error) => Err(BeginError::NotQueued {
-                lease: StagingLease::new(ProvenSlot { slot, event: None }),
+            Fencing::Proven(slot, error) => Err(SubmitError::Failed {
+                input: StagingLease::new(ProvenSlot { slot, event: None }),
                 error,
             }),
-            Fencing::Untracked(untracked, error) => Err(BeginError::Untracked {
-                lease: StagingLease::new(untracked),
-                error,
-            }),
+            Fencing::Untracked(untracked, error) => {
+                // Nothing proves the chunk complete: the slot is never reused or freed.
+                if let Some(mut st) = untracked.owner().lock_for_drop() {
+                    st.staging.count_retired();
+                }
+                untracked.retain();
+                Err(SubmitError::Retained { error })
+            }
         }
     }
 }
@@ -529,24 +499,6 @@ impl StagingLease<Unproven> {
             st.staging.count_retired();
         }
         drop(self.hold.attach(resource));
-    }
-}
-
-impl StagingLease<Untracked> {
-    /// Retains the slot for the engine's lifetime: nothing proved the chunk complete, so the
-    /// slot is never reused or freed. It stays counted as leased in
-    /// [`staging_stats`](CudaEngine::staging_stats) and as retained in
-    /// [`retirement_stats`](CudaEngine::retirement_stats).
-    pub fn retire(self) {
-        self.retire_with(());
-    }
-
-    /// As [`retire`](Self::retire), retaining `resource` with it.
-    pub fn retire_with<R: KeepAlive>(self, resource: R) {
-        if let Some(mut st) = self.hold.owner().lock_for_drop() {
-            st.staging.count_retired();
-        }
-        self.hold.attach(resource).retain();
     }
 }
 

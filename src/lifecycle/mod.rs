@@ -6,7 +6,7 @@
 //! - [`retire`]: where fenced resources wait when their owner went away before the proof, and
 //!   the pool of events the proofs are recorded with (engine state).
 //! - [`wake`]: a future over a fence, woken by the device once the work has completed or failed.
-//! - [`lease`]: the `StagingLease<Proven/Unproven/Untracked>` typestate over the staging ring's
+//! - [`lease`]: the `StagingLease<Proven/Unproven>` typestate over the staging ring's
 //!   slots, public for hand-built chunked pipelines.
 //! - [`signal`]: the same proof handed to another engine, whose streams wait for it on the
 //!   device.

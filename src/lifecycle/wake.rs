@@ -88,7 +88,7 @@ impl WakeSlot {
 
 /// A future over a [`Fenced<R>`]: resolves to the resources and the idle event once the work
 /// has completed, or to the failure (resources retained).
-pub(crate) struct FenceFuture<R: Send + 'static> {
+pub struct FenceFuture<R: Send + 'static> {
     /// `Some` until the future resolves.
     fenced: Option<Fenced<R>>,
     /// `Some` once a wake is registered with the device.
@@ -184,6 +184,10 @@ impl<R: Send + 'static> FenceFuture<R> {
         Poll::Ready(answer)
     }
 }
+
+// Nothing is pinned structurally: the device holds the addresses of what the fence owns, not
+// the future's.
+impl<R: Send + 'static> Unpin for FenceFuture<R> {}
 
 impl<R: Send + 'static> Drop for FenceFuture<R> {
     fn drop(&mut self) {

@@ -13,7 +13,7 @@
 //! 3. the machine's rule ([`size_for_cores`]): all but a quarter of the cores the process may run
 //!    on (leaving at least 2 to the application), at least 1 and at most 12.
 //!
-//! Each engine's [`StagingConfig::copy_threads`](crate::StagingConfig::copy_threads) then caps how
+//! Each engine's [`StagingConfig::copy_threads`](crate::staging::StagingConfig::copy_threads) then caps how
 //! many of these threads one of its transfers splits across.
 //!
 //! The threads are cheap to hand work to, because a mid-size transfer hands them work many times
@@ -157,8 +157,8 @@ fn requested() -> MutexGuard<'static, Option<usize>> {
 /// ```
 /// # fn main() -> Result<(), cuferry::Error> {
 /// // At the start of `main`, before any transfer:
-/// cuferry::set_copy_threads(4)?;
-/// assert_eq!(cuferry::copy_threads(), 4);
+/// cuferry::staging::set_copy_threads(4)?;
+/// assert_eq!(cuferry::staging::copy_threads(), 4);
 /// # Ok(()) }
 /// ```
 pub fn set_copy_threads(threads: usize) -> Result<()> {
@@ -186,7 +186,7 @@ pub fn set_copy_threads(threads: usize) -> Result<()> {
 /// size it will be built with (the value given to [`set_copy_threads`], else
 /// `CUFERRY_COPY_THREADS`, else the machine's rule).
 ///
-/// This is also the default of [`StagingConfig::copy_threads`](crate::StagingConfig::copy_threads).
+/// This is also the default of [`StagingConfig::copy_threads`](crate::staging::StagingConfig::copy_threads).
 pub fn copy_threads() -> usize {
     if let Some(pool) = POOL.get() {
         return pool.threads();
@@ -567,7 +567,10 @@ mod tests {
             .and_then(|v| parse_env(&v))
             .unwrap_or(size_for_cores(cores));
         assert_eq!(copy_threads(), expected);
-        assert_eq!(crate::StagingConfig::default().copy_threads, expected);
+        assert_eq!(
+            crate::staging::StagingConfig::default().copy_threads,
+            expected
+        );
         let pool = pool().unwrap();
         assert_eq!(pool.threads(), expected);
         assert_eq!(copy_threads(), expected);

@@ -19,7 +19,7 @@ use std::ptr::NonNull;
 
 /// The staging settings of an engine. Defaults were chosen by measurement on an H200 (PCIe
 /// Gen5 x16, 16 host cores); see `docs/records/blocking-staging.md`. The default of
-/// `copy_threads` follows the process's shared copy pool ([`copy_threads()`](crate::copy_threads)).
+/// `copy_threads` follows the process's shared copy pool ([`copy_threads()`](crate::staging::copy_threads)).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct StagingConfig {
@@ -30,8 +30,8 @@ pub struct StagingConfig {
     /// The most host-copy threads one transfer of this engine splits its host copies across.
     ///
     /// The threads themselves are one pool shared by every engine in the process (its size is
-    /// [`copy_threads()`](crate::copy_threads), set with
-    /// [`set_copy_threads`](crate::set_copy_threads) or `CUFERRY_COPY_THREADS`); this setting
+    /// [`copy_threads()`](crate::staging::copy_threads), set with
+    /// [`set_copy_threads`](crate::staging::set_copy_threads) or `CUFERRY_COPY_THREADS`); this setting
     /// caps one engine's share of it: a transfer splits into at most
     /// `min(copy_threads, pool size)` parts. 1 to 256; a value above the pool's size is accepted
     /// and means the whole pool. Default: the pool's size when the settings are made, so a
@@ -115,7 +115,7 @@ impl Slot {
 pub(crate) enum SlotKind {
     /// A chunk of the blocking routes' pipeline.
     Route,
-    /// A chunk leased by a caller, as a [`StagingLease`](crate::StagingLease).
+    /// A chunk leased by a caller, as a [`StagingLease`](crate::staging::StagingLease).
     User,
     /// The 16-byte slot of the smallest band.
     Scalar,
@@ -137,12 +137,12 @@ pub struct StagingStats {
     /// Slots out of the ring: leased, in flight, or retained (a slot whose chunk could not be
     /// proven complete never comes back, and stays counted here).
     pub leased: usize,
-    /// Of those, leased by callers as [`StagingLease`](crate::StagingLease)s.
+    /// Of those, leased by callers as [`StagingLease`](crate::staging::StagingLease)s.
     pub user_leased: usize,
     /// Pinned bytes in chunk-sized slots.
     pub bytes: usize,
     /// Slots handed to the retirement queue by
-    /// [`StagingLease::retire`](crate::StagingLease::retire).
+    /// [`StagingLease::retire`](crate::staging::StagingLease::retire).
     pub retired: u64,
     /// Whether the 16-byte slot of the smallest band is allocated and idle.
     pub scalar_slot: bool,

@@ -13,7 +13,7 @@ use crate::core::engine::{CudaEngine, Shared, State};
 use crate::core::order::Use;
 use crate::driver::{DevicePtr, Lane};
 use crate::dtype::DType;
-use crate::error::{DeviceId, Error, Refused, Result};
+use crate::error::{DeviceId, Error, Result, SubmitError};
 use std::marker::PhantomData;
 use std::sync::Arc;
 use std::sync::Mutex;
@@ -202,9 +202,9 @@ impl<T: Element> DeviceTensor<T> {
     ///
     /// # Errors
     /// [`Error::ShapeMismatch`] when the element counts differ, [`Error::ShapeOverflow`] when the
-    /// shape's element count overflows `usize`; the tensor comes back in the [`Refused`],
-    /// unchanged.
-    pub fn reshape(mut self, shape: &[usize]) -> Result<Self, Refused<Self>> {
+    /// shape's element count overflows `usize`; the tensor comes back unchanged, in
+    /// [`SubmitError::Rejected`] (the only outcome: nothing is queued).
+    pub fn reshape(mut self, shape: &[usize]) -> Result<Self, SubmitError<Self>> {
         let refusal = match shape_len(shape) {
             Ok(expected) if expected == self.len => None,
             Ok(expected) => Some(Error::ShapeMismatch {
@@ -215,7 +215,7 @@ impl<T: Element> DeviceTensor<T> {
             Err(error) => Some(error),
         };
         if let Some(error) = refusal {
-            return Err(Refused { error, input: self });
+            return Err(SubmitError::Rejected { input: self, error });
         }
         self.shape = shape.into();
         Ok(self)

@@ -26,10 +26,8 @@
 use crate::core::engine::CudaEngine;
 use crate::driver::Lane;
 use crate::dtype::DType;
-use crate::error::{Error, Refused, Result};
-use crate::lifecycle::lease::{
-    BeginError, KeepAlive, Mark, Proven, ScalarHost, StagingLease, Unproven,
-};
+use crate::error::{Error, Result, SubmitError};
+use crate::lifecycle::lease::{KeepAlive, Mark, Proven, ScalarHost, StagingLease, Unproven};
 use crate::memory::copy_pool::{self, CopyPool};
 use crate::memory::element::{as_bytes, byte_len, Element};
 use crate::memory::stream_copy::copy_streaming;
@@ -478,12 +476,20 @@ fn upload_chunks<T: Element>(
         };
         match lease.begin_upload(engine, tensor, offset, n) {
             Ok(unproven) => in_flight.push_back(unproven),
-            Err(BeginError::NotQueued { lease, error }) => {
+            Err(
+                SubmitError::Rejected {
+                    input: lease,
+                    error,
+                }
+                | SubmitError::Failed {
+                    input: lease,
+                    error,
+                },
+            ) => {
                 lease.release();
                 return Err(Stranded { error, in_flight });
             }
-            Err(BeginError::Untracked { lease, error }) => {
-                lease.retire();
+            Err(SubmitError::Retained { error }) => {
                 return Err(Stranded { error, in_flight });
             }
         }
@@ -515,13 +521,13 @@ pub fn download_tensor<T: Element>(
 /// # Errors
 /// [`Error::UnsupportedElement`] for `bool`, because raw device bytes need not be 0 or 1 (use
 /// [`download_tensor`], which decodes them); otherwise as [`download_tensor`]. Every error hands
-/// the `Vec` back in the [`Refused`]: untouched when refused before anything was queued, emptied
-/// (its capacity kept) when the download failed.
+/// the `Vec` back: untouched in [`SubmitError::Rejected`] when refused before anything was
+/// queued, emptied (its capacity kept) in [`SubmitError::Failed`] when the download failed.
 pub fn download_tensor_into<T: Element>(
     engine: &mut CudaEngine,
     tensor: &DeviceTensor<T>,
     mut buffer: Vec<T>,
-) -> Result<Vec<T>, Refused<Vec<T>>> {
+) -> Result<Vec<T>, SubmitError<Vec<T>>> {
     let refused = if !T::DTYPE.any_bit_pattern() {
         Some(Error::UnsupportedElement {
             operation: "download_tensor_into",
@@ -533,18 +539,18 @@ pub fn download_tensor_into<T: Element>(
         tensor.check_engine(engine).err()
     };
     if let Some(error) = refused {
-        return Err(Refused {
-            error,
+        return Err(SubmitError::Rejected {
             input: buffer,
+            error,
         });
     }
     buffer.clear();
     buffer.reserve_exact(tensor.len());
     match download_staged(engine, tensor, &mut buffer, false) {
         Ok(()) => Ok(buffer),
-        Err(error) => Err(Refused {
-            error,
+        Err(error) => Err(SubmitError::Failed {
             input: buffer,
+            error,
         }),
     }
 }
@@ -652,12 +658,20 @@ fn chunk_loop<T: Element>(
             let n = plan.per_chunk.min(total - next);
             match lease.begin_download(engine, tensor, next, n) {
                 Ok(unproven) => in_flight.push_back((unproven, next, n)),
-                Err(BeginError::NotQueued { lease, error }) => {
+                Err(
+                    SubmitError::Rejected {
+                        input: lease,
+                        error,
+                    }
+                    | SubmitError::Failed {
+                        input: lease,
+                        error,
+                    },
+                ) => {
                     lease.release();
                     return fail(in_flight, error);
                 }
-                Err(BeginError::Untracked { lease, error }) => {
-                    lease.retire();
+                Err(SubmitError::Retained { error }) => {
                     return fail(in_flight, error);
                 }
             }
@@ -804,12 +818,20 @@ fn upload_at_once<T: Element>(
             }
             match lease.begin_upload(engine, tensor, c * plan.per_chunk, chunk_len(c)) {
                 Ok(unproven) => in_flight.push_back(unproven),
-                Err(BeginError::NotQueued { lease, error }) => {
+                Err(
+                    SubmitError::Rejected {
+                        input: lease,
+                        error,
+                    }
+                    | SubmitError::Failed {
+                        input: lease,
+                        error,
+                    },
+                ) => {
                     lease.release();
                     failure = Some(error);
                 }
-                Err(BeginError::Untracked { lease, error }) => {
-                    lease.retire();
+                Err(SubmitError::Retained { error }) => {
                     failure = Some(error);
                 }
             }
@@ -935,12 +957,20 @@ fn download_at_once<T: Element>(
                     break;
                 }
             }
-            Err(BeginError::NotQueued { lease, error }) => {
+            Err(
+                SubmitError::Rejected {
+                    input: lease,
+                    error,
+                }
+                | SubmitError::Failed {
+                    input: lease,
+                    error,
+                },
+            ) => {
                 lease.release();
                 return fail(queued, error);
             }
-            Err(BeginError::Untracked { lease, error }) => {
-                lease.retire();
+            Err(SubmitError::Retained { error }) => {
                 return fail(queued, error);
             }
         }

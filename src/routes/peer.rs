@@ -1,10 +1,10 @@
 //! Peer routes: a tensor of one engine copied to another engine, device to device.
 //!
-//! Engines never share values, so moving data between them is a route of its own. [`peer_copy`]
+//! Engines never share values, so moving data between them is a route of its own. [`copy`]
 //! copies a tensor of one engine into a new tensor of another over the devices' peer link (or
 //! within one device, for two engines on it), with no host memory in between, and
-//! [`peer_copy_into`] into a tensor the other engine already has; where the devices
-//! have no peer link it is refused, and [`peer_copy_staged`] is the copy through host memory,
+//! [`copy_into`] into a tensor the other engine already has; where the devices
+//! have no peer link it is refused, and [`copy_staged`] is the copy through host memory,
 //! taken only when asked for by name.
 //!
 //! A copy runs on one engine's compute stream, the carrier's: the source engine's for the blocking
@@ -15,7 +15,7 @@
 //! pending route, whose destination that engine's next work may read. The carrier's own side is ordered by its lane order;
 //! the other engine's side only needs a wait when work queued there on that tensor is not yet
 //! proven complete (the engine's own bookkeeping answers, with no driver call): then the
-//! carrier's stream waits for a [`Signal`](crate::Signal) of the other engine, on the device.
+//! carrier's stream waits for a [`Signal`](crate::engine::Signal) of the other engine, on the device.
 //! The blocking routes return once a synchronize of the carrier's stream proves the copy
 //! complete.
 
@@ -31,66 +31,61 @@ use std::sync::Mutex;
 
 mod pending;
 
-pub use pending::{
-    peer_copy_pending, PeerFuture, PeerPackage, PeerSubmitError, PeerTryWait, PendingPeer,
-};
-pub(crate) use pending::{InFlightPeer, PeerLanded};
+pub use pending::{copy_pending, PeerCopy};
 
 /// The ordered pairs of devices (reaching, reached) whose peer access this process has enabled.
 static ENABLED: Mutex<Vec<(DeviceId, DeviceId)>> = Mutex::new(Vec::new());
 
-impl CudaEngine {
-    /// Whether this engine's device reaches `other`'s device memory directly: the same device,
-    /// or a device it has a peer link to (NVLink or PCIe peer-to-peer). Where it does, the access
-    /// is enabled: this device's context to the other's (`cuCtxEnablePeerAccess`, once per pair
-    /// of devices in the process), and the other engine's memory pool to this device
-    /// (`cuMemPoolSetAccess`, once per engine). The answer is remembered for the pair of
-    /// engines, so later copies do not ask; a copy the driver refuses forgets it, and the next
-    /// one asks again.
-    ///
-    /// # Errors
-    /// [`Error::Unreachable`] when the two engines' devices cannot reach each other at all
-    /// (separate simulated devices, or a real and a simulated one); [`Error::Driver`] when the
-    /// driver refuses the question or the enabling.
-    pub fn peer_access(&mut self, other: &CudaEngine) -> Result<bool> {
-        let (me, peer) = (self.device(), other.device());
-        crate::lifecycle::signal::reachable(peer, me).map_err(|reason| Error::Unreachable {
-            from: peer,
-            to: me,
-            reason,
-        })?;
-        // Asked (and enabled) once per pair of engines: a copy's hot path only looks it up.
-        if me == peer || self.shared.lock().peers.contains(&other.shared.engine_id) {
-            return Ok(true);
-        }
-        let peer_ctx = other.shared.lock().driver.context();
-        {
-            let mut enabled = ENABLED.lock().unwrap_or_else(|e| e.into_inner());
-            let mut st = self.enter()?;
-            let reachable = st
-                .driver
-                .can_access_peer(peer)
-                .map_err(Error::driver("cuDeviceCanAccessPeer"))?;
-            if !reachable {
-                return Ok(false);
-            }
-            if !enabled.contains(&(me, peer)) {
-                st.driver
-                    .enable_peer_access(peer_ctx)
-                    .map_err(Error::driver("cuCtxEnablePeerAccess"))?;
-                enabled.push((me, peer));
-            }
-        }
-        // The other engine's memory comes from its own pool, which must name this device too.
-        other
-            .shared
-            .enter()?
-            .driver
-            .grant_peer_access(me)
-            .map_err(Error::driver("cuMemPoolSetAccess"))?;
-        self.shared.lock().peers.push(other.shared.engine_id);
-        Ok(true)
+/// Whether `engine`'s device reaches `other`'s device memory directly: the same device,
+/// or a device it has a peer link to (NVLink or PCIe peer-to-peer). Where it does, the access
+/// is enabled: `engine`'s device's context to the other's (`cuCtxEnablePeerAccess`, once per pair
+/// of devices in the process), and the other engine's memory pool to this device
+/// (`cuMemPoolSetAccess`, once per engine). The answer is remembered for the pair of
+/// engines, so later copies do not ask; a copy the driver refuses forgets it, and the next
+/// one asks again.
+///
+/// # Errors
+/// [`Error::Unreachable`] when the two engines' devices cannot reach each other at all
+/// (separate simulated devices, or a real and a simulated one); [`Error::Driver`] when the
+/// driver refuses the question or the enabling.
+pub fn access(engine: &mut CudaEngine, other: &CudaEngine) -> Result<bool> {
+    let (me, peer) = (engine.device(), other.device());
+    crate::lifecycle::signal::reachable(peer, me).map_err(|reason| Error::Unreachable {
+        from: peer,
+        to: me,
+        reason,
+    })?;
+    // Asked (and enabled) once per pair of engines: a copy's hot path only looks it up.
+    if me == peer || engine.shared.lock().peers.contains(&other.shared.engine_id) {
+        return Ok(true);
     }
+    let peer_ctx = other.shared.lock().driver.context();
+    {
+        let mut enabled = ENABLED.lock().unwrap_or_else(|e| e.into_inner());
+        let mut st = engine.enter()?;
+        let reachable = st
+            .driver
+            .can_access_peer(peer)
+            .map_err(Error::driver("cuDeviceCanAccessPeer"))?;
+        if !reachable {
+            return Ok(false);
+        }
+        if !enabled.contains(&(me, peer)) {
+            st.driver
+                .enable_peer_access(peer_ctx)
+                .map_err(Error::driver("cuCtxEnablePeerAccess"))?;
+            enabled.push((me, peer));
+        }
+    }
+    // The other engine's memory comes from its own pool, which must name this device too.
+    other
+        .shared
+        .enter()?
+        .driver
+        .grant_peer_access(me)
+        .map_err(Error::driver("cuMemPoolSetAccess"))?;
+    engine.shared.lock().peers.push(other.shared.engine_id);
+    Ok(true)
 }
 
 /// Copies `src`, a tensor of `src_engine`, into a new tensor of the same shape on `dst_engine`,
@@ -103,7 +98,7 @@ impl CudaEngine {
 /// ```
 /// # fn main() -> Result<(), cuferry::Error> {
 /// use cuferry::sim::{SimConfig, SimDevice};
-/// use cuferry::{download_tensor, peer_copy, upload_tensor, CudaEngine};
+/// use cuferry::{download_tensor, peer, upload_tensor, CudaEngine};
 /// # /*
 /// let (mut gpu0, mut gpu1) = (CudaEngine::open(0)?, CudaEngine::open(1)?);
 /// # */
@@ -112,25 +107,25 @@ impl CudaEngine {
 /// # let mut gpu1 = CudaEngine::simulated_on_device(&machine, 1)?;
 /// let x = upload_tensor(&mut gpu0, &[1.0f32, 2.0, 3.0], &[3])?;
 /// let y = gpu0.scale(&x, 10.0)?;
-/// let there = peer_copy(&mut gpu0, &y, &mut gpu1)?; // GPU 0 to GPU 1, no host memory
+/// let there = peer::copy(&mut gpu0, &y, &mut gpu1)?; // GPU 0 to GPU 1, no host memory
 /// assert_eq!(download_tensor(&mut gpu1, &there)?, [10.0, 20.0, 30.0]);
 /// # Ok(()) }
 /// ```
 ///
 /// # Errors
 /// [`Error::WrongEngine`] when `src` is not `src_engine`'s; [`Error::Unreachable`] when the
-/// devices have no peer link ([`peer_copy_staged`] copies through host memory) or cannot reach
+/// devices have no peer link ([`copy_staged`] copies through host memory) or cannot reach
 /// each other at all; [`Error::Driver`] or [`Error::DeviceFault`] when the device refuses or
 /// fails. After a failure that leaves the copy unproven, the new tensor's free is ordered after
 /// the copy on the device, or, when that cannot be arranged either, its memory is leaked: never
 /// freed under the copy.
-pub fn peer_copy<T: Element>(
+pub fn copy<T: Element>(
     src_engine: &mut CudaEngine,
     src: &DeviceTensor<T>,
     dst_engine: &mut CudaEngine,
 ) -> Result<DeviceTensor<T>> {
     src.check_engine(src_engine)?;
-    if !src_engine.peer_access(dst_engine)? {
+    if !access(src_engine, dst_engine)? {
         return Err(no_link(dst_engine, src_engine));
     }
     let bytes = src.byte_len();
@@ -199,7 +194,7 @@ fn no_link(from: &CudaEngine, to: &CudaEngine) -> Error {
     }
 }
 
-const NO_LINK: &str = "the devices have no peer link; peer_copy_staged copies through host memory";
+const NO_LINK: &str = "the devices have no peer link; peer::copy_staged copies through host memory";
 
 /// What a copy the driver refused (`source`) on the stream of `st`'s engine (on device `to`)
 /// reports, `other` the engine on the far side (on device `from`).
@@ -228,7 +223,7 @@ fn refused_copy(
     Error::driver("cuMemcpyPeerAsync")(source)
 }
 
-/// The other side of a copy: `other`'s context, and the [`Signal`](crate::Signal) of `other`'s
+/// The other side of a copy: `other`'s context, and the [`Signal`](crate::engine::Signal) of `other`'s
 /// work that `carrier`'s compute stream now waits for on the device, if the copy's use of
 /// `other`'s side (`theirs`) must follow work there that `other`'s bookkeeping has not proven
 /// complete (its completion proves `other`'s lanes once the copy is proven). One lock of `other`
@@ -237,7 +232,7 @@ fn other_side(
     carrier: &mut CudaEngine,
     other: &mut CudaEngine,
     theirs: Use,
-) -> Result<(ContextHandle, Option<crate::Signal>)> {
+) -> Result<(ContextHandle, Option<crate::engine::Signal>)> {
     let (ctx, settled) = {
         let st = other.shared.lock();
         (st.driver.context(), st.order.settled_for(&[theirs]))
@@ -321,7 +316,7 @@ unsafe fn copy_and_prove(
 }
 
 /// Copies `src`, a tensor of `src_engine`, into `dst`, an existing tensor of `dst_engine` of the
-/// same length, device to device, and returns once the copy has completed: [`peer_copy`] with
+/// same length, device to device, and returns once the copy has completed: [`copy`] with
 /// no allocation.
 ///
 /// The copy runs on `src_engine`'s compute stream, pushed over the link, after everything queued
@@ -331,7 +326,7 @@ unsafe fn copy_and_prove(
 /// ```
 /// # fn main() -> Result<(), cuferry::Error> {
 /// use cuferry::sim::{SimConfig, SimDevice};
-/// use cuferry::{download_tensor, peer_copy_into, upload_tensor, CudaEngine};
+/// use cuferry::{download_tensor, peer, upload_tensor, CudaEngine};
 /// # /*
 /// let (mut gpu0, mut gpu1) = (CudaEngine::open(0)?, CudaEngine::open(1)?);
 /// # */
@@ -341,21 +336,21 @@ unsafe fn copy_and_prove(
 /// let mut landing = gpu1.alloc_tensor::<f32>(&[3])?; // reused for every step
 /// for step in 0..3 {
 ///     let x = upload_tensor(&mut gpu0, &[step as f32; 3], &[3])?;
-///     peer_copy_into(&mut gpu0, &x, &mut gpu1, &mut landing)?;
+///     peer::copy_into(&mut gpu0, &x, &mut gpu1, &mut landing)?;
 ///     assert_eq!(download_tensor(&mut gpu1, &landing)?, [step as f32; 3]);
 /// }
 /// # Ok(()) }
 /// ```
 ///
 /// # Errors
-/// As [`peer_copy`], and [`Error::WrongEngine`] when `dst` is not `dst_engine`'s,
+/// As [`copy`], and [`Error::WrongEngine`] when `dst` is not `dst_engine`'s,
 /// [`Error::LengthMismatch`] (`left` the source's length, `right` the destination's) when the
 /// lengths differ: both refused before anything is queued. After a failure, `dst`'s contents
 /// are unspecified. When the copy could not be proven complete, `dst_engine`'s streams are made
 /// to wait for it on the device; when even that cannot be arranged (or a panic unwinds through
 /// the call), `dst`'s memory is leaked (never freed under the copy)
 /// and `dst` is left an empty tensor of `dst_engine`.
-pub fn peer_copy_into<T: Element>(
+pub fn copy_into<T: Element>(
     src_engine: &mut CudaEngine,
     src: &DeviceTensor<T>,
     dst_engine: &mut CudaEngine,
@@ -365,12 +360,12 @@ pub fn peer_copy_into<T: Element>(
     dst.check_engine(dst_engine)?;
     if src.len() != dst.len() {
         return Err(Error::LengthMismatch {
-            what: "peer_copy_into: elements in the source and in the destination",
+            what: "peer::copy_into: elements in the source and in the destination",
             left: src.len(),
             right: dst.len(),
         });
     }
-    if !src_engine.peer_access(dst_engine)? {
+    if !access(src_engine, dst_engine)? {
         return Err(no_link(dst_engine, src_engine));
     }
     let bytes = src.byte_len();
@@ -437,11 +432,11 @@ impl<T: Element> Drop for Landing<'_, T> {
 
 /// Copies `src`, a tensor of `src_engine`, into a new tensor of the same shape on `dst_engine`
 /// through host memory: a [`download_tensor`] then an [`upload_tensor`]. For devices without a
-/// peer link, where [`peer_copy`] is refused; it takes about twice as long as either transfer.
+/// peer link, where [`copy`] is refused; it takes about twice as long as either transfer.
 ///
 /// # Errors
 /// As [`download_tensor`] and [`upload_tensor`].
-pub fn peer_copy_staged<T: Element>(
+pub fn copy_staged<T: Element>(
     src_engine: &mut CudaEngine,
     src: &DeviceTensor<T>,
     dst_engine: &mut CudaEngine,

@@ -1,492 +1,250 @@
-//! Pending routes: page-locked buffers handed over by value, transfers whose state is a type.
+//! Operations in flight: one type, [`Pending<Op, S>`](crate::Pending), for everything the device
+//! finishes later, whose state is a type.
 //!
-//! [`upload_pending`] and [`download_pending`] take a host buffer (a [`PinnedHostBuffer`] or a
-//! [`RegisteredBuffer`](crate::RegisteredBuffer), anything that is a [`HostBuffer`]) and a
-//! [`DeviceTensor`] by value, queue one copy on the engine's upload or download stream, record an
-//! event after it, and return a [`Pending`] handle in state [`InFlight`]. In that state nothing
-//! can reach the buffer or the tensor: the handle owns them, and offers only
-//! [`Pending::is_ready`] (never waits), [`Pending::wait`], [`Pending::try_wait`] and `.await`
-//! ([`PendingFuture`]). The [`Returned`] state, reached once the event proves the copy complete,
-//! gives both back, and can resubmit the same pair without allocating anything.
+//! An operation takes what it works on by value (a host transfer its buffer and tensor, a peer
+//! copy both tensors, a collective every rank's tensor), queues its work, records an event after
+//! it, and returns a [`Pending`] in state [`InFlight`]. In that state nothing can reach what it
+//! owns, except the device side it lends shared to the engine that carries the work (whose later
+//! work is ordered after it on the device). The verbs are the same for every operation:
 //!
-//! Awaiting is woken by the device, never by polling: the future asks the event once, and if
-//! the copy is not done it registers a call back that the device makes once the copy has
-//! completed or the device has failed (on CUDA a stream callback on a side stream waiting for the
-//! event), then yields. Nothing on the host spends time on the transfer meanwhile, and the wake
-//! comes right after the event. A watcher thread blocked in an event wait would spin unless the
-//! event were made for blocking sync, and would need a thread per wait (or serialise the waits);
-//! a poll loop would keep a core busy. [`PendingFuture`] has the details.
+//! - [`is_ready`](Pending::is_ready) asks, never waits, and takes no engine lock;
+//! - [`wait`](Pending::wait) waits outside every engine lock and returns it in state
+//!   [`Returned`];
+//! - [`try_wait`](Pending::try_wait) returns it in state [`Returned`] if it is done, or hands the
+//!   [`InFlight`] value back ([`TryWait`]);
+//! - `.await` on any executor ([`PendingFuture`]), woken by the device, never by polling;
+//! - dropping it in flight detaches it into the carrying engine's retirement queue, which
+//!   releases what it owns once the event proves the work complete; `mem::forget` leaks it,
+//!   which is sound;
+//! - once [`Returned`], [`into_parts`](Pending::into_parts) gives everything back, and where the
+//!   operation allows, `resubmit` queues the same work again with the same event, allocating
+//!   nothing.
 //!
-//! The routes are written once over the sealed [`HostBuffer`] trait, whose type is the last
-//! parameter of every type here, defaulting to [`PinnedHostBuffer`]: both kinds of buffer go
-//! through the same lifecycle, refusals, detach-on-drop and retention.
+//! The operations are the types `Op` names ([`Operation`], sealed): [`Upload`] and [`Download`]
+//! (the host routes [`upload_pending`](crate::upload_pending) and
+//! [`download_pending`](crate::download_pending)), [`PeerCopy`](crate::peer::PeerCopy)
+//! ([`peer::copy_pending`](crate::peer::copy_pending)) and
+//! [`Collective`](crate::collective::Collective) ([`collective::all_reduce`](crate::collective::all_reduce),
+//! [`collective::broadcast`](crate::collective::broadcast)). A submission that does not go in
+//! flight is a [`SubmitError`](crate::SubmitError), which hands back what it can.
 //!
-//! Every exit keeps the rule "nothing is freed or reused while DMA may touch it":
-//! - a refused submission returns the whole package untouched ([`TransferSubmitError`]);
-//! - dropping an `InFlight` handle (or its future, before it resolves) detaches it into the
-//!   engine's retirement queue, which releases it once its event proves completion;
-//! - `mem::forget` on an `InFlight` handle leaks it in place, which is sound (nothing is freed);
-//! - a wait that fails retains everything for the engine's lifetime and returns a typed error.
+//! The module exists so that the lifecycle is written once: each operation says only what it
+//! owns and how its completion is proven (one fence, or one per rank); the typestate, the waits,
+//! the future and the detach are generic, monomorphised, and add no lock, allocation or dynamic
+//! call to the operation's own path.
 
-// A refused submission hands the whole package back by value, as `TrySendError<T>` does; the
-// error is large by design and travels only on the refusal path.
-#![allow(clippy::result_large_err)]
-
-use crate::core::engine::CudaEngine;
-use crate::error::{Error, Result};
-use crate::lifecycle::fence::{fence, Fenced, Fencing, IdleEvent};
-use crate::memory::element::Element;
-use crate::memory::host::HostBuffer;
-use crate::memory::pinned::PinnedHostBuffer;
-use crate::memory::tensor::DeviceTensor;
-use crate::routes::peer::{InFlightPeer, PeerLanded};
+use crate::error::Result;
+use crate::lifecycle::fence::{Fenced, IdleEvent};
+use crate::lifecycle::wake::FenceFuture;
 use std::fmt;
-use std::marker::PhantomData;
-use std::mem::ManuallyDrop;
+use std::task::{Context, Poll};
 
 mod future;
+mod transfer;
 
 pub use future::PendingFuture;
+pub use transfer::{download_pending, upload_pending, Download, Upload};
 
-pub(in crate::routes) mod sealed {
-    pub trait Direction {}
-    /// What a transfer in this state holds.
-    pub trait State {
-        type Hold<T: crate::Element, B: crate::memory::host::HostBuffer<T>>: Send + Sync;
-        /// What a peer copy in this state holds.
-        type PeerHold<T: crate::Element>: Send + Sync;
+pub(crate) mod sealed {
+    /// Only the crate's operations and states.
+    pub trait Sealed {}
+}
+
+pub(crate) mod flight {
+    use crate::error::Result;
+    use std::task::{Context, Poll};
+
+    /// How an operation's completion is proven: one fence, or one per rank.
+    pub trait Flight: Send + Sync + Sized + 'static {
+        /// What a proof gives back.
+        type Done;
+        /// The state of an `.await`.
+        type Poller: Send + Unpin;
+        /// Whether the work has completed. Never waits.
+        fn is_ready(&self) -> Result<bool>;
+        /// Waits for the work, outside every engine lock.
+        fn wait(self) -> Result<Self::Done>;
+        /// The proof if the work has completed, or `self` back. Never waits.
+        fn try_wait(self) -> Result<std::result::Result<Self::Done, Self>>;
+        /// Starts an `.await`.
+        fn poller(self) -> Self::Poller;
+        /// Polls an `.await`; not called again once it has resolved.
+        fn poll(poller: &mut Self::Poller, cx: &mut Context<'_>) -> Poll<Result<Self::Done>>;
     }
 }
 
-/// The direction of a pending transfer. Sealed: [`Upload`] or [`Download`].
-pub trait Direction: sealed::Direction + Send + Sync + 'static {
-    /// Whether the copy goes host to device.
-    const UPLOAD: bool;
-    /// A name for messages.
-    const NAME: &'static str;
+use flight::Flight;
+
+impl<R: Send + Sync + 'static> Flight for Fenced<R> {
+    type Done = (R, IdleEvent);
+    type Poller = FenceFuture<R>;
+
+    fn is_ready(&self) -> Result<bool> {
+        Fenced::is_ready(self)
+    }
+
+    fn wait(self) -> Result<(R, IdleEvent)> {
+        self.wait_parts()
+    }
+
+    fn try_wait(self) -> Result<std::result::Result<(R, IdleEvent), Self>> {
+        Fenced::try_wait(self)
+    }
+
+    fn poller(self) -> FenceFuture<R> {
+        FenceFuture::new(self)
+    }
+
+    fn poll(poller: &mut FenceFuture<R>, cx: &mut Context<'_>) -> Poll<Result<(R, IdleEvent)>> {
+        poller.poll(cx)
+    }
 }
 
-/// The state of a pending transfer. Sealed: [`InFlight`] or [`Returned`].
-pub trait TransferState: sealed::State + Send + Sync + 'static {
-    /// Whether the copy may still be running.
+/// An operation the device finishes later: what a [`Pending`] owns and how it is proven
+/// complete. Sealed: [`Upload`], [`Download`], [`PeerCopy`](crate::peer::PeerCopy) and
+/// [`Collective`](crate::collective::Collective).
+pub trait Operation: sealed::Sealed + Sized + 'static {
+    /// What the operation owns and gives back: by [`Pending::into_parts`] once returned, and by
+    /// a refused submission ([`SubmitError`](crate::SubmitError)).
+    type Parts;
+    #[doc(hidden)]
+    type Flight: Flight;
+    #[doc(hidden)]
+    type Landed: Send + Sync;
+    #[doc(hidden)]
+    const NAME: &'static str;
+    #[doc(hidden)]
+    fn land(done: <Self::Flight as Flight>::Done) -> Self::Landed;
+    #[doc(hidden)]
+    fn into_parts(landed: Self::Landed) -> Self::Parts;
+}
+
+/// The state of a [`Pending`] operation. Sealed: [`InFlight`] or [`Returned`].
+pub trait State: sealed::Sealed + 'static {
+    #[doc(hidden)]
+    type Hold<Op: Operation>: Send + Sync;
+    #[doc(hidden)]
     const IN_FLIGHT: bool;
 }
 
-/// Direction marker: host to device.
-#[derive(Debug)]
-pub enum Upload {}
-/// Direction marker: device to host.
-#[derive(Debug)]
-pub enum Download {}
-/// State marker: the copy may still be running; nothing is reachable.
+/// State: the device may still be working; nothing is reachable but the device side, lent
+/// shared to the engine that carries the work.
 #[derive(Debug)]
 pub enum InFlight {}
-/// State marker: the copy has completed; buffer and tensor are reachable.
+
+/// State: the work is proven complete; everything the operation owns is reachable.
 #[derive(Debug)]
 pub enum Returned {}
 
-impl sealed::Direction for Upload {}
-impl sealed::Direction for Download {}
-impl sealed::State for InFlight {
-    type Hold<T: Element, B: HostBuffer<T>> = Fenced<TransferPackage<T, B>>;
-    type PeerHold<T: Element> = Fenced<InFlightPeer<T>>;
-}
-impl sealed::State for Returned {
-    type Hold<T: Element, B: HostBuffer<T>> = Landed<T, B>;
-    type PeerHold<T: Element> = PeerLanded<T>;
-}
+impl sealed::Sealed for InFlight {}
+impl sealed::Sealed for Returned {}
 
-impl Direction for Upload {
-    const UPLOAD: bool = true;
-    const NAME: &'static str = "pending upload";
-}
-impl Direction for Download {
-    const UPLOAD: bool = false;
-    const NAME: &'static str = "pending download";
-}
-impl TransferState for InFlight {
+impl State for InFlight {
+    type Hold<Op: Operation> = Op::Flight;
     const IN_FLIGHT: bool = true;
 }
-impl TransferState for Returned {
+
+impl State for Returned {
+    type Hold<Op: Operation> = Op::Landed;
     const IN_FLIGHT: bool = false;
 }
 
-/// What a pending transfer owns: the host buffer (a [`PinnedHostBuffer`] unless `B` says
-/// otherwise) and the device tensor.
-#[derive(Debug)]
-pub struct TransferPackage<T: Element, B: HostBuffer<T> = PinnedHostBuffer<T>> {
-    /// The host side.
-    pub buffer: B,
-    /// The device side.
-    pub tensor: DeviceTensor<T>,
-}
-
-/// A returned transfer's parts, with its idle event kept for resubmission.
-pub struct Landed<T: Element, B: HostBuffer<T>> {
-    package: TransferPackage<T, B>,
-    event: IdleEvent,
-}
-
-/// A submission that did not produce an in-flight transfer.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum TransferSubmitError<T: Element, B: HostBuffer<T> = PinnedHostBuffer<T>> {
-    /// Refused before anything was queued; the package comes back untouched.
-    #[error("transfer rejected: {error}")]
-    Rejected {
-        /// Everything that was submitted.
-        package: TransferPackage<T, B>,
-        /// Why: [`Error::WrongEngine`] for a buffer or tensor of another engine,
-        /// [`Error::ZeroLength`], [`Error::LengthMismatch`] between buffer and tensor,
-        /// [`Error::UnsupportedElement`] for a `bool` download.
-        error: Error,
-    },
-    /// The driver refused to queue the copy, or the copy was queued and then proven complete
-    /// without an event; nothing is in flight and the package comes back.
-    #[error("transfer could not be queued: {error}")]
-    Failed {
-        /// Everything that was submitted.
-        package: TransferPackage<T, B>,
-        /// The driver failure.
-        error: Error,
-    },
-    /// The copy was queued but its completion could not be tracked or proven. The device may
-    /// still touch the package, so the engine retains it for its lifetime instead of returning it.
-    #[error(
-        "transfer queued but its completion cannot be proven; its memory is retained: {error}"
-    )]
-    Retained {
-        /// The driver failure.
-        error: Error,
-    },
-}
-
-impl<T: Element, B: HostBuffer<T>> TransferSubmitError<T, B> {
-    /// The package, when it came back.
-    pub fn into_package(self) -> Option<TransferPackage<T, B>> {
-        match self {
-            TransferSubmitError::Rejected { package, .. }
-            | TransferSubmitError::Failed { package, .. } => Some(package),
-            TransferSubmitError::Retained { .. } => None,
-        }
-    }
-
-    /// The error, dropping the package if it came back.
-    pub fn into_error(self) -> Error {
-        match self {
-            TransferSubmitError::Rejected { error, .. }
-            | TransferSubmitError::Failed { error, .. }
-            | TransferSubmitError::Retained { error } => error,
-        }
-    }
-
-    /// The error, whatever became of the package.
-    pub fn error(&self) -> &Error {
-        match self {
-            TransferSubmitError::Rejected { error, .. }
-            | TransferSubmitError::Failed { error, .. }
-            | TransferSubmitError::Retained { error } => error,
-        }
-    }
-}
-
-/// A transfer between a page-locked host buffer `B` (a [`PinnedHostBuffer`] unless `B` says
-/// otherwise, or a [`RegisteredBuffer`](crate::RegisteredBuffer)) and a [`DeviceTensor`], in
-/// direction `D` and state `S`.
+/// An operation `Op` the device finishes later, in state `S`: [`InFlight`] until a proof makes
+/// it [`Returned`]. See [the module](crate::pending) for the verbs every operation has.
 ///
-/// In [`InFlight`] it owns both and gives access to neither; [`Returned`] gives both back.
-#[must_use = "a pending transfer owns its buffer and tensor: wait for it (in flight) or take them back with `into_parts` (returned)"]
-pub struct Pending<
-    D: Direction,
-    T: Element,
-    S: TransferState,
-    B: HostBuffer<T> = PinnedHostBuffer<T>,
-> {
-    hold: <S as sealed::State>::Hold<T, B>,
-    _direction: PhantomData<D>,
+/// ```
+/// # use cuferry::sim::SimConfig;
+/// use cuferry::pending::{InFlight, Upload};
+/// use cuferry::{upload_pending, CudaEngine, Pending, PinnedHostBuffer};
+/// # let mut engine = CudaEngine::simulated(SimConfig::default());
+/// let source = PinnedHostBuffer::from_slice(&mut engine, &[1.0f32, 2.0, 3.0])?;
+/// let destination = engine.alloc_tensor::<f32>(&[3])?;
+/// let upload: Pending<Upload<f32>, InFlight> = upload_pending(&mut engine, source, destination)?;
+/// let (buffer, tensor) = upload.wait()?.into_parts();
+/// # drop((buffer, tensor));
+/// # Ok::<(), cuferry::Error>(())
+/// ```
+#[must_use = "an operation in flight owns what it works on: wait for it (in flight) or take it back with `into_parts` (returned)"]
+pub struct Pending<Op: Operation, S: State = InFlight> {
+    pub(crate) hold: S::Hold<Op>,
 }
 
-/// A pending host-to-device transfer.
-pub type PendingUpload<T, S = InFlight, B = PinnedHostBuffer<T>> = Pending<Upload, T, S, B>;
-/// A pending device-to-host transfer.
-pub type PendingDownload<T, S = InFlight, B = PinnedHostBuffer<T>> = Pending<Download, T, S, B>;
-
-impl<D: Direction, T: Element, S: TransferState, B: HostBuffer<T>> fmt::Debug
-    for Pending<D, T, S, B>
-{
+impl<Op: Operation, S: State> fmt::Debug for Pending<Op, S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Pending")
-            .field("direction", &D::NAME)
+            .field("operation", &Op::NAME)
             .field("in_flight", &S::IN_FLIGHT)
-            .field("dtype", &T::DTYPE)
-            .field("host", &B::KIND)
             .finish()
     }
 }
 
 /// What [`Pending::try_wait`] found.
-#[derive(Debug)]
 #[must_use]
-pub enum TryWait<D: Direction, T: Element, B: HostBuffer<T> = PinnedHostBuffer<T>> {
-    /// The copy completed.
-    Returned(Pending<D, T, Returned, B>),
-    /// Not yet: the handle comes back unchanged.
-    InFlight(Pending<D, T, InFlight, B>),
+pub enum TryWait<Op: Operation> {
+    /// The work completed.
+    Returned(Pending<Op, Returned>),
+    /// Not yet: the operation comes back unchanged.
+    InFlight(Pending<Op, InFlight>),
 }
 
-impl<D: Direction, T: Element, S: TransferState, B: HostBuffer<T>> Pending<D, T, S, B> {
-    fn new(hold: <S as sealed::State>::Hold<T, B>) -> Self {
-        Pending {
-            hold,
-            _direction: PhantomData,
+impl<Op: Operation> fmt::Debug for TryWait<Op> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            TryWait::Returned(p) => f.debug_tuple("Returned").field(p).finish(),
+            TryWait::InFlight(p) => f.debug_tuple("InFlight").field(p).finish(),
         }
     }
 }
 
-impl<D: Direction, T: Element, B: HostBuffer<T>> Pending<D, T, InFlight, B> {
-    /// Whether the copy has completed. Never waits, and takes no engine lock.
+impl<Op: Operation> Pending<Op, InFlight> {
+    pub(crate) fn in_flight(hold: Op::Flight) -> Self {
+        Pending { hold }
+    }
+
+    /// Whether the work has completed. Never waits, and takes no engine lock.
     ///
-    /// `Ok(false)` means not yet; a copy can complete before the first poll, so `Ok(true)` at once
+    /// `Ok(false)` means not yet; work can complete before the first poll, so `Ok(true)` at once
     /// is not an error.
     ///
     /// # Errors
-    /// [`Error::DeviceFault`] when the device reports a failure of the copy (or of earlier work).
+    /// [`Error::DeviceFault`](crate::Error::DeviceFault) when the device reports a failure of the
+    /// work (or of earlier work on the stream that carries it).
     pub fn is_ready(&mut self) -> Result<bool> {
         self.hold.is_ready()
     }
 
-    /// The device tensor, for device work queued on this engine while the copy is in flight:
-    /// the in-flight handoff.
-    ///
-    /// The copy's use of the tensor is in the engine's order, so every operation of this engine
-    /// queued after the copy that uses the tensor runs after it, on whichever of the engine's
-    /// three streams it goes (after an event wait on the device where that is not the copy's): a
-    /// kernel, a library call, a device copy, a blocking or pending download, a prepared program
-    /// given this tensor reads an upload's destination only after the data has landed, with no
-    /// host wait in between. For a download, the tensor is its source, and other work may read it
-    /// alongside the copy. The borrow is shared, so nothing can write the tensor, free it or move
-    /// it while the copy may still touch it, and it ends before [`wait`](Self::wait) (which
-    /// consumes the handle) can return the transfer. The host buffer stays unreachable until then.
-    ///
-    /// Only the engine that queued the copy accepts the tensor: another engine refuses it with
-    /// [`Error::WrongEngine`], as it refuses any tensor it does not own. A CubeCL import
-    /// (`CubeclScope::import`, feature `cubecl`) queues its copy on this engine's compute stream,
-    /// ordered after the upload, and waits for it on the host, so it too reads the data after it
-    /// has landed.
-    ///
-    /// ```
-    /// # use cuferry::sim::SimConfig;
-    /// # use cuferry::{download_pending, upload_pending, CudaEngine, PinnedHostBuffer};
-    /// # let mut engine = CudaEngine::simulated(SimConfig::default());
-    /// let source = PinnedHostBuffer::from_slice(&mut engine, &[1.0f32, 2.0, 3.0])?;
-    /// let destination = engine.alloc_tensor::<f32>(&[3])?;
-    /// let upload = upload_pending(&mut engine, source, destination).map_err(|e| e.into_error())?;
-    /// // Ordered after the copy by an event wait on the device: no host wait.
-    /// let doubled = engine.add(upload.device_tensor(), upload.device_tensor())?;
-    /// let buffer = PinnedHostBuffer::<f32>::new(&mut engine, 3)?;
-    /// let download = download_pending(&mut engine, doubled, buffer).map_err(|e| e.into_error())?;
-    /// let download = download.wait()?; // the one host wait
-    /// assert_eq!(download.buffer().as_slice(), &[2.0, 4.0, 6.0]);
-    /// let _upload = upload.wait()?; // already complete: the kernel that read it waited for it
-    /// # Ok::<(), cuferry::Error>(())
-    /// ```
-    pub fn device_tensor(&self) -> &DeviceTensor<T> {
-        &self.hold.resources().tensor
-    }
-
-    /// Waits for the copy and returns the transfer in state [`Returned`]. The wait holds no
-    /// engine lock: the engine's owner keeps working while another thread waits here.
+    /// Waits for the work and returns the operation in state [`Returned`]. The wait holds no
+    /// engine lock: the engines' owners keep working while another thread waits here.
     ///
     /// # Errors
-    /// [`Error::DeviceFault`] when the device reports a failure: the buffer and tensor are then
-    /// retained by the engine for its lifetime (the device may still touch them), never freed.
-    pub fn wait(self) -> Result<Pending<D, T, Returned, B>> {
-        let (package, event) = self.hold.wait_parts()?;
-        Ok(Pending::new(Landed { package, event }))
+    /// [`Error::DeviceFault`](crate::Error::DeviceFault) when the device reports a failure: what
+    /// the failed work may still touch is then retained by its engine for the engine's lifetime,
+    /// never freed.
+    pub fn wait(self) -> Result<Pending<Op, Returned>> {
+        let done = self.hold.wait()?;
+        Ok(Pending {
+            hold: Op::land(done),
+        })
     }
 
-    /// Returns the transfer in state [`Returned`] if the copy has completed, or hands the
-    /// [`InFlight`] handle back if not. Never waits.
+    /// Returns the operation in state [`Returned`] if the work has completed, or hands the
+    /// [`InFlight`] value back if not. Never waits.
     ///
     /// # Errors
     /// As [`wait`](Self::wait).
-    pub fn try_wait(self) -> Result<TryWait<D, T, B>> {
+    pub fn try_wait(self) -> Result<TryWait<Op>> {
         Ok(match self.hold.try_wait()? {
-            Ok((package, event)) => TryWait::Returned(Pending::new(Landed { package, event })),
-            Err(fenced) => TryWait::InFlight(Pending::new(fenced)),
+            Ok(done) => TryWait::Returned(Pending {
+                hold: Op::land(done),
+            }),
+            Err(hold) => TryWait::InFlight(Pending { hold }),
         })
     }
 }
-impl<D: Direction, T: Element, B: HostBuffer<T>> Pending<D, T, Returned, B> {
-    /// The host buffer: for a download, the data that arrived.
-    pub fn buffer(&self) -> &B {
-        &self.hold.package.buffer
-    }
 
-    /// The host buffer, mutably: refill it before [`resubmit`](Self::resubmit)ting an upload.
-    pub fn buffer_mut(&mut self) -> &mut B {
-        &mut self.hold.package.buffer
+impl<Op: Operation> Pending<Op, Returned> {
+    /// Gives back everything the operation owned ([`Operation::Parts`]).
+    pub fn into_parts(self) -> Op::Parts {
+        Op::into_parts(self.hold)
     }
-
-    /// The device tensor: for an upload, the destination now holding the data.
-    pub fn tensor(&self) -> &DeviceTensor<T> {
-        &self.hold.package.tensor
-    }
-
-    /// Gives back the buffer and the tensor, in that order.
-    pub fn into_parts(self) -> (B, DeviceTensor<T>) {
-        let TransferPackage { buffer, tensor } = self.hold.package;
-        (buffer, tensor)
-    }
-
-    /// Queues the same copy again, between the same buffer and tensor, reusing the transfer's
-    /// event: nothing is allocated. For streaming loops: refill the buffer through
-    /// [`buffer_mut`](Self::buffer_mut) and resubmit an upload, or resubmit a download to read the
-    /// tensor again.
-    ///
-    /// # Errors
-    /// As [`upload_pending`] and [`download_pending`].
-    pub fn resubmit(
-        self,
-        engine: &mut CudaEngine,
-    ) -> Result<Pending<D, T, InFlight, B>, TransferSubmitError<T, B>> {
-        let Landed { package, event } = self.hold;
-        submit::<D, T, B>(engine, package, Some(event))
-    }
-}
-
-/// Why a submission of `package` is refused, if it is.
-fn refusal<D: Direction, T: Element, B: HostBuffer<T>>(
-    engine: &CudaEngine,
-    package: &TransferPackage<T, B>,
-) -> Option<Error> {
-    let (buffer_len, tensor_len) = (package.buffer.host_len(), package.tensor.len());
-    let (buffer_device, buffer_engine) = package.buffer.host_engine();
-    if let Err(error) = engine
-        .shared
-        .check(package.tensor.owner())
-        .and_then(|()| engine.shared.check_owner(buffer_device, buffer_engine))
-    {
-        return Some(error);
-    }
-    if tensor_len == 0 {
-        return Some(Error::ZeroLength {
-            what: "a pending transfer",
-        });
-    }
-    if buffer_len != tensor_len {
-        return Some(Error::LengthMismatch {
-            what: "pending transfer: elements in the buffer and in the tensor",
-            left: buffer_len,
-            right: tensor_len,
-        });
-    }
-    if !D::UPLOAD && !T::DTYPE.any_bit_pattern() {
-        return Some(Error::UnsupportedElement {
-            operation: "download_pending",
-            dtype: T::DTYPE,
-            reason:
-                "raw device bytes need not be 0 or 1, and a host buffer exposes them as they are",
-        });
-    }
-    None
-}
-
-/// Validates and queues one copy. `event` is the transfer's own idle event on resubmission; on a
-/// refusal it goes back to the engine that made it.
-fn submit<D: Direction, T: Element, B: HostBuffer<T>>(
-    engine: &mut CudaEngine,
-    package: TransferPackage<T, B>,
-    event: Option<IdleEvent>,
-) -> Result<Pending<D, T, InFlight, B>, TransferSubmitError<T, B>> {
-    if let Some(error) = refusal::<D, T, B>(engine, &package) {
-        return Err(TransferSubmitError::Rejected { package, error });
-    }
-    let owner = &engine.shared;
-    let mut st = match owner.enter() {
-        Ok(st) => st,
-        Err(error) => return Err(TransferSubmitError::Failed { package, error }),
-    };
-    let bytes = package.tensor.byte_len();
-    let host = package.buffer.host_ptr();
-    let device = package.tensor.raw_ptr();
-    // From the enqueue until the fence holds it, a panic inside a driver call leaks the package:
-    // dropped, its buffer would go back to the pool under the queued copy.
-    let package = ManuallyDrop::new(package);
-    // SAFETY: the buffer and tensor move into the fence below (or come back only once the stream
-    // is proven idle), untouched by the host until the event proves the copy complete (the host
-    // cannot read the buffer before the handle is `Returned`); both hold exactly `bytes` bytes
-    // (the lengths were checked equal), both belong to this engine, and the buffer's memory is
-    // page-locked for as long as the buffer lives (`HostBuffer`'s promise), so it stays valid
-    // until the fence releases it.
-    let lane = match unsafe { st.queue_host_copy(D::UPLOAD, device, device, host, bytes) } {
-        Ok(lane) => lane,
-        Err(error) => {
-            // Nothing was queued: the package comes back untouched.
-            let package = ManuallyDrop::into_inner(package);
-            return Err(TransferSubmitError::Failed { package, error });
-        }
-    };
-    let event = event.map(IdleEvent::into_raw);
-    match fence(&mut st, owner, lane, package, event, D::NAME) {
-        Fencing::Fenced(fenced) => Ok(Pending::new(fenced)),
-        Fencing::Proven(package, error) => Err(TransferSubmitError::Failed { package, error }),
-        Fencing::Untracked(untracked, error) => {
-            drop(st);
-            untracked.retain();
-            Err(TransferSubmitError::Retained { error })
-        }
-    }
-}
-
-/// Queues a copy of `source` into `destination` and returns the transfer in flight.
-///
-/// `source` is a [`PinnedHostBuffer`] or a [`RegisteredBuffer`](crate::RegisteredBuffer); either
-/// way the copy reads it when the device runs the copy, not at the call, and the handle owns it
-/// until then.
-///
-/// The engine is borrowed only for the call: later work on the engine runs after the copy in
-/// stream order, so the destination may be used by queued operations once the transfer is
-/// [`Returned`]; the handle holds both until then.
-///
-/// # Errors
-/// [`TransferSubmitError::Rejected`] (package untouched) for a length mismatch, a zero length or
-/// a buffer or tensor of another engine; [`TransferSubmitError::Failed`] when the driver refuses
-/// the copy; [`TransferSubmitError::Retained`] when the copy was queued but cannot be tracked.
-pub fn upload_pending<T: Element, B: HostBuffer<T>>(
-    engine: &mut CudaEngine,
-    source: B,
-    destination: DeviceTensor<T>,
-) -> Result<PendingUpload<T, InFlight, B>, TransferSubmitError<T, B>> {
-    submit::<Upload, T, B>(
-        engine,
-        TransferPackage {
-            buffer: source,
-            tensor: destination,
-        },
-        None,
-    )
-}
-
-/// Queues a copy of `value` into `buffer` and returns the transfer in flight.
-///
-/// `buffer` is a [`PinnedHostBuffer`] or a [`RegisteredBuffer`](crate::RegisteredBuffer); the
-/// copy writes it when the device runs the copy, and the handle owns it until the copy is proven
-/// complete.
-///
-/// # Errors
-/// As [`upload_pending`], and [`Error::UnsupportedElement`] (rejected) for `bool`.
-pub fn download_pending<T: Element, B: HostBuffer<T>>(
-    engine: &mut CudaEngine,
-    value: DeviceTensor<T>,
-    buffer: B,
-) -> Result<PendingDownload<T, InFlight, B>, TransferSubmitError<T, B>> {
-    submit::<Download, T, B>(
-        engine,
-        TransferPackage {
-            buffer,
-            tensor: value,
-        },
-        None,
-    )
 }

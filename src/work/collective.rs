@@ -3,14 +3,16 @@
 //! A [`Communicator`] joins engines on distinct devices, one NCCL rank each, in the order given.
 //! [`all_reduce`] and [`broadcast`] take one tensor per rank by value, queue the collective on
 //! every rank's compute stream (in one NCCL group, so one thread drives every GPU), record an
-//! event after it on each, and return a [`PendingCollective`]: the tensors are owned by the
-//! operation while it is in flight and come back from [`PendingCollective::wait`], in rank
-//! order, with the rules of every pending route:
+//! event after it on each, and return a [`Pending<Collective<T>>`](Pending): an operation in
+//! flight like every other ([`crate::pending`]), with its verbs and rules:
 //!
-//! - a refused call hands the tensors back ([`CollectiveSubmitError::Rejected`]);
+//! - a refused call hands the tensors back, in rank order ([`SubmitError`]);
 //! - each rank's tensor is lent shared, for work on its own engine that the engine orders after
-//!   the collective ([`PendingCollective::tensor`]);
-//! - dropping the handle in flight detaches each tensor into its own engine's retirement queue,
+//!   the collective ([`tensor`](Pending::tensor));
+//! - [`is_ready`](Pending::is_ready), [`wait`](Pending::wait), [`try_wait`](Pending::try_wait)
+//!   and `.await` cover every rank; once returned, [`resubmit`](Pending::resubmit) queues the
+//!   same collective again with the same events;
+//! - dropping it in flight detaches each tensor into its own engine's retirement queue,
 //!   released once that engine's event proves its part complete; `mem::forget` leaks them;
 //! - a wait that fails retains the failing rank's tensor for its engine's lifetime.
 //!
@@ -26,16 +28,21 @@
 #![allow(clippy::result_large_err)]
 
 mod ffi;
+mod ranks;
 
 use crate::core::engine::CudaEngine;
 use crate::core::order::Use;
 use crate::driver::{CollectiveKind, CollectiveRank, Lane, Reduction};
+use crate::error::SubmitError;
 use crate::error::{DeviceId, DeviceKind, Error, Result};
-use crate::lifecycle::fence::{fence, Fenced, Fencing};
+use crate::lifecycle::fence::{fence, Fencing, IdleEvent};
 use crate::memory::element::Element;
 use crate::memory::tensor::DeviceTensor;
+use crate::routes::pending::{self, InFlight, Operation, Pending, Returned};
+use ranks::{Part, Ranks, RanksLanded};
 use std::ffi::c_int;
 use std::fmt;
+use std::marker::PhantomData;
 use std::mem::ManuallyDrop;
 use std::sync::Arc;
 
@@ -153,13 +160,14 @@ impl Drop for Comms {
 ///
 /// ```no_run
 /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
-/// use cuferry::{all_reduce, upload_tensor, Communicator, CudaEngine, ReduceOp};
+/// use cuferry::collective::{all_reduce, Communicator, ReduceOp};
+/// use cuferry::{upload_tensor, CudaEngine};
 /// let (mut gpu0, mut gpu1) = (CudaEngine::open(0)?, CudaEngine::open(1)?);
 /// let comm = Communicator::new(&mut [&mut gpu0, &mut gpu1])?;
 /// let a = upload_tensor(&mut gpu0, &[1.0f32, 2.0], &[2])?;
 /// let b = upload_tensor(&mut gpu1, &[10.0f32, 20.0], &[2])?;
 /// let summed = all_reduce(&comm, &mut [&mut gpu0, &mut gpu1], vec![a, b], ReduceOp::Sum)?;
-/// let [a, b]: [_; 2] = summed.wait()?.try_into().unwrap();
+/// let [a, b]: [_; 2] = summed.wait()?.into_parts().try_into().unwrap();
 /// assert_eq!(cuferry::download_tensor(&mut gpu1, &b)?, [11.0, 22.0]);
 /// # drop(a); Ok(()) }
 /// ```
@@ -245,147 +253,87 @@ fn invalid(detail: impl Into<String>) -> Error {
     }
 }
 
-/// A rank's part of a collective in flight: its tensor fenced on its engine, or proven complete
-/// already (where the event could not be recorded but a synchronize proved the work done).
-enum Part<T: Element> {
-    Fenced(Fenced<(DeviceTensor<T>, Arc<Comms>)>),
-    Done(DeviceTensor<T>),
-}
-
-/// A collective in flight over every rank's tensor.
+/// The operation of [`all_reduce`] and [`broadcast`]: one collective over every rank's tensor.
+/// Its [parts](Operation::Parts) are the tensors, in rank order.
 ///
-/// It owns the tensors and lends each only shared, to work on its own engine; [`wait`](Self::wait)
-/// proves every rank's part complete and gives them back in rank order. Dropping it detaches each
-/// tensor into its own engine's retirement queue.
-#[must_use = "a collective in flight owns every rank's tensor: wait for it to get them back"]
-pub struct PendingCollective<T: Element> {
-    parts: Vec<Part<T>>,
-}
+/// In flight it owns the tensors and lends each only shared, to work on its own engine
+/// ([`tensor`](Pending::tensor)); [`wait`](Pending::wait) proves every rank's part complete.
+/// Dropping it in flight detaches each tensor into its own engine's retirement queue.
+pub struct Collective<T: Element>(PhantomData<fn() -> T>);
 
-impl<T: Element> fmt::Debug for PendingCollective<T> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("PendingCollective")
-            .field("ranks", &self.parts.len())
-            .field("dtype", &T::DTYPE)
-            .finish()
+impl<T: Element> pending::sealed::Sealed for Collective<T> {}
+
+impl<T: Element> Operation for Collective<T> {
+    type Parts = Vec<DeviceTensor<T>>;
+    type Flight = Ranks<T>;
+    type Landed = RanksLanded<T>;
+    const NAME: &'static str = "collective";
+
+    fn land(done: RanksLanded<T>) -> RanksLanded<T> {
+        done
+    }
+
+    fn into_parts(landed: RanksLanded<T>) -> Vec<DeviceTensor<T>> {
+        landed.tensors
     }
 }
 
-impl<T: Element> PendingCollective<T> {
-    /// Whether every rank's part has completed. Never waits.
-    ///
-    /// # Errors
-    /// [`Error::DeviceFault`] when a rank's device reports a failure.
-    pub fn is_ready(&mut self) -> Result<bool> {
-        for part in &self.parts {
-            if let Part::Fenced(fenced) = part {
-                if !fenced.is_ready()? {
-                    return Ok(false);
-                }
-            }
-        }
-        Ok(true)
-    }
-
+impl<T: Element> Pending<Collective<T>, InFlight> {
     /// Rank `rank`'s tensor, for work on its own engine: that engine orders it after the
     /// collective (on another of its streams, by an event wait on the device), with no host
     /// wait. `None` past the last rank.
     pub fn tensor(&self, rank: usize) -> Option<&DeviceTensor<T>> {
-        self.parts.get(rank).map(|part| match part {
+        self.hold.parts.get(rank).map(|part| match part {
             Part::Fenced(fenced) => &fenced.resources().0,
             Part::Done(tensor) => tensor,
         })
     }
 
-    /// Waits for every rank's part (outside the engines' locks) and gives the tensors back in
-    /// rank order.
+    /// The number of ranks.
+    pub fn ranks(&self) -> usize {
+        self.hold.parts.len()
+    }
+}
+
+impl<T: CollectiveElement> Pending<Collective<T>, Returned> {
+    /// Rank `rank`'s tensor; `None` past the last rank.
+    pub fn tensor(&self, rank: usize) -> Option<&DeviceTensor<T>> {
+        self.hold.tensors.get(rank)
+    }
+
+    /// Every rank's tensor, in rank order.
+    pub fn tensors(&self) -> &[DeviceTensor<T>] {
+        &self.hold.tensors
+    }
+
+    /// Every rank's tensor, mutably: rewrite them (the next step's gradients, say) before
+    /// [`resubmit`](Self::resubmit)ting. A tensor swapped for one of another engine or length is
+    /// refused by the resubmission, which hands every tensor back.
+    pub fn tensors_mut(&mut self) -> &mut [DeviceTensor<T>] {
+        &mut self.hold.tensors
+    }
+
+    /// Queues the same collective again (the same reduction or root, over the same
+    /// communicator), on the same tensors, reusing each rank's event: for a training loop that
+    /// reduces the same gradients every step. `engines[i]` is rank `i`'s engine.
     ///
     /// # Errors
-    /// [`Error::DeviceFault`] when a rank's device reports a failure: that rank's tensor is
-    /// retained by its engine for its lifetime; the other ranks' tensors are released by their
-    /// engines once proven.
-    pub fn wait(self) -> Result<Vec<DeviceTensor<T>>> {
-        let mut tensors = Vec::with_capacity(self.parts.len());
-        let mut parts = self.parts.into_iter();
-        for part in parts.by_ref() {
-            match part {
-                Part::Done(tensor) => tensors.push(tensor),
-                Part::Fenced(fenced) => match fenced.wait_parts() {
-                    Ok(((tensor, _comms), _event)) => tensors.push(tensor),
-                    // The parts not waited for detach as they drop.
-                    Err(error) => return Err(error),
-                },
-            }
-        }
-        Ok(tensors)
+    /// As [`all_reduce`].
+    pub fn resubmit(self, engines: &mut [&mut CudaEngine]) -> Submitted<T> {
+        let RanksLanded {
+            tensors,
+            events,
+            comms,
+            kind,
+        } = self.hold;
+        submit(&comms, engines, tensors, kind, events)
     }
 }
 
-/// A collective that did not go in flight.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum CollectiveSubmitError<T: Element> {
-    /// Refused before anything was queued; the tensors come back untouched, in rank order.
-    #[error("collective rejected: {error}")]
-    Rejected {
-        /// The tensors, as given.
-        tensors: Vec<DeviceTensor<T>>,
-        /// Why: [`Error::InvalidArgument`] for a count of engines or tensors other than the
-        /// ranks, a root past the last rank, or lengths that differ; [`Error::WrongEngine`]
-        /// for an engine that is not the rank's or a tensor not of its rank's engine;
-        /// [`Error::ZeroLength`].
-        error: Error,
-    },
-    /// An engine could not order the collective after its earlier work, or the device refused
-    /// it, before any of it was queued; the tensors come back.
-    #[error("collective could not be queued: {error}")]
-    Failed {
-        /// The tensors, as given.
-        tensors: Vec<DeviceTensor<T>>,
-        /// The refusal.
-        error: Error,
-    },
-    /// NCCL refused the collective, or an event could not be fenced, after parts of it may have
-    /// been queued: every rank's tensor is held by its engine until that engine proves its
-    /// stream complete (retained for good where it cannot), never freed under the device.
-    #[error("collective failed after it may have been queued; its tensors are held by their engines until proven: {error}")]
-    Detached {
-        /// The failure.
-        error: Error,
-    },
-}
-
-impl<T: Element> CollectiveSubmitError<T> {
-    /// The error.
-    pub fn error(&self) -> &Error {
-        match self {
-            CollectiveSubmitError::Rejected { error, .. }
-            | CollectiveSubmitError::Failed { error, .. }
-            | CollectiveSubmitError::Detached { error } => error,
-        }
-    }
-
-    /// The error, dropping any tensors that came back.
-    pub fn into_error(self) -> Error {
-        match self {
-            CollectiveSubmitError::Rejected { error, .. }
-            | CollectiveSubmitError::Failed { error, .. }
-            | CollectiveSubmitError::Detached { error } => error,
-        }
-    }
-
-    /// The tensors, when they came back.
-    pub fn into_tensors(self) -> Option<Vec<DeviceTensor<T>>> {
-        match self {
-            CollectiveSubmitError::Rejected { tensors, .. }
-            | CollectiveSubmitError::Failed { tensors, .. } => Some(tensors),
-            CollectiveSubmitError::Detached { .. } => None,
-        }
-    }
-}
+type Submitted<T> = Result<Pending<Collective<T>>, SubmitError<Vec<DeviceTensor<T>>>>;
 
 /// What the collective does on each rank.
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Debug)]
 enum Kind {
     AllReduce(ReduceOp),
     Broadcast(usize),
@@ -395,38 +343,57 @@ enum Kind {
 /// rank's tensor, in place: `tensors[i]` is rank `i`'s, of `engines[i]`.
 ///
 /// # Errors
-/// See [`CollectiveSubmitError`].
+/// [`SubmitError::Rejected`] (the tensors back, untouched, in rank order) for a count of engines
+/// or tensors other than the ranks, lengths that differ, an engine that is not the rank's or a
+/// tensor not of its rank's engine, or a zero length; [`SubmitError::Failed`] (the tensors back)
+/// when an engine could not order the collective after its earlier work, or the device refused
+/// it, before any of it was queued; [`SubmitError::Retained`] when NCCL refused the collective,
+/// or an event could not be fenced, after parts of it may have been queued: every rank's tensor
+/// is then held by its engine until that engine proves its stream complete (retained for good
+/// where it cannot), never freed under the device.
 pub fn all_reduce<T: CollectiveElement>(
     comm: &Communicator,
     engines: &mut [&mut CudaEngine],
     tensors: Vec<DeviceTensor<T>>,
     op: ReduceOp,
-) -> Result<PendingCollective<T>, CollectiveSubmitError<T>> {
-    submit(comm, engines, tensors, Kind::AllReduce(op))
+) -> Submitted<T> {
+    submit(
+        &comm.inner,
+        engines,
+        tensors,
+        Kind::AllReduce(op),
+        Vec::new(),
+    )
 }
 
 /// Copies rank `root`'s tensor into every other rank's, in place: `tensors[i]` is rank `i`'s,
 /// of `engines[i]`.
 ///
 /// # Errors
-/// See [`CollectiveSubmitError`].
+/// As [`all_reduce`], and [`SubmitError::Rejected`] for a root past the last rank.
 pub fn broadcast<T: CollectiveElement>(
     comm: &Communicator,
     engines: &mut [&mut CudaEngine],
     tensors: Vec<DeviceTensor<T>>,
     root: usize,
-) -> Result<PendingCollective<T>, CollectiveSubmitError<T>> {
-    submit(comm, engines, tensors, Kind::Broadcast(root))
+) -> Submitted<T> {
+    submit(
+        &comm.inner,
+        engines,
+        tensors,
+        Kind::Broadcast(root),
+        Vec::new(),
+    )
 }
 
 /// Why a collective over `tensors` on `engines` is refused, if it is.
 fn refusal<T: Element>(
-    comm: &Communicator,
+    comms: &Comms,
     engines: &[&mut CudaEngine],
     tensors: &[DeviceTensor<T>],
     kind: Kind,
 ) -> Option<Error> {
-    let ranks = comm.ranks();
+    let ranks = comms.members.len();
     if engines.len() != ranks || tensors.len() != ranks {
         return Some(invalid(format!(
             "{} engines and {} tensors for {ranks} ranks",
@@ -439,7 +406,7 @@ fn refusal<T: Element>(
             return Some(invalid(format!("root {root} of {ranks} ranks")));
         }
     }
-    for ((engine, tensor), &(device, id)) in engines.iter().zip(tensors).zip(&comm.inner.members) {
+    for ((engine, tensor), &(device, id)) in engines.iter().zip(tensors).zip(&comms.members) {
         if let Err(error) = engine
             .shared
             .check_owner(device, id)
@@ -504,14 +471,20 @@ unsafe fn queue_nccl<T: CollectiveElement>(
     })
 }
 
+/// Validates and queues the collective. `events` are the ranks' idle events on resubmission
+/// (empty otherwise); on a refusal they go back to their engines' pools.
 fn submit<T: CollectiveElement>(
-    comm: &Communicator,
+    comms: &Arc<Comms>,
     engines: &mut [&mut CudaEngine],
     tensors: Vec<DeviceTensor<T>>,
     kind: Kind,
-) -> Result<PendingCollective<T>, CollectiveSubmitError<T>> {
-    if let Some(error) = refusal(comm, engines, &tensors, kind) {
-        return Err(CollectiveSubmitError::Rejected { tensors, error });
+    events: Vec<Option<IdleEvent>>,
+) -> Submitted<T> {
+    if let Some(error) = refusal(comms, engines, &tensors, kind) {
+        return Err(SubmitError::Rejected {
+            input: tensors,
+            error,
+        });
     }
     // Each rank's compute stream first waits for the earlier work on its tensor (its engine's
     // other streams); the use is recorded, so the engine's later uses and free wait for the
@@ -525,11 +498,16 @@ fn submit<T: CollectiveElement>(
         match ordered {
             Ok(stream) => streams.push(stream as ffi::Stream),
             // Nothing of the collective is queued: a recorded use only orders more than needed.
-            Err(error) => return Err(CollectiveSubmitError::Failed { tensors, error }),
+            Err(error) => {
+                return Err(SubmitError::Failed {
+                    input: tensors,
+                    error,
+                })
+            }
         }
     }
     let count = tensors[0].len();
-    let queued = match &comm.inner.backend {
+    let queued = match &comms.backend {
         Backend::Nccl(comms) => {
             // SAFETY: as `queue_nccl` requires: the buffers hold `count` elements of `T` on their
             // ranks' devices (checked), the streams are the ranks' engines' compute streams,
@@ -557,7 +535,10 @@ fn submit<T: CollectiveElement>(
                     .map_err(Error::driver("collective"))
             });
             if let Err(error) = refused {
-                return Err(CollectiveSubmitError::Failed { tensors, error });
+                return Err(SubmitError::Failed {
+                    input: tensors,
+                    error,
+                });
             }
             Ok(())
         }
@@ -565,9 +546,11 @@ fn submit<T: CollectiveElement>(
     // From here the device may touch every tensor: each is fenced on its engine.
     let mut parts = Vec::with_capacity(tensors.len());
     let mut failure = queued.err();
+    let mut events = events.into_iter();
     for (engine, tensor) in engines.iter_mut().zip(tensors) {
         let owner = std::sync::Arc::clone(&engine.shared);
-        let resources = ManuallyDrop::new((tensor, Arc::clone(&comm.inner)));
+        let resources = ManuallyDrop::new((tensor, Arc::clone(comms)));
+        let event = events.next().flatten();
         let mut st = match owner.enter() {
             Ok(st) => st,
             Err(error) => {
@@ -582,7 +565,7 @@ fn submit<T: CollectiveElement>(
             &owner,
             Lane::Compute,
             resources,
-            None,
+            event.map(IdleEvent::into_raw),
             "collective",
         ) {
             Fencing::Fenced(fenced) => parts.push(Part::Fenced(fenced)),
@@ -598,11 +581,15 @@ fn submit<T: CollectiveElement>(
         }
     }
     match failure {
-        None => Ok(PendingCollective { parts }),
+        None => Ok(Pending::in_flight(Ranks {
+            parts,
+            comms: Arc::clone(comms),
+            kind,
+        })),
         Some(error) => {
             // Every fenced part detaches into its engine's queue as `parts` drops.
             drop(parts);
-            Err(CollectiveSubmitError::Detached { error })
+            Err(SubmitError::Retained { error })
         }
     }
 }

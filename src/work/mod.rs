@@ -1,9 +1,9 @@
 //! The work level: what runs on the device on the engine's compute stream.
 //!
-//! - [`kernels`]: the elementwise kernels, their cache, their CUDA source and the emulations the
+//! - `kernels`: the elementwise kernels, their cache, their CUDA source and the emulations the
 //!   simulator runs in their place.
 //! - [`libs`]: cuBLAS, cuSOLVER and cuTENSOR bound to the engine's compute stream, and their handles.
-//! - [`interop`]: CubeCL kernels on engine data.
+//! - [`interop`]: CubeCL kernels on engine data (the public `cubecl` module).
 //! - [`graph`]: traced programs, compiled, prepared for an engine and replayed as CUDA graphs.
 //! - [`raw`]: raw scopes, for code that calls CUDA itself.
 //! - [`collective`]: NCCL all-reduce and broadcast over one engine per GPU.
@@ -18,6 +18,6 @@
 pub mod collective;
 pub mod graph;
 pub mod interop;
-pub mod kernels;
+pub(crate) mod kernels;
 pub mod libs;
 pub(crate) mod raw;

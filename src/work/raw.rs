@@ -12,7 +12,7 @@
 //! The scope's lifetime is a brand, invariant in every type that carries it, so a tensor lent to
 //! the scope stays borrowed until the closure returns; [`RawScope`] explains why it takes a
 //! second lifetime. The raw values are cudarc driver types, named through the crate's re-export
-//! `cuferry::cudarc`, the cudarc release these scopes speak.
+//! `cuferry::raw::cudarc`, the cudarc release these scopes speak.
 
 use crate::core::context::ContextScope;
 use crate::core::engine::{CudaEngine, Shared};
@@ -41,9 +41,9 @@ pub struct RawContext<'s> {
 
 impl RawContext<'_> {
     /// The `CUcontext` (for a simulated engine, an opaque non-null token), typed through the
-    /// crate's cudarc re-export: `cuferry::cudarc::driver::sys::CUcontext`.
-    pub fn as_raw(&self) -> crate::cudarc::driver::sys::CUcontext {
-        self.raw as crate::cudarc::driver::sys::CUcontext
+    /// crate's cudarc re-export: `cuferry::raw::cudarc::driver::sys::CUcontext`.
+    pub fn as_raw(&self) -> crate::raw::cudarc::driver::sys::CUcontext {
+        self.raw as crate::raw::cudarc::driver::sys::CUcontext
     }
 }
 
@@ -59,9 +59,9 @@ pub struct RawStream<'s> {
 
 impl RawStream<'_> {
     /// The `CUstream`, typed through the crate's cudarc re-export:
-    /// `cuferry::cudarc::driver::sys::CUstream`.
-    pub fn as_raw(&self) -> crate::cudarc::driver::sys::CUstream {
-        self.raw as crate::cudarc::driver::sys::CUstream
+    /// `cuferry::raw::cudarc::driver::sys::CUstream`.
+    pub fn as_raw(&self) -> crate::raw::cudarc::driver::sys::CUstream {
+        self.raw as crate::raw::cudarc::driver::sys::CUstream
     }
 }
 
@@ -76,8 +76,8 @@ pub struct RawDevicePtr<'s> {
 
 impl RawDevicePtr<'_> {
     /// The `CUdeviceptr` (a `u64`), typed through the crate's cudarc re-export:
-    /// `cuferry::cudarc::driver::sys::CUdeviceptr`.
-    pub fn as_raw(&self) -> crate::cudarc::driver::sys::CUdeviceptr {
+    /// `cuferry::raw::cudarc::driver::sys::CUdeviceptr`.
+    pub fn as_raw(&self) -> crate::raw::cudarc::driver::sys::CUdeviceptr {
         self.raw
     }
 

@@ -16,8 +16,10 @@
 use cuferry::graph::{GraphCompiler, Input, Prepared, TracedTensor};
 use cuferry::sim::{Schedule, SimConfig, SimDevice};
 use cuferry::{
-    download_pending, download_tensor, upload_pending, upload_tensor_into, CudaEngine, DType,
-    DeviceTensor, Error, PendingDownload, PendingUpload, PinnedHostBuffer,
+    download_pending, download_tensor,
+    pending::{Download, Upload},
+    upload_pending, upload_tensor_into, CudaEngine, DType, DeviceTensor, Error, Pending,
+    PinnedHostBuffer,
 };
 use proptest::prelude::*;
 
@@ -130,9 +132,9 @@ pub fn op() -> impl Strategy<Value = Op> {
 enum Slot {
     Empty,
     Idle(DeviceTensor<f32>),
-    Up(PendingUpload<f32>),
+    Up(Pending<Upload<f32>>),
     /// A download in flight, with the data it must bring back.
-    Down(PendingDownload<f32>, Vec<f32>),
+    Down(Pending<Download<f32>>, Vec<f32>),
 }
 
 impl Slot {
@@ -141,8 +143,8 @@ impl Slot {
         match self {
             Slot::Empty => None,
             Slot::Idle(t) => Some(t),
-            Slot::Up(p) => Some(p.device_tensor()),
-            Slot::Down(p, _) => Some(p.device_tensor()),
+            Slot::Up(p) => Some(p.tensor()),
+            Slot::Down(p, _) => Some(p.tensor()),
         }
     }
 }
@@ -264,8 +266,8 @@ impl Run {
                     }
                     Err(e) => {
                         let error = e.to_string();
-                        if let Some(package) = e.into_package() {
-                            self.slots[slot] = Slot::Idle(package.tensor);
+                        if let Some(package) = e.into_input() {
+                            self.slots[slot] = Slot::Idle(package.1);
                         }
                         self.failed("pending upload", &error, &[slot]);
                     }
@@ -294,8 +296,8 @@ impl Run {
                     }
                     Err(e) => {
                         let error = e.to_string();
-                        if let Some(package) = e.into_package() {
-                            self.slots[slot] = Slot::Idle(package.tensor);
+                        if let Some(package) = e.into_input() {
+                            self.slots[slot] = Slot::Idle(package.1);
                         }
                         self.failed("pending download", &error, &[slot]);
                     }

@@ -463,8 +463,8 @@ pub fn check_casts_from<T: Reference>(engine: &mut CudaEngine, rng: &mut Rng, n:
     });
 }
 
+use cuferry::error::DriverError;
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
-use cuferry::DriverError;
 
 /// An engine on a fresh simulated device, and the device.
 pub fn sim_engine() -> (CudaEngine, SimDevice) {
@@ -550,17 +550,17 @@ pub fn small_values<T: Reference>(rng: &mut Rng, n: usize) -> Vec<T> {
 }
 
 /// `op` of two elements, as the reference computes it (the mean is checked on its own).
-pub fn reduce_pair<T: Reference>(op: cuferry::ReduceOp, p: T, q: T) -> T {
+pub fn reduce_pair<T: Reference>(op: cuferry::collective::ReduceOp, p: T, q: T) -> T {
     let less = |x: T, y: T| match (x.hub(), y.hub()) {
         (Hub::Float(x), Hub::Float(y)) => x < y,
         (Hub::Int(x), Hub::Int(y)) => x < y,
         _ => unreachable!("no bool collectives"),
     };
     match op {
-        cuferry::ReduceOp::Sum => p.add(q),
-        cuferry::ReduceOp::Prod => p.mul(q),
-        cuferry::ReduceOp::Max if less(p, q) => q,
-        cuferry::ReduceOp::Min if !less(p, q) => q,
+        cuferry::collective::ReduceOp::Sum => p.add(q),
+        cuferry::collective::ReduceOp::Prod => p.mul(q),
+        cuferry::collective::ReduceOp::Max if less(p, q) => q,
+        cuferry::collective::ReduceOp::Min if !less(p, q) => q,
         _ => p,
     }
 }

@@ -9,13 +9,14 @@ pub const COPY_THREADS: usize = 4;
 #[ctor::ctor(unsafe)]
 fn size_the_copy_pool() {
     // Before `main`: nothing else runs yet, and the pool is not built.
-    cuferry::set_copy_threads(COPY_THREADS).expect("the copy pool is sized before first use");
+    cuferry::staging::set_copy_threads(COPY_THREADS)
+        .expect("the copy pool is sized before first use");
 }
 
 #[test]
 fn the_staged_routes_run_with_two_or_more_copy_threads() {
-    assert_eq!(cuferry::copy_threads(), COPY_THREADS);
-    assert!(cuferry::copy_threads() >= 2);
+    assert_eq!(cuferry::staging::copy_threads(), COPY_THREADS);
+    assert!(cuferry::staging::copy_threads() >= 2);
     let engine = cuferry::CudaEngine::simulated(cuferry::sim::SimConfig::default());
     assert_eq!(engine.staging_config().copy_threads, COPY_THREADS);
 }

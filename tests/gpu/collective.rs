@@ -5,8 +5,8 @@
 
 use crate::reference::{assert_same, reduce_pair, small_values, Reference, Rng};
 use cuferry::{
-    all_reduce, broadcast, download_tensor, upload_tensor, CollectiveElement,
-    CollectiveSubmitError, Communicator, CudaEngine, Error, ReduceOp,
+    collective::{all_reduce, broadcast, CollectiveElement, Communicator, ReduceOp},
+    download_tensor, upload_tensor, CudaEngine, Error, SubmitError,
 };
 
 /// Two engines on GPU 0 and 1, and their communicator; `None` (after saying why) without a
@@ -54,7 +54,7 @@ fn check_type<T: CollectiveElement + Reference>(
             let pending = all_reduce(comm, &mut [a, b], vec![ta, tb], op).unwrap();
             // Rank 1's tensor, read by its engine after the collective with no host wait.
             let early = download_tensor(b, pending.tensor(1).unwrap()).unwrap();
-            let back = pending.wait().unwrap();
+            let back = pending.wait().unwrap().into_parts();
             let want: Vec<T> = x
                 .iter()
                 .zip(&y)
@@ -79,7 +79,8 @@ fn check_type<T: CollectiveElement + Reference>(
             let back = broadcast(comm, &mut [a, b], vec![ta, tb], root)
                 .unwrap()
                 .wait()
-                .unwrap();
+                .unwrap()
+                .into_parts();
             let want = if root == 0 { &x } else { &y };
             let what = format!("{} broadcast from {root} n={n}", T::DTYPE);
             assert_same(&what, &download_tensor(a, &back[0]).unwrap(), want);
@@ -111,7 +112,8 @@ fn all_reduce_and_broadcast_for_every_element_type() {
     let back = all_reduce(&comm, &mut [&mut a, &mut b], vec![ta, tb], ReduceOp::Avg)
         .unwrap()
         .wait()
-        .unwrap();
+        .unwrap()
+        .into_parts();
     assert_eq!(download_tensor(&mut b, &back[1]).unwrap(), [3.0, 6.0]);
 }
 
@@ -157,11 +159,8 @@ fn a_collective_follows_queued_kernels_and_detaches_on_drop() {
     let tb = upload_tensor(&mut b, &[1u32, 2, 3], &[3]).unwrap();
     let refused =
         all_reduce(&comm, &mut [&mut a, &mut b], vec![ta, tb], ReduceOp::Sum).unwrap_err();
-    assert!(
-        matches!(refused, CollectiveSubmitError::Rejected { .. }),
-        "{refused}"
-    );
-    let back = refused.into_tensors().unwrap();
+    assert!(matches!(refused, SubmitError::Rejected { .. }), "{refused}");
+    let back = refused.into_input().unwrap();
     assert_eq!(download_tensor(&mut b, &back[1]).unwrap(), [1, 2, 3]);
     let refused = broadcast(&comm, &mut [&mut b, &mut a], back, 0).unwrap_err();
     assert!(

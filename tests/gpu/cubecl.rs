@@ -4,7 +4,7 @@
 
 use crate::engine;
 use crate::reference::Rng;
-use cuferry::cubecl::prelude::*;
+use cuferry::cubecl::runtime::prelude::*;
 use cuferry::{download_tensor, upload_tensor};
 
 #[cube(launch)]
@@ -82,7 +82,7 @@ fn a_cubecl_import_of_an_in_flight_destination_sees_the_landed_data() {
     let source = cuferry::PinnedHostBuffer::from_slice(&mut engine, &host).unwrap();
     let destination = engine.alloc_tensor::<f32>(&[n]).unwrap();
     let upload = cuferry::upload_pending(&mut engine, source, destination).unwrap();
-    let on_device = upload.device_tensor();
+    let on_device = upload.tensor();
     let back = engine
         .with_cubecl(|scope| -> Result<_, cuferry::Error> {
             // Queued on the engine's stream after the upload, then waited for on the host.

@@ -15,7 +15,7 @@ fn chain<T: Reference + Element>(engine: &mut CudaEngine, rng: &mut Rng, n: usiz
     let destination = engine.alloc_tensor::<T>(&[n]).unwrap();
     let buffer = PinnedHostBuffer::<T>::new(engine, n).unwrap();
     let upload = upload_pending(engine, source, destination).unwrap();
-    let copy = engine.copy_tensor(upload.device_tensor()).unwrap();
+    let copy = engine.copy_tensor(upload.tensor()).unwrap();
     let download = download_pending(engine, copy, buffer).unwrap();
     let download = download.wait().unwrap();
     assert_same(
@@ -52,9 +52,7 @@ fn a_64_mib_chain_is_queued_without_waiting_and_lands_in_order() {
     let destination = engine.alloc_tensor::<f32>(&[n]).unwrap();
     let buffer = PinnedHostBuffer::<f32>::new(&mut engine, n).unwrap();
     let upload = upload_pending(&mut engine, source, destination).unwrap();
-    let doubled = engine
-        .add(upload.device_tensor(), upload.device_tensor())
-        .unwrap();
+    let doubled = engine.add(upload.tensor(), upload.tensor()).unwrap();
     let scaled = engine.scale(&doubled, 0.25f32).unwrap();
     let mut download = download_pending(&mut engine, scaled, buffer).unwrap();
     // Two 64 MiB copies over PCIe take milliseconds: had any step waited on the host, the chain

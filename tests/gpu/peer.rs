@@ -3,20 +3,18 @@
 
 use crate::common::open;
 use crate::reference::{assert_same, random_vec, Reference, Rng};
-use cuferry::{
-    download_tensor, peer_copy, peer_copy_into, peer_copy_pending, upload_tensor, CudaEngine,
-};
+use cuferry::{download_tensor, peer, upload_tensor, CudaEngine};
 
 fn round_trip<T: Reference>(a: &mut CudaEngine, b: &mut CudaEngine, rng: &mut Rng) {
     let size = std::mem::size_of::<T>();
     for n in [0, 1, 16 / size, 16 / size + 1, (4 << 20) / size + 3] {
         let data = random_vec::<T>(rng, n);
         let x = upload_tensor(a, &data, &[n]).unwrap();
-        let there = peer_copy(a, &x, b).unwrap();
+        let there = peer::copy(a, &x, b).unwrap();
         let what = format!("{} n={n}", T::DTYPE);
         assert_same(&what, &download_tensor(b, &there).unwrap(), &data);
         let mut back = a.alloc_tensor::<T>(&[n]).unwrap();
-        peer_copy_into(b, &there, a, &mut back).unwrap();
+        peer::copy_into(b, &there, a, &mut back).unwrap();
         assert_same(&what, &download_tensor(a, &back).unwrap(), &data);
     }
 }
@@ -35,7 +33,10 @@ fn every_element_type_crosses_between_engines() {
     every_type(&mut a, &mut b);
     match CudaEngine::open(1) {
         Ok(mut c) => {
-            assert!(a.peer_access(&c).unwrap(), "the GPUs have a peer link");
+            assert!(
+                peer::access(&mut a, &c).unwrap(),
+                "the GPUs have a peer link"
+            );
             every_type(&mut a, &mut c);
             println!("peer copies checked between two engines on GPU 0, and GPU 0 and GPU 1");
         }
@@ -60,7 +61,7 @@ fn peer_copies_in_each_direction_at_once() {
         );
         let x = upload_tensor(&mut a, data, &[data.len()]).unwrap();
         for _ in 0..8 {
-            let there = peer_copy(&mut a, &x, &mut b).unwrap();
+            let there = peer::copy(&mut a, &x, &mut b).unwrap();
             assert_eq!(download_tensor(&mut b, &there).unwrap(), data);
         }
     };
@@ -76,7 +77,7 @@ fn pending_round_trip<T: Reference>(a: &mut CudaEngine, b: &mut CudaEngine, rng:
         let data = random_vec::<T>(rng, n);
         let x = upload_tensor(a, &data, &[n]).unwrap();
         let landing = b.alloc_tensor::<T>(&[n]).unwrap();
-        let copy = peer_copy_pending(a, x, b, landing).unwrap();
+        let copy = peer::copy_pending(a, x, b, landing).unwrap();
         let what = format!("pending {} n={n}", T::DTYPE);
         // Handed to the destination engine in flight: its download runs after the copy.
         assert_same(
@@ -122,7 +123,7 @@ fn a_pending_copy_follows_the_sources_queued_kernels_and_precedes_the_destinatio
             y = a.add(&y, &x).unwrap();
         }
         let landing = b.alloc_tensor::<f32>(&[n]).unwrap();
-        let copy = peer_copy_pending(&mut a, y, &mut b, landing).unwrap();
+        let copy = peer::copy_pending(&mut a, y, &mut b, landing).unwrap();
         let z = b.scale(copy.destination(), 0.5).unwrap();
         drop(copy); // detached into the destination engine's queue
         let got = download_tensor(&mut b, &z).unwrap();

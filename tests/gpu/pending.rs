@@ -3,7 +3,7 @@
 use crate::common::{distinct_f32, open};
 use cuferry::{
     bf16, download_pending, download_tensor, download_tensor_into, f16, upload_pending,
-    upload_tensor, CudaEngine, Element, Error, PinnedHostBuffer, TransferSubmitError,
+    upload_tensor, CudaEngine, Element, Error, PinnedHostBuffer, SubmitError,
 };
 
 const BIG: usize = 64 << 20; // bytes
@@ -139,7 +139,11 @@ fn rejected_packages_come_back_untouched() {
     let buffer = PinnedHostBuffer::from_slice(&mut engine, &data).unwrap();
     let dest = engine.alloc_tensor::<f32>(&[999]).unwrap();
     let err = upload_pending(&mut engine, buffer, dest).unwrap_err();
-    let TransferSubmitError::Rejected { package, error } = err else {
+    let SubmitError::Rejected {
+        input: package,
+        error,
+    } = err
+    else {
         panic!("expected a rejection, got {err}");
     };
     assert!(
@@ -153,17 +157,17 @@ fn rejected_packages_come_back_untouched() {
         ),
         "{error}"
     );
-    assert_eq!(package.buffer.as_slice(), &data[..]);
+    assert_eq!(package.0.as_slice(), &data[..]);
     let mut other = open();
-    let err = download_pending(&mut other, package.tensor, package.buffer).unwrap_err();
+    let err = download_pending(&mut other, package.1, package.0).unwrap_err();
     assert!(matches!(
         err,
-        TransferSubmitError::Rejected {
+        SubmitError::Rejected {
             error: Error::WrongEngine { .. },
             ..
         }
     ));
-    assert_eq!(err.into_package().unwrap().buffer.as_slice(), &data[..]);
+    assert_eq!(err.into_input().unwrap().0.as_slice(), &data[..]);
 }
 
 fn round_trip<T: Element>(engine: &mut CudaEngine, make: impl Fn(usize) -> T) {

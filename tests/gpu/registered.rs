@@ -3,8 +3,8 @@
 
 use crate::common::open;
 use cuferry::{
-    download_pending, download_tensor, upload_pending, CudaEngine, DriverError, Element, Error,
-    RegisteredBuffer,
+    download_pending, download_tensor, error::DriverError, upload_pending, CudaEngine, Element,
+    Error, RegisteredBuffer,
 };
 
 /// Registers `data`, uploads it with a pending upload, overwrites the buffer, downloads the
@@ -109,7 +109,7 @@ fn two_small_vecs_registered_at_once() {
                     source,
                 } if *source != DriverError::UNKNOWN
             ));
-            assert_eq!(refused.into_input(), vec![2u8; 64]);
+            assert_eq!(refused.into_input(), Some(vec![2u8; 64]));
         }
     }
     assert_eq!(a.into_vec().unwrap(), vec![1u8; 64]);

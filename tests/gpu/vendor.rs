@@ -4,7 +4,9 @@
 use crate::engine;
 use crate::reference::Rng;
 use cuferry::{
-    download_tensor, upload_tensor, BlasElement, CudaEngine, Error, GemmConfig, Transpose,
+    download_tensor,
+    libs::{BlasElement, GemmConfig, Transpose},
+    upload_tensor, CudaEngine, Error,
 };
 
 /// Column-major host gemm, accumulated in f64.

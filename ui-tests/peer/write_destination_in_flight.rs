@@ -1,7 +1,7 @@
 // The destination of an in-flight peer copy is lent shared: the destination engine may read it
 // after the copy, but nothing can write it while the copy may still land in it.
 use cuferry::sim::{SimConfig, SimDevice};
-use cuferry::{peer_copy_pending, upload_tensor, CudaEngine};
+use cuferry::{upload_tensor, CudaEngine, peer};
 
 fn main() {
     let machine = SimDevice::new(SimConfig { devices: 2, ..SimConfig::default() });
@@ -9,6 +9,6 @@ fn main() {
     let mut gpu1 = CudaEngine::simulated_on_device(&machine, 1).unwrap();
     let x = upload_tensor(&mut gpu0, &[1.0f32, 2.0, 3.0], &[3]).unwrap();
     let landing = gpu1.alloc_tensor::<f32>(&[3]).unwrap();
-    let copy = peer_copy_pending(&mut gpu0, x, &mut gpu1, landing).unwrap();
+    let copy = peer::copy_pending(&mut gpu0, x, &mut gpu1, landing).unwrap();
     gpu1.fill(copy.destination(), 0.0).unwrap();
 }

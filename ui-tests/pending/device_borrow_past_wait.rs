@@ -8,7 +8,7 @@ fn main() {
     let buffer = PinnedHostBuffer::from_slice(&mut engine, &[1.0f32, 2.0, 3.0]).unwrap();
     let tensor = engine.alloc_tensor::<f32>(&[3]).unwrap();
     let pending = upload_pending(&mut engine, buffer, tensor).unwrap();
-    let on_device = pending.device_tensor();
+    let on_device = pending.tensor();
     let returned = pending.wait().unwrap();
     let _sum = engine.add(on_device, on_device).unwrap();
     drop(returned);

@@ -8,5 +8,5 @@ fn main() {
     let tensor = upload_tensor(&mut engine, &[1.0f32, 2.0, 3.0], &[3]).unwrap();
     let buffer = PinnedHostBuffer::<f32>::new(&mut engine, 3).unwrap();
     let pending = download_pending(&mut engine, tensor, buffer).unwrap();
-    engine.fill(pending.device_tensor(), 0.0).unwrap();
+    engine.fill(pending.tensor(), 0.0).unwrap();
 }

@@ -1,19 +1,20 @@
-//! The pending peer route: a device-to-device copy between two engines whose state is a type.
+//! The pending peer route: a device-to-device copy between two engines, an operation in flight.
 //!
-//! [`peer_copy_pending`] takes a tensor of one engine and a tensor of another by value, queues
-//! the copy on the destination engine's compute stream (after the source engine's work on the
-//! source, on the device, unless that engine has proven it complete), records an event after it and returns a
-//! [`PendingPeer`] in state [`InFlight`]. In that state the handle owns both tensors; it lends
-//! them only shared, for device work that reads them ([`PendingPeer::destination`] on the
-//! destination engine, whose stream runs it after the copy; [`PendingPeer::source`] on the
-//! source engine, beside the copy), and nothing can write or free either. [`PendingPeer::wait`]
-//! (or `.await`) proves the copy complete and returns both in state [`Returned`].
+//! [`copy_pending`] takes a tensor of one engine and a tensor of another by value, queues the
+//! copy on the destination engine's compute stream (after the source engine's work on the
+//! source, on the device, unless that engine has proven it complete), records an event after it
+//! and returns a [`Pending<PeerCopy<T>>`](Pending) in state [`InFlight`]. In that state it owns
+//! both tensors and lends them only shared, for device work that reads them
+//! ([`destination`](Pending::destination) on the destination engine, whose stream runs it after
+//! the copy; [`source`](Pending::source) on the source engine, beside the copy), and nothing can
+//! write or free either. [`wait`](Pending::wait) (or `.await`) proves the copy complete and
+//! returns both in state [`Returned`].
 //!
-//! The exits are those of the host routes ([`crate::routes::pending`]): a refused submission
-//! hands both tensors back ([`PeerSubmitError`]); dropping the handle in flight detaches it into
-//! the retirement queue of the destination engine (whose stream carries the copy), which
-//! releases both tensors once the event proves the copy complete; `mem::forget` leaks them; a
-//! wait that fails retains them for that engine's lifetime.
+//! The exits are those of every operation in flight ([`crate::pending`]): a refused submission
+//! hands both tensors back ([`SubmitError`]); dropping it in flight detaches it into the
+//! retirement queue of the destination engine (whose stream carries the copy), which releases
+//! both tensors once the event proves the copy complete; `mem::forget` leaks them; a wait that
+//! fails retains them for that engine's lifetime.
 
 // A refused submission hands both tensors back by value (see `routes::pending`).
 #![allow(clippy::result_large_err)]
@@ -21,27 +22,20 @@
 use crate::core::engine::CudaEngine;
 use crate::core::order::Use;
 use crate::driver::Lane;
-use crate::error::{Error, Result};
-use crate::lifecycle::fence::{fence, Fencing, IdleEvent};
+use crate::error::{Error, SubmitError};
+use crate::lifecycle::fence::{fence, Fenced, Fencing, IdleEvent};
 use crate::lifecycle::signal::Signal;
-use crate::lifecycle::wake::FenceFuture;
 use crate::memory::element::Element;
 use crate::memory::tensor::DeviceTensor;
-use crate::routes::pending::{sealed, InFlight, Returned, TransferState};
-use std::fmt;
-use std::future::{Future, IntoFuture};
+use crate::routes::pending::{sealed, InFlight, Operation, Pending, Returned};
+use std::marker::PhantomData;
 use std::mem::ManuallyDrop;
-use std::pin::Pin;
-use std::task::{Context, Poll};
 
-/// What a pending peer copy owns: the tensor it reads, of the source engine, and the tensor it
-/// writes, of the destination engine.
-#[derive(Debug)]
+/// What a peer copy owns: the tensor it reads, of the source engine, and the tensor it writes,
+/// of the destination engine.
 pub struct PeerPackage<T: Element> {
-    /// The source engine's tensor, read by the copy.
-    pub source: DeviceTensor<T>,
-    /// The destination engine's tensor, written by the copy.
-    pub destination: DeviceTensor<T>,
+    source: DeviceTensor<T>,
+    destination: DeviceTensor<T>,
 }
 
 /// What an in-flight peer copy holds: both tensors, and the signal of the source engine its copy
@@ -68,109 +62,39 @@ pub struct PeerLanded<T: Element> {
     event: IdleEvent,
 }
 
-/// A peer submission that did not produce an in-flight copy.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum PeerSubmitError<T: Element> {
-    /// Refused before the copy was queued; both tensors come back untouched.
-    #[error("peer copy rejected: {error}")]
-    Rejected {
-        /// Both tensors.
-        package: PeerPackage<T>,
-        /// Why: [`Error::WrongEngine`] for a tensor of another engine than the one named beside
-        /// it, [`Error::ZeroLength`], [`Error::LengthMismatch`] between the tensors,
-        /// [`Error::Unreachable`] for devices with no peer link.
-        error: Error,
-    },
-    /// The driver refused a step before the copy was queued (enabling peer access, the wait
-    /// for the source engine, the copy itself), or the copy was queued and then proven complete
-    /// without an event; nothing is in flight and both tensors come back.
-    #[error("peer copy could not be queued: {error}")]
-    Failed {
-        /// Both tensors.
-        package: PeerPackage<T>,
-        /// The driver failure.
-        error: Error,
-    },
-    /// The copy was queued but its completion could not be tracked or proven. The device may
-    /// still touch both tensors, so the destination engine retains them for its lifetime.
-    #[error(
-        "peer copy queued but its completion cannot be proven; its memory is retained: {error}"
-    )]
-    Retained {
-        /// The driver failure.
-        error: Error,
-    },
-}
+/// The operation of [`copy_pending`]: a copy of one engine's tensor into another engine's,
+/// device to device. Its [parts](Operation::Parts) are `(source, destination)`.
+pub struct PeerCopy<T: Element>(PhantomData<fn() -> T>);
 
-impl<T: Element> PeerSubmitError<T> {
-    /// The tensors, when they came back.
-    pub fn into_package(self) -> Option<PeerPackage<T>> {
-        match self {
-            PeerSubmitError::Rejected { package, .. } | PeerSubmitError::Failed { package, .. } => {
-                Some(package)
-            }
-            PeerSubmitError::Retained { .. } => None,
+impl<T: Element> sealed::Sealed for PeerCopy<T> {}
+
+impl<T: Element> Operation for PeerCopy<T> {
+    type Parts = (DeviceTensor<T>, DeviceTensor<T>);
+    type Flight = Fenced<InFlightPeer<T>>;
+    type Landed = PeerLanded<T>;
+    const NAME: &'static str = "peer copy";
+
+    fn land((held, event): (InFlightPeer<T>, IdleEvent)) -> PeerLanded<T> {
+        PeerLanded {
+            package: held.landed(),
+            event,
         }
     }
 
-    /// The error, dropping the tensors if they came back.
-    pub fn into_error(self) -> Error {
-        match self {
-            PeerSubmitError::Rejected { error, .. }
-            | PeerSubmitError::Failed { error, .. }
-            | PeerSubmitError::Retained { error } => error,
-        }
-    }
-
-    /// The error, whatever became of the tensors.
-    pub fn error(&self) -> &Error {
-        match self {
-            PeerSubmitError::Rejected { error, .. }
-            | PeerSubmitError::Failed { error, .. }
-            | PeerSubmitError::Retained { error } => error,
-        }
+    fn into_parts(landed: PeerLanded<T>) -> (DeviceTensor<T>, DeviceTensor<T>) {
+        let PeerPackage {
+            source,
+            destination,
+        } = landed.package;
+        (source, destination)
     }
 }
 
-/// A copy of one engine's tensor into another engine's, in state `S`.
-///
-/// In [`InFlight`] it owns both tensors and lends them only shared; [`Returned`] gives both
-/// back.
-#[must_use = "a pending peer copy owns both tensors: wait for it (in flight) or take them back with `into_parts` (returned)"]
-pub struct PendingPeer<T: Element, S: TransferState = InFlight> {
-    hold: <S as sealed::State>::PeerHold<T>,
+fn back<T: Element>(package: PeerPackage<T>) -> (DeviceTensor<T>, DeviceTensor<T>) {
+    (package.source, package.destination)
 }
 
-impl<T: Element, S: TransferState> fmt::Debug for PendingPeer<T, S> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("PendingPeer")
-            .field("in_flight", &S::IN_FLIGHT)
-            .field("dtype", &T::DTYPE)
-            .finish()
-    }
-}
-
-/// What [`PendingPeer::try_wait`] found.
-#[derive(Debug)]
-#[must_use]
-pub enum PeerTryWait<T: Element> {
-    /// The copy completed.
-    Returned(PendingPeer<T, Returned>),
-    /// Not yet: the handle comes back unchanged.
-    InFlight(PendingPeer<T, InFlight>),
-}
-
-impl<T: Element> PendingPeer<T, InFlight> {
-    /// Whether the copy has completed. Never waits, and takes no engine lock.
-    ///
-    /// # Errors
-    /// [`Error::DeviceFault`] when the device reports a failure of the copy (or of earlier work
-    /// on the destination engine's compute stream).
-    pub fn is_ready(&mut self) -> Result<bool> {
-        self.hold.is_ready()
-    }
-
+impl<T: Element> Pending<PeerCopy<T>, InFlight> {
     /// The destination tensor, for device work queued on the destination engine while the copy
     /// is in flight: the in-flight handoff.
     ///
@@ -179,7 +103,7 @@ impl<T: Element> PendingPeer<T, InFlight> {
     /// kernel, a library call, a download on its own stream after an event wait, a further peer
     /// copy out of it) reads the data after it has landed, with no host wait. The borrow is
     /// shared: nothing can write the tensor or free it while the copy may still touch it, and
-    /// the borrow ends before [`wait`](Self::wait) can return it. Any other engine refuses the
+    /// the borrow ends before [`wait`](Pending::wait) can return it. Any other engine refuses the
     /// tensor ([`Error::WrongEngine`]).
     pub fn destination(&self) -> &DeviceTensor<T> {
         &self.hold.resources().package.destination
@@ -190,42 +114,9 @@ impl<T: Element> PendingPeer<T, InFlight> {
     pub fn source(&self) -> &DeviceTensor<T> {
         &self.hold.resources().package.source
     }
-
-    /// Waits for the copy and returns both tensors in state [`Returned`]. The wait holds no
-    /// engine lock.
-    ///
-    /// # Errors
-    /// [`Error::DeviceFault`] when the device reports a failure: both tensors are then retained
-    /// by the destination engine for its lifetime, never freed.
-    pub fn wait(self) -> Result<PendingPeer<T, Returned>> {
-        let (held, event) = self.hold.wait_parts()?;
-        Ok(PendingPeer {
-            hold: PeerLanded {
-                package: held.landed(),
-                event,
-            },
-        })
-    }
-
-    /// Returns the copy in state [`Returned`] if it has completed, or the [`InFlight`] handle
-    /// back if not. Never waits.
-    ///
-    /// # Errors
-    /// As [`wait`](Self::wait).
-    pub fn try_wait(self) -> Result<PeerTryWait<T>> {
-        Ok(match self.hold.try_wait()? {
-            Ok((held, event)) => PeerTryWait::Returned(PendingPeer {
-                hold: PeerLanded {
-                    package: held.landed(),
-                    event,
-                },
-            }),
-            Err(hold) => PeerTryWait::InFlight(PendingPeer { hold }),
-        })
-    }
 }
 
-impl<T: Element> PendingPeer<T, Returned> {
+impl<T: Element> Pending<PeerCopy<T>, Returned> {
     /// The source tensor.
     pub fn source(&self) -> &DeviceTensor<T> {
         &self.hold.package.source
@@ -236,78 +127,24 @@ impl<T: Element> PendingPeer<T, Returned> {
         &self.hold.package.destination
     }
 
-    /// Gives back the source and the destination, in that order.
-    pub fn into_parts(self) -> (DeviceTensor<T>, DeviceTensor<T>) {
-        let PeerPackage {
-            source,
-            destination,
-        } = self.hold.package;
-        (source, destination)
-    }
-
     /// Queues the same copy again, between the same tensors, reusing the copy's event: for a
     /// loop that refreshes the destination from a source the source engine keeps rewriting
-    /// (write it between [`into_parts`](Self::into_parts) and a new submission instead when the
-    /// source must change hands).
+    /// (write it between [`into_parts`](Pending::into_parts) and a new submission instead when
+    /// the source must change hands).
     ///
     /// # Errors
-    /// As [`peer_copy_pending`].
+    /// As [`copy_pending`].
     pub fn resubmit(
         self,
         src_engine: &mut CudaEngine,
         dst_engine: &mut CudaEngine,
-    ) -> Result<PendingPeer<T, InFlight>, PeerSubmitError<T>> {
+    ) -> Submitted<T> {
         let PeerLanded { package, event } = self.hold;
         submit(src_engine, package, dst_engine, Some(event))
     }
 }
 
-/// An in-flight peer copy being awaited: what `.await` on a [`PendingPeer`] in state
-/// [`InFlight`] polls. Woken by the device as [`PendingFuture`](crate::PendingFuture) is, with
-/// its rules: it resolves to the copy in state [`Returned`], and dropping it before it resolves
-/// detaches the copy into the destination engine's retirement queue.
-#[must_use = "futures do nothing unless you `.await` or poll them"]
-pub struct PeerFuture<T: Element> {
-    inner: FenceFuture<InFlightPeer<T>>,
-}
-
-impl<T: Element> fmt::Debug for PeerFuture<T> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("PeerFuture")
-            .field("dtype", &T::DTYPE)
-            .finish()
-    }
-}
-
-// Nothing is pinned structurally: the tensors do not care where the future lives.
-impl<T: Element> Unpin for PeerFuture<T> {}
-
-impl<T: Element> Future for PeerFuture<T> {
-    type Output = Result<PendingPeer<T, Returned>>;
-
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        self.get_mut().inner.poll(cx).map(|answer| {
-            answer.map(|(held, event)| PendingPeer {
-                hold: PeerLanded {
-                    package: held.landed(),
-                    event,
-                },
-            })
-        })
-    }
-}
-
-impl<T: Element> IntoFuture for PendingPeer<T, InFlight> {
-    type Output = Result<PendingPeer<T, Returned>>;
-    type IntoFuture = PeerFuture<T>;
-
-    /// Awaits the copy: see [`PeerFuture`].
-    fn into_future(self) -> PeerFuture<T> {
-        PeerFuture {
-            inner: FenceFuture::new(self.hold),
-        }
-    }
-}
+type Submitted<T> = Result<Pending<PeerCopy<T>>, SubmitError<(DeviceTensor<T>, DeviceTensor<T>)>>;
 
 /// Why a submission of `package` from `src_engine` to `dst_engine` is refused, if it is.
 fn refusal<T: Element>(
@@ -329,7 +166,7 @@ fn refusal<T: Element>(
     }
     if source.len() != destination.len() {
         return Some(Error::LengthMismatch {
-            what: "peer_copy_pending: elements in the source and in the destination",
+            what: "peer::copy_pending: elements in the source and in the destination",
             left: source.len(),
             right: destination.len(),
         });
@@ -344,40 +181,62 @@ fn submit<T: Element>(
     package: PeerPackage<T>,
     dst_engine: &mut CudaEngine,
     event: Option<IdleEvent>,
-) -> Result<PendingPeer<T, InFlight>, PeerSubmitError<T>> {
+) -> Submitted<T> {
     if let Some(error) = refusal(src_engine, &package, dst_engine) {
-        return Err(PeerSubmitError::Rejected { package, error });
+        let input = back(package);
+        return Err(SubmitError::Rejected { input, error });
     }
-    match dst_engine.peer_access(src_engine) {
+    match super::access(dst_engine, src_engine) {
         Ok(true) => {}
         Ok(false) => {
-            return Err(PeerSubmitError::Rejected {
-                package,
+            return Err(SubmitError::Rejected {
+                input: back(package),
                 error: super::no_link(src_engine, dst_engine),
             })
         }
         Err(error @ Error::Unreachable { .. }) => {
-            return Err(PeerSubmitError::Rejected { package, error })
+            return Err(SubmitError::Rejected {
+                input: back(package),
+                error,
+            })
         }
-        Err(error) => return Err(PeerSubmitError::Failed { package, error }),
+        Err(error) => {
+            return Err(SubmitError::Failed {
+                input: back(package),
+                error,
+            })
+        }
     }
     // The copy reads the source only once the source engine's work that writes it is done.
     let source = Use::Read(package.source.raw_ptr());
     let (src_ctx, waited_for) = match super::other_side(dst_engine, src_engine, source) {
         Ok(side) => side,
-        Err(error) => return Err(PeerSubmitError::Failed { package, error }),
+        Err(error) => {
+            return Err(SubmitError::Failed {
+                input: back(package),
+                error,
+            })
+        }
     };
     let owner = &dst_engine.shared;
     let mut st = match owner.enter() {
         Ok(st) => st,
-        Err(error) => return Err(PeerSubmitError::Failed { package, error }),
+        Err(error) => {
+            return Err(SubmitError::Failed {
+                input: back(package),
+                error,
+            })
+        }
     };
     let (dst, src) = (package.destination.raw_ptr(), package.source.raw_ptr());
     let dst_ctx = st.driver.context();
     // Recorded before the copy is queued: the destination engine's later uses of the tensor, on
     // any of its streams, and its free wait for the copy.
     if let Err(error) = st.order_uses(Lane::Compute, &[Use::Write(dst)]) {
-        return Err(PeerSubmitError::Failed { package, error });
+        return Err(SubmitError::Failed {
+            input: back(package),
+            error,
+        });
     }
     // From the copy's enqueue until the fence holds them, a panic (inside a driver call) leaks
     // both tensors: the source's engine knows nothing of the copy, so dropping it could free it
@@ -411,8 +270,14 @@ fn submit<T: Element>(
             // The link went away after the pair's first copy: refused as for a pair never
             // linked (the copy was not queued, and a wait for the source engine queued before it
             // only orders this engine's stream).
-            error @ Error::Unreachable { .. } => PeerSubmitError::Rejected { package, error },
-            error => PeerSubmitError::Failed { package, error },
+            error @ Error::Unreachable { .. } => SubmitError::Rejected {
+                input: back(package),
+                error,
+            },
+            error => SubmitError::Failed {
+                input: back(package),
+                error,
+            },
         });
     }
     let event = event.map(IdleEvent::into_raw);
@@ -426,32 +291,32 @@ fn submit<T: Element>(
     // engine's lock).
     drop(st);
     match fencing {
-        Fencing::Fenced(hold) => Ok(PendingPeer { hold }),
-        Fencing::Proven(held, error) => Err(PeerSubmitError::Failed {
-            package: held.landed(),
+        Fencing::Fenced(hold) => Ok(Pending::in_flight(hold)),
+        Fencing::Proven(held, error) => Err(SubmitError::Failed {
+            input: back(held.landed()),
             error,
         }),
         Fencing::Untracked(untracked, error) => {
             untracked.retain();
-            Err(PeerSubmitError::Retained { error })
+            Err(SubmitError::Retained { error })
         }
     }
 }
 
 /// Queues a copy of `source`, a tensor of `src_engine`, into `destination`, a tensor of
-/// `dst_engine` of the same length, and returns the copy in flight: the handle owns both
-/// tensors until [`PendingPeer::wait`] proves the copy complete.
+/// `dst_engine` of the same length, and returns the copy in flight: it owns both tensors until
+/// [`wait`](Pending::wait) proves the copy complete.
 ///
 /// The copy runs on `dst_engine`'s compute stream (over the peer link, when the devices differ)
 /// after the work queued on `src_engine` that writes `source` (a wait on the device, for
 /// everything queued there so far, skipped when `src_engine` has proven that work complete), so
-/// later work on `dst_engine` that reads
-/// [`PendingPeer::destination`] runs after it with no host wait. Neither engine stays borrowed.
+/// later work on `dst_engine` that reads [`destination`](Pending::destination) runs after it with
+/// no host wait. Neither engine stays borrowed.
 ///
 /// ```
 /// # fn main() -> Result<(), cuferry::Error> {
 /// use cuferry::sim::{SimConfig, SimDevice};
-/// use cuferry::{download_tensor, peer_copy_pending, upload_tensor, CudaEngine};
+/// use cuferry::{download_tensor, peer, upload_tensor, CudaEngine};
 /// # /*
 /// let (mut gpu0, mut gpu1) = (CudaEngine::open(0)?, CudaEngine::open(1)?);
 /// # */
@@ -460,7 +325,7 @@ fn submit<T: Element>(
 /// # let mut gpu1 = CudaEngine::simulated_on_device(&machine, 1)?;
 /// let x = upload_tensor(&mut gpu0, &[1.0f32, 2.0, 3.0], &[3])?;
 /// let landing = gpu1.alloc_tensor::<f32>(&[3])?;
-/// let copy = peer_copy_pending(&mut gpu0, x, &mut gpu1, landing).map_err(|e| e.into_error())?;
+/// let copy = peer::copy_pending(&mut gpu0, x, &mut gpu1, landing)?;
 /// // Queued on GPU 1 after the copy: no host wait in between.
 /// let doubled = gpu1.scale(copy.destination(), 2.0)?;
 /// assert_eq!(download_tensor(&mut gpu1, &doubled)?, [2.0, 4.0, 6.0]);
@@ -470,18 +335,17 @@ fn submit<T: Element>(
 /// ```
 ///
 /// # Errors
-/// [`PeerSubmitError::Rejected`] (both tensors untouched) for a tensor of another engine than
-/// the one named beside it, a zero length, a length mismatch, or devices that cannot reach each
-/// other ([`Error::Unreachable`]; [`peer_copy_staged`](crate::peer_copy_staged) copies through
-/// host memory); [`PeerSubmitError::Failed`] (both back) when the driver refuses a step before
-/// the copy is in flight; [`PeerSubmitError::Retained`] when the copy was queued but cannot be
-/// tracked.
-pub fn peer_copy_pending<T: Element>(
+/// [`SubmitError::Rejected`] (both tensors untouched) for a tensor of another engine than the
+/// one named beside it, a zero length, a length mismatch, or devices that cannot reach each other
+/// ([`Error::Unreachable`]; [`copy_staged`](super::copy_staged) copies through host memory);
+/// [`SubmitError::Failed`] (both back) when the driver refuses a step before the copy is in
+/// flight; [`SubmitError::Retained`] when the copy was queued but cannot be tracked.
+pub fn copy_pending<T: Element>(
     src_engine: &mut CudaEngine,
     source: DeviceTensor<T>,
     dst_engine: &mut CudaEngine,
     destination: DeviceTensor<T>,
-) -> Result<PendingPeer<T, InFlight>, PeerSubmitError<T>> {
+) -> Submitted<T> {
     let package = PeerPackage {
         source,
         destination,

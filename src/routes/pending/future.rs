@@ -1,22 +1,18 @@
-//! `.await` on an in-flight transfer: [`PendingFuture`].
+//! `.await` on an operation in flight: [`PendingFuture`].
 
-use super::{Direction, InFlight, Landed, Pending, Returned, TransferPackage};
+use super::flight::Flight;
+use super::{InFlight, Operation, Pending, Returned};
 use crate::error::Result;
-use crate::lifecycle::wake::FenceFuture;
-use crate::memory::element::Element;
-use crate::memory::host::HostBuffer;
-use crate::memory::pinned::PinnedHostBuffer;
 use std::fmt;
 use std::future::{Future, IntoFuture};
-use std::marker::PhantomData;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-/// An in-flight transfer being awaited: what `.await` on a [`Pending`] in state [`InFlight`]
-/// polls ([`IntoFuture`]). It resolves to the transfer in state [`Returned`], with the rules of
-/// [`Pending::wait`]: on a device failure the buffer and tensor are retained by the engine for
-/// its lifetime and the typed error ([`Error::DeviceFault`](crate::Error::DeviceFault)) comes
-/// back.
+/// An operation in flight being awaited: what `.await` on a [`Pending`] in state [`InFlight`]
+/// polls ([`IntoFuture`]). It resolves to the operation in state [`Returned`], with the rules of
+/// [`Pending::wait`]: on a device failure what the work may still touch is retained by its
+/// engine for its lifetime and the typed error
+/// ([`Error::DeviceFault`](crate::Error::DeviceFault)) comes back.
 ///
 /// ```
 /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -37,26 +33,27 @@ use std::task::{Context, Poll};
 ///
 /// # How it is woken
 ///
-/// The first poll asks the transfer's event, without waiting and without the engine's lock; a
-/// small copy may be done already. If not, it keeps asking for 20 µs on CUDA (about what a
-/// device call back takes to arrive, so a copy about to finish resolves at the latency of a
-/// host wait; none on the simulated device). If still not, it asks the device to call back
-/// once the copy has completed or the device has failed, and returns `Pending`; the call back
-/// wakes the task, and the next poll asks the event again. On CUDA the call back is a stream callback
-/// (`cuStreamAddCallback`) on a side stream that waits for the transfer's event, so it comes
-/// right after the copy, is not held up by work queued later on the engine's streams, and is
-/// made after a device fault too (unlike `cuLaunchHostFunc`, which CUDA does not call once the
-/// context has an error). Beyond the first poll's 20 µs, no host thread spends anything on the
-/// transfer: nothing polls, and no thread is parked in an event wait. The alternative, a watcher thread blocked in
-/// `cuEventSynchronize`, keeps a core busy unless the event was made with
+/// The first poll asks the work's event, without waiting and without the engine's lock; a small
+/// copy may be done already. If not, it keeps asking for 20 µs on CUDA (about what a device call
+/// back takes to arrive, so work about to finish resolves at the latency of a host wait; none on
+/// the simulated device). If still not, it asks the device to call back once the work has
+/// completed or the device has failed, and returns `Pending`; the call back wakes the task, and
+/// the next poll asks the event again. On CUDA the call back is a stream callback
+/// (`cuStreamAddCallback`) on a side stream that waits for the work's event, so it comes right
+/// after the work, is not held up by work queued later on the engine's streams, and is made after
+/// a device fault too (unlike `cuLaunchHostFunc`, which CUDA does not call once the context has
+/// an error). Beyond the first poll's 20 µs, no host thread spends anything on the operation:
+/// nothing polls, and no thread is parked in an event wait. The alternative, a watcher thread
+/// blocked in `cuEventSynchronize`, keeps a core busy unless the event was made with
 /// `CU_EVENT_BLOCKING_SYNC`, and takes a thread per event waited on at once (or serialises every
 /// wait behind the oldest). On the simulated device the wake comes when the device runs the
 /// event's record (at once unless its clock is held, see
-/// [`SimDevice::hold_clock`](crate::sim::SimDevice::hold_clock)).
+/// [`SimDevice::hold_clock`](crate::sim::SimDevice::hold_clock)). A collective is awaited rank
+/// by rank: each rank's event in turn, each woken by its own device.
 ///
-/// Registering the call back takes the engine's lock briefly, once per await. When it cannot be
-/// registered (the engine was dropped, whose teardown waited for its streams, or the driver
-/// refused), the poll waits for the event on the polling thread instead: rare, and short.
+/// Registering the call back takes the engine's lock briefly, once per await (per rank). When it
+/// cannot be registered (the engine was dropped, whose teardown waited for its streams, or the
+/// driver refused), the poll waits for the event on the polling thread instead: rare, and short.
 ///
 /// # What the waker may do
 ///
@@ -64,61 +61,57 @@ use std::task::{Context, Poll};
 /// driver's callback thread, where the driver refuses every call, and on the simulated device
 /// the same way, once the thread that ran the device's work holds no engine lock. It may only
 /// signal (schedule the task, send on a channel, set a flag), as executors' wakers do. An engine
-/// call made from it (polling another transfer inline, say) is refused with
+/// call made from it (polling another operation inline, say) is refused with
 /// [`Error::InDeviceCallback`](crate::Error::InDeviceCallback); a value of the engine dropped in
 /// it is leaked, never freed under the device, and reported at the next
 /// [`flush`](crate::CudaEngine::flush) or [`synchronize`](crate::CudaEngine::synchronize).
 ///
 /// # Cancellation
 ///
-/// Dropping the future before it resolves is exactly dropping the in-flight handle: the
-/// transfer detaches into the engine's retirement queue, which releases the buffer and tensor
-/// once the copy is proven complete; nothing is freed early. A call back still pending finds
-/// nothing to wake and owns nothing else. So it may lose a `select!` race: the transfer is not
-/// lost, only handed to the engine. `mem::forget` leaks the transfer, which is sound.
+/// Dropping the future before it resolves is exactly dropping the operation in flight: it
+/// detaches into the carrying engine's retirement queue (each rank's, for a collective), which
+/// releases what it owns once the work is proven complete; nothing is freed early. A call back
+/// still pending finds nothing to wake and owns nothing else. So it may lose a `select!` race:
+/// the operation is not lost, only handed to the engine. `mem::forget` leaks it, which is sound.
 ///
-/// It works with any executor (the crate depends on no runtime), is `Send` and `Unpin`, and
-/// must not be polled again once it has resolved (it panics then, as futures may).
+/// It works with any executor (the crate depends on no runtime), is `Send` and `Unpin`, and must
+/// not be polled again once it has resolved (it panics then, as futures may).
 #[must_use = "futures do nothing unless you `.await` or poll them"]
-pub struct PendingFuture<D: Direction, T: Element, B: HostBuffer<T> = PinnedHostBuffer<T>> {
-    inner: FenceFuture<TransferPackage<T, B>>,
-    _direction: PhantomData<D>,
+pub struct PendingFuture<Op: Operation> {
+    inner: <Op::Flight as Flight>::Poller,
 }
 
-impl<D: Direction, T: Element, B: HostBuffer<T>> fmt::Debug for PendingFuture<D, T, B> {
+impl<Op: Operation> fmt::Debug for PendingFuture<Op> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("PendingFuture")
-            .field("direction", &D::NAME)
-            .field("dtype", &T::DTYPE)
+            .field("operation", &Op::NAME)
             .finish()
     }
 }
 
-// Nothing in the future is pinned structurally: it is polled through `&mut`, and the buffer
-// and tensor it owns do not care where the future lives (the device holds their addresses,
-// not the future's).
-impl<D: Direction, T: Element, B: HostBuffer<T>> Unpin for PendingFuture<D, T, B> {}
-
-impl<D: Direction, T: Element, B: HostBuffer<T>> Future for PendingFuture<D, T, B> {
-    type Output = Result<Pending<D, T, Returned, B>>;
+impl<Op: Operation> Future for PendingFuture<Op> {
+    type Output = Result<Pending<Op, Returned>>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        self.get_mut()
-            .inner
-            .poll(cx)
-            .map(|answer| answer.map(|(package, event)| Pending::new(Landed { package, event })))
+        // `Poller: Unpin`, so the future is too: nothing is pinned structurally (the device
+        // holds the addresses of what the operation owns, not the future's).
+        let this = self.get_mut();
+        <Op::Flight as Flight>::poll(&mut this.inner, cx).map(|answer| {
+            answer.map(|done| Pending {
+                hold: Op::land(done),
+            })
+        })
     }
 }
 
-impl<D: Direction, T: Element, B: HostBuffer<T>> IntoFuture for Pending<D, T, InFlight, B> {
-    type Output = Result<Pending<D, T, Returned, B>>;
-    type IntoFuture = PendingFuture<D, T, B>;
+impl<Op: Operation> IntoFuture for Pending<Op, InFlight> {
+    type Output = Result<Pending<Op, Returned>>;
+    type IntoFuture = PendingFuture<Op>;
 
-    /// Awaits the copy: see [`PendingFuture`].
-    fn into_future(self) -> PendingFuture<D, T, B> {
+    /// Awaits the work: see [`PendingFuture`].
+    fn into_future(self) -> PendingFuture<Op> {
         PendingFuture {
-            inner: FenceFuture::new(self.hold),
-            _direction: PhantomData,
+            inner: self.hold.poller(),
         }
     }
 }

@@ -5,11 +5,11 @@
 //! primary context with the engine, so device memory is common, but it queues its work on streams
 //! of its own that the engine cannot see. The boundary between the two is therefore explicit:
 //!
-//! - [`CubeclScope::import`] copies a tensor into a fresh CubeCL buffer. It first waits for
+//! - [`Scope::import`] copies a tensor into a fresh CubeCL buffer. It first waits for
 //!   CubeCL's stream (so the buffer is allocated and no earlier CubeCL work still uses its
 //!   memory), then queues the copy on the engine's compute stream and waits for it, so the copy
 //!   has seen every earlier engine operation and CubeCL sees the copy.
-//! - [`CubeclScope::export`] copies a CubeCL buffer into a new [`DeviceTensor`]. It first waits
+//! - [`Scope::export`] copies a CubeCL buffer into a new [`DeviceTensor`]. It first waits
 //!   for CubeCL's stream (so the kernels that wrote the buffer have finished), then queues the
 //!   copy on the engine's compute stream and waits for it, so CubeCL may reuse the buffer at
 //!   once; later engine operations on the tensor are ordered after the copy by the engine's order.
@@ -45,14 +45,14 @@ pub use cubecl as runtime;
 
 /// What [`CudaEngine::with_cubecl`]'s closure receives: a CubeCL client for the engine's device,
 /// and the engine itself for eager operations inside the scope.
-pub struct CubeclScope<'e> {
+pub struct Scope<'e> {
     engine: &'e mut CudaEngine,
     client: ComputeClient<CudaRuntime>,
 }
 
-impl std::fmt::Debug for CubeclScope<'_> {
+impl std::fmt::Debug for Scope<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CubeclScope")
+        f.debug_struct("Scope")
             .field("device", &self.engine.device())
             .finish()
     }
@@ -66,7 +66,7 @@ fn cubecl_error(what: &'static str) -> impl FnOnce(cubecl::server::ServerError) 
     }
 }
 
-impl<'e> CubeclScope<'e> {
+impl<'e> Scope<'e> {
     /// The CubeCL client for the engine's device (CubeCL's `CudaRuntime`).
     pub fn client(&self) -> &ComputeClient<CudaRuntime> {
         &self.client
@@ -172,9 +172,9 @@ impl CudaEngine {
     ///
     /// Saves the calling thread's current context, makes the engine's current, and restores the
     /// previous one when `f` returns, returns `Err`, or unwinds. Entering is not a host barrier;
-    /// data crosses between the engine and CubeCL only through [`CubeclScope::import`] and
-    /// [`CubeclScope::export`], which order the two streams with host waits (see the
-    /// [module docs](crate::interop::cubecl) for what that costs).
+    /// data crosses between the engine and CubeCL only through [`Scope::import`] and
+    /// [`Scope::export`], which order the two streams with host waits (see the
+    /// [module docs](crate::cubecl) for what that costs).
     ///
     /// # Errors
     /// Whatever `f` returns; [`Error::Unavailable`] (converted into `E`) on the simulated
@@ -182,7 +182,7 @@ impl CudaEngine {
     /// current.
     pub fn with_cubecl<R, E>(
         &mut self,
-        f: impl FnOnce(&mut CubeclScope<'_>) -> std::result::Result<R, E>,
+        f: impl FnOnce(&mut Scope<'_>) -> std::result::Result<R, E>,
     ) -> std::result::Result<R, E>
     where
         E: From<Error>,
@@ -199,7 +199,7 @@ impl CudaEngine {
             "cuCtxSetCurrent (restore after CubeCL scope)",
         )?;
         let client = CudaRuntime::client(&CudaDevice::new(self.device().ordinal()));
-        let mut scope = CubeclScope {
+        let mut scope = Scope {
             engine: self,
             client,
         };

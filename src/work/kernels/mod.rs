@@ -232,7 +232,7 @@ impl CudaEngine {
         self.unary(spec, a, scalar_bits(factor))
     }
 
-    /// Converts every element to `U` (Rust's `as` semantics; see the [module docs](self)) into a
+    /// Converts every element to `U` (Rust's `as` semantics; see [the guide](crate::guide::kernels)) into a
     /// new tensor of the same shape. Queued; does not wait.
     ///
     /// ```
