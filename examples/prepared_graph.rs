@@ -172,7 +172,7 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("prepared_graph: {e}");
-            if matches!(e.downcast_ref::<Error>(), Some(Error::NoDriver { .. })) {
+            if matches!(e.downcast_ref::<Error>(), Some(Error::Setup(SetupError::NoDriver { .. }))) {
                 eprintln!("this example needs an NVIDIA GPU and driver; pass --simulated to run it on the simulated device");
             }
             ExitCode::FAILURE

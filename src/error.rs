@@ -364,9 +364,10 @@ pub enum UsageError {
     /// `upload_tensor` and `reshape`, the data and the tensor of `upload_tensor_into` and
     /// `download_tensor_into`, the buffer and the tensor of a pending transfer, the source and
     /// the destination of a device or peer copy, the tensors of a collective's ranks.
-    #[error("{what}: {expected} element(s) expected, {found} found")]
+    #[error("{what}: expected {expected} element(s), found {found}")]
     LengthMismatch {
-        /// Which counts: what was expected from what, and what was found where.
+        /// The operation and its operands: what was supplied for what, for example
+        /// `upload_tensor_into: data for the tensor`.
         what: &'static str,
         /// The count the operation needs: the shape's, the destination's (tensor's), the first
         /// rank's.
@@ -571,9 +572,9 @@ pub enum UsageError {
         /// Its element type.
         dtype: DType,
         /// The bytes the shape needs.
-        needed: usize,
+        needed: u64,
         /// The bytes the buffer holds.
-        available: usize,
+        available: u64,
     },
     /// A single-element transfer whose host side is empty or longer than its 16-byte slot or
     /// than the tensor: the blocking routes' small-transfer path.

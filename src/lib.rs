@@ -80,7 +80,8 @@ mod routes;
 mod work;
 
 mod dtype;
-mod error;
+// The errors, nested by domain: public, so the domain enums are named `cuferry::error::*`.
+pub mod error;
 // The atomics, threads and cells of the hand-written concurrency: `std`'s, or loom's when the
 // loom models are built.
 pub mod guide;

@@ -217,7 +217,7 @@ fn communicators_take_one_engine_per_device_of_one_machine() {
     let mut elsewhere = CudaEngine::simulated(SimConfig::default());
     let refused = Communicator::new(&mut [&mut engines[0], &mut elsewhere]);
     assert!(
-        matches!(refused, Err(Error::Unreachable { .. })),
+        matches!(refused, Err(Error::Setup(SetupError::Unreachable { .. }))),
         "{refused:?}"
     );
     assert!(matches!(
@@ -256,7 +256,7 @@ fn refusals_hand_the_tensors_back_with_nothing_queued() {
     let (left, right) = engines.split_at_mut(1);
     let back = expect(
         broadcast(&comm, &mut [&mut right[0], &mut left[0]], t, 0).unwrap_err(),
-        |e| matches!(e, Error::WrongEngine { .. }),
+        |e| matches!(e, Error::Usage(UsageError::WrongEngine { .. })),
     );
     // A root past the last rank; too few tensors; nothing to reduce.
     let back = expect(
@@ -273,7 +273,7 @@ fn refusals_hand_the_tensors_back_with_nothing_queued() {
     let t = tensors(&mut engines, [0, 0]);
     expect(
         all_reduce(&comm, &mut all(&mut engines), t, ReduceOp::Sum).unwrap_err(),
-        |e| matches!(e, Error::ZeroLength { .. }),
+        |e| matches!(e, Error::Usage(UsageError::ZeroLength { .. })),
     );
     assert_eq!(calls(), before, "nothing was queued");
 }

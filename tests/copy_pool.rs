@@ -11,11 +11,11 @@ fn the_number_of_copy_threads_is_set_before_first_use_and_fixed_after() {
     let before = cuferry::copy_threads();
     assert!(matches!(
         cuferry::set_copy_threads(0),
-        Err(Error::InvalidSetting {
+        Err(Error::Usage(UsageError::InvalidSetting {
             setting: "copy_threads",
             value: 0,
             ..
-        })
+        }))
     ));
     assert_eq!(cuferry::copy_threads(), before);
 
@@ -37,11 +37,11 @@ fn the_number_of_copy_threads_is_set_before_first_use_and_fixed_after() {
 
     // After first use: refused with the reason, the size unchanged.
     match cuferry::set_copy_threads(5) {
-        Err(Error::InvalidSetting {
+        Err(Error::Usage(UsageError::InvalidSetting {
             setting: "copy_threads",
             value: 5,
             reason,
-        }) => assert!(reason.contains("already running"), "{reason}"),
+        })) => assert!(reason.contains("already running"), "{reason}"),
         other => panic!("expected InvalidSetting, got {other:?}"),
     }
     assert_eq!(cuferry::copy_threads(), 3);

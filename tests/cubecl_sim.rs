@@ -14,7 +14,7 @@ fn with_cubecl_on_the_simulated_device_is_unavailable() {
         Ok::<_, Error>(())
     });
     match result {
-        Err(Error::Unavailable { library, detail }) => {
+        Err(Error::Setup(SetupError::Unavailable { library, detail })) => {
             assert_eq!(library, "CubeCL");
             assert!(detail.contains("simulated device"));
         }

@@ -170,15 +170,15 @@ fn another_engine_refuses_an_in_flight_tensor() {
     let queued = other_sim.queued();
     assert!(matches!(
         other.copy_tensor(upload.device_tensor()),
-        Err(Error::WrongEngine { .. })
+        Err(Error::Usage(UsageError::WrongEngine { .. }))
     ));
     assert!(matches!(
         other.add(upload.device_tensor(), upload.device_tensor()),
-        Err(Error::WrongEngine { .. })
+        Err(Error::Usage(UsageError::WrongEngine { .. }))
     ));
     assert!(matches!(
         download_tensor(&mut other, upload.device_tensor()),
-        Err(Error::WrongEngine { .. })
+        Err(Error::Usage(UsageError::WrongEngine { .. }))
     ));
     assert_eq!(
         other_sim.queued(),

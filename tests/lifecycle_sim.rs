@@ -200,7 +200,7 @@ fn held_and_forgotten_leases_never_starve_the_blocking_routes() {
     std::mem::forget(engine.staging_lease().unwrap());
     assert!(matches!(
         engine.staging_lease(),
-        Err(Error::StagingExhausted { depth: 2 })
+        Err(Error::Staging(StagingError::Exhausted { depth: 2 }))
     ));
     let data = distinct(10_000); // ten chunks
     for _ in 0..3 {
@@ -254,7 +254,7 @@ fn snapshot(engine: &CudaEngine) -> Snapshot {
 
 fn wrong_engine<T: std::fmt::Debug>(result: Result<T, Error>, a: &CudaEngine, b: &CudaEngine) {
     match result {
-        Err(e @ Error::WrongEngine { .. }) => {
+        Err(e @ Error::Usage(UsageError::WrongEngine { .. })) => {
             let message = e.to_string();
             for engine in [a, b] {
                 let named = format!("engine #{} on {}", engine.id(), engine.device());
@@ -303,7 +303,7 @@ fn values_of_another_engine_are_refused_and_change_nothing() {
         let reused_ptr = reused.as_ptr();
         match download_tensor_into(&mut b, &x, reused) {
             Err(refused) => {
-                assert!(matches!(refused.error(), Error::WrongEngine { .. }));
+                assert!(matches!(refused.error(), Error::Usage(UsageError::WrongEngine { .. })));
                 reused = refused.into_input();
             }
             Ok(_) => panic!("another engine's tensor was downloaded"),
@@ -326,7 +326,7 @@ fn values_of_another_engine_are_refused_and_change_nothing() {
         wrong_engine::<()>(Err(error), &a, &b);
         assert_eq!(package.buffer.as_slice().as_ptr(), buffer_ptr);
         let refused = download_pending(&mut b, package.tensor, package.buffer).unwrap_err();
-        assert!(matches!(refused.error(), Error::WrongEngine { .. }));
+        assert!(matches!(refused.error(), Error::Usage(UsageError::WrongEngine { .. })));
         let package = refused.into_package().unwrap();
 
         // A staging lease of A used on B.
@@ -519,14 +519,14 @@ fn a_zero_length_chunk_is_refused_and_queues_nothing() {
     let lease = match lease.begin_upload(&mut engine, &mut empty, 0, 0) {
         Err(BeginError::NotQueued {
             lease,
-            error: Error::ZeroLength { .. },
+            error: Error::Usage(UsageError::ZeroLength { .. }),
         }) => lease,
         other => panic!("expected a zero-length refusal, got {other:?}"),
     };
     let lease = match lease.begin_download(&mut engine, &empty, 0, 0) {
         Err(BeginError::NotQueued {
             lease,
-            error: Error::ZeroLength { .. },
+            error: Error::Usage(UsageError::ZeroLength { .. }),
         }) => lease,
         other => panic!("expected a zero-length refusal, got {other:?}"),
     };
@@ -573,7 +573,7 @@ fn errors_name_the_values_and_the_shape_check_is_order_independent() {
     // Without a zero, an overflowing product is refused in any order, naming the shape.
     for shape in [[usize::MAX, 2, 3], [3, 2, usize::MAX], [2, usize::MAX, 3]] {
         match engine.alloc_tensor::<u8>(&shape) {
-            Err(e @ Error::ShapeOverflow { .. }) => {
+            Err(e @ Error::Usage(UsageError::ShapeOverflow { .. })) => {
                 assert!(e.to_string().contains(&format!("{shape:?}")), "{e}")
             }
             other => panic!("{shape:?}: expected ShapeOverflow, got {other:?}"),
@@ -581,7 +581,7 @@ fn errors_name_the_values_and_the_shape_check_is_order_independent() {
     }
     // A byte size past the addressable limit names the count and the element size.
     match engine.alloc_tensor::<u64>(&[usize::MAX / 4]) {
-        Err(e @ Error::SizeOverflow { .. }) => {
+        Err(e @ Error::Usage(UsageError::SizeOverflow { .. })) => {
             let message = e.to_string();
             assert!(message.contains(&(usize::MAX / 4).to_string()), "{message}");
             assert!(message.contains("8 byte"), "{message}");

@@ -1852,7 +1852,7 @@ impl Sut {
             (Expect::Refused, Err(TransferSubmitError::Rejected { package, error })) => {
                 seen(Seen::SubmitRejected);
                 ensure!(
-                    matches!(error, Error::LengthMismatch { .. }),
+                    matches!(error, Error::Usage(UsageError::LengthMismatch { .. })),
                     "a mismatched pair was rejected for another reason: {error:?}"
                 );
                 ensure!(obs.queued_nothing(), "a rejected submission queued work");
@@ -2124,7 +2124,7 @@ impl Sut {
                 m.leases.push(Lease { host, chunk: None });
                 self.proven.push((m.leases.len() - 1, lease));
             }
-            Err(Error::StagingExhausted { depth }) => {
+            Err(Error::Staging(StagingError::Exhausted { depth })) => {
                 seen(Seen::LeasesExhausted);
                 if m.retained_leases > 0 {
                     seen(Seen::ExhaustedByRetainedLease);
@@ -2214,7 +2214,7 @@ impl Sut {
                 ensure!(
                     matches!(
                         (shape, &error),
-                        (ChunkShape::Empty, Error::ZeroLength { .. })
+                        (ChunkShape::Empty, Error::Usage(UsageError::ZeroLength { .. }))
                             | (
                                 ChunkShape::OutOfRange | ChunkShape::TooLong,
                                 Error::InvalidArgument { .. }
@@ -2947,7 +2947,7 @@ fn a_retained_lease_counts_against_the_budget_in_every_case() {
         assert!(
             matches!(
                 engine.staging_lease(),
-                Err(Error::StagingExhausted { depth: 3 })
+                Err(Error::Staging(StagingError::Exhausted { depth: 3 }))
             ),
             "three retained leases exhaust a budget of three"
         );

@@ -278,7 +278,7 @@ impl Model {
                         }
                         self.reference[to][into] = self.reference[from][slot].clone();
                     }
-                    Err(Error::Unreachable { .. }) => {
+                    Err(Error::Setup(SetupError::Unreachable { .. })) => {
                         assert!(!linked, "a copy between linked devices was refused");
                     }
                     Err(error) => {
@@ -317,7 +317,7 @@ impl Model {
                     }
                     Err(refused) => {
                         match refused.error() {
-                            Error::Unreachable { .. } => assert!(!linked, "a linked copy refused"),
+                            Error::Setup(SetupError::Unreachable { .. }) => assert!(!linked, "a linked copy refused"),
                             error => self.failed("pending peer copy", error),
                         }
                         let retained = matches!(refused, PeerSubmitError::Retained { .. });

@@ -794,7 +794,7 @@ fn settle(submitted: Result<SutSlot, TransferSubmitError<f32>>) -> (SutSlot, Out
         Ok(slot) => (slot, Outcome::Queued),
         Err(TransferSubmitError::Rejected {
             package,
-            error: Error::WrongEngine { .. },
+            error: Error::Usage(UsageError::WrongEngine { .. }),
         }) => (
             SutSlot::Idle(package.buffer, package.tensor),
             Outcome::Rejected,

@@ -121,14 +121,14 @@ fn refusals_hand_both_tensors_back_untouched_with_nothing_queued() {
     let y = b.alloc_tensor::<u32>(&[3]).unwrap();
     let p = ptrs(&x, &y);
     let back = check(peer_copy_pending(&mut a, x, &mut b, y), p, |e| {
-        matches!(e, Error::Unreachable { .. })
+        matches!(e, Error::Setup(SetupError::Unreachable { .. }))
     });
     // A tensor named beside the wrong engine.
     let p = ptrs(&back.source, &back.destination);
     let back = check(
         peer_copy_pending(&mut b, back.source, &mut a, back.destination),
         p,
-        |e| matches!(e, Error::WrongEngine { .. }),
+        |e| matches!(e, Error::Usage(UsageError::WrongEngine { .. })),
     );
     // Lengths that differ.
     let short = c.alloc_tensor::<u32>(&[2]).unwrap();
@@ -139,11 +139,11 @@ fn refusals_hand_both_tensors_back_untouched_with_nothing_queued() {
         |e| {
             matches!(
                 e,
-                Error::LengthMismatch {
-                    left: 3,
-                    right: 2,
+                Error::Usage(UsageError::LengthMismatch {
+                    found: 3,
+                    expected: 2,
                     ..
-                }
+                })
             )
         },
     );
@@ -154,7 +154,7 @@ fn refusals_hand_both_tensors_back_untouched_with_nothing_queued() {
     );
     let p = ptrs(&e0, &e1);
     check(peer_copy_pending(&mut a, e0, &mut c, e1), p, |e| {
-        matches!(e, Error::ZeroLength { .. })
+        matches!(e, Error::Usage(UsageError::ZeroLength { .. }))
     });
     assert_eq!(copies(), before, "nothing was queued");
     // The same tensors go through once the route is possible.

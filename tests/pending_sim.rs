@@ -25,7 +25,7 @@ fn a_zero_length_pinned_buffer_is_a_typed_error() {
     let (mut engine, _) = engine();
     assert!(matches!(
         PinnedHostBuffer::<f32>::new(&mut engine, 0),
-        Err(Error::ZeroLength { .. })
+        Err(Error::Usage(UsageError::ZeroLength { .. }))
     ));
 }
 
@@ -175,11 +175,11 @@ fn rejected_packages_come_back_untouched() {
     assert!(
         matches!(
             error,
-            Error::LengthMismatch {
-                left: 10,
-                right: 11,
+            Error::Usage(UsageError::LengthMismatch {
+                found: 10,
+                expected: 11,
                 ..
-            }
+            })
         ),
         "{error}"
     );
@@ -193,7 +193,7 @@ fn rejected_packages_come_back_untouched() {
     assert!(matches!(
         err,
         TransferSubmitError::Rejected {
-            error: Error::WrongEngine { .. },
+            error: Error::Usage(UsageError::WrongEngine { .. }),
             ..
         }
     ));
@@ -206,7 +206,7 @@ fn rejected_packages_come_back_untouched() {
     assert!(matches!(
         download_pending(&mut engine, flags, bbuf),
         Err(TransferSubmitError::Rejected {
-            error: Error::UnsupportedElement { .. },
+            error: Error::Usage(UsageError::UnsupportedElement { .. }),
             ..
         })
     ));

@@ -19,8 +19,8 @@ fn with_raw_restores_the_callers_context_on_return_err_and_unwind() {
     assert_eq!(inside, Some(ours));
     assert_eq!(thread_context(), Some(foreign), "after return");
 
-    let err = engine.with_raw(|_| -> Result<(), Error> { Err(Error::ZeroLength { what: "test" }) });
-    assert!(matches!(err, Err(Error::ZeroLength { .. })));
+    let err = engine.with_raw(|_| -> Result<(), Error> { Err(Error::Usage(UsageError::ZeroLength { what: "test" })) });
+    assert!(matches!(err, Err(Error::Usage(UsageError::ZeroLength { .. }))));
     assert_eq!(thread_context(), Some(foreign), "after Err");
 
     let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {

@@ -114,7 +114,7 @@ fn round_trip<T: Reference>(engine: &mut CudaEngine, rng: &mut Rng, n: usize) {
         match submitted {
             Err(TransferSubmitError::Rejected {
                 package,
-                error: Error::UnsupportedElement { .. },
+                error: Error::Usage(UsageError::UnsupportedElement { .. }),
             }) => assert_same(
                 &format!("refused download {what}"),
                 &package.buffer.into_vec().unwrap(),
@@ -322,7 +322,7 @@ fn an_empty_vec_is_refused_and_comes_back() {
     let ptr = empty.as_ptr();
     let refused = RegisteredBuffer::register(&mut engine, empty).unwrap_err();
     assert!(
-        matches!(refused.error(), Error::ZeroLength { .. }),
+        matches!(refused.error(), Error::Usage(UsageError::ZeroLength { .. })),
         "{refused}"
     );
     let back = refused.into_input();
@@ -539,11 +539,11 @@ fn rejected_submissions_give_the_buffer_back() {
         Err(TransferSubmitError::Rejected {
             package,
             error:
-                Error::LengthMismatch {
-                    left: 10,
-                    right: 11,
+                Error::Usage(UsageError::LengthMismatch {
+                    found: 10,
+                    expected: 11,
                     ..
-                },
+                }),
         }) => package,
         other => panic!("expected a length mismatch, got {other:?}"),
     };
@@ -555,7 +555,7 @@ fn rejected_submissions_give_the_buffer_back() {
     let foreign = other.alloc_tensor::<u32>(&[10]).unwrap();
     let err = upload_pending(&mut other, package.buffer, foreign).unwrap_err();
     assert!(
-        matches!(err.error(), Error::WrongEngine { .. }),
+        matches!(err.error(), Error::Usage(UsageError::WrongEngine { .. })),
         "{}",
         err.error()
     );

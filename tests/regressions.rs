@@ -29,7 +29,7 @@ fn a_refused_resubmission_does_not_hand_its_event_to_the_refusing_engine() {
     assert!(matches!(
         refused,
         TransferSubmitError::Rejected {
-            error: Error::WrongEngine { .. },
+            error: Error::Usage(UsageError::WrongEngine { .. }),
             ..
         }
     ));
@@ -60,7 +60,7 @@ fn a_refused_resubmission_returns_its_event_to_its_own_engine() {
     assert!(matches!(
         refused,
         TransferSubmitError::Rejected {
-            error: Error::WrongEngine { .. },
+            error: Error::Usage(UsageError::WrongEngine { .. }),
             ..
         }
     ));

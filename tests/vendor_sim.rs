@@ -9,7 +9,7 @@ use cuferry::{download_tensor, upload_tensor, CudaEngine, Error, GemmConfig};
 
 fn unavailable(result: Result<impl std::fmt::Debug, Error>, library: &str) {
     match result {
-        Err(Error::Unavailable { library: l, detail }) => {
+        Err(Error::Setup(SetupError::Unavailable { library: l, detail })) => {
             assert_eq!(l, library);
             assert!(detail.contains("simulated device"), "{detail}");
         }
@@ -79,7 +79,7 @@ fn a_foreign_operand_is_refused_before_the_library_is_asked() {
     let mut foreign_rhs = upload_tensor(&mut other, &[1.0f64; 2], &[2]).unwrap();
     let mut own = upload_tensor(&mut engine, &[4.0f64, 1.0, 1.0, 3.0], &[2, 2]).unwrap();
     let wrong_device = |r: Result<(), Error>| {
-        assert!(matches!(r, Err(Error::WrongEngine { .. })), "{r:?}");
+        assert!(matches!(r, Err(Error::Usage(UsageError::WrongEngine { .. }))), "{r:?}");
     };
     wrong_device(engine.gemm(&GemmConfig::new(2, 2, 2, 1.0, 0.0), &a, &foreign, &mut c));
     wrong_device(engine.matmul(&foreign, &a).map(drop));

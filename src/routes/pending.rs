@@ -33,7 +33,7 @@
 #![allow(clippy::result_large_err)]
 
 use crate::core::engine::CudaEngine;
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, UsageError};
 use crate::lifecycle::fence::{fence, Fenced, Fencing, IdleEvent};
 use crate::memory::element::Element;
 use crate::memory::host::HostBuffer;
@@ -136,9 +136,9 @@ pub enum TransferSubmitError<T: Element, B: HostBuffer<T> = PinnedHostBuffer<T>>
     Rejected {
         /// Everything that was submitted.
         package: TransferPackage<T, B>,
-        /// Why: [`Error::WrongEngine`] for a buffer or tensor of another engine,
-        /// [`Error::ZeroLength`], [`Error::LengthMismatch`] between buffer and tensor,
-        /// [`Error::UnsupportedElement`] for a `bool` download.
+        /// Why: [`UsageError::WrongEngine`](crate::error::UsageError::WrongEngine) for a buffer or tensor of another engine,
+        /// [`UsageError::ZeroLength`](crate::error::UsageError::ZeroLength), [`UsageError::LengthMismatch`](crate::error::UsageError::LengthMismatch) between buffer and tensor,
+        /// [`UsageError::UnsupportedElement`](crate::error::UsageError::UnsupportedElement) for a `bool` download.
         error: Error,
     },
     /// The driver refused to queue the copy, or the copy was queued and then proven complete
@@ -269,7 +269,7 @@ impl<D: Direction, T: Element, B: HostBuffer<T>> Pending<D, T, InFlight, B> {
     /// consumes the handle) can return the transfer. The host buffer stays unreachable until then.
     ///
     /// Only the engine that queued the copy accepts the tensor: another engine refuses it with
-    /// [`Error::WrongEngine`], as it refuses any tensor it does not own. A CubeCL import
+    /// [`UsageError::WrongEngine`](crate::error::UsageError::WrongEngine), as it refuses any tensor it does not own. A CubeCL import
     /// (`CubeclScope::import`, feature `cubecl`) queues its copy on this engine's compute stream,
     /// ordered after the upload, and waits for it on the host, so it too reads the data after it
     /// has landed.
@@ -370,24 +370,24 @@ fn refusal<D: Direction, T: Element, B: HostBuffer<T>>(
         return Some(error);
     }
     if tensor_len == 0 {
-        return Some(Error::ZeroLength {
+        return Some(Error::Usage(UsageError::ZeroLength {
             what: "a pending transfer",
-        });
+        }));
     }
     if buffer_len != tensor_len {
-        return Some(Error::LengthMismatch {
-            what: "pending transfer: elements in the buffer and in the tensor",
-            left: buffer_len,
-            right: tensor_len,
-        });
+        return Some(Error::Usage(UsageError::LengthMismatch {
+            what: "pending transfer: buffer for the tensor",
+            found: buffer_len,
+            expected: tensor_len,
+        }));
     }
     if !D::UPLOAD && !T::DTYPE.any_bit_pattern() {
-        return Some(Error::UnsupportedElement {
+        return Some(Error::Usage(UsageError::UnsupportedElement {
             operation: "download_pending",
             dtype: T::DTYPE,
             reason:
                 "raw device bytes need not be 0 or 1, and a host buffer exposes them as they are",
-        });
+        }));
     }
     None
 }
@@ -475,7 +475,7 @@ pub fn upload_pending<T: Element, B: HostBuffer<T>>(
 /// complete.
 ///
 /// # Errors
-/// As [`upload_pending`], and [`Error::UnsupportedElement`] (rejected) for `bool`.
+/// As [`upload_pending`], and [`UsageError::UnsupportedElement`](crate::error::UsageError::UnsupportedElement) (rejected) for `bool`.
 pub fn download_pending<T: Element, B: HostBuffer<T>>(
     engine: &mut CudaEngine,
     value: DeviceTensor<T>,

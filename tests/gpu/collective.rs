@@ -20,7 +20,7 @@ fn pair() -> Option<(CudaEngine, CudaEngine, Communicator)> {
         assert!(
             matches!(
                 refused,
-                Err(Error::InvalidArgument { .. } | Error::Unavailable { .. })
+                Err(Error::InvalidArgument { .. } | Error::Setup(SetupError::Unavailable { .. }))
             ),
             "{refused:?}"
         );
@@ -31,7 +31,7 @@ fn pair() -> Option<(CudaEngine, CudaEngine, Communicator)> {
             println!("NCCL {:?}", Communicator::nccl_version().unwrap());
             Some((a, b, comm))
         }
-        Err(Error::Unavailable { detail, .. }) => {
+        Err(Error::Setup(SetupError::Unavailable { detail, .. })) => {
             println!("no NCCL: {detail}");
             None
         }
@@ -165,7 +165,7 @@ fn a_collective_follows_queued_kernels_and_detaches_on_drop() {
     assert_eq!(download_tensor(&mut b, &back[1]).unwrap(), [1, 2, 3]);
     let refused = broadcast(&comm, &mut [&mut b, &mut a], back, 0).unwrap_err();
     assert!(
-        matches!(refused.error(), Error::WrongEngine { .. }),
+        matches!(refused.error(), Error::Usage(UsageError::WrongEngine { .. })),
         "{refused}"
     );
 }

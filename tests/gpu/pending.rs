@@ -145,11 +145,11 @@ fn rejected_packages_come_back_untouched() {
     assert!(
         matches!(
             error,
-            Error::LengthMismatch {
-                left: 1000,
-                right: 999,
+            Error::Usage(UsageError::LengthMismatch {
+                found: 1000,
+                expected: 999,
                 ..
-            }
+            })
         ),
         "{error}"
     );
@@ -159,7 +159,7 @@ fn rejected_packages_come_back_untouched() {
     assert!(matches!(
         err,
         TransferSubmitError::Rejected {
-            error: Error::WrongEngine { .. },
+            error: Error::Usage(UsageError::WrongEngine { .. }),
             ..
         }
     ));

@@ -235,7 +235,7 @@ fn cholesky_solve_reports_a_matrix_that_is_not_positive_definite() {
     let mut db = upload_tensor(&mut engine, &[1.0f64, 2.0, 3.0], &[3]).unwrap();
     let status = engine.cholesky_solve(&mut da, &mut db).unwrap();
     match status.check(&mut engine) {
-        Err(Error::NotPositiveDefinite { order, .. }) => assert_eq!(order, 2),
+        Err(Error::Library(LibraryError::NotPositiveDefinite { order, .. })) => assert_eq!(order, 2),
         other => panic!("expected NotPositiveDefinite, got {other:?}"),
     }
 }
@@ -271,7 +271,7 @@ fn cutensor_contracts_where_present_and_is_a_typed_unavailable_where_absent() {
     let result = engine.contract("ik,kj->ij", 2.0, &da, &db, 0.5, &mut dc);
     if !present {
         match result {
-            Err(Error::Unavailable { library, detail }) => {
+            Err(Error::Setup(SetupError::Unavailable { library, detail })) => {
                 assert_eq!(library, "cuTENSOR");
                 assert!(detail.contains("cutensor"), "{detail}");
             }

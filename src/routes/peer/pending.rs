@@ -21,7 +21,7 @@
 use crate::core::engine::CudaEngine;
 use crate::core::order::Use;
 use crate::driver::Lane;
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, UsageError, SetupError};
 use crate::lifecycle::fence::{fence, Fencing, IdleEvent};
 use crate::lifecycle::signal::Signal;
 use crate::lifecycle::wake::FenceFuture;
@@ -77,9 +77,9 @@ pub enum PeerSubmitError<T: Element> {
     Rejected {
         /// Both tensors.
         package: PeerPackage<T>,
-        /// Why: [`Error::WrongEngine`] for a tensor of another engine than the one named beside
-        /// it, [`Error::ZeroLength`], [`Error::LengthMismatch`] between the tensors,
-        /// [`Error::Unreachable`] for devices with no peer link.
+        /// Why: [`UsageError::WrongEngine`](crate::error::UsageError::WrongEngine) for a tensor of another engine than the one named beside
+        /// it, [`UsageError::ZeroLength`](crate::error::UsageError::ZeroLength), [`UsageError::LengthMismatch`](crate::error::UsageError::LengthMismatch) between the tensors,
+        /// [`SetupError::Unreachable`](crate::error::SetupError::Unreachable) for devices with no peer link.
         error: Error,
     },
     /// The driver refused a step before the copy was queued (enabling peer access, the wait
@@ -180,7 +180,7 @@ impl<T: Element> PendingPeer<T, InFlight> {
     /// copy out of it) reads the data after it has landed, with no host wait. The borrow is
     /// shared: nothing can write the tensor or free it while the copy may still touch it, and
     /// the borrow ends before [`wait`](Self::wait) can return it. Any other engine refuses the
-    /// tensor ([`Error::WrongEngine`]).
+    /// tensor ([`UsageError::WrongEngine`](crate::error::UsageError::WrongEngine)).
     pub fn destination(&self) -> &DeviceTensor<T> {
         &self.hold.resources().package.destination
     }
@@ -323,16 +323,16 @@ fn refusal<T: Element>(
         return Some(error);
     }
     if source.is_empty() {
-        return Some(Error::ZeroLength {
+        return Some(Error::Usage(UsageError::ZeroLength {
             what: "a pending peer copy",
-        });
+        }));
     }
     if source.len() != destination.len() {
-        return Some(Error::LengthMismatch {
-            what: "peer_copy_pending: elements in the source and in the destination",
-            left: source.len(),
-            right: destination.len(),
-        });
+        return Some(Error::Usage(UsageError::LengthMismatch {
+            what: "peer_copy_pending: source for the destination",
+            found: source.len(),
+            expected: destination.len(),
+        }));
     }
     None
 }
@@ -356,7 +356,7 @@ fn submit<T: Element>(
                 error: super::no_link(src_engine, dst_engine),
             })
         }
-        Err(error @ Error::Unreachable { .. }) => {
+        Err(error @ Error::Setup(SetupError::Unreachable { .. })) => {
             return Err(PeerSubmitError::Rejected { package, error })
         }
         Err(error) => return Err(PeerSubmitError::Failed { package, error }),
@@ -411,7 +411,7 @@ fn submit<T: Element>(
             // The link went away after the pair's first copy: refused as for a pair never
             // linked (the copy was not queued, and a wait for the source engine queued before it
             // only orders this engine's stream).
-            error @ Error::Unreachable { .. } => PeerSubmitError::Rejected { package, error },
+            error @ Error::Setup(SetupError::Unreachable { .. }) => PeerSubmitError::Rejected { package, error },
             error => PeerSubmitError::Failed { package, error },
         });
     }
@@ -472,7 +472,7 @@ fn submit<T: Element>(
 /// # Errors
 /// [`PeerSubmitError::Rejected`] (both tensors untouched) for a tensor of another engine than
 /// the one named beside it, a zero length, a length mismatch, or devices that cannot reach each
-/// other ([`Error::Unreachable`]; [`peer_copy_staged`](crate::peer_copy_staged) copies through
+/// other ([`SetupError::Unreachable`](crate::error::SetupError::Unreachable); [`peer_copy_staged`](crate::peer_copy_staged) copies through
 /// host memory); [`PeerSubmitError::Failed`] (both back) when the driver refuses a step before
 /// the copy is in flight; [`PeerSubmitError::Retained`] when the copy was queued but cannot be
 /// tracked.
