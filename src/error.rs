@@ -515,7 +515,9 @@ pub enum UsageError {
     },
     /// A right-hand side whose length is not a positive multiple of the matrix's order:
     /// `cholesky_solve`'s `B`.
-    #[error("{operation}: {what} has {len} element(s), which is not a positive multiple of n = {order}")]
+    #[error(
+        "{operation}: {what} has {len} element(s), which is not a positive multiple of n = {order}"
+    )]
     NotAMultiple {
         /// The operation.
         operation: &'static str,
@@ -537,7 +539,9 @@ pub enum UsageError {
         reason: &'static str,
     },
     /// A tensor's mode count in a contraction expression differs from its rank: `contract`.
-    #[error("{operation}: {expression:?}: modes {modes:?} do not match a tensor of shape {shape:?}")]
+    #[error(
+        "{operation}: {expression:?}: modes {modes:?} do not match a tensor of shape {shape:?}"
+    )]
     ModeCount {
         /// The operation.
         operation: &'static str,

@@ -9,6 +9,7 @@ mod copy_threads;
 mod common;
 
 use common::{assert_same, reduce_pair, small_values, Reference, Rng};
+use cuferry::error::{SetupError, UsageError};
 use cuferry::sim::{Schedule, SimConfig, SimDevice, SimOp};
 use cuferry::{
     all_reduce, broadcast, download_tensor, upload_tensor, CollectiveElement,
@@ -211,7 +212,10 @@ fn communicators_take_one_engine_per_device_of_one_machine() {
     let mut again = CudaEngine::simulated_on_device(&engines[0].sim().unwrap(), 0).unwrap();
     let refused = Communicator::new(&mut [&mut engines[0], &mut again]);
     assert!(
-        matches!(refused, Err(Error::InvalidArgument { .. })),
+        matches!(
+            refused,
+            Err(Error::Usage(UsageError::TwoRanksOnOneDevice { .. }))
+        ),
         "{refused:?}"
     );
     let mut elsewhere = CudaEngine::simulated(SimConfig::default());
@@ -222,7 +226,7 @@ fn communicators_take_one_engine_per_device_of_one_machine() {
     );
     assert!(matches!(
         Communicator::new(&mut []),
-        Err(Error::InvalidArgument { .. })
+        Err(Error::Usage(UsageError::NoEngines { .. }))
     ));
 }
 
@@ -248,7 +252,7 @@ fn refusals_hand_the_tensors_back_with_nothing_queued() {
     let t = tensors(&mut engines, [3, 4]);
     let back = expect(
         all_reduce(&comm, &mut all(&mut engines), t, ReduceOp::Sum).unwrap_err(),
-        |e| matches!(e, Error::InvalidArgument { .. }),
+        |e| matches!(e, Error::Usage(UsageError::LengthMismatch { .. })),
     );
     assert_eq!(download_tensor(&mut engines[1], &back[1]).unwrap(), [7; 4]);
     // The engines in another order than the ranks.
@@ -261,13 +265,13 @@ fn refusals_hand_the_tensors_back_with_nothing_queued() {
     // A root past the last rank; too few tensors; nothing to reduce.
     let back = expect(
         broadcast(&comm, &mut all(&mut engines), back, 2).unwrap_err(),
-        |e| matches!(e, Error::InvalidArgument { .. }),
+        |e| matches!(e, Error::Usage(UsageError::RootOutOfRange { .. })),
     );
     let mut back = back;
     let kept = back.pop().unwrap();
     let back = expect(
         all_reduce(&comm, &mut all(&mut engines), back, ReduceOp::Sum).unwrap_err(),
-        |e| matches!(e, Error::InvalidArgument { .. }),
+        |e| matches!(e, Error::Usage(UsageError::RankCount { .. })),
     );
     drop((back, kept));
     let t = tensors(&mut engines, [0, 0]);

@@ -2,6 +2,7 @@
 //! fixed once a transfer has used them. One test, alone in its binary (its own process), so no
 //! other test can build the pool first.
 
+use cuferry::error::UsageError;
 use cuferry::sim::SimConfig;
 use cuferry::{download_tensor, upload_tensor, CudaEngine, Error};
 

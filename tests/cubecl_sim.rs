@@ -2,6 +2,7 @@
 //! it, so `with_cubecl` is a typed `Unavailable`, and the closure never runs.
 #![cfg(feature = "cubecl")]
 
+use cuferry::error::SetupError;
 use cuferry::sim::SimConfig;
 use cuferry::{CudaEngine, Error};
 

@@ -2,6 +2,7 @@
 
 mod copy_threads;
 
+use cuferry::error::{SetupError, UsageError};
 use cuferry::sim::{set_thread_context, thread_context, SimConfig, SimDevice, SimOp};
 use cuferry::{
     download_tensor, download_tensor_into, upload_tensor, CudaEngine, DType, DriverError, Error,
@@ -138,7 +139,10 @@ fn with_raw_restores_the_context_on_err() {
         assert_eq!(thread_context(), Some(sim.context()));
         Err(Error::Usage(UsageError::ZeroLength { what: "test" }))
     });
-    assert!(matches!(r, Err(Error::Usage(UsageError::ZeroLength { .. }))));
+    assert!(matches!(
+        r,
+        Err(Error::Usage(UsageError::ZeroLength { .. }))
+    ));
     assert_eq!(thread_context(), Some(foreign));
     set_thread_context(None);
 }
@@ -177,7 +181,10 @@ fn with_raw_refuses_another_engines_tensor() {
     let (mut b, _) = engine();
     let x = upload_tensor(&mut a, &distinct(4), &[4]).unwrap();
     let r = b.with_raw(|raw| raw.device_ptr(&x).map(|p| p.bytes()));
-    assert!(matches!(r, Err(Error::Usage(UsageError::WrongEngine { .. }))));
+    assert!(matches!(
+        r,
+        Err(Error::Usage(UsageError::WrongEngine { .. }))
+    ));
 }
 
 #[test]
@@ -288,13 +295,19 @@ fn reshape_keeps_the_element_count() {
     let t = t.reshape(&[2, 6]).unwrap();
     assert_eq!(t.shape(), &[2, 6]);
     let refused = t.reshape(&[5]).unwrap_err();
-    assert!(matches!(refused.error(), Error::Usage(UsageError::LengthMismatch { .. })));
+    assert!(matches!(
+        refused.error(),
+        Error::Usage(UsageError::LengthMismatch { .. })
+    ));
     let t = refused.into_input();
     assert_eq!(t.shape(), &[2, 6], "handed back unchanged");
     // A zero dimension holds no elements, whatever the others are: a mismatch.
     let refused = t.reshape(&[usize::MAX, 2, 0, 3]).unwrap_err();
     assert!(
-        matches!(refused.error(), Error::Usage(UsageError::LengthMismatch { expected: 0, .. })),
+        matches!(
+            refused.error(),
+            Error::Usage(UsageError::LengthMismatch { expected: 0, .. })
+        ),
         "{refused}"
     );
     // A product past usize is the shape's overflow.
@@ -330,7 +343,9 @@ fn dropping_the_engine_waits_and_never_panics_even_when_the_wait_fails() {
 #[test]
 fn opening_a_real_device_without_a_driver_says_so() {
     match CudaEngine::open(0) {
-        Err(Error::Setup(SetupError::NoDriver { detail })) => assert!(detail.contains("libcuda"), "{detail}"),
+        Err(Error::Setup(SetupError::NoDriver { detail })) => {
+            assert!(detail.contains("libcuda"), "{detail}")
+        }
         // On a GPU machine the driver is present: opening succeeds or names the ordinal.
         Ok(_) | Err(Error::Setup(SetupError::NoSuchDevice { .. })) => {}
         Err(other) => panic!("unexpected error {other}"),

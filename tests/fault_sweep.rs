@@ -7,6 +7,7 @@
 
 mod copy_threads;
 
+use cuferry::error::SetupError;
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{
     download_pending, download_tensor, download_tensor_into, upload_pending, upload_tensor,

@@ -3,6 +3,7 @@
 
 mod copy_threads;
 
+use cuferry::error::{ProgramError, UsageError};
 use cuferry::graph::{GraphCompiler, Input, OutputKind, Program, TracedTensor};
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{download_tensor, upload_tensor, CudaEngine, DType, Error};
@@ -412,7 +413,9 @@ fn a_product_past_the_addressable_limit_is_refused_when_compiled() {
     let q = TracedTensor::input_symbolic_shape(DType::F64, 2);
     let big = q.matmul(&q.reshape(&[1, 1 << 40])).unwrap();
     match c.compile_with_input_specs(&[&big], &[(&q, DType::F64, &[1 << 40, 1])]) {
-        Err(Error::Usage(UsageError::ShapeOverflow { shape })) => assert_eq!(shape, [1 << 40, 1 << 40]),
+        Err(Error::Usage(UsageError::ShapeOverflow { shape })) => {
+            assert_eq!(shape, [1 << 40, 1 << 40])
+        }
         other => panic!("expected ShapeOverflow, got {other:?}"),
     }
 }

@@ -9,6 +9,7 @@ mod copy_threads;
 mod common;
 
 use common::{random_vec, Reference, Rng};
+use cuferry::error::UsageError;
 use cuferry::graph::{GraphCompiler, Input, TracedTensor};
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{

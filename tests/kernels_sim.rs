@@ -7,6 +7,7 @@ mod copy_threads;
 mod common;
 
 use common::{check_casts_from, check_ops, Reference, Rng};
+use cuferry::error::UsageError;
 use cuferry::sim::{SimConfig, SimOp};
 use cuferry::{
     download_tensor, upload_tensor, CudaEngine, DeviceTensor, DriverError, Element, Error,
@@ -161,9 +162,12 @@ fn mismatched_shapes_are_refused_before_anything_is_queued() {
             expected,
             found,
         })) => {
-            assert_eq!((operation, left, right), ("add", vec![2, 3], vec![3, 2]));
+            assert_eq!(
+                (operation, expected, found),
+                ("add", vec![2, 3], vec![3, 2])
+            );
         }
-        other => panic!("expected ShapesDiffer, got {other:?}"),
+        other => panic!("expected ShapeMismatch, got {other:?}"),
     }
     assert_eq!(sim.calls(SimOp::Launch), launches);
 }
@@ -213,9 +217,15 @@ fn another_engines_tensor_is_refused() {
     let mut two = engine();
     let a = upload_tensor(&mut one, &[1.0f32], &[1]).unwrap();
     let b = upload_tensor(&mut two, &[1.0f32], &[1]).unwrap();
-    assert!(matches!(one.add(&a, &b), Err(Error::Usage(UsageError::WrongEngine { .. }))));
+    assert!(matches!(
+        one.add(&a, &b),
+        Err(Error::Usage(UsageError::WrongEngine { .. }))
+    ));
     let mut three = CudaEngine::simulated_on(&one.sim().unwrap());
-    assert!(matches!(three.neg(&a), Err(Error::Usage(UsageError::WrongEngine { .. }))));
+    assert!(matches!(
+        three.neg(&a),
+        Err(Error::Usage(UsageError::WrongEngine { .. }))
+    ));
 }
 
 #[test]

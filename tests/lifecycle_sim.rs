@@ -3,6 +3,7 @@
 
 mod copy_threads;
 
+use cuferry::error::{StagingError, UsageError};
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{
     download_pending, download_tensor, download_tensor_into, upload_pending, upload_tensor,
@@ -303,7 +304,10 @@ fn values_of_another_engine_are_refused_and_change_nothing() {
         let reused_ptr = reused.as_ptr();
         match download_tensor_into(&mut b, &x, reused) {
             Err(refused) => {
-                assert!(matches!(refused.error(), Error::Usage(UsageError::WrongEngine { .. })));
+                assert!(matches!(
+                    refused.error(),
+                    Error::Usage(UsageError::WrongEngine { .. })
+                ));
                 reused = refused.into_input();
             }
             Ok(_) => panic!("another engine's tensor was downloaded"),
@@ -326,7 +330,10 @@ fn values_of_another_engine_are_refused_and_change_nothing() {
         wrong_engine::<()>(Err(error), &a, &b);
         assert_eq!(package.buffer.as_slice().as_ptr(), buffer_ptr);
         let refused = download_pending(&mut b, package.tensor, package.buffer).unwrap_err();
-        assert!(matches!(refused.error(), Error::Usage(UsageError::WrongEngine { .. })));
+        assert!(matches!(
+            refused.error(),
+            Error::Usage(UsageError::WrongEngine { .. })
+        ));
         let package = refused.into_package().unwrap();
 
         // A staging lease of A used on B.
@@ -391,10 +398,8 @@ fn workload(engine: &mut CudaEngine) -> Result<(), Error> {
     let mut small = engine.alloc_tensor::<u8>(&[4])?;
     let unproven = lease
         .begin_upload(engine, &mut small, 0, 4)
-        .map_err(|e| e.error().to_string())
-        .map_err(|detail| Error::InvalidArgument {
-            operation: "workload",
-            detail,
+        .map_err(|e| match e {
+            BeginError::NotQueued { error, .. } | BeginError::Untracked { error, .. } => error,
         })?;
     drop(unproven); // retired
     engine.flush()?;

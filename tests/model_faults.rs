@@ -99,6 +99,7 @@
 
 mod copy_threads;
 
+use cuferry::error::{StagingError, UsageError};
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{
     download_pending, download_tensor, download_tensor_into, upload_pending, upload_tensor,
@@ -2214,11 +2215,16 @@ impl Sut {
                 ensure!(
                     matches!(
                         (shape, &error),
-                        (ChunkShape::Empty, Error::Usage(UsageError::ZeroLength { .. }))
-                            | (
-                                ChunkShape::OutOfRange | ChunkShape::TooLong,
-                                Error::InvalidArgument { .. }
+                        (
+                            ChunkShape::Empty,
+                            Error::Usage(UsageError::ZeroLength { .. })
+                        ) | (
+                            ChunkShape::OutOfRange | ChunkShape::TooLong,
+                            Error::Staging(
+                                StagingError::ChunkOutOfRange { .. }
+                                    | StagingError::ChunkTooLarge { .. }
                             )
+                        )
                     ),
                     "a {shape:?} chunk was refused with {error:?}"
                 );

@@ -13,6 +13,7 @@
 
 mod copy_threads;
 
+use cuferry::error::SetupError;
 use cuferry::sim::{Schedule, SimConfig, SimDevice, SimOp};
 use cuferry::{
     download_tensor, peer_copy, peer_copy_into, peer_copy_pending, upload_tensor, CudaEngine,
@@ -317,7 +318,9 @@ impl Model {
                     }
                     Err(refused) => {
                         match refused.error() {
-                            Error::Setup(SetupError::Unreachable { .. }) => assert!(!linked, "a linked copy refused"),
+                            Error::Setup(SetupError::Unreachable { .. }) => {
+                                assert!(!linked, "a linked copy refused")
+                            }
                             error => self.failed("pending peer copy", error),
                         }
                         let retained = matches!(refused, PeerSubmitError::Retained { .. });

@@ -24,6 +24,7 @@
 
 mod copy_threads;
 
+use cuferry::error::UsageError;
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{
     download_pending, upload_pending, CudaEngine, DeviceTensor, Direction, DriverError, Error,

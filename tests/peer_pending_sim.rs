@@ -11,6 +11,7 @@ mod common;
 use common::{
     assert_same, engines_on as engines, random_vec, sim_machine as machine, Reference, Rng,
 };
+use cuferry::error::{SetupError, UsageError};
 use cuferry::sim::{Schedule, SimDevice, SimOp};
 use cuferry::{
     download_tensor, peer_copy_pending, upload_pending, upload_tensor, CudaEngine, DeviceTensor,

@@ -10,6 +10,7 @@ mod common;
 use common::{
     assert_same, engines_on as engines, random_vec, sim_machine as machine, Reference, Rng,
 };
+use cuferry::error::{SetupError, UsageError};
 use cuferry::sim::{Schedule, SimConfig, SimDevice, SimOp};
 use cuferry::{
     download_tensor, peer_copy, peer_copy_into, peer_copy_staged, upload_pending, upload_tensor,

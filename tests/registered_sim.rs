@@ -9,6 +9,7 @@ mod common;
 use common::{
     assert_same, distinct_u32 as distinct, random_vec, sim_engine, Fault, Reference, Rng,
 };
+use cuferry::error::UsageError;
 use cuferry::sim::{SimConfig, SimOp};
 use cuferry::{
     download_pending, download_tensor, upload_pending, upload_tensor, CudaEngine, DriverError,
@@ -584,23 +585,12 @@ fn lifecycle(engine: &mut CudaEngine, value: cuferry::DeviceTensor<u32>) -> (End
     };
     let settle = |err: TransferSubmitError<u32, RegisteredBuffer<u32>>| match err {
         TransferSubmitError::Retained { error } => (End::Retained, Some(error)),
-        other => {
-            let error = other.error().to_string();
-            let buffer = other
-                .into_package()
-                .expect("a rejected or failed submission hands the package back")
-                .buffer;
-            match buffer.into_vec() {
-                Ok(back) => (
-                    End::Back(back),
-                    Some(Error::InvalidArgument {
-                        operation: "submission",
-                        detail: error,
-                    }),
-                ),
-                Err(unregister) => (End::Retained, Some(unregister)),
-            }
-        }
+        TransferSubmitError::Rejected { package, error }
+        | TransferSubmitError::Failed { package, error } => match package.buffer.into_vec() {
+            Ok(back) => (End::Back(back), Some(error)),
+            Err(unregister) => (End::Retained, Some(unregister)),
+        },
+        other => panic!("a submission error of no known kind: {other}"),
     };
     let dest = match engine.alloc_tensor::<u32>(&[64]) {
         Ok(dest) => dest,

@@ -2,6 +2,7 @@
 
 mod copy_threads;
 
+use cuferry::error::UsageError;
 use cuferry::sim::{SimConfig, SimOp};
 use cuferry::{
     download_tensor, upload_pending, upload_tensor, CudaEngine, DriverError, Error,

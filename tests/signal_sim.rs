@@ -5,6 +5,7 @@
 
 mod copy_threads;
 
+use cuferry::error::SetupError;
 use cuferry::sim::{Schedule, SimConfig, SimDevice, SimOp};
 use cuferry::{
     upload_pending, CudaEngine, DriverError, Error, PendingUpload, PinnedHostBuffer, Signal,

@@ -3,6 +3,7 @@
 
 mod copy_threads;
 
+use cuferry::error::{StagingError, UsageError};
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{
     bf16, download_tensor, download_tensor_into, f16, upload_tensor, CudaEngine, DriverError,

@@ -18,7 +18,7 @@
 
 use super::order::{Order, Proven, Use};
 use crate::driver::{wakes, ContextHandle, DevicePtr, Driver, Lane, Waits};
-use crate::error::{DeviceId, Error, Result, UsageError, SetupError};
+use crate::error::{DeviceId, Error, Result, SetupError, UsageError};
 // The subsystems' state, which the engine holds and locks with the driver. Each of these files
 // depends only on the driver seam and the errors, never on the engine (see the level docs in
 // `core/mod.rs`).

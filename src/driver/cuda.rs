@@ -102,8 +102,8 @@ impl CudaDriver {
         if ordinal >= count {
             return Err(Error::Setup(SetupError::NoSuchDevice { ordinal, count }));
         }
-        let raw_ordinal =
-            i32::try_from(ordinal).map_err(|_| Error::Setup(SetupError::NoSuchDevice { ordinal, count }))?;
+        let raw_ordinal = i32::try_from(ordinal)
+            .map_err(|_| Error::Setup(SetupError::NoSuchDevice { ordinal, count }))?;
         let device = result::device::get(raw_ordinal).map_err(|e| Error::Driver {
             call: "cuDeviceGet",
             source: DriverError::from_raw(e.0),

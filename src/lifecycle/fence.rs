@@ -282,9 +282,11 @@ fn in_wake_refused(what: &'static str) -> Result<()> {
 /// device may still touch them) and the refusal is also reported at the engine's next boundary.
 fn leak_in_wake<R>(inner: &Inner<R>, what: &'static str) -> Result<()> {
     in_wake_refused(what).inspect_err(|_| {
-        inner.owner.report_in_wake(Error::Usage(UsageError::InDeviceCallback {
-            what: "a wait, whose resources were leaked,",
-        }));
+        inner
+            .owner
+            .report_in_wake(Error::Usage(UsageError::InDeviceCallback {
+                what: "a wait, whose resources were leaked,",
+            }));
     })
 }
 

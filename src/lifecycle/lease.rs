@@ -29,7 +29,7 @@
 use super::fence::{fence, synchronize_now, Fenced, Fencing, IdleEvent, Untracked as Unfenced};
 use crate::core::engine::{CudaEngine, Shared};
 
-use crate::error::{Error, Result, UsageError, StagingError};
+use crate::error::{Error, Result, StagingError, UsageError};
 use crate::memory::element::Element;
 use crate::memory::pinned::PinnedHostBuffer;
 use crate::memory::pressure::Memory;

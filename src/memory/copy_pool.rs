@@ -211,11 +211,13 @@ pub(crate) fn pool() -> Result<&'static CopyPool> {
         return Ok(pool);
     }
     let threads = requested.unwrap_or_else(automatic);
-    let pool = CopyPool::start(threads).map_err(|_| Error::Usage(UsageError::InvalidSetting {
-        setting: "copy_threads",
-        value: threads,
-        reason: "the host-copy threads could not be started",
-    }))?;
+    let pool = CopyPool::start(threads).map_err(|_| {
+        Error::Usage(UsageError::InvalidSetting {
+            setting: "copy_threads",
+            value: threads,
+            reason: "the host-copy threads could not be started",
+        })
+    })?;
     BUILT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     // Only this thread can be here (it holds `REQUESTED`), so the pool just built is the one set.
     let pool = POOL.get_or_init(|| pool);

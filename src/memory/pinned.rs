@@ -59,13 +59,14 @@ impl State {
 /// allocation runs out of memory, after releasing completed retirement records and idle
 /// page-locked memory (`memory::pressure`).
 fn acquire_pinned(engine: &mut CudaEngine, bytes: usize) -> Result<Block> {
-    let capacity = bytes
-        .checked_next_multiple_of(GRANULE)
-        .ok_or(Error::Usage(UsageError::SizeOverflow {
-            what: "pinned buffer",
-            count: bytes,
-            element_bytes: 1,
-        }))?;
+    let capacity =
+        bytes
+            .checked_next_multiple_of(GRANULE)
+            .ok_or(Error::Usage(UsageError::SizeOverflow {
+                what: "pinned buffer",
+                count: bytes,
+                element_bytes: 1,
+            }))?;
     let shared = &*engine.shared;
     let (_st, block) = shared.allocate(Memory::PageLocked, |st, under_pressure| {
         st.try_acquire_pinned(&*shared.waits, bytes, capacity, under_pressure)

@@ -13,7 +13,7 @@
 //! (`lifecycle::lease`).
 
 use crate::driver::Driver;
-use crate::error::{DriverError, Error, Result, UsageError, StagingError};
+use crate::error::{DriverError, Error, Result, StagingError, UsageError};
 use crate::memory::copy_pool::MAX_THREADS;
 use std::ptr::NonNull;
 

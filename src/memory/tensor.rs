@@ -110,9 +110,11 @@ pub(crate) fn shape_len(shape: &[usize]) -> Result<usize> {
     shape
         .iter()
         .try_fold(1usize, |acc, &d| acc.checked_mul(d))
-        .ok_or_else(|| Error::Usage(UsageError::ShapeOverflow {
-            shape: shape.to_vec(),
-        }))
+        .ok_or_else(|| {
+            Error::Usage(UsageError::ShapeOverflow {
+                shape: shape.to_vec(),
+            })
+        })
 }
 
 /// Allocates `bytes` of device memory ordered on `lane`, and records the allocation (work on

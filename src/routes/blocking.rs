@@ -26,7 +26,7 @@
 use crate::core::engine::CudaEngine;
 use crate::driver::Lane;
 use crate::dtype::DType;
-use crate::error::{Error, Refused, Result, UsageError, StagingError};
+use crate::error::{Error, Refused, Result, StagingError, UsageError};
 use crate::lifecycle::lease::{
     BeginError, KeepAlive, Mark, Proven, ScalarHost, StagingLease, Unproven,
 };

@@ -22,7 +22,7 @@
 use crate::core::engine::{CudaEngine, State};
 use crate::core::order::Use;
 use crate::driver::{ContextHandle, DevicePtr, Lane};
-use crate::error::{DeviceId, DriverError, Error, Result, UsageError, SetupError};
+use crate::error::{DeviceId, DriverError, Error, Result, SetupError, UsageError};
 use crate::memory::element::Element;
 use crate::memory::tensor::DeviceTensor;
 use crate::routes::blocking::{download_tensor, upload_tensor};
@@ -54,11 +54,13 @@ impl CudaEngine {
     /// driver refuses the question or the enabling.
     pub fn peer_access(&mut self, other: &CudaEngine) -> Result<bool> {
         let (me, peer) = (self.device(), other.device());
-        crate::lifecycle::signal::reachable(peer, me).map_err(|reason| Error::Setup(SetupError::Unreachable {
-            from: peer,
-            to: me,
-            reason,
-        }))?;
+        crate::lifecycle::signal::reachable(peer, me).map_err(|reason| {
+            Error::Setup(SetupError::Unreachable {
+                from: peer,
+                to: me,
+                reason,
+            })
+        })?;
         // Asked (and enabled) once per pair of engines: a copy's hot path only looks it up.
         if me == peer || self.shared.lock().peers.contains(&other.shared.engine_id) {
             return Ok(true);

@@ -30,7 +30,7 @@ mod ffi;
 use crate::core::engine::CudaEngine;
 use crate::core::order::Use;
 use crate::driver::{CollectiveKind, CollectiveRank, Lane, Reduction};
-use crate::error::{DeviceId, DeviceKind, Error, Result, UsageError, SetupError};
+use crate::error::{DeviceId, DeviceKind, Error, Result, SetupError, UsageError};
 use crate::lifecycle::fence::{fence, Fenced, Fencing};
 use crate::memory::element::Element;
 use crate::memory::tensor::DeviceTensor;

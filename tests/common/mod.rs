@@ -6,6 +6,7 @@
 
 pub mod duplex;
 
+use cuferry::error::UsageError;
 use cuferry::{bf16, f16, DType, Element};
 
 /// xorshift64*: small, seeded, deterministic.

@@ -1,6 +1,7 @@
 //! The engine's rules on a real device.
 
 use crate::common::{current_context, distinct_f32, open, ForeignContext};
+use cuferry::error::{SetupError, UsageError};
 use cuferry::{download_tensor, upload_tensor, CudaEngine, Error};
 
 #[test]
@@ -64,7 +65,8 @@ fn with_raw_restores_a_foreign_context_on_return_err_and_unwind() {
     assert_ne!(inside, foreign.0);
     assert_eq!(current_context(), foreign.0, "restored on return");
 
-    let r: Result<(), Error> = engine.with_raw(|_| Err(Error::Usage(UsageError::ZeroLength { what: "test" })));
+    let r: Result<(), Error> =
+        engine.with_raw(|_| Err(Error::Usage(UsageError::ZeroLength { what: "test" })));
     assert!(r.is_err());
     assert_eq!(current_context(), foreign.0, "restored on Err");
 

@@ -1,6 +1,7 @@
 //! Pinned buffers and pending transfers on a real device.
 
 use crate::common::{distinct_f32, open};
+use cuferry::error::UsageError;
 use cuferry::{
     bf16, download_pending, download_tensor, download_tensor_into, f16, upload_pending,
     upload_tensor, CudaEngine, Element, Error, PinnedHostBuffer, TransferSubmitError,

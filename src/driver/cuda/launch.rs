@@ -6,7 +6,7 @@
 
 use super::CudaDriver;
 use crate::driver::launch::{FunctionHandle, Launch, ModuleHandle, ModuleSource};
-use crate::error::{DriverError, Error, SetupError, LibraryError};
+use crate::error::{DriverError, Error, LibraryError, SetupError};
 use cudarc::driver::sys;
 use cudarc::nvrtc::sys as nvrtc;
 use std::ffi::{c_char, c_int, c_void, CString};
@@ -97,11 +97,13 @@ fn nvrtc_archs() -> Vec<c_int> {
 /// default).
 fn compile_ptx(source: &ModuleSource<'_>, arch: i32) -> Result<Vec<c_char>, Error> {
     require_nvrtc()?;
-    let compile_error = |status: nvrtc::nvrtcResult, log: String| Error::Library(LibraryError::Compile {
-        kernel: source.name.to_owned(),
-        status: nvrtc_status_name(status),
-        log,
-    });
+    let compile_error = |status: nvrtc::nvrtcResult, log: String| {
+        Error::Library(LibraryError::Compile {
+            kernel: source.name.to_owned(),
+            status: nvrtc_status_name(status),
+            log,
+        })
+    };
     let invalid = |what: &str| {
         compile_error(
             nvrtc::nvrtcResult::NVRTC_ERROR_INVALID_INPUT,

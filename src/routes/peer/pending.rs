@@ -21,7 +21,7 @@
 use crate::core::engine::CudaEngine;
 use crate::core::order::Use;
 use crate::driver::Lane;
-use crate::error::{Error, Result, UsageError, SetupError};
+use crate::error::{Error, Result, SetupError, UsageError};
 use crate::lifecycle::fence::{fence, Fencing, IdleEvent};
 use crate::lifecycle::signal::Signal;
 use crate::lifecycle::wake::FenceFuture;
@@ -411,7 +411,9 @@ fn submit<T: Element>(
             // The link went away after the pair's first copy: refused as for a pair never
             // linked (the copy was not queued, and a wait for the source engine queued before it
             // only orders this engine's stream).
-            error @ Error::Setup(SetupError::Unreachable { .. }) => PeerSubmitError::Rejected { package, error },
+            error @ Error::Setup(SetupError::Unreachable { .. }) => {
+                PeerSubmitError::Rejected { package, error }
+            }
             error => PeerSubmitError::Failed { package, error },
         });
     }

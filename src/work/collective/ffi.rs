@@ -7,7 +7,7 @@
 //! with the CUDA major version, so it misses `libnccl.so.2` where no development symlink is
 //! installed, and it panics where it finds nothing.
 
-use crate::error::{Error, Result, UsageError, SetupError, LibraryError};
+use crate::error::{Error, LibraryError, Result, SetupError, UsageError};
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::sync::OnceLock;
 
@@ -78,12 +78,12 @@ fn candidates() -> Vec<String> {
 /// [`SetupError::Unavailable`](crate::error::SetupError::Unavailable) when no candidate loads or one lacks an entry point.
 pub(crate) fn nccl() -> Result<&'static Nccl> {
     static NCCL: OnceLock<std::result::Result<Nccl, String>> = OnceLock::new();
-    NCCL.get_or_init(load)
-        .as_ref()
-        .map_err(|detail| Error::Setup(SetupError::Unavailable {
+    NCCL.get_or_init(load).as_ref().map_err(|detail| {
+        Error::Setup(SetupError::Unavailable {
             library: "NCCL",
             detail: detail.clone(),
-        }))
+        })
+    })
 }
 
 fn load() -> std::result::Result<Nccl, String> {

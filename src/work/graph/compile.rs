@@ -23,7 +23,7 @@
 
 use super::trace::{Op, TracedTensor};
 use crate::dtype::DType;
-use crate::error::{Error, Result, ProgramError};
+use crate::error::{Error, ProgramError, Result};
 use crate::memory::element::dtype_byte_len;
 use crate::memory::tensor::shape_len;
 use crate::work::kernels::fused::{FusedKernel, FusedOp};

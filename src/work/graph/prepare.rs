@@ -25,7 +25,7 @@ use crate::driver::graph::{GraphExecHandle, GraphHandle, GraphNodeHandle};
 use crate::driver::launch::{FunctionHandle, ModuleHandle};
 use crate::driver::{DevicePtr, Lane};
 use crate::dtype::DType;
-use crate::error::{Error, Result, ProgramError};
+use crate::error::{Error, ProgramError, Result};
 use crate::lifecycle::fence::{fence, Fencing};
 use crate::memory::element::Element;
 use crate::memory::tensor::{alloc_device, DeviceTensor, Recycler};

@@ -10,7 +10,7 @@
 //! traced value is cheap to clone and `Send + Sync`.
 
 use crate::dtype::DType;
-use crate::error::{Error, Result, UsageError, ProgramError};
+use crate::error::{Error, ProgramError, Result, UsageError};
 use crate::memory::element::Element;
 use crate::work::kernels::scalar_bits;
 use crate::work::kernels::spec::unsupported;

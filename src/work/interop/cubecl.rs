@@ -30,7 +30,7 @@
 use crate::core::engine::CudaEngine;
 use crate::core::order::Use;
 use crate::driver::Lane;
-use crate::error::{DeviceKind, Error, Result, UsageError, SetupError, LibraryError};
+use crate::error::{DeviceKind, Error, LibraryError, Result, SetupError, UsageError};
 use crate::lifecycle::fence::wait_for_queued;
 use crate::memory::element::{byte_len, Element};
 use crate::memory::tensor::{shape_len, DeviceTensor};
@@ -59,11 +59,13 @@ impl std::fmt::Debug for CubeclScope<'_> {
 }
 
 fn cubecl_error(what: &'static str) -> impl FnOnce(cubecl::server::ServerError) -> Error {
-    move |e| Error::Library(LibraryError::Interop {
-        runtime: "CubeCL",
-        what,
-        detail: format!("{e:?}"),
-    })
+    move |e| {
+        Error::Library(LibraryError::Interop {
+            runtime: "CubeCL",
+            what,
+            detail: format!("{e:?}"),
+        })
+    }
 }
 
 impl<'e> CubeclScope<'e> {

@@ -10,7 +10,7 @@ use super::{cutensor, BlasElement};
 use crate::core::engine::CudaEngine;
 use crate::core::order::Use;
 use crate::driver::Lane;
-use crate::error::{Error, Result, UsageError, SetupError, LibraryError};
+use crate::error::{Error, LibraryError, Result, SetupError, UsageError};
 use crate::memory::tensor::DeviceTensor;
 use cudarc::cutensor::sys;
 use std::collections::HashMap;
@@ -205,10 +205,12 @@ impl CudaEngine {
             let lib = sys::culib();
             let symbol = lib
                 .get::<*const sys::cutensorComputeDescriptor_t>(T::TENSOR.compute_symbol)
-                .map_err(|e| Error::Setup(SetupError::Unavailable {
-                    library: "cuTENSOR",
-                    detail: format!("compute descriptor symbol missing: {e}"),
-                }))?;
+                .map_err(|e| {
+                    Error::Setup(SetupError::Unavailable {
+                        library: "cuTENSOR",
+                        detail: format!("compute descriptor symbol missing: {e}"),
+                    })
+                })?;
             **symbol
         };
         let mut made = Made {

@@ -10,7 +10,7 @@
 //! [`SetupError::Unavailable`](crate::error::SetupError::Unavailable) naming it.
 
 use crate::driver::Driver;
-use crate::error::{DeviceKind, Error, Result, SetupError, LibraryError};
+use crate::error::{DeviceKind, Error, LibraryError, Result, SetupError};
 use std::sync::OnceLock;
 
 /// The library handles of one engine, each made on first use.

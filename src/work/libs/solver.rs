@@ -11,7 +11,7 @@ use super::{cusolver, dim, BlasElement};
 use crate::core::engine::CudaEngine;
 use crate::core::order::Use;
 use crate::driver::Lane;
-use crate::error::{Error, Result, UsageError, LibraryError};
+use crate::error::{Error, LibraryError, Result, UsageError};
 use crate::memory::tensor::DeviceTensor;
 use crate::routes::download_tensor;
 
