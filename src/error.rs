@@ -461,45 +461,60 @@ pub enum UsageError {
     LeadingDimension {
         /// The operation.
         operation: &'static str,
-        /// The matrix, `A`, `B` or `C`.
-        matrix: &'static str,
+        /// The matrix, `'A'`, `'B'` or `'C'`.
+        matrix: char,
         /// The leading dimension given.
         leading_dimension: usize,
         /// The matrix's rows in storage.
         rows: usize,
     },
     /// A matrix's extent (`rows × cols` with its leading dimension) needs more elements than
-    /// fit in `usize` (`needed` is then `None`) or than its tensor holds: `gemm`.
-    #[error(
-        "{operation}: {matrix} is {rows}×{cols} with leading dimension {leading_dimension}, which needs {} element(s), but the tensor has {available}",
-        needed.map_or_else(|| "more than usize::MAX".to_owned(), |n| n.to_string())
-    )]
-    MatrixExceedsTensor {
+    /// fit in `usize`: `gemm`.
+    #[error("{operation}: {matrix} of {rows}×{cols} with leading dimension {leading_dimension} needs more than usize::MAX elements")]
+    MatrixOverflow {
         /// The operation.
         operation: &'static str,
-        /// The matrix, `A`, `B` or `C`.
-        matrix: &'static str,
+        /// The matrix, `'A'`, `'B'` or `'C'`.
+        matrix: char,
         /// Its rows in storage.
         rows: usize,
         /// Its columns in storage.
         cols: usize,
         /// Its leading dimension.
         leading_dimension: usize,
-        /// The elements the extent needs, `None` when that overflows `usize`.
-        needed: Option<usize>,
+    },
+    /// A matrix's extent needs more elements than its tensor holds: `gemm`. A column-major
+    /// `rows × cols` operand with leading dimension `ld` spans `ld × (cols - 1) + rows` elements.
+    #[error("{operation}: {matrix} with leading dimension {leading_dimension} needs {needed} element(s), but the tensor has {available}")]
+    MatrixExceedsTensor {
+        /// The operation.
+        operation: &'static str,
+        /// The matrix, `'A'`, `'B'` or `'C'`.
+        matrix: char,
+        /// Its leading dimension.
+        leading_dimension: usize,
+        /// The elements its extent needs.
+        needed: usize,
         /// The elements the tensor holds.
         available: usize,
     },
-    /// An operand is not the matrix the operation takes: not 2-D (`matmul`), or not square and
-    /// non-empty (`cholesky_solve`'s `A`).
-    #[error("{operation}: {what} must be {needs}, got shape {shape:?}")]
+    /// An operand of a matrix operation is not 2-D: `matmul`.
+    #[error("{operation}: {what} must be 2-D, got shape {shape:?}")]
     NotAMatrix {
         /// The operation.
         operation: &'static str,
-        /// The operand.
+        /// The operand, for example `A`.
         what: &'static str,
-        /// What it must be: `2-D`, `square and non-empty`.
-        needs: &'static str,
+        /// Its shape.
+        shape: Vec<usize>,
+    },
+    /// A matrix that must be square and non-empty is not: `cholesky_solve`'s `A`.
+    #[error("{operation}: {what} must be square and non-empty, got shape {shape:?}")]
+    NotSquare {
+        /// The operation.
+        operation: &'static str,
+        /// The operand, for example `A`.
+        what: &'static str,
         /// Its shape.
         shape: Vec<usize>,
     },
@@ -539,18 +554,18 @@ pub enum UsageError {
         reason: &'static str,
     },
     /// A tensor's mode count in a contraction expression differs from its rank: `contract`.
-    #[error(
-        "{operation}: {expression:?}: modes {modes:?} do not match a tensor of shape {shape:?}"
-    )]
+    #[error("{operation}: {expression:?}: {modes} mode(s) for {operand}, a tensor of rank {rank}")]
     ModeCount {
         /// The operation.
         operation: &'static str,
         /// The expression, as given.
         expression: String,
-        /// The operand's modes.
-        modes: String,
-        /// The operand's shape.
-        shape: Vec<usize>,
+        /// The operand, `'A'`, `'B'` or `'C'`.
+        operand: char,
+        /// The modes the expression gives it.
+        modes: usize,
+        /// Its rank (dimensions), which the mode count must equal.
+        rank: usize,
     },
     /// One mode of a contraction expression has two extents: `contract`.
     #[error("{operation}: {expression:?}: mode '{mode}' has extents {first} and {second}")]

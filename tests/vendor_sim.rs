@@ -105,7 +105,7 @@ fn vendor_arguments_are_validated_before_the_library_is_asked() {
             &err,
             Error::Usage(UsageError::MatrixExceedsTensor {
                 operation: "gemm",
-                needed: Some(8),
+                needed: 8,
                 ..
             })
         ),
@@ -117,7 +117,7 @@ fn vendor_arguments_are_validated_before_the_library_is_asked() {
     let mut rhs = upload_tensor(&mut engine, &[1.0f64; 2], &[2]).unwrap();
     assert!(matches!(
         engine.cholesky_solve(&mut not_square, &mut rhs),
-        Err(Error::Usage(UsageError::NotAMatrix { .. }))
+        Err(Error::Usage(UsageError::NotSquare { .. }))
     ));
     let b = upload_tensor(&mut engine, &[1.0f64; 4], &[2, 2]).unwrap();
     let err = engine

@@ -203,9 +203,12 @@ impl<T: Element> DeviceTensor<T> {
     /// Gives the tensor a new shape with the same element count. No data moves.
     ///
     /// # Errors
-    /// [`UsageError::ShapeMismatch`](crate::error::UsageError::ShapeMismatch) when the element counts differ, [`UsageError::ShapeOverflow`](crate::error::UsageError::ShapeOverflow) when the
+    /// [`UsageError::LengthMismatch`](crate::error::UsageError::LengthMismatch) when the element counts differ, [`UsageError::ShapeOverflow`](crate::error::UsageError::ShapeOverflow) when the
     /// shape's element count overflows `usize`; the tensor comes back in the [`Refused`],
     /// unchanged.
+    // The refusal hands the tensor back by value, as `TrySendError<T>` does; the error is large
+    // by design and travels only on the refusal path.
+    #[allow(clippy::result_large_err)]
     pub fn reshape(mut self, shape: &[usize]) -> Result<Self, Refused<Self>> {
         let refusal = match shape_len(shape) {
             Ok(expected) if expected == self.len => None,

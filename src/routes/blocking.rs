@@ -340,7 +340,7 @@ impl Populate {
 /// read.
 ///
 /// # Errors
-/// [`UsageError::ShapeMismatch`](crate::error::UsageError::ShapeMismatch) when `shape` does not describe `data.len()` elements,
+/// [`UsageError::LengthMismatch`](crate::error::UsageError::LengthMismatch) when `shape` does not describe `data.len()` elements,
 /// [`UsageError::ShapeOverflow`](crate::error::UsageError::ShapeOverflow) when its element count overflows `usize`;
 /// [`Error::Driver`] or [`Error::DeviceFault`] when the device refuses or fails (everything a
 /// queued copy may still touch is then retired, not freed).

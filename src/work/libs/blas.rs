@@ -231,7 +231,7 @@ impl<T: BlasElement> GemmConfig<T> {
 /// elements.
 fn check_operand(
     operation: &'static str,
-    name: &'static str,
+    name: char,
     rows: usize,
     cols: usize,
     ld: usize,
@@ -246,16 +246,22 @@ fn check_operand(
         }));
     }
     let needed = if rows == 0 || cols == 0 {
-        Some(0)
+        0
     } else {
-        ld.checked_mul(cols - 1).and_then(|x| x.checked_add(rows))
+        ld.checked_mul(cols - 1)
+            .and_then(|x| x.checked_add(rows))
+            .ok_or(Error::Usage(UsageError::MatrixOverflow {
+                operation,
+                matrix: name,
+                rows,
+                cols,
+                leading_dimension: ld,
+            }))?
     };
-    if needed.is_none_or(|needed| len < needed) {
+    if len < needed {
         return Err(Error::Usage(UsageError::MatrixExceedsTensor {
             operation,
             matrix: name,
-            rows,
-            cols,
             leading_dimension: ld,
             needed,
             available: len,
@@ -272,6 +278,8 @@ impl CudaEngine {
     /// [`UsageError::LeadingDimension`](crate::error::UsageError::LeadingDimension) when a leading
     /// dimension is below its rows, [`UsageError::MatrixExceedsTensor`](crate::error::UsageError::MatrixExceedsTensor)
     /// when an operand (under its [`Transpose`]) does not fit its tensor,
+    /// [`UsageError::MatrixOverflow`](crate::error::UsageError::MatrixOverflow) when its extent
+    /// overflows `usize`,
     /// [`UsageError::ExceedsLimit`](crate::error::UsageError::ExceedsLimit) when a dimension exceeds
     /// 32 bits; [`UsageError::WrongEngine`](crate::error::UsageError::WrongEngine) for another engine's
     /// tensor; [`SetupError::Unavailable`](crate::error::SetupError::Unavailable) when cuBLAS is missing or the engine is simulated;
@@ -296,9 +304,9 @@ impl CudaEngine {
             Transpose::No => (k, n),
             Transpose::Yes => (n, k),
         };
-        check_operand(OP, "A", a_rows, a_cols, config.lda, a.len())?;
-        check_operand(OP, "B", b_rows, b_cols, config.ldb, b.len())?;
-        check_operand(OP, "C", m, n, config.ldc, c.len())?;
+        check_operand(OP, 'A', a_rows, a_cols, config.lda, a.len())?;
+        check_operand(OP, 'B', b_rows, b_cols, config.ldb, b.len())?;
+        check_operand(OP, 'C', m, n, config.ldc, c.len())?;
         let dims = (
             dim(OP, "m", m)?,
             dim(OP, "n", n)?,
@@ -370,7 +378,6 @@ impl CudaEngine {
             return Err(Error::Usage(UsageError::NotAMatrix {
                 operation: OP,
                 what,
-                needs: "2-D",
                 shape: shape.to_vec(),
             }));
         };

@@ -162,13 +162,14 @@ impl CudaEngine {
         c.check_engine(self)?;
         let shapes = [a.shape(), b.shape(), c.shape()];
         let mut extents: HashMap<char, usize> = HashMap::new();
-        for (m, shape) in modes.iter().zip(shapes) {
+        for ((m, shape), operand) in modes.iter().zip(shapes).zip(['A', 'B', 'C']) {
             if m.len() != shape.len() {
                 return Err(Error::Usage(UsageError::ModeCount {
                     operation: OP,
                     expression: expression.to_owned(),
-                    modes: m.iter().collect(),
-                    shape: shape.to_vec(),
+                    operand,
+                    modes: m.len(),
+                    rank: shape.len(),
                 }));
             }
             for (&mode, &extent) in m.iter().zip(shape) {

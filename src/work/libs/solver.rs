@@ -235,7 +235,7 @@ impl CudaEngine {
     /// after the solve, before this returns.
     ///
     /// # Errors
-    /// [`UsageError::NotAMatrix`](crate::error::UsageError::NotAMatrix) when `a` is not square,
+    /// [`UsageError::NotSquare`](crate::error::UsageError::NotSquare) when `a` is not square,
     /// [`UsageError::NotAMultiple`](crate::error::UsageError::NotAMultiple) when `b`'s length is not a
     /// positive multiple of `n`, [`UsageError::ExceedsLimit`](crate::error::UsageError::ExceedsLimit)
     /// when `n` or `nrhs` exceeds 32 bits; [`UsageError::WrongEngine`](crate::error::UsageError::WrongEngine) for another engine's
@@ -253,10 +253,9 @@ impl CudaEngine {
         let n = match *a.shape() {
             [rows, cols] if rows == cols && rows > 0 => rows,
             _ => {
-                return Err(Error::Usage(UsageError::NotAMatrix {
+                return Err(Error::Usage(UsageError::NotSquare {
                     operation: OP,
                     what: "A",
-                    needs: "square and non-empty",
                     shape: a.shape().to_vec(),
                 }))
             }
