@@ -364,7 +364,10 @@ pub enum UsageError {
     /// `upload_tensor` and `reshape`, the data and the tensor of `upload_tensor_into` and
     /// `download_tensor_into`, the buffer and the tensor of a pending transfer, the source and
     /// the destination of a device or peer copy, the tensors of a collective's ranks.
-    #[error("{what}: expected {expected} element(s), found {found}")]
+    #[error(
+        "{what}: expected {expected} element(s){}, found {found}",
+        .shape.as_ref().map_or_else(String::new, |shape| format!(" (shape {shape:?})"))
+    )]
     LengthMismatch {
         /// The operation and its operands: what was supplied for what, for example
         /// `upload_tensor_into: data for the tensor`.
@@ -374,6 +377,9 @@ pub enum UsageError {
         expected: usize,
         /// The count supplied: the data's, the buffer's, the source's, another rank's.
         found: usize,
+        /// The shape whose count was expected, where the expected count is a shape's
+        /// (`upload_tensor`, `reshape`).
+        shape: Option<Vec<usize>>,
     },
     /// The operands of an operation that needs equal shapes (the elementwise kernels) have
     /// different shapes.

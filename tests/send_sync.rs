@@ -140,7 +140,7 @@ fn domain_errors_box_and_keep_their_message() {
     let (message, boxed_error) = wrapped(refused);
     assert_eq!(
         message,
-        "upload_tensor: data for the shape: expected 4 element(s), found 3"
+        "upload_tensor: data for the shape: expected 4 element(s) (shape [2, 2]), found 3"
     );
     let back = boxed_error
         .downcast::<Error>()

@@ -216,6 +216,7 @@ impl<T: Element> DeviceTensor<T> {
                 what: "reshape: the tensor for the new shape",
                 expected,
                 found: self.len,
+                shape: Some(shape.to_vec()),
             })),
             Err(error) => Some(error),
         };
@@ -348,6 +349,7 @@ impl CudaEngine {
             return Err(Error::Usage(UsageError::LengthMismatch {
                 what: "device-to-device copy: source for the destination",
                 found: source.len(),
+                shape: None,
                 expected: destination.len(),
             }));
         }

@@ -355,6 +355,7 @@ pub fn upload_tensor<T: Element>(
             what: "upload_tensor: data for the shape",
             expected,
             found: data.len(),
+            shape: Some(shape.to_vec()),
         }));
     }
     let mut tensor = DeviceTensor::alloc_on(engine, Lane::Upload, shape)?;
@@ -414,6 +415,7 @@ pub fn upload_tensor_into<T: Element>(
         return Err(Error::Usage(UsageError::LengthMismatch {
             what: "upload_tensor_into: data for the tensor",
             found: data.len(),
+            shape: None,
             expected: tensor.len(),
         }));
     }

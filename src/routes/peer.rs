@@ -369,6 +369,7 @@ pub fn peer_copy_into<T: Element>(
         return Err(Error::Usage(UsageError::LengthMismatch {
             what: "peer_copy_into: source for the destination",
             found: src.len(),
+            shape: None,
             expected: dst.len(),
         }));
     }

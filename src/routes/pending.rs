@@ -378,6 +378,7 @@ fn refusal<D: Direction, T: Element, B: HostBuffer<T>>(
         return Some(Error::Usage(UsageError::LengthMismatch {
             what: "pending transfer: buffer for the tensor",
             found: buffer_len,
+            shape: None,
             expected: tensor_len,
         }));
     }

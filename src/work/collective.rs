@@ -464,6 +464,7 @@ fn refusal<T: Element>(
             what: "collective: another rank's tensor for the first rank's",
             expected: len,
             found: other.len(),
+            shape: None,
         }));
     }
     None

@@ -331,6 +331,7 @@ fn refusal<T: Element>(
         return Some(Error::Usage(UsageError::LengthMismatch {
             what: "peer_copy_pending: source for the destination",
             found: source.len(),
+            shape: None,
             expected: destination.len(),
         }));
     }
