@@ -81,7 +81,9 @@ fn main() -> ExitCode {
             eprintln!("cuda_session_transfer: {e}");
             if matches!(
                 e.downcast_ref::<cuferry::Error>(),
-                Some(cuferry::Error::NoDriver { .. })
+                Some(cuferry::Error::Setup(
+                    cuferry::error::SetupError::NoDriver { .. }
+                ))
             ) {
                 eprintln!("this example needs a machine with an NVIDIA GPU and driver; pass --simulated to run it on the simulated device");
             }

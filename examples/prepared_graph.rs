@@ -10,6 +10,7 @@
 //! `--simulated` runs the whole flow on the simulated device (feature `sim`), for machines
 //! without a GPU. Exits non-zero on any mismatch.
 
+use cuferry::error::SetupError;
 use cuferry::graph::{GraphCompiler, Input, TracedTensor};
 use cuferry::{download_tensor, upload_tensor, CudaEngine, DType, Error};
 use std::process::ExitCode;
@@ -172,7 +173,10 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("prepared_graph: {e}");
-            if matches!(e.downcast_ref::<Error>(), Some(Error::NoDriver { .. })) {
+            if matches!(
+                e.downcast_ref::<Error>(),
+                Some(Error::Setup(SetupError::NoDriver { .. }))
+            ) {
                 eprintln!("this example needs an NVIDIA GPU and driver; pass --simulated to run it on the simulated device");
             }
             ExitCode::FAILURE

@@ -1,7 +1,7 @@
 //! `DType`, the runtime tag of an element type.
 //!
 //! It sits at the top of the tree beside `error`, below every level, because errors name it
-//! ([`Error::UnsupportedElement`](crate::Error::UnsupportedElement)) and every level may report
+//! ([`UsageError::UnsupportedElement`](crate::error::UsageError::UnsupportedElement)) and every level may report
 //! errors. The element types themselves, and the sealed trait they implement, live in the memory
 //! level (`memory::element`). It depends on nothing else in the crate.
 

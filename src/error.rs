@@ -1,8 +1,24 @@
-//! Errors the engine and its routes report.
+//! Errors the engine and its routes report, nested by whose problem they are.
 //!
-//! Every failure names what was wrong and the values involved, so a caller can act on it without
-//! reading the source. Driver failures keep the CUDA result code and the call that produced it.
-//! The enums are `#[non_exhaustive]`: new failure modes are added without breaking matches.
+//! [`Error`] is what every operation returns. A driver call that failed at once
+//! ([`Error::Driver`]), queued work that failed on the device ([`Error::DeviceFault`]) and
+//! failures found later ([`Error::Deferred`]) are its own variants; the rest is one enum per
+//! domain, each wrapped by one variant of [`Error`] and converted into it by `?`:
+//!
+//! - [`UsageError`]: what the caller passed (another engine's value, mismatched lengths or
+//!   shapes, an unsupported element type, an out-of-range setting or argument, a call from a
+//!   device callback);
+//! - [`SetupError`]: the machine (no driver, no such device, a missing library, devices that
+//!   cannot reach each other);
+//! - [`LibraryError`]: a vendor library's status, NVRTC, the solver's verdict, CubeCL;
+//! - [`ProgramError`]: tracing, compiling and feeding prepared programs;
+//! - [`StagingError`]: the engine's staging ring.
+//!
+//! Every failure names what was wrong and the values involved, in typed fields, so a caller can
+//! act on it without reading the source or parsing a message; strings are kept only for text
+//! that comes from outside the crate (a loader's, NVRTC's or a library's report). Driver
+//! failures keep the CUDA result code and the call that produced it. Every enum is
+//! `#[non_exhaustive]`: new failure modes are added without breaking matches.
 
 use crate::dtype::DType;
 use std::fmt;
@@ -242,27 +258,31 @@ pub enum DeviceKind {
     Simulated,
 }
 
-/// Everything an engine operation can report.
+/// Everything an engine operation can report: a driver call that failed at once, queued work
+/// that failed on the device, failures found later, or one of the domains' errors.
+///
+/// The domains say whose problem it is: [`Usage`](Error::Usage) what the caller passed,
+/// [`Setup`](Error::Setup) the machine, [`Library`](Error::Library) a vendor library or another
+/// runtime, [`Program`](Error::Program) a traced or prepared program, [`Staging`](Error::Staging)
+/// the engine's staging ring. A domain's error converts into this one with `?` (`From`), and its
+/// message is the domain's own.
+///
+/// ```
+/// use cuferry::error::UsageError;
+/// use cuferry::{upload_tensor, CudaEngine, Error};
+///
+/// let mut engine = CudaEngine::simulated(Default::default());
+/// let refused = upload_tensor(&mut engine, &[1.0f32, 2.0, 3.0], &[2, 2]);
+/// assert!(matches!(
+///     refused,
+///     Err(Error::Usage(UsageError::LengthMismatch { expected: 4, found: 3, .. }))
+/// ));
+/// ```
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
-    /// The CUDA driver library (`libcuda`) could not be loaded: the machine has no NVIDIA driver.
-    #[error("no CUDA driver on this machine: {detail}")]
-    NoDriver {
-        /// What the loader reported.
-        detail: String,
-    },
-    /// The requested device ordinal does not exist.
-    #[error(
-        "CUDA device ordinal {ordinal} does not exist: this machine has {count} CUDA device(s)"
-    )]
-    NoSuchDevice {
-        /// The ordinal that was asked for.
-        ordinal: usize,
-        /// How many devices the driver reports.
-        count: usize,
-    },
-    /// A driver call failed.
+    /// A driver call failed when it was made; the work it was to queue was not queued. Returned
+    /// by every operation that calls the driver.
     #[error("{call} failed: {source}")]
     Driver {
         /// The driver operation, for example `cuMemcpyHtoDAsync`.
@@ -270,49 +290,61 @@ pub enum Error {
         /// The driver's result code.
         source: DriverError,
     },
-    /// A shape does not describe the number of elements supplied.
-    #[error("shape {shape:?} holds {expected} element(s) but {actual} were supplied")]
-    ShapeMismatch {
-        /// The requested shape.
-        shape: Vec<usize>,
-        /// The element count the shape implies.
-        expected: usize,
-        /// The element count supplied.
-        actual: usize,
-    },
-    /// Two operands of one operation disagree in length.
-    #[error("{what}: length {left} does not match length {right}")]
-    LengthMismatch {
-        /// Which operands.
+    /// A device event reported a failure: the work it covers did not complete. Everything that
+    /// work may still touch is retained, never freed. Returned by the waits (`wait`,
+    /// `synchronize`, the blocking routes) and by `flush`.
+    #[error("the device reported a failure for {what}: {source}")]
+    DeviceFault {
+        /// The work the event covered.
         what: &'static str,
-        /// The first length.
-        left: usize,
-        /// The second length.
-        right: usize,
+        /// The driver's result code.
+        source: DriverError,
     },
-    /// A byte size is larger than memory can be addressed (`isize::MAX` bytes).
-    #[error("{what} of {count} element(s) of {element_bytes} byte(s) exceeds the addressable limit of {} bytes", isize::MAX)]
-    SizeOverflow {
-        /// What was being sized.
-        what: &'static str,
-        /// The element count.
+    /// Failures recorded while dropping values, reported at the next boundary (`flush`,
+    /// `synchronize`, and the engine operations that begin with a flush).
+    #[error("{count} deferred failure(s) while releasing resources; first: {first}")]
+    Deferred {
+        /// How many failures were recorded.
         count: usize,
-        /// The size of one element.
-        element_bytes: usize,
+        /// The first one.
+        first: Box<Error>,
     },
-    /// A shape whose element count (the product of its dimensions, none of them zero) does not
-    /// fit in `usize`.
-    #[error(
-        "shape {shape:?} holds more elements than fit in usize ({})",
-        usize::MAX
-    )]
-    ShapeOverflow {
-        /// The shape.
-        shape: Vec<usize>,
-    },
-    /// A value (tensor, pinned buffer, staging lease, pending transfer) belongs to another
-    /// engine than the one it was given to. Engines have separate streams (and maybe separate
-    /// devices), so using one engine's value on another would race with its pending work.
+    /// What the caller passed is wrong; nothing was queued.
+    #[error(transparent)]
+    Usage(#[from] UsageError),
+    /// The machine cannot do what was asked: no driver, no such device, a missing library,
+    /// devices that cannot reach each other.
+    #[error(transparent)]
+    Setup(#[from] SetupError),
+    /// A vendor library, NVRTC or another runtime reported a failure.
+    #[error(transparent)]
+    Library(#[from] LibraryError),
+    /// A traced computation, its compilation or the inputs of a prepared program are wrong.
+    #[error(transparent)]
+    Program(#[from] ProgramError),
+    /// The engine's staging ring refused a lease or a chunk.
+    #[error(transparent)]
+    Staging(#[from] StagingError),
+}
+
+impl Error {
+    pub(crate) fn driver(call: &'static str) -> impl FnOnce(DriverError) -> Error {
+        move |source| Error::Driver { call, source }
+    }
+}
+
+/// What the caller passed is wrong: another engine's value, an empty or mismatched operand, a
+/// size that overflows, an element type or a setting the operation does not take, a call from
+/// a device callback. Every operation checks its arguments before it queues anything, so a
+/// usage error means nothing was queued; a refusal that takes values by value hands them back.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum UsageError {
+    /// A value (tensor, pinned buffer, registered buffer, staging lease, pending transfer,
+    /// communicator rank) belongs to another engine than the one it was given to. Engines have
+    /// separate streams (and maybe separate devices), so using one engine's value on another
+    /// would race with its pending work. Returned by every operation that takes an engine's
+    /// values.
     #[error("the value belongs to engine #{found} on {found_device}, not to engine #{expected} on {expected_device} (each engine has its own streams)")]
     WrongEngine {
         /// The engine the operation ran on.
@@ -324,7 +356,69 @@ pub enum Error {
         /// That engine's device.
         found_device: DeviceId,
     },
-    /// The element type is not served by the operation.
+    /// A zero-length request where at least one element is needed: an empty pinned or
+    /// registered buffer, pending transfer, peer copy, staging chunk, collective or CubeCL
+    /// export.
+    #[error("{what} needs at least one element")]
+    ZeroLength {
+        /// What was requested.
+        what: &'static str,
+    },
+    /// Two element counts that must be equal differ: the data and the shape of
+    /// `upload_tensor` and `reshape`, the data and the tensor of `upload_tensor_into` and
+    /// `download_tensor_into`, the buffer and the tensor of a pending transfer, the source and
+    /// the destination of a device or peer copy, the tensors of a collective's ranks.
+    #[error(
+        "{what}: expected {expected} element(s){}, found {found}",
+        .shape.as_ref().map_or_else(String::new, |shape| format!(" (shape {shape:?})"))
+    )]
+    LengthMismatch {
+        /// The operation and its operands: what was supplied for what, for example
+        /// `upload_tensor_into: data for the tensor`.
+        what: &'static str,
+        /// The count the operation needs: the shape's, the destination's (tensor's), the first
+        /// rank's.
+        expected: usize,
+        /// The count supplied: the data's, the buffer's, the source's, another rank's.
+        found: usize,
+        /// The shape whose count was expected, where the expected count is a shape's
+        /// (`upload_tensor`, `reshape`).
+        shape: Option<Vec<usize>>,
+    },
+    /// The operands of an operation that needs equal shapes (the elementwise kernels) have
+    /// different shapes.
+    #[error("{operation}: operand shapes {expected:?} and {found:?} differ")]
+    ShapeMismatch {
+        /// The operation, for example `add`.
+        operation: &'static str,
+        /// The first operand's shape, which the others must have.
+        expected: Vec<usize>,
+        /// The shape of the operand that differs.
+        found: Vec<usize>,
+    },
+    /// A byte size is larger than memory can be addressed (`isize::MAX` bytes): a tensor, pinned
+    /// buffer or transfer too large for its element type.
+    #[error("{what} of {count} element(s) of {element_bytes} byte(s) exceeds the addressable limit of {} bytes", isize::MAX)]
+    SizeOverflow {
+        /// What was being sized.
+        what: &'static str,
+        /// The element count.
+        count: usize,
+        /// The size of one element.
+        element_bytes: usize,
+    },
+    /// A shape whose element count (the product of its dimensions, none of them zero) does not
+    /// fit in `usize`: `upload_tensor`, `alloc_tensor`, `reshape`.
+    #[error(
+        "shape {shape:?} holds more elements than fit in usize ({})",
+        usize::MAX
+    )]
+    ShapeOverflow {
+        /// The shape.
+        shape: Vec<usize>,
+    },
+    /// The element type is not served by the operation: `bool` for the arithmetic kernels, the
+    /// downloads into `bool`, a library without that type, a traced operation.
     #[error("{operation} does not support element type {dtype}: {reason}")]
     UnsupportedElement {
         /// The operation.
@@ -334,142 +428,8 @@ pub enum Error {
         /// Why not.
         reason: &'static str,
     },
-    /// A zero-length request where at least one element is needed.
-    #[error("{what} needs at least one element")]
-    ZeroLength {
-        /// What was requested.
-        what: &'static str,
-    },
-    /// A vendor library is not installed on this machine.
-    #[error("{library} is unavailable on this machine: {detail}")]
-    Unavailable {
-        /// The library, for example `cuTENSOR`.
-        library: &'static str,
-        /// What was looked for.
-        detail: String,
-    },
-    /// A device event reported a failure: the work it covers did not complete. Everything that
-    /// work may still touch is retained, never freed.
-    #[error("the device reported a failure for {what}: {source}")]
-    DeviceFault {
-        /// The work the event covered.
-        what: &'static str,
-        /// The driver's result code.
-        source: DriverError,
-    },
-    /// Failures recorded while dropping values, reported at the next boundary.
-    #[error("{count} deferred failure(s) while releasing resources; first: {first}")]
-    Deferred {
-        /// How many failures were recorded.
-        count: usize,
-        /// The first one.
-        first: Box<Error>,
-    },
-    /// Every slot of the engine's staging ring is leased.
-    #[error("all {depth} staging slots of the engine's ring are leased")]
-    StagingExhausted {
-        /// The ring's depth.
-        depth: usize,
-    },
-    /// The operands of an elementwise operation have different shapes.
-    #[error("{operation}: operand shapes {left:?} and {right:?} differ")]
-    ShapesDiffer {
-        /// The operation.
-        operation: &'static str,
-        /// The first operand's shape.
-        left: Vec<usize>,
-        /// The second operand's shape.
-        right: Vec<usize>,
-    },
-    /// Another GPU runtime sharing the device (CubeCL) reported a failure at the boundary.
-    #[error("{runtime} failed during {what}: {detail}")]
-    Interop {
-        /// The runtime, for example `CubeCL`.
-        runtime: &'static str,
-        /// What the engine was doing.
-        what: &'static str,
-        /// The runtime's report.
-        detail: String,
-    },
-    /// NVRTC could not compile a kernel. The log is NVRTC's own.
-    #[error("NVRTC could not compile kernel {kernel}: {status}; log:\n{log}")]
-    Compile {
-        /// The kernel (or program) name.
-        kernel: String,
-        /// NVRTC's result code, by name.
-        status: String,
-        /// The compilation log.
-        log: String,
-    },
-    /// A vendor library call (cuBLAS, cuSOLVER, cuTENSOR) returned a failure status.
-    #[error("{library} call {call} failed with status {status} ({name})")]
-    Vendor {
-        /// The library, for example `cuBLAS`.
-        library: &'static str,
-        /// The call, for example `cublasSgemm_v2`.
-        call: &'static str,
-        /// The numeric status code.
-        status: i64,
-        /// The status, by name.
-        name: String,
-    },
-    /// An argument of an operation is out of range or inconsistent with another.
-    #[error("{operation}: {detail}")]
-    InvalidArgument {
-        /// The operation.
-        operation: &'static str,
-        /// What was wrong, naming the values involved.
-        detail: String,
-    },
-    /// A factorisation found the matrix not positive definite.
-    #[error("{operation}: the leading minor of order {order} is not positive definite")]
-    NotPositiveDefinite {
-        /// The operation, for example `cholesky_solve`.
-        operation: &'static str,
-        /// The order of the first leading minor that is not positive definite (1-based).
-        order: i64,
-    },
-    /// A traced computation is ill-typed: operands of different element types or ranks, or a
-    /// scalar of another type than its tensor. Reported when the operation is traced.
-    #[error("{operation}: {detail}")]
-    Trace {
-        /// The traced operation.
-        operation: &'static str,
-        /// What did not match.
-        detail: String,
-    },
-    /// A traced computation cannot be compiled for the given input specifications: an input
-    /// without a specification, a specification that does not match its input, or shapes that
-    /// do not fit the operations.
-    #[error("cannot compile the program: {detail}")]
-    ProgramSpec {
-        /// What was wrong, naming the values involved.
-        detail: String,
-    },
-    /// An input handed to a prepared program does not match what the program was compiled for.
-    /// Nothing was run.
-    #[error("input {index} of the prepared program: expected {expected}, got {found}")]
-    ProgramInput {
-        /// The input's position.
-        index: usize,
-        /// What the program was compiled for (element type and shape, or the input count).
-        expected: String,
-        /// What was given.
-        found: String,
-    },
-    /// Work on one device cannot be ordered after, or reach, work or memory of another: separate
-    /// simulated machines share no clock, a real and a simulated device share nothing at all, and
-    /// devices without a peer link cannot copy between each other directly.
-    #[error("{to} cannot reach {from}: {reason}")]
-    Unreachable {
-        /// The device whose work was to be reached.
-        from: DeviceId,
-        /// The device that was to reach it.
-        to: DeviceId,
-        /// Why not.
-        reason: &'static str,
-    },
-    /// An engine setting is out of range.
+    /// An engine or process setting is out of range, or can no longer change:
+    /// [`StagingConfig`](crate::staging::StagingConfig)'s fields, [`set_copy_threads`](crate::staging::set_copy_threads).
     #[error("invalid setting {setting} = {value}: {reason}")]
     InvalidSetting {
         /// The setting's name.
@@ -492,12 +452,392 @@ pub enum Error {
         /// What was refused: an engine call, or a value's release (leaked).
         what: &'static str,
     },
+    /// A number is larger than the library or the driver takes (a dimension, leading
+    /// dimension, rank count or device ordinal past `int`): the vendor library calls
+    /// (`gemm`, `cholesky_solve`, `contract`), `Communicator::new`.
+    #[error("{operation}: {what} = {value} exceeds the limit of {limit}")]
+    ExceedsLimit {
+        /// The operation.
+        operation: &'static str,
+        /// The number, for example `m` or `lda`.
+        what: &'static str,
+        /// Its value.
+        value: usize,
+        /// The largest value taken.
+        limit: usize,
+    },
+    /// A matrix's leading dimension is below its row count: `gemm`.
+    #[error("{operation}: leading dimension of {matrix} is {leading_dimension}, below its {rows} row(s)")]
+    LeadingDimension {
+        /// The operation.
+        operation: &'static str,
+        /// The matrix, `'A'`, `'B'` or `'C'`.
+        matrix: char,
+        /// The leading dimension given.
+        leading_dimension: usize,
+        /// The matrix's rows in storage.
+        rows: usize,
+    },
+    /// A matrix's extent (`rows × cols` with its leading dimension) needs more elements than
+    /// fit in `usize`: `gemm`.
+    #[error("{operation}: {matrix} of {rows}×{cols} with leading dimension {leading_dimension} needs more than usize::MAX elements")]
+    MatrixOverflow {
+        /// The operation.
+        operation: &'static str,
+        /// The matrix, `'A'`, `'B'` or `'C'`.
+        matrix: char,
+        /// Its rows in storage.
+        rows: usize,
+        /// Its columns in storage.
+        cols: usize,
+        /// Its leading dimension.
+        leading_dimension: usize,
+    },
+    /// A matrix's extent needs more elements than its tensor holds: `gemm`. A column-major
+    /// `rows × cols` operand with leading dimension `ld` spans `ld × (cols - 1) + rows` elements.
+    #[error("{operation}: {matrix} with leading dimension {leading_dimension} needs {needed} element(s), but the tensor has {available}")]
+    MatrixExceedsTensor {
+        /// The operation.
+        operation: &'static str,
+        /// The matrix, `'A'`, `'B'` or `'C'`.
+        matrix: char,
+        /// Its leading dimension.
+        leading_dimension: usize,
+        /// The elements its extent needs.
+        needed: usize,
+        /// The elements the tensor holds.
+        available: usize,
+    },
+    /// An operand of a matrix operation is not 2-D: `matmul`.
+    #[error("{operation}: {what} must be 2-D, got shape {shape:?}")]
+    NotAMatrix {
+        /// The operation.
+        operation: &'static str,
+        /// The operand, for example `A`.
+        what: &'static str,
+        /// Its shape.
+        shape: Vec<usize>,
+    },
+    /// A matrix that must be square and non-empty is not: `cholesky_solve`'s `A`.
+    #[error("{operation}: {what} must be square and non-empty, got shape {shape:?}")]
+    NotSquare {
+        /// The operation.
+        operation: &'static str,
+        /// The operand, for example `A`.
+        what: &'static str,
+        /// Its shape.
+        shape: Vec<usize>,
+    },
+    /// The inner dimensions of a matrix product differ: `matmul` of `[m, k]` and `[k2, n]`.
+    #[error("{operation}: inner dimensions differ: {left:?} times {right:?}")]
+    InnerDimensions {
+        /// The operation.
+        operation: &'static str,
+        /// The left operand's shape, `[m, k]`.
+        left: [usize; 2],
+        /// The right operand's shape, `[k2, n]`.
+        right: [usize; 2],
+    },
+    /// A right-hand side whose length is not a positive multiple of the matrix's order:
+    /// `cholesky_solve`'s `B`.
+    #[error(
+        "{operation}: {what} has {len} element(s), which is not a positive multiple of n = {order}"
+    )]
+    NotAMultiple {
+        /// The operation.
+        operation: &'static str,
+        /// The operand.
+        what: &'static str,
+        /// Its element count.
+        len: usize,
+        /// The order `n` it must be a multiple of.
+        order: usize,
+    },
+    /// A contraction expression is malformed: `contract`.
+    #[error("{operation}: expression {expression:?}: {reason}")]
+    Expression {
+        /// The operation.
+        operation: &'static str,
+        /// The expression, as given.
+        expression: String,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+    /// A tensor's mode count in a contraction expression differs from its rank: `contract`.
+    #[error("{operation}: {expression:?}: {modes} mode(s) for {operand}, a tensor of rank {rank}")]
+    ModeCount {
+        /// The operation.
+        operation: &'static str,
+        /// The expression, as given.
+        expression: String,
+        /// The operand, `'A'`, `'B'` or `'C'`.
+        operand: char,
+        /// The modes the expression gives it.
+        modes: usize,
+        /// Its rank (dimensions), which the mode count must equal.
+        rank: usize,
+    },
+    /// One mode of a contraction expression has two extents: `contract`.
+    #[error("{operation}: {expression:?}: mode '{mode}' has extents {first} and {second}")]
+    ModeExtents {
+        /// The operation.
+        operation: &'static str,
+        /// The expression, as given.
+        expression: String,
+        /// The mode.
+        mode: char,
+        /// Its extent where it first appears.
+        first: usize,
+        /// The extent that differs.
+        second: usize,
+    },
+    /// A host buffer smaller than the shape it is to hold: CubeCL `export`.
+    #[error("{operation}: shape {shape:?} of {dtype} needs {needed} bytes, the buffer holds {available}")]
+    BufferTooSmall {
+        /// The operation.
+        operation: &'static str,
+        /// The shape asked for.
+        shape: Vec<usize>,
+        /// Its element type.
+        dtype: DType,
+        /// The bytes the shape needs.
+        needed: u64,
+        /// The bytes the buffer holds.
+        available: u64,
+    },
+    /// A single-element transfer whose host side is empty or longer than its 16-byte slot or
+    /// than the tensor: the blocking routes' small-transfer path.
+    #[error("{operation}: {bytes} host byte(s) for a tensor of {tensor_bytes} byte(s) through a {slot_bytes}-byte slot")]
+    ScalarBytes {
+        /// The operation.
+        operation: &'static str,
+        /// The host side's bytes.
+        bytes: usize,
+        /// The tensor's bytes.
+        tensor_bytes: usize,
+        /// The slot's bytes.
+        slot_bytes: usize,
+    },
+    /// A communicator over no engines: `Communicator::new`.
+    #[error("{operation} needs at least one engine")]
+    NoEngines {
+        /// The operation.
+        operation: &'static str,
+    },
+    /// Two engines on one device given to one communicator (ranks are devices):
+    /// `Communicator::new`.
+    #[error("two engines on {device}: a collective takes one rank per device")]
+    TwoRanksOnOneDevice {
+        /// The device.
+        device: DeviceId,
+    },
+    /// A collective given another number of engines or tensors than its communicator has
+    /// ranks: `all_reduce`, `broadcast`.
+    #[error("{engines} engine(s) and {tensors} tensor(s) for {ranks} rank(s)")]
+    RankCount {
+        /// The communicator's ranks.
+        ranks: usize,
+        /// The engines given.
+        engines: usize,
+        /// The tensors given.
+        tensors: usize,
+    },
+    /// A broadcast's root past the last rank: `broadcast`.
+    #[error("root {root} of {ranks} rank(s)")]
+    RootOutOfRange {
+        /// The root given.
+        root: usize,
+        /// The communicator's ranks.
+        ranks: usize,
+    },
 }
 
-impl Error {
-    pub(crate) fn driver(call: &'static str) -> impl FnOnce(DriverError) -> Error {
-        move |source| Error::Driver { call, source }
-    }
+/// The machine cannot do what was asked: it has no driver, no such device, not the library an
+/// operation needs, or devices that cannot reach each other.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SetupError {
+    /// The CUDA driver library (`libcuda`) could not be loaded: the machine has no NVIDIA
+    /// driver. Returned by `CudaEngine::open`.
+    #[error("no CUDA driver on this machine: {detail}")]
+    NoDriver {
+        /// What the loader reported.
+        detail: String,
+    },
+    /// The requested device ordinal does not exist: `CudaEngine::open`,
+    /// `CudaEngine::simulated_on_device`.
+    #[error(
+        "CUDA device ordinal {ordinal} does not exist: this machine has {count} CUDA device(s)"
+    )]
+    NoSuchDevice {
+        /// The ordinal that was asked for.
+        ordinal: usize,
+        /// How many devices the driver reports.
+        count: usize,
+    },
+    /// A library an operation needs is not installed on this machine (NVRTC for the kernels,
+    /// cuBLAS, cuSOLVER, cuTENSOR, NCCL), or the operation has no simulated form (the vendor
+    /// libraries on the simulated device).
+    #[error("{library} is unavailable on this machine: {detail}")]
+    Unavailable {
+        /// The library, for example `cuTENSOR`.
+        library: &'static str,
+        /// What was looked for.
+        detail: String,
+    },
+    /// Work on one device cannot be ordered after, or reach, work or memory of another: separate
+    /// simulated machines share no clock, a real and a simulated device share nothing at all, and
+    /// devices without a peer link cannot copy between each other directly. Returned by
+    /// `wait_signal`, the peer copies and `Communicator::new`.
+    #[error("{to} cannot reach {from}: {reason}")]
+    Unreachable {
+        /// The device whose work was to be reached.
+        from: DeviceId,
+        /// The device that was to reach it.
+        to: DeviceId,
+        /// Why not.
+        reason: &'static str,
+    },
+}
+
+/// A vendor library, NVRTC or another runtime sharing the device reported a failure.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum LibraryError {
+    /// A vendor library call (cuBLAS, cuSOLVER, cuTENSOR, NCCL) returned a failure status:
+    /// `gemm`, `matmul`, `cholesky_solve`, `contract`, the collectives.
+    #[error("{library} call {call} failed with status {status} ({name})")]
+    Vendor {
+        /// The library, for example `cuBLAS`.
+        library: &'static str,
+        /// The call, for example `cublasSgemm_v2`.
+        call: &'static str,
+        /// The numeric status code.
+        status: i64,
+        /// The status, by name.
+        name: String,
+    },
+    /// NVRTC could not compile a kernel (the elementwise kernels, a prepared program's fused
+    /// kernels). The log is NVRTC's own.
+    #[error("NVRTC could not compile kernel {kernel}: {status}; log:\n{log}")]
+    Compile {
+        /// The kernel (or program) name.
+        kernel: String,
+        /// NVRTC's result code, by name.
+        status: String,
+        /// The compilation log.
+        log: String,
+    },
+    /// A factorisation found the matrix not positive definite: [`SolverStatus::check`](crate::libs::SolverStatus::check)
+    /// after `cholesky_solve`.
+    #[error("{operation}: the leading minor of order {order} is not positive definite")]
+    NotPositiveDefinite {
+        /// The operation, for example `cholesky_solve`.
+        operation: &'static str,
+        /// The order of the first leading minor that is not positive definite (1-based).
+        order: i64,
+    },
+    /// A library reported one of its call's parameters invalid after the call was queued:
+    /// [`SolverStatus::check`](crate::libs::SolverStatus::check) (cuSOLVER's `info < 0`).
+    #[error("{operation}: {library} reports parameter {parameter} invalid")]
+    InvalidParameter {
+        /// The operation, for example `cholesky_solve`.
+        operation: &'static str,
+        /// The library, for example `cuSOLVER`.
+        library: &'static str,
+        /// The position of the invalid parameter (1-based), as the library counts them.
+        parameter: i64,
+    },
+    /// A library asked for more workspace than can be addressed: `contract` (cuTENSOR).
+    #[error("{operation}: {library} asks for {bytes} bytes of workspace")]
+    Workspace {
+        /// The operation.
+        operation: &'static str,
+        /// The library.
+        library: &'static str,
+        /// The bytes it asked for.
+        bytes: u64,
+    },
+    /// Another GPU runtime sharing the device (CubeCL) reported a failure at the boundary:
+    /// `CudaEngine::with_cubecl` and its scope's imports and exports.
+    #[error("{runtime} failed during {what}: {detail}")]
+    Interop {
+        /// The runtime, for example `CubeCL`.
+        runtime: &'static str,
+        /// What the engine was doing.
+        what: &'static str,
+        /// The runtime's report.
+        detail: String,
+    },
+}
+
+/// A traced computation, its compilation for given input specifications, or the inputs handed
+/// to a prepared program are wrong ([`graph`](crate::graph)).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ProgramError {
+    /// A traced computation is ill-typed: operands of different element types or ranks, or a
+    /// scalar of another type than its tensor. Returned when the operation is traced.
+    #[error("{operation}: {detail}")]
+    Trace {
+        /// The traced operation.
+        operation: &'static str,
+        /// What did not match.
+        detail: String,
+    },
+    /// A traced computation cannot be compiled for the given input specifications: an input
+    /// without a specification, a specification that does not match its input, or shapes that
+    /// do not fit the operations. Returned by `compile`.
+    #[error("cannot compile the program: {detail}")]
+    Spec {
+        /// What was wrong, naming the values involved.
+        detail: String,
+    },
+    /// An input handed to a prepared program does not match what the program was compiled for:
+    /// `CudaEngine::run` and its variants. Nothing was run.
+    #[error("input {index} of the prepared program: expected {expected}, got {found}")]
+    Input {
+        /// The input's position.
+        index: usize,
+        /// What the program was compiled for (element type and shape, or the input count).
+        expected: String,
+        /// What was given.
+        found: String,
+    },
+}
+
+/// The engine's staging ring refused: no slot is free, or a chunk does not fit its lease.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StagingError {
+    /// Every slot of the engine's staging ring is leased: `CudaEngine::staging_lease`, and the
+    /// blocking routes when the caller holds every slot.
+    #[error("all {depth} staging slots of the engine's ring are leased")]
+    Exhausted {
+        /// The ring's depth.
+        depth: usize,
+    },
+    /// A staging chunk's elements lie outside its tensor: the lease's `begin_upload` and
+    /// `begin_download`.
+    #[error("staging chunk: elements {offset}..{offset}+{len} lie outside the tensor's {elements} element(s)")]
+    ChunkOutOfRange {
+        /// The chunk's first element.
+        offset: usize,
+        /// The chunk's element count.
+        len: usize,
+        /// The tensor's element count.
+        elements: usize,
+    },
+    /// A staging chunk larger than its slot: the lease's `begin_upload` and `begin_download`.
+    #[error("staging chunk: {len} element(s) of {element_bytes} byte(s) exceed the slot's {capacity} bytes")]
+    ChunkTooLarge {
+        /// The chunk's element count.
+        len: usize,
+        /// The size of one element.
+        element_bytes: usize,
+        /// The slot's bytes.
+        capacity: usize,
+    },
 }
 
 /// Shorthand for results of this crate.

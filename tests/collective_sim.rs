@@ -9,6 +9,7 @@ mod copy_threads;
 mod common;
 
 use common::{assert_same, reduce_pair, small_values, Reference, Rng};
+use cuferry::error::{SetupError, UsageError};
 use cuferry::sim::{Schedule, SimConfig, SimDevice, SimOp};
 use cuferry::{
     collective::{all_reduce, broadcast, CollectiveElement, Communicator, ReduceOp},
@@ -216,18 +217,21 @@ fn communicators_take_one_engine_per_device_of_one_machine() {
     let mut again = CudaEngine::simulated_on_device(&engines[0].sim().unwrap(), 0).unwrap();
     let refused = Communicator::new(&mut [&mut engines[0], &mut again]);
     assert!(
-        matches!(refused, Err(Error::InvalidArgument { .. })),
+        matches!(
+            refused,
+            Err(Error::Usage(UsageError::TwoRanksOnOneDevice { .. }))
+        ),
         "{refused:?}"
     );
     let mut elsewhere = CudaEngine::simulated(SimConfig::default());
     let refused = Communicator::new(&mut [&mut engines[0], &mut elsewhere]);
     assert!(
-        matches!(refused, Err(Error::Unreachable { .. })),
+        matches!(refused, Err(Error::Setup(SetupError::Unreachable { .. }))),
         "{refused:?}"
     );
     assert!(matches!(
         Communicator::new(&mut []),
-        Err(Error::InvalidArgument { .. })
+        Err(Error::Usage(UsageError::NoEngines { .. }))
     ));
 }
 
@@ -253,7 +257,7 @@ fn refusals_hand_the_tensors_back_with_nothing_queued() {
     let t = tensors(&mut engines, [3, 4]);
     let back = expect(
         all_reduce(&comm, &mut all(&mut engines), t, ReduceOp::Sum).unwrap_err(),
-        |e| matches!(e, Error::InvalidArgument { .. }),
+        |e| matches!(e, Error::Usage(UsageError::LengthMismatch { .. })),
     );
     assert_eq!(download_tensor(&mut engines[1], &back[1]).unwrap(), [7; 4]);
     // The engines in another order than the ranks.
@@ -261,24 +265,24 @@ fn refusals_hand_the_tensors_back_with_nothing_queued() {
     let (left, right) = engines.split_at_mut(1);
     let back = expect(
         broadcast(&comm, &mut [&mut right[0], &mut left[0]], t, 0).unwrap_err(),
-        |e| matches!(e, Error::WrongEngine { .. }),
+        |e| matches!(e, Error::Usage(UsageError::WrongEngine { .. })),
     );
     // A root past the last rank; too few tensors; nothing to reduce.
     let back = expect(
         broadcast(&comm, &mut all(&mut engines), back, 2).unwrap_err(),
-        |e| matches!(e, Error::InvalidArgument { .. }),
+        |e| matches!(e, Error::Usage(UsageError::RootOutOfRange { .. })),
     );
     let mut back = back;
     let kept = back.pop().unwrap();
     let back = expect(
         all_reduce(&comm, &mut all(&mut engines), back, ReduceOp::Sum).unwrap_err(),
-        |e| matches!(e, Error::InvalidArgument { .. }),
+        |e| matches!(e, Error::Usage(UsageError::RankCount { .. })),
     );
     drop((back, kept));
     let t = tensors(&mut engines, [0, 0]);
     expect(
         all_reduce(&comm, &mut all(&mut engines), t, ReduceOp::Sum).unwrap_err(),
-        |e| matches!(e, Error::ZeroLength { .. }),
+        |e| matches!(e, Error::Usage(UsageError::ZeroLength { .. })),
     );
     assert_eq!(calls(), before, "nothing was queued");
 }
@@ -645,7 +649,10 @@ fn a_resubmitted_collective_runs_again_on_the_same_tensors_and_events() {
     let (left, right) = engines.split_at_mut(1);
     match returned.resubmit(&mut [&mut right[0], &mut left[0]]) {
         Err(SubmitError::Rejected { input, error }) => {
-            assert!(matches!(error, Error::WrongEngine { .. }), "{error}");
+            assert!(
+                matches!(error, Error::Usage(UsageError::WrongEngine { .. })),
+                "{error}"
+            );
             assert_eq!(input.len(), 2);
         }
         other => panic!("expected a refusal, got {other:?}"),

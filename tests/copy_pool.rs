@@ -2,6 +2,7 @@
 //! fixed once a transfer has used them. One test, alone in its binary (its own process), so no
 //! other test can build the pool first.
 
+use cuferry::error::UsageError;
 use cuferry::sim::SimConfig;
 use cuferry::{download_tensor, upload_tensor, CudaEngine, Error};
 
@@ -11,11 +12,11 @@ fn the_number_of_copy_threads_is_set_before_first_use_and_fixed_after() {
     let before = cuferry::staging::copy_threads();
     assert!(matches!(
         cuferry::staging::set_copy_threads(0),
-        Err(Error::InvalidSetting {
+        Err(Error::Usage(UsageError::InvalidSetting {
             setting: "copy_threads",
             value: 0,
             ..
-        })
+        }))
     ));
     assert_eq!(cuferry::staging::copy_threads(), before);
 
@@ -37,11 +38,11 @@ fn the_number_of_copy_threads_is_set_before_first_use_and_fixed_after() {
 
     // After first use: refused with the reason, the size unchanged.
     match cuferry::staging::set_copy_threads(5) {
-        Err(Error::InvalidSetting {
+        Err(Error::Usage(UsageError::InvalidSetting {
             setting: "copy_threads",
             value: 5,
             reason,
-        }) => assert!(reason.contains("already running"), "{reason}"),
+        })) => assert!(reason.contains("already running"), "{reason}"),
         other => panic!("expected InvalidSetting, got {other:?}"),
     }
     assert_eq!(cuferry::staging::copy_threads(), 3);

@@ -2,6 +2,7 @@
 //! it, so `with_cubecl` is a typed `Unavailable`, and the closure never runs.
 #![cfg(feature = "cubecl")]
 
+use cuferry::error::SetupError;
 use cuferry::sim::SimConfig;
 use cuferry::{CudaEngine, Error};
 
@@ -14,7 +15,7 @@ fn with_cubecl_on_the_simulated_device_is_unavailable() {
         Ok::<_, Error>(())
     });
     match result {
-        Err(Error::Unavailable { library, detail }) => {
+        Err(Error::Setup(SetupError::Unavailable { library, detail })) => {
             assert_eq!(library, "CubeCL");
             assert!(detail.contains("simulated device"));
         }

@@ -2,6 +2,7 @@
 
 mod copy_threads;
 
+use cuferry::error::{SetupError, UsageError};
 use cuferry::sim::{set_thread_context, thread_context, SimConfig, SimDevice, SimOp};
 use cuferry::{
     download_tensor, download_tensor_into, error::DriverError, upload_tensor, CudaEngine, DType,
@@ -50,11 +51,11 @@ fn a_copy_into_a_shorter_tensor_is_refused() {
     let mut y = engine.alloc_tensor::<f32>(&[7]).unwrap();
     assert!(matches!(
         engine.copy_into(&x, &mut y),
-        Err(Error::LengthMismatch {
-            left: 8,
-            right: 7,
+        Err(Error::Usage(UsageError::LengthMismatch {
+            found: 8,
+            expected: 7,
             ..
-        })
+        }))
     ));
 }
 
@@ -64,11 +65,11 @@ fn a_shape_that_does_not_match_the_data_is_refused() {
     let err = upload_tensor(&mut engine, &distinct(6), &[2, 4]).unwrap_err();
     assert!(matches!(
         err,
-        Error::ShapeMismatch {
+        Error::Usage(UsageError::LengthMismatch {
             expected: 8,
-            actual: 6,
+            found: 6,
             ..
-        }
+        })
     ));
     assert!(err.to_string().contains("[2, 4]"), "{err}");
 }
@@ -80,13 +81,13 @@ fn tensors_of_another_engine_are_refused() {
     let x = upload_tensor(&mut a, &distinct(4), &[4]).unwrap();
     assert!(matches!(
         download_tensor(&mut b, &x),
-        Err(Error::WrongEngine { .. })
+        Err(Error::Usage(UsageError::WrongEngine { .. }))
     ));
     let sim = a.sim().unwrap();
     let mut c = CudaEngine::simulated_on(&sim);
     assert!(matches!(
         download_tensor(&mut c, &x),
-        Err(Error::WrongEngine { .. })
+        Err(Error::Usage(UsageError::WrongEngine { .. }))
     ));
 }
 
@@ -137,9 +138,12 @@ fn with_raw_restores_the_context_on_err() {
     set_thread_context(Some(foreign));
     let r: Result<(), Error> = engine.with_raw(|_| {
         assert_eq!(thread_context(), Some(sim.context()));
-        Err(Error::ZeroLength { what: "test" })
+        Err(Error::Usage(UsageError::ZeroLength { what: "test" }))
     });
-    assert!(matches!(r, Err(Error::ZeroLength { .. })));
+    assert!(matches!(
+        r,
+        Err(Error::Usage(UsageError::ZeroLength { .. }))
+    ));
     assert_eq!(thread_context(), Some(foreign));
     set_thread_context(None);
 }
@@ -178,7 +182,10 @@ fn with_raw_refuses_another_engines_tensor() {
     let (mut b, _) = engine();
     let x = upload_tensor(&mut a, &distinct(4), &[4]).unwrap();
     let r = b.with_raw(|raw| raw.device_ptr(&x).map(|p| p.bytes()));
-    assert!(matches!(r, Err(Error::WrongEngine { .. })));
+    assert!(matches!(
+        r,
+        Err(Error::Usage(UsageError::WrongEngine { .. }))
+    ));
 }
 
 #[test]
@@ -269,10 +276,10 @@ fn bool_tensors_are_decoded_and_refused_by_download_into() {
     let err = download_tensor_into(&mut engine, &t, mine).unwrap_err();
     assert!(matches!(
         err.error(),
-        Error::UnsupportedElement {
+        Error::Usage(UsageError::UnsupportedElement {
             dtype: DType::Bool,
             ..
-        }
+        })
     ));
     let mine = err.into_input().expect("handed back");
     assert_eq!(
@@ -289,13 +296,19 @@ fn reshape_keeps_the_element_count() {
     let t = t.reshape(&[2, 6]).unwrap();
     assert_eq!(t.shape(), &[2, 6]);
     let refused = t.reshape(&[5]).unwrap_err();
-    assert!(matches!(refused.error(), Error::ShapeMismatch { .. }));
+    assert!(matches!(
+        refused.error(),
+        Error::Usage(UsageError::LengthMismatch { .. })
+    ));
     let t = refused.into_input().expect("handed back");
     assert_eq!(t.shape(), &[2, 6], "handed back unchanged");
     // A zero dimension holds no elements, whatever the others are: a mismatch.
     let refused = t.reshape(&[usize::MAX, 2, 0, 3]).unwrap_err();
     assert!(
-        matches!(refused.error(), Error::ShapeMismatch { expected: 0, .. }),
+        matches!(
+            refused.error(),
+            Error::Usage(UsageError::LengthMismatch { expected: 0, .. })
+        ),
         "{refused}"
     );
     // A product past usize is the shape's overflow.
@@ -305,7 +318,7 @@ fn reshape_keeps_the_element_count() {
         .reshape(&[usize::MAX, 2, 3])
         .unwrap_err();
     assert!(
-        matches!(refused.error(), Error::ShapeOverflow { shape } if shape == &[usize::MAX, 2, 3]),
+        matches!(refused.error(), Error::Usage(UsageError::ShapeOverflow { shape }) if shape == &[usize::MAX, 2, 3]),
         "{refused}"
     );
     assert_eq!(
@@ -332,9 +345,11 @@ fn dropping_the_engine_waits_and_never_panics_even_when_the_wait_fails() {
 #[test]
 fn opening_a_real_device_without_a_driver_says_so() {
     match CudaEngine::open(0) {
-        Err(Error::NoDriver { detail }) => assert!(detail.contains("libcuda"), "{detail}"),
+        Err(Error::Setup(SetupError::NoDriver { detail })) => {
+            assert!(detail.contains("libcuda"), "{detail}")
+        }
         // On a GPU machine the driver is present: opening succeeds or names the ordinal.
-        Ok(_) | Err(Error::NoSuchDevice { .. }) => {}
+        Ok(_) | Err(Error::Setup(SetupError::NoSuchDevice { .. })) => {}
         Err(other) => panic!("unexpected error {other}"),
     }
 }

@@ -7,6 +7,7 @@
 
 mod copy_threads;
 
+use cuferry::error::SetupError;
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{
     download_pending, download_tensor, download_tensor_into, error::DriverError,
@@ -80,7 +81,7 @@ fn workload(engine: &mut CudaEngine) -> Result<(), Error> {
     // A library call: unavailable on the simulated device, after validation, queuing nothing.
     let a = upload_tensor(engine, &[1.0f32, 2.0, 3.0, 4.0], &[2, 2])?;
     match engine.matmul(&a, &a) {
-        Err(Error::Unavailable { .. }) => {}
+        Err(Error::Setup(SetupError::Unavailable { .. })) => {}
         Err(e) => return Err(e),
         Ok(_) => panic!("matmul ran on the simulated device"),
     }

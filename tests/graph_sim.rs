@@ -3,6 +3,7 @@
 
 mod copy_threads;
 
+use cuferry::error::{ProgramError, UsageError};
 use cuferry::graph::{GraphCompiler, Input, OutputKind, Program, TracedTensor};
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{download_tensor, upload_tensor, CudaEngine, DType, Error};
@@ -29,60 +30,60 @@ fn tracing_refuses_mismatched_types_and_ranks() {
     let b = TracedTensor::input_symbolic_shape(DType::Bool, 1);
     assert!(matches!(
         &x * &i,
-        Err(Error::Trace {
+        Err(Error::Program(ProgramError::Trace {
             operation: "mul",
             ..
-        })
+        }))
     ));
     assert!(matches!(
         &x - &m,
-        Err(Error::Trace {
+        Err(Error::Program(ProgramError::Trace {
             operation: "sub",
             ..
-        })
+        }))
     ));
     assert!(matches!(
         x.scale(1i32),
-        Err(Error::Trace {
+        Err(Error::Program(ProgramError::Trace {
             operation: "scale",
             ..
-        })
+        }))
     ));
     assert!(matches!(
         -&u,
-        Err(Error::UnsupportedElement {
+        Err(Error::Usage(UsageError::UnsupportedElement {
             operation: "neg",
             ..
-        })
+        }))
     ));
     assert!(matches!(
         &i / &i,
-        Err(Error::UnsupportedElement {
+        Err(Error::Usage(UsageError::UnsupportedElement {
             operation: "div",
             ..
-        })
+        }))
     ));
     assert!(matches!(
         &b + &b,
-        Err(Error::UnsupportedElement {
+        Err(Error::Usage(UsageError::UnsupportedElement {
             operation: "add",
             ..
-        })
+        }))
     ));
     assert!(matches!(
         x.matmul(&m),
-        Err(Error::Trace {
+        Err(Error::Program(ProgramError::Trace {
             operation: "matmul",
             ..
-        })
+        }))
     ));
     let mi = TracedTensor::input_symbolic_shape(DType::I32, 2);
     assert!(matches!(
         mi.matmul(&mi),
-        Err(Error::UnsupportedElement {
+        Err(Error::Usage(UsageError::UnsupportedElement {
             operation: "matmul",
             ..
-        })
+        }))
     ));
     assert!(
         x.cast(DType::F32).is_input(),
@@ -97,7 +98,7 @@ fn compilation_refuses_bad_specifications_and_shapes() {
     let y = (&x + &z).unwrap();
     let c = GraphCompiler::new();
     let spec = |r: Result<Program, Error>| match r {
-        Err(Error::ProgramSpec { detail }) => detail,
+        Err(Error::Program(ProgramError::Spec { detail })) => detail,
         other => panic!("expected ProgramSpec, got {other:?}"),
     };
     // z has no specification.
@@ -252,27 +253,27 @@ fn bad_inputs_and_other_engines_are_refused_and_nothing_runs() {
     let (queued, allocs) = (device.queued(), device.calls(SimOp::Alloc));
     assert!(matches!(
         engine.run(&mut prepared, &[Input::from(&long)]),
-        Err(Error::ProgramInput { index: 0, .. })
+        Err(Error::Program(ProgramError::Input { index: 0, .. }))
     ));
     assert!(matches!(
         engine.run(&mut prepared, &[Input::from(&wide)]),
-        Err(Error::ProgramInput { index: 0, .. })
+        Err(Error::Program(ProgramError::Input { index: 0, .. }))
     ));
     assert!(matches!(
         engine.run(&mut prepared, &[]),
-        Err(Error::ProgramInput { .. })
+        Err(Error::Program(ProgramError::Input { .. }))
     ));
     assert!(matches!(
         engine.run(&mut prepared, &[Input::from(&good), Input::from(&good)]),
-        Err(Error::ProgramInput { .. })
+        Err(Error::Program(ProgramError::Input { .. }))
     ));
     assert!(matches!(
         engine.run(&mut prepared, &[Input::from(&foreign)]),
-        Err(Error::WrongEngine { .. })
+        Err(Error::Usage(UsageError::WrongEngine { .. }))
     ));
     assert!(matches!(
         other.run(&mut prepared, &[Input::from(&foreign)]),
-        Err(Error::WrongEngine { .. })
+        Err(Error::Usage(UsageError::WrongEngine { .. }))
     ));
     assert_eq!(
         (device.queued(), device.calls(SimOp::Alloc)),
@@ -354,10 +355,10 @@ fn products_of_inputs_run_between_graph_launches() {
     assert_eq!((s.eager_calls, s.graph_launches, s.graphs), (1, 1, 1));
 }
 
-/// Asserts `r` is [`Error::SizeOverflow`] naming `count` elements of `element_bytes` bytes.
+/// Asserts `r` is [`UsageError::SizeOverflow`](crate::error::UsageError::SizeOverflow) naming `count` elements of `element_bytes` bytes.
 fn assert_size_overflow(r: Result<Program, Error>, count: usize, element_bytes: usize) {
     match r {
-        Err(e @ Error::SizeOverflow { .. }) => {
+        Err(e @ Error::Usage(UsageError::SizeOverflow { .. })) => {
             let message = e.to_string();
             assert!(message.contains(&count.to_string()), "{message}");
             assert!(
@@ -412,7 +413,9 @@ fn a_product_past_the_addressable_limit_is_refused_when_compiled() {
     let q = TracedTensor::input_symbolic_shape(DType::F64, 2);
     let big = q.matmul(&q.reshape(&[1, 1 << 40])).unwrap();
     match c.compile_with_input_specs(&[&big], &[(&q, DType::F64, &[1 << 40, 1])]) {
-        Err(Error::ShapeOverflow { shape }) => assert_eq!(shape, [1 << 40, 1 << 40]),
+        Err(Error::Usage(UsageError::ShapeOverflow { shape })) => {
+            assert_eq!(shape, [1 << 40, 1 << 40])
+        }
         other => panic!("expected ShapeOverflow, got {other:?}"),
     }
 }
@@ -439,7 +442,7 @@ fn intermediates_live_at_once_past_the_addressable_limit_are_refused_when_compil
     ];
     for live in [4, 2] {
         match c.compile_with_input_specs(&outputs[..live], &specs) {
-            Err(Error::ProgramSpec { detail }) => {
+            Err(Error::Program(ProgramError::Spec { detail })) => {
                 assert!(detail.contains("intermediates"), "{live}: {detail}");
                 assert!(detail.contains(&isize::MAX.to_string()), "{live}: {detail}");
             }

@@ -9,6 +9,7 @@ mod copy_threads;
 mod common;
 
 use common::{random_vec, Reference, Rng};
+use cuferry::error::UsageError;
 use cuferry::graph::{GraphCompiler, Input, TracedTensor};
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{
@@ -168,15 +169,15 @@ fn another_engine_refuses_an_in_flight_tensor() {
     let queued = other_sim.queued();
     assert!(matches!(
         other.copy_tensor(upload.tensor()),
-        Err(Error::WrongEngine { .. })
+        Err(Error::Usage(UsageError::WrongEngine { .. }))
     ));
     assert!(matches!(
         other.add(upload.tensor(), upload.tensor()),
-        Err(Error::WrongEngine { .. })
+        Err(Error::Usage(UsageError::WrongEngine { .. }))
     ));
     assert!(matches!(
         download_tensor(&mut other, upload.tensor()),
-        Err(Error::WrongEngine { .. })
+        Err(Error::Usage(UsageError::WrongEngine { .. }))
     ));
     assert_eq!(
         other_sim.queued(),

@@ -7,6 +7,7 @@ mod copy_threads;
 mod common;
 
 use common::{check_casts_from, check_ops, Reference, Rng};
+use cuferry::error::UsageError;
 use cuferry::sim::{SimConfig, SimOp};
 use cuferry::{
     download_tensor, error::DriverError, upload_tensor, CudaEngine, DeviceTensor, Element, Error,
@@ -156,14 +157,17 @@ fn mismatched_shapes_are_refused_before_anything_is_queued() {
     let b = upload_tensor(&mut engine, &[1.0f32; 6], &[3, 2]).unwrap();
     let launches = sim.calls(SimOp::Launch);
     match engine.add(&a, &b) {
-        Err(Error::ShapesDiffer {
+        Err(Error::Usage(UsageError::ShapeMismatch {
             operation,
-            left,
-            right,
-        }) => {
-            assert_eq!((operation, left, right), ("add", vec![2, 3], vec![3, 2]));
+            expected,
+            found,
+        })) => {
+            assert_eq!(
+                (operation, expected, found),
+                ("add", vec![2, 3], vec![3, 2])
+            );
         }
-        other => panic!("expected ShapesDiffer, got {other:?}"),
+        other => panic!("expected ShapeMismatch, got {other:?}"),
     }
     assert_eq!(sim.calls(SimOp::Launch), launches);
 }
@@ -176,11 +180,11 @@ fn unsupported_elements_are_typed_errors_naming_operation_and_type() {
     assert!(
         matches!(
             err,
-            Error::UnsupportedElement {
+            Error::Usage(UsageError::UnsupportedElement {
                 operation: "add",
                 dtype: cuferry::DType::Bool,
                 ..
-            }
+            })
         ),
         "{err:?}"
     );
@@ -194,10 +198,10 @@ fn unsupported_elements_are_typed_errors_naming_operation_and_type() {
     let err = engine.neg(&ints).unwrap_err();
     assert!(matches!(
         err,
-        Error::UnsupportedElement {
+        Error::Usage(UsageError::UnsupportedElement {
             operation: "neg",
             ..
-        }
+        })
     ));
     // Fill and cast serve bool.
     let mut t = engine.copy_tensor(&flags).unwrap();
@@ -213,9 +217,15 @@ fn another_engines_tensor_is_refused() {
     let mut two = engine();
     let a = upload_tensor(&mut one, &[1.0f32], &[1]).unwrap();
     let b = upload_tensor(&mut two, &[1.0f32], &[1]).unwrap();
-    assert!(matches!(one.add(&a, &b), Err(Error::WrongEngine { .. })));
+    assert!(matches!(
+        one.add(&a, &b),
+        Err(Error::Usage(UsageError::WrongEngine { .. }))
+    ));
     let mut three = CudaEngine::simulated_on(&one.sim().unwrap());
-    assert!(matches!(three.neg(&a), Err(Error::WrongEngine { .. })));
+    assert!(matches!(
+        three.neg(&a),
+        Err(Error::Usage(UsageError::WrongEngine { .. }))
+    ));
 }
 
 #[test]

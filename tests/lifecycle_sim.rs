@@ -3,6 +3,7 @@
 
 mod copy_threads;
 
+use cuferry::error::{StagingError, UsageError};
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{
     download_pending, download_tensor, download_tensor_into, error::DriverError, libs::GemmConfig,
@@ -198,7 +199,7 @@ fn held_and_forgotten_leases_never_starve_the_blocking_routes() {
     std::mem::forget(engine.staging_lease().unwrap());
     assert!(matches!(
         engine.staging_lease(),
-        Err(Error::StagingExhausted { depth: 2 })
+        Err(Error::Staging(StagingError::Exhausted { depth: 2 }))
     ));
     let data = distinct(10_000); // ten chunks
     for _ in 0..3 {
@@ -252,7 +253,7 @@ fn snapshot(engine: &CudaEngine) -> Snapshot {
 
 fn wrong_engine<T: std::fmt::Debug>(result: Result<T, Error>, a: &CudaEngine, b: &CudaEngine) {
     match result {
-        Err(e @ Error::WrongEngine { .. }) => {
+        Err(e @ Error::Usage(UsageError::WrongEngine { .. })) => {
             let message = e.to_string();
             for engine in [a, b] {
                 let named = format!("engine #{} on {}", engine.id(), engine.device());
@@ -301,7 +302,10 @@ fn values_of_another_engine_are_refused_and_change_nothing() {
         let reused_ptr = reused.as_ptr();
         match download_tensor_into(&mut b, &x, reused) {
             Err(refused) => {
-                assert!(matches!(refused.error(), Error::WrongEngine { .. }));
+                assert!(matches!(
+                    refused.error(),
+                    Error::Usage(UsageError::WrongEngine { .. })
+                ));
                 reused = refused.into_input().expect("handed back");
             }
             Ok(_) => panic!("another engine's tensor was downloaded"),
@@ -328,7 +332,10 @@ fn values_of_another_engine_are_refused_and_change_nothing() {
         wrong_engine::<()>(Err(error), &a, &b);
         assert_eq!(package.0.as_slice().as_ptr(), buffer_ptr);
         let refused = download_pending(&mut b, package.1, package.0).unwrap_err();
-        assert!(matches!(refused.error(), Error::WrongEngine { .. }));
+        assert!(matches!(
+            refused.error(),
+            Error::Usage(UsageError::WrongEngine { .. })
+        ));
         let package = refused.into_input().unwrap();
 
         // A staging lease of A used on B.
@@ -396,10 +403,10 @@ fn workload(engine: &mut CudaEngine) -> Result<(), Error> {
     let mut small = engine.alloc_tensor::<u8>(&[4])?;
     let unproven = lease
         .begin_upload(engine, &mut small, 0, 4)
-        .map_err(|e| e.error().to_string())
-        .map_err(|detail| Error::InvalidArgument {
-            operation: "workload",
-            detail,
+        .map_err(|e| match e {
+            SubmitError::Rejected { error, .. }
+            | SubmitError::Failed { error, .. }
+            | SubmitError::Retained { error } => error,
         })?;
     drop(unproven); // retired
     engine.flush()?;
@@ -524,14 +531,14 @@ fn a_zero_length_chunk_is_refused_and_queues_nothing() {
     let lease = match lease.begin_upload(&mut engine, &mut empty, 0, 0) {
         Err(SubmitError::Rejected {
             input: lease,
-            error: Error::ZeroLength { .. },
+            error: Error::Usage(UsageError::ZeroLength { .. }),
         }) => lease,
         other => panic!("expected a zero-length refusal, got {other:?}"),
     };
     let lease = match lease.begin_download(&mut engine, &empty, 0, 0) {
         Err(SubmitError::Rejected {
             input: lease,
-            error: Error::ZeroLength { .. },
+            error: Error::Usage(UsageError::ZeroLength { .. }),
         }) => lease,
         other => panic!("expected a zero-length refusal, got {other:?}"),
     };
@@ -584,7 +591,7 @@ fn errors_name_the_values_and_the_shape_check_is_order_independent() {
     // Without a zero, an overflowing product is refused in any order, naming the shape.
     for shape in [[usize::MAX, 2, 3], [3, 2, usize::MAX], [2, usize::MAX, 3]] {
         match engine.alloc_tensor::<u8>(&shape) {
-            Err(e @ Error::ShapeOverflow { .. }) => {
+            Err(e @ Error::Usage(UsageError::ShapeOverflow { .. })) => {
                 assert!(e.to_string().contains(&format!("{shape:?}")), "{e}")
             }
             other => panic!("{shape:?}: expected ShapeOverflow, got {other:?}"),
@@ -592,7 +599,7 @@ fn errors_name_the_values_and_the_shape_check_is_order_independent() {
     }
     // A byte size past the addressable limit names the count and the element size.
     match engine.alloc_tensor::<u64>(&[usize::MAX / 4]) {
-        Err(e @ Error::SizeOverflow { .. }) => {
+        Err(e @ Error::Usage(UsageError::SizeOverflow { .. })) => {
             let message = e.to_string();
             assert!(message.contains(&(usize::MAX / 4).to_string()), "{message}");
             assert!(message.contains("8 byte"), "{message}");

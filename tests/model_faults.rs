@@ -99,6 +99,7 @@
 
 mod copy_threads;
 
+use cuferry::error::{StagingError, UsageError};
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{
     download_pending, download_tensor, download_tensor_into,
@@ -1847,7 +1848,7 @@ impl Sut {
             (Expect::Refused, Err(SubmitError::Rejected { input: package, error })) => {
                 seen(Seen::SubmitRejected);
                 ensure!(
-                    matches!(error, Error::LengthMismatch { .. }),
+                    matches!(error, Error::Usage(UsageError::LengthMismatch { .. })),
                     "a mismatched pair was rejected for another reason: {error:?}"
                 );
                 ensure!(obs.queued_nothing(), "a rejected submission queued work");
@@ -2119,7 +2120,7 @@ impl Sut {
                 m.leases.push(Lease { host, chunk: None });
                 self.proven.push((m.leases.len() - 1, lease));
             }
-            Err(Error::StagingExhausted { depth }) => {
+            Err(Error::Staging(StagingError::Exhausted { depth })) => {
                 seen(Seen::LeasesExhausted);
                 if m.retained_leases > 0 {
                     seen(Seen::ExhaustedByRetainedLease);
@@ -2214,11 +2215,16 @@ impl Sut {
                 ensure!(
                     matches!(
                         (shape, &error),
-                        (ChunkShape::Empty, Error::ZeroLength { .. })
-                            | (
-                                ChunkShape::OutOfRange | ChunkShape::TooLong,
-                                Error::InvalidArgument { .. }
+                        (
+                            ChunkShape::Empty,
+                            Error::Usage(UsageError::ZeroLength { .. })
+                        ) | (
+                            ChunkShape::OutOfRange | ChunkShape::TooLong,
+                            Error::Staging(
+                                StagingError::ChunkOutOfRange { .. }
+                                    | StagingError::ChunkTooLarge { .. }
                             )
+                        )
                     ),
                     "a {shape:?} chunk was refused with {error:?}"
                 );
@@ -2949,7 +2955,7 @@ fn a_retained_lease_counts_against_the_budget_in_every_case() {
         assert!(
             matches!(
                 engine.staging_lease(),
-                Err(Error::StagingExhausted { depth: 3 })
+                Err(Error::Staging(StagingError::Exhausted { depth: 3 }))
             ),
             "three retained leases exhaust a budget of three"
         );

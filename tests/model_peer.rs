@@ -13,6 +13,7 @@
 
 mod copy_threads;
 
+use cuferry::error::SetupError;
 use cuferry::sim::{Schedule, SimConfig, SimDevice, SimOp};
 use cuferry::{
     download_tensor, engine::Signal, error::DriverError, peer, peer::PeerCopy, upload_tensor,
@@ -278,7 +279,7 @@ impl Model {
                         }
                         self.reference[to][into] = self.reference[from][slot].clone();
                     }
-                    Err(Error::Unreachable { .. }) => {
+                    Err(Error::Setup(SetupError::Unreachable { .. })) => {
                         assert!(!linked, "a copy between linked devices was refused");
                     }
                     Err(error) => {
@@ -317,7 +318,9 @@ impl Model {
                     }
                     Err(refused) => {
                         match refused.error() {
-                            Error::Unreachable { .. } => assert!(!linked, "a linked copy refused"),
+                            Error::Setup(SetupError::Unreachable { .. }) => {
+                                assert!(!linked, "a linked copy refused")
+                            }
                             error => self.failed("pending peer copy", error),
                         }
                         let retained = matches!(refused, SubmitError::Retained { .. });

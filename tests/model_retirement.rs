@@ -24,6 +24,7 @@
 
 mod copy_threads;
 
+use cuferry::error::UsageError;
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{
     download_pending,
@@ -799,7 +800,7 @@ fn settle(submitted: Result<SutSlot, Refused>) -> (SutSlot, Outcome) {
         Ok(slot) => (slot, Outcome::Queued),
         Err(SubmitError::Rejected {
             input: package,
-            error: Error::WrongEngine { .. },
+            error: Error::Usage(UsageError::WrongEngine { .. }),
         }) => (SutSlot::Idle(package.0, package.1), Outcome::Rejected),
         Err(SubmitError::Failed {
             input: package,

@@ -11,6 +11,7 @@ mod common;
 use common::{
     assert_same, engines_on as engines, random_vec, sim_machine as machine, Reference, Rng,
 };
+use cuferry::error::{SetupError, UsageError};
 use cuferry::sim::{Schedule, SimDevice, SimOp};
 use cuferry::{
     download_tensor, error::DriverError, peer, pending::TryWait, upload_pending, upload_tensor,
@@ -131,12 +132,12 @@ fn refusals_hand_both_tensors_back_untouched_with_nothing_queued() {
     let y = b.alloc_tensor::<u32>(&[3]).unwrap();
     let p = ptrs(&x, &y);
     let back = check(peer::copy_pending(&mut a, x, &mut b, y), p, |e| {
-        matches!(e, Error::Unreachable { .. })
+        matches!(e, Error::Setup(SetupError::Unreachable { .. }))
     });
     // A tensor named beside the wrong engine.
     let p = ptrs(&back.0, &back.1);
     let back = check(peer::copy_pending(&mut b, back.0, &mut a, back.1), p, |e| {
-        matches!(e, Error::WrongEngine { .. })
+        matches!(e, Error::Usage(UsageError::WrongEngine { .. }))
     });
     // Lengths that differ.
     let short = c.alloc_tensor::<u32>(&[2]).unwrap();
@@ -144,11 +145,11 @@ fn refusals_hand_both_tensors_back_untouched_with_nothing_queued() {
     let mismatched = check(peer::copy_pending(&mut a, back.0, &mut c, short), p, |e| {
         matches!(
             e,
-            Error::LengthMismatch {
-                left: 3,
-                right: 2,
+            Error::Usage(UsageError::LengthMismatch {
+                found: 3,
+                expected: 2,
                 ..
-            }
+            })
         )
     });
     // Nothing to copy.
@@ -158,7 +159,7 @@ fn refusals_hand_both_tensors_back_untouched_with_nothing_queued() {
     );
     let p = ptrs(&e0, &e1);
     check(peer::copy_pending(&mut a, e0, &mut c, e1), p, |e| {
-        matches!(e, Error::ZeroLength { .. })
+        matches!(e, Error::Usage(UsageError::ZeroLength { .. }))
     });
     assert_eq!(copies(), before, "nothing was queued");
     // The same tensors go through once the route is possible.

@@ -10,6 +10,7 @@ mod common;
 use common::{
     assert_same, engines_on as engines, random_vec, sim_machine as machine, Reference, Rng,
 };
+use cuferry::error::{SetupError, UsageError};
 use cuferry::sim::{Schedule, SimConfig, SimDevice, SimOp};
 use cuferry::{
     download_tensor, error::DriverError, peer, upload_pending, upload_tensor, CudaEngine, Error,
@@ -82,7 +83,7 @@ fn without_a_link_the_copy_is_refused_and_the_staged_copy_is_taken_by_name() {
     let copies = sim.calls(SimOp::CopyPeer);
     let refused = peer::copy(&mut a, &x, &mut b);
     assert!(
-        matches!(refused, Err(Error::Unreachable { from, to, .. }) if from == b.device() && to == a.device()),
+        matches!(refused, Err(Error::Setup(SetupError::Unreachable { from, to, .. })) if from == b.device() && to == a.device()),
         "{refused:?}"
     );
     assert_eq!(sim.calls(SimOp::CopyPeer), copies, "nothing queued");
@@ -92,36 +93,36 @@ fn without_a_link_the_copy_is_refused_and_the_staged_copy_is_taken_by_name() {
     let mut other = CudaEngine::simulated(SimConfig::default());
     assert!(matches!(
         peer::copy(&mut a, &x, &mut other),
-        Err(Error::Unreachable { .. })
+        Err(Error::Setup(SetupError::Unreachable { .. }))
     ));
     assert!(matches!(
         peer::access(&mut a, &other),
-        Err(Error::Unreachable { .. })
+        Err(Error::Setup(SetupError::Unreachable { .. }))
     ));
     // A tensor of another engine is refused before anything else.
     assert!(matches!(
         peer::copy(&mut b, &x, &mut a),
-        Err(Error::WrongEngine { .. })
+        Err(Error::Usage(UsageError::WrongEngine { .. }))
     ));
     let (mut c, mut d) = engines(&sim, 0, 0);
     let mut other = c.alloc_tensor::<f32>(&[3]).unwrap();
     assert!(matches!(
         peer::copy_into(&mut a, &x, &mut d, &mut other),
-        Err(Error::WrongEngine { .. })
+        Err(Error::Usage(UsageError::WrongEngine { .. }))
     ));
     let mut short = d.alloc_tensor::<f32>(&[2]).unwrap();
     assert!(matches!(
         peer::copy_into(&mut a, &x, &mut d, &mut short),
-        Err(Error::LengthMismatch {
-            left: 3,
-            right: 2,
+        Err(Error::Usage(UsageError::LengthMismatch {
+            found: 3,
+            expected: 2,
             ..
-        })
+        }))
     ));
     let mut unlinked = b.alloc_tensor::<f32>(&[3]).unwrap();
     assert!(matches!(
         peer::copy_into(&mut a, &x, &mut b, &mut unlinked),
-        Err(Error::Unreachable { .. })
+        Err(Error::Setup(SetupError::Unreachable { .. }))
     ));
     drop((other, short, unlinked, c));
 }
@@ -143,7 +144,7 @@ fn a_link_removed_after_first_use_is_unreachable_and_asked_again() {
     landing = back;
     sim.set_peer_link(0, 1, false);
     let unreachable = |e: &Error, reached: &CudaEngine, reaching: &CudaEngine| {
-        matches!(e, Error::Unreachable { from, to, reason }
+        matches!(e, Error::Setup(SetupError::Unreachable { from, to, reason })
             if *from == reached.device() && *to == reaching.device() && reason.contains("peer link"))
     };
     // The remembered pair: the copy reaches the driver, whose refusal says why.
@@ -276,7 +277,7 @@ fn faulted_copy(busy: bool, into: bool, arm: impl FnOnce(&SimDevice)) -> bool {
             Error::Driver { .. }
             | Error::DeviceFault { .. }
             | Error::Deferred { .. }
-            | Error::Unreachable { .. },
+            | Error::Setup(SetupError::Unreachable { .. }),
         ) => true,
         Err(other) => panic!("an untyped failure: {other:?}"),
     };

@@ -2,6 +2,7 @@
 
 mod copy_threads;
 
+use cuferry::error::UsageError;
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{
     download_pending, download_tensor, download_tensor_into, error::DriverError, pending::TryWait,
@@ -25,7 +26,7 @@ fn a_zero_length_pinned_buffer_is_a_typed_error() {
     let (mut engine, _) = engine();
     assert!(matches!(
         PinnedHostBuffer::<f32>::new(&mut engine, 0),
-        Err(Error::ZeroLength { .. })
+        Err(Error::Usage(UsageError::ZeroLength { .. }))
     ));
 }
 
@@ -179,11 +180,11 @@ fn rejected_packages_come_back_untouched() {
     assert!(
         matches!(
             error,
-            Error::LengthMismatch {
-                left: 10,
-                right: 11,
+            Error::Usage(UsageError::LengthMismatch {
+                found: 10,
+                expected: 11,
                 ..
-            }
+            })
         ),
         "{error}"
     );
@@ -197,7 +198,7 @@ fn rejected_packages_come_back_untouched() {
     assert!(matches!(
         err,
         SubmitError::Rejected {
-            error: Error::WrongEngine { .. },
+            error: Error::Usage(UsageError::WrongEngine { .. }),
             ..
         }
     ));
@@ -210,7 +211,7 @@ fn rejected_packages_come_back_untouched() {
     assert!(matches!(
         download_pending(&mut engine, flags, bbuf),
         Err(SubmitError::Rejected {
-            error: Error::UnsupportedElement { .. },
+            error: Error::Usage(UsageError::UnsupportedElement { .. }),
             ..
         })
     ));

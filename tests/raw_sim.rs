@@ -3,6 +3,7 @@
 
 mod copy_threads;
 
+use cuferry::error::UsageError;
 use cuferry::sim::{set_thread_context, thread_context, SimConfig, SimDevice, SimOp};
 use cuferry::{download_tensor, upload_tensor, CudaEngine, Error};
 
@@ -19,8 +20,13 @@ fn with_raw_restores_the_callers_context_on_return_err_and_unwind() {
     assert_eq!(inside, Some(ours));
     assert_eq!(thread_context(), Some(foreign), "after return");
 
-    let err = engine.with_raw(|_| -> Result<(), Error> { Err(Error::ZeroLength { what: "test" }) });
-    assert!(matches!(err, Err(Error::ZeroLength { .. })));
+    let err = engine.with_raw(|_| -> Result<(), Error> {
+        Err(Error::Usage(UsageError::ZeroLength { what: "test" }))
+    });
+    assert!(matches!(
+        err,
+        Err(Error::Usage(UsageError::ZeroLength { .. }))
+    ));
     assert_eq!(thread_context(), Some(foreign), "after Err");
 
     let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {

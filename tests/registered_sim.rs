@@ -9,6 +9,7 @@ mod common;
 use common::{
     assert_same, distinct_u32 as distinct, random_vec, sim_engine, Fault, Reference, Rng,
 };
+use cuferry::error::UsageError;
 use cuferry::sim::{SimConfig, SimOp};
 use cuferry::{
     download_pending, download_tensor, error::DriverError, pending::TryWait, upload_pending,
@@ -114,7 +115,7 @@ fn round_trip<T: Reference>(engine: &mut CudaEngine, rng: &mut Rng, n: usize) {
         match submitted {
             Err(SubmitError::Rejected {
                 input: package,
-                error: Error::UnsupportedElement { .. },
+                error: Error::Usage(UsageError::UnsupportedElement { .. }),
             }) => assert_same(
                 &format!("refused download {what}"),
                 &package.0.into_vec().unwrap(),
@@ -322,7 +323,7 @@ fn an_empty_vec_is_refused_and_comes_back() {
     let ptr = empty.as_ptr();
     let refused = RegisteredBuffer::register(&mut engine, empty).unwrap_err();
     assert!(
-        matches!(refused.error(), Error::ZeroLength { .. }),
+        matches!(refused.error(), Error::Usage(UsageError::ZeroLength { .. })),
         "{refused}"
     );
     let back = refused.into_input().expect("handed back");
@@ -542,11 +543,11 @@ fn rejected_submissions_give_the_buffer_back() {
         Err(SubmitError::Rejected {
             input: package,
             error:
-                Error::LengthMismatch {
-                    left: 10,
-                    right: 11,
+                Error::Usage(UsageError::LengthMismatch {
+                    found: 10,
+                    expected: 11,
                     ..
-                },
+                }),
         }) => package,
         other => panic!("expected a length mismatch, got {other:?}"),
     };
@@ -558,7 +559,7 @@ fn rejected_submissions_give_the_buffer_back() {
     let foreign = other.alloc_tensor::<u32>(&[10]).unwrap();
     let err = upload_pending(&mut other, package.0, foreign).unwrap_err();
     assert!(
-        matches!(err.error(), Error::WrongEngine { .. }),
+        matches!(err.error(), Error::Usage(UsageError::WrongEngine { .. })),
         "{}",
         err.error()
     );
@@ -590,23 +591,17 @@ fn lifecycle(engine: &mut CudaEngine, value: cuferry::DeviceTensor<u32>) -> (End
     };
     let settle = |err: SubmitError<(RegisteredBuffer<u32>, cuferry::DeviceTensor<u32>)>| match err {
         SubmitError::Retained { error } => (End::Retained, Some(error)),
-        other => {
-            let error = other.error().to_string();
-            let buffer = other
-                .into_input()
-                .expect("a rejected or failed submission hands the package back")
-                .0;
-            match buffer.into_vec() {
-                Ok(back) => (
-                    End::Back(back),
-                    Some(Error::InvalidArgument {
-                        operation: "submission",
-                        detail: error,
-                    }),
-                ),
-                Err(unregister) => (End::Retained, Some(unregister)),
-            }
+        SubmitError::Rejected {
+            input: package,
+            error,
         }
+        | SubmitError::Failed {
+            input: package,
+            error,
+        } => match package.0.into_vec() {
+            Ok(back) => (End::Back(back), Some(error)),
+            Err(unregister) => (End::Retained, Some(unregister)),
+        },
     };
     let dest = match engine.alloc_tensor::<u32>(&[64]) {
         Ok(dest) => dest,

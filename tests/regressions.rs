@@ -2,6 +2,7 @@
 
 mod copy_threads;
 
+use cuferry::error::UsageError;
 use cuferry::sim::{SimConfig, SimOp};
 use cuferry::{
     download_tensor, error::DriverError, staging::StagingConfig, upload_pending, upload_tensor,
@@ -29,7 +30,7 @@ fn a_refused_resubmission_does_not_hand_its_event_to_the_refusing_engine() {
     assert!(matches!(
         refused,
         SubmitError::Rejected {
-            error: Error::WrongEngine { .. },
+            error: Error::Usage(UsageError::WrongEngine { .. }),
             ..
         }
     ));
@@ -60,7 +61,7 @@ fn a_refused_resubmission_returns_its_event_to_its_own_engine() {
     assert!(matches!(
         refused,
         SubmitError::Rejected {
-            error: Error::WrongEngine { .. },
+            error: Error::Usage(UsageError::WrongEngine { .. }),
             ..
         }
     ));

@@ -7,9 +7,12 @@
 //!   executor: its future is `Send` and `Unpin`.
 //! - Raw scope handles are tied to the thread on which the engine's context is current, so they
 //!   are neither `Send` nor `Sync`.
-//! - Errors travel: `Error` and `DriverError` cross threads and live as long as needed, so they
-//!   fit `Box<dyn std::error::Error + Send + Sync>`, `anyhow` and a channel to another thread.
+//! - Errors travel: `Error`, each domain's error under it (`cuferry::error::*`) and
+//!   `DriverError` cross threads and live as long as needed, so they fit
+//!   `Box<dyn std::error::Error + Send + Sync>`, `anyhow` and a channel to another thread.
 
+use cuferry::error::{LibraryError, ProgramError, SetupError, StagingError, UsageError};
+use cuferry::upload_tensor;
 use cuferry::{
     collective::Collective,
     error::DriverError,
@@ -94,3 +97,98 @@ assert_not_impl_any!(RawDevicePtr<'static>: Send, Sync);
 assert_impl_all!(Error: Send, Sync, std::any::Any, std::error::Error);
 assert_impl_all!(DriverError: Send, Sync, std::any::Any, Copy, std::error::Error);
 assert_impl_all!(Box<dyn std::error::Error + Send + Sync + 'static>: From<Error>, From<DriverError>);
+
+// Each domain's error is `'static`, crosses threads, converts into `Error` (so `?` lifts it) and
+// into the boxed error type.
+assert_impl_all!(UsageError: Send, Sync, std::any::Any, std::error::Error, Into<Error>);
+assert_impl_all!(SetupError: Send, Sync, std::any::Any, std::error::Error, Into<Error>);
+assert_impl_all!(LibraryError: Send, Sync, std::any::Any, std::error::Error, Into<Error>);
+assert_impl_all!(ProgramError: Send, Sync, std::any::Any, std::error::Error, Into<Error>);
+assert_impl_all!(StagingError: Send, Sync, std::any::Any, std::error::Error, Into<Error>);
+assert_impl_all!(
+    Box<dyn std::error::Error + Send + Sync + 'static>: From<UsageError>,
+    From<SetupError>,
+    From<LibraryError>,
+    From<ProgramError>,
+    From<StagingError>
+);
+
+/// A domain's error, wrapped in `Error`, reads as the domain's own (its message and its source),
+/// boxes into the error type that crosses threads, and comes back out by downcasting.
+#[test]
+fn domain_errors_box_and_keep_their_message() {
+    fn boxed<E: std::error::Error + Send + Sync + 'static>(
+        e: E,
+    ) -> Box<dyn std::error::Error + Send + Sync> {
+        Box::new(e)
+    }
+    fn wrapped(error: Error) -> (String, Box<dyn std::error::Error + Send + Sync>) {
+        let inner = match &error {
+            Error::Usage(e) => e.to_string(),
+            Error::Setup(e) => e.to_string(),
+            Error::Library(e) => e.to_string(),
+            Error::Program(e) => e.to_string(),
+            Error::Staging(e) => e.to_string(),
+            other => panic!("not a domain's error: {other:?}"),
+        };
+        assert_eq!(error.to_string(), inner, "the message is the domain's");
+        assert!(
+            std::error::Error::source(&error).is_none(),
+            "none of these has a source"
+        );
+        (inner, boxed(error))
+    }
+
+    // A refusal of the crate itself.
+    let mut engine = CudaEngine::simulated(Default::default());
+    let refused = upload_tensor(&mut engine, &[1u8; 3], &[2, 2]).unwrap_err();
+    let (message, boxed_error) = wrapped(refused);
+    assert_eq!(
+        message,
+        "upload_tensor: data for the shape: expected 4 element(s) (shape [2, 2]), found 3"
+    );
+    let back = boxed_error
+        .downcast::<Error>()
+        .expect("an Error in the box");
+    assert!(matches!(
+        *back,
+        Error::Usage(UsageError::LengthMismatch {
+            expected: 4,
+            found: 3,
+            ..
+        })
+    ));
+
+    // One of each other domain, lifted by `From`.
+    let errors: [Error; 4] = [
+        SetupError::Unavailable {
+            library: "cuTENSOR",
+            detail: "libcutensor.so.2".into(),
+        }
+        .into(),
+        LibraryError::NotPositiveDefinite {
+            operation: "cholesky_solve",
+            order: 3,
+        }
+        .into(),
+        ProgramError::Input {
+            index: 1,
+            expected: "f32 [2, 2]".into(),
+            found: "f32 [4]".into(),
+        }
+        .into(),
+        StagingError::Exhausted { depth: 4 }.into(),
+    ];
+    for error in errors {
+        let (message, boxed_error) = wrapped(error);
+        assert_eq!(boxed_error.to_string(), message);
+    }
+
+    // The top-level variants keep their source: a driver call's result code.
+    let driver = boxed(Error::Driver {
+        call: "cuMemAllocAsync",
+        source: DriverError::OUT_OF_MEMORY,
+    });
+    let source = driver.source().expect("the driver's code is the source");
+    assert_eq!(source.to_string(), "CUDA_ERROR_OUT_OF_MEMORY (2)");
+}

@@ -5,6 +5,7 @@
 
 mod copy_threads;
 
+use cuferry::error::SetupError;
 use cuferry::sim::{Schedule, SimConfig, SimDevice, SimOp};
 use cuferry::{
     engine::Signal, error::DriverError, pending::Upload, upload_pending, CudaEngine, Error,
@@ -154,7 +155,7 @@ fn separate_simulated_devices_cannot_wait_for_each_other() {
     let refused = b.wait_signal(&signal);
     a.sim().unwrap().hold_clock(false);
     assert!(
-        matches!(refused, Err(Error::Unreachable { from, to, .. }) if from == a.device() && to == b.device()),
+        matches!(refused, Err(Error::Setup(SetupError::Unreachable { from, to, .. })) if from == a.device() && to == b.device()),
         "{refused:?}"
     );
     assert_eq!(sim_b.calls(SimOp::StreamWait), 0, "nothing was queued");

@@ -3,6 +3,7 @@
 
 mod copy_threads;
 
+use cuferry::error::{StagingError, UsageError};
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{
     bf16, download_tensor, download_tensor_into, error::DriverError, f16, staging::StagingConfig,
@@ -106,19 +107,19 @@ fn staging_settings_are_validated() {
     config.ring_depth = 0;
     assert!(matches!(
         engine.set_staging_config(config),
-        Err(Error::InvalidSetting {
+        Err(Error::Usage(UsageError::InvalidSetting {
             setting: "ring_depth",
             ..
-        })
+        }))
     ));
     let mut config = engine.staging_config();
     config.cutoff_bytes = config.chunk_bytes + 1;
     assert!(matches!(
         engine.set_staging_config(config),
-        Err(Error::InvalidSetting {
+        Err(Error::Usage(UsageError::InvalidSetting {
             setting: "cutoff_bytes",
             ..
-        })
+        }))
     ));
 }
 
@@ -230,7 +231,7 @@ fn a_staging_lease_can_drive_a_hand_built_pipeline() {
         .collect();
     assert!(matches!(
         engine.staging_lease(),
-        Err(Error::StagingExhausted { depth: DEPTH })
+        Err(Error::Staging(StagingError::Exhausted { depth: DEPTH }))
     ));
     drop(leases);
     assert_eq!(engine.staging_stats().leased, 0);

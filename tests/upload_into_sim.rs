@@ -9,6 +9,7 @@ mod copy_threads;
 mod common;
 
 use common::{assert_same, random_vec, Fault, Reference, Rng};
+use cuferry::error::UsageError;
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{
     download_tensor, error::DriverError, staging::StagingConfig, upload_tensor, upload_tensor_into,
@@ -211,9 +212,9 @@ fn another_engines_tensor_is_refused_before_anything_is_queued() {
         let data = random_vec::<u32>(&mut rng, n);
         let (before, queued) = (counts(&sim, &ROUTE_OPS), sim.queued());
         match upload_tensor_into(&mut other, &mut tensor, &data) {
-            Err(Error::WrongEngine {
+            Err(Error::Usage(UsageError::WrongEngine {
                 expected, found, ..
-            }) => assert_ne!(expected, found),
+            })) => assert_ne!(expected, found),
             result => panic!("n={n}: expected WrongEngine, got {result:?}"),
         }
         assert_eq!(counts(&sim, &ROUTE_OPS), before, "n={n}: nothing called");
@@ -247,8 +248,10 @@ fn a_length_mismatch_is_refused_before_anything_is_queued() {
         let data = random_vec::<f64>(&mut rng, data_len);
         let (before, queued) = (counts(&sim, &ROUTE_OPS), sim.queued());
         match upload_tensor_into(&mut engine, &mut tensor, &data) {
-            Err(Error::LengthMismatch { left, right, .. }) => {
-                assert_eq!((left, right), (data_len, tensor_len));
+            Err(Error::Usage(UsageError::LengthMismatch {
+                found, expected, ..
+            })) => {
+                assert_eq!((found, expected), (data_len, tensor_len));
             }
             result => panic!("{tensor_len} vs {data_len}: expected LengthMismatch, got {result:?}"),
         }

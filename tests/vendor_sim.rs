@@ -4,12 +4,13 @@
 
 mod copy_threads;
 
+use cuferry::error::{SetupError, UsageError};
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{download_tensor, libs::GemmConfig, upload_tensor, CudaEngine, Error};
 
 fn unavailable(result: Result<impl std::fmt::Debug, Error>, library: &str) {
     match result {
-        Err(Error::Unavailable { library: l, detail }) => {
+        Err(Error::Setup(SetupError::Unavailable { library: l, detail })) => {
             assert_eq!(l, library);
             assert!(detail.contains("simulated device"), "{detail}");
         }
@@ -79,7 +80,10 @@ fn a_foreign_operand_is_refused_before_the_library_is_asked() {
     let mut foreign_rhs = upload_tensor(&mut other, &[1.0f64; 2], &[2]).unwrap();
     let mut own = upload_tensor(&mut engine, &[4.0f64, 1.0, 1.0, 3.0], &[2, 2]).unwrap();
     let wrong_device = |r: Result<(), Error>| {
-        assert!(matches!(r, Err(Error::WrongEngine { .. })), "{r:?}");
+        assert!(
+            matches!(r, Err(Error::Usage(UsageError::WrongEngine { .. }))),
+            "{r:?}"
+        );
     };
     wrong_device(engine.gemm(&GemmConfig::new(2, 2, 2, 1.0, 0.0), &a, &foreign, &mut c));
     wrong_device(engine.matmul(&foreign, &a).map(drop));
@@ -97,7 +101,14 @@ fn vendor_arguments_are_validated_before_the_library_is_asked() {
         .gemm(&GemmConfig::new(2, 2, 4, 1.0, 0.0), &a, &a, &mut c)
         .unwrap_err();
     assert!(
-        matches!(&err, Error::InvalidArgument { operation: "gemm", detail } if detail.contains("needs 8")),
+        matches!(
+            &err,
+            Error::Usage(UsageError::MatrixExceedsTensor {
+                operation: "gemm",
+                needed: 8,
+                ..
+            })
+        ),
         "{err}"
     );
     let err = engine.matmul(&a, &a).unwrap_err();
@@ -106,7 +117,7 @@ fn vendor_arguments_are_validated_before_the_library_is_asked() {
     let mut rhs = upload_tensor(&mut engine, &[1.0f64; 2], &[2]).unwrap();
     assert!(matches!(
         engine.cholesky_solve(&mut not_square, &mut rhs),
-        Err(Error::InvalidArgument { .. })
+        Err(Error::Usage(UsageError::NotSquare { .. }))
     ));
     let b = upload_tensor(&mut engine, &[1.0f64; 4], &[2, 2]).unwrap();
     let err = engine
@@ -114,10 +125,10 @@ fn vendor_arguments_are_validated_before_the_library_is_asked() {
         .unwrap_err();
     assert!(matches!(
         err,
-        Error::InvalidArgument {
+        Error::Usage(UsageError::Expression {
             operation: "contract",
             ..
-        }
+        })
     ));
     let err = engine
         .contract("ik,kj->ij", 1.0, &a, &b, 0.0, &mut c)

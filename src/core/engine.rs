@@ -18,7 +18,7 @@
 
 use super::order::{Order, Proven, Use};
 use crate::driver::{wakes, ContextHandle, DevicePtr, Driver, Lane, Waits};
-use crate::error::{DeviceId, Error, Result};
+use crate::error::{DeviceId, Error, Result, SetupError, UsageError};
 // The subsystems' state, which the engine holds and locks with the driver. Each of these files
 // depends only on the driver seam and the errors, never on the engine (see the level docs in
 // `core/mod.rs`).
@@ -302,9 +302,9 @@ impl Shared {
     /// caller then leaks instead.
     pub(crate) fn lock_for_drop(&self) -> Option<Locked<'_>> {
         if wakes::in_wake() {
-            self.report_in_wake(Error::InDeviceCallback {
+            self.report_in_wake(Error::Usage(UsageError::InDeviceCallback {
                 what: "a value of the engine was dropped, and leaked,",
-            });
+            }));
             return None;
         }
         if wakes::engine_locks_held() > 0 {
@@ -329,13 +329,13 @@ impl Shared {
     /// Locks the state and makes the engine's context current for the duration.
     ///
     /// # Errors
-    /// [`Error::InDeviceCallback`] inside a wake, where the driver refuses every call (nothing
+    /// [`UsageError::InDeviceCallback`](crate::error::UsageError::InDeviceCallback) inside a wake, where the driver refuses every call (nothing
     /// is locked then); the driver's refusal to make the context current.
     pub(crate) fn enter(&self) -> Result<Entered<'_>> {
         if wakes::in_wake() {
-            return Err(Error::InDeviceCallback {
+            return Err(Error::Usage(UsageError::InDeviceCallback {
                 what: "an engine call",
-            });
+            }));
         }
         Self::enter_locked(self.lock())
     }
@@ -389,12 +389,12 @@ impl Shared {
     /// Checks that a value made by engine `engine_id` on `device` may be used on this engine.
     pub(crate) fn check_owner(&self, device: DeviceId, engine_id: u64) -> Result<()> {
         if engine_id != self.engine_id {
-            return Err(Error::WrongEngine {
+            return Err(Error::Usage(UsageError::WrongEngine {
                 expected: self.engine_id,
                 expected_device: self.device,
                 found: engine_id,
                 found_device: device,
-            });
+            }));
         }
         Ok(())
     }
@@ -436,7 +436,7 @@ impl CudaEngine {
     /// streams.
     ///
     /// # Errors
-    /// [`Error::NoDriver`] when the machine has no CUDA driver library, [`Error::NoSuchDevice`]
+    /// [`SetupError::NoDriver`](crate::error::SetupError::NoDriver) when the machine has no CUDA driver library, [`SetupError::NoSuchDevice`](crate::error::SetupError::NoSuchDevice)
     /// when the ordinal does not exist, [`Error::Driver`] when the driver refuses.
     pub fn open(ordinal: usize) -> Result<Self> {
         let driver = crate::driver::cuda::CudaDriver::open(ordinal)?;
@@ -463,7 +463,7 @@ impl CudaEngine {
     /// the devices are linked, copy between each other.
     ///
     /// # Errors
-    /// [`Error::NoSuchDevice`] when the machine has no device `index`.
+    /// [`SetupError::NoSuchDevice`](crate::error::SetupError::NoSuchDevice) when the machine has no device `index`.
     #[cfg(any(test, feature = "sim"))]
     pub fn simulated_on_device(
         device: &crate::driver::sim::SimDevice,
@@ -471,10 +471,10 @@ impl CudaEngine {
     ) -> Result<Self> {
         match crate::driver::sim::SimDriver::on(device.clone(), index) {
             Some(driver) => Ok(Self::from_driver(Box::new(driver))),
-            None => Err(Error::NoSuchDevice {
+            None => Err(Error::Setup(SetupError::NoSuchDevice {
                 ordinal: index,
                 count: device.devices(),
-            }),
+            })),
         }
     }
 
@@ -510,7 +510,7 @@ impl CudaEngine {
     /// The number of CUDA devices on this machine.
     ///
     /// # Errors
-    /// [`Error::NoDriver`] when the machine has no CUDA driver library.
+    /// [`SetupError::NoDriver`](crate::error::SetupError::NoDriver) when the machine has no CUDA driver library.
     pub fn device_count() -> Result<usize> {
         crate::driver::cuda::device_count()
     }

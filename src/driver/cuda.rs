@@ -13,7 +13,7 @@ mod notify;
 pub(crate) use launch::nvrtc_present;
 
 use super::{ContextHandle, DevicePtr, Driver, EventHandle, Lane, Waits, Wake};
-use crate::error::{DeviceId, DeviceKind, DriverError, Error};
+use crate::error::{DeviceId, DeviceKind, DriverError, Error, SetupError};
 use cudarc::driver::{result, sys};
 use std::ffi::c_void;
 use std::mem::MaybeUninit;
@@ -52,12 +52,12 @@ pub(crate) fn driver_present() -> bool {
 /// Number of CUDA devices, after making sure the driver is present and initialised.
 pub(crate) fn device_count() -> Result<usize, Error> {
     if !driver_present() {
-        return Err(Error::NoDriver {
+        return Err(Error::Setup(SetupError::NoDriver {
             detail: format!(
                 "none of {:?} could be loaded",
                 cudarc::get_lib_name_candidates("cuda")
             ),
-        });
+        }));
     }
     result::init().map_err(|e| Error::Driver {
         call: "cuInit",
@@ -100,10 +100,10 @@ impl CudaDriver {
     pub(crate) fn open(ordinal: usize) -> Result<Self, Error> {
         let count = device_count()?;
         if ordinal >= count {
-            return Err(Error::NoSuchDevice { ordinal, count });
+            return Err(Error::Setup(SetupError::NoSuchDevice { ordinal, count }));
         }
-        let raw_ordinal =
-            i32::try_from(ordinal).map_err(|_| Error::NoSuchDevice { ordinal, count })?;
+        let raw_ordinal = i32::try_from(ordinal)
+            .map_err(|_| Error::Setup(SetupError::NoSuchDevice { ordinal, count }))?;
         let device = result::device::get(raw_ordinal).map_err(|e| Error::Driver {
             call: "cuDeviceGet",
             source: DriverError::from_raw(e.0),

@@ -70,8 +70,8 @@ pub(crate) trait Launch {
     /// Compiles `source` and loads it into the engine's context.
     ///
     /// # Errors
-    /// [`Error::Unavailable`] when NVRTC is missing (or, on the simulated device, when the module
-    /// carries no emulation); [`Error::Compile`] with NVRTC's log; [`Error::Driver`] when the
+    /// [`SetupError::Unavailable`](crate::error::SetupError::Unavailable) when NVRTC is missing (or, on the simulated device, when the module
+    /// carries no emulation); [`LibraryError::Compile`](crate::error::LibraryError::Compile) with NVRTC's log; [`Error::Driver`] when the
     /// driver refuses the PTX.
     fn module_compile(&mut self, source: &ModuleSource<'_>) -> Result<ModuleHandle, Error>;
 

@@ -2162,7 +2162,12 @@ mod tests {
             emulation: None,
         });
         assert!(
-            matches!(refused, Err(crate::Error::Unavailable { .. })),
+            matches!(
+                refused,
+                Err(crate::Error::Setup(
+                    crate::error::SetupError::Unavailable { .. }
+                ))
+            ),
             "{refused:?}"
         );
         let module = d

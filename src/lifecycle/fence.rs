@@ -21,7 +21,7 @@
 use super::retire::Record;
 use crate::core::engine::{Shared, State};
 use crate::driver::{wakes, EventHandle, Lane, Wake};
-use crate::error::{DriverError, Error, Result};
+use crate::error::{DriverError, Error, Result, UsageError};
 use std::mem::ManuallyDrop;
 use std::sync::Arc;
 
@@ -273,7 +273,7 @@ impl<R: Send + 'static> Fenced<R> {
 /// Refuses `what` inside a wake, where the driver refuses every call (see `driver::wakes`).
 fn in_wake_refused(what: &'static str) -> Result<()> {
     if wakes::in_wake() {
-        return Err(Error::InDeviceCallback { what });
+        return Err(Error::Usage(UsageError::InDeviceCallback { what }));
     }
     Ok(())
 }
@@ -282,9 +282,11 @@ fn in_wake_refused(what: &'static str) -> Result<()> {
 /// device may still touch them) and the refusal is also reported at the engine's next boundary.
 fn leak_in_wake<R>(inner: &Inner<R>, what: &'static str) -> Result<()> {
     in_wake_refused(what).inspect_err(|_| {
-        inner.owner.report_in_wake(Error::InDeviceCallback {
-            what: "a wait, whose resources were leaked,",
-        });
+        inner
+            .owner
+            .report_in_wake(Error::Usage(UsageError::InDeviceCallback {
+                what: "a wait, whose resources were leaked,",
+            }));
     })
 }
 

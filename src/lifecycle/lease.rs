@@ -30,7 +30,7 @@
 use super::fence::{fence, synchronize_now, Fenced, Fencing, IdleEvent};
 use crate::core::engine::{CudaEngine, Shared};
 
-use crate::error::{Error, Result, SubmitError};
+use crate::error::{Error, Result, StagingError, SubmitError, UsageError};
 use crate::memory::element::Element;
 use crate::memory::pinned::PinnedHostBuffer;
 use crate::memory::pressure::Memory;
@@ -209,12 +209,17 @@ impl StagingLease<Proven> {
     /// element `offset`, records an event after it, and yields the lease [`Unproven`].
     ///
     /// # Errors
-    /// [`SubmitError::Rejected`] (lease back, proven) for an empty or out-of-range chunk, or a
-    /// lease or tensor of another engine; [`SubmitError::Failed`] (lease back, proven) for a
-    /// refused enqueue, or a copy proven complete by a stream synchronize after its event could
-    /// not be recorded; [`SubmitError::Retained`] when the copy was queued but cannot be tracked:
-    /// the slot is then retained for the engine's lifetime, never reused, and stays counted as
-    /// leased in [`staging_stats`](CudaEngine::staging_stats) and as retained in
+    /// [`SubmitError::Rejected`] (lease back, proven) for an empty chunk
+    /// ([`UsageError::ZeroLength`](crate::error::UsageError::ZeroLength)), one outside the tensor
+    /// ([`StagingError::ChunkOutOfRange`](crate::error::StagingError::ChunkOutOfRange)) or larger
+    /// than the slot ([`StagingError::ChunkTooLarge`](crate::error::StagingError::ChunkTooLarge)),
+    /// or a lease or tensor of another engine
+    /// ([`UsageError::WrongEngine`](crate::error::UsageError::WrongEngine));
+    /// [`SubmitError::Failed`] (lease back, proven) for a refused enqueue ([`Error::Driver`]), or
+    /// a copy proven complete by a stream synchronize after its event could not be recorded;
+    /// [`SubmitError::Retained`] when the copy was queued but cannot be tracked: the slot is then
+    /// retained for the engine's lifetime, never reused, and stays counted as leased in
+    /// [`staging_stats`](CudaEngine::staging_stats) and as retained in
     /// [`retirement_stats`](CudaEngine::retirement_stats).
     pub fn begin_upload<T: Element>(
         self,
@@ -284,29 +289,25 @@ impl StagingLease<Proven> {
             return Some(error);
         }
         if len == 0 {
-            return Some(Error::ZeroLength {
+            return Some(Error::Usage(UsageError::ZeroLength {
                 what: "a staging chunk",
-            });
+            }));
         }
         let size = T::DTYPE.size_bytes();
         let end = offset.checked_add(len);
         if end.is_none_or(|end| end > tensor.len()) {
-            return Some(Error::InvalidArgument {
-                operation: "staging chunk",
-                detail: format!(
-                    "elements {offset}..{offset}+{len} lie outside the tensor's {} element(s)",
-                    tensor.len()
-                ),
-            });
+            return Some(Error::Staging(StagingError::ChunkOutOfRange {
+                offset,
+                len,
+                elements: tensor.len(),
+            }));
         }
         if len.saturating_mul(size) > self.capacity() {
-            return Some(Error::InvalidArgument {
-                operation: "staging chunk",
-                detail: format!(
-                    "{len} element(s) of {size} byte(s) exceed the slot's {} bytes",
-                    self.capacity()
-                ),
-            });
+            return Some(Error::Staging(StagingError::ChunkTooLarge {
+                len,
+                element_bytes: size,
+                capacity: self.capacity(),
+            }));
         }
         None
     }
@@ -509,7 +510,7 @@ impl CudaEngine {
     /// starve the blocking routes.
     ///
     /// # Errors
-    /// [`Error::StagingExhausted`] when `ring_depth` leases are out; [`Error::Driver`] when a new
+    /// [`StagingError::Exhausted`](crate::error::StagingError::Exhausted) when `ring_depth` leases are out; [`Error::Driver`] when a new
     /// slot cannot be allocated (out of memory: only after the slots of retired work the device
     /// has finished were released, the engine's idle pinned memory freed, and the allocation
     /// tried once more).
@@ -546,8 +547,8 @@ impl CudaEngine {
     /// the proof it is held in `ManuallyDrop`, so a panic leaks it, and a failed proof retains it.
     ///
     /// # Errors
-    /// [`Error::WrongEngine`] for another engine's tensor; [`Error::InvalidArgument`] when the
-    /// host side is empty, longer than 16 bytes or than the tensor; [`Error::Driver`] when the
+    /// [`UsageError::WrongEngine`](crate::error::UsageError::WrongEngine) for another engine's tensor; [`UsageError::ScalarBytes`](crate::error::UsageError::ScalarBytes)
+    /// when the host side is empty, longer than 16 bytes or than the tensor; [`Error::Driver`] when the
     /// slot or the copy is refused (nothing queued); [`Error::DeviceFault`] when the synchronize
     /// fails (the slot is retained).
     pub(crate) fn scalar_transfer<T: Element>(
@@ -561,13 +562,12 @@ impl CudaEngine {
             ScalarHost::Download(dst) => dst.len(),
         };
         if bytes == 0 || bytes > 16 || bytes > tensor.byte_len() {
-            return Err(Error::InvalidArgument {
+            return Err(Error::Usage(UsageError::ScalarBytes {
                 operation: "scalar transfer",
-                detail: format!(
-                    "{bytes} host byte(s) for a tensor of {} byte(s) through a 16-byte slot",
-                    tensor.byte_len()
-                ),
-            });
+                bytes,
+                tensor_bytes: tensor.byte_len(),
+                slot_bytes: 16,
+            }));
         }
         let owner = &self.shared;
         let (mut st, slot) = owner.allocate(Memory::PageLocked, |st, pressure| {
@@ -624,7 +624,7 @@ impl CudaEngine {
     /// [`StagingConfig::copy_threads`]); the threads themselves are not rebuilt.
     ///
     /// # Errors
-    /// [`Error::InvalidSetting`] for a value out of range (the settings are then unchanged);
+    /// [`UsageError::InvalidSetting`](crate::error::UsageError::InvalidSetting) for a value out of range (the settings are then unchanged);
     /// [`Error::Driver`] when the driver refuses to free an idle slot (the settings change).
     pub fn set_staging_config(&mut self, config: StagingConfig) -> Result<()> {
         config.validate()?;

@@ -9,12 +9,12 @@
 //!
 //! Real devices wait for each other's events across contexts and devices. A simulated engine
 //! waits only for engines of the same simulated machine, on any of its devices (separate
-//! machines share no clock): anything else is refused with [`Error::Unreachable`].
+//! machines share no clock): anything else is refused with [`SetupError::Unreachable`](crate::error::SetupError::Unreachable).
 
 use super::fence::{fence, Fenced, Fencing};
 use crate::core::engine::CudaEngine;
 use crate::driver::Lane;
-use crate::error::{DeviceId, DeviceKind, Error, Result};
+use crate::error::{DeviceId, DeviceKind, Error, Result, SetupError};
 use std::mem::ManuallyDrop;
 
 /// A point in one engine's work that other engines' streams can wait for on the device.
@@ -184,7 +184,7 @@ impl CudaEngine {
     /// [`synchronize`](Self::synchronize).
     ///
     /// # Errors
-    /// [`Error::Unreachable`] when this engine's device cannot wait for the signal's (separate
+    /// [`SetupError::Unreachable`](crate::error::SetupError::Unreachable) when this engine's device cannot wait for the signal's (separate
     /// simulated devices, or a real and a simulated one); nothing is queued.
     /// [`Error::DeviceFault`] when the signalled work failed.
     pub fn wait_signal(&mut self, signal: &Signal) -> Result<()> {
@@ -198,11 +198,11 @@ impl CudaEngine {
         };
         let to = self.shared.device;
         if let Err(reason) = reachable(signal.device, to) {
-            return Err(Error::Unreachable {
+            return Err(Error::Setup(SetupError::Unreachable {
                 from: signal.device,
                 to,
                 reason,
-            });
+            }));
         }
         // Only a proof lets the wait be skipped: the event's own answer, or the signalling
         // engine's teardown wait, which covers everything queued there, when it succeeded. A

@@ -58,7 +58,7 @@
 //!
 //! Process state with no knowledge of any engine: it depends only on the errors.
 
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, UsageError};
 use crate::sync::thread::{self, Thread};
 use crate::sync::{arc_slice, fence, Arc, AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use crate::sync::{SpinWait, UnsafeCell};
@@ -151,7 +151,7 @@ fn requested() -> MutexGuard<'static, Option<usize>> {
 /// once before the pool is built: the last value counts.
 ///
 /// # Errors
-/// [`Error::InvalidSetting`] when `threads` is not between 1 and 256, or when the pool was
+/// [`UsageError::InvalidSetting`](crate::error::UsageError::InvalidSetting) when `threads` is not between 1 and 256, or when the pool was
 /// already built (its size is then unchanged and [`copy_threads`] says what it is).
 ///
 /// ```
@@ -163,20 +163,20 @@ fn requested() -> MutexGuard<'static, Option<usize>> {
 /// ```
 pub fn set_copy_threads(threads: usize) -> Result<()> {
     if !(1..=MAX_THREADS).contains(&threads) {
-        return Err(Error::InvalidSetting {
+        return Err(Error::Usage(UsageError::InvalidSetting {
             setting: "copy_threads",
             value: threads,
             reason: "must be between 1 and 256",
-        });
+        }));
     }
     let mut requested = requested();
     if POOL.get().is_some() {
-        return Err(Error::InvalidSetting {
+        return Err(Error::Usage(UsageError::InvalidSetting {
             setting: "copy_threads",
             value: threads,
             reason: "the shared copy threads are already running; set their number before the \
                      first transfer that uses them",
-        });
+        }));
     }
     *requested = Some(threads);
     Ok(())
@@ -201,7 +201,7 @@ pub fn copy_threads() -> usize {
 /// The shared pool, built on first use.
 ///
 /// # Errors
-/// [`Error::InvalidSetting`] when the threads could not be started (the next call tries again).
+/// [`UsageError::InvalidSetting`](crate::error::UsageError::InvalidSetting) when the threads could not be started (the next call tries again).
 pub(crate) fn pool() -> Result<&'static CopyPool> {
     if let Some(pool) = POOL.get() {
         return Ok(pool);
@@ -211,10 +211,12 @@ pub(crate) fn pool() -> Result<&'static CopyPool> {
         return Ok(pool);
     }
     let threads = requested.unwrap_or_else(automatic);
-    let pool = CopyPool::start(threads).map_err(|_| Error::InvalidSetting {
-        setting: "copy_threads",
-        value: threads,
-        reason: "the host-copy threads could not be started",
+    let pool = CopyPool::start(threads).map_err(|_| {
+        Error::Usage(UsageError::InvalidSetting {
+            setting: "copy_threads",
+            value: threads,
+            reason: "the host-copy threads could not be started",
+        })
     })?;
     BUILT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     // Only this thread can be here (it holds `REQUESTED`), so the pool just built is the one set.
@@ -697,10 +699,10 @@ mod tests {
         for bad in [0, MAX_THREADS + 1] {
             assert!(matches!(
                 set_copy_threads(bad),
-                Err(Error::InvalidSetting {
+                Err(Error::Usage(UsageError::InvalidSetting {
                     setting: "copy_threads",
                     ..
-                })
+                }))
             ));
         }
     }

@@ -7,7 +7,7 @@
 //! raw device bytes as `bool` refuse it with a typed error.
 
 use crate::dtype::DType;
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, UsageError};
 use std::fmt;
 
 mod sealed {
@@ -64,15 +64,15 @@ pub(crate) fn byte_len<T: Element>(count: usize, what: &'static str) -> Result<u
     dtype_byte_len(T::DTYPE, count, what)
 }
 
-/// Byte length of `count` elements of `dtype`: [`Error::SizeOverflow`] past `isize::MAX` bytes,
+/// Byte length of `count` elements of `dtype`: [`UsageError::SizeOverflow`](crate::error::UsageError::SizeOverflow) past `isize::MAX` bytes,
 /// the most one allocation can address.
 pub(crate) fn dtype_byte_len(dtype: DType, count: usize, what: &'static str) -> Result<usize> {
     count
         .checked_mul(dtype.size_bytes())
         .filter(|&b| b <= isize::MAX as usize)
-        .ok_or(Error::SizeOverflow {
+        .ok_or(Error::Usage(UsageError::SizeOverflow {
             what,
             count,
             element_bytes: dtype.size_bytes(),
-        })
+        }))
 }

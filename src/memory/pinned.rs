@@ -17,7 +17,7 @@ use super::pool::{Block, GRANULE};
 use super::pressure::Memory;
 use crate::core::engine::{CudaEngine, Shared, State};
 use crate::driver::Waits;
-use crate::error::{DeviceId, DriverError, Error, Result};
+use crate::error::{DeviceId, DriverError, Error, Result, UsageError};
 use std::marker::PhantomData;
 use std::sync::Arc;
 
@@ -59,13 +59,14 @@ impl State {
 /// allocation runs out of memory, after releasing completed retirement records and idle
 /// page-locked memory (`memory::pressure`).
 fn acquire_pinned(engine: &mut CudaEngine, bytes: usize) -> Result<Block> {
-    let capacity = bytes
-        .checked_next_multiple_of(GRANULE)
-        .ok_or(Error::SizeOverflow {
-            what: "pinned buffer",
-            count: bytes,
-            element_bytes: 1,
-        })?;
+    let capacity =
+        bytes
+            .checked_next_multiple_of(GRANULE)
+            .ok_or(Error::Usage(UsageError::SizeOverflow {
+                what: "pinned buffer",
+                count: bytes,
+                element_bytes: 1,
+            }))?;
     let shared = &*engine.shared;
     let (_st, block) = shared.allocate(Memory::PageLocked, |st, under_pressure| {
         st.try_acquire_pinned(&*shared.waits, bytes, capacity, under_pressure)
@@ -102,15 +103,15 @@ impl<T: Element> PinnedHostBuffer<T> {
     /// A pinned buffer of `len` elements from `engine`'s pool.
     ///
     /// # Errors
-    /// [`Error::ZeroLength`] for `len == 0`; [`Error::SizeOverflow`] for a size that cannot be
+    /// [`UsageError::ZeroLength`](crate::error::UsageError::ZeroLength) for `len == 0`; [`UsageError::SizeOverflow`](crate::error::UsageError::SizeOverflow) for a size that cannot be
     /// addressed; [`Error::Driver`] when pinned memory cannot be allocated (out of memory: only
     /// after the memory of retired work the device has finished was released, the engine's
     /// idle pinned memory freed, and the allocation tried once more).
     pub fn new(engine: &mut CudaEngine, len: usize) -> Result<Self> {
         if len == 0 {
-            return Err(Error::ZeroLength {
+            return Err(Error::Usage(UsageError::ZeroLength {
                 what: "a pinned host buffer",
-            });
+            }));
         }
         let bytes = byte_len::<T>(len, "pinned buffer")?;
         let mut block = acquire_pinned(engine, bytes)?;

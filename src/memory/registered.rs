@@ -13,7 +13,7 @@
 //! # The lifecycle
 //!
 //! - [`RegisteredBuffer::register`] takes the `Vec` by value and registers its `len` elements.
-//!   A refusal hands the `Vec` back untouched in a [`SubmitError`]: [`Error::ZeroLength`] for an
+//!   A refusal hands the `Vec` back untouched in a [`SubmitError`]: [`UsageError::ZeroLength`](crate::error::UsageError::ZeroLength) for an
 //!   empty `Vec`, [`Error::Driver`] when the driver will not lock the memory.
 //! - While you hold the buffer, [`as_slice`](RegisteredBuffer::as_slice) and
 //!   [`as_mut_slice`](RegisteredBuffer::as_mut_slice) read and write it.
@@ -67,7 +67,7 @@ use super::element::Element;
 use super::host::{sealed::HostMemory, HostBuffer};
 use super::pressure::Memory;
 use crate::core::engine::{CudaEngine, Shared};
-use crate::error::{DeviceId, Error, Result, SubmitError};
+use crate::error::{DeviceId, Error, Result, SubmitError, UsageError};
 use std::sync::Arc;
 
 /// The parts of the registered `Vec`.
@@ -149,9 +149,10 @@ impl<T: Element> RegisteredBuffer<T> {
     /// and is kept for the `Vec` that [`into_vec`](Self::into_vec) gives back.
     ///
     /// # Errors
-    /// The `Vec` comes back untouched: [`SubmitError::Rejected`] with [`Error::ZeroLength`] for
-    /// an empty `Vec`; [`SubmitError::Failed`] with [`Error::Driver`] when the engine's context
-    /// cannot be made current or the driver refuses to lock the memory (`cuMemHostRegister`).
+    /// The `Vec` comes back untouched: [`SubmitError::Rejected`] with
+    /// [`UsageError::ZeroLength`](crate::error::UsageError::ZeroLength) for an empty `Vec`;
+    /// [`SubmitError::Failed`] with [`Error::Driver`] when the engine's context cannot be made
+    /// current or the driver refuses to lock the memory (`cuMemHostRegister`).
     pub fn register(
         engine: &mut CudaEngine,
         mut data: Vec<T>,
@@ -159,9 +160,9 @@ impl<T: Element> RegisteredBuffer<T> {
         if data.is_empty() {
             return Err(SubmitError::Rejected {
                 input: data,
-                error: Error::ZeroLength {
+                error: Error::Usage(UsageError::ZeroLength {
                     what: "a registered host buffer",
-                },
+                }),
             });
         }
         let bytes = std::mem::size_of_val(data.as_slice());

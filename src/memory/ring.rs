@@ -13,7 +13,7 @@
 //! (`lifecycle::lease`).
 
 use crate::driver::Driver;
-use crate::error::{DriverError, Error, Result};
+use crate::error::{DriverError, Error, Result, StagingError, UsageError};
 use crate::memory::copy_pool::MAX_THREADS;
 use std::ptr::NonNull;
 
@@ -57,11 +57,11 @@ impl StagingConfig {
     /// Checks every setting's range.
     pub(crate) fn validate(&self) -> Result<()> {
         let bad = |setting, value, reason| {
-            Err(Error::InvalidSetting {
+            Err(Error::Usage(UsageError::InvalidSetting {
                 setting,
                 value,
                 reason,
-            })
+            }))
         };
         if self.chunk_bytes < 4096 || self.chunk_bytes > 1 << 30 {
             return bad(
@@ -277,9 +277,9 @@ impl StagingRing {
     /// to `ring_depth` at a time; the blocking routes bound their own depth.
     pub(crate) fn take_slot(&mut self, driver: &mut dyn Driver, kind: SlotKind) -> Result<Slot> {
         if kind == SlotKind::User && self.user_out >= self.config.ring_depth {
-            return Err(Error::StagingExhausted {
+            return Err(Error::Staging(StagingError::Exhausted {
                 depth: self.config.ring_depth,
-            });
+            }));
         }
         let mut slot = match self.idle.pop() {
             Some(slot) => slot,

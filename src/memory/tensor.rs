@@ -13,7 +13,7 @@ use crate::core::engine::{CudaEngine, Shared, State};
 use crate::core::order::Use;
 use crate::driver::{DevicePtr, Lane};
 use crate::dtype::DType;
-use crate::error::{DeviceId, Error, Result, SubmitError};
+use crate::error::{DeviceId, Error, Result, SubmitError, UsageError};
 use std::marker::PhantomData;
 use std::sync::Arc;
 use std::sync::Mutex;
@@ -110,8 +110,10 @@ pub(crate) fn shape_len(shape: &[usize]) -> Result<usize> {
     shape
         .iter()
         .try_fold(1usize, |acc, &d| acc.checked_mul(d))
-        .ok_or_else(|| Error::ShapeOverflow {
-            shape: shape.to_vec(),
+        .ok_or_else(|| {
+            Error::Usage(UsageError::ShapeOverflow {
+                shape: shape.to_vec(),
+            })
         })
 }
 
@@ -201,17 +203,22 @@ impl<T: Element> DeviceTensor<T> {
     /// Gives the tensor a new shape with the same element count. No data moves.
     ///
     /// # Errors
-    /// [`Error::ShapeMismatch`] when the element counts differ, [`Error::ShapeOverflow`] when the
-    /// shape's element count overflows `usize`; the tensor comes back unchanged, in
+    /// [`UsageError::LengthMismatch`](crate::error::UsageError::LengthMismatch) when the element
+    /// counts differ, [`UsageError::ShapeOverflow`](crate::error::UsageError::ShapeOverflow) when
+    /// the shape's element count overflows `usize`; the tensor comes back unchanged, in
     /// [`SubmitError::Rejected`] (the only outcome: nothing is queued).
+    // The refusal hands the tensor back by value, as `TrySendError<T>` does; the error is large
+    // by design and travels only on the refusal path.
+    #[allow(clippy::result_large_err)]
     pub fn reshape(mut self, shape: &[usize]) -> Result<Self, SubmitError<Self>> {
         let refusal = match shape_len(shape) {
             Ok(expected) if expected == self.len => None,
-            Ok(expected) => Some(Error::ShapeMismatch {
-                shape: shape.to_vec(),
+            Ok(expected) => Some(Error::Usage(UsageError::LengthMismatch {
+                what: "reshape: the tensor for the new shape",
                 expected,
-                actual: self.len,
-            }),
+                found: self.len,
+                shape: Some(shape.to_vec()),
+            })),
             Err(error) => Some(error),
         };
         if let Some(error) = refusal {
@@ -306,8 +313,8 @@ impl CudaEngine {
     /// wait); a kernel or library call that writes it first waits for the allocation once.
     ///
     /// # Errors
-    /// [`Error::ShapeOverflow`] when the shape's element count overflows `usize`,
-    /// [`Error::SizeOverflow`] when its bytes exceed `isize::MAX` (the most one allocation can
+    /// [`UsageError::ShapeOverflow`](crate::error::UsageError::ShapeOverflow) when the shape's element count overflows `usize`,
+    /// [`UsageError::SizeOverflow`](crate::error::UsageError::SizeOverflow) when its bytes exceed `isize::MAX` (the most one allocation can
     /// address), [`Error::Driver`] when the allocation fails (out of memory: only after the
     /// memory of retired work the device has finished was released and the allocation tried once
     /// more).
@@ -318,7 +325,7 @@ impl CudaEngine {
     /// Queues a device-to-device copy of `source` into a new tensor of the same shape.
     ///
     /// # Errors
-    /// [`Error::WrongEngine`] when `source` is not this engine's;
+    /// [`UsageError::WrongEngine`](crate::error::UsageError::WrongEngine) when `source` is not this engine's;
     /// [`Error::Driver`] when allocation or the copy enqueue fails.
     pub fn copy_tensor<T: Element>(&mut self, source: &DeviceTensor<T>) -> Result<DeviceTensor<T>> {
         source.check_engine(self)?;
@@ -330,7 +337,7 @@ impl CudaEngine {
     /// Queues a device-to-device copy of `source` into `destination`.
     ///
     /// # Errors
-    /// [`Error::LengthMismatch`] when the element counts differ; [`Error::WrongEngine`] when either is not this engine's; [`Error::Driver`] when the
+    /// [`UsageError::LengthMismatch`](crate::error::UsageError::LengthMismatch) when the element counts differ; [`UsageError::WrongEngine`](crate::error::UsageError::WrongEngine) when either is not this engine's; [`Error::Driver`] when the
     /// enqueue fails.
     pub fn copy_into<T: Element>(
         &mut self,
@@ -340,11 +347,12 @@ impl CudaEngine {
         source.check_engine(self)?;
         destination.check_engine(self)?;
         if source.len() != destination.len() {
-            return Err(Error::LengthMismatch {
-                what: "device-to-device copy",
-                left: source.len(),
-                right: destination.len(),
-            });
+            return Err(Error::Usage(UsageError::LengthMismatch {
+                what: "device-to-device copy: source for the destination",
+                found: source.len(),
+                shape: None,
+                expected: destination.len(),
+            }));
         }
         if source.is_empty() {
             return Ok(());

@@ -26,7 +26,7 @@
 use crate::core::engine::CudaEngine;
 use crate::driver::Lane;
 use crate::dtype::DType;
-use crate::error::{Error, Result, SubmitError};
+use crate::error::{Error, Result, StagingError, SubmitError, UsageError};
 use crate::lifecycle::lease::{KeepAlive, Mark, Proven, ScalarHost, StagingLease, Unproven};
 use crate::memory::copy_pool::{self, CopyPool};
 use crate::memory::element::{as_bytes, byte_len, Element};
@@ -188,7 +188,7 @@ fn next_lease(
     }
     let oldest = in_flight
         .pop_front()
-        .ok_or(Error::StagingExhausted { depth })?;
+        .ok_or(Error::Staging(StagingError::Exhausted { depth }))?;
     oldest.end_chunk()
 }
 
@@ -338,8 +338,8 @@ impl Populate {
 /// read.
 ///
 /// # Errors
-/// [`Error::ShapeMismatch`] when `shape` does not describe `data.len()` elements,
-/// [`Error::ShapeOverflow`] when its element count overflows `usize`;
+/// [`UsageError::LengthMismatch`](crate::error::UsageError::LengthMismatch) when `shape` does not describe `data.len()` elements,
+/// [`UsageError::ShapeOverflow`](crate::error::UsageError::ShapeOverflow) when its element count overflows `usize`;
 /// [`Error::Driver`] or [`Error::DeviceFault`] when the device refuses or fails (everything a
 /// queued copy may still touch is then retired, not freed).
 pub fn upload_tensor<T: Element>(
@@ -349,11 +349,12 @@ pub fn upload_tensor<T: Element>(
 ) -> Result<DeviceTensor<T>> {
     let expected = shape_len(shape)?;
     if expected != data.len() {
-        return Err(Error::ShapeMismatch {
-            shape: shape.to_vec(),
+        return Err(Error::Usage(UsageError::LengthMismatch {
+            what: "upload_tensor: data for the shape",
             expected,
-            actual: data.len(),
-        });
+            found: data.len(),
+            shape: Some(shape.to_vec()),
+        }));
     }
     let mut tensor = DeviceTensor::alloc_on(engine, Lane::Upload, shape)?;
     match upload_staged(engine, data, &mut tensor) {
@@ -389,13 +390,13 @@ pub fn upload_tensor<T: Element>(
 ///
 /// // A length that does not match is refused before anything is queued.
 /// let refused = upload_tensor_into(&mut engine, &mut t, &[1.0f32; 3]);
-/// assert!(matches!(refused, Err(cuferry::Error::LengthMismatch { left: 3, right: 4, .. })));
+/// assert!(matches!(refused, Err(cuferry::Error::Usage(cuferry::error::UsageError::LengthMismatch { found: 3, expected: 4, .. }))));
 /// # Ok(()) }
 /// ```
 ///
 /// # Errors
-/// [`Error::WrongEngine`] when the tensor is not this engine's, and [`Error::LengthMismatch`]
-/// (`left` the data's length, `right` the tensor's) when the lengths differ: both are refused
+/// [`UsageError::WrongEngine`](crate::error::UsageError::WrongEngine) when the tensor is not this engine's, and [`UsageError::LengthMismatch`](crate::error::UsageError::LengthMismatch)
+/// (`found` the data's length, `expected` the tensor's) when the lengths differ: both are refused
 /// before anything is queued, and the tensor is untouched. An empty upload into an empty tensor
 /// queues nothing and succeeds. [`Error::Driver`] or [`Error::DeviceFault`] when the device
 /// refuses or fails: every staging slot a queued copy may still read is then retired, not freed,
@@ -409,11 +410,12 @@ pub fn upload_tensor_into<T: Element>(
 ) -> Result<()> {
     tensor.check_engine(engine)?;
     if data.len() != tensor.len() {
-        return Err(Error::LengthMismatch {
-            what: "upload_tensor_into: elements in the data and in the tensor",
-            left: data.len(),
-            right: tensor.len(),
-        });
+        return Err(Error::Usage(UsageError::LengthMismatch {
+            what: "upload_tensor_into: data for the tensor",
+            found: data.len(),
+            shape: None,
+            expected: tensor.len(),
+        }));
     }
     // The caller keeps the tensor: its free is stream-ordered after the queued copies, so the
     // leases are retired on their own.
@@ -503,7 +505,7 @@ fn upload_chunks<T: Element>(
 /// `bool` tensors are decoded byte by byte (`byte != 0`), since device bytes need not be 0 or 1.
 ///
 /// # Errors
-/// [`Error::WrongEngine`] when the tensor is not this engine's;
+/// [`UsageError::WrongEngine`](crate::error::UsageError::WrongEngine) when the tensor is not this engine's;
 /// [`Error::Driver`] or [`Error::DeviceFault`] when the device refuses or fails.
 pub fn download_tensor<T: Element>(
     engine: &mut CudaEngine,
@@ -519,7 +521,7 @@ pub fn download_tensor<T: Element>(
 /// reallocating when its capacity suffices, and returns it filled.
 ///
 /// # Errors
-/// [`Error::UnsupportedElement`] for `bool`, because raw device bytes need not be 0 or 1 (use
+/// [`UsageError::UnsupportedElement`](crate::error::UsageError::UnsupportedElement) for `bool`, because raw device bytes need not be 0 or 1 (use
 /// [`download_tensor`], which decodes them); otherwise as [`download_tensor`]. Every error hands
 /// the `Vec` back: untouched in [`SubmitError::Rejected`] when refused before anything was
 /// queued, emptied (its capacity kept) in [`SubmitError::Failed`] when the download failed.
@@ -529,12 +531,12 @@ pub fn download_tensor_into<T: Element>(
     mut buffer: Vec<T>,
 ) -> Result<Vec<T>, SubmitError<Vec<T>>> {
     let refused = if !T::DTYPE.any_bit_pattern() {
-        Some(Error::UnsupportedElement {
+        Some(Error::Usage(UsageError::UnsupportedElement {
             operation: "download_tensor_into",
             dtype: T::DTYPE,
             reason:
                 "raw device bytes are not guaranteed to be 0 or 1; download_tensor decodes them",
-        })
+        }))
     } else {
         tensor.check_engine(engine).err()
     };

@@ -22,7 +22,7 @@
 use crate::core::engine::{CudaEngine, State};
 use crate::core::order::Use;
 use crate::driver::{ContextHandle, DevicePtr, Lane};
-use crate::error::{DeviceId, DriverError, Error, Result};
+use crate::error::{DeviceId, DriverError, Error, Result, SetupError, UsageError};
 use crate::memory::element::Element;
 use crate::memory::tensor::DeviceTensor;
 use crate::routes::blocking::{download_tensor, upload_tensor};
@@ -45,15 +45,18 @@ static ENABLED: Mutex<Vec<(DeviceId, DeviceId)>> = Mutex::new(Vec::new());
 /// one asks again.
 ///
 /// # Errors
-/// [`Error::Unreachable`] when the two engines' devices cannot reach each other at all
+/// [`SetupError::Unreachable`](crate::error::SetupError::Unreachable) when the two engines'
+/// devices cannot reach each other at all
 /// (separate simulated devices, or a real and a simulated one); [`Error::Driver`] when the
 /// driver refuses the question or the enabling.
 pub fn access(engine: &mut CudaEngine, other: &CudaEngine) -> Result<bool> {
     let (me, peer) = (engine.device(), other.device());
-    crate::lifecycle::signal::reachable(peer, me).map_err(|reason| Error::Unreachable {
-        from: peer,
-        to: me,
-        reason,
+    crate::lifecycle::signal::reachable(peer, me).map_err(|reason| {
+        Error::Setup(SetupError::Unreachable {
+            from: peer,
+            to: me,
+            reason,
+        })
     })?;
     // Asked (and enabled) once per pair of engines: a copy's hot path only looks it up.
     if me == peer || engine.shared.lock().peers.contains(&other.shared.engine_id) {
@@ -113,7 +116,8 @@ pub fn access(engine: &mut CudaEngine, other: &CudaEngine) -> Result<bool> {
 /// ```
 ///
 /// # Errors
-/// [`Error::WrongEngine`] when `src` is not `src_engine`'s; [`Error::Unreachable`] when the
+/// [`UsageError::WrongEngine`](crate::error::UsageError::WrongEngine) when `src` is not
+/// `src_engine`'s; [`SetupError::Unreachable`](crate::error::SetupError::Unreachable) when the
 /// devices have no peer link ([`copy_staged`] copies through host memory) or cannot reach
 /// each other at all; [`Error::Driver`] or [`Error::DeviceFault`] when the device refuses or
 /// fails. After a failure that leaves the copy unproven, the new tensor's free is ordered after
@@ -187,11 +191,11 @@ pub fn copy<T: Element>(
 
 /// The refusal of a copy from `from`'s device to `to`'s, which have no peer link.
 fn no_link(from: &CudaEngine, to: &CudaEngine) -> Error {
-    Error::Unreachable {
+    Error::Setup(SetupError::Unreachable {
         from: from.device(),
         to: to.device(),
         reason: NO_LINK,
-    }
+    })
 }
 
 const NO_LINK: &str = "the devices have no peer link; peer::copy_staged copies through host memory";
@@ -203,7 +207,7 @@ const NO_LINK: &str = "the devices have no peer link; peer::copy_staged copies t
 /// the driver without asking: when the link has gone since (a simulated machine's
 /// [`set_peer_link`](crate::sim::SimDevice::set_peer_link)), the refusal is the driver's. The
 /// pair is forgotten here, so the next copy asks again, and the driver is asked now: where the
-/// devices no longer reach each other the refusal is [`Error::Unreachable`], as it is for a pair
+/// devices no longer reach each other the refusal is [`SetupError::Unreachable`](crate::error::SetupError::Unreachable), as it is for a pair
 /// never linked; otherwise it is the driver's own.
 fn refused_copy(
     st: &mut State,
@@ -214,11 +218,11 @@ fn refused_copy(
 ) -> Error {
     st.peers.retain(|&id| id != other);
     if from != to && st.driver.can_access_peer(from) == Ok(false) {
-        return Error::Unreachable {
+        return Error::Setup(SetupError::Unreachable {
             from,
             to,
             reason: NO_LINK,
-        };
+        });
     }
     Error::driver("cuMemcpyPeerAsync")(source)
 }
@@ -343,8 +347,9 @@ unsafe fn copy_and_prove(
 /// ```
 ///
 /// # Errors
-/// As [`copy`], and [`Error::WrongEngine`] when `dst` is not `dst_engine`'s,
-/// [`Error::LengthMismatch`] (`left` the source's length, `right` the destination's) when the
+/// As [`copy`], and [`UsageError::WrongEngine`](crate::error::UsageError::WrongEngine) when `dst`
+/// is not `dst_engine`'s, [`UsageError::LengthMismatch`](crate::error::UsageError::LengthMismatch)
+/// (`found` the source's length, `expected` the destination's) when the
 /// lengths differ: both refused before anything is queued. After a failure, `dst`'s contents
 /// are unspecified. When the copy could not be proven complete, `dst_engine`'s streams are made
 /// to wait for it on the device; when even that cannot be arranged (or a panic unwinds through
@@ -359,11 +364,12 @@ pub fn copy_into<T: Element>(
     src.check_engine(src_engine)?;
     dst.check_engine(dst_engine)?;
     if src.len() != dst.len() {
-        return Err(Error::LengthMismatch {
-            what: "peer::copy_into: elements in the source and in the destination",
-            left: src.len(),
-            right: dst.len(),
-        });
+        return Err(Error::Usage(UsageError::LengthMismatch {
+            what: "peer::copy_into: source for the destination",
+            found: src.len(),
+            shape: None,
+            expected: dst.len(),
+        }));
     }
     if !access(src_engine, dst_engine)? {
         return Err(no_link(dst_engine, src_engine));

@@ -19,7 +19,7 @@
 //! The communicators live as long as the [`Communicator`] and every collective queued on them,
 //! and are destroyed after the last of those. NCCL is loaded at run time (`libnccl.so.2`, then
 //! `libnccl.so`, or the file `CUFERRY_NCCL` names); without it the calls are a typed
-//! [`Error::Unavailable`]. On a simulated machine (engines of one
+//! [`SetupError::Unavailable`](crate::error::SetupError::Unavailable). On a simulated machine (engines of one
 //! [`SimDevice`](crate::sim::SimDevice), feature `sim`) the device itself runs the collective,
 //! every rank's part together once each has reached the head of its stream, so the same
 //! lifecycle is tested without a GPU.
@@ -34,7 +34,7 @@ use crate::core::engine::CudaEngine;
 use crate::core::order::Use;
 use crate::driver::{CollectiveKind, CollectiveRank, Lane, Reduction};
 use crate::error::SubmitError;
-use crate::error::{DeviceId, DeviceKind, Error, Result};
+use crate::error::{DeviceId, DeviceKind, Error, Result, SetupError, UsageError};
 use crate::lifecycle::fence::{fence, Fencing, IdleEvent};
 use crate::memory::element::Element;
 use crate::memory::tensor::DeviceTensor;
@@ -189,28 +189,29 @@ impl Communicator {
     /// engines of one simulated machine, the machine's own collectives.
     ///
     /// # Errors
-    /// [`Error::Unavailable`] without NCCL; [`Error::Unreachable`] for engines of different
-    /// simulated machines, or real and simulated engines together; [`Error::InvalidArgument`]
-    /// for no engines or two on one device (ranks are devices); [`Error::Vendor`] when NCCL
+    /// [`SetupError::Unavailable`](crate::error::SetupError::Unavailable) without NCCL; [`SetupError::Unreachable`](crate::error::SetupError::Unreachable) for engines of different
+    /// simulated machines, or real and simulated engines together; [`UsageError::NoEngines`](crate::error::UsageError::NoEngines)
+    /// for no engines, [`UsageError::TwoRanksOnOneDevice`](crate::error::UsageError::TwoRanksOnOneDevice)
+    /// for two on one device (ranks are devices); [`LibraryError::Vendor`](crate::error::LibraryError::Vendor) when NCCL
     /// refuses.
     pub fn new(engines: &mut [&mut CudaEngine]) -> Result<Communicator> {
         let Some(first) = engines.first().map(|e| e.device()) else {
-            return Err(invalid("no engines"));
+            return Err(Error::Usage(UsageError::NoEngines {
+                operation: "Communicator::new",
+            }));
         };
         let mut members: Vec<(DeviceId, u64)> = Vec::with_capacity(engines.len());
         for engine in engines.iter() {
             let device = engine.device();
             if let Err(reason) = crate::lifecycle::signal::reachable(first, device) {
-                return Err(Error::Unreachable {
+                return Err(Error::Setup(SetupError::Unreachable {
                     from: first,
                     to: device,
                     reason,
-                });
+                }));
             }
             if members.iter().any(|&(d, _)| d == device) {
-                return Err(invalid(format!(
-                    "two engines on {device}: a collective takes one rank per device"
-                )));
+                return Err(Error::Usage(UsageError::TwoRanksOnOneDevice { device }));
             }
             members.push((device, engine.shared.engine_id));
         }
@@ -220,7 +221,16 @@ impl Communicator {
             let nccl = ffi::nccl()?;
             let devices = members
                 .iter()
-                .map(|(d, _)| c_int::try_from(d.ordinal()).map_err(|_| invalid("device ordinal")))
+                .map(|(d, _)| {
+                    c_int::try_from(d.ordinal()).map_err(|_| {
+                        Error::Usage(UsageError::ExceedsLimit {
+                            operation: "Communicator::new",
+                            what: "device ordinal",
+                            value: d.ordinal(),
+                            limit: c_int::MAX as usize,
+                        })
+                    })
+                })
                 .collect::<Result<Vec<_>>>()?;
             // NCCL makes each device's primary context (the engines') current as it goes: the
             // caller's is restored after.
@@ -239,17 +249,10 @@ impl Communicator {
     /// The version of the NCCL library loaded, as `(major, minor, patch)`.
     ///
     /// # Errors
-    /// [`Error::Unavailable`] without NCCL.
+    /// [`SetupError::Unavailable`](crate::error::SetupError::Unavailable) without NCCL.
     pub fn nccl_version() -> Result<(u32, u32, u32)> {
         let v = u32::try_from(ffi::nccl()?.version).unwrap_or(0);
         Ok((v / 10000, v / 100 % 100, v % 100))
-    }
-}
-
-fn invalid(detail: impl Into<String>) -> Error {
-    Error::InvalidArgument {
-        operation: "collective",
-        detail: detail.into(),
     }
 }
 
@@ -395,15 +398,15 @@ fn refusal<T: Element>(
 ) -> Option<Error> {
     let ranks = comms.members.len();
     if engines.len() != ranks || tensors.len() != ranks {
-        return Some(invalid(format!(
-            "{} engines and {} tensors for {ranks} ranks",
-            engines.len(),
-            tensors.len()
-        )));
+        return Some(Error::Usage(UsageError::RankCount {
+            ranks,
+            engines: engines.len(),
+            tensors: tensors.len(),
+        }));
     }
     if let Kind::Broadcast(root) = kind {
         if root >= ranks {
-            return Some(invalid(format!("root {root} of {ranks} ranks")));
+            return Some(Error::Usage(UsageError::RootOutOfRange { root, ranks }));
         }
     }
     for ((engine, tensor), &(device, id)) in engines.iter().zip(tensors).zip(&comms.members) {
@@ -417,15 +420,17 @@ fn refusal<T: Element>(
     }
     let len = tensors[0].len();
     if len == 0 {
-        return Some(Error::ZeroLength {
+        return Some(Error::Usage(UsageError::ZeroLength {
             what: "a collective",
-        });
+        }));
     }
     if let Some(other) = tensors.iter().find(|t| t.len() != len) {
-        return Some(invalid(format!(
-            "rank tensors of {len} and {} elements",
-            other.len()
-        )));
+        return Some(Error::Usage(UsageError::LengthMismatch {
+            what: "collective: another rank's tensor for the first rank's",
+            expected: len,
+            found: other.len(),
+            shape: None,
+        }));
     }
     None
 }

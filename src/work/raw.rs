@@ -142,7 +142,7 @@ impl<'s, 'env> RawScope<'s, 'env> {
     /// ends, so it cannot be dropped, moved or written meanwhile.
     ///
     /// # Errors
-    /// [`Error::WrongEngine`] when the tensor is not this engine's.
+    /// [`UsageError::WrongEngine`](crate::error::UsageError::WrongEngine) when the tensor is not this engine's.
     pub fn device_ptr<T: Element>(&self, tensor: &'s DeviceTensor<T>) -> Result<RawDevicePtr<'s>> {
         self.lend(tensor, Use::Read(tensor.raw_ptr()))
     }
@@ -168,7 +168,7 @@ impl<'s, 'env> RawScope<'s, 'env> {
     /// `device_ptr` of the same tensor in this scope).
     ///
     /// # Errors
-    /// [`Error::WrongEngine`] when the tensor is not this engine's.
+    /// [`UsageError::WrongEngine`](crate::error::UsageError::WrongEngine) when the tensor is not this engine's.
     pub fn device_ptr_mut<T: Element>(
         &self,
         tensor: &'s mut DeviceTensor<T>,

@@ -6,6 +6,7 @@
 
 pub mod duplex;
 
+use cuferry::error::UsageError;
 use cuferry::{bf16, f16, DType, Element};
 
 /// xorshift64*: small, seeded, deterministic.
@@ -367,7 +368,7 @@ use cuferry::{download_tensor, upload_tensor, CudaEngine, Error};
 
 fn expect_unsupported<R: std::fmt::Debug>(what: &str, result: Result<R, Error>) {
     match result {
-        Err(Error::UnsupportedElement { .. }) => {}
+        Err(Error::Usage(UsageError::UnsupportedElement { .. })) => {}
         other => panic!("{what}: expected UnsupportedElement, got {other:?}"),
     }
 }

@@ -4,6 +4,7 @@
 //! with fewer GPUs or without NCCL it says so and checks the refusal.
 
 use crate::reference::{assert_same, reduce_pair, small_values, Reference, Rng};
+use cuferry::error::{SetupError, UsageError};
 use cuferry::{
     collective::{all_reduce, broadcast, CollectiveElement, Communicator, ReduceOp},
     download_tensor, upload_tensor, CudaEngine, Error, SubmitError,
@@ -20,7 +21,8 @@ fn pair() -> Option<(CudaEngine, CudaEngine, Communicator)> {
         assert!(
             matches!(
                 refused,
-                Err(Error::InvalidArgument { .. } | Error::Unavailable { .. })
+                Err(Error::Usage(UsageError::TwoRanksOnOneDevice { .. })
+                    | Error::Setup(SetupError::Unavailable { .. }))
             ),
             "{refused:?}"
         );
@@ -31,7 +33,7 @@ fn pair() -> Option<(CudaEngine, CudaEngine, Communicator)> {
             println!("NCCL {:?}", Communicator::nccl_version().unwrap());
             Some((a, b, comm))
         }
-        Err(Error::Unavailable { detail, .. }) => {
+        Err(Error::Setup(SetupError::Unavailable { detail, .. })) => {
             println!("no NCCL: {detail}");
             None
         }
@@ -164,7 +166,10 @@ fn a_collective_follows_queued_kernels_and_detaches_on_drop() {
     assert_eq!(download_tensor(&mut b, &back[1]).unwrap(), [1, 2, 3]);
     let refused = broadcast(&comm, &mut [&mut b, &mut a], back, 0).unwrap_err();
     assert!(
-        matches!(refused.error(), Error::WrongEngine { .. }),
+        matches!(
+            refused.error(),
+            Error::Usage(UsageError::WrongEngine { .. })
+        ),
         "{refused}"
     );
 }

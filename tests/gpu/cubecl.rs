@@ -67,7 +67,9 @@ fn with_cubecl_restores_the_callers_context() {
     engine.with_cubecl(|_| Ok::<_, cuferry::Error>(())).unwrap();
     assert_eq!(ctx::get_current().unwrap(), None);
     let err = engine.with_cubecl(|_| -> Result<(), cuferry::Error> {
-        Err(cuferry::Error::ZeroLength { what: "test" })
+        Err(cuferry::Error::Usage(
+            cuferry::error::UsageError::ZeroLength { what: "test" },
+        ))
     });
     assert!(err.is_err());
     assert_eq!(ctx::get_current().unwrap(), None);

@@ -1,6 +1,7 @@
 //! The engine's rules on a real device.
 
 use crate::common::{current_context, distinct_f32, open, ForeignContext};
+use cuferry::error::{SetupError, UsageError};
 use cuferry::{download_tensor, upload_tensor, CudaEngine, Error};
 
 #[test]
@@ -36,7 +37,7 @@ fn device_to_device_copy_round_trips_distinct_values() {
 fn a_missing_ordinal_is_a_typed_error() {
     let count = CudaEngine::device_count().unwrap();
     match CudaEngine::open(count + 7) {
-        Err(Error::NoSuchDevice { ordinal, count: c }) => {
+        Err(Error::Setup(SetupError::NoSuchDevice { ordinal, count: c })) => {
             assert_eq!(ordinal, count + 7);
             assert_eq!(c, count);
         }
@@ -64,7 +65,8 @@ fn with_raw_restores_a_foreign_context_on_return_err_and_unwind() {
     assert_ne!(inside, foreign.0);
     assert_eq!(current_context(), foreign.0, "restored on return");
 
-    let r: Result<(), Error> = engine.with_raw(|_| Err(Error::ZeroLength { what: "test" }));
+    let r: Result<(), Error> =
+        engine.with_raw(|_| Err(Error::Usage(UsageError::ZeroLength { what: "test" })));
     assert!(r.is_err());
     assert_eq!(current_context(), foreign.0, "restored on Err");
 

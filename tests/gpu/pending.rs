@@ -1,6 +1,7 @@
 //! Pinned buffers and pending transfers on a real device.
 
 use crate::common::{distinct_f32, open};
+use cuferry::error::UsageError;
 use cuferry::{
     bf16, download_pending, download_tensor, download_tensor_into, f16, upload_pending,
     upload_tensor, CudaEngine, Element, Error, PinnedHostBuffer, SubmitError,
@@ -149,11 +150,11 @@ fn rejected_packages_come_back_untouched() {
     assert!(
         matches!(
             error,
-            Error::LengthMismatch {
-                left: 1000,
-                right: 999,
+            Error::Usage(UsageError::LengthMismatch {
+                found: 1000,
+                expected: 999,
                 ..
-            }
+            })
         ),
         "{error}"
     );
@@ -163,7 +164,7 @@ fn rejected_packages_come_back_untouched() {
     assert!(matches!(
         err,
         SubmitError::Rejected {
-            error: Error::WrongEngine { .. },
+            error: Error::Usage(UsageError::WrongEngine { .. }),
             ..
         }
     ));

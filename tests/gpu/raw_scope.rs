@@ -6,6 +6,7 @@
 use crate::engine;
 use crate::reference::Rng;
 use cudarc::driver::{result, sys};
+use cuferry::error::UsageError;
 use cuferry::{download_tensor, upload_tensor, CudaEngine, Error};
 use std::ffi::{c_void, CString};
 
@@ -150,8 +151,13 @@ fn with_raw_restores_the_callers_context_on_return_err_and_unwind() {
     );
     assert_eq!(current(), None, "restored after return");
 
-    let err = engine.with_raw(|_| -> Result<(), Error> { Err(Error::ZeroLength { what: "test" }) });
-    assert!(matches!(err, Err(Error::ZeroLength { .. })));
+    let err = engine.with_raw(|_| -> Result<(), Error> {
+        Err(Error::Usage(UsageError::ZeroLength { what: "test" }))
+    });
+    assert!(matches!(
+        err,
+        Err(Error::Usage(UsageError::ZeroLength { .. }))
+    ));
     assert_eq!(current(), None, "restored after Err");
 
     let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {

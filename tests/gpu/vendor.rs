@@ -3,6 +3,7 @@
 
 use crate::engine;
 use crate::reference::Rng;
+use cuferry::error::{LibraryError, SetupError, UsageError};
 use cuferry::{
     download_tensor,
     libs::{BlasElement, GemmConfig, Transpose},
@@ -180,7 +181,7 @@ fn matmul_multiplies_row_major_tensors() {
     let a = upload_tensor(&mut engine, &[1.0f32; 6], &[2, 3]).unwrap();
     assert!(matches!(
         engine.matmul(&a, &a),
-        Err(Error::InvalidArgument { .. })
+        Err(Error::Usage(UsageError::InnerDimensions { .. }))
     ));
 }
 
@@ -237,7 +238,9 @@ fn cholesky_solve_reports_a_matrix_that_is_not_positive_definite() {
     let mut db = upload_tensor(&mut engine, &[1.0f64, 2.0, 3.0], &[3]).unwrap();
     let status = engine.cholesky_solve(&mut da, &mut db).unwrap();
     match status.check(&mut engine) {
-        Err(Error::NotPositiveDefinite { order, .. }) => assert_eq!(order, 2),
+        Err(Error::Library(LibraryError::NotPositiveDefinite { order, .. })) => {
+            assert_eq!(order, 2)
+        }
         other => panic!("expected NotPositiveDefinite, got {other:?}"),
     }
 }
@@ -273,7 +276,7 @@ fn cutensor_contracts_where_present_and_is_a_typed_unavailable_where_absent() {
     let result = engine.contract("ik,kj->ij", 2.0, &da, &db, 0.5, &mut dc);
     if !present {
         match result {
-            Err(Error::Unavailable { library, detail }) => {
+            Err(Error::Setup(SetupError::Unavailable { library, detail })) => {
                 assert_eq!(library, "cuTENSOR");
                 assert!(detail.contains("cutensor"), "{detail}");
             }

@@ -2,11 +2,11 @@
 //!
 //! NVRTC is loaded at run time like the driver. cudarc panics when a dynamically loaded library
 //! is missing, so [`nvrtc_present`] probes for it (once per process) before the first call, and
-//! an absent NVRTC is a typed [`Error::Unavailable`].
+//! an absent NVRTC is a typed [`SetupError::Unavailable`](crate::error::SetupError::Unavailable).
 
 use super::CudaDriver;
 use crate::driver::launch::{FunctionHandle, Launch, ModuleHandle, ModuleSource};
-use crate::error::{DriverError, Error};
+use crate::error::{DriverError, Error, LibraryError, SetupError};
 use cudarc::driver::sys;
 use cudarc::nvrtc::sys as nvrtc;
 use std::ffi::{c_char, c_int, c_void, CString};
@@ -49,19 +49,19 @@ fn c_chars_to_string(chars: &[c_char]) -> String {
     String::from_utf8_lossy(&bytes).into_owned()
 }
 
-/// [`Error::Unavailable`] unless NVRTC can be loaded. Every NVRTC call is preceded by this,
+/// [`SetupError::Unavailable`](crate::error::SetupError::Unavailable) unless NVRTC can be loaded. Every NVRTC call is preceded by this,
 /// because cudarc panics when the library is missing.
 fn require_nvrtc() -> Result<(), Error> {
     if nvrtc_present() {
         return Ok(());
     }
-    Err(Error::Unavailable {
+    Err(Error::Setup(SetupError::Unavailable {
         library: "NVRTC",
         detail: format!(
             "none of {:?} could be loaded",
             cudarc::get_lib_name_candidates("nvrtc")
         ),
-    })
+    }))
 }
 
 /// The newest architecture in `supported` the device (`device_arch`, e.g. 90) can run; 0 (let
@@ -97,10 +97,12 @@ fn nvrtc_archs() -> Vec<c_int> {
 /// default).
 fn compile_ptx(source: &ModuleSource<'_>, arch: i32) -> Result<Vec<c_char>, Error> {
     require_nvrtc()?;
-    let compile_error = |status: nvrtc::nvrtcResult, log: String| Error::Compile {
-        kernel: source.name.to_owned(),
-        status: nvrtc_status_name(status),
-        log,
+    let compile_error = |status: nvrtc::nvrtcResult, log: String| {
+        Error::Library(LibraryError::Compile {
+            kernel: source.name.to_owned(),
+            status: nvrtc_status_name(status),
+            log,
+        })
     };
     let invalid = |what: &str| {
         compile_error(
@@ -203,11 +205,11 @@ impl Launch for CudaDriver {
         require_nvrtc()?;
         let ptx = compile_ptx(source, self.target_arch()?)?;
         if ptx.last() != Some(&0) {
-            return Err(Error::Compile {
+            return Err(Error::Library(LibraryError::Compile {
                 kernel: source.name.to_owned(),
                 status: "PTX is not NUL-terminated".into(),
                 log: String::new(),
-            });
+            }));
         }
         let mut module = MaybeUninit::uninit();
         // SAFETY: the engine made this driver's context current; `ptx` is a NUL-terminated PTX
@@ -319,11 +321,11 @@ mod tests {
             emulation: None,
         };
         match compile_ptx(&bad, 0) {
-            Err(Error::Compile {
+            Err(Error::Library(LibraryError::Compile {
                 kernel,
                 status,
                 log,
-            }) => {
+            })) => {
                 assert_eq!(kernel, "bad");
                 assert_eq!(status, "NVRTC_ERROR_COMPILATION");
                 assert!(log.contains("undefined_name"), "{log}");

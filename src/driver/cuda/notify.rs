@@ -19,7 +19,7 @@
 //! drop one of its values (an executor that drops a task's future when woken after its own
 //! shutdown), it runs on the driver's callback thread, where CUDA refuses every call
 //! (`CUDA_ERROR_NOT_PERMITTED`): the engine refuses such calls itself with
-//! `Error::InDeviceCallback`, and a value dropped there is leaked (never freed under the device)
+//! `UsageError::InDeviceCallback`, and a value dropped there is leaked (never freed under the device)
 //! and reported at the engine's next boundary.
 //!
 //! Side streams are made on first use and reused: a registration takes a side stream with no

@@ -6,7 +6,7 @@
 //! reaches it, so a kernel's output is unwritten until then, exactly as on a GPU. What the
 //! emulation touches outside every live allocation is recorded as a violation, and what it reads
 //! and writes inside them is checked for races against the other lanes like any job's accesses.
-//! Any other module is refused with a typed [`Error::Unavailable`]. While the compute stream
+//! Any other module is refused with a typed [`SetupError::Unavailable`](crate::error::SetupError::Unavailable). While the compute stream
 //! captures, a launch is recorded into the capture instead of queued (see the graph half).
 
 use super::{Job, SimDriver, SimOp, State};
@@ -14,7 +14,7 @@ use crate::driver::launch::{
     DeviceMemory, Emulation, FunctionHandle, Launch, ModuleHandle, ModuleSource,
 };
 use crate::driver::{DevicePtr, Lane};
-use crate::error::{DriverError, Error};
+use crate::error::{DriverError, Error, SetupError};
 use std::sync::Arc;
 
 impl State {
@@ -56,13 +56,13 @@ impl Launch for SimDriver {
         s.enter(SimOp::ModuleLoad)
             .map_err(Error::driver("cuModuleLoadData"))?;
         let Some(emulation) = &source.emulation else {
-            return Err(Error::Unavailable {
+            return Err(Error::Setup(SetupError::Unavailable {
                 library: "NVRTC",
                 detail: format!(
                     "the simulated device cannot run PTX; it runs only modules that carry an emulation, not {}",
                     source.name
                 ),
-            });
+            }));
         };
         let id = s.next_module;
         s.next_module += 1;

@@ -22,7 +22,7 @@
 use crate::core::engine::CudaEngine;
 use crate::core::order::Use;
 use crate::driver::Lane;
-use crate::error::{Error, SubmitError};
+use crate::error::{Error, SetupError, SubmitError, UsageError};
 use crate::lifecycle::fence::{fence, Fenced, Fencing, IdleEvent};
 use crate::lifecycle::signal::Signal;
 use crate::memory::element::Element;
@@ -104,7 +104,7 @@ impl<T: Element> Pending<PeerCopy<T>, InFlight> {
     /// copy out of it) reads the data after it has landed, with no host wait. The borrow is
     /// shared: nothing can write the tensor or free it while the copy may still touch it, and
     /// the borrow ends before [`wait`](Pending::wait) can return it. Any other engine refuses the
-    /// tensor ([`Error::WrongEngine`]).
+    /// tensor ([`UsageError::WrongEngine`](crate::error::UsageError::WrongEngine)).
     pub fn destination(&self) -> &DeviceTensor<T> {
         &self.hold.resources().package.destination
     }
@@ -160,16 +160,17 @@ fn refusal<T: Element>(
         return Some(error);
     }
     if source.is_empty() {
-        return Some(Error::ZeroLength {
+        return Some(Error::Usage(UsageError::ZeroLength {
             what: "a pending peer copy",
-        });
+        }));
     }
     if source.len() != destination.len() {
-        return Some(Error::LengthMismatch {
-            what: "peer::copy_pending: elements in the source and in the destination",
-            left: source.len(),
-            right: destination.len(),
-        });
+        return Some(Error::Usage(UsageError::LengthMismatch {
+            what: "peer::copy_pending: source for the destination",
+            found: source.len(),
+            shape: None,
+            expected: destination.len(),
+        }));
     }
     None
 }
@@ -194,7 +195,7 @@ fn submit<T: Element>(
                 error: super::no_link(src_engine, dst_engine),
             })
         }
-        Err(error @ Error::Unreachable { .. }) => {
+        Err(error @ Error::Setup(SetupError::Unreachable { .. })) => {
             return Err(SubmitError::Rejected {
                 input: back(package),
                 error,
@@ -270,7 +271,7 @@ fn submit<T: Element>(
             // The link went away after the pair's first copy: refused as for a pair never
             // linked (the copy was not queued, and a wait for the source engine queued before it
             // only orders this engine's stream).
-            error @ Error::Unreachable { .. } => SubmitError::Rejected {
+            error @ Error::Setup(SetupError::Unreachable { .. }) => SubmitError::Rejected {
                 input: back(package),
                 error,
             },
@@ -337,7 +338,8 @@ fn submit<T: Element>(
 /// # Errors
 /// [`SubmitError::Rejected`] (both tensors untouched) for a tensor of another engine than the
 /// one named beside it, a zero length, a length mismatch, or devices that cannot reach each other
-/// ([`Error::Unreachable`]; [`copy_staged`](super::copy_staged) copies through host memory);
+/// ([`SetupError::Unreachable`](crate::error::SetupError::Unreachable);
+/// [`copy_staged`](super::copy_staged) copies through host memory);
 /// [`SubmitError::Failed`] (both back) when the driver refuses a step before the copy is in
 /// flight; [`SubmitError::Retained`] when the copy was queued but cannot be tracked.
 pub fn copy_pending<T: Element>(

@@ -62,7 +62,7 @@ use std::task::{Context, Poll};
 /// the same way, once the thread that ran the device's work holds no engine lock. It may only
 /// signal (schedule the task, send on a channel, set a flag), as executors' wakers do. An engine
 /// call made from it (polling another operation inline, say) is refused with
-/// [`Error::InDeviceCallback`](crate::Error::InDeviceCallback); a value of the engine dropped in
+/// [`UsageError::InDeviceCallback`](crate::error::UsageError::InDeviceCallback); a value of the engine dropped in
 /// it is leaked, never freed under the device, and reported at the next
 /// [`flush`](crate::CudaEngine::flush) or [`synchronize`](crate::CudaEngine::synchronize).
 ///

@@ -19,7 +19,7 @@
 
 use super::{sealed, InFlight, Operation, Pending, Returned};
 use crate::core::engine::CudaEngine;
-use crate::error::{Error, SubmitError};
+use crate::error::{Error, SubmitError, UsageError};
 use crate::lifecycle::fence::{fence, Fenced, Fencing, IdleEvent};
 use crate::memory::element::Element;
 use crate::memory::host::HostBuffer;
@@ -100,7 +100,7 @@ macro_rules! transfer_operation {
             /// value) can return the transfer. The host buffer stays unreachable until then.
             ///
             /// Only the engine that queued the copy accepts the tensor: another engine refuses it
-            /// with [`Error::WrongEngine`], as it refuses any tensor it does not own. A CubeCL
+            /// with [`UsageError::WrongEngine`](crate::error::UsageError::WrongEngine), as it refuses any tensor it does not own. A CubeCL
             /// import (`cubecl::Scope::import`, feature `cubecl`) queues its copy on this
             /// engine's compute stream, ordered after the upload, and waits for it on the host,
             /// so it too reads the data after it has landed.
@@ -179,24 +179,25 @@ fn refusal<D: Direction<T, B>, T: Element, B: HostBuffer<T>>(
         return Some(error);
     }
     if tensor_len == 0 {
-        return Some(Error::ZeroLength {
+        return Some(Error::Usage(UsageError::ZeroLength {
             what: "a pending transfer",
-        });
+        }));
     }
     if buffer_len != tensor_len {
-        return Some(Error::LengthMismatch {
-            what: "pending transfer: elements in the buffer and in the tensor",
-            left: buffer_len,
-            right: tensor_len,
-        });
+        return Some(Error::Usage(UsageError::LengthMismatch {
+            what: "pending transfer: buffer for the tensor",
+            found: buffer_len,
+            shape: None,
+            expected: tensor_len,
+        }));
     }
     if !D::UPLOAD && !T::DTYPE.any_bit_pattern() {
-        return Some(Error::UnsupportedElement {
+        return Some(Error::Usage(UsageError::UnsupportedElement {
             operation: "download_pending",
             dtype: T::DTYPE,
             reason:
                 "raw device bytes need not be 0 or 1, and a host buffer exposes them as they are",
-        });
+        }));
     }
     None
 }
@@ -296,7 +297,9 @@ pub fn upload_pending<T: Element, B: HostBuffer<T>>(
 /// proven complete. Its [parts](Operation::Parts) come back as `(buffer, value)`.
 ///
 /// # Errors
-/// As [`upload_pending`], and [`Error::UnsupportedElement`] (rejected) for `bool`.
+/// As [`upload_pending`], and
+/// [`UsageError::UnsupportedElement`](crate::error::UsageError::UnsupportedElement) (rejected)
+/// for `bool`.
 // The full type is the documentation: what goes in flight, and what a refusal hands back.
 #[allow(clippy::type_complexity)]
 pub fn download_pending<T: Element, B: HostBuffer<T>>(

@@ -2,12 +2,12 @@
 //!
 //! The library is opened on first use, by its versioned name (`libnccl.so.2`, what NCCL's
 //! packages install) and then its development name (`libnccl.so`); `CUFERRY_NCCL` names a file
-//! to try first. A machine without it gets a typed [`Error::Unavailable`], never a panic.
+//! to try first. A machine without it gets a typed [`SetupError::Unavailable`](crate::error::SetupError::Unavailable), never a panic.
 //! cudarc's `nccl` module is not used for this: it looks only for unversioned names and names
 //! with the CUDA major version, so it misses `libnccl.so.2` where no development symlink is
 //! installed, and it panics where it finds nothing.
 
-use crate::error::{Error, Result};
+use crate::error::{Error, LibraryError, Result, SetupError, UsageError};
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::sync::OnceLock;
 
@@ -75,15 +75,15 @@ fn candidates() -> Vec<String> {
 /// NCCL, loaded once per process.
 ///
 /// # Errors
-/// [`Error::Unavailable`] when no candidate loads or one lacks an entry point.
+/// [`SetupError::Unavailable`](crate::error::SetupError::Unavailable) when no candidate loads or one lacks an entry point.
 pub(crate) fn nccl() -> Result<&'static Nccl> {
     static NCCL: OnceLock<std::result::Result<Nccl, String>> = OnceLock::new();
-    NCCL.get_or_init(load)
-        .as_ref()
-        .map_err(|detail| Error::Unavailable {
+    NCCL.get_or_init(load).as_ref().map_err(|detail| {
+        Error::Setup(SetupError::Unavailable {
             library: "NCCL",
             detail: detail.clone(),
         })
+    })
 }
 
 fn load() -> std::result::Result<Nccl, String> {
@@ -136,19 +136,21 @@ impl Nccl {
         let name = unsafe { CStr::from_ptr((self.get_error_string)(status)) }
             .to_string_lossy()
             .into_owned();
-        Err(Error::Vendor {
+        Err(Error::Library(LibraryError::Vendor {
             library: "NCCL",
             call,
             status: i64::from(status),
             name,
-        })
+        }))
     }
 
     /// One communicator per device of `devices`, ranks in that order (`ncclCommInitAll`).
     pub(crate) fn comm_init_all(&self, devices: &[c_int]) -> Result<Vec<Comm>> {
-        let n = c_int::try_from(devices.len()).map_err(|_| Error::InvalidArgument {
+        let n = c_int::try_from(devices.len()).map_err(|_| UsageError::ExceedsLimit {
             operation: "Communicator::new",
-            detail: "too many ranks".into(),
+            what: "ranks",
+            value: devices.len(),
+            limit: c_int::MAX as usize,
         })?;
         let mut comms = vec![std::ptr::null_mut(); devices.len()];
         // SAFETY: `comms` has room for `n` communicators and `devices` holds `n` ordinals.

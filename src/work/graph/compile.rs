@@ -23,7 +23,7 @@
 
 use super::trace::{Op, TracedTensor};
 use crate::dtype::DType;
-use crate::error::{Error, Result};
+use crate::error::{Error, ProgramError, Result};
 use crate::memory::element::dtype_byte_len;
 use crate::memory::tensor::shape_len;
 use crate::work::kernels::fused::{FusedKernel, FusedOp};
@@ -249,7 +249,7 @@ impl Lowered {
     }
 
     fn spec_error(detail: String) -> Error {
-        Error::ProgramSpec { detail }
+        Error::Program(ProgramError::Spec { detail })
     }
 
     /// Lowers `t` and everything it depends on.
@@ -387,13 +387,13 @@ impl GraphCompiler {
     /// type and rank.
     ///
     /// # Errors
-    /// [`Error::ProgramSpec`] when a specification names a value that is not an input, names one
+    /// [`ProgramError::Spec`](crate::error::ProgramError::Spec) when a specification names a value that is not an input, names one
     /// twice, or disagrees with its element type or rank; when an output depends on an input
     /// without a specification; or when shapes do not fit an operation (elementwise operands of
     /// different shapes, matrix products whose inner dimensions differ, reshapes that change the
     /// element count), or when the intermediates live at once need more than `isize::MAX` bytes.
-    /// [`Error::ShapeOverflow`] when a shape's element count (an input's, or one an operation
-    /// makes, as a product's) overflows `usize`; [`Error::SizeOverflow`] when a value's bytes
+    /// [`UsageError::ShapeOverflow`](crate::error::UsageError::ShapeOverflow) when a shape's element count (an input's, or one an operation
+    /// makes, as a product's) overflows `usize`; [`UsageError::SizeOverflow`](crate::error::UsageError::SizeOverflow) when a value's bytes
     /// exceed `isize::MAX`, the most one allocation can address.
     pub fn compile_with_input_specs(
         &self,

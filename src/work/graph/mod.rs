@@ -47,10 +47,10 @@
 //!   mutated or dropped while such an output is alive. Every other output is a new tensor the
 //!   caller owns.
 //! - A prepared program belongs to one engine; any other refuses it with
-//!   [`Error::WrongEngine`](crate::Error::WrongEngine). `run` takes it `&mut`, so it is used by
+//!   [`UsageError::WrongEngine`](crate::error::UsageError::WrongEngine). `run` takes it `&mut`, so it is used by
 //!   one run at a time.
 //! - Inputs of the wrong element type or shape are refused with
-//!   [`Error::ProgramInput`](crate::Error::ProgramInput) before anything is queued.
+//!   [`ProgramError::Input`](crate::error::ProgramError::Input) before anything is queued.
 //! - Dropping a prepared program releases its arena and graphs only once its last run is proven
 //!   complete.
 //! - Fused kernels compute exactly what the eager operations compute, bit for bit: every

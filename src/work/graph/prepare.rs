@@ -25,7 +25,7 @@ use crate::driver::graph::{GraphExecHandle, GraphHandle, GraphNodeHandle};
 use crate::driver::launch::{FunctionHandle, ModuleHandle};
 use crate::driver::{DevicePtr, Lane};
 use crate::dtype::DType;
-use crate::error::{Error, Result};
+use crate::error::{Error, ProgramError, Result};
 use crate::lifecycle::fence::{fence, Fencing};
 use crate::memory::element::Element;
 use crate::memory::tensor::{alloc_device, DeviceTensor, Recycler};
@@ -415,8 +415,8 @@ impl CudaEngine {
     /// shares its compute stream, kernel cache and library handles, and is refused by any other.
     ///
     /// # Errors
-    /// [`Error::Unavailable`] when NVRTC (or, for a program with matrix products, cuBLAS) is
-    /// missing; [`Error::Compile`] or [`Error::Driver`] when a kernel cannot be built, memory
+    /// [`SetupError::Unavailable`](crate::error::SetupError::Unavailable) when NVRTC (or, for a program with matrix products, cuBLAS) is
+    /// missing; [`LibraryError::Compile`](crate::error::LibraryError::Compile) or [`Error::Driver`] when a kernel cannot be built, memory
     /// cannot be allocated or a graph cannot be captured or instantiated. Nothing is kept, and
     /// a capture in progress is ended first, on an error and on a panic that unwinds through it
     /// alike, so the engine's stream is never left capturing.
@@ -531,10 +531,10 @@ impl CudaEngine {
     /// one parameter update per kernel whose input or output moved since the last run.
     ///
     /// # Errors
-    /// [`Error::WrongEngine`] when `prepared` or an input belongs to another engine;
-    /// [`Error::ProgramInput`] when the inputs are too few or too many, or one has another
+    /// [`UsageError::WrongEngine`](crate::error::UsageError::WrongEngine) when `prepared` or an input belongs to another engine;
+    /// [`ProgramError::Input`](crate::error::ProgramError::Input) when the inputs are too few or too many, or one has another
     /// element type or shape than the program was compiled for. Nothing runs then. A driver or
-    /// library failure while queueing is [`Error::Driver`] or [`Error::Vendor`]; work queued
+    /// library failure while queueing is [`Error::Driver`] or [`LibraryError::Vendor`](crate::error::LibraryError::Vendor); work queued
     /// before it stays queued, and the new outputs are freed after it, stream-ordered.
     pub fn run<'i>(
         &mut self,
@@ -544,22 +544,22 @@ impl CudaEngine {
         self.shared
             .check_owner(prepared.owner.device, prepared.owner.engine_id)?;
         if inputs.len() != prepared.inputs.len() {
-            return Err(Error::ProgramInput {
+            return Err(Error::Program(ProgramError::Input {
                 index: inputs.len().min(prepared.inputs.len()),
                 expected: format!("{} input(s)", prepared.inputs.len()),
                 found: format!("{} input(s)", inputs.len()),
-            });
+            }));
         }
         let mut input_ptrs = Vec::with_capacity(inputs.len());
         for (index, (input, (dtype, shape))) in inputs.iter().zip(&prepared.inputs).enumerate() {
             self.shared
                 .check_owner(input.owner.device, input.owner.engine_id)?;
             if input.dtype != *dtype || input.shape != shape.as_slice() {
-                return Err(Error::ProgramInput {
+                return Err(Error::Program(ProgramError::Input {
                     index,
                     expected: format!("{dtype} {shape:?}"),
                     found: format!("{} {:?}", input.dtype, input.shape),
-                });
+                }));
             }
             input_ptrs.push(input.ptr);
         }

@@ -10,7 +10,7 @@
 //! traced value is cheap to clone and `Send + Sync`.
 
 use crate::dtype::DType;
-use crate::error::{Error, Result};
+use crate::error::{Error, ProgramError, Result, UsageError};
 use crate::memory::element::Element;
 use crate::work::kernels::scalar_bits;
 use crate::work::kernels::spec::unsupported;
@@ -100,7 +100,7 @@ impl fmt::Debug for TracedTensor {
 }
 
 fn mismatch(operation: &'static str, detail: String) -> Error {
-    Error::Trace { operation, detail }
+    Error::Program(ProgramError::Trace { operation, detail })
 }
 
 impl TracedTensor {
@@ -180,7 +180,7 @@ impl TracedTensor {
     /// `self * factor`, elementwise; `factor` must be of the tensor's element type.
     ///
     /// # Errors
-    /// [`Error::Trace`] when `T` is not the element type; [`Error::UnsupportedElement`] for
+    /// [`ProgramError::Trace`](crate::error::ProgramError::Trace) when `T` is not the element type; [`UsageError::UnsupportedElement`](crate::error::UsageError::UnsupportedElement) for
     /// `bool`.
     pub fn scale<T: Element>(&self, factor: T) -> Result<Self> {
         if T::DTYPE != self.dtype() {
@@ -218,8 +218,8 @@ impl TracedTensor {
     /// [`CudaEngine::matmul`](crate::CudaEngine::matmul): both 2-D, `[m, k]` times `[k, n]`.
     ///
     /// # Errors
-    /// [`Error::Trace`] when the operands are not both 2-D or differ in element type;
-    /// [`Error::UnsupportedElement`] for types other than `f32` and `f64`. The inner dimensions
+    /// [`ProgramError::Trace`](crate::error::ProgramError::Trace) when the operands are not both 2-D or differ in element type;
+    /// [`UsageError::UnsupportedElement`](crate::error::UsageError::UnsupportedElement) for types other than `f32` and `f64`. The inner dimensions
     /// are checked when the program is compiled.
     pub fn matmul(&self, rhs: &TracedTensor) -> Result<Self> {
         if self.rank() != 2 || rhs.rank() != 2 {
@@ -239,11 +239,11 @@ impl TracedTensor {
             ));
         }
         if !matches!(self.dtype(), DType::F32 | DType::F64) {
-            return Err(Error::UnsupportedElement {
+            return Err(Error::Usage(UsageError::UnsupportedElement {
                 operation: "matmul",
                 dtype: self.dtype(),
                 reason: "cuBLAS serves f32 and f64 here",
-            });
+            }));
         }
         Ok(TracedTensor::new(
             self.dtype(),
@@ -271,11 +271,11 @@ impl TracedTensor {
 
 fn supported(op: ElementwiseOp, dtype: DType) -> Result<()> {
     match unsupported(op, dtype) {
-        Some(reason) => Err(Error::UnsupportedElement {
+        Some(reason) => Err(Error::Usage(UsageError::UnsupportedElement {
             operation: op.name(),
             dtype,
             reason,
-        }),
+        })),
         None => Ok(()),
     }
 }

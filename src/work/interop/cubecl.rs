@@ -30,7 +30,7 @@
 use crate::core::engine::CudaEngine;
 use crate::core::order::Use;
 use crate::driver::Lane;
-use crate::error::{DeviceKind, Error, Result};
+use crate::error::{DeviceKind, Error, LibraryError, Result, SetupError, UsageError};
 use crate::lifecycle::fence::wait_for_queued;
 use crate::memory::element::{byte_len, Element};
 use crate::memory::tensor::{shape_len, DeviceTensor};
@@ -59,10 +59,12 @@ impl std::fmt::Debug for Scope<'_> {
 }
 
 fn cubecl_error(what: &'static str) -> impl FnOnce(cubecl::server::ServerError) -> Error {
-    move |e| Error::Interop {
-        runtime: "CubeCL",
-        what,
-        detail: format!("{e:?}"),
+    move |e| {
+        Error::Library(LibraryError::Interop {
+            runtime: "CubeCL",
+            what,
+            detail: format!("{e:?}"),
+        })
     }
 }
 
@@ -96,16 +98,16 @@ impl<'e> Scope<'e> {
     /// operation queued before (see the [module docs](self) for the cost).
     ///
     /// # Errors
-    /// [`Error::ZeroLength`] for an empty tensor; [`Error::WrongEngine`]
-    /// for another engine's tensor; [`Error::Interop`] when CubeCL fails;
+    /// [`UsageError::ZeroLength`](crate::error::UsageError::ZeroLength) for an empty tensor; [`UsageError::WrongEngine`](crate::error::UsageError::WrongEngine)
+    /// for another engine's tensor; [`LibraryError::Interop`](crate::error::LibraryError::Interop) when CubeCL fails;
     /// [`Error::Driver`]/[`Error::DeviceFault`] when the copy fails.
     pub fn import<T: Element>(&mut self, tensor: &DeviceTensor<T>) -> Result<Handle> {
         tensor.check_engine(self.engine)?;
         let bytes = tensor.byte_len();
         if bytes == 0 {
-            return Err(Error::ZeroLength {
+            return Err(Error::Usage(UsageError::ZeroLength {
                 what: "CubeCL import",
-            });
+            }));
         }
         let handle = self.client.empty(bytes);
         let dst = self.address(&handle, "CubeCL buffer address")?;
@@ -127,8 +129,9 @@ impl<'e> Scope<'e> {
     /// follow in stream order.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] when the buffer is smaller than `shape` needs;
-    /// [`Error::Interop`] when CubeCL fails; [`Error::Driver`]/[`Error::DeviceFault`] when the
+    /// [`UsageError::BufferTooSmall`](crate::error::UsageError::BufferTooSmall) when the buffer is
+    /// smaller than `shape` needs;
+    /// [`LibraryError::Interop`](crate::error::LibraryError::Interop) when CubeCL fails; [`Error::Driver`]/[`Error::DeviceFault`] when the
     /// copy fails.
     pub fn export<T: Element>(
         &mut self,
@@ -139,13 +142,13 @@ impl<'e> Scope<'e> {
         let bytes = byte_len::<T>(len, "CubeCL export")?;
         let available = handle.size_in_used();
         if (bytes as u64) > available {
-            return Err(Error::InvalidArgument {
+            return Err(Error::Usage(UsageError::BufferTooSmall {
                 operation: "CubeCL export",
-                detail: format!(
-                    "shape {shape:?} of {} needs {bytes} bytes, the buffer holds {available}",
-                    T::DTYPE
-                ),
-            });
+                shape: shape.to_vec(),
+                dtype: T::DTYPE,
+                needed: bytes as u64,
+                available,
+            }));
         }
         let out = DeviceTensor::<T>::alloc(self.engine, shape)?;
         if bytes == 0 {
@@ -177,7 +180,7 @@ impl CudaEngine {
     /// [module docs](crate::cubecl) for what that costs).
     ///
     /// # Errors
-    /// Whatever `f` returns; [`Error::Unavailable`] (converted into `E`) on the simulated
+    /// Whatever `f` returns; [`SetupError::Unavailable`](crate::error::SetupError::Unavailable) (converted into `E`) on the simulated
     /// device, which CubeCL cannot drive; [`Error::Driver`] when the context cannot be made
     /// current.
     pub fn with_cubecl<R, E>(
@@ -188,10 +191,10 @@ impl CudaEngine {
         E: From<Error>,
     {
         if self.device().kind() == DeviceKind::Simulated {
-            return Err(Error::Unavailable {
+            return Err(Error::Setup(SetupError::Unavailable {
                 library: "CubeCL",
                 detail: "simulated device: CubeCL's CUDA runtime needs a CUDA device".into(),
-            }
+            })
             .into());
         }
         let _restore = crate::core::context::ContextScope::enter(

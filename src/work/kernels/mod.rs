@@ -19,7 +19,7 @@
 //! | [`fill`](CudaEngine::fill), [`full`](CudaEngine::full) | every type |
 //! | [`cast`](CudaEngine::cast) | every pair of types |
 //!
-//! Any other combination is [`Error::UnsupportedElement`], before anything is queued. Integer
+//! Any other combination is [`UsageError::UnsupportedElement`](crate::error::UsageError::UnsupportedElement), before anything is queued. Integer
 //! division is left out because division by zero has no defined result on the device; cast to a
 //! float type first.
 //!
@@ -53,18 +53,18 @@ use crate::core::engine::{CudaEngine, State};
 use crate::core::order::Use;
 use crate::driver::Lane;
 use crate::dtype::DType;
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, UsageError};
 use crate::memory::element::{as_bytes, Element};
 use crate::memory::tensor::DeviceTensor;
 use spec::{unsupported, ElementwiseArgs, ElementwiseOp, ElementwiseSpec, BLOCK};
 
 fn spec(op: ElementwiseOp, input: DType, output: DType) -> Result<ElementwiseSpec> {
     if let Some(reason) = unsupported(op, input) {
-        return Err(Error::UnsupportedElement {
+        return Err(Error::Usage(UsageError::UnsupportedElement {
             operation: op.name(),
             dtype: input,
             reason,
-        });
+        }));
     }
     Ok(ElementwiseSpec { op, input, output })
 }
@@ -128,11 +128,11 @@ impl CudaEngine {
         a.check_engine(self)?;
         b.check_engine(self)?;
         if a.shape() != b.shape() {
-            return Err(Error::ShapesDiffer {
+            return Err(Error::Usage(UsageError::ShapeMismatch {
                 operation: op.name(),
-                left: a.shape().to_vec(),
-                right: b.shape().to_vec(),
-            });
+                expected: a.shape().to_vec(),
+                found: b.shape().to_vec(),
+            }));
         }
         let out = DeviceTensor::alloc(self, a.shape())?;
         let args = ElementwiseArgs {
@@ -165,9 +165,9 @@ impl CudaEngine {
     /// ```
     ///
     /// # Errors
-    /// [`Error::UnsupportedElement`] for `bool`; [`Error::ShapesDiffer`] when the shapes differ;
-    /// [`Error::WrongEngine`] for another engine's tensor;
-    /// [`Error::Unavailable`] when NVRTC is missing; [`Error::Compile`] or [`Error::Driver`] when
+    /// [`UsageError::UnsupportedElement`](crate::error::UsageError::UnsupportedElement) for `bool`; [`UsageError::ShapeMismatch`](crate::error::UsageError::ShapeMismatch) when the shapes differ;
+    /// [`UsageError::WrongEngine`](crate::error::UsageError::WrongEngine) for another engine's tensor;
+    /// [`SetupError::Unavailable`](crate::error::SetupError::Unavailable) when NVRTC is missing; [`LibraryError::Compile`](crate::error::LibraryError::Compile) or [`Error::Driver`] when
     /// the kernel cannot be built or queued.
     pub fn add<T: Element>(
         &mut self,
@@ -204,7 +204,7 @@ impl CudaEngine {
     /// `a / b`, elementwise, into a new tensor, for float types. Queued; does not wait.
     ///
     /// # Errors
-    /// [`Error::UnsupportedElement`] for integers and `bool`; otherwise as [`add`](Self::add).
+    /// [`UsageError::UnsupportedElement`](crate::error::UsageError::UnsupportedElement) for integers and `bool`; otherwise as [`add`](Self::add).
     pub fn div<T: Element>(
         &mut self,
         a: &DeviceTensor<T>,
@@ -217,7 +217,7 @@ impl CudaEngine {
     /// not wait.
     ///
     /// # Errors
-    /// [`Error::UnsupportedElement`] for unsigned integers and `bool`; otherwise as
+    /// [`UsageError::UnsupportedElement`](crate::error::UsageError::UnsupportedElement) for unsigned integers and `bool`; otherwise as
     /// [`add`](Self::add).
     pub fn neg<T: Element>(&mut self, a: &DeviceTensor<T>) -> Result<DeviceTensor<T>> {
         self.unary(spec(ElementwiseOp::Neg, T::DTYPE, T::DTYPE)?, a, 0)
@@ -226,7 +226,7 @@ impl CudaEngine {
     /// `a * factor`, elementwise, into a new tensor. Queued; does not wait.
     ///
     /// # Errors
-    /// [`Error::UnsupportedElement`] for `bool`; otherwise as [`add`](Self::add).
+    /// [`UsageError::UnsupportedElement`](crate::error::UsageError::UnsupportedElement) for `bool`; otherwise as [`add`](Self::add).
     pub fn scale<T: Element>(&mut self, a: &DeviceTensor<T>, factor: T) -> Result<DeviceTensor<T>> {
         let spec = spec(ElementwiseOp::Scale, T::DTYPE, T::DTYPE)?;
         self.unary(spec, a, scalar_bits(factor))
@@ -265,8 +265,8 @@ impl CudaEngine {
     /// Writes `value` into every element of `tensor`, of any element type. Queued; does not wait.
     ///
     /// # Errors
-    /// [`Error::WrongEngine`] for another engine's tensor; [`Error::Unavailable`],
-    /// [`Error::Compile`] or [`Error::Driver`] as for [`add`](Self::add).
+    /// [`UsageError::WrongEngine`](crate::error::UsageError::WrongEngine) for another engine's tensor; [`SetupError::Unavailable`](crate::error::SetupError::Unavailable),
+    /// [`LibraryError::Compile`](crate::error::LibraryError::Compile) or [`Error::Driver`] as for [`add`](Self::add).
     pub fn fill<T: Element>(&mut self, tensor: &mut DeviceTensor<T>, value: T) -> Result<()> {
         let spec = spec(ElementwiseOp::Fill, T::DTYPE, T::DTYPE)?;
         tensor.check_engine(self)?;
@@ -285,8 +285,8 @@ impl CudaEngine {
     /// A new tensor of `shape` with every element `value`. Queued; does not wait.
     ///
     /// # Errors
-    /// As [`fill`](Self::fill), plus [`Error::ShapeOverflow`] when the shape's element count
-    /// overflows `usize` and [`Error::SizeOverflow`] when its bytes exceed `isize::MAX`.
+    /// As [`fill`](Self::fill), plus [`UsageError::ShapeOverflow`](crate::error::UsageError::ShapeOverflow) when the shape's element count
+    /// overflows `usize` and [`UsageError::SizeOverflow`](crate::error::UsageError::SizeOverflow) when its bytes exceed `isize::MAX`.
     pub fn full<T: Element>(&mut self, shape: &[usize], value: T) -> Result<DeviceTensor<T>> {
         let mut out = DeviceTensor::alloc(self, shape)?;
         self.fill(&mut out, value)?;

@@ -10,7 +10,7 @@ use super::{cublas, dim};
 use crate::core::engine::CudaEngine;
 use crate::core::order::Use;
 use crate::driver::Lane;
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, UsageError};
 use crate::memory::element::Element;
 use crate::memory::tensor::DeviceTensor;
 use cudarc::cublas::sys::{cublasHandle_t, cublasOperation_t};
@@ -231,35 +231,41 @@ impl<T: BlasElement> GemmConfig<T> {
 /// elements.
 fn check_operand(
     operation: &'static str,
-    name: &'static str,
+    name: char,
     rows: usize,
     cols: usize,
     ld: usize,
     len: usize,
 ) -> Result<()> {
     if ld < rows.max(1) {
-        return Err(Error::InvalidArgument {
+        return Err(Error::Usage(UsageError::LeadingDimension {
             operation,
-            detail: format!("leading dimension of {name} is {ld}, below its {rows} row(s)"),
-        });
+            matrix: name,
+            leading_dimension: ld,
+            rows,
+        }));
     }
     let needed = if rows == 0 || cols == 0 {
         0
     } else {
         ld.checked_mul(cols - 1)
             .and_then(|x| x.checked_add(rows))
-            .ok_or_else(|| Error::InvalidArgument {
+            .ok_or(Error::Usage(UsageError::MatrixOverflow {
                 operation,
-                detail: format!("{name} of {rows}×{cols} with leading dimension {ld} overflows"),
-            })?
+                matrix: name,
+                rows,
+                cols,
+                leading_dimension: ld,
+            }))?
     };
     if len < needed {
-        return Err(Error::InvalidArgument {
+        return Err(Error::Usage(UsageError::MatrixExceedsTensor {
             operation,
-            detail: format!(
-                "{name} is {rows}×{cols} with leading dimension {ld}, which needs {needed} element(s), but the tensor has {len}"
-            ),
-        });
+            matrix: name,
+            leading_dimension: ld,
+            needed,
+            available: len,
+        }));
     }
     Ok(())
 }
@@ -269,10 +275,15 @@ impl CudaEngine {
     /// column-major (see [`GemmConfig`]). Queued; does not wait.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] when a dimension or leading dimension does not fit its tensor
-    /// or exceeds 32 bits; [`Error::WrongEngine`] for another engine's
-    /// tensor; [`Error::Unavailable`] when cuBLAS is missing or the engine is simulated;
-    /// [`Error::Vendor`] when cuBLAS refuses.
+    /// [`UsageError::LeadingDimension`](crate::error::UsageError::LeadingDimension) when a leading
+    /// dimension is below its rows, [`UsageError::MatrixExceedsTensor`](crate::error::UsageError::MatrixExceedsTensor)
+    /// when an operand (under its [`Transpose`]) does not fit its tensor,
+    /// [`UsageError::MatrixOverflow`](crate::error::UsageError::MatrixOverflow) when its extent
+    /// overflows `usize`,
+    /// [`UsageError::ExceedsLimit`](crate::error::UsageError::ExceedsLimit) when a dimension exceeds
+    /// 32 bits; [`UsageError::WrongEngine`](crate::error::UsageError::WrongEngine) for another engine's
+    /// tensor; [`SetupError::Unavailable`](crate::error::SetupError::Unavailable) when cuBLAS is missing or the engine is simulated;
+    /// [`LibraryError::Vendor`](crate::error::LibraryError::Vendor) when cuBLAS refuses.
     pub fn gemm<T: BlasElement>(
         &mut self,
         config: &GemmConfig<T>,
@@ -293,9 +304,9 @@ impl CudaEngine {
             Transpose::No => (k, n),
             Transpose::Yes => (n, k),
         };
-        check_operand(OP, "A", a_rows, a_cols, config.lda, a.len())?;
-        check_operand(OP, "B", b_rows, b_cols, config.ldb, b.len())?;
-        check_operand(OP, "C", m, n, config.ldc, c.len())?;
+        check_operand(OP, 'A', a_rows, a_cols, config.lda, a.len())?;
+        check_operand(OP, 'B', b_rows, b_cols, config.ldb, b.len())?;
+        check_operand(OP, 'C', m, n, config.ldc, c.len())?;
         let dims = (
             dim(OP, "m", m)?,
             dim(OP, "n", n)?,
@@ -348,7 +359,9 @@ impl CudaEngine {
     /// exactly row-major `C = A·B`; no data is transposed.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] when a tensor is not 2-D or the inner dimensions differ;
+    /// [`UsageError::NotAMatrix`](crate::error::UsageError::NotAMatrix) when a tensor is not 2-D,
+    /// [`UsageError::InnerDimensions`](crate::error::UsageError::InnerDimensions) when the inner
+    /// dimensions differ;
     /// otherwise as [`gemm`](Self::gemm).
     pub fn matmul<T: BlasElement>(
         &mut self,
@@ -357,20 +370,23 @@ impl CudaEngine {
     ) -> Result<DeviceTensor<T>> {
         const OP: &str = "matmul";
         let (&[m, k], &[k2, n]) = (a.shape(), b.shape()) else {
-            return Err(Error::InvalidArgument {
+            let (what, shape) = if a.shape().len() != 2 {
+                ("A", a.shape())
+            } else {
+                ("B", b.shape())
+            };
+            return Err(Error::Usage(UsageError::NotAMatrix {
                 operation: OP,
-                detail: format!(
-                    "operands must be 2-D, got shapes {:?} and {:?}",
-                    a.shape(),
-                    b.shape()
-                ),
-            });
+                what,
+                shape: shape.to_vec(),
+            }));
         };
         if k != k2 {
-            return Err(Error::InvalidArgument {
+            return Err(Error::Usage(UsageError::InnerDimensions {
                 operation: OP,
-                detail: format!("inner dimensions differ: [{m}, {k}] times [{k2}, {n}]"),
-            });
+                left: [m, k],
+                right: [k2, n],
+            }));
         }
         a.check_engine(self)?;
         b.check_engine(self)?;
@@ -461,11 +477,11 @@ pub(crate) unsafe fn row_major_product(
         match dtype {
             DType::F32 => typed::<f32>(handle, m, k, n, a, b, c),
             DType::F64 => typed::<f64>(handle, m, k, n, a, b, c),
-            other => Err(Error::UnsupportedElement {
+            other => Err(Error::Usage(UsageError::UnsupportedElement {
                 operation: "matmul",
                 dtype: other,
                 reason: "cuBLAS serves f32 and f64 here",
-            }),
+            })),
         }
     }
 }

@@ -3,14 +3,14 @@
 //! [`CudaEngine::contract`] takes an Einstein-notation expression such as `"ik,kj->ij"` and
 //! computes `C = alpha * contraction(A, B) + beta * C` for row-major tensors (the last mode
 //! varies fastest, as a tensor's shape says). cuTENSOR is not installed on every CUDA machine;
-//! where it is absent the call is a typed [`Error::Unavailable`] naming it.
+//! where it is absent the call is a typed [`SetupError::Unavailable`](crate::error::SetupError::Unavailable) naming it.
 
 use super::handles::CUTENSOR;
 use super::{cutensor, BlasElement};
 use crate::core::engine::CudaEngine;
 use crate::core::order::Use;
 use crate::driver::Lane;
-use crate::error::{Error, Result};
+use crate::error::{Error, LibraryError, Result, SetupError, UsageError};
 use crate::memory::tensor::DeviceTensor;
 use cudarc::cutensor::sys;
 use std::collections::HashMap;
@@ -62,9 +62,12 @@ const ALIGNMENT: u32 = 128;
 
 /// Parses `"ab,bc->ac"` into three mode lists.
 fn parse(expression: &str) -> Result<[Vec<char>; 3]> {
-    let bad = |why: &str| Error::InvalidArgument {
-        operation: "contract",
-        detail: format!("expression {expression:?}: {why}"),
+    let bad = |reason: &'static str| {
+        Error::Usage(UsageError::Expression {
+            operation: "contract",
+            expression: expression.to_owned(),
+            reason,
+        })
     };
     let (inputs, output) = expression
         .split_once("->")
@@ -136,10 +139,13 @@ impl CudaEngine {
     /// Tensors are row-major. Queued; does not wait.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] for a malformed expression, a mode count that differs from a
-    /// tensor's rank, or one mode with two extents; [`Error::WrongEngine`]
-    /// for another engine's tensor; [`Error::Unavailable`] when cuTENSOR is not installed or
-    /// the engine is simulated; [`Error::Vendor`] when cuTENSOR refuses.
+    /// [`UsageError::Expression`](crate::error::UsageError::Expression) for a malformed
+    /// expression, [`UsageError::ModeCount`](crate::error::UsageError::ModeCount) for a mode count
+    /// that differs from a tensor's rank, [`UsageError::ModeExtents`](crate::error::UsageError::ModeExtents)
+    /// for one mode with two extents, [`UsageError::ExceedsLimit`](crate::error::UsageError::ExceedsLimit)
+    /// for an extent past 32 bits; [`UsageError::WrongEngine`](crate::error::UsageError::WrongEngine)
+    /// for another engine's tensor; [`SetupError::Unavailable`](crate::error::SetupError::Unavailable) when cuTENSOR is not installed or
+    /// the engine is simulated; [`LibraryError::Vendor`](crate::error::LibraryError::Vendor) when cuTENSOR refuses.
     pub fn contract<T: TensorElement>(
         &mut self,
         expression: &str,
@@ -156,25 +162,25 @@ impl CudaEngine {
         c.check_engine(self)?;
         let shapes = [a.shape(), b.shape(), c.shape()];
         let mut extents: HashMap<char, usize> = HashMap::new();
-        for (m, shape) in modes.iter().zip(shapes) {
+        for ((m, shape), operand) in modes.iter().zip(shapes).zip(['A', 'B', 'C']) {
             if m.len() != shape.len() {
-                return Err(Error::InvalidArgument {
+                return Err(Error::Usage(UsageError::ModeCount {
                     operation: OP,
-                    detail: format!(
-                        "{expression:?}: modes {:?} do not match a tensor of shape {shape:?}",
-                        m.iter().collect::<String>()
-                    ),
-                });
+                    expression: expression.to_owned(),
+                    operand,
+                    modes: m.len(),
+                    rank: shape.len(),
+                }));
             }
             for (&mode, &extent) in m.iter().zip(shape) {
                 if *extents.entry(mode).or_insert(extent) != extent {
-                    return Err(Error::InvalidArgument {
+                    return Err(Error::Usage(UsageError::ModeExtents {
                         operation: OP,
-                        detail: format!(
-                            "{expression:?}: mode '{mode}' has extents {} and {extent}",
-                            extents[&mode]
-                        ),
-                    });
+                        expression: expression.to_owned(),
+                        mode,
+                        first: extents[&mode],
+                        second: extent,
+                    }));
                 }
             }
         }
@@ -200,9 +206,11 @@ impl CudaEngine {
             let lib = sys::culib();
             let symbol = lib
                 .get::<*const sys::cutensorComputeDescriptor_t>(T::TENSOR.compute_symbol)
-                .map_err(|e| Error::Unavailable {
-                    library: "cuTENSOR",
-                    detail: format!("compute descriptor symbol missing: {e}"),
+                .map_err(|e| {
+                    Error::Setup(SetupError::Unavailable {
+                        library: "cuTENSOR",
+                        detail: format!("compute descriptor symbol missing: {e}"),
+                    })
                 })?;
             **symbol
         };
@@ -288,9 +296,10 @@ impl CudaEngine {
         }
         .map_err(fail("cutensorCreatePlan"))?;
         made.plan = Some(plan);
-        let work_bytes = usize::try_from(workspace).map_err(|_| Error::InvalidArgument {
+        let work_bytes = usize::try_from(workspace).map_err(|_| LibraryError::Workspace {
             operation: OP,
-            detail: format!("cuTENSOR asks for {workspace} bytes of workspace"),
+            library: "cuTENSOR",
+            bytes: workspace,
         })?;
         let work = if work_bytes == 0 {
             0

@@ -7,10 +7,10 @@
 //!
 //! The libraries are loaded at run time. cudarc panics when a dynamically loaded library is
 //! missing, so each one is probed first (once per process) and an absent library is a typed
-//! [`Error::Unavailable`] naming it.
+//! [`SetupError::Unavailable`](crate::error::SetupError::Unavailable) naming it.
 
 use crate::driver::Driver;
-use crate::error::{DeviceKind, Error, Result};
+use crate::error::{DeviceKind, Error, LibraryError, Result, SetupError};
 use std::sync::OnceLock;
 
 /// The library handles of one engine, each made on first use.
@@ -100,19 +100,19 @@ impl Library {
     /// library loadable on this machine.
     pub(crate) fn check(self, driver: &dyn Driver) -> Result<()> {
         if driver.device().kind() == DeviceKind::Simulated {
-            return Err(Error::Unavailable {
+            return Err(Error::Setup(SetupError::Unavailable {
                 library: self.name,
                 detail: "simulated device: vendor libraries run only on a CUDA device".into(),
-            });
+            }));
         }
         if !*self.cache.get_or_init(self.present) {
-            return Err(Error::Unavailable {
+            return Err(Error::Setup(SetupError::Unavailable {
                 library: self.name,
                 detail: format!(
                     "none of {:?} could be loaded",
                     cudarc::get_lib_name_candidates(self.base)
                 ),
-            });
+            }));
         }
         Ok(())
     }
@@ -124,12 +124,12 @@ impl Library {
         status: impl std::fmt::Debug,
         code: i64,
     ) -> Error {
-        Error::Vendor {
+        Error::Library(LibraryError::Vendor {
             library: self.name,
             call,
             status: code,
             name: format!("{status:?}"),
-        }
+        })
     }
 }
 

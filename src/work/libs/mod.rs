@@ -7,9 +7,9 @@
 //!
 //! The libraries are loaded at run time. cudarc panics when a dynamically loaded library is
 //! missing, so each one is probed first (once per process) and an absent library is a typed
-//! [`Error::Unavailable`](crate::Error::Unavailable) naming it (cuTENSOR, for example, is not
+//! [`SetupError::Unavailable`](crate::error::SetupError::Unavailable) naming it (cuTENSOR, for example, is not
 //! installed on every CUDA machine). On the simulated device every library operation returns
-//! [`Error::Unavailable`](crate::Error::Unavailable) with the detail "simulated device": the
+//! [`SetupError::Unavailable`](crate::error::SetupError::Unavailable) with the detail "simulated device": the
 //! simulator does not emulate library numerics, and nothing falls back to a CPU implementation.
 //!
 //! Matrices are column-major, as in BLAS and LAPACK: element `(i, j)` of a matrix with leading
@@ -33,7 +33,7 @@ pub use cutensor::TensorElement;
 pub use solver::SolverStatus;
 
 use crate::core::engine::Entered;
-use crate::error::{Error, Result};
+use crate::error::{Result, UsageError};
 
 /// The engine's cuBLAS handle, made and bound to the compute stream on first use.
 pub(crate) fn cublas(st: &mut Entered<'_>) -> Result<cudarc::cublas::sys::cublasHandle_t> {
@@ -55,8 +55,13 @@ pub(crate) fn cutensor(st: &mut Entered<'_>) -> Result<cudarc::cutensor::sys::cu
 
 /// Converts a dimension to the `int` vendor APIs take.
 pub(crate) fn dim(operation: &'static str, what: &'static str, value: usize) -> Result<i32> {
-    i32::try_from(value).map_err(|_| Error::InvalidArgument {
-        operation,
-        detail: format!("{what} = {value} exceeds the library's 32-bit limit"),
+    i32::try_from(value).map_err(|_| {
+        UsageError::ExceedsLimit {
+            operation,
+            what,
+            value,
+            limit: i32::MAX as usize,
+        }
+        .into()
     })
 }

@@ -11,7 +11,7 @@ use super::{cusolver, dim, BlasElement};
 use crate::core::engine::CudaEngine;
 use crate::core::order::Use;
 use crate::driver::Lane;
-use crate::error::{Error, Result};
+use crate::error::{Error, LibraryError, Result, UsageError};
 use crate::memory::tensor::DeviceTensor;
 use crate::routes::download_tensor;
 
@@ -191,26 +191,24 @@ impl SolverStatus {
     /// Waits for the routine and reports its verdict.
     ///
     /// # Errors
-    /// [`Error::NotPositiveDefinite`] when the factorisation found a leading minor that is not
-    /// positive definite (the solution is then meaningless); [`Error::InvalidArgument`] when
-    /// cuSOLVER reports an invalid parameter; whatever the download reports.
+    /// [`LibraryError::NotPositiveDefinite`](crate::error::LibraryError::NotPositiveDefinite) when the factorisation found a leading minor that is not
+    /// positive definite (the solution is then meaningless); [`LibraryError::InvalidParameter`](crate::error::LibraryError::InvalidParameter)
+    /// when cuSOLVER reports an invalid parameter; whatever the download reports.
     pub fn check(self, engine: &mut CudaEngine) -> Result<()> {
         let info = download_tensor(engine, &self.info)?;
         for (step, &value) in info.iter().enumerate() {
             if value > 0 && step == 0 {
-                return Err(Error::NotPositiveDefinite {
+                return Err(Error::Library(LibraryError::NotPositiveDefinite {
                     operation: self.operation,
                     order: i64::from(value),
-                });
+                }));
             }
             if value != 0 {
-                return Err(Error::InvalidArgument {
+                return Err(Error::Library(LibraryError::InvalidParameter {
                     operation: self.operation,
-                    detail: format!(
-                        "cuSOLVER reports info = {value}: parameter {} is invalid",
-                        -value
-                    ),
-                });
+                    library: "cuSOLVER",
+                    parameter: -i64::from(value),
+                }));
             }
         }
         Ok(())
@@ -237,10 +235,12 @@ impl CudaEngine {
     /// after the solve, before this returns.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] when `a` is not square or `b`'s length is not a positive
-    /// multiple of `n`; [`Error::WrongEngine`] for another engine's
-    /// tensor; [`Error::Unavailable`] when cuSOLVER is missing or the engine is simulated;
-    /// [`Error::Vendor`] when cuSOLVER refuses. A matrix that is not positive definite is
+    /// [`UsageError::NotSquare`](crate::error::UsageError::NotSquare) when `a` is not square,
+    /// [`UsageError::NotAMultiple`](crate::error::UsageError::NotAMultiple) when `b`'s length is not a
+    /// positive multiple of `n`, [`UsageError::ExceedsLimit`](crate::error::UsageError::ExceedsLimit)
+    /// when `n` or `nrhs` exceeds 32 bits; [`UsageError::WrongEngine`](crate::error::UsageError::WrongEngine) for another engine's
+    /// tensor; [`SetupError::Unavailable`](crate::error::SetupError::Unavailable) when cuSOLVER is missing or the engine is simulated;
+    /// [`LibraryError::Vendor`](crate::error::LibraryError::Vendor) when cuSOLVER refuses. A matrix that is not positive definite is
     /// reported by [`SolverStatus::check`].
     pub fn cholesky_solve<T: BlasElement>(
         &mut self,
@@ -253,20 +253,20 @@ impl CudaEngine {
         let n = match *a.shape() {
             [rows, cols] if rows == cols && rows > 0 => rows,
             _ => {
-                return Err(Error::InvalidArgument {
+                return Err(Error::Usage(UsageError::NotSquare {
                     operation: OP,
-                    detail: format!("A must be square and non-empty, got shape {:?}", a.shape()),
-                })
+                    what: "A",
+                    shape: a.shape().to_vec(),
+                }))
             }
         };
         if b.is_empty() || !b.len().is_multiple_of(n) {
-            return Err(Error::InvalidArgument {
+            return Err(Error::Usage(UsageError::NotAMultiple {
                 operation: OP,
-                detail: format!(
-                    "B has {} element(s), which is not a positive multiple of n = {n}",
-                    b.len()
-                ),
-            });
+                what: "B",
+                len: b.len(),
+                order: n,
+            }));
         }
         let nrhs = b.len() / n;
         let (n32, nrhs32) = (dim(OP, "n", n)?, dim(OP, "nrhs", nrhs)?);
