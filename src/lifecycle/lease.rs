@@ -156,6 +156,18 @@ impl<S: LeaseState> std::fmt::Debug for StagingLease<S> {
 /// What a failed begin hands back: the lease, proven, when nothing is in flight.
 type Begun = Result<StagingLease<Unproven>, SubmitError<StagingLease<Proven>>>;
 
+/// The error of a begin that did not go in flight, with the lease it handed back (if any)
+/// released to the ring: for a route that gives up at the first failure.
+pub(crate) fn released(refused: SubmitError<StagingLease<Proven>>) -> Error {
+    match refused {
+        SubmitError::Rejected { input, error } | SubmitError::Failed { input, error } => {
+            input.release();
+            error
+        }
+        SubmitError::Retained { error } => error,
+    }
+}
+
 impl<S: LeaseState> StagingLease<S> {
     fn new(hold: <S as sealed::LeaseState>::Hold) -> Self {
         StagingLease {

@@ -27,7 +27,9 @@ use crate::core::engine::CudaEngine;
 use crate::driver::Lane;
 use crate::dtype::DType;
 use crate::error::{Error, Result, StagingError, SubmitError, UsageError};
-use crate::lifecycle::lease::{KeepAlive, Mark, Proven, ScalarHost, StagingLease, Unproven};
+use crate::lifecycle::lease::{
+    released, KeepAlive, Mark, Proven, ScalarHost, StagingLease, Unproven,
+};
 use crate::memory::copy_pool::{self, CopyPool};
 use crate::memory::element::{as_bytes, byte_len, Element};
 use crate::memory::stream_copy::copy_streaming;
@@ -478,20 +480,8 @@ fn upload_chunks<T: Element>(
         };
         match lease.begin_upload(engine, tensor, offset, n) {
             Ok(unproven) => in_flight.push_back(unproven),
-            Err(
-                SubmitError::Rejected {
-                    input: lease,
-                    error,
-                }
-                | SubmitError::Failed {
-                    input: lease,
-                    error,
-                },
-            ) => {
-                lease.release();
-                return Err(Stranded { error, in_flight });
-            }
-            Err(SubmitError::Retained { error }) => {
+            Err(refused) => {
+                let error = released(refused);
                 return Err(Stranded { error, in_flight });
             }
         }
@@ -660,20 +650,8 @@ fn chunk_loop<T: Element>(
             let n = plan.per_chunk.min(total - next);
             match lease.begin_download(engine, tensor, next, n) {
                 Ok(unproven) => in_flight.push_back((unproven, next, n)),
-                Err(
-                    SubmitError::Rejected {
-                        input: lease,
-                        error,
-                    }
-                    | SubmitError::Failed {
-                        input: lease,
-                        error,
-                    },
-                ) => {
-                    lease.release();
-                    return fail(in_flight, error);
-                }
-                Err(SubmitError::Retained { error }) => {
+                Err(refused) => {
+                    let error = released(refused);
                     return fail(in_flight, error);
                 }
             }
@@ -820,20 +798,8 @@ fn upload_at_once<T: Element>(
             }
             match lease.begin_upload(engine, tensor, c * plan.per_chunk, chunk_len(c)) {
                 Ok(unproven) => in_flight.push_back(unproven),
-                Err(
-                    SubmitError::Rejected {
-                        input: lease,
-                        error,
-                    }
-                    | SubmitError::Failed {
-                        input: lease,
-                        error,
-                    },
-                ) => {
-                    lease.release();
-                    failure = Some(error);
-                }
-                Err(SubmitError::Retained { error }) => {
+                Err(refused) => {
+                    let error = released(refused);
                     failure = Some(error);
                 }
             }
@@ -959,20 +925,8 @@ fn download_at_once<T: Element>(
                     break;
                 }
             }
-            Err(
-                SubmitError::Rejected {
-                    input: lease,
-                    error,
-                }
-                | SubmitError::Failed {
-                    input: lease,
-                    error,
-                },
-            ) => {
-                lease.release();
-                return fail(queued, error);
-            }
-            Err(SubmitError::Retained { error }) => {
+            Err(refused) => {
+                let error = released(refused);
                 return fail(queued, error);
             }
         }
