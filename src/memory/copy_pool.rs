@@ -570,7 +570,7 @@ mod tests {
             .unwrap_or(size_for_cores(cores));
         assert_eq!(copy_threads(), expected);
         assert_eq!(
-            crate::staging::StagingConfig::default().copy_threads,
+            crate::memory::ring::StagingConfig::default().copy_threads,
             expected
         );
         let pool = pool().unwrap();

@@ -318,7 +318,10 @@ impl<T: CollectiveElement> Pending<Collective<T>, Returned> {
 
     /// Queues the same collective again (the same reduction or root, over the same
     /// communicator), on the same tensors, reusing each rank's event: for a training loop that
-    /// reduces the same gradients every step. `engines[i]` is rank `i`'s engine.
+    /// reduces the same gradients every step (rewrite them through
+    /// [`tensors_mut`](Self::tensors_mut)). `engines[i]` is rank `i`'s engine. No event and no
+    /// device memory is allocated; the per-rank lists of the submission (one entry per rank) are
+    /// made again, as on the first submission.
     ///
     /// # Errors
     /// As [`all_reduce`].
