@@ -99,7 +99,7 @@ fn compilation_refuses_bad_specifications_and_shapes() {
     let c = GraphCompiler::new();
     let spec = |r: Result<Program, Error>| match r {
         Err(Error::Program(ProgramError::Spec { detail })) => detail,
-        other => panic!("expected ProgramSpec, got {other:?}"),
+        other => panic!("expected ProgramError::Spec, got {other:?}"),
     };
     // z has no specification.
     assert!(
@@ -446,7 +446,7 @@ fn intermediates_live_at_once_past_the_addressable_limit_are_refused_when_compil
                 assert!(detail.contains("intermediates"), "{live}: {detail}");
                 assert!(detail.contains(&isize::MAX.to_string()), "{live}: {detail}");
             }
-            other => panic!("{live} live at once: expected ProgramSpec, got {other:?}"),
+            other => panic!("{live} live at once: expected ProgramError::Spec, got {other:?}"),
         }
     }
     // One fits: its 2^62 bytes and the product's own 2^61 (a product writes an intermediate).
