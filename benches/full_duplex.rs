@@ -32,7 +32,7 @@
 //!   `launch_resident`: one elementwise kernel on a 16-byte tensor last written by a kernel
 //!   (nothing to order across streams), while a 16-byte upload of another tensor is in flight;
 //!   `launch_in_flight_destination`: the same kernel on that upload's in-flight destination
-//!   (`Pending::device_tensor`), whose first use orders the kernel after the copy: the difference
+//!   (`Pending::tensor`), whose first use orders the kernel after the copy: the difference
 //!   between the two is the host cost of one cross-stream dependency;
 //!   `download_submit_16B_after_kernel`: submitting a 16-byte pending download of a tensor a
 //!   kernel has just written (one dependency), beside `download_submit_16B_resident`, the same

@@ -9,7 +9,7 @@
 //! - pull, stream synchronize: the wait a stream synchronize instead of an event;
 //! - pull, query of the other context: first, GPU 0's context made current and three of its
 //!   streams queried (the route's "is the source engine idle" check), then GPU 1's made current;
-//! - `peer_copy_into` and `peer_copy` themselves.
+//! - `peer::copy_into` and `peer::copy` themselves.
 //!
 //! Run on a machine with two GPUs: `cargo bench --bench peer_anatomy`.
 
@@ -127,11 +127,11 @@ fn main() {
         check("cuMemFree", sys::cuMemFree_v2(dst));
     }
     rows.push((
-        "peer_copy_into",
+        "peer::copy_into",
         median(|| peer::copy_into(&mut a, &x, &mut b, &mut landing).unwrap()),
     ));
     rows.push((
-        "peer_copy",
+        "peer::copy",
         median(|| drop(peer::copy(&mut a, &x, &mut b).unwrap())),
     ));
     let base = rows[0].1;

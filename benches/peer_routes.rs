@@ -1,9 +1,9 @@
 //! Peer copies between engines beside the raw driver, in the same run.
 //!
-//! For 16 B, 8 MiB, 64 MiB, 256 MiB and 1 GiB: the median time of `peer_copy` (a tensor of the
+//! For 16 B, 8 MiB, 64 MiB, 256 MiB and 1 GiB: the median time of `peer::copy` (a tensor of the
 //! engine on GPU 0 into a new tensor of the engine on GPU 1, returned once the copy is proven
-//! complete), of `peer_copy_into` (into one existing tensor of GPU 1's engine) and of
-//! `peer_copy_pending` and its `wait` (the same pair of tensors each time, handed back) against
+//! complete), of `peer::copy_into` (into one existing tensor of GPU 1's engine) and of
+//! `peer::copy_pending` and its `wait` (the same pair of tensors each time, handed back) against
 //! the raw `cuMemcpyPeerAsync` between two preallocated buffers on a stream of GPU 0's context,
 //! followed by an event record and its wait; and the same raw copy queued on a stream of GPU 1's
 //! context ("raw, on GPU 1"), the stream the copies into an existing tensor use. With one GPU, both engines are
@@ -93,7 +93,7 @@ fn main() {
         let (raw, pull) = raw;
         let gib = |t: Duration| bytes as f64 / t.as_secs_f64() / (1u64 << 30) as f64;
         println!(
-            "{label:>8}: peer_copy {:10.2} µs ({:6.1} GiB/s), raw cuMemcpyPeerAsync + wait {:10.2} µs ({:6.1} GiB/s): {:.3}× the raw time",
+            "{label:>8}: peer::copy {:10.2} µs ({:6.1} GiB/s), raw cuMemcpyPeerAsync + wait {:10.2} µs ({:6.1} GiB/s): {:.3}× the raw time",
             ours.as_secs_f64() * 1e6,
             gib(ours),
             raw.as_secs_f64() * 1e6,
@@ -101,13 +101,13 @@ fn main() {
             ours.as_secs_f64() / raw.as_secs_f64()
         );
         println!(
-            "{label:>8}: peer_copy_into {:10.2} µs ({:6.1} GiB/s): {:.3}× the raw time",
+            "{label:>8}: peer::copy_into {:10.2} µs ({:6.1} GiB/s): {:.3}× the raw time",
             into.as_secs_f64() * 1e6,
             gib(into),
             into.as_secs_f64() / raw.as_secs_f64()
         );
         println!(
-            "{label:>8}: peer_copy_pending + wait {:10.2} µs ({:6.1} GiB/s): {:.3}× the raw time; raw, on GPU 1 {:10.2} µs ({:6.1} GiB/s)",
+            "{label:>8}: peer::copy_pending + wait {:10.2} µs ({:6.1} GiB/s): {:.3}× the raw time; raw, on GPU 1 {:10.2} µs ({:6.1} GiB/s)",
             pending.as_secs_f64() * 1e6,
             gib(pending),
             pending.as_secs_f64() / raw.as_secs_f64(),

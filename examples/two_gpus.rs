@@ -189,7 +189,7 @@ fn main() -> ExitCode {
     match peer::access(&mut gpu0, &gpu1) {
         Ok(true) => println!("peer access: enabled"),
         Ok(false) => {
-            eprintln!("two_gpus: the devices have no peer link (peer_copy_staged would copy through host memory)");
+            eprintln!("two_gpus: the devices have no peer link (peer::copy_staged would copy through host memory)");
             return ExitCode::FAILURE;
         }
         Err(e) => {

@@ -152,7 +152,7 @@ fn workload(a: &mut CudaEngine, b: &mut CudaEngine, wrong: &Wrong) -> Result<(),
     let there = peer::copy(a, &src, b)?;
     expect(
         wrong,
-        "peer_copy",
+        "peer::copy",
         &download_tensor(b, &there)?,
         &distinct(5000, 9),
     );
@@ -160,7 +160,7 @@ fn workload(a: &mut CudaEngine, b: &mut CudaEngine, wrong: &Wrong) -> Result<(),
     peer::copy_into(a, &src, b, &mut into)?;
     expect(
         wrong,
-        "peer_copy_into",
+        "peer::copy_into",
         &download_tensor(b, &into)?,
         &distinct(5000, 9),
     );

@@ -344,8 +344,8 @@ fn a_fault_at_every_call_of_the_route_is_reported_and_loses_nothing() {
 }
 
 /// A driver panic at any of the proving calls of a peer route (after the copy is queued) unwinds
-/// without freeing either side under the copy: the new destination of `peer_copy` and the
-/// existing one of `peer_copy_into` are leaked, and a pending copy's tensors never reach a free.
+/// without freeing either side under the copy: the new destination of `peer::copy` and the
+/// existing one of `peer::copy_into` are leaked, and a pending copy's tensors never reach a free.
 #[test]
 fn a_panic_after_the_copy_is_queued_frees_nothing_under_it() {
     for route in 0..3 {
