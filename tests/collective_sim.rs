@@ -30,6 +30,12 @@ fn machine(devices: usize, seed: u64) -> (SimDevice, Vec<CudaEngine>) {
     (sim, engines)
 }
 
+/// Once every engine is gone: the device saw no misuse, and no device memory is left.
+fn nothing_left(sim: &SimDevice) {
+    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+    assert_eq!(sim.device_live().0, 0);
+}
+
 fn all(engines: &mut [CudaEngine]) -> Vec<&mut CudaEngine> {
     engines.iter_mut().collect()
 }
@@ -97,8 +103,7 @@ fn check_type<T: Reference + CollectiveElement>(devices: usize, seed: u64) {
         }
     }
     drop((comm, engines));
-    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
-    assert_eq!(sim.device_live().0, 0);
+    nothing_left(&sim);
 }
 
 #[test]
@@ -316,8 +321,7 @@ fn dropped_in_flight_each_tensor_detaches_into_its_engine() {
         engine.synchronize().unwrap();
     }
     drop((comm, engines));
-    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
-    assert_eq!(sim.device_live().0, 0);
+    nothing_left(&sim);
 }
 
 #[test]
@@ -511,8 +515,7 @@ fn try_wait_hands_the_collective_back_until_every_rank_is_done() {
     }
     assert!(returned.tensor(3).is_none());
     drop((returned, comm, engines));
-    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
-    assert_eq!(sim.device_live().0, 0);
+    nothing_left(&sim);
 }
 
 #[test]
@@ -589,8 +592,7 @@ fn an_awaited_collective_dropped_before_it_resolves_detaches_into_each_engine() 
         assert_eq!(engine.retirement_stats().released, 1);
     }
     drop((comm, engines));
-    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
-    assert_eq!(sim.device_live().0, 0);
+    nothing_left(&sim);
 }
 
 #[test]
@@ -658,6 +660,5 @@ fn a_resubmitted_collective_runs_again_on_the_same_tensors_and_events() {
         other => panic!("expected a refusal, got {other:?}"),
     }
     drop((comm, engines));
-    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
-    assert_eq!(sim.device_live().0, 0);
+    nothing_left(&sim);
 }
