@@ -43,7 +43,7 @@ fn expected(k: usize, n: usize) -> Vec<f32> {
 }
 
 /// What one run found.
-pub struct Report {
+pub(crate) struct Report {
     /// Each batch's result, in order.
     pub results: Vec<Vec<f32>>,
     /// From the first submission to the end of the one host wait.
@@ -57,7 +57,7 @@ fn lock(engine: &Mutex<CudaEngine>) -> MutexGuard<'_, CudaEngine> {
 }
 
 /// Runs `batches` batches of `n` elements through GPU 0, the peer route and GPU 1.
-pub fn pipeline(
+pub(crate) fn pipeline(
     gpu0: CudaEngine,
     gpu1: CudaEngine,
     batches: usize,

@@ -59,9 +59,6 @@
 //! # Ok(()) }
 //! ```
 
-#![deny(missing_docs)]
-#![warn(clippy::undocumented_unsafe_blocks)]
-
 // The levels, lowest first; a module never imports a level above its own (`tests/levels.rs`
 // checks it). `error`, `dtype` and `sync` sit below them all.
 //

@@ -4,19 +4,19 @@ use cudarc::driver::sys;
 use cuferry::CudaEngine;
 
 /// Panics, naming `call`, unless `code` is success.
-pub fn check(call: &str, code: sys::CUresult) {
+pub(crate) fn check(call: &str, code: sys::CUresult) {
     assert_eq!(code, sys::CUresult::CUDA_SUCCESS, "{call}");
 }
 
 /// The engine's context, for raw calls beside it.
-pub fn context(engine: &mut CudaEngine) -> sys::CUcontext {
+pub(crate) fn context(engine: &mut CudaEngine) -> sys::CUcontext {
     engine
         .with_raw(|r| Ok::<_, cuferry::Error>(r.context().as_raw() as usize))
         .unwrap() as sys::CUcontext
 }
 
 /// A new non-blocking stream of `ctx` (made current).
-pub fn stream(ctx: sys::CUcontext) -> sys::CUstream {
+pub(crate) fn stream(ctx: sys::CUcontext) -> sys::CUstream {
     let mut s = std::ptr::null_mut();
     // SAFETY: `ctx` is an engine's live context; out pointer valid.
     unsafe {
@@ -30,7 +30,7 @@ pub fn stream(ctx: sys::CUcontext) -> sys::CUstream {
 }
 
 /// A new event of `ctx` with timing disabled (the context made current).
-pub fn event(ctx: sys::CUcontext) -> sys::CUevent {
+pub(crate) fn event(ctx: sys::CUcontext) -> sys::CUevent {
     let mut e = std::ptr::null_mut();
     // SAFETY: as in `stream`.
     unsafe {
@@ -46,7 +46,7 @@ pub fn event(ctx: sys::CUcontext) -> sys::CUevent {
 /// The median time of `f`: one warm-up run, then at least 5 runs, and more until `budget` has
 /// passed or `most` runs are in.
 #[allow(dead_code)] // not every bench that shares this module times with it
-pub fn median_within(
+pub(crate) fn median_within(
     budget: std::time::Duration,
     most: usize,
     mut f: impl FnMut(),
@@ -67,7 +67,7 @@ pub fn median_within(
 /// Engines on GPU 0 and GPU 1, or `None` (after saying so, as `bench`) when the machine has
 /// fewer than two GPUs, or when the test harness only lists the benches (`--list`).
 #[allow(dead_code)] // not every bench that shares this module needs two GPUs
-pub fn two_gpus(bench: &str) -> Option<(CudaEngine, CudaEngine)> {
+pub(crate) fn two_gpus(bench: &str) -> Option<(CudaEngine, CudaEngine)> {
     if std::env::args().any(|a| a == "--list") {
         return None;
     }

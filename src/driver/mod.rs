@@ -23,7 +23,7 @@ pub(crate) mod cuda;
 pub(crate) mod graph;
 pub(crate) mod launch;
 #[cfg(any(test, feature = "sim"))]
-pub mod sim;
+pub(crate) mod sim;
 pub(crate) mod wakes;
 
 use crate::error::{DeviceId, DriverError};

@@ -36,6 +36,15 @@ pub struct Fenced<R: Send + 'static> {
     inner: Option<Inner<R>>,
 }
 
+impl<R: Send + 'static> std::fmt::Debug for Fenced<R> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let what = self.inner.as_ref().map(|inner| inner.what);
+        f.debug_struct("Fenced")
+            .field("what", &what)
+            .finish_non_exhaustive()
+    }
+}
+
 /// The parts of a fence. Dropping it leaks `resources` (`ManuallyDrop`): only a proof releases
 /// them, so a panic between the steps of a transition can never free memory the device may use.
 struct Inner<R> {
@@ -371,6 +380,12 @@ pub struct IdleEvent {
     owner: Arc<Shared>,
 }
 
+impl std::fmt::Debug for IdleEvent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IdleEvent").finish_non_exhaustive()
+    }
+}
+
 impl IdleEvent {
     /// The event, for recording again on its own engine.
     pub(crate) fn into_raw(mut self) -> EventHandle {
@@ -409,7 +424,7 @@ impl Drop for IdleEvent {
 /// Resources whose work was queued but could not be fenced or proven complete. No access, no
 /// release: [`retain`](Self::retain) (or dropping it) keeps them for the life of the engine and
 /// counts them in its retirement statistics.
-pub struct Untracked<R: Send + 'static> {
+pub(crate) struct Untracked<R: Send + 'static> {
     /// Owned, never read and never dropped: the device may still touch it.
     #[allow(dead_code)]
     resources: ManuallyDrop<R>,

@@ -48,6 +48,12 @@ pub struct LeasedSlot {
     owner: Arc<Shared>,
 }
 
+impl std::fmt::Debug for LeasedSlot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LeasedSlot").finish_non_exhaustive()
+    }
+}
+
 impl LeasedSlot {
     fn slot(&self) -> &Slot {
         // Invariant: `slot` is `Some` until `drop`.
@@ -117,6 +123,12 @@ pub enum Unproven {}
 pub struct ProvenSlot {
     slot: LeasedSlot,
     event: Option<IdleEvent>,
+}
+
+impl std::fmt::Debug for ProvenSlot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProvenSlot").finish_non_exhaustive()
+    }
 }
 
 impl sealed::LeaseState for Proven {

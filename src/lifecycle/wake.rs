@@ -95,6 +95,14 @@ pub struct FenceFuture<R: Send + 'static> {
     slot: Option<Arc<WakeSlot>>,
 }
 
+impl<R: Send + 'static> std::fmt::Debug for FenceFuture<R> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FenceFuture")
+            .field("registered", &self.slot.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
 impl<R: Send + 'static> FenceFuture<R> {
     pub(crate) fn new(fenced: Fenced<R>) -> Self {
         FenceFuture {

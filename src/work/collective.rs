@@ -264,6 +264,12 @@ impl Communicator {
 /// Dropping it in flight detaches each tensor into its own engine's retirement queue.
 pub struct Collective<T: Element>(PhantomData<fn() -> T>);
 
+impl<T: Element> std::fmt::Debug for Collective<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("Collective").field(&T::DTYPE).finish()
+    }
+}
+
 impl<T: Element> pending::sealed::Sealed for Collective<T> {}
 
 impl<T: Element> Operation for Collective<T> {

@@ -17,7 +17,7 @@
 
 pub mod collective;
 pub mod graph;
-pub mod interop;
+pub(crate) mod interop;
 pub(crate) mod kernels;
 pub mod libs;
 pub(crate) mod raw;

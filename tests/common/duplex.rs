@@ -24,11 +24,11 @@ use cuferry::{
 use proptest::prelude::*;
 
 /// Tensor slots the operations name.
-pub const SLOTS: usize = 4;
+pub(crate) const SLOTS: usize = 4;
 
 /// One step of a case.
 #[derive(Clone, Debug)]
-pub enum Op {
+pub(crate) enum Op {
     /// A pending upload of fresh data into the slot's tensor.
     UploadPending {
         slot: usize,
@@ -105,7 +105,7 @@ pub enum Op {
 }
 
 /// A random step.
-pub fn op() -> impl Strategy<Value = Op> {
+pub(crate) fn op() -> impl Strategy<Value = Op> {
     let slot = 0..SLOTS;
     prop_oneof![
         3 => (slot.clone(), any::<u32>()).prop_map(|(slot, salt)| Op::UploadPending { slot, salt }),
@@ -157,7 +157,7 @@ fn data(len: usize, salt: u32) -> Vec<f32> {
 }
 
 /// The engine under test beside the reference.
-pub struct Run {
+pub(crate) struct Run {
     engine: CudaEngine,
     /// The simulated device behind the engine, if it is one: then the device's race check runs
     /// after every step.
@@ -177,7 +177,7 @@ pub struct Run {
 impl Run {
     /// A run on a fresh simulated engine whose device interleaves its streams by `seed`;
     /// `faults` when the caller injects faults (a failed step then makes its slots unknown).
-    pub fn simulated(len: usize, seed: u64, faults: bool) -> Self {
+    pub(crate) fn simulated(len: usize, seed: u64, faults: bool) -> Self {
         let engine = CudaEngine::simulated(SimConfig::default());
         let sim = engine.sim().expect("a simulated engine");
         sim.set_schedule(Schedule::Interleaved { seed });
@@ -185,7 +185,7 @@ impl Run {
     }
 
     /// A run on `engine` (a real device's, or a simulated one).
-    pub fn on(engine: CudaEngine, len: usize, faults: bool) -> Self {
+    pub(crate) fn on(engine: CudaEngine, len: usize, faults: bool) -> Self {
         let sim = engine.sim();
         Run {
             engine,
@@ -231,12 +231,12 @@ impl Run {
     }
 
     /// The simulated device, for injecting faults.
-    pub fn sim(&self) -> Option<&SimDevice> {
+    pub(crate) fn sim(&self) -> Option<&SimDevice> {
         self.sim.as_ref()
     }
 
     /// Runs one step on the engine and the reference, and checks what it can.
-    pub fn apply(&mut self, op: &Op) {
+    pub(crate) fn apply(&mut self, op: &Op) {
         let len = self.len;
         match *op {
             Op::Alloc { slot } => {
@@ -469,7 +469,7 @@ impl Run {
 
     /// Waits for everything, reads every slot back, and tears down: nothing out of order,
     /// nothing left allocated.
-    pub fn finish(mut self) {
+    pub(crate) fn finish(mut self) {
         for slot in 0..SLOTS {
             self.apply(&Op::Wait { slot });
         }

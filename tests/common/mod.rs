@@ -4,20 +4,20 @@
 
 #![allow(dead_code)]
 
-pub mod duplex;
+pub(crate) mod duplex;
 
 use cuferry::error::UsageError;
 use cuferry::{bf16, f16, DType, Element};
 
 /// xorshift64*: small, seeded, deterministic.
-pub struct Rng(u64);
+pub(crate) struct Rng(u64);
 
 impl Rng {
-    pub fn new(seed: u64) -> Self {
+    pub(crate) fn new(seed: u64) -> Self {
         Rng(seed.max(1).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
     }
 
-    pub fn next_u64(&mut self) -> u64 {
+    pub(crate) fn next_u64(&mut self) -> u64 {
         let mut x = self.0;
         x ^= x >> 12;
         x ^= x << 25;
@@ -27,7 +27,7 @@ impl Rng {
     }
 
     /// Uniform in [-1, 1).
-    pub fn unit(&mut self) -> f64 {
+    pub(crate) fn unit(&mut self) -> f64 {
         (self.next_u64() >> 11) as f64 / (1u64 << 52) as f64 - 1.0
     }
 }
@@ -35,14 +35,14 @@ impl Rng {
 /// A value as the reference converts it between types (Rust's `as`, through `f32` for `f16` and
 /// `bf16`).
 #[derive(Clone, Copy, Debug)]
-pub enum Hub {
+pub(crate) enum Hub {
     Float(f64),
     Int(i128),
     Bool(bool),
 }
 
 /// The host reference for one element type.
-pub trait Reference: Element {
+pub(crate) trait Reference: Element {
     /// A fresh random value: never zero for numbers (so a missed write shows), occasionally
     /// large (so casts saturate and integers wrap).
     fn random(rng: &mut Rng) -> Self;
@@ -275,12 +275,12 @@ impl Reference for bool {
 }
 
 /// `n` fresh random values.
-pub fn random_vec<T: Reference>(rng: &mut Rng, n: usize) -> Vec<T> {
+pub(crate) fn random_vec<T: Reference>(rng: &mut Rng, n: usize) -> Vec<T> {
     (0..n).map(|_| T::random(rng)).collect()
 }
 
 /// Asserts two slices are equal elementwise (NaNs equal), naming the first difference.
-pub fn assert_same<T: Reference>(what: &str, got: &[T], want: &[T]) {
+pub(crate) fn assert_same<T: Reference>(what: &str, got: &[T], want: &[T]) {
     assert_eq!(got.len(), want.len(), "{what}: length");
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
         assert!(
@@ -293,7 +293,7 @@ pub fn assert_same<T: Reference>(what: &str, got: &[T], want: &[T]) {
 }
 
 /// Whether an operation serves a type (the crate's documented support matrix).
-pub fn serves(op: &str, d: DType) -> bool {
+pub(crate) fn serves(op: &str, d: DType) -> bool {
     let float = matches!(d, DType::F32 | DType::F64 | DType::F16 | DType::BF16);
     let signed = matches!(d, DType::I8 | DType::I16 | DType::I32 | DType::I64);
     match op {
@@ -375,7 +375,7 @@ fn expect_unsupported<R: std::fmt::Debug>(what: &str, result: Result<R, Error>) 
 
 /// Checks every elementwise operation but `cast` on `n` fresh random elements of `T` against the
 /// host reference; operations `T` is not served by must be refused with `UnsupportedElement`.
-pub fn check_ops<T: Reference>(engine: &mut CudaEngine, rng: &mut Rng, n: usize) {
+pub(crate) fn check_ops<T: Reference>(engine: &mut CudaEngine, rng: &mut Rng, n: usize) {
     let name = T::DTYPE.name();
     let a_host = random_vec::<T>(rng, n);
     let b_host = random_vec::<T>(rng, n);
@@ -453,7 +453,7 @@ pub fn check_ops<T: Reference>(engine: &mut CudaEngine, rng: &mut Rng, n: usize)
 }
 
 /// Checks `cast` from `T` to every element type on `n` fresh random elements.
-pub fn check_casts_from<T: Reference>(engine: &mut CudaEngine, rng: &mut Rng, n: usize) {
+pub(crate) fn check_casts_from<T: Reference>(engine: &mut CudaEngine, rng: &mut Rng, n: usize) {
     let host = random_vec::<T>(rng, n);
     let a = upload_tensor(engine, &host, &[n]).unwrap();
     crate::for_each_element!(U => {
@@ -468,14 +468,14 @@ use cuferry::error::DriverError;
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
 
 /// An engine on a fresh simulated device, and the device.
-pub fn sim_engine() -> (CudaEngine, SimDevice) {
+pub(crate) fn sim_engine() -> (CudaEngine, SimDevice) {
     let engine = CudaEngine::simulated(SimConfig::default());
     let sim = engine.sim().expect("a simulated engine");
     (engine, sim)
 }
 
 /// `n` per-index distinct `u32`s, never zero.
-pub fn distinct_u32(n: usize) -> Vec<u32> {
+pub(crate) fn distinct_u32(n: usize) -> Vec<u32> {
     (0..n as u32)
         .map(|i| i.wrapping_mul(2_654_435_761) | 1)
         .collect()
@@ -483,7 +483,7 @@ pub fn distinct_u32(n: usize) -> Vec<u32> {
 
 /// How a fault is injected into one transfer.
 #[derive(Clone, Copy, Debug)]
-pub enum Fault {
+pub(crate) enum Fault {
     /// The n-th call of an operation fails with the error.
     Call(SimOp, u64, DriverError),
     /// The n-th event record fails and so does the stream synchronize that would prove the copy
@@ -494,7 +494,7 @@ pub enum Fault {
 }
 
 impl Fault {
-    pub fn arm(self, sim: &SimDevice) {
+    pub(crate) fn arm(self, sim: &SimDevice) {
         match self {
             Fault::Call(op, n, error) => sim.fail_nth(op, n, error),
             Fault::Untracked(n) => {
@@ -506,7 +506,7 @@ impl Fault {
     }
 
     /// The driver error the route reports.
-    pub fn reported(self) -> DriverError {
+    pub(crate) fn reported(self) -> DriverError {
         match self {
             Fault::Call(_, _, error) => error,
             Fault::Untracked(_) => DriverError::UNKNOWN,
@@ -515,7 +515,7 @@ impl Fault {
     }
 
     /// Whether the fault leaves a chunk that nothing can prove complete (its slot is retained).
-    pub fn retains(self) -> bool {
+    pub(crate) fn retains(self) -> bool {
         matches!(
             self,
             Fault::Call(SimOp::EventSynchronize | SimOp::StreamSynchronize, ..)
@@ -526,7 +526,7 @@ impl Fault {
 }
 
 /// A simulated machine of `devices` devices.
-pub fn sim_machine(devices: usize) -> SimDevice {
+pub(crate) fn sim_machine(devices: usize) -> SimDevice {
     SimDevice::new(cuferry::sim::SimConfig {
         devices,
         ..cuferry::sim::SimConfig::default()
@@ -534,7 +534,7 @@ pub fn sim_machine(devices: usize) -> SimDevice {
 }
 
 /// Two engines of `sim`, on its devices `a` and `b`.
-pub fn engines_on(sim: &SimDevice, a: usize, b: usize) -> (CudaEngine, CudaEngine) {
+pub(crate) fn engines_on(sim: &SimDevice, a: usize, b: usize) -> (CudaEngine, CudaEngine) {
     (
         CudaEngine::simulated_on_device(sim, a).unwrap(),
         CudaEngine::simulated_on_device(sim, b).unwrap(),
@@ -543,7 +543,7 @@ pub fn engines_on(sim: &SimDevice, a: usize, b: usize) -> (CudaEngine, CudaEngin
 
 /// `n` integers from 0 to 4 as `T`: their sums, products, maxima and minima over a few ranks are
 /// exact in every element type a collective takes.
-pub fn small_values<T: Reference>(rng: &mut Rng, n: usize) -> Vec<T> {
+pub(crate) fn small_values<T: Reference>(rng: &mut Rng, n: usize) -> Vec<T> {
     random_vec::<u8>(rng, n)
         .into_iter()
         .map(|v| T::from_hub(Hub::Int(i128::from(v % 5))))
@@ -551,7 +551,7 @@ pub fn small_values<T: Reference>(rng: &mut Rng, n: usize) -> Vec<T> {
 }
 
 /// `op` of two elements, as the reference computes it (the mean is checked on its own).
-pub fn reduce_pair<T: Reference>(op: cuferry::collective::ReduceOp, p: T, q: T) -> T {
+pub(crate) fn reduce_pair<T: Reference>(op: cuferry::collective::ReduceOp, p: T, q: T) -> T {
     let less = |x: T, y: T| match (x.hub(), y.hub()) {
         (Hub::Float(x), Hub::Float(y)) => x < y,
         (Hub::Int(x), Hub::Int(y)) => x < y,

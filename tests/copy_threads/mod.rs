@@ -4,7 +4,7 @@
 //! would never run). The size is set before `main`, so no test can build the pool first.
 
 /// The copy threads these binaries run with.
-pub const COPY_THREADS: usize = 4;
+pub(crate) const COPY_THREADS: usize = 4;
 
 #[ctor::ctor(unsafe)]
 fn size_the_copy_pool() {

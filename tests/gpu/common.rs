@@ -3,20 +3,20 @@
 use cuferry::CudaEngine;
 
 /// Opens device 0, which every GPU test runs on.
-pub fn open() -> CudaEngine {
+pub(crate) fn open() -> CudaEngine {
     CudaEngine::open(0).expect("a CUDA device at ordinal 0")
 }
 
 /// Per-index distinct values: never zeros, never repeating within 2^24.
-pub fn distinct_f32(n: usize) -> Vec<f32> {
+pub(crate) fn distinct_f32(n: usize) -> Vec<f32> {
     (0..n).map(|i| (i % (1 << 24)) as f32 * 0.5 + 1.0).collect()
 }
 
 /// A context that belongs to no engine, made current on this thread; destroyed on drop.
-pub struct ForeignContext(pub cudarc::driver::sys::CUcontext);
+pub(crate) struct ForeignContext(pub cudarc::driver::sys::CUcontext);
 
 impl ForeignContext {
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         use cudarc::driver::{result, sys};
         let dev = result::device::get(0).unwrap();
         let mut ctx = std::mem::MaybeUninit::uninit();
@@ -37,7 +37,7 @@ impl Drop for ForeignContext {
 }
 
 /// The context current on this thread (null for none).
-pub fn current_context() -> cudarc::driver::sys::CUcontext {
+pub(crate) fn current_context() -> cudarc::driver::sys::CUcontext {
     cudarc::driver::result::ctx::get_current()
         .unwrap()
         .unwrap_or(std::ptr::null_mut())

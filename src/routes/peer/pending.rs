@@ -33,7 +33,7 @@ use std::mem::ManuallyDrop;
 
 /// What a peer copy owns: the tensor it reads, of the source engine, and the tensor it writes,
 /// of the destination engine.
-pub struct PeerPackage<T: Element> {
+pub(crate) struct PeerPackage<T: Element> {
     source: DeviceTensor<T>,
     destination: DeviceTensor<T>,
 }
@@ -43,6 +43,14 @@ pub struct PeerPackage<T: Element> {
 pub struct InFlightPeer<T: Element> {
     package: PeerPackage<T>,
     waited_for: Option<Signal>,
+}
+
+impl<T: Element> std::fmt::Debug for InFlightPeer<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("InFlightPeer")
+            .field("dtype", &T::DTYPE)
+            .finish_non_exhaustive()
+    }
 }
 
 impl<T: Element> InFlightPeer<T> {
@@ -62,9 +70,23 @@ pub struct PeerLanded<T: Element> {
     event: IdleEvent,
 }
 
+impl<T: Element> std::fmt::Debug for PeerLanded<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PeerLanded")
+            .field("dtype", &T::DTYPE)
+            .finish_non_exhaustive()
+    }
+}
+
 /// The operation of [`copy_pending`]: a copy of one engine's tensor into another engine's,
 /// device to device. Its [parts](Operation::Parts) are `(source, destination)`.
 pub struct PeerCopy<T: Element>(PhantomData<fn() -> T>);
+
+impl<T: Element> std::fmt::Debug for PeerCopy<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("PeerCopy").field(&T::DTYPE).finish()
+    }
+}
 
 impl<T: Element> sealed::Sealed for PeerCopy<T> {}
 

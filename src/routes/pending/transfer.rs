@@ -33,6 +33,15 @@ use std::mem::ManuallyDrop;
 /// [parts](Operation::Parts) are `(B, DeviceTensor<T>)`.
 pub struct Upload<T: Element, B: HostBuffer<T> = PinnedHostBuffer<T>>(PhantomData<fn() -> (T, B)>);
 
+impl<T: Element, B: HostBuffer<T>> std::fmt::Debug for Upload<T, B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("Upload")
+            .field(&T::DTYPE)
+            .field(&B::KIND)
+            .finish()
+    }
+}
+
 /// The operation of [`download_pending`]: a copy from a [`DeviceTensor`] into a page-locked host
 /// buffer `B` (a [`PinnedHostBuffer`] unless `B` says otherwise). Its
 /// [parts](Operation::Parts) are `(B, DeviceTensor<T>)`.
@@ -40,16 +49,43 @@ pub struct Download<T: Element, B: HostBuffer<T> = PinnedHostBuffer<T>>(
     PhantomData<fn() -> (T, B)>,
 );
 
+impl<T: Element, B: HostBuffer<T>> std::fmt::Debug for Download<T, B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("Download")
+            .field(&T::DTYPE)
+            .field(&B::KIND)
+            .finish()
+    }
+}
+
 /// What a host transfer owns: the host buffer and the device tensor.
 pub struct TransferPackage<T: Element, B: HostBuffer<T>> {
     pub(crate) buffer: B,
     pub(crate) tensor: DeviceTensor<T>,
 }
 
+impl<T: Element, B: HostBuffer<T>> std::fmt::Debug for TransferPackage<T, B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TransferPackage")
+            .field("dtype", &T::DTYPE)
+            .field("host", &B::KIND)
+            .finish_non_exhaustive()
+    }
+}
+
 /// A returned transfer's parts, with its idle event kept for resubmission.
 pub struct Landed<T: Element, B: HostBuffer<T>> {
     package: TransferPackage<T, B>,
     event: IdleEvent,
+}
+
+impl<T: Element, B: HostBuffer<T>> std::fmt::Debug for Landed<T, B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Landed")
+            .field("dtype", &T::DTYPE)
+            .field("host", &B::KIND)
+            .finish_non_exhaustive()
+    }
 }
 
 /// The direction of a host transfer: what the shared code asks of [`Upload`] and [`Download`].

@@ -25,6 +25,14 @@ pub struct Ranks<T: Element> {
     pub(super) kind: Kind,
 }
 
+impl<T: Element> std::fmt::Debug for Ranks<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ranks")
+            .field("dtype", &T::DTYPE)
+            .finish_non_exhaustive()
+    }
+}
+
 /// A returned collective: every rank's tensor, in rank order, with each rank's idle event (where
 /// it had one) kept for resubmission.
 pub struct RanksLanded<T: Element> {
@@ -32,6 +40,14 @@ pub struct RanksLanded<T: Element> {
     pub(super) events: Vec<Option<IdleEvent>>,
     pub(super) comms: Arc<Comms>,
     pub(super) kind: Kind,
+}
+
+impl<T: Element> std::fmt::Debug for RanksLanded<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RanksLanded")
+            .field("dtype", &T::DTYPE)
+            .finish_non_exhaustive()
+    }
 }
 
 impl<T: Element> Ranks<T> {
@@ -117,6 +133,14 @@ pub struct RanksFuture<T: Element> {
     landed: Option<RanksLanded<T>>,
     current: Option<FenceFuture<(DeviceTensor<T>, Arc<Comms>)>>,
     rest: std::vec::IntoIter<Part<T>>,
+}
+
+impl<T: Element> std::fmt::Debug for RanksFuture<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RanksFuture")
+            .field("dtype", &T::DTYPE)
+            .finish_non_exhaustive()
+    }
 }
 
 // Nothing is pinned structurally: the device holds the tensors' addresses, not the future's.

@@ -58,6 +58,14 @@ mod private {
         pub(super) call: GemmFn<T>,
     }
 
+    impl<T> std::fmt::Debug for Gemm<T> {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.debug_struct("Gemm")
+                .field("name", &self.name)
+                .finish_non_exhaustive()
+        }
+    }
+
     impl GemmCall for f32 {
         const GEMM: Gemm<f32> = Gemm {
             name: "cublasSgemm_v2",

@@ -35,6 +35,12 @@ pub(super) mod calls {
         pub(in crate::work::libs) compute_symbol: &'static [u8],
     }
 
+    impl std::fmt::Debug for TensorConsts {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.debug_struct("TensorConsts").finish_non_exhaustive()
+        }
+    }
+
     impl TensorType for f32 {
         const TENSOR: TensorConsts = TensorConsts {
             data_type: cudaDataType_t::CUDA_R_32F,

@@ -68,6 +68,14 @@ pub(super) mod calls {
         pub(in crate::work::libs) potrs: PotrsFn,
     }
 
+    impl std::fmt::Debug for Potrf {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.debug_struct("Potrf")
+                .field("names", &self.names)
+                .finish_non_exhaustive()
+        }
+    }
+
     fn check(status: sys::cusolverStatus_t) -> Result<(), CusolverError> {
         if status == sys::cusolverStatus_t::CUSOLVER_STATUS_SUCCESS {
             Ok(())
