@@ -1,5 +1,5 @@
 //! The engine's one order over its three streams on the GPU: the model of
-//! `tests/common/duplex.rs` (pending and blocking transfers, kernels on resident and in-flight
+//! `tests/support/duplex.rs` (pending and blocking transfers, kernels on resident and in-flight
 //! tensors, device copies, raw scopes, waits and drops, in random order) on a real engine, where
 //! the copy engines and the SMs really run at once, read back against the program-order
 //! reference. Fewer cases than on the simulated device; 4 MiB slots, so copies overlap kernels.

@@ -5,7 +5,7 @@
 mod awaiting;
 mod collective;
 mod common;
-#[path = "../common/mod.rs"]
+#[path = "../support/mod.rs"]
 mod reference;
 
 #[cfg(feature = "cubecl")]

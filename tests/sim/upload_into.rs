@@ -4,11 +4,7 @@
 //! call the route makes, after which nothing is freed early, nothing leaks and the same tensor
 //! takes a correct upload again.
 
-mod copy_threads;
-
-mod common;
-
-use common::{assert_same, random_vec, Fault, Reference, Rng};
+use crate::support::{assert_same, random_vec, Fault, Reference, Rng};
 use cuferry::error::UsageError;
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{

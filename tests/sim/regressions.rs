@@ -1,7 +1,5 @@
 //! Regression tests for lifecycle bugs, each reduced to the scenario that found it.
 
-mod copy_threads;
-
 use cuferry::error::UsageError;
 use cuferry::sim::{SimConfig, SimOp};
 use cuferry::{
@@ -204,8 +202,7 @@ const SLOT: usize = 64 << 10;
 /// of device memory, staging through 64 KiB chunks, four at a time, with the process's copy
 /// pool set to four threads before any transfer.
 fn tight_engine(pinned_bytes: usize, memory_bytes: usize) -> CudaEngine {
-    static POOL: std::sync::Once = std::sync::Once::new();
-    POOL.call_once(|| cuferry::staging::set_copy_threads(4).expect("set before first use"));
+    // The binary runs with four copy threads (`support::copy_threads`).
     assert!(cuferry::staging::copy_threads() >= 2);
     let mut engine = CudaEngine::simulated(SimConfig {
         pinned_bytes,

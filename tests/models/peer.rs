@@ -11,8 +11,6 @@
 //! fault into one call of the routes (peer copies, waits, records, synchronizes, peer access):
 //! every failure is a typed error, and nothing runs out of order or leaks.
 
-mod copy_threads;
-
 use cuferry::error::SetupError;
 use cuferry::sim::{Schedule, SimConfig, SimDevice, SimOp};
 use cuferry::{

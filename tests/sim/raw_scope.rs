@@ -1,8 +1,6 @@
 //! Raw scopes on the simulated device: the caller's context is restored on return, on `Err` and
 //! on unwind; entering a scope is not a host barrier; work queued around a scope keeps its order.
 
-mod copy_threads;
-
 use cuferry::error::UsageError;
 use cuferry::sim::{set_thread_context, thread_context, SimConfig, SimDevice, SimOp};
 use cuferry::{download_tensor, upload_tensor, CudaEngine, Error};

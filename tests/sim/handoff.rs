@@ -4,11 +4,7 @@
 //! Host waits are counted by the simulator (event and stream synchronizes); "nothing ran yet" is
 //! its queue: with the clock held, queued work runs only when a test advances it.
 
-mod copy_threads;
-
-mod common;
-
-use common::{random_vec, Reference, Rng};
+use crate::support::{random_vec, Reference, Rng};
 use cuferry::error::UsageError;
 use cuferry::graph::{GraphCompiler, Input, TracedTensor};
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
@@ -53,7 +49,7 @@ fn chain_through_a_device_copy<T: Reference + Element>(rng: &mut Rng, n: usize) 
     let download = download.wait().unwrap();
     assert_eq!(host_waits(&sim), waits + 1, "{}: one host wait", T::DTYPE);
     let got = download.buffer().as_slice().to_vec();
-    common::assert_same(&format!("{} n={n}", T::DTYPE), &got, &data);
+    crate::support::assert_same(&format!("{} n={n}", T::DTYPE), &got, &data);
     // The upload completed before the download in stream order: its proof needs no wait.
     let upload = match upload.try_wait().unwrap() {
         cuferry::pending::TryWait::Returned(r) => r,

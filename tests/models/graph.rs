@@ -8,9 +8,7 @@
 //! step of `prepare` and `run` must surface as errors, leave the program usable or cleanly
 //! dropped, and leak nothing: no device memory, no graph, no violation on the device.
 
-mod common;
-
-use common::{random_vec, Reference, Rng};
+use crate::support::{random_vec, Reference, Rng};
 use cuferry::graph::{GraphCompiler, Input, Output, Prepared, TracedTensor};
 use cuferry::sim::{SimConfig, SimOp};
 use cuferry::{
@@ -118,7 +116,7 @@ struct Recipe {
 }
 
 fn serves(op: &str, d: DType) -> bool {
-    common::serves(op, d)
+    crate::support::serves(op, d)
 }
 
 fn value_of<T: Reference>(seed: u64) -> T {
@@ -443,7 +441,7 @@ fn check_run(
         typed!(want.dtype, T => {
             let tensor = out.as_tensor::<T>().expect("output of its type");
             let got = download_tensor(engine, tensor)?;
-            common::assert_same(&format!("output {k} ({:?})", recipe), &got, want.get::<T>());
+            crate::support::assert_same(&format!("output {k} ({:?})", recipe), &got, want.get::<T>());
         });
         if let Output::Borrowed { input, .. } = out {
             assert!(*input < recipe.inputs.len());
@@ -554,7 +552,7 @@ fn fused_matches_eager(engine: &mut CudaEngine) {
         let mut t = x.clone();
         let mut e = engine.copy_tensor(&xt).unwrap();
         for op in ["add", "mul", "sub", "div"] {
-            if !common::serves(op, d) {
+            if !crate::support::serves(op, d) {
                 continue;
             }
             t = match op {
@@ -572,11 +570,11 @@ fn fused_matches_eager(engine: &mut CudaEngine) {
             }
             .unwrap();
         }
-        if common::serves("scale", d) {
+        if crate::support::serves("scale", d) {
             t = t.scale(factor).unwrap();
             e = engine.scale(&e, factor).unwrap();
         }
-        if common::serves("neg", d) {
+        if crate::support::serves("neg", d) {
             t = (-&t).unwrap();
             e = engine.neg(&e).unwrap();
         }
@@ -594,7 +592,7 @@ fn fused_matches_eager(engine: &mut CudaEngine) {
             .unwrap();
         let fused = download_tensor(engine, outputs[0].as_tensor::<T>().unwrap()).unwrap();
         let eager = download_tensor(engine, &e).unwrap();
-        common::assert_same(&format!("fused {d} against eager"), &fused, &eager);
+        crate::support::assert_same(&format!("fused {d} against eager"), &fused, &eager);
     }
     let mut rng = Rng::new(77);
     cuferry_tests_each!(T => chain::<T>(engine, &mut rng));
@@ -672,7 +670,7 @@ fn on_the_gpu_products_match_the_eager_matmul() {
         for (out, want) in outputs.iter().zip([&want_captured, &want_eager]) {
             let got = download_tensor(&mut engine, out.as_tensor::<f32>().unwrap()).unwrap();
             let want = download_tensor(&mut engine, want).unwrap();
-            common::assert_same("product", &got, &want);
+            crate::support::assert_same("product", &got, &want);
         }
     }
     assert!(prepared.stats().graph_launches >= 3);

@@ -1,8 +1,6 @@
 //! The proof of completion under faults, threads, memory pressure, panics and foreign engines, on
 //! the simulated device.
 
-mod copy_threads;
-
 use cuferry::error::{StagingError, UsageError};
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{

@@ -6,24 +6,19 @@
 //! The process's copy pool is set to four threads before anything uses it, so the parallel path
 //! runs whatever the machine's core count.
 
-mod copy_threads;
-
-mod common;
-
-use common::{random_vec, Fault, Rng};
+use crate::support::{random_vec, Fault, Rng};
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{
     download_tensor, download_tensor_into, error::DriverError, staging::StagingConfig,
     upload_tensor, upload_tensor_into, CudaEngine, Error,
 };
-use std::sync::Once;
 
 const CHUNK: usize = 1 << 20;
 const DEPTH: usize = 4;
 
 fn engine() -> (CudaEngine, SimDevice) {
-    static POOL: Once = Once::new();
-    POOL.call_once(|| cuferry::staging::set_copy_threads(4).expect("set before first use"));
+    // The binary runs with four copy threads (`support::copy_threads`).
+    assert!(cuferry::staging::copy_threads() >= 2);
     let mut engine = CudaEngine::simulated(SimConfig::default());
     let mut config = StagingConfig::default();
     config.chunk_bytes = CHUNK;
@@ -241,7 +236,10 @@ fn a_slot_refused_up_front_leaves_nothing_leased() {
 /// the ring's depth, and a partial last part.
 #[test]
 fn marked_parts_copy_out_every_element_type_at_every_boundary() {
-    fn case<T: common::Reference + std::fmt::Debug>(engine: &mut CudaEngine, rng: &mut Rng) {
+    fn case<T: crate::support::Reference + std::fmt::Debug>(
+        engine: &mut CudaEngine,
+        rng: &mut Rng,
+    ) {
         const MARK: usize = 512 << 10;
         let size = std::mem::size_of::<T>();
         let (part, chunk) = (MARK / size, CHUNK / size);
@@ -258,10 +256,10 @@ fn marked_parts_copy_out_every_element_type_at_every_boundary() {
             let data = random_vec::<T>(rng, n);
             let tensor = upload_tensor(engine, &data, &[n]).unwrap();
             let back = download_tensor(engine, &tensor).unwrap();
-            common::assert_same(&format!("{} n={n}", T::DTYPE), &back, &data);
+            crate::support::assert_same(&format!("{} n={n}", T::DTYPE), &back, &data);
             if T::DTYPE.any_bit_pattern() {
                 let into = download_tensor_into(engine, &tensor, Vec::new()).unwrap();
-                common::assert_same(&format!("{} into n={n}", T::DTYPE), &into, &data);
+                crate::support::assert_same(&format!("{} into n={n}", T::DTYPE), &into, &data);
             }
         }
     }

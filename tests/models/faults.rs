@@ -97,8 +97,6 @@
 // Refused submissions hand their package back by value, as the engine's own APIs do.
 #![allow(clippy::result_large_err)]
 
-mod copy_threads;
-
 use cuferry::error::{StagingError, UsageError};
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{

@@ -2,11 +2,7 @@
 //! element type, typed refusals, the per-engine kernel cache, and stream ordering (a queued
 //! kernel has written nothing until the device clock reaches it, and a chain waits for nothing).
 
-mod copy_threads;
-
-mod common;
-
-use common::{check_casts_from, check_ops, Reference, Rng};
+use crate::support::{check_casts_from, check_ops, Reference, Rng};
 use cuferry::error::UsageError;
 use cuferry::sim::{SimConfig, SimOp};
 use cuferry::{

@@ -4,11 +4,7 @@
 //! refusals, which hand the tensors back; detach on drop into each engine's queue; a failed wait
 //! that retains; and a fault at every driver call of the route.
 
-mod copy_threads;
-
-mod common;
-
-use common::{assert_same, reduce_pair, small_values, Reference, Rng};
+use crate::support::{assert_same, reduce_pair, small_values, Reference, Rng};
 use cuferry::error::{SetupError, UsageError};
 use cuferry::sim::{Schedule, SimConfig, SimDevice, SimOp};
 use cuferry::{

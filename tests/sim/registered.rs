@@ -2,11 +2,7 @@
 //! simulated device: round trips for every element type, when the copies touch the caller's
 //! memory, detach-on-drop, `mem::forget`, and a fault at every driver call of the lifecycle.
 
-mod copy_threads;
-
-mod common;
-
-use common::{
+use crate::support::{
     assert_same, distinct_u32 as distinct, random_vec, sim_engine, Fault, Reference, Rng,
 };
 use cuferry::error::UsageError;

@@ -22,8 +22,6 @@
 //! synchronize that fails (in `synchronize`, in the teardown's final wait, or in the fallback
 //! wait after a failed event record, which leaves the submission retained).
 
-mod copy_threads;
-
 use cuferry::error::UsageError;
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{

@@ -1,8 +1,6 @@
 //! Prepared programs on the simulated device: the rules of tracing, compiling, preparing and
 //! running, each shown by what the device did (or did not do).
 
-mod copy_threads;
-
 use cuferry::error::{ProgramError, UsageError};
 use cuferry::graph::{GraphCompiler, Input, OutputKind, Program, TracedTensor};
 use cuferry::sim::{SimConfig, SimDevice, SimOp};

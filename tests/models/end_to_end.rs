@@ -13,8 +13,6 @@
 //! exactly what the model says; transfers must be ready exactly when the clock has passed their
 //! event.
 
-mod copy_threads;
-
 use cuferry::sim::SimDevice;
 use cuferry::{
     download_pending, download_tensor,

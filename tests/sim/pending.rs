@@ -1,7 +1,5 @@
 //! Pinned buffers and pending transfers on the simulated device.
 
-mod copy_threads;
-
 use cuferry::error::UsageError;
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{

@@ -3,8 +3,6 @@
 //! step. The reference is the host data itself: whatever comes back must equal it, and whatever
 //! fails must leave the ring, the retirement queue and the pinned memory accounted for.
 
-mod copy_threads;
-
 use cuferry::sim::{SimConfig, SimOp};
 use cuferry::{
     download_tensor, error::DriverError, staging::StagingConfig, upload_tensor, CudaEngine, Error,

@@ -1,7 +1,5 @@
 //! The engine's rules, checked on the simulated device.
 
-mod copy_threads;
-
 use cuferry::error::{SetupError, UsageError};
 use cuferry::sim::{set_thread_context, thread_context, SimConfig, SimDevice, SimOp};
 use cuferry::{

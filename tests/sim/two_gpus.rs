@@ -2,10 +2,8 @@
 //! under interleaved streams: every batch's result is right, the host waits once (the program
 //! checks every other transfer complete without waiting), and nothing runs out of order or leaks.
 
-mod copy_threads;
-
 #[allow(dead_code)]
-#[path = "../examples/two_gpus.rs"]
+#[path = "../../examples/two_gpus.rs"]
 mod example;
 
 use cuferry::sim::{Schedule, SimConfig, SimDevice};

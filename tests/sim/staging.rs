@@ -1,8 +1,6 @@
 //! The blocking routes' staging pipeline on the simulated device: correctness at every size
 //! boundary for every element type, fault injection at every step, and concurrency.
 
-mod copy_threads;
-
 use cuferry::error::{StagingError, UsageError};
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{

@@ -3,8 +3,6 @@
 //! run in; a refused wait falls back to a host wait and is reported; signals between separate
 //! simulated devices are refused; a signal of failed work reports the failure.
 
-mod copy_threads;
-
 use cuferry::error::SetupError;
 use cuferry::sim::{Schedule, SimConfig, SimDevice, SimOp};
 use cuferry::{

@@ -4,11 +4,7 @@
 //! the destination engine's queue, `mem::forget`, a failed wait that retains both tensors,
 //! resubmission, `.await`, and a fault at every driver call of the route.
 
-mod copy_threads;
-
-mod common;
-
-use common::{
+use crate::support::{
     assert_same, engines_on as engines, random_vec, sim_machine as machine, Reference, Rng,
 };
 use cuferry::error::{SetupError, UsageError};

@@ -5,8 +5,6 @@
 //! works again or refuses clearly, and what is still pinned or allocated after teardown is what
 //! the engine says it retained.
 
-mod copy_threads;
-
 use cuferry::error::SetupError;
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{

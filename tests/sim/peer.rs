@@ -3,11 +3,7 @@
 //! under interleaved streams; refusals where there is no link; a fault at every driver call of the
 //! route reported, with nothing freed under the copy and nothing leaked.
 
-mod copy_threads;
-
-mod common;
-
-use common::{
+use crate::support::{
     assert_same, engines_on as engines, random_vec, sim_machine as machine, Reference, Rng,
 };
 use cuferry::error::{SetupError, UsageError};

@@ -1,11 +1,7 @@
 //! `.await` on pending transfers, on the simulated device: woken by the device's clock, on any
 //! executor, cancel-safe, and with every failure typed and nothing freed early.
 
-mod copy_threads;
-
-mod common;
-
-use common::Fault;
+use crate::support::Fault;
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{
     download_pending,

@@ -2,8 +2,6 @@
 //! library ("simulated device"), only after its arguments are validated, and it leaves every
 //! operand as it was.
 
-mod copy_threads;
-
 use cuferry::error::{SetupError, UsageError};
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{download_tensor, libs::GemmConfig, upload_tensor, CudaEngine, Error};

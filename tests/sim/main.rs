@@ -1,0 +1,39 @@
+//! The simulated-device tests, in one binary with a module per feature: every route, lifecycle
+//! and subsystem against the deterministic simulated device (feature `sim`), so CI checks what
+//! the GPU runs without a GPU. The staged routes run with four copy threads (`support::
+//! copy_threads`), so their parallel paths run on any machine.
+
+#[path = "../support/copy_threads.rs"]
+mod copy_threads;
+#[macro_use]
+#[path = "../support/mod.rs"]
+mod support;
+
+// Host transfers: the blocking routes, and the pending ones with their buffers.
+mod handoff;
+mod pending;
+mod registered;
+mod transfers;
+mod upload_into;
+// `.await` on operations in flight.
+mod awaiting;
+// Staging leases and the lifecycles behind every route.
+mod lifecycle;
+mod staging;
+// Several engines: signals, peer copies, the two-GPU pipeline, collectives.
+mod collectives;
+mod peer;
+mod peer_pending;
+mod signals;
+mod two_gpus;
+// Work on the device: kernels, libraries, prepared graphs, raw scopes, CubeCL.
+mod cubecl;
+mod graphs;
+mod kernels;
+mod raw_scope;
+mod vendor;
+// The engine itself, the Send/Sync design, and the bugs that were found.
+mod engine;
+mod fault_sweep;
+mod regressions;
+mod send_sync;
