@@ -1,6 +1,7 @@
 //! `.await` on pending transfers, on the simulated device: woken by the device's clock, on any
 //! executor, cancel-safe, and with every failure typed and nothing freed early.
 
+use crate::support::distinct_salted as distinct;
 use crate::support::Fault;
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{
@@ -23,12 +24,6 @@ fn engine() -> (CudaEngine, SimDevice) {
     engine.set_pinned_pool_budget(0).unwrap();
     let sim = engine.sim().unwrap();
     (engine, sim)
-}
-
-fn distinct(n: usize, salt: u32) -> Vec<u32> {
-    (0..n as u32)
-        .map(|i| (i ^ salt).wrapping_mul(2_654_435_761) | 1)
-        .collect()
 }
 
 /// A pending upload of `data`, with the address of its pinned buffer and of its tensor.

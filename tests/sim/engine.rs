@@ -1,21 +1,12 @@
 //! The engine's rules, checked on the simulated device.
 
+use crate::support::{distinct_f32 as distinct, sim_engine as engine};
 use cuferry::error::{SetupError, UsageError};
-use cuferry::sim::{set_thread_context, thread_context, SimConfig, SimDevice, SimOp};
+use cuferry::sim::{set_thread_context, thread_context, SimDevice, SimOp};
 use cuferry::{
     download_tensor, download_tensor_into, error::DriverError, upload_tensor, CudaEngine, DType,
     Error,
 };
-
-fn engine() -> (CudaEngine, SimDevice) {
-    let engine = CudaEngine::simulated(SimConfig::default());
-    let sim = engine.sim().expect("simulated engine");
-    (engine, sim)
-}
-
-fn distinct(n: usize) -> Vec<f32> {
-    (0..n).map(|i| i as f32 * 1.5 + 0.25).collect()
-}
 
 #[test]
 fn flush_does_not_wait_and_synchronize_does() {

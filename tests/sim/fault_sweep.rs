@@ -5,6 +5,7 @@
 //! works again or refuses clearly, and what is still pinned or allocated after teardown is what
 //! the engine says it retained.
 
+use crate::support::distinct_salted as distinct;
 use cuferry::error::SetupError;
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{
@@ -31,12 +32,6 @@ const OPS: [(SimOp, DriverError); 14] = [
     (SimOp::StreamSynchronize, DriverError::LAUNCH_FAILED),
     (SimOp::Launch, DriverError::LAUNCH_FAILED),
 ];
-
-fn distinct(n: usize, salt: u32) -> Vec<u32> {
-    (0..n as u32)
-        .map(|i| (i ^ salt).wrapping_mul(2_654_435_761) | 1)
-        .collect()
-}
 
 /// Checks a result: data that comes back is right; a failure is one of the crate's typed errors.
 fn check<T>(result: Result<T, Error>, ok: impl FnOnce(T)) -> Result<(), Error> {

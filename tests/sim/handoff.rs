@@ -4,20 +4,15 @@
 //! Host waits are counted by the simulator (event and stream synchronizes); "nothing ran yet" is
 //! its queue: with the clock held, queued work runs only when a test advances it.
 
+use crate::support::sim_engine as engine;
 use crate::support::{random_vec, Reference, Rng};
 use cuferry::error::UsageError;
 use cuferry::graph::{GraphCompiler, Input, TracedTensor};
-use cuferry::sim::{SimConfig, SimDevice, SimOp};
+use cuferry::sim::{SimDevice, SimOp};
 use cuferry::{
-    download_pending, download_tensor, error::DriverError, upload_pending, upload_tensor,
-    CudaEngine, DType, Element, Error, PinnedHostBuffer, SubmitError,
+    download_pending, download_tensor, error::DriverError, upload_pending, upload_tensor, DType,
+    Element, Error, PinnedHostBuffer, SubmitError,
 };
-
-fn engine() -> (CudaEngine, SimDevice) {
-    let engine = CudaEngine::simulated(SimConfig::default());
-    let sim = engine.sim().unwrap();
-    (engine, sim)
-}
 
 /// Host waits the device has seen so far.
 fn host_waits(sim: &SimDevice) -> u64 {

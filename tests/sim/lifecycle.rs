@@ -1,6 +1,7 @@
 //! The proof of completion under faults, threads, memory pressure, panics and foreign engines, on
 //! the simulated device.
 
+use crate::support::{distinct_u32 as distinct, sim_engine as engine};
 use cuferry::error::{StagingError, UsageError};
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{
@@ -11,18 +12,6 @@ use cuferry::{
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc;
 use std::time::Duration;
-
-fn engine() -> (CudaEngine, SimDevice) {
-    let engine = CudaEngine::simulated(SimConfig::default());
-    let sim = engine.sim().unwrap();
-    (engine, sim)
-}
-
-fn distinct(n: usize) -> Vec<u32> {
-    (0..n as u32)
-        .map(|i| i.wrapping_mul(2_654_435_761) | 1)
-        .collect()
-}
 
 /// A staging chunk whose event record fails and whose fallback stream synchronize fails too
 /// cannot be proven: the lease comes back `Untracked`, which can only be retired, and the slot's

@@ -1,23 +1,12 @@
 //! Pinned buffers and pending transfers on the simulated device.
 
+use crate::support::{distinct_u32 as distinct, sim_engine as engine};
 use cuferry::error::UsageError;
-use cuferry::sim::{SimConfig, SimDevice, SimOp};
+use cuferry::sim::{SimConfig, SimOp};
 use cuferry::{
     download_pending, download_tensor, download_tensor_into, error::DriverError, pending::TryWait,
     upload_pending, upload_tensor, CudaEngine, Error, PinnedHostBuffer, SubmitError,
 };
-
-fn engine() -> (CudaEngine, SimDevice) {
-    let engine = CudaEngine::simulated(SimConfig::default());
-    let sim = engine.sim().unwrap();
-    (engine, sim)
-}
-
-fn distinct(n: usize) -> Vec<u32> {
-    (0..n as u32)
-        .map(|i| i.wrapping_mul(2_654_435_761) | 1)
-        .collect()
-}
 
 #[test]
 fn a_zero_length_pinned_buffer_is_a_typed_error() {

@@ -1,15 +1,12 @@
 //! Regression tests for lifecycle bugs, each reduced to the scenario that found it.
 
+use crate::support::distinct_f32 as distinct;
 use cuferry::error::UsageError;
 use cuferry::sim::{SimConfig, SimOp};
 use cuferry::{
     download_tensor, error::DriverError, staging::StagingConfig, upload_pending, upload_tensor,
     CudaEngine, Error, PinnedHostBuffer, SubmitError,
 };
-
-fn distinct(n: usize) -> Vec<f32> {
-    (0..n).map(|i| i as f32 * 1.5 + 0.25).collect()
-}
 
 /// A returned transfer resubmitted on an engine of another device is refused; the transfer's
 /// event belongs to the engine that made it and must go back to that engine's pool, not into

@@ -481,6 +481,18 @@ pub(crate) fn distinct_u32(n: usize) -> Vec<u32> {
         .collect()
 }
 
+/// `n` per-index distinct `u32`s, never zero, and different for each `salt`.
+pub(crate) fn distinct_salted(n: usize, salt: u32) -> Vec<u32> {
+    (0..n as u32)
+        .map(|i| (i ^ salt).wrapping_mul(2_654_435_761) | 1)
+        .collect()
+}
+
+/// `n` per-index distinct `f32`s, exact in `f32`.
+pub(crate) fn distinct_f32(n: usize) -> Vec<f32> {
+    (0..n).map(|i| i as f32 * 1.5 + 0.25).collect()
+}
+
 /// How a fault is injected into one transfer.
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum Fault {
