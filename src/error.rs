@@ -927,22 +927,6 @@ impl<P> SubmitError<P> {
             SubmitError::Retained { .. } => None,
         }
     }
-
-    /// The same outcome with the input mapped by `f`: for a caller that hands back less (or
-    /// more) than it was given.
-    pub fn map_input<Q>(self, f: impl FnOnce(P) -> Q) -> SubmitError<Q> {
-        match self {
-            SubmitError::Rejected { input, error } => SubmitError::Rejected {
-                input: f(input),
-                error,
-            },
-            SubmitError::Failed { input, error } => SubmitError::Failed {
-                input: f(input),
-                error,
-            },
-            SubmitError::Retained { error } => SubmitError::Retained { error },
-        }
-    }
 }
 
 // Not derived: the input need not be `Debug` (a buffer's bytes say nothing useful), and the error

@@ -304,7 +304,7 @@ impl<T: Element> Pending<Collective<T>, InFlight> {
     }
 }
 
-impl<T: CollectiveElement> Pending<Collective<T>, Returned> {
+impl<T: Element> Pending<Collective<T>, Returned> {
     /// Rank `rank`'s tensor; `None` past the last rank.
     pub fn tensor(&self, rank: usize) -> Option<&DeviceTensor<T>> {
         self.hold.tensors.get(rank)
@@ -321,7 +321,9 @@ impl<T: CollectiveElement> Pending<Collective<T>, Returned> {
     pub fn tensors_mut(&mut self) -> &mut [DeviceTensor<T>] {
         &mut self.hold.tensors
     }
+}
 
+impl<T: CollectiveElement> Pending<Collective<T>, Returned> {
     /// Queues the same collective again (the same reduction or root, over the same
     /// communicator), on the same tensors, reusing each rank's event: for a training loop that
     /// reduces the same gradients every step (rewrite them through

@@ -104,11 +104,7 @@ impl<T: Element> Operation for PeerCopy<T> {
     }
 
     fn into_parts(landed: PeerLanded<T>) -> (DeviceTensor<T>, DeviceTensor<T>) {
-        let PeerPackage {
-            source,
-            destination,
-        } = landed.package;
-        (source, destination)
+        back(landed.package)
     }
 }
 

@@ -111,8 +111,7 @@ macro_rules! transfer_operation {
             }
 
             fn into_parts(landed: Landed<T, B>) -> (B, DeviceTensor<T>) {
-                let TransferPackage { buffer, tensor } = landed.package;
-                (buffer, tensor)
+                back(landed.package)
             }
         }
 
