@@ -12,7 +12,7 @@
 //! on the right device, stream-ordered, and never early.
 //!
 //! The state behind the lock ([`State`]) holds the subsystems' state: the pinned pool, the
-//! staging ring, the retirement queue and event pool, the kernel cache and the library handles.
+//! staging ring, the retirement queue and event pool, and the kernel cache.
 //! Their types live in their own levels and know only the driver seam; the code that uses them
 //! on a caller's behalf lives there too, as `impl CudaEngine` or `impl State` blocks.
 
@@ -26,7 +26,6 @@ use crate::lifecycle::retire::{EventPool, Poll, Resources, RetireQueue, Retireme
 use crate::memory::pool::{PinnedPool, PinnedPoolStats};
 use crate::memory::ring::StagingRing;
 use crate::work::kernels::cache::KernelCache;
-use crate::work::libs::handles::LibraryHandles;
 use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -72,8 +71,6 @@ pub(crate) struct State {
     pub(crate) staging: StagingRing,
     /// Compiled elementwise kernels, by operation and element type(s).
     pub(crate) kernels: KernelCache,
-    /// cuBLAS/cuSOLVER/cuTENSOR handles, made on first use and bound to the compute stream.
-    pub(crate) libs: LibraryHandles,
     /// The order of the three lanes: which value was last used where, and the waits between.
     pub(crate) order: Order,
     /// The engines (by id) whose memory this engine's device reaches with every access a peer
@@ -498,7 +495,6 @@ impl CudaEngine {
                     released: Vec::new(),
                     staging: StagingRing::default(),
                     kernels: KernelCache::default(),
-                    libs: LibraryHandles::default(),
                     order,
                     peers: Vec::new(),
                 }),
@@ -668,7 +664,7 @@ impl Drop for CudaEngine {
         let _ = st.events.destroy_all(&mut *st.driver);
         st.order.release(&mut *st.driver);
         // The stream is idle: no kernel or library call queued on it is pending.
-        st.libs.release();
+        st.driver.libraries_release();
         st.kernels.release(st.driver.as_mut());
         // Released resources drop once the lock is gone; buffers among them are freed at once
         // since the engine is torn down.

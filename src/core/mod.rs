@@ -14,7 +14,7 @@
 //!
 //! - the pinned pool (`memory::pool`) and the staging ring (`memory::ring`),
 //! - the retirement queue and event pool (`lifecycle::retire`),
-//! - the kernel cache (`work::kernels::cache`) and the library handles (`work::libs::handles`).
+//! - the kernel cache (`work::kernels::cache`).
 //!
 //! Those files are plain state: each depends only on the seam, the errors and engine-free files
 //! of its own level, and never on the engine, so no file-level cycle runs through the core. The

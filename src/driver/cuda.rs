@@ -1,16 +1,21 @@
-//! The device seam over the CUDA driver API (`cudarc::driver::result` and `sys`).
+//! The device seam over the CUDA driver API (`cudarc::driver::result` and `sys`), with the
+//! vendor libraries (`libs`) and NCCL (`nccl`) beside it.
 //!
-//! This is the only module that calls the driver for the engine's own operations. The library is
+//! This and its children are the only modules that call the driver, a vendor library or NCCL. The library is
 //! loaded at run time, so the crate builds and its simulated tests run on machines without CUDA;
 //! [`CudaDriver::open`] probes for the library first, because cudarc panics when a dynamically
 //! loaded library is missing.
 
 mod graph;
 mod launch;
+mod libs;
+mod nccl;
 mod notify;
 
+pub(crate) use nccl::nccl_version;
+
 #[cfg(test)]
-pub(crate) use launch::nvrtc_present;
+pub(crate) use launch::{compile_check, nvrtc_present};
 
 use super::{ContextHandle, DevicePtr, Driver, EventHandle, Lane, Waits, Wake};
 use crate::error::{DeviceId, DeviceKind, DriverError, Error, SetupError};
@@ -35,6 +40,8 @@ pub(crate) struct CudaDriver {
     waits: Arc<CudaWaits>,
     /// Where [`Driver::notify_after`] queues its waits and callbacks; made on first use.
     side: notify::SideStreams,
+    /// The library handles and contraction plans, made on first use.
+    libs: libs::LibraryHandles,
 }
 
 // SAFETY: the handles are plain driver handles that the CUDA driver API accepts from any thread
@@ -131,6 +138,7 @@ impl CudaDriver {
             pool: std::ptr::null_mut(),
             granted: Vec::new(),
             side: notify::SideStreams::default(),
+            libs: libs::LibraryHandles::default(),
             waits: Arc::new(CudaWaits {
                 ctx,
                 streams: [std::ptr::null_mut(); 3],

@@ -14,14 +14,20 @@
 //! an event recorded on another, and the engine inserts those waits where a value is shared
 //! (`core::order`). Its methods take `&mut self` because the engine serialises access to it.
 //!
-//! Besides the memory, copy and event operations of [`Driver`] itself, the seam has two halves
-//! that are supertraits of it: [`launch::Launch`] compiles, loads and launches kernels, and
+//! Besides the memory, copy and event operations of [`Driver`] itself, the seam has four halves
+//! that are supertraits of it: [`launch::Launch`] compiles, loads and launches kernels;
 //! [`graph::Graphs`] captures queued launches into graphs, instantiates them, updates their
-//! kernel nodes' parameters and replays them on the compute stream.
+//! kernel nodes' parameters and replays them on the compute stream; [`libs::Libraries`] queues
+//! the dense linear algebra the crate offers (cuBLAS, cuSOLVER and cuTENSOR on a GPU); and
+//! [`collective::Collectives`] makes communicators across devices, whose groups queue
+//! collectives on every rank's stream (NCCL on a GPU). Nothing above this module calls CUDA, a
+//! vendor library or NCCL, or asks which of the two implementations it runs on.
 
+pub(crate) mod collective;
 pub(crate) mod cuda;
 pub(crate) mod graph;
 pub(crate) mod launch;
+pub(crate) mod libs;
 #[cfg(any(test, feature = "sim"))]
 pub(crate) mod sim;
 pub(crate) mod wakes;
@@ -32,34 +38,19 @@ use std::sync::Arc;
 /// A device address.
 pub(crate) type DevicePtr = u64;
 
-/// One rank of a collective: its engine's compute stream ([`Driver::stream_handle`]) and its
-/// buffer, on that engine's device.
-#[derive(Clone, Copy, Debug)]
-// Read only by the simulated device's collectives (on CUDA, NCCL takes the buffers).
-#[cfg_attr(not(any(test, feature = "sim")), allow(dead_code))]
-pub(crate) struct CollectiveRank {
-    pub(crate) stream: u64,
-    pub(crate) ptr: DevicePtr,
-}
-
-/// What a collective does with its ranks' buffers.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum CollectiveKind {
-    /// Every buffer becomes the element-wise reduction of all of them.
-    AllReduce(Reduction),
-    /// Every buffer becomes a copy of rank `root`'s.
-    Broadcast { root: usize },
-}
-
-/// How an all-reduce combines elements.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Reduction {
-    Sum,
-    Prod,
-    Max,
-    Min,
-    /// The sum divided by the number of ranks (truncated, for integers).
-    Avg,
+/// Whether an engine on `to` can wait on the device for work of an engine on `from`: any two
+/// CUDA devices can (through events), and the devices of one simulated machine, which share its
+/// clock; nothing else can.
+pub(crate) fn reachable(from: DeviceId, to: DeviceId) -> Result<(), &'static str> {
+    use crate::error::DeviceKind;
+    match (from.kind, to.kind) {
+        (DeviceKind::Cuda, DeviceKind::Cuda) => Ok(()),
+        (DeviceKind::Simulated, DeviceKind::Simulated) if from.instance == to.instance => Ok(()),
+        (DeviceKind::Simulated, DeviceKind::Simulated) => {
+            Err("separate simulated machines share no clock, so one cannot wait for the other")
+        }
+        _ => Err("a real and a simulated device cannot wait for each other"),
+    }
 }
 
 /// An event owned by a driver. Created by [`Driver::event_create`], valid until
@@ -167,7 +158,9 @@ pub(crate) trait Waits: Send + Sync {
 ///
 /// Compiling, loading and launching kernels is the [`launch::Launch`] half of the seam;
 /// capturing queued launches into graphs and replaying them is the [`graph::Graphs`] half.
-pub(crate) trait Driver: Send + launch::Launch + graph::Graphs {
+pub(crate) trait Driver:
+    Send + launch::Launch + graph::Graphs + libs::Libraries + collective::Collectives
+{
     /// The device this driver drives.
     fn device(&self) -> DeviceId;
     /// The device's name, as the driver reports it.
@@ -283,25 +276,6 @@ pub(crate) trait Driver: Send + launch::Launch + graph::Graphs {
         src_ctx: ContextHandle,
         bytes: usize,
     ) -> Result<(), DriverError>;
-    /// Queues a collective over `ranks`, rank `i`'s part on its own stream, all parts or none:
-    /// each part runs once every rank's stream has reached its own, and they run together.
-    /// The simulated device's stand-in for a collective library; on CUDA, collectives go through
-    /// NCCL, whose communicators this seam does not hold, and this refuses (`NOT_SUPPORTED`).
-    ///
-    /// # Safety
-    /// Each buffer holds `count` elements of `dtype` in a live allocation on its stream's device
-    /// that stays live, and untouched by other work, until its part has completed.
-    unsafe fn collective(
-        &mut self,
-        ranks: &[CollectiveRank],
-        count: usize,
-        dtype: crate::dtype::DType,
-        kind: CollectiveKind,
-    ) -> Result<(), DriverError> {
-        let _ = (ranks, count, dtype, kind);
-        Err(DriverError::NOT_SUPPORTED)
-    }
-
     /// Destroys an event.
     ///
     /// # Safety
@@ -347,6 +321,13 @@ pub(crate) trait Driver: Send + launch::Launch + graph::Graphs {
 
     /// The waiting half of this driver, for waits made without the engine's lock.
     fn waits(&self) -> Arc<dyn Waits>;
+
+    /// Whether another CUDA runtime in the process (CubeCL's, say) can drive this device through
+    /// its primary context, the one the driver's streams belong to. A real device: yes; the
+    /// simulated one has no CUDA context to share.
+    fn hosts_cuda_runtimes(&self) -> bool {
+        true
+    }
 
     /// The simulated device behind this driver, if it is one.
     #[cfg(any(test, feature = "sim"))]

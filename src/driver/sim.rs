@@ -62,12 +62,10 @@
 mod collective;
 mod graph;
 mod launch;
+mod libs;
 
 use super::launch::Emulation;
-use super::{
-    CollectiveKind, CollectiveRank, ContextHandle, DevicePtr, Driver, EventHandle, Lane, Waits,
-    Wake,
-};
+use super::{ContextHandle, DevicePtr, Driver, EventHandle, Lane, Waits, Wake};
 use crate::error::{DeviceId, DeviceKind, DriverError};
 use std::alloc::Layout;
 use std::cell::Cell;
@@ -194,8 +192,31 @@ pub enum SimOp {
     PeerEnable,
     /// Peer copy enqueue (between engines, on one device or across a peer link).
     CopyPeer,
-    /// A collective's enqueue (every rank's part, in one call).
+    /// A rank's part of a collective, added to its group (`ncclAllReduce`, `ncclBroadcast`).
+    /// A refused part leaves the group's other parts to be launched by its end.
     Collective,
+    /// The making of communicators (`ncclCommInitAll`).
+    CommInit,
+    /// The start of a collective's group (`ncclGroupStart`).
+    GroupStart,
+    /// The end of a collective's group, which launches its parts (`ncclGroupEnd`). A refused end
+    /// launches none of them.
+    GroupEnd,
+    /// The making of a library's handle, bound to the compute stream (`cublasCreate_v2`,
+    /// `cusolverDnCreate`, `cutensorCreate`).
+    LibraryOpen,
+    /// A matrix product's enqueue (`cublas?gemm_v2`).
+    Gemm,
+    /// The query of a Cholesky factorisation's workspace (`cusolverDn?potrf_bufferSize`).
+    SolverWorkspace,
+    /// A Cholesky factorisation's enqueue (`cusolverDn?potrf`).
+    Potrf,
+    /// A Cholesky solve's enqueue (`cusolverDn?potrs`).
+    Potrs,
+    /// The planning of a tensor contraction (`cutensorCreatePlan` and what precedes it).
+    ContractionPlan,
+    /// A tensor contraction's enqueue (`cutensorContract`).
+    Contract,
 }
 
 /// `CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED`.
@@ -406,6 +427,9 @@ struct State {
     next_module: u64,
     /// The next collective's number.
     next_group: u64,
+    /// Streams on which a part failed (a collective's part launched without its partners), with
+    /// the failure that the next event record run there reports.
+    failed_streams: HashMap<StreamId, DriverError>,
     /// The captures in progress, by the compute stream they capture.
     captures: HashMap<StreamId, graph::Capture>,
     /// Captured graphs and the executable graphs instantiated from them.
@@ -489,6 +513,7 @@ impl SimDevice {
             modules: HashMap::new(),
             next_module: 1,
             next_group: 1,
+            failed_streams: HashMap::new(),
             captures: HashMap::new(),
             graphs: graph::GraphTable::default(),
             wakes: BTreeMap::new(),
@@ -1055,7 +1080,8 @@ impl State {
                         .push(format!("free of unknown device pointer {ptr:#x}")),
                 }
             }
-            Job::Marker | Job::OrderMarker | Job::Wait { .. } => {}
+            Job::Marker => self.report_stream_failure(seq, stream),
+            Job::OrderMarker | Job::Wait { .. } => {}
             Job::Launch { emulation, params } => {
                 if let Err(violation) = emulation.run(self, &params) {
                     self.violations.push(violation);
@@ -1194,6 +1220,8 @@ pub(crate) struct SimDriver {
     ctx: u64,
     /// The driver's first stream on the device: its lanes' streams are `streams + lane index`.
     streams: StreamId,
+    /// The contraction plans made on this driver, by handle (freed slots are `None`).
+    plans: Vec<Option<libs::Plan>>,
 }
 
 impl SimDriver {
@@ -1223,6 +1251,7 @@ impl SimDriver {
             granted: Vec::new(),
             ctx,
             streams,
+            plans: Vec::new(),
         })
     }
 
@@ -1472,18 +1501,6 @@ impl Driver for SimDriver {
         Ok(())
     }
 
-    unsafe fn collective(
-        &mut self,
-        ranks: &[CollectiveRank],
-        count: usize,
-        dtype: crate::dtype::DType,
-        kind: CollectiveKind,
-    ) -> Result<(), DriverError> {
-        let mut s = self.lock();
-        s.enter_stream(SimOp::Collective, self.streams + Lane::Compute.index())?;
-        s.queue_collective(ranks, count, dtype, kind)
-    }
-
     unsafe fn event_destroy(&mut self, event: EventHandle) -> Result<(), DriverError> {
         let mut s = self.lock();
         s.enter(SimOp::EventDestroy)?;
@@ -1606,6 +1623,10 @@ impl Driver for SimDriver {
             device: self.device.clone(),
             streams: self.streams,
         })
+    }
+
+    fn hosts_cuda_runtimes(&self) -> bool {
+        false
     }
 
     fn as_sim(&self) -> Option<SimDevice> {

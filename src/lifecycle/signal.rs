@@ -14,7 +14,7 @@
 use super::fence::{fence, Fenced, Fencing};
 use crate::core::engine::CudaEngine;
 use crate::driver::Lane;
-use crate::error::{DeviceId, DeviceKind, Error, Result, SetupError};
+use crate::error::{DeviceId, Error, Result, SetupError};
 use std::mem::ManuallyDrop;
 
 /// A point in one engine's work that other engines' streams can wait for on the device.
@@ -109,18 +109,6 @@ impl Signal {
     }
 }
 
-/// Whether an engine on `to` can wait on the device for work of an engine on `from`.
-pub(crate) fn reachable(from: DeviceId, to: DeviceId) -> std::result::Result<(), &'static str> {
-    match (from.kind, to.kind) {
-        (DeviceKind::Cuda, DeviceKind::Cuda) => Ok(()),
-        (DeviceKind::Simulated, DeviceKind::Simulated) if from.instance == to.instance => Ok(()),
-        (DeviceKind::Simulated, DeviceKind::Simulated) => {
-            Err("separate simulated machines share no clock, so one cannot wait for the other")
-        }
-        _ => Err("a real and a simulated device cannot wait for each other"),
-    }
-}
-
 impl CudaEngine {
     /// A [`Signal`] after everything queued on this engine so far, on all three of its streams.
     ///
@@ -197,7 +185,7 @@ impl CudaEngine {
             return Ok(());
         };
         let to = self.shared.device;
-        if let Err(reason) = reachable(signal.device, to) {
+        if let Err(reason) = crate::driver::reachable(signal.device, to) {
             return Err(Error::Setup(SetupError::Unreachable {
                 from: signal.device,
                 to,

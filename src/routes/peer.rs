@@ -51,7 +51,7 @@ static ENABLED: Mutex<Vec<(DeviceId, DeviceId)>> = Mutex::new(Vec::new());
 /// driver refuses the question or the enabling.
 pub fn access(engine: &mut CudaEngine, other: &CudaEngine) -> Result<bool> {
     let (me, peer) = (engine.device(), other.device());
-    crate::lifecycle::signal::reachable(peer, me).map_err(|reason| {
+    crate::driver::reachable(peer, me).map_err(|reason| {
         Error::Setup(SetupError::Unreachable {
             from: peer,
             to: me,

@@ -27,20 +27,19 @@
 // A refused call hands its tensors back by value (see `routes::pending`).
 #![allow(clippy::result_large_err)]
 
-mod ffi;
 mod ranks;
 
 use crate::core::engine::CudaEngine;
 use crate::core::order::Use;
-use crate::driver::{CollectiveKind, CollectiveRank, Lane, Reduction};
+use crate::driver::collective::{self as seam, CollectiveKind, Communicators, Reduction};
+use crate::driver::Lane;
 use crate::error::SubmitError;
-use crate::error::{DeviceId, DeviceKind, Error, Result, SetupError, UsageError};
+use crate::error::{DeviceId, Error, Result, SetupError, UsageError};
 use crate::lifecycle::fence::{fence, Fencing, IdleEvent};
 use crate::memory::element::Element;
 use crate::memory::tensor::DeviceTensor;
 use crate::routes::pending::{self, InFlight, Operation, Pending, Returned};
 use ranks::{Part, Ranks, RanksLanded};
-use std::ffi::c_int;
 use std::fmt;
 use std::marker::PhantomData;
 use std::mem::ManuallyDrop;
@@ -52,25 +51,16 @@ mod sealed {
 
 /// An element type NCCL reduces and broadcasts: the integers of 8, 32 and 64 bits, `f16`,
 /// `bf16`, `f32` and `f64`. Sealed.
-pub trait CollectiveElement: Element + sealed::Sealed {
-    /// `ncclDataType_t`.
-    #[doc(hidden)]
-    const NCCL: c_int;
-}
+pub trait CollectiveElement: Element + sealed::Sealed {}
 
 macro_rules! collective_element {
-    ($($t:ty => $code:expr),* $(,)?) => {$(
+    ($($t:ty),* $(,)?) => {$(
         impl sealed::Sealed for $t {}
-        impl CollectiveElement for $t {
-            const NCCL: c_int = $code;
-        }
+        impl CollectiveElement for $t {}
     )*};
 }
 
-collective_element!(
-    i8 => 0, u8 => 1, i32 => 2, u32 => 3, i64 => 4, u64 => 5,
-    half::f16 => 6, f32 => 7, f64 => 8, half::bf16 => 9,
-);
+collective_element!(i8, u8, i32, u32, i64, u64, half::f16, f32, f64, half::bf16);
 
 /// How [`all_reduce`] combines the ranks' elements.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -99,60 +89,15 @@ impl ReduceOp {
             ReduceOp::Avg => Reduction::Avg,
         }
     }
-
-    /// `ncclRedOp_t`.
-    fn code(self) -> c_int {
-        match self {
-            ReduceOp::Sum => 0,
-            ReduceOp::Prod => 1,
-            ReduceOp::Max => 2,
-            ReduceOp::Min => 3,
-            ReduceOp::Avg => 4,
-        }
-    }
 }
 
-/// The NCCL communicators of one [`Communicator`], destroyed when the last collective queued on
+/// The communicators of one [`Communicator`], destroyed when the last collective queued on
 /// them and the communicator itself are gone.
 struct Comms {
-    backend: Backend,
+    /// What queues the collectives: NCCL's communicators on GPUs, the simulated machine's own.
+    seam: Box<dyn Communicators>,
     /// Each rank's engine: its device and id.
     members: Vec<(DeviceId, u64)>,
-}
-
-/// What runs the collectives.
-enum Backend {
-    /// NCCL, one communicator per rank.
-    Nccl(Vec<ffi::Comm>),
-    /// The simulated machine the engines share.
-    Simulated,
-}
-
-// SAFETY: NCCL communicators may be used from any thread as long as calls on one are not made
-// concurrently; every call on them is made with every member engine borrowed `&mut`, which
-// serialises them, and the destroy runs once, from the last owner.
-unsafe impl Send for Comms {}
-// SAFETY: as above: shared references never call NCCL on their own.
-unsafe impl Sync for Comms {}
-
-impl Drop for Comms {
-    fn drop(&mut self) {
-        let Backend::Nccl(comms) = &self.backend else {
-            return;
-        };
-        let Ok(nccl) = ffi::nccl() else {
-            return; // never made without the library
-        };
-        // Any thread may drop the last reference: NCCL makes each communicator's device current
-        // to destroy it, and the thread's own context is put back.
-        ffi::keeping_context(|| {
-            for &comm in comms {
-                // SAFETY: made by `ncclCommInitAll`, destroyed once; every collective queued on
-                // it was proven complete before its fence released this value's last reference.
-                let _ = unsafe { nccl.comm_destroy(comm) };
-            }
-        });
-    }
 }
 
 /// NCCL communicators over engines on distinct devices, one rank per engine, in the order the
@@ -186,7 +131,7 @@ impl fmt::Debug for Communicator {
 
 impl Communicator {
     /// One NCCL communicator per engine (`ncclCommInitAll`), rank `i` being `engines[i]`; for
-    /// engines of one simulated machine, the machine's own collectives.
+    /// engines of one simulated machine, the machine's own communicators.
     ///
     /// # Errors
     /// [`SetupError::Unavailable`](crate::error::SetupError::Unavailable) without NCCL; [`SetupError::Unreachable`](crate::error::SetupError::Unreachable) for engines of different
@@ -203,7 +148,7 @@ impl Communicator {
         let mut members: Vec<(DeviceId, u64)> = Vec::with_capacity(engines.len());
         for engine in engines.iter() {
             let device = engine.device();
-            if let Err(reason) = crate::lifecycle::signal::reachable(first, device) {
+            if let Err(reason) = crate::driver::reachable(first, device) {
                 return Err(Error::Setup(SetupError::Unreachable {
                     from: first,
                     to: device,
@@ -215,29 +160,10 @@ impl Communicator {
             }
             members.push((device, engine.shared.engine_id));
         }
-        let backend = if first.kind() == DeviceKind::Simulated {
-            Backend::Simulated
-        } else {
-            let nccl = ffi::nccl()?;
-            let devices = members
-                .iter()
-                .map(|(d, _)| {
-                    c_int::try_from(d.ordinal()).map_err(|_| {
-                        Error::Usage(UsageError::ExceedsLimit {
-                            operation: "Communicator::new",
-                            what: "device ordinal",
-                            value: d.ordinal(),
-                            limit: c_int::MAX as usize,
-                        })
-                    })
-                })
-                .collect::<Result<Vec<_>>>()?;
-            // NCCL makes each device's primary context (the engines') current as it goes: the
-            // caller's is restored after.
-            Backend::Nccl(ffi::keeping_context(|| nccl.comm_init_all(&devices))?)
-        };
+        let devices: Vec<DeviceId> = members.iter().map(|&(d, _)| d).collect();
+        let seam = engines[0].shared.enter()?.driver.communicators(&devices)?;
         Ok(Communicator {
-            inner: Arc::new(Comms { backend, members }),
+            inner: Arc::new(Comms { seam, members }),
         })
     }
 
@@ -251,8 +177,7 @@ impl Communicator {
     /// # Errors
     /// [`SetupError::Unavailable`](crate::error::SetupError::Unavailable) without NCCL.
     pub fn nccl_version() -> Result<(u32, u32, u32)> {
-        let v = u32::try_from(ffi::nccl()?.version).unwrap_or(0);
-        Ok((v / 10000, v / 100 % 100, v % 100))
+        seam::library_version()
     }
 }
 
@@ -360,11 +285,12 @@ enum Kind {
 /// [`SubmitError::Rejected`] (the tensors back, untouched, in rank order) for a count of engines
 /// or tensors other than the ranks, lengths that differ, an engine that is not the rank's or a
 /// tensor not of its rank's engine, or a zero length; [`SubmitError::Failed`] (the tensors back)
-/// when an engine could not order the collective after its earlier work, or the device refused
-/// it, before any of it was queued; [`SubmitError::Retained`] when NCCL refused the collective,
-/// or an event could not be fenced, after parts of it may have been queued: every rank's tensor
-/// is then held by its engine until that engine proves its stream complete (retained for good
-/// where it cannot), never freed under the device.
+/// when an engine could not order the collective after its earlier work, or the collective
+/// library refused to open its group, before any of it was queued; [`SubmitError::Retained`]
+/// when the library refused a rank's part or the group's end, or an event could not be fenced,
+/// after parts of it may have been launched: every rank's tensor is then held by its engine
+/// until that engine proves its stream complete (retained for good where it cannot, as when a
+/// part launched without its partners fails), never freed under the device.
 pub fn all_reduce<T: CollectiveElement>(
     comm: &Communicator,
     engines: &mut [&mut CudaEngine],
@@ -446,45 +372,41 @@ fn refusal<T: Element>(
     None
 }
 
-/// Queues every rank's part of the collective through NCCL, in one group, keeping the calling
-/// thread's context.
+/// Queues every rank's part of the collective into the group the caller has started, and ends
+/// it. `Err` means that any rank's part may have been launched.
 ///
 /// # Safety
 /// Each tensor holds `count` elements of `T` on its rank's device and stays allocated, and
 /// untouched by other work, until its part has completed on its rank's stream, `streams[i]`,
-/// a compute stream of that device's primary context.
-unsafe fn queue_nccl<T: CollectiveElement>(
-    comms: &[ffi::Comm],
-    streams: &[ffi::Stream],
+/// the compute stream of that rank's engine.
+unsafe fn queue_group<T: Element>(
+    comms: &dyn Communicators,
+    streams: &[u64],
     tensors: &[DeviceTensor<T>],
-    count: usize,
     kind: Kind,
 ) -> Result<()> {
-    let nccl = ffi::nccl()?;
-    ffi::keeping_context(|| -> Result<()> {
-        nccl.group_start()?;
-        let mut first = Ok(());
-        for ((&comm, &stream), tensor) in comms.iter().zip(streams).zip(tensors) {
-            let ptr = tensor.raw_ptr();
-            // SAFETY: the caller's contract.
-            let call = unsafe {
-                match kind {
-                    Kind::AllReduce(op) => {
-                        nccl.all_reduce(ptr, count, T::NCCL, op.code(), comm, stream)
-                    }
-                    Kind::Broadcast(root) => {
-                        nccl.broadcast(ptr, count, T::NCCL, root as c_int, comm, stream)
-                    }
-                }
-            };
-            if first.is_ok() {
-                first = call;
-            }
+    let kind = match kind {
+        Kind::AllReduce(op) => CollectiveKind::AllReduce(op.reduction()),
+        Kind::Broadcast(root) => CollectiveKind::Broadcast { root },
+    };
+    let mut first = Ok(());
+    for (rank, (&stream, tensor)) in streams.iter().zip(tensors).enumerate() {
+        let part = seam::Part {
+            stream,
+            buffer: tensor.raw_ptr(),
+            count: tensor.len(),
+            dtype: T::DTYPE,
+            kind,
+        };
+        // SAFETY: the caller's contract, for rank `rank`.
+        let queued = unsafe { comms.queue(rank, &part) };
+        if first.is_ok() {
+            first = queued;
         }
-        // Closed whatever happened inside, as NCCL requires.
-        let ended = nccl.group_end();
-        first.and(ended)
-    })
+    }
+    // Ended whatever happened inside, as NCCL requires.
+    let ended = comms.group_end();
+    first.and(ended)
 }
 
 /// Validates and queues the collective. `events` are the ranks' idle events on resubmission
@@ -512,7 +434,7 @@ fn submit<T: CollectiveElement>(
             Ok(st.driver.stream_handle())
         });
         match ordered {
-            Ok(stream) => streams.push(stream as ffi::Stream),
+            Ok(stream) => streams.push(stream),
             // Nothing of the collective is queued: a recorded use only orders more than needed.
             Err(error) => {
                 return Err(SubmitError::Failed {
@@ -522,43 +444,18 @@ fn submit<T: CollectiveElement>(
             }
         }
     }
-    let count = tensors[0].len();
-    let queued = match &comms.backend {
-        Backend::Nccl(comms) => {
-            // SAFETY: as `queue_nccl` requires: the buffers hold `count` elements of `T` on their
-            // ranks' devices (checked), the streams are the ranks' engines' compute streams,
-            // which waited for the tensors' earlier uses above, and the tensors are fenced below
-            // before anything can release them.
-            unsafe { queue_nccl::<T>(comms, &streams, &tensors, count, kind) }
-        }
-        Backend::Simulated => {
-            let ranks: Vec<CollectiveRank> = streams
-                .iter()
-                .zip(&tensors)
-                .map(|(&stream, t)| CollectiveRank {
-                    stream: stream as u64,
-                    ptr: t.raw_ptr(),
-                })
-                .collect();
-            let kind = match kind {
-                Kind::AllReduce(op) => CollectiveKind::AllReduce(op.reduction()),
-                Kind::Broadcast(root) => CollectiveKind::Broadcast { root },
-            };
-            // All of it or none: a refusal queues nothing, and the tensors come back.
-            let refused = engines[0].shared.enter().and_then(|mut st| {
-                // SAFETY: as for NCCL above.
-                unsafe { st.driver.collective(&ranks, count, T::DTYPE, kind) }
-                    .map_err(Error::driver("collective"))
-            });
-            if let Err(error) = refused {
-                return Err(SubmitError::Failed {
-                    input: tensors,
-                    error,
-                });
-            }
-            Ok(())
-        }
-    };
+    // Nothing of the collective is queued until its group has started.
+    if let Err(error) = comms.seam.group_start() {
+        return Err(SubmitError::Failed {
+            input: tensors,
+            error,
+        });
+    }
+    // SAFETY: the buffers hold their lengths' elements of `T` on their ranks' devices (checked
+    // by `refusal`), the streams are the ranks' engines' compute streams, which waited for the
+    // tensors' earlier uses above, and the tensors are fenced below before anything can release
+    // them (and kept, never freed, where they cannot be).
+    let queued = unsafe { queue_group(&*comms.seam, &streams, &tensors, kind) };
     // From here the device may touch every tensor: each is fenced on its engine.
     let mut parts = Vec::with_capacity(tensors.len());
     let mut failure = queued.err();

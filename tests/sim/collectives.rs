@@ -5,7 +5,7 @@
 //! that retains; and a fault at every driver call of the route.
 
 use crate::support::{assert_same, reduce_pair, small_values, Reference, Rng};
-use cuferry::error::{SetupError, UsageError};
+use cuferry::error::{LibraryError, SetupError, UsageError};
 use cuferry::sim::{Schedule, SimConfig, SimDevice, SimOp};
 use cuferry::{
     collective::{all_reduce, broadcast, CollectiveElement, Communicator, ReduceOp},
@@ -240,7 +240,7 @@ fn communicators_take_one_engine_per_device_of_one_machine() {
 fn refusals_hand_the_tensors_back_with_nothing_queued() {
     let (sim, mut engines) = machine(2, 7);
     let comm = Communicator::new(&mut all(&mut engines)).unwrap();
-    let calls = || sim.calls(SimOp::Collective);
+    let calls = || sim.calls(SimOp::Collective) + sim.calls(SimOp::GroupStart);
     let before = calls();
     let tensors = |engines: &mut [CudaEngine], lens: [usize; 2]| -> Vec<DeviceTensor<u32>> {
         engines
@@ -373,9 +373,11 @@ fn a_failed_wait_retains_the_failing_ranks_tensor() {
     );
 }
 
-/// The route's driver calls, and the failure each is given in the sweep.
-const OPS: [(SimOp, DriverError); 5] = [
+/// The route's driver and library calls, and the failure each is given in the sweep.
+const OPS: [(SimOp, DriverError); 7] = [
+    (SimOp::GroupStart, DriverError::UNKNOWN),
     (SimOp::Collective, DriverError::INVALID_VALUE),
+    (SimOp::GroupEnd, DriverError::UNKNOWN),
     (SimOp::EventRecord, DriverError::UNKNOWN),
     (SimOp::StreamWait, DriverError::INVALID_VALUE),
     (SimOp::OrderRecord, DriverError::UNKNOWN),
@@ -412,7 +414,13 @@ fn faulted(arm: impl FnOnce(&SimDevice)) -> bool {
             assert!(
                 matches!(
                     refused.error(),
-                    Error::Driver { .. } | Error::DeviceFault { .. } | Error::Deferred { .. }
+                    Error::Driver { .. }
+                        | Error::DeviceFault { .. }
+                        | Error::Deferred { .. }
+                        | Error::Library(LibraryError::Vendor {
+                            library: "NCCL",
+                            ..
+                        })
                 ),
                 "an untyped failure: {refused}"
             );
@@ -454,7 +462,7 @@ fn a_fault_at_every_call_of_the_route_is_reported_and_loses_nothing() {
             .map(|(&(op, _), before)| sim.calls(op) - before)
             .collect()
     };
-    assert_eq!(counts[0], 1, "one collective call");
+    assert_eq!(counts[..3], [1, 2, 1], "one group, with one part per rank");
     let mut runs = 0;
     for (&(op, error), &count) in OPS.iter().zip(&counts) {
         for n in 1..=count {
@@ -473,6 +481,111 @@ fn a_fault_at_every_call_of_the_route_is_reported_and_loses_nothing() {
         runs += 1;
     }
     assert!(runs >= 4, "only {runs} runs");
+}
+
+/// NCCL's partial failure: a rank's part refused inside the group, the other rank's launched
+/// by the group's end without its partner. The call reports it (`Retained`); the orphaned part
+/// fails on its stream, so its rank's tensor is retained for the engine's lifetime and the failure
+/// reported once at that engine's next boundary; the refused rank's tensor, which nothing
+/// queued touches, is released. Nothing is freed under the device, and nothing hangs.
+#[test]
+fn a_part_refused_inside_the_group_retains_the_launched_ranks_tensor() {
+    let (sim, mut engines) = machine(2, 12);
+    let comm = Communicator::new(&mut all(&mut engines)).unwrap();
+    let tensors = busy_tensors(&mut engines, &[vec![1u32; 100], vec![2u32; 100]]);
+    sim.fail_nth(SimOp::Collective, 2, DriverError::INVALID_VALUE);
+    let refused = all_reduce(&comm, &mut all(&mut engines), tensors, ReduceOp::Sum).unwrap_err();
+    assert!(
+        matches!(
+            &refused,
+            SubmitError::Retained {
+                error: Error::Library(LibraryError::Vendor {
+                    library: "NCCL",
+                    call: "ncclAllReduce",
+                    ..
+                })
+            }
+        ),
+        "{refused}"
+    );
+    assert!(refused.into_input().is_none(), "nothing can be handed back");
+    let first = engines[0].synchronize();
+    assert!(
+        matches!(
+            &first,
+            Err(Error::Deferred { count: 1, first })
+                if matches!(**first, Error::DeviceFault {
+                    what: "collective",
+                    source: DriverError::LAUNCH_FAILED,
+                })
+        ),
+        "rank 0's orphaned part failed on its stream: {first:?}"
+    );
+    engines[0].synchronize().expect("reported once");
+    engines[1].synchronize().unwrap();
+    assert_eq!(engines[0].retirement_stats().retained, 1);
+    assert_eq!(engines[1].retirement_stats().retained, 0);
+    // Both engines work on, and so does the communicator.
+    let again = busy_tensors(&mut engines, &[vec![5u32; 100], vec![6u32; 100]]);
+    let back = all_reduce(&comm, &mut all(&mut engines), again, ReduceOp::Sum)
+        .unwrap()
+        .wait()
+        .unwrap()
+        .into_parts();
+    assert_eq!(
+        download_tensor(&mut engines[1], &back[1]).unwrap(),
+        [11; 100]
+    );
+    drop((back, comm, engines));
+    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+    assert_eq!(
+        sim.device_live().0,
+        1,
+        "rank 0's tensor retained, all else freed"
+    );
+}
+
+/// A refused group end launches nothing: every tensor is released once its engine's event
+/// proves the (empty) part of the stream complete, and nothing is retained.
+#[test]
+fn a_refused_group_end_launches_nothing_and_retains_nothing() {
+    let (sim, mut engines) = machine(3, 13);
+    let comm = Communicator::new(&mut all(&mut engines)).unwrap();
+    let values = vec![vec![1.5f32; 64]; 3];
+    let tensors = busy_tensors(&mut engines, &values);
+    let (groups, parts) = (sim.calls(SimOp::GroupEnd), sim.calls(SimOp::Collective));
+    sim.fail_nth(SimOp::GroupEnd, 1, DriverError::UNKNOWN);
+    let refused = all_reduce(&comm, &mut all(&mut engines), tensors, ReduceOp::Max).unwrap_err();
+    assert!(matches!(refused, SubmitError::Retained { .. }), "{refused}");
+    assert_eq!(
+        sim.calls(SimOp::Collective) - parts,
+        3,
+        "every part was added"
+    );
+    assert_eq!(sim.calls(SimOp::GroupEnd) - groups, 1);
+    for engine in &mut engines {
+        engine.synchronize().unwrap();
+        assert_eq!(engine.retirement_stats().retained, 0);
+        assert_eq!(engine.retirement_stats().released, 1);
+    }
+    drop((comm, engines));
+    nothing_left(&sim);
+}
+
+/// A refused group start queues nothing: the tensors come back, as they were.
+#[test]
+fn a_refused_group_start_hands_the_tensors_back() {
+    let (sim, mut engines) = machine(2, 14);
+    let comm = Communicator::new(&mut all(&mut engines)).unwrap();
+    let tensors = busy_tensors(&mut engines, &[vec![3i64; 8], vec![4i64; 8]]);
+    sim.fail_nth(SimOp::GroupStart, 1, DriverError::UNKNOWN);
+    let refused = broadcast(&comm, &mut all(&mut engines), tensors, 1).unwrap_err();
+    assert!(matches!(refused, SubmitError::Failed { .. }), "{refused}");
+    let back = refused.into_input().expect("handed back");
+    assert_eq!(download_tensor(&mut engines[0], &back[0]).unwrap(), [3; 8]);
+    assert_eq!(download_tensor(&mut engines[1], &back[1]).unwrap(), [4; 8]);
+    drop((back, comm, engines));
+    nothing_left(&sim);
 }
 
 /// Counts its wakes.

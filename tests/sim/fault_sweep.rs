@@ -6,7 +6,6 @@
 //! the engine says it retained.
 
 use crate::support::distinct_salted as distinct;
-use cuferry::error::SetupError;
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{
     download_pending, download_tensor, download_tensor_into, error::DriverError,
@@ -16,7 +15,7 @@ use cuferry::{
 /// Every operation the workload reaches, with the failure a real driver could report for it.
 /// (An out-of-memory allocation is retried once after releasing what is proven; a refused one
 /// is not, so the sweep uses the refusal to see every allocation failure reported.)
-const OPS: [(SimOp, DriverError); 14] = [
+const OPS: [(SimOp, DriverError); 16] = [
     (SimOp::Alloc, DriverError::INVALID_VALUE),
     (SimOp::Free, DriverError::INVALID_VALUE),
     (SimOp::CopyHtoD, DriverError::INVALID_VALUE),
@@ -31,6 +30,8 @@ const OPS: [(SimOp, DriverError); 14] = [
     (SimOp::HostFree, DriverError::INVALID_VALUE),
     (SimOp::StreamSynchronize, DriverError::LAUNCH_FAILED),
     (SimOp::Launch, DriverError::LAUNCH_FAILED),
+    (SimOp::LibraryOpen, DriverError::UNKNOWN),
+    (SimOp::Gemm, DriverError::LAUNCH_FAILED),
 ];
 
 /// Checks a result: data that comes back is right; a failure is one of the crate's typed errors.
@@ -71,13 +72,12 @@ fn workload(engine: &mut CudaEngine) -> Result<(), Error> {
     check(download_tensor(engine, &sum), |v| assert_eq!(v, expected))?;
     let copy = engine.copy_tensor(&t_big)?;
 
-    // A library call: unavailable on the simulated device, after validation, queuing nothing.
+    // A library call on the stream, read back: [[1, 2], [3, 4]] squared.
     let a = upload_tensor(engine, &[1.0f32, 2.0, 3.0, 4.0], &[2, 2])?;
-    match engine.matmul(&a, &a) {
-        Err(Error::Setup(SetupError::Unavailable { .. })) => {}
-        Err(e) => return Err(e),
-        Ok(_) => panic!("matmul ran on the simulated device"),
-    }
+    let squared = engine.matmul(&a, &a)?;
+    check(download_tensor(engine, &squared), |v| {
+        assert_eq!(v, [7.0, 10.0, 15.0, 22.0])
+    })?;
 
     // Pending routes: submit, wait, resubmit, detach, download.
     let buffer = PinnedHostBuffer::from_slice(engine, &big)?;

@@ -30,8 +30,8 @@ mod two_gpus;
 mod cubecl;
 mod graphs;
 mod kernels;
+mod libs;
 mod raw_scope;
-mod vendor;
 // The engine itself, the Send/Sync design, and the bugs that were found.
 mod engine;
 mod fault_sweep;

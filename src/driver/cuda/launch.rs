@@ -24,6 +24,23 @@ pub(crate) fn nvrtc_present() -> bool {
     *PRESENT.get_or_init(|| unsafe { nvrtc::is_culib_present() })
 }
 
+/// Compiles CUDA C++ `cuda` (program `name`) to PTX for compute capability 9.0, as a module
+/// load would, without a device: for the tests that check every kernel the crate writes
+/// compiles.
+///
+/// # Errors
+/// As [`Launch::module_compile`]'s compile step: NVRTC missing, or its log.
+#[cfg(test)]
+pub(crate) fn compile_check(name: &str, cuda: &str) -> Result<(), Error> {
+    let source = ModuleSource {
+        name,
+        cuda,
+        #[cfg(any(test, feature = "sim"))]
+        emulation: None,
+    };
+    compile_ptx(&source, 90).map(drop)
+}
+
 fn nvrtc_status_name(status: nvrtc::nvrtcResult) -> String {
     format!("{status:?}")
 }

@@ -1,10 +1,44 @@
-//! Collectives on the simulated machine: every rank's part queued in one call, run together
-//! once each has reached the head of its stream, as a collective library's kernels meet on
-//! the device.
+//! Collectives on the simulated machine: communicators over its devices, and groups whose parts,
+//! one per rank on that rank's stream, run together once each has reached the head of its
+//! stream, as a collective library's kernels meet on the device.
+//!
+//! The rank rules are NCCL's: every part of a group names the same count, element type and
+//! operation; a broadcast's root is a rank; each rank's part is on its own stream. A part is
+//! checked when it is added to the group and refused there (named as NCCL's call, with
+//! `ncclInvalidArgument`'s meaning) when it breaks a rule or a fault is injected for it
+//! ([`SimOp::Collective`]); the group's end launches every part added, refused ones aside. A
+//! part launched without all its partners can never meet them: when it reaches the head of its
+//! stream it fails there instead of waiting for ever, touching no memory, and the next event
+//! record run on that stream reports the failure (`CUDA_ERROR_LAUNCH_FAILED`), as the kernels of
+//! an aborted communicator end with an error.
 
-use super::{describe_stream, DevicePtr, DriverError, Job, Running, State, StreamId};
-use crate::driver::{CollectiveKind, CollectiveRank, Reduction};
+use super::{describe_stream, DevicePtr, DriverError, Job, Running, SimDevice, SimDriver, SimOp};
+use super::{State, StreamId};
+use crate::driver::collective::{CollectiveKind, Collectives, Communicators, Reduction};
+use crate::driver::Lane;
 use crate::dtype::DType;
+use crate::error::{DeviceId, DeviceKind, Error, LibraryError};
+use std::sync::Mutex;
+
+/// NCCL's status for a refused argument, `ncclInvalidArgument`.
+const INVALID_ARGUMENT: i64 = 4;
+/// NCCL's status for calls that do not fit together, `ncclInvalidUsage`.
+const INVALID_USAGE: i64 = 5;
+
+/// NCCL's failure of `call`: `status` (one of NCCL's), or an injected fault's code.
+fn nccl(call: &'static str, status: i64, name: String) -> Error {
+    Error::Library(LibraryError::Vendor {
+        library: "NCCL",
+        call,
+        status,
+        name,
+    })
+}
+
+/// An injected fault of `call`, as NCCL's failure.
+fn injected(call: &'static str) -> impl FnOnce(DriverError) -> Error {
+    move |e| nccl(call, i64::from(e.code()), format!("{e} (simulated)"))
+}
 
 /// One rank's part of a collective.
 #[derive(Clone, Copy, Debug)]
@@ -16,65 +50,206 @@ pub(super) struct Part {
     count: usize,
     dtype: DType,
     kind: CollectiveKind,
+    /// Whether every rank's part was launched: a part without all its partners fails instead.
+    complete: bool,
+}
+
+/// The communicators of one set of ranks on the simulated machine.
+struct SimComms {
+    device: SimDevice,
+    ranks: usize,
+    /// The group open, if one is: the parts added so far, each with its stream.
+    group: Mutex<Option<Vec<(StreamId, Part)>>>,
+}
+
+impl Collectives for SimDriver {
+    fn communicators(&self, devices: &[DeviceId]) -> Result<Box<dyn Communicators>, Error> {
+        let mut s = self.lock();
+        s.enter(SimOp::CommInit)
+            .map_err(injected("ncclCommInitAll"))?;
+        let ours = |d: &DeviceId| {
+            d.kind == DeviceKind::Simulated
+                && d.instance == s.instance
+                && d.ordinal >= s.ordinal
+                && d.ordinal - s.ordinal < s.ctxs.len()
+        };
+        if devices.is_empty() || !devices.iter().all(ours) {
+            return Err(nccl(
+                "ncclCommInitAll",
+                INVALID_ARGUMENT,
+                "ncclInvalidArgument: a device of another machine".into(),
+            ));
+        }
+        Ok(Box::new(SimComms {
+            device: self.device.clone(),
+            ranks: devices.len(),
+            group: Mutex::new(None),
+        }))
+    }
+}
+
+impl SimComms {
+    /// The open group, locked.
+    fn group(&self) -> std::sync::MutexGuard<'_, Option<Vec<(StreamId, Part)>>> {
+        self.group
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+impl Communicators for SimComms {
+    fn group_start(&self) -> Result<(), Error> {
+        const CALL: &str = "ncclGroupStart";
+        let mut group = self.group();
+        self.device
+            .lock()
+            .enter(SimOp::GroupStart)
+            .map_err(injected(CALL))?;
+        if group.is_some() {
+            return Err(nccl(
+                CALL,
+                INVALID_USAGE,
+                "ncclInvalidUsage: a group is open".into(),
+            ));
+        }
+        *group = Some(Vec::new());
+        Ok(())
+    }
+
+    unsafe fn queue(
+        &self,
+        rank: usize,
+        part: &crate::driver::collective::Part,
+    ) -> Result<(), Error> {
+        let call = match part.kind {
+            CollectiveKind::AllReduce(_) => "ncclAllReduce",
+            CollectiveKind::Broadcast { .. } => "ncclBroadcast",
+        };
+        let invalid = |why: &str| {
+            nccl(
+                call,
+                INVALID_ARGUMENT,
+                format!("ncclInvalidArgument: {why}"),
+            )
+        };
+        let mut group = self.group();
+        let Some(parts) = group.as_mut() else {
+            return Err(nccl(
+                call,
+                INVALID_USAGE,
+                "ncclInvalidUsage: no group is open".into(),
+            ));
+        };
+        let mut s = self.device.lock();
+        s.enter(SimOp::Collective).map_err(injected(call))?;
+        if rank >= self.ranks || parts.iter().any(|(_, p)| p.rank == rank) {
+            return Err(invalid("no such rank, or its part is already in the group"));
+        }
+        if matches!(part.dtype, DType::I16 | DType::U16 | DType::Bool) {
+            return Err(invalid("an element type NCCL does not reduce"));
+        }
+        if let CollectiveKind::Broadcast { root } = part.kind {
+            if root >= self.ranks {
+                return Err(invalid("the root is not a rank"));
+            }
+        }
+        let stream = s
+            .compute_stream_of(part.stream)
+            .ok_or_else(|| invalid("not a compute stream of this machine"))?;
+        let bytes = part
+            .count
+            .checked_mul(part.dtype.size_bytes())
+            .ok_or_else(|| invalid("the count overflows"))?;
+        if s.block_mut(part.buffer, bytes).is_none() {
+            return Err(invalid("the buffer lies outside every allocation"));
+        }
+        if parts.iter().any(|&(other, _)| other == stream) {
+            return Err(invalid("two ranks on one stream"));
+        }
+        s.refuse_in_capture(stream).map_err(injected(call))?;
+        parts.push((
+            stream,
+            Part {
+                group: 0,
+                rank,
+                ranks: self.ranks,
+                ptr: part.buffer,
+                count: part.count,
+                dtype: part.dtype,
+                kind: part.kind,
+                complete: false,
+            },
+        ));
+        Ok(())
+    }
+
+    fn group_end(&self) -> Result<(), Error> {
+        const CALL: &str = "ncclGroupEnd";
+        let mut group = self.group();
+        let Some(parts) = group.take() else {
+            return Err(nccl(
+                CALL,
+                INVALID_USAGE,
+                "ncclInvalidUsage: no group is open".into(),
+            ));
+        };
+        let mut s = self.device.lock();
+        s.enter(SimOp::GroupEnd).map_err(injected(CALL))?;
+        let Some(&(_, first)) = parts.first() else {
+            return Ok(());
+        };
+        if parts
+            .iter()
+            .any(|(_, p)| (p.count, p.dtype, p.kind) != (first.count, first.dtype, first.kind))
+        {
+            return Err(nccl(
+                CALL,
+                INVALID_USAGE,
+                "ncclInvalidUsage: the ranks' calls differ".into(),
+            ));
+        }
+        let group_id = s.next_group;
+        s.next_group += 1;
+        let complete = parts.len() == self.ranks;
+        for (stream, mut part) in parts {
+            part.group = group_id;
+            part.complete = complete;
+            s.push(stream, Job::Collective(part));
+        }
+        Ok(())
+    }
 }
 
 impl State {
-    /// Queues every rank's part of a collective, each on its stream, or refuses them all.
-    pub(super) fn queue_collective(
-        &mut self,
-        ranks: &[CollectiveRank],
-        count: usize,
-        dtype: DType,
-        kind: CollectiveKind,
-    ) -> Result<(), DriverError> {
-        if ranks.is_empty() || matches!(dtype, DType::I16 | DType::U16 | DType::Bool) {
-            return Err(DriverError::NOT_SUPPORTED);
+    /// The compute stream a raw stream handle names (see `SimDriver::stream_handle`: this
+    /// machine's tag in the low bits, the driver's first stream above them), if it is one of this
+    /// machine's.
+    fn compute_stream_of(&self, handle: u64) -> Option<StreamId> {
+        let base = usize::try_from(handle >> 32).ok()?;
+        if handle & 0xffff_ffff != (self.instance << 8 | 1) || base >= self.next_stream {
+            return None;
         }
-        if let CollectiveKind::Broadcast { root } = kind {
-            if root >= ranks.len() {
-                return Err(DriverError::INVALID_VALUE);
-            }
+        Some(base + Lane::Compute.index())
+    }
+
+    /// Reports a part's failure on `stream`, if one is pending there, through the event whose
+    /// record is job `seq`, which has just run.
+    pub(super) fn report_stream_failure(&mut self, seq: u64, stream: StreamId) {
+        let Some(failure) = self.failed_streams.remove(&stream) else {
+            return;
+        };
+        if let Some(event) = self.events.values_mut().find(|e| e.recorded == Some(seq)) {
+            event.fault.get_or_insert(failure);
         }
-        let bytes = count
-            .checked_mul(dtype.size_bytes())
-            .ok_or(DriverError::INVALID_VALUE)?;
-        let mut streams: Vec<StreamId> = Vec::with_capacity(ranks.len());
-        for rank in ranks {
-            // A compute stream's handle (see `SimDriver::stream_handle`): this machine's tag in
-            // the low bits, the driver's first stream above them.
-            let base =
-                usize::try_from(rank.stream >> 32).map_err(|_| DriverError::INVALID_VALUE)?;
-            if rank.stream & 0xffff_ffff != (self.instance << 8 | 1) || base >= self.next_stream {
-                return Err(DriverError::INVALID_VALUE);
-            }
-            let stream = base + crate::driver::Lane::Compute.index();
-            if streams.contains(&stream) || self.block_mut(rank.ptr, bytes).is_none() {
-                return Err(DriverError::INVALID_VALUE);
-            }
-            self.refuse_in_capture(stream)?;
-            streams.push(stream);
-        }
-        let group = self.next_group;
-        self.next_group += 1;
-        for (i, (rank, &stream)) in ranks.iter().zip(&streams).enumerate() {
-            let part = Part {
-                group,
-                rank: i,
-                ranks: ranks.len(),
-                ptr: rank.ptr,
-                count,
-                dtype,
-                kind,
-            };
-            self.push(stream, Job::Collective(part));
-        }
-        Ok(())
     }
 
     /// What the part at a stream's head waits for: nothing once every part of its collective is
     /// at the head of its stream, else the first part that is not (or a number never given out,
     /// should a part be missing: then nothing can run it).
     pub(super) fn collective_blocked_on(&self, part: &Part) -> Option<u64> {
+        if !part.complete {
+            return None; // it fails alone
+        }
         let ours = |job: &Job| matches!(job, Job::Collective(p) if p.group == part.group);
         let at_head = self
             .streams
@@ -96,6 +271,11 @@ impl State {
     /// Runs a collective: `part` (job `seq`, already taken from `stream`) and the other ranks'
     /// parts, taken from the heads of their streams here.
     pub(super) fn run_collective(&mut self, seq: u64, stream: StreamId, part: Part) {
+        if !part.complete {
+            self.failed_streams
+                .insert(stream, DriverError::LAUNCH_FAILED);
+            return;
+        }
         let mut parts = vec![(seq, stream, part)];
         let heads: Vec<StreamId> = self
             .streams

@@ -239,12 +239,11 @@ impl Graphs for SimDriver {
         let Some(exec) = s.graphs.execs.get(&exec.0) else {
             return Err(DriverError::INVALID_VALUE);
         };
-        // A node whose module was unloaded would launch a kernel that no longer exists.
-        if exec
-            .nodes
-            .iter()
-            .any(|n| !s.modules.contains_key(&n.function))
-        {
+        // A node whose module was unloaded would launch a kernel that no longer exists (a
+        // library call's node has no module).
+        if exec.nodes.iter().any(|n| {
+            n.function != super::libs::LIBRARY_FUNCTION.0 && !s.modules.contains_key(&n.function)
+        }) {
             return Err(DriverError::INVALID_VALUE);
         }
         let jobs: Vec<Job> = exec

@@ -22,7 +22,8 @@ use super::compile::{Loc, OutputKind, Program, Step};
 use crate::core::engine::{CudaEngine, Entered, Shared};
 use crate::core::order::Use;
 use crate::driver::graph::{GraphExecHandle, GraphHandle, GraphNodeHandle};
-use crate::driver::launch::{FunctionHandle, ModuleHandle};
+use crate::driver::launch::FunctionHandle;
+use crate::driver::libs::Library;
 use crate::driver::{DevicePtr, Lane};
 use crate::dtype::DType;
 use crate::error::{Error, ProgramError, Result};
@@ -30,6 +31,7 @@ use crate::lifecycle::fence::{fence, Fencing};
 use crate::memory::element::Element;
 use crate::memory::tensor::{alloc_device, DeviceTensor, Recycler};
 use crate::work::kernels::fused::FusedKernel;
+use crate::work::libs::blas::row_major_product;
 use std::any::Any;
 use std::mem::ManuallyDrop;
 use std::sync::Arc;
@@ -191,13 +193,11 @@ struct Lent {
     /// (stream-ordered) when this is released.
     _arena: Option<DeviceTensor<u8>>,
     graphs: Vec<(GraphHandle, GraphExecHandle)>,
-    /// The simulated device's matrix-product module, if the program needed one.
-    module: Option<ModuleHandle>,
 }
 
 impl Drop for Lent {
     fn drop(&mut self) {
-        if self.graphs.is_empty() && self.module.is_none() {
+        if self.graphs.is_empty() {
             return; // the arena frees itself
         }
         let Some(mut st) = self.owner.enter_for_drop() else {
@@ -219,11 +219,6 @@ impl Drop for Lent {
                     source,
                 });
             }
-        }
-        if let Some(module) = self.module.take() {
-            // SAFETY: the module is this program's own, unloaded once; `Lent` is dropped only
-            // after every run that launched its kernel was proven complete (or none ran).
-            let _ = unsafe { st.driver.module_unload(module) };
         }
     }
 }
@@ -431,7 +426,6 @@ impl CudaEngine {
             owner: Arc::clone(&self.shared),
             _arena: arena,
             graphs: Vec::new(),
-            module: None,
         };
         let param = |loc: Loc| match loc {
             Loc::Slot(offset) => Param::Fixed(base + offset as u64),
@@ -445,8 +439,9 @@ impl CudaEngine {
                 .steps
                 .iter()
                 .any(|s| matches!(s, Step::Matmul { .. }));
+            // Products need the library's handle, made before any capture begins.
             if has_products {
-                lent.module = products::prepare(&mut st)?;
+                st.driver.library_open(Library::Blas)?;
             }
             // Group the steps: runs of graph-safe steps, and eager products between them.
             let mut pending: Vec<&Step> = Vec::new();
@@ -701,19 +696,7 @@ impl CudaEngine {
                     // SAFETY: the operands hold `m×k`, `k×n` and `m×n` elements of `dtype`
                     // (the compiler sized them from the checked input shapes), in live
                     // allocations as argued for the graph's kernels above.
-                    unsafe {
-                        products::queue(
-                            &mut st,
-                            lent.module,
-                            *dtype,
-                            *m,
-                            *k,
-                            *n,
-                            r(*a),
-                            r(*b),
-                            r(*c),
-                        )
-                    }?;
+                    unsafe { row_major_product(&mut st, *dtype, *m, *k, *n, r(*a), r(*b), r(*c)) }?;
                     stats.eager_calls += 1;
                 }
             }
@@ -852,17 +835,7 @@ fn capture(
                     // SAFETY: captured, not run; at each replay the operands are arena
                     // intermediates of the sizes the compiler planned, alive while the graph is.
                     unsafe {
-                        products::queue(
-                            st,
-                            lent.module,
-                            *dtype,
-                            *m,
-                            *k,
-                            *n,
-                            fixed(*a),
-                            fixed(*b),
-                            fixed(*c),
-                        )
+                        row_major_product(st, *dtype, *m, *k, *n, fixed(*a), fixed(*b), fixed(*c))
                     }?;
                 }
             }
@@ -901,177 +874,4 @@ fn capture(
         graph: lent.graphs.len() - 1,
         nodes,
     }))
-}
-
-/// Matrix products: cuBLAS on a GPU; on the simulated device, an emulated kernel with the same
-/// place in stream order.
-mod products {
-    use crate::core::engine::Entered;
-    use crate::driver::launch::ModuleHandle;
-    use crate::driver::DevicePtr;
-    use crate::dtype::DType;
-    use crate::error::Result;
-
-    /// Makes what products need before any capture: the cuBLAS handle on a GPU, the emulation's
-    /// module on the simulated device (returned, for the program to unload).
-    pub(super) fn prepare(st: &mut Entered<'_>) -> Result<Option<ModuleHandle>> {
-        #[cfg(any(test, feature = "sim"))]
-        if st.driver.as_sim().is_some() {
-            return super::sim_products::load(st).map(Some);
-        }
-        crate::work::libs::cublas(st)?;
-        Ok(None)
-    }
-
-    /// Queues the row-major `c[m×n] = a[m×k] · b[k×n]` on the stream (or into its capture).
-    ///
-    /// # Safety
-    /// `a`, `b` and `c` hold `m×k`, `k×n` and `m×n` elements of `dtype` (`f32` or `f64`) in live
-    /// allocations of the engine that stay live until the product completes; `c` overlaps
-    /// neither operand.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) unsafe fn queue(
-        st: &mut Entered<'_>,
-        module: Option<ModuleHandle>,
-        dtype: DType,
-        m: usize,
-        k: usize,
-        n: usize,
-        a: DevicePtr,
-        b: DevicePtr,
-        c: DevicePtr,
-    ) -> Result<()> {
-        #[cfg(any(test, feature = "sim"))]
-        if let Some(module) = module {
-            // SAFETY: the caller's contract.
-            return unsafe { super::sim_products::queue(st, module, dtype, m, k, n, a, b, c) };
-        }
-        let _ = module;
-        // SAFETY: the caller's contract.
-        unsafe { crate::work::libs::blas::row_major_product(st, dtype, m, k, n, a, b, c) }
-    }
-}
-
-#[cfg(any(test, feature = "sim"))]
-mod sim_products {
-    //! The simulated device's stand-in for cuBLAS in prepared programs: a module whose emulation
-    //! multiplies row-major matrices, summing over `k` in order with one rounding per multiply
-    //! and per add. On a GPU, products are cuBLAS calls.
-
-    use crate::core::engine::Entered;
-    use crate::driver::launch::{DeviceMemory, Emulation, ModuleHandle, ModuleSource};
-    use crate::driver::DevicePtr;
-    use crate::dtype::DType;
-    use crate::error::{Error, Result};
-    use std::sync::Arc;
-
-    const NAME: &str = "cuferry_sim_matmul";
-
-    struct Product;
-
-    fn run_typed<T: Copy + Default + std::ops::Add<Output = T> + std::ops::Mul<Output = T>>(
-        memory: &mut dyn DeviceMemory,
-        p: &[u64],
-        read: fn(&[u8]) -> T,
-        write: fn(T, &mut Vec<u8>),
-        size: usize,
-    ) -> Result<(), String> {
-        let (c, a, b, m, k, n) = (
-            p[0],
-            p[1],
-            p[2],
-            p[3] as usize,
-            p[4] as usize,
-            p[5] as usize,
-        );
-        let av = memory
-            .read(a, m * k * size)
-            .ok_or("matmul: a lies outside every allocation")?;
-        let bv = memory
-            .read(b, k * n * size)
-            .ok_or("matmul: b lies outside every allocation")?;
-        let at = |i: usize| read(&av[i * size..(i + 1) * size]);
-        let bt = |i: usize| read(&bv[i * size..(i + 1) * size]);
-        let mut out = Vec::with_capacity(m * n * size);
-        for i in 0..m {
-            for j in 0..n {
-                let mut acc = T::default();
-                for q in 0..k {
-                    acc = acc + at(i * k + q) * bt(q * n + j);
-                }
-                write(acc, &mut out);
-            }
-        }
-        if memory.write(c, &out) {
-            Ok(())
-        } else {
-            Err("matmul: c lies outside every allocation".into())
-        }
-    }
-
-    impl Emulation for Product {
-        fn name(&self) -> &str {
-            NAME
-        }
-
-        fn run(&self, memory: &mut dyn DeviceMemory, params: &[u64]) -> Result<(), String> {
-            let &[_, _, _, _, _, _, dtype] = params else {
-                return Err(format!(
-                    "matmul: 7 parameters expected, got {}",
-                    params.len()
-                ));
-            };
-            match dtype {
-                0 => run_typed::<f32>(
-                    memory,
-                    params,
-                    |b| f32::from_le_bytes(b.try_into().expect("4 bytes")),
-                    |v, o| o.extend_from_slice(&v.to_le_bytes()),
-                    4,
-                ),
-                1 => run_typed::<f64>(
-                    memory,
-                    params,
-                    |b| f64::from_le_bytes(b.try_into().expect("8 bytes")),
-                    |v, o| o.extend_from_slice(&v.to_le_bytes()),
-                    8,
-                ),
-                other => Err(format!("matmul: no element type {other}")),
-            }
-        }
-    }
-
-    pub(super) fn load(st: &mut Entered<'_>) -> Result<ModuleHandle> {
-        st.driver.module_compile(&ModuleSource {
-            name: NAME,
-            cuda: "// emulated on the simulated device",
-            emulation: Some(Arc::new(Product)),
-        })
-    }
-
-    /// # Safety
-    /// As `products::queue`.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) unsafe fn queue(
-        st: &mut Entered<'_>,
-        module: ModuleHandle,
-        dtype: DType,
-        m: usize,
-        k: usize,
-        n: usize,
-        a: DevicePtr,
-        b: DevicePtr,
-        c: DevicePtr,
-    ) -> Result<()> {
-        let function = st
-            .driver
-            .module_function(module, NAME)
-            .map_err(Error::driver("cuModuleGetFunction"))?;
-        let code = u64::from(dtype == DType::F64);
-        let params = [c, a, b, m as u64, k as u64, n as u64, code];
-        // SAFETY: the emulated kernel takes these seven words; the caller guarantees the
-        // operands' extents and lifetimes.
-        unsafe { st.driver.launch(function, 1, 1, &params) }
-            .map_err(Error::driver("cuLaunchKernel"))
-    }
 }

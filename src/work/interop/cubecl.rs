@@ -30,7 +30,7 @@
 use crate::core::engine::CudaEngine;
 use crate::core::order::Use;
 use crate::driver::Lane;
-use crate::error::{DeviceKind, Error, LibraryError, Result, SetupError, UsageError};
+use crate::error::{Error, LibraryError, Result, SetupError, UsageError};
 use crate::lifecycle::fence::wait_for_queued;
 use crate::memory::element::{byte_len, Element};
 use crate::memory::tensor::{shape_len, DeviceTensor};
@@ -190,7 +190,7 @@ impl CudaEngine {
     where
         E: From<Error>,
     {
-        if self.device().kind() == DeviceKind::Simulated {
+        if !self.shared.lock().driver.hosts_cuda_runtimes() {
             return Err(Error::Setup(SetupError::Unavailable {
                 library: "CubeCL",
                 detail: "simulated device: CubeCL's CUDA runtime needs a CUDA device".into(),

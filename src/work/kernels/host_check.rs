@@ -222,24 +222,14 @@ fn generated_cuda_source_compiled_for_the_host_matches_the_emulation() {
 #[test]
 #[ignore = "needs NVRTC (libnvrtc) on the library path"]
 fn every_kernel_compiles_with_nvrtc() {
-    use cudarc::nvrtc::result as nvrtc;
     assert!(
         crate::driver::cuda::nvrtc_present(),
         "NVRTC could not be loaded"
     );
     for spec in all_specs() {
-        let src = std::ffi::CString::new(module_source(spec)).unwrap();
-        let prog = nvrtc::create_program(&src, None).unwrap();
-        // SAFETY: `prog` was just created and is destroyed once below.
-        let compiled = unsafe { nvrtc::compile_program(prog, &["--gpu-architecture=compute_90"]) };
-        if compiled.is_err() {
-            // SAFETY: `prog` is live.
-            let log = unsafe { nvrtc::get_program_log(prog) }.unwrap();
-            let log: String = log.iter().map(|&c| c as u8 as char).collect();
-            panic!("{spec:?} does not compile:\n{log}");
+        if let Err(e) = crate::driver::cuda::compile_check("kernel", &module_source(spec)) {
+            panic!("{spec:?} does not compile: {e}");
         }
-        // SAFETY: `prog` is live and destroyed once.
-        unsafe { nvrtc::destroy_program(prog) }.unwrap();
     }
 }
 
@@ -403,7 +393,6 @@ fn fused_cuda_source_compiled_for_the_host_matches_the_emulation() {
 #[ignore = "needs NVRTC (libnvrtc) on the library path"]
 fn fused_kernels_compile_with_nvrtc() {
     use super::fused::tests::{random_kernel, Rng};
-    use cudarc::nvrtc::result as nvrtc;
     assert!(
         crate::driver::cuda::nvrtc_present(),
         "NVRTC could not be loaded"
@@ -412,19 +401,9 @@ fn fused_kernels_compile_with_nvrtc() {
     for d in DType::ALL {
         for _ in 0..8 {
             let kernel = random_kernel(&mut rng, d);
-            let src = std::ffi::CString::new(kernel.source()).unwrap();
-            let prog = nvrtc::create_program(&src, None).unwrap();
-            let compiled =
-                // SAFETY: `prog` was just created and is destroyed once below.
-                unsafe { nvrtc::compile_program(prog, &["--gpu-architecture=compute_90"]) };
-            if compiled.is_err() {
-                // SAFETY: `prog` is live.
-                let log = unsafe { nvrtc::get_program_log(prog) }.unwrap();
-                let log: String = log.iter().map(|&c| c as u8 as char).collect();
-                panic!("{kernel:?} does not compile:\n{log}\n{}", kernel.source());
+            if let Err(e) = crate::driver::cuda::compile_check("fused", &kernel.source()) {
+                panic!("{kernel:?} does not compile: {e}\n{}", kernel.source());
             }
-            // SAFETY: `prog` is live and destroyed once.
-            unsafe { nvrtc::destroy_program(prog) }.unwrap();
         }
     }
 }

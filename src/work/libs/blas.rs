@@ -5,166 +5,43 @@
 //! dimension against the tensors' lengths before anything is queued, so a bad argument is a
 //! typed error, never an out-of-bounds read on the device.
 
-use super::handles::CUBLAS;
-use super::{cublas, dim};
+use super::dim;
 use crate::core::engine::CudaEngine;
 use crate::core::order::Use;
-use crate::driver::Lane;
+use crate::driver::libs::{Gemm, Library};
+use crate::driver::{DevicePtr, Lane};
 use crate::error::{Error, Result, UsageError};
 use crate::memory::element::Element;
 use crate::memory::tensor::DeviceTensor;
-use cudarc::cublas::sys::{cublasHandle_t, cublasOperation_t};
 
-mod private {
-    use cudarc::cublas::result::CublasError;
-    use cudarc::cublas::sys::{cublasHandle_t, cublasOperation_t};
-
-    /// `cublas?gemm_v2` with device pointers as addresses.
-    ///
-    /// # Safety
-    /// cuBLAS's contract: a live handle, and device pointers valid for the given shapes.
-    pub(super) type GemmFn<T> = unsafe fn(
-        cublasHandle_t,
-        cublasOperation_t,
-        cublasOperation_t,
-        i32,
-        i32,
-        i32,
-        &T,
-        u64,
-        i32,
-        u64,
-        i32,
-        &T,
-        u64,
-        i32,
-    ) -> Result<(), CublasError>;
-
-    /// The per-type cuBLAS entry point. Not nameable outside the crate; its one item is a
-    /// [`Gemm`] table whose fields only the crate can read, so no cudarc type reaches the public
-    /// API through the sealed [`BlasElement`](super::BlasElement) bound.
-    pub trait GemmCall: Sized {
-        /// The table.
-        const GEMM: Gemm<Self>;
-    }
-
-    /// What `gemm` needs to know of one element type.
-    pub struct Gemm<T> {
-        /// The cuBLAS call's name, for errors.
-        pub(super) name: &'static str,
+pub(super) mod private {
+    /// What the libraries need of an element type: its one, and its value as the `f64` the
+    /// device seam carries scalars in (exactly, for `f32`). Not nameable outside the crate, so
+    /// [`BlasElement`](super::BlasElement) stays sealed.
+    pub trait Scalar: Sized {
         /// One.
-        pub(super) one: T,
-        /// Calls `cublas?gemm_v2`.
-        pub(super) call: GemmFn<T>,
+        const ONE: Self;
+        /// The value, widened exactly.
+        fn widen(self) -> f64;
     }
 
-    impl<T> std::fmt::Debug for Gemm<T> {
-        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-            f.debug_struct("Gemm")
-                .field("name", &self.name)
-                .finish_non_exhaustive()
+    impl Scalar for f32 {
+        const ONE: f32 = 1.0;
+        fn widen(self) -> f64 {
+            f64::from(self)
         }
     }
 
-    impl GemmCall for f32 {
-        const GEMM: Gemm<f32> = Gemm {
-            name: "cublasSgemm_v2",
-            one: 1.0,
-            call: sgemm,
-        };
-    }
-
-    impl GemmCall for f64 {
-        const GEMM: Gemm<f64> = Gemm {
-            name: "cublasDgemm_v2",
-            one: 1.0,
-            call: dgemm,
-        };
-    }
-
-    /// # Safety
-    /// As [`GemmFn`].
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn sgemm(
-        handle: cublasHandle_t,
-        transa: cublasOperation_t,
-        transb: cublasOperation_t,
-        m: i32,
-        n: i32,
-        k: i32,
-        alpha: &f32,
-        a: u64,
-        lda: i32,
-        b: u64,
-        ldb: i32,
-        beta: &f32,
-        c: u64,
-        ldc: i32,
-    ) -> Result<(), CublasError> {
-        // SAFETY: forwarded from the caller.
-        unsafe {
-            cudarc::cublas::result::sgemm(
-                handle,
-                transa,
-                transb,
-                m,
-                n,
-                k,
-                alpha,
-                a as *const f32,
-                lda,
-                b as *const f32,
-                ldb,
-                beta,
-                c as *mut f32,
-                ldc,
-            )
-        }
-    }
-
-    /// # Safety
-    /// As [`GemmFn`].
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn dgemm(
-        handle: cublasHandle_t,
-        transa: cublasOperation_t,
-        transb: cublasOperation_t,
-        m: i32,
-        n: i32,
-        k: i32,
-        alpha: &f64,
-        a: u64,
-        lda: i32,
-        b: u64,
-        ldb: i32,
-        beta: &f64,
-        c: u64,
-        ldc: i32,
-    ) -> Result<(), CublasError> {
-        // SAFETY: forwarded from the caller.
-        unsafe {
-            cudarc::cublas::result::dgemm(
-                handle,
-                transa,
-                transb,
-                m,
-                n,
-                k,
-                alpha,
-                a as *const f64,
-                lda,
-                b as *const f64,
-                ldb,
-                beta,
-                c as *mut f64,
-                ldc,
-            )
+    impl Scalar for f64 {
+        const ONE: f64 = 1.0;
+        fn widen(self) -> f64 {
+            self
         }
     }
 }
 
 /// An element type cuBLAS and cuSOLVER serve here: `f32` and `f64`. Sealed.
-pub trait BlasElement: Element + private::GemmCall + super::solver::calls::PotrfCall {}
+pub trait BlasElement: Element + private::Scalar {}
 
 impl BlasElement for f32 {}
 impl BlasElement for f64 {}
@@ -177,15 +54,6 @@ pub enum Transpose {
     No,
     /// Use its transpose.
     Yes,
-}
-
-impl Transpose {
-    fn op(self) -> cublasOperation_t {
-        match self {
-            Transpose::No => cublasOperation_t::CUBLAS_OP_N,
-            Transpose::Yes => cublasOperation_t::CUBLAS_OP_T,
-        }
-    }
 }
 
 /// A column-major `C = alpha * op(A) * op(B) + beta * C`, where `op(A)` is `m × k`, `op(B)` is
@@ -323,8 +191,24 @@ impl CudaEngine {
             dim(OP, "ldb", config.ldb)?,
             dim(OP, "ldc", config.ldc)?,
         );
+        let gemm = Gemm {
+            dtype: T::DTYPE,
+            transa: config.transa == Transpose::Yes,
+            transb: config.transb == Transpose::Yes,
+            m: dims.0,
+            n: dims.1,
+            k: dims.2,
+            alpha: config.alpha.widen(),
+            beta: config.beta.widen(),
+            a: a.raw_ptr(),
+            lda: dims.3,
+            b: b.raw_ptr(),
+            ldb: dims.4,
+            c: c.raw_ptr(),
+            ldc: dims.5,
+        };
         let mut st = self.enter()?;
-        let handle: cublasHandle_t = cublas(&mut st)?;
+        st.driver.library_open(Library::Blas)?;
         if m == 0 || n == 0 {
             return Ok(());
         }
@@ -334,30 +218,11 @@ impl CudaEngine {
             Use::Write(c.raw_ptr()),
         ];
         st.order_uses(Lane::Compute, &uses)?;
-        // SAFETY: the handle is the engine's, bound to its stream, with its context current;
-        // every operand was checked above to hold the elements cuBLAS reads or writes; `a` and
-        // `b` stay borrowed for the call and `c` exclusively, and their frees are queued (if at
-        // all) after this call on the same stream; alpha and beta are host scalars (the handle's
-        // default pointer mode), read before the call returns.
-        unsafe {
-            (T::GEMM.call)(
-                handle,
-                config.transa.op(),
-                config.transb.op(),
-                dims.0,
-                dims.1,
-                dims.2,
-                &config.alpha,
-                a.raw_ptr(),
-                dims.3,
-                b.raw_ptr(),
-                dims.4,
-                &config.beta,
-                c.raw_ptr(),
-                dims.5,
-            )
-        }
-        .map_err(|e| CUBLAS.status(T::GEMM.name, e.0, e.0 as i64))
+        // SAFETY: every operand was checked above to hold the elements the product reads or
+        // writes under its dimensions; `a` and `b` stay borrowed for the call and `c`
+        // exclusively (so `c` overlaps neither), and their frees are queued (if at all) after
+        // this call, ordered after it by the uses just recorded.
+        unsafe { st.driver.gemm(&gemm) }
     }
 
     /// The row-major product of 2-D tensors: `a` of shape `[m, k]` times `b` of shape `[k, n]`,
@@ -405,7 +270,7 @@ impl CudaEngine {
             self.fill(&mut c, zero)?;
             return Ok(c);
         }
-        let one = T::GEMM.one;
+        let one = T::ONE;
         let config = GemmConfig {
             transa: Transpose::No,
             transb: Transpose::No,
@@ -423,9 +288,9 @@ impl CudaEngine {
     }
 }
 
-/// Queues the row-major product `c[m×n] = a[m×k] · b[k×n]` with the engine's cuBLAS handle, on
-/// its stream (or into the stream's capture): `Cᵀ = Bᵀ·Aᵀ` in column-major terms, as
-/// [`CudaEngine::matmul`] does. For prepared programs, which hold addresses rather than tensors.
+/// Queues the row-major product `c[m×n] = a[m×k] · b[k×n]` on the engine's stream (or into the
+/// stream's capture): `Cᵀ = Bᵀ·Aᵀ` in column-major terms, as [`CudaEngine::matmul`] does. For
+/// prepared programs, which hold addresses rather than tensors.
 ///
 /// # Safety
 /// `a`, `b` and `c` hold `m×k`, `k×n` and `m×n` elements of `dtype` in live allocations of the
@@ -437,59 +302,29 @@ pub(crate) unsafe fn row_major_product(
     m: usize,
     k: usize,
     n: usize,
-    a: u64,
-    b: u64,
-    c: u64,
+    a: DevicePtr,
+    b: DevicePtr,
+    c: DevicePtr,
 ) -> Result<()> {
-    use crate::dtype::DType;
-    /// # Safety
-    /// As `row_major_product`, for `T`.
-    unsafe fn typed<T: BlasElement>(
-        handle: cublasHandle_t,
-        m: usize,
-        k: usize,
-        n: usize,
-        a: u64,
-        b: u64,
-        c: u64,
-    ) -> Result<()> {
-        const OP: &str = "matmul";
-        let (m, k, n) = (dim(OP, "m", m)?, dim(OP, "k", k)?, dim(OP, "n", n)?);
-        let (one, zero) = (T::GEMM.one, T::default());
-        // SAFETY: the handle is the engine's, bound to its stream, with its context current
-        // (the caller holds `Entered`); the caller guarantees the operands' extents and
-        // lifetimes; alpha and beta are host scalars read before the call returns.
-        unsafe {
-            (T::GEMM.call)(
-                handle,
-                Transpose::No.op(),
-                Transpose::No.op(),
-                n,
-                m,
-                k,
-                &one,
-                b,
-                n.max(1),
-                a,
-                k.max(1),
-                &zero,
-                c,
-                n.max(1),
-            )
-        }
-        .map_err(|e| CUBLAS.status(T::GEMM.name, e.0, e.0 as i64))
-    }
-    let handle = cublas(st)?;
-    // SAFETY: forwarded from the caller, for the type `dtype` names.
-    unsafe {
-        match dtype {
-            DType::F32 => typed::<f32>(handle, m, k, n, a, b, c),
-            DType::F64 => typed::<f64>(handle, m, k, n, a, b, c),
-            other => Err(Error::Usage(UsageError::UnsupportedElement {
-                operation: "matmul",
-                dtype: other,
-                reason: "cuBLAS serves f32 and f64 here",
-            })),
-        }
-    }
+    const OP: &str = "matmul";
+    let (m, k, n) = (dim(OP, "m", m)?, dim(OP, "k", k)?, dim(OP, "n", n)?);
+    let gemm = Gemm {
+        dtype,
+        transa: false,
+        transb: false,
+        m: n,
+        n: m,
+        k,
+        alpha: 1.0,
+        beta: 0.0,
+        a: b,
+        lda: n.max(1),
+        b: a,
+        ldb: k.max(1),
+        c,
+        ldc: n.max(1),
+    };
+    // SAFETY: the caller guarantees the operands' extents, lifetimes and disjointness, which are
+    // the column-major product's under the swap above.
+    unsafe { st.driver.gemm(&gemm) }
 }

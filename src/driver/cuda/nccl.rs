@@ -1,4 +1,5 @@
-//! NCCL, loaded at run time: the handful of entry points the collectives call.
+//! The collective half of the seam on CUDA devices: NCCL, loaded at run time, and the
+//! communicators made with it.
 //!
 //! The library is opened on first use, by its versioned name (`libnccl.so.2`, what NCCL's
 //! packages install) and then its development name (`libnccl.so`); `CUFERRY_NCCL` names a file
@@ -7,23 +8,26 @@
 //! with the CUDA major version, so it misses `libnccl.so.2` where no development symlink is
 //! installed, and it panics where it finds nothing.
 
-use crate::error::{Error, LibraryError, Result, SetupError, UsageError};
+use super::CudaDriver;
+use crate::driver::collective::{CollectiveKind, Collectives, Communicators, Part, Reduction};
+use crate::dtype::DType;
+use crate::error::{DeviceId, Error, LibraryError, Result, SetupError, UsageError};
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::sync::OnceLock;
 
 /// `ncclComm_t`: an opaque communicator.
-pub(crate) type Comm = *mut c_void;
+type Comm = *mut c_void;
 /// `ncclResult_t`.
 type Status = c_int;
 /// `cudaStream_t` (the driver's `CUstream`).
-pub(crate) type Stream = *mut c_void;
+type Stream = *mut c_void;
 
 /// The entry points, typed as `nccl.h` declares them (stable across NCCL 2).
-pub(crate) struct Nccl {
+struct Nccl {
     /// Keeps the library loaded for as long as the entry points are reachable (the process).
     _library: libloading::Library,
     /// NCCL's version, as `ncclGetVersion` reports it (`major * 10000 + minor * 100 + patch`).
-    pub(crate) version: c_int,
+    version: c_int,
     get_error_string: unsafe extern "C" fn(Status) -> *const c_char,
     comm_init_all: unsafe extern "C" fn(*mut Comm, c_int, *const c_int) -> Status,
     comm_destroy: unsafe extern "C" fn(Comm) -> Status,
@@ -52,7 +56,7 @@ pub(crate) struct Nccl {
 /// Runs `f`, then makes current again the context that was current on the calling thread before
 /// it: NCCL makes each of its devices' primary context current as it goes (the engines' promise
 /// is that the caller's context is theirs to keep).
-pub(crate) fn keeping_context<R>(f: impl FnOnce() -> R) -> R {
+fn keeping_context<R>(f: impl FnOnce() -> R) -> R {
     use cudarc::driver::sys;
     let mut before = std::ptr::null_mut();
     // SAFETY: an out pointer valid for one write.
@@ -76,7 +80,7 @@ fn candidates() -> Vec<String> {
 ///
 /// # Errors
 /// [`SetupError::Unavailable`](crate::error::SetupError::Unavailable) when no candidate loads or one lacks an entry point.
-pub(crate) fn nccl() -> Result<&'static Nccl> {
+fn nccl() -> Result<&'static Nccl> {
     static NCCL: OnceLock<std::result::Result<Nccl, String>> = OnceLock::new();
     NCCL.get_or_init(load).as_ref().map_err(|detail| {
         Error::Setup(SetupError::Unavailable {
@@ -145,7 +149,7 @@ impl Nccl {
     }
 
     /// One communicator per device of `devices`, ranks in that order (`ncclCommInitAll`).
-    pub(crate) fn comm_init_all(&self, devices: &[c_int]) -> Result<Vec<Comm>> {
+    fn comm_init_all(&self, devices: &[c_int]) -> Result<Vec<Comm>> {
         let n = c_int::try_from(devices.len()).map_err(|_| UsageError::ExceedsLimit {
             operation: "Communicator::new",
             what: "ranks",
@@ -164,19 +168,19 @@ impl Nccl {
     /// # Safety
     /// `comm` came from [`comm_init_all`](Self::comm_init_all), is destroyed once, and no
     /// operation on it is still running.
-    pub(crate) unsafe fn comm_destroy(&self, comm: Comm) -> Result<()> {
+    unsafe fn comm_destroy(&self, comm: Comm) -> Result<()> {
         // SAFETY: the caller's contract.
         self.check("ncclCommDestroy", unsafe { (self.comm_destroy)(comm) })
     }
 
     /// Opens a group: the calls up to [`group_end`](Self::group_end) are launched together.
-    pub(crate) fn group_start(&self) -> Result<()> {
+    fn group_start(&self) -> Result<()> {
         // SAFETY: no arguments; groups nest.
         self.check("ncclGroupStart", unsafe { (self.group_start)() })
     }
 
     /// Closes the group and launches its calls.
-    pub(crate) fn group_end(&self) -> Result<()> {
+    fn group_end(&self) -> Result<()> {
         // SAFETY: no arguments; called once per `group_start`.
         self.check("ncclGroupEnd", unsafe { (self.group_end)() })
     }
@@ -187,7 +191,7 @@ impl Nccl {
     /// `buffer` holds `count` elements of `dtype` on `comm`'s device and stays allocated, and
     /// untouched by other work, until the operation has completed on `stream`, a stream of that
     /// device's primary context.
-    pub(crate) unsafe fn all_reduce(
+    unsafe fn all_reduce(
         &self,
         buffer: u64,
         count: usize,
@@ -207,7 +211,7 @@ impl Nccl {
     ///
     /// # Safety
     /// As [`all_reduce`](Self::all_reduce).
-    pub(crate) unsafe fn broadcast(
+    unsafe fn broadcast(
         &self,
         buffer: u64,
         count: usize,
@@ -220,5 +224,141 @@ impl Nccl {
         // SAFETY: the caller's contract; in place, as `nccl.h` allows.
         let status = unsafe { (self.broadcast)(ptr, ptr, count, dtype, root, comm, stream) };
         self.check("ncclBroadcast", status)
+    }
+}
+
+/// The version of the NCCL library loaded, as `(major, minor, patch)`.
+pub(crate) fn nccl_version() -> Result<(u32, u32, u32)> {
+    let v = u32::try_from(nccl()?.version).unwrap_or(0);
+    Ok((v / 10000, v / 100 % 100, v % 100))
+}
+
+/// `ncclDataType_t` for an element type NCCL reduces and broadcasts.
+fn data_type(dtype: DType) -> Result<c_int> {
+    Ok(match dtype {
+        DType::I8 => 0,
+        DType::U8 => 1,
+        DType::I32 => 2,
+        DType::U32 => 3,
+        DType::I64 => 4,
+        DType::U64 => 5,
+        DType::F16 => 6,
+        DType::F32 => 7,
+        DType::F64 => 8,
+        DType::BF16 => 9,
+        other => {
+            return Err(Error::Usage(UsageError::UnsupportedElement {
+                operation: "collective",
+                dtype: other,
+                reason: "NCCL reduces and broadcasts 8-, 32- and 64-bit integers and floats",
+            }))
+        }
+    })
+}
+
+/// `ncclRedOp_t`.
+fn red_op(reduction: Reduction) -> c_int {
+    match reduction {
+        Reduction::Sum => 0,
+        Reduction::Prod => 1,
+        Reduction::Max => 2,
+        Reduction::Min => 3,
+        Reduction::Avg => 4,
+    }
+}
+
+/// NCCL communicators, one per rank, destroyed on drop.
+struct NcclComms {
+    nccl: &'static Nccl,
+    comms: Vec<Comm>,
+}
+
+// SAFETY: NCCL communicators may be used from any thread as long as calls on one are not made
+// concurrently; the engines serialise every collective over them (each call borrows every
+// member engine exclusively), and the destroy runs once, from the last owner.
+unsafe impl Send for NcclComms {}
+// SAFETY: as above: the trait's calls are made only with every member engine borrowed
+// exclusively, so never concurrently.
+unsafe impl Sync for NcclComms {}
+
+impl Drop for NcclComms {
+    fn drop(&mut self) {
+        // Any thread may drop the last reference: NCCL makes each communicator's device current
+        // to destroy it, and the thread's own context is put back.
+        keeping_context(|| {
+            for &comm in &self.comms {
+                // SAFETY: made by `ncclCommInitAll`, destroyed once; the owner keeps this value
+                // alive until every collective queued on it has completed.
+                let _ = unsafe { self.nccl.comm_destroy(comm) };
+            }
+        });
+    }
+}
+
+impl Communicators for NcclComms {
+    fn group_start(&self) -> Result<()> {
+        self.nccl.group_start()
+    }
+
+    unsafe fn queue(&self, rank: usize, part: &Part) -> Result<()> {
+        let comm = *self
+            .comms
+            .get(rank)
+            .ok_or(Error::Usage(UsageError::RootOutOfRange {
+                root: rank,
+                ranks: self.comms.len(),
+            }))?;
+        let dtype = data_type(part.dtype)?;
+        let stream = part.stream as Stream;
+        // NCCL may make the rank's device current: the caller's context is restored after.
+        keeping_context(|| match part.kind {
+            // SAFETY: the caller's contract: the buffer holds `count` elements on the rank's
+            // device and stays untouched until the part completes on `stream`.
+            CollectiveKind::AllReduce(op) => unsafe {
+                self.nccl
+                    .all_reduce(part.buffer, part.count, dtype, red_op(op), comm, stream)
+            },
+            CollectiveKind::Broadcast { root } => {
+                let root = c_int::try_from(root).map_err(|_| {
+                    Error::Usage(UsageError::RootOutOfRange {
+                        root,
+                        ranks: self.comms.len(),
+                    })
+                })?;
+                // SAFETY: as above.
+                unsafe {
+                    self.nccl
+                        .broadcast(part.buffer, part.count, dtype, root, comm, stream)
+                }
+            }
+        })
+    }
+
+    fn group_end(&self) -> Result<()> {
+        // NCCL launches on every rank's device here: the caller's context is restored after.
+        keeping_context(|| self.nccl.group_end())
+    }
+}
+
+impl Collectives for CudaDriver {
+    fn communicators(&self, devices: &[DeviceId]) -> Result<Box<dyn Communicators>> {
+        let nccl = nccl()?;
+        let ordinals = devices
+            .iter()
+            .map(|d| {
+                c_int::try_from(d.ordinal()).map_err(|_| {
+                    Error::Usage(UsageError::ExceedsLimit {
+                        operation: "Communicator::new",
+                        what: "device ordinal",
+                        value: d.ordinal(),
+                        limit: c_int::MAX as usize,
+                    })
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        // NCCL makes each device's primary context (the engines') current as it goes: the
+        // caller's is restored after.
+        let comms = keeping_context(|| nccl.comm_init_all(&ordinals))?;
+        Ok(Box::new(NcclComms { nccl, comms }))
     }
 }

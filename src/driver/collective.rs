@@ -1,0 +1,102 @@
+//! The collective half of the device seam: communicators over several devices, and the group of
+//! calls that queues one collective on every rank's stream.
+//!
+//! Collectives follow NCCL's model, whatever runs them. A set of [`Communicators`] joins devices,
+//! one rank each, in a given order ([`Collectives::communicators`]). One collective is a group:
+//! [`Communicators::group_start`], then one call per rank ([`Communicators::queue`]), each on
+//! that rank's stream, then [`Communicators::group_end`], which launches the calls together so
+//! that one thread drives every device. Every rank's part runs once all of them have reached
+//! their streams' heads, and they run together.
+//!
+//! The failure modes are NCCL's too, and the caller must allow for all of them: a call inside a
+//! group may be refused, and the group must still be ended; the end may fail; and once a group
+//! has started, a failure does not say which ranks' parts were launched. A part launched without
+//! its partners can never complete as a collective. So after any failure past the group's start
+//! every rank's buffer must be treated as in use by the device until an event recorded after the
+//! group on that rank's stream proves otherwise.
+//!
+//! A real device uses NCCL, loaded at run time, with one communicator per device made by
+//! `ncclCommInitAll`. The simulated machine runs the collectives itself, with NCCL's rank rules,
+//! and fault injection for each call: a part refused inside a group leaves the other ranks'
+//! parts launched, which the simulator then fails on their streams (as an aborted communicator's
+//! kernels would end) instead of leaving them waiting for ever, and the failure is what the next
+//! event recorded after the part on that stream reports.
+
+use super::DevicePtr;
+use crate::dtype::DType;
+use crate::error::{DeviceId, Error};
+
+/// What a collective does with its ranks' buffers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum CollectiveKind {
+    /// Every buffer becomes the element-wise reduction of all of them.
+    AllReduce(Reduction),
+    /// Every buffer becomes a copy of rank `root`'s.
+    Broadcast {
+        /// The rank whose buffer is copied.
+        root: usize,
+    },
+}
+
+/// How an all-reduce combines elements.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Reduction {
+    Sum,
+    Prod,
+    Max,
+    Min,
+    /// The sum divided by the number of ranks (truncated, for integers).
+    Avg,
+}
+
+/// One rank's part of a collective, in place: `count` elements of `dtype` at `buffer`, on the
+/// compute stream `stream` of that rank's device (the raw handle of
+/// [`Driver::stream_handle`](super::Driver::stream_handle)).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Part {
+    pub(crate) stream: u64,
+    pub(crate) buffer: DevicePtr,
+    pub(crate) count: usize,
+    pub(crate) dtype: DType,
+    pub(crate) kind: CollectiveKind,
+}
+
+/// Communicators over several devices, one rank each: what queues collectives among them.
+/// Dropping it destroys them; the caller keeps it alive until every collective queued on it has
+/// completed.
+pub(crate) trait Communicators: Send + Sync {
+    /// Opens a group: the calls up to [`group_end`](Self::group_end) are launched together.
+    fn group_start(&self) -> Result<(), Error>;
+
+    /// Adds rank `rank`'s part to the open group. A refusal leaves the group open: it must
+    /// still be ended, and the other ranks' parts may be launched by the end.
+    ///
+    /// # Safety
+    /// The buffer holds `part.count` elements of `part.dtype` on rank `rank`'s device, and stays
+    /// allocated and untouched by other work until the part has completed on `part.stream`, a
+    /// compute stream of that device (in the engine's context).
+    unsafe fn queue(&self, rank: usize, part: &Part) -> Result<(), Error>;
+
+    /// Closes the group and launches its calls. It is called once per
+    /// [`group_start`](Self::group_start), whatever happened inside.
+    fn group_end(&self) -> Result<(), Error>;
+}
+
+/// Making communicators: the driver of one of the devices makes them for all.
+pub(crate) trait Collectives {
+    /// Communicators over `devices`, rank `i` being `devices[i]`, each a device this driver's
+    /// machine reaches. The caller has checked that they are distinct and reachable.
+    ///
+    /// # Errors
+    /// [`SetupError::Unavailable`](crate::error::SetupError::Unavailable) without a collective
+    /// library, [`LibraryError::Vendor`](crate::error::LibraryError::Vendor) when it refuses.
+    fn communicators(&self, devices: &[DeviceId]) -> Result<Box<dyn Communicators>, Error>;
+}
+
+/// The version of the collective library a GPU uses (NCCL), as `(major, minor, patch)`.
+///
+/// # Errors
+/// [`SetupError::Unavailable`](crate::error::SetupError::Unavailable) when it cannot be loaded.
+pub(crate) fn library_version() -> Result<(u32, u32, u32), Error> {
+    super::cuda::nccl_version()
+}
