@@ -672,8 +672,8 @@ pub enum SetupError {
         count: usize,
     },
     /// A library an operation needs is not installed on this machine (NVRTC for the kernels,
-    /// cuBLAS, cuSOLVER, cuTENSOR, NCCL), or the operation has no simulated form (the vendor
-    /// libraries on the simulated device).
+    /// cuBLAS, cuSOLVER, cuTENSOR, NCCL), or the operation has no simulated form (PTX and CubeCL
+    /// on the simulated device).
     #[error("{library} is unavailable on this machine: {detail}")]
     Unavailable {
         /// The library, for example `cuTENSOR`.

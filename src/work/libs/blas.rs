@@ -158,7 +158,7 @@ impl CudaEngine {
     /// overflows `usize`,
     /// [`UsageError::ExceedsLimit`](crate::error::UsageError::ExceedsLimit) when a dimension exceeds
     /// 32 bits; [`UsageError::WrongEngine`](crate::error::UsageError::WrongEngine) for another engine's
-    /// tensor; [`SetupError::Unavailable`](crate::error::SetupError::Unavailable) when cuBLAS is missing or the engine is simulated;
+    /// tensor; [`SetupError::Unavailable`](crate::error::SetupError::Unavailable) when cuBLAS is missing;
     /// [`LibraryError::Vendor`](crate::error::LibraryError::Vendor) when cuBLAS refuses.
     pub fn gemm<T: BlasElement>(
         &mut self,

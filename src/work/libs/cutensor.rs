@@ -80,8 +80,8 @@ impl CudaEngine {
     /// that differs from a tensor's rank, [`UsageError::ModeExtents`](crate::error::UsageError::ModeExtents)
     /// for one mode with two extents, [`UsageError::ExceedsLimit`](crate::error::UsageError::ExceedsLimit)
     /// for an extent past 32 bits; [`UsageError::WrongEngine`](crate::error::UsageError::WrongEngine)
-    /// for another engine's tensor; [`SetupError::Unavailable`](crate::error::SetupError::Unavailable) when cuTENSOR is not installed or
-    /// the engine is simulated; [`LibraryError::Vendor`](crate::error::LibraryError::Vendor) when cuTENSOR refuses.
+    /// for another engine's tensor; [`SetupError::Unavailable`](crate::error::SetupError::Unavailable) when cuTENSOR is not installed;
+    /// [`LibraryError::Vendor`](crate::error::LibraryError::Vendor) when cuTENSOR refuses.
     pub fn contract<T: TensorElement>(
         &mut self,
         expression: &str,

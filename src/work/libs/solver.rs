@@ -79,7 +79,7 @@ impl CudaEngine {
     /// [`UsageError::NotAMultiple`](crate::error::UsageError::NotAMultiple) when `b`'s length is not a
     /// positive multiple of `n`, [`UsageError::ExceedsLimit`](crate::error::UsageError::ExceedsLimit)
     /// when `n` or `nrhs` exceeds 32 bits; [`UsageError::WrongEngine`](crate::error::UsageError::WrongEngine) for another engine's
-    /// tensor; [`SetupError::Unavailable`](crate::error::SetupError::Unavailable) when cuSOLVER is missing or the engine is simulated;
+    /// tensor; [`SetupError::Unavailable`](crate::error::SetupError::Unavailable) when cuSOLVER is missing;
     /// [`LibraryError::Vendor`](crate::error::LibraryError::Vendor) when cuSOLVER refuses. A matrix that is not positive definite is
     /// reported by [`SolverStatus::check`].
     pub fn cholesky_solve<T: BlasElement>(
