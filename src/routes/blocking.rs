@@ -7,8 +7,9 @@
 //!
 //! Three size bands, all through pinned staging (the device only reaches full speed from
 //! page-locked memory, and the caller's memory is pageable):
-//! - **16 bytes or less:** the engine's pinned scalar slot: one tiny copy, proven by a stream
-//!   synchronize (the caller waits at once, so an event would add a record for the same proof).
+//! - **16 bytes or less:** the engine's pinned scalar slot (`routes::scalar`): one tiny copy,
+//!   proven by a stream synchronize (the caller waits at once, so an event would add a record for
+//!   the same proof).
 //! - **Up to `cutoff_bytes`:** one staged copy through one ring slot.
 //! - **Above:** a pipeline over the bounded ring of [`StagingLease`]s: host threads copy chunk
 //!   k+1 into its slot while the DMA of chunk k runs; each chunk has its own event, and a slot
@@ -23,13 +24,12 @@
 //! on uploads) into the retirement queue, so nothing is freed while DMA may still touch it, and
 //! the route returns the error.
 
+use super::scalar::{scalar_transfer, ScalarHost, SCALAR_BYTES};
 use crate::core::engine::CudaEngine;
 use crate::driver::Lane;
 use crate::dtype::DType;
 use crate::error::{Error, Result, StagingError, SubmitError, UsageError};
-use crate::lifecycle::lease::{
-    released, KeepAlive, Mark, Proven, ScalarHost, StagingLease, Unproven,
-};
+use crate::lifecycle::lease::{released, KeepAlive, Mark, Proven, StagingLease, Unproven};
 use crate::memory::copy_pool::{self, CopyPool};
 use crate::memory::element::{as_bytes, byte_len, Element};
 use crate::memory::stream_copy::copy_streaming;
@@ -435,9 +435,8 @@ fn upload_staged<T: Element>(
     if data.is_empty() {
         return Ok(());
     }
-    if std::mem::size_of_val(data) <= 16 {
-        return engine
-            .scalar_transfer(tensor, ScalarHost::Upload(as_bytes(data)))
+    if std::mem::size_of_val(data) <= SCALAR_BYTES {
+        return scalar_transfer(engine, tensor, ScalarHost::Upload(as_bytes(data)))
             .map_err(Stranded::alone);
     }
     let copiers = pool_for(engine, std::mem::size_of_val(data)).map_err(Stranded::alone)?;
@@ -562,9 +561,9 @@ fn download_staged<T: Element>(
     if bytes == 0 {
         return Ok(());
     }
-    if bytes <= 16 {
-        let mut staged = [0u8; 16];
-        engine.scalar_transfer(tensor, ScalarHost::Download(&mut staged[..bytes]))?;
+    if bytes <= SCALAR_BYTES {
+        let mut staged = [0u8; SCALAR_BYTES];
+        scalar_transfer(engine, tensor, ScalarHost::Download(&mut staged[..bytes]))?;
         let dst = out.as_mut_ptr().cast::<u8>();
         // SAFETY: `out` has capacity for `total` elements (`bytes` bytes) and does not overlap
         // the local `staged`; the bytes have arrived (the transfer returned once complete).
