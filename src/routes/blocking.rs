@@ -30,10 +30,10 @@ use crate::driver::Lane;
 use crate::dtype::DType;
 use crate::error::{Error, Result, StagingError, SubmitError, UsageError};
 use crate::lifecycle::lease::{released, KeepAlive, Mark, Proven, StagingLease, Unproven};
-use crate::memory::copy_pool::{self, CopyPool};
 use crate::memory::element::{as_bytes, byte_len, Element};
 use crate::memory::stream_copy::copy_streaming;
 use crate::memory::tensor::{shape_len, DeviceTensor};
+use crate::sync::copy_pool::{self, CopyPool};
 use crate::sync::{AtomicBool, AtomicUsize, Ordering, SpinWait};
 use std::collections::VecDeque;
 
@@ -1022,6 +1022,16 @@ fn download_at_once<T: Element>(
 mod tests {
     use super::*;
     use crate::driver::sim::SimConfig;
+    use crate::memory::ring::StagingConfig;
+
+    #[test]
+    fn the_default_cap_is_the_whole_copy_pool() {
+        // Nothing in the crate's unit tests sets the pool's size.
+        assert_eq!(
+            StagingConfig::default().copy_threads,
+            copy_pool::copy_threads()
+        );
+    }
 
     #[test]
     fn engines_share_one_pool_of_copy_threads() {

@@ -56,7 +56,8 @@
 //!   3.2–3.7 to 2.9–3.2 µs with 4 helpers and from 4.6–5.1 to 4.0–4.4 µs with 11; with one
 //!   helper it stayed at 1.9–2.1 µs.
 //!
-//! Process state with no knowledge of any engine: it depends only on the errors.
+//! Process state with no knowledge of any engine or of memory: it depends only on the errors and
+//! the primitives beside it in [`crate::sync`].
 
 use crate::error::{Error, Result, UsageError};
 use crate::sync::thread::{self, Thread};
@@ -569,10 +570,6 @@ mod tests {
             .and_then(|v| parse_env(&v))
             .unwrap_or(size_for_cores(cores));
         assert_eq!(copy_threads(), expected);
-        assert_eq!(
-            crate::memory::ring::StagingConfig::default().copy_threads,
-            expected
-        );
         let pool = pool().unwrap();
         assert_eq!(pool.threads(), expected);
         assert_eq!(copy_threads(), expected);
