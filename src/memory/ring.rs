@@ -17,8 +17,8 @@ use crate::error::{DriverError, Error, Result, StagingError, UsageError};
 use crate::sync::copy_pool::MAX_THREADS;
 use std::ptr::NonNull;
 
-/// The staging settings of an engine. Defaults were chosen by measurement on an H200 (PCIe
-/// Gen5 x16, 16 host cores); see `docs/records/blocking-staging.md`. The default of
+/// The staging settings of an engine. Defaults were chosen by measurement; see
+/// `docs/records/blocking-staging.md`. The default of
 /// `copy_threads` follows the process's shared copy pool ([`copy_threads()`](crate::staging::copy_threads)).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]

@@ -109,11 +109,9 @@ fn par_bytes(copiers: Option<Copiers>, bytes: usize, f: impl Fn(usize, usize) + 
 /// into pinned staging memory for the device to read next, with streaming stores (see
 /// [`stream_copy`](crate::memory::stream_copy)).
 ///
-/// Streaming is for uploads of up to [`STREAM_MAX_BYTES`] only: measured on an
-/// H200 host in one run, streaming stores took an 8 MiB `upload_tensor_into` from 530 µs (what a
-/// raw replica of its plan with ordinary stores took) to 260 µs, but a 256 MiB upload, whose
-/// chunks are copied while earlier chunks' DMA runs, from about 6.2 ms to 8.2 ms: there the
-/// ordinary copy is faster, and its chunks leave the caches long before their DMA reads them.
+/// Streaming is for uploads of up to [`STREAM_MAX_BYTES`] only. A larger upload copies its chunks
+/// while earlier chunks' DMA runs, so its chunks leave the caches long before their DMA reads
+/// them, and there the ordinary copy is faster (`docs/records/mid-size-transfers.md`).
 ///
 /// # Safety
 /// `src..src+bytes` is readable and `dst..dst+bytes` writable for the call, and they do not
@@ -687,10 +685,9 @@ fn chunk_loop<T: Element>(
     Ok(())
 }
 
-/// The largest transfer served by one parallel region (see [`fits_at_once`]). Measured on an
-/// H200 (`docs/records/mid-size-transfers.md`): at 4 and 16 MiB one region beat the
-/// chunk-by-chunk pipeline (4 MiB upload 272 µs against 374 µs, download 254 against 392); at
-/// 64 MiB, where each chunk is 16 MiB, the pipeline was faster (1.68 ms against 1.92 ms up).
+/// The largest transfer served by one parallel region (see [`fits_at_once`]): at 4 and 16 MiB one
+/// region beat the chunk-by-chunk pipeline, at 64 MiB (16 MiB chunks) the pipeline beat it
+/// (`docs/records/mid-size-transfers.md`).
 const AT_ONCE_MAX_BYTES: usize = 16 << 20;
 
 /// The largest upload whose host copies use streaming stores (see [`par_copy`]).
@@ -812,11 +809,9 @@ fn upload_at_once<T: Element>(
 
 /// The bytes a download of a mid-size transfer marks as arrived at a time (see
 /// [`download_at_once`]). A mark costs an event record, a wait and a hand-off to the copy
-/// threads, a few microseconds in all, which the DMA of 512 KiB (about 11 µs at the 49 GiB/s of
-/// the H200's link) covers; smaller marks stop the copy threads between marks, larger ones leave
-/// more to copy after the last byte has arrived. Measured for an 8 MiB download with twelve
-/// threads on the H200 host (`docs/records/mid-size-transfers.md`): 64 KiB marks 418 µs, 128 KiB
-/// 274 µs, 256 KiB 216 µs, 512 KiB 195 µs, 1 MiB 267 µs, 2 MiB 326 µs.
+/// threads, which the DMA of 512 KiB covers; smaller marks stop the copy threads between marks,
+/// larger ones leave more to copy after the last byte has arrived (the part sizes measured against
+/// each other: `docs/records/mid-size-transfers.md`).
 const MARK_BYTES: usize = 512 << 10;
 
 /// The smallest piece of a marked part one copy thread copies out.
