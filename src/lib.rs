@@ -83,8 +83,8 @@ mod work;
 mod dtype;
 pub mod error;
 pub mod guide;
-// The atomics, threads and cells of the hand-written concurrency: `std`'s, or loom's when the
-// loom models are built.
+// The host concurrency: the atomics, threads and cells of the hand-written concurrency (`std`'s,
+// or loom's when the loom models are built), and the process's host-copy threads.
 mod sync;
 
 // The root: the engine, its values, the error, and the host routes of the seed. Everything
@@ -140,8 +140,8 @@ pub mod pending {
 /// built by hand.
 pub mod staging {
     pub use crate::lifecycle::lease::{KeepAlive, LeaseState, Proven, StagingLease, Unproven};
-    pub use crate::memory::copy_pool::{copy_threads, set_copy_threads};
     pub use crate::memory::ring::{StagingConfig, StagingStats};
+    pub use crate::sync::copy_pool::{copy_threads, set_copy_threads};
 }
 
 /// Raw scopes ([`CudaEngine::with_raw`]): the engine's context, compute stream and device

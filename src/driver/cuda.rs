@@ -602,9 +602,9 @@ impl Waits for CudaWaits {
         })
     }
 
-    /// A stream callback wakes a task 17 to 26 µs after a 16-byte copy completes on an H200,
-    /// where a spinning event wait returns after 6 µs (`wake_16B` in `benches/transfer_paths.rs`,
-    /// `docs/records/async-registered-handoff.md`): asking the event for 20 µs first lets a small
+    /// 20 µs: about one stream callback's latency, which is several times a spinning event
+    /// wait's (`wake_16B` in `benches/transfer_paths.rs`;
+    /// `docs/records/async-registered-handoff.md`). Asking the event that long first lets a small
     /// copy resolve at the host wait's latency, and costs a large one 20 µs of one core.
     fn spin_before_wake(&self) -> std::time::Duration {
         std::time::Duration::from_micros(20)

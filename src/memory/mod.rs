@@ -11,18 +11,16 @@
 //! - [`ring`]: the staging ring's chunks, settings and counters (engine state).
 //! - [`pressure`]: the one answer of every allocation path to out-of-memory: release what the
 //!   retirement queue has proven complete, then retry once.
-//! - [`copy_pool`]: the host-copy threads of the blocking routes, one pool per process shared by
-//!   every engine (process state).
 //! - [`stream_copy`]: the copy into pinned staging memory, written around the CPU's caches so
 //!   the DMA that reads it next does not have to pull it out of them.
 //!
 //! The level exists so that owning memory (allocating it on the engine's streams, returning it to
 //! a pool, freeing it stream-ordered) is written once, apart from the proofs of when the device
 //! is done with it, which are the lifecycle level's. It depends on the seam, the core and the
-//! errors. `pool` and `ring` are the engine's state and depend only on the seam and the errors
-//! (see [`core`](crate::core)). `copy_pool` is process state and depends only on the errors.
+//! errors. `pool` and `ring` are the engine's state and depend only on the seam and the base
+//! (see [`core`](crate::core)). The host-copy threads the blocking routes split their host copies
+//! across are process state and know nothing of memory: they live in `sync::copy_pool`.
 
-pub(crate) mod copy_pool;
 pub(crate) mod element;
 pub(crate) mod host;
 pub(crate) mod pinned;

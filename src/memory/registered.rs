@@ -47,11 +47,11 @@
 //! # The cost of registering
 //!
 //! Registration is not free: the driver pins every page of the range, which takes about as long
-//! as several copies of it (registering and unregistering 256 MiB took 13.4 ms on an H200,
-//! where a registered copy of 256 MiB takes 4.9 ms). Register a `Vec` once and move it many times: the saving over the
-//! blocking routes' staged copy is paid for only after a number of transfers, which the
-//! `registered` group of `benches/transfer_paths.rs` measures and prints for several sizes. For
-//! a one-off transfer of data in a `Vec`, the blocking routes are faster.
+//! as several copies of it (`docs/records/async-registered-handoff.md`). Register a `Vec` once
+//! and move it many times: the saving over the blocking routes' staged copy is paid for only
+//! after a number of transfers, which the `registered` group of `benches/transfer_paths.rs`
+//! measures and prints for several sizes. For a one-off transfer of data in a `Vec`, the blocking
+//! routes are faster.
 //!
 //! # Why an owned buffer and not a borrow
 //!

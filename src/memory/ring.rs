@@ -14,11 +14,11 @@
 
 use crate::driver::Driver;
 use crate::error::{DriverError, Error, Result, StagingError, UsageError};
-use crate::memory::copy_pool::MAX_THREADS;
+use crate::sync::copy_pool::MAX_THREADS;
 use std::ptr::NonNull;
 
-/// The staging settings of an engine. Defaults were chosen by measurement on an H200 (PCIe
-/// Gen5 x16, 16 host cores); see `docs/records/blocking-staging.md`. The default of
+/// The staging settings of an engine. Defaults were chosen by measurement; see
+/// `docs/records/blocking-staging.md`. The default of
 /// `copy_threads` follows the process's shared copy pool ([`copy_threads()`](crate::staging::copy_threads)).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
@@ -47,7 +47,7 @@ impl Default for StagingConfig {
         StagingConfig {
             chunk_bytes: 16 << 20,
             ring_depth: 4,
-            copy_threads: crate::memory::copy_pool::copy_threads(),
+            copy_threads: crate::sync::copy_pool::copy_threads(),
             cutoff_bytes: 1 << 20,
         }
     }
@@ -149,7 +149,7 @@ pub struct StagingStats {
 }
 
 /// The engine's staging ring: its settings, its idle slots, and the counts of slots out on each
-/// budget. (The host-copy threads are the process's, in `memory::copy_pool`.)
+/// budget. (The host-copy threads are the process's, in `sync::copy_pool`.)
 #[derive(Default)]
 pub(crate) struct StagingRing {
     config: StagingConfig,

@@ -2,20 +2,17 @@
 //!
 //! A staged upload writes the caller's data into pinned memory, then has the device read it over
 //! PCIe. Written with ordinary stores, the data sits dirty in the CPU's caches, and the device's
-//! reads have to pull it out of them. On the H200 host the crate is measured on, an 8 MiB
-//! parallel host copy alone took 148 µs and an 8 MiB DMA from pinned memory alone 162 µs, but
-//! the copy followed by the DMA took 560 µs (`midsize_anatomy_8MiB` in
-//! `benches/transfer_paths.rs`, `docs/records/mid-size-transfers.md`). Non-temporal stores write
-//! around the caches, to memory, where the DMA reads it.
+//! reads have to pull it out of them: a host copy followed by its DMA takes far longer than the
+//! two alone (`midsize_anatomy_8MiB` in `benches/transfer_paths.rs`;
+//! `docs/records/mid-size-transfers.md`). Non-temporal stores write around the caches, to memory,
+//! where the DMA reads it.
 //!
 //! The stores are weakly ordered, so the copy ends with a store fence: whoever learns that the
 //! copy is done (the thread that queues the DMA, through the routes' counters) sees every byte.
 
-/// Below this many bytes an ordinary copy is used. Measured on the H200 host in one run
-/// (`benches/transfer_sweep.rs`), streaming stores made a 4 KiB `upload_tensor_into` slower
-/// (9.1 µs against 7.6 µs with ordinary stores in an earlier run) and a 16 KiB one too (12.1 µs
-/// against 8.8 µs), while at 64 KiB they were faster (12.4 µs against 14.4 µs) and from 1 MiB
-/// up far faster.
+/// Below this many bytes an ordinary copy is used: streaming stores made smaller uploads slower,
+/// and uploads from this size up faster (`benches/transfer_sweep.rs`;
+/// `docs/records/mid-size-transfers.md`).
 const STREAM_MIN: usize = 64 << 10;
 
 /// Copies `len` bytes from `src` to `dst`, with non-temporal stores where the platform has them

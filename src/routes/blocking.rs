@@ -7,8 +7,9 @@
 //!
 //! Three size bands, all through pinned staging (the device only reaches full speed from
 //! page-locked memory, and the caller's memory is pageable):
-//! - **16 bytes or less:** the engine's pinned scalar slot: one tiny copy, proven by a stream
-//!   synchronize (the caller waits at once, so an event would add a record for the same proof).
+//! - **16 bytes or less:** the engine's pinned scalar slot (`routes::scalar`): one tiny copy,
+//!   proven by a stream synchronize (the caller waits at once, so an event would add a record for
+//!   the same proof).
 //! - **Up to `cutoff_bytes`:** one staged copy through one ring slot.
 //! - **Above:** a pipeline over the bounded ring of [`StagingLease`]s: host threads copy chunk
 //!   k+1 into its slot while the DMA of chunk k runs; each chunk has its own event, and a slot
@@ -23,17 +24,16 @@
 //! on uploads) into the retirement queue, so nothing is freed while DMA may still touch it, and
 //! the route returns the error.
 
+use super::scalar::{scalar_transfer, ScalarHost, SCALAR_BYTES};
 use crate::core::engine::CudaEngine;
 use crate::driver::Lane;
 use crate::dtype::DType;
 use crate::error::{Error, Result, StagingError, SubmitError, UsageError};
-use crate::lifecycle::lease::{
-    released, KeepAlive, Mark, Proven, ScalarHost, StagingLease, Unproven,
-};
-use crate::memory::copy_pool::{self, CopyPool};
+use crate::lifecycle::lease::{released, KeepAlive, Mark, Proven, StagingLease, Unproven};
 use crate::memory::element::{as_bytes, byte_len, Element};
 use crate::memory::stream_copy::copy_streaming;
 use crate::memory::tensor::{shape_len, DeviceTensor};
+use crate::sync::copy_pool::{self, CopyPool};
 use crate::sync::{AtomicBool, AtomicUsize, Ordering, SpinWait};
 use std::collections::VecDeque;
 
@@ -109,11 +109,9 @@ fn par_bytes(copiers: Option<Copiers>, bytes: usize, f: impl Fn(usize, usize) + 
 /// into pinned staging memory for the device to read next, with streaming stores (see
 /// [`stream_copy`](crate::memory::stream_copy)).
 ///
-/// Streaming is for uploads of up to [`STREAM_MAX_BYTES`] only: measured on an
-/// H200 host in one run, streaming stores took an 8 MiB `upload_tensor_into` from 530 µs (what a
-/// raw replica of its plan with ordinary stores took) to 260 µs, but a 256 MiB upload, whose
-/// chunks are copied while earlier chunks' DMA runs, from about 6.2 ms to 8.2 ms: there the
-/// ordinary copy is faster, and its chunks leave the caches long before their DMA reads them.
+/// Streaming is for uploads of up to [`STREAM_MAX_BYTES`] only. A larger upload copies its chunks
+/// while earlier chunks' DMA runs, so its chunks leave the caches long before their DMA reads
+/// them, and there the ordinary copy is faster (`docs/records/mid-size-transfers.md`).
 ///
 /// # Safety
 /// `src..src+bytes` is readable and `dst..dst+bytes` writable for the call, and they do not
@@ -435,9 +433,8 @@ fn upload_staged<T: Element>(
     if data.is_empty() {
         return Ok(());
     }
-    if std::mem::size_of_val(data) <= 16 {
-        return engine
-            .scalar_transfer(tensor, ScalarHost::Upload(as_bytes(data)))
+    if std::mem::size_of_val(data) <= SCALAR_BYTES {
+        return scalar_transfer(engine, tensor, ScalarHost::Upload(as_bytes(data)))
             .map_err(Stranded::alone);
     }
     let copiers = pool_for(engine, std::mem::size_of_val(data)).map_err(Stranded::alone)?;
@@ -562,9 +559,9 @@ fn download_staged<T: Element>(
     if bytes == 0 {
         return Ok(());
     }
-    if bytes <= 16 {
-        let mut staged = [0u8; 16];
-        engine.scalar_transfer(tensor, ScalarHost::Download(&mut staged[..bytes]))?;
+    if bytes <= SCALAR_BYTES {
+        let mut staged = [0u8; SCALAR_BYTES];
+        scalar_transfer(engine, tensor, ScalarHost::Download(&mut staged[..bytes]))?;
         let dst = out.as_mut_ptr().cast::<u8>();
         // SAFETY: `out` has capacity for `total` elements (`bytes` bytes) and does not overlap
         // the local `staged`; the bytes have arrived (the transfer returned once complete).
@@ -688,10 +685,9 @@ fn chunk_loop<T: Element>(
     Ok(())
 }
 
-/// The largest transfer served by one parallel region (see [`fits_at_once`]). Measured on an
-/// H200 (`docs/records/mid-size-transfers.md`): at 4 and 16 MiB one region beat the
-/// chunk-by-chunk pipeline (4 MiB upload 272 µs against 374 µs, download 254 against 392); at
-/// 64 MiB, where each chunk is 16 MiB, the pipeline was faster (1.68 ms against 1.92 ms up).
+/// The largest transfer served by one parallel region (see [`fits_at_once`]): at 4 and 16 MiB one
+/// region beat the chunk-by-chunk pipeline, at 64 MiB (16 MiB chunks) the pipeline beat it
+/// (`docs/records/mid-size-transfers.md`).
 const AT_ONCE_MAX_BYTES: usize = 16 << 20;
 
 /// The largest upload whose host copies use streaming stores (see [`par_copy`]).
@@ -813,11 +809,9 @@ fn upload_at_once<T: Element>(
 
 /// The bytes a download of a mid-size transfer marks as arrived at a time (see
 /// [`download_at_once`]). A mark costs an event record, a wait and a hand-off to the copy
-/// threads, a few microseconds in all, which the DMA of 512 KiB (about 11 µs at the 49 GiB/s of
-/// the H200's link) covers; smaller marks stop the copy threads between marks, larger ones leave
-/// more to copy after the last byte has arrived. Measured for an 8 MiB download with twelve
-/// threads on the H200 host (`docs/records/mid-size-transfers.md`): 64 KiB marks 418 µs, 128 KiB
-/// 274 µs, 256 KiB 216 µs, 512 KiB 195 µs, 1 MiB 267 µs, 2 MiB 326 µs.
+/// threads, which the DMA of 512 KiB covers; smaller marks stop the copy threads between marks,
+/// larger ones leave more to copy after the last byte has arrived (the part sizes measured against
+/// each other: `docs/records/mid-size-transfers.md`).
 const MARK_BYTES: usize = 512 << 10;
 
 /// The smallest piece of a marked part one copy thread copies out.
@@ -1023,6 +1017,16 @@ fn download_at_once<T: Element>(
 mod tests {
     use super::*;
     use crate::driver::sim::SimConfig;
+    use crate::memory::ring::StagingConfig;
+
+    #[test]
+    fn the_default_cap_is_the_whole_copy_pool() {
+        // Nothing in the crate's unit tests sets the pool's size.
+        assert_eq!(
+            StagingConfig::default().copy_threads,
+            copy_pool::copy_threads()
+        );
+    }
 
     #[test]
     fn engines_share_one_pool_of_copy_threads() {

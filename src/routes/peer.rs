@@ -8,8 +8,8 @@
 //! taken only when asked for by name.
 //!
 //! A copy runs on one engine's compute stream, the carrier's: the source engine's for the blocking
-//! routes (a copy pushed over the link completes sooner than one pulled: 6.6 against 9.3 µs for
-//! 16 bytes between two H200s), where a new destination is allocated from the destination
+//! routes (a copy pushed over the link completes sooner than one pulled; see
+//! `docs/records/peer-routes.md`), where a new destination is allocated from the destination
 //! engine's memory pool on that same stream (`cuMemAllocFromPoolAsync` takes a pool of another
 //! device), so neither engine waits for the other's allocation; the destination engine's for the
 //! pending route, whose destination that engine's next work may read. The carrier's own side is ordered by its lane order;

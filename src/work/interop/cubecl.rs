@@ -19,11 +19,9 @@
 //! Each import and each export is one device-to-device copy of the data plus two host waits: one
 //! CubeCL `sync` (which also drains whatever else CubeCL queued on this thread's stream) and one
 //! event wait on the engine's compute stream (which, joined to the copy streams first, drains
-//! everything the engine queued before). Entering the scope itself is not a host barrier.
-//! Measured on an H200 (`docs/records/cubecl-boundary.md`): entering and leaving a scope
-//! 0.23 µs; an import of 4 MiB 36.8 µs and an import plus an export 79.1 µs, against 15.0 µs for
-//! the engine copying the same 4 MiB and waiting on its own. Keep data on one side for a whole
-//! stage and cross once.
+//! everything the engine queued before). Entering the scope itself is not a host barrier. What a
+//! crossing costs against the engine's own copy and wait is in
+//! `docs/records/cubecl-boundary.md`: keep data on one side for a whole stage and cross once.
 //! A cross-stream event wait would avoid the host waits, but CubeCL 0.10 does not expose its
 //! streams, so a host wait is the only ordering it offers.
 

@@ -20,10 +20,8 @@
 //! in a few hundred microseconds (every chunk of a download is copied out by all of them): a
 //! thread that finishes a task stays hot for [`HOT`], watching its slot, and only then parks. A
 //! transfer claims idle threads, writes its task into their slots and runs its own part (the
-//! lead) on the calling thread; it returns once every claimed thread has finished. Measured on the
-//! H200 host, an 8 MiB download copied out by twelve such threads took 190 µs in 512 KiB pieces,
-//! where the same plan on a pool whose threads sleep between tasks took about 400 µs
-//! (`docs/records/mid-size-transfers.md`).
+//! lead) on the calling thread; it returns once every claimed thread has finished. (Hot threads
+//! against threads that sleep between tasks: `docs/records/mid-size-transfers.md`.)
 //!
 //! The hand-off is lock-free code written by hand, so besides the threaded tests, loom models
 //! (`loom_models` below; see [`crate::sync`] for how they are built and run) check it under every
@@ -39,24 +37,19 @@
 //!   acquire/release, and reports a lost wake-up in that form that cannot happen; it models SeqCst
 //!   fences exactly.)
 //! - **The waits pace themselves.** One spin-loop hint per look, and past [`SPIN`] a yield every
-//!   64 looks, rather than crossbeam's `Backoff`, whose spins double up to 64 hints between looks.
-//!   Measured on the H200 host (a replica of `join` over a 12-thread pool, medians of thousands
-//!   of joins, every variant in one run), `Backoff` in both waits took a one-helper join with an
-//!   empty task from 0.43–0.50 µs to 0.7–1.6 µs when the thread had been idle 2 to 30 µs, and
-//!   `Backoff` in the lead's wait alone made an 11-helper join with 20 µs tasks end 1.2 to 2.2 µs
-//!   later.
+//!   64 looks, rather than crossbeam's `Backoff`, whose spins double up to 64 hints between looks:
+//!   joins took longer with it (`docs/records/mid-size-transfers.md`, run I).
 //! - **Parking is `std`'s `park`/`unpark`,** not crossbeam's `Parker`: loom can run that one only
 //!   with every crossbeam crate in the build switched by `--cfg crossbeam_loom` (crossbeam-epoch,
 //!   through the benches' rayon, then needs its own loom feature), and its `unpark` of a parked
 //!   thread takes a mutex and signals a condition variable where `std`'s (a futex on Linux) swaps
 //!   one atomic and wakes. The `parked` flag already spares hot threads any unpark.
 //! - **Each slot has cache lines of its own** (crossbeam's `CachePadded`): unpadded, a slot
-//!   shares a line with its neighbours', so each claim took a line another thread was watching.
-//!   In the same replica, with 20 µs tasks, the time a join took past its tasks went from
-//!   3.2–3.7 to 2.9–3.2 µs with 4 helpers and from 4.6–5.1 to 4.0–4.4 µs with 11; with one
-//!   helper it stayed at 1.9–2.1 µs.
+//!   shares a line with its neighbours', so each claim takes a line another thread is watching,
+//!   and joins with several helpers took longer (`docs/records/mid-size-transfers.md`, run I).
 //!
-//! Process state with no knowledge of any engine: it depends only on the errors.
+//! Process state with no knowledge of any engine or of memory: it depends only on the errors and
+//! the primitives beside it in [`crate::sync`].
 
 use crate::error::{Error, Result, UsageError};
 use crate::sync::thread::{self, Thread};
@@ -73,14 +66,14 @@ pub(crate) const ENV: &str = "CUFERRY_COPY_THREADS";
 /// The most copy threads the pool (or a transfer) may have.
 pub(crate) const MAX_THREADS: usize = 256;
 
-/// The most threads the machine's rule picks: on the H200 reference host 16 threads gained at
-/// most about 16% over 12 on 256 MiB transfers (`docs/records/blocking-staging.md`).
+/// The most threads the machine's rule picks: more gained little on the reference host and take
+/// cores from the application (`docs/records/blocking-staging.md`).
 const RULE_MAX: usize = 12;
 
 /// How long a copy thread keeps watching for its next task after finishing one, before it
 /// parks: long enough to span the gaps inside a transfer and between back-to-back transfers, short
-/// enough that an idle process does not keep cores busy. Waking a parked thread costs tens of
-/// microseconds on a virtual machine; a hot one starts within a microsecond.
+/// enough that an idle process does not keep cores busy. Waking a parked thread costs far more
+/// than handing work to a hot one (`docs/records/mid-size-transfers.md`).
 #[cfg_attr(cuferry_loom, allow(dead_code))]
 pub(crate) const HOT: Duration = Duration::from_micros(300);
 
@@ -569,10 +562,6 @@ mod tests {
             .and_then(|v| parse_env(&v))
             .unwrap_or(size_for_cores(cores));
         assert_eq!(copy_threads(), expected);
-        assert_eq!(
-            crate::memory::ring::StagingConfig::default().copy_threads,
-            expected
-        );
         let pool = pool().unwrap();
         assert_eq!(pool.threads(), expected);
         assert_eq!(copy_threads(), expected);

@@ -1,7 +1,12 @@
-//! The synchronization primitives of the crate's hand-written concurrency, from `std` in every
-//! ordinary build and from [`loom`](https://docs.rs/loom) when built with `--cfg cuferry_loom`.
+//! The crate's host concurrency, below every level: the synchronization primitives of its
+//! hand-written concurrency, from `std` in every ordinary build and from
+//! [`loom`](https://docs.rs/loom) when built with `--cfg cuferry_loom`, and the process's
+//! host-copy threads built on them ([`copy_pool`]).
 //!
-//! The copy threads' hand-off (`memory::copy_pool`) and the blocking routes' index hand-out and
+//! The module exists so that what runs on host threads, and knows nothing of the device, the
+//! engine or memory, sits apart from the levels that use it. It depends only on the errors.
+//!
+//! The copy threads' hand-off ([`copy_pool`]) and the blocking routes' index hand-out and
 //! part publication (`routes::blocking`) are lock-free protocols written by hand. Their tests
 //! with real threads only sample the schedules the machine happens to produce; loom runs a model
 //! under every interleaving (and every value a weak memory order lets a load see) and fails on a
@@ -19,6 +24,8 @@
 //! pauses through a [`SpinWait`] (in an ordinary build exactly `spin_loop` and `yield_now`;
 //! under loom, yields to the model's scheduler that keep a model with two waiting threads
 //! finite).
+
+pub(crate) mod copy_pool;
 
 #[cfg(not(cuferry_loom))]
 pub(crate) use std::sync::atomic::{fence, AtomicBool, AtomicU8, AtomicUsize, Ordering};
