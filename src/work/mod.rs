@@ -2,18 +2,20 @@
 //!
 //! - `kernels`: the elementwise kernels, their cache, their CUDA source and the emulations the
 //!   simulator runs in their place.
-//! - [`libs`]: cuBLAS, cuSOLVER and cuTENSOR bound to the engine's compute stream, and their handles.
+//! - [`libs`]: the GEMM, Cholesky solve and contraction of cuBLAS, cuSOLVER and cuTENSOR, on the
+//!   engine's compute stream.
 //! - [`interop`]: CubeCL kernels on engine data (the public `cubecl` module).
 //! - [`graph`]: traced programs, compiled, prepared for an engine and replayed as CUDA graphs.
 //! - [`raw`]: raw scopes, for code that calls CUDA itself.
-//! - [`collective`]: NCCL all-reduce and broadcast over one engine per GPU.
+//! - [`collective`]: all-reduce and broadcast over one engine per GPU (NCCL's).
 //!
 //! The level exists so the device seam names device operations only: a kernel is a function, a
 //! grid, a block and parameters there; what it computes, and how a device that cannot run PTX
-//! emulates it, is decided here and registered with the module. It sits at the top and may
-//! depend on every level below. The kernel cache and the library handles are the engine's state
-//! and depend only on the seam, the errors and engine-free files of this level (see
-//! [`core`](crate::core)).
+//! emulates it, is decided here and registered with the module. The vendor libraries and NCCL
+//! are halves of the seam itself (`driver::libs`, `driver::collective`): this level checks the
+//! arguments, orders the operands and owns what is in flight, and never calls them directly. It sits at the top and may
+//! depend on every level below. The kernel cache is the engine's state and depends only on the
+//! seam, the errors and engine-free files of this level (see [`core`](crate::core)).
 
 pub mod collective;
 pub mod graph;
