@@ -7,8 +7,8 @@
 //! - [`registered`]: `RegisteredBuffer<T>`, the caller's `Vec<T>` page-locked in place, handed
 //!   to transfers by value the same way.
 //! - [`host`]: `HostBuffer<T>`, the sealed trait of what a pending transfer's host side is.
-//! - [`pool`]: the pinned pool the buffers come from (engine state).
-//! - [`ring`]: the staging ring's chunks, settings and counters (engine state).
+//! - [`pool`]: the pinned pool the buffers come from (an engine part).
+//! - [`ring`]: the staging ring's chunks, settings and counters (an engine part).
 //! - [`pressure`]: the one answer of every allocation path to out-of-memory: release what the
 //!   retirement queue has proven complete, then retry once.
 //! - [`copy_pool`]: the host-copy threads of the blocking routes, one pool per process shared by
@@ -19,8 +19,9 @@
 //! The level exists so that owning memory (allocating it on the engine's streams, returning it to
 //! a pool, freeing it stream-ordered) is written once, apart from the proofs of when the device
 //! is done with it, which are the lifecycle level's. It depends on the seam, the core and the
-//! errors. `pool` and `ring` are the engine's state and depend only on the seam and the errors
-//! (see [`core`](crate::core)). `copy_pool` is process state and depends only on the errors.
+//! errors. `pool` and `ring` are engine parts ([`core::parts`](crate::core::parts)): the engine
+//! holds them behind its lock without naming them, and they know nothing of the engine but the
+//! part trait. `copy_pool` is process state and depends only on the errors.
 
 pub(crate) mod copy_pool;
 pub(crate) mod element;

@@ -32,6 +32,7 @@ use crate::lifecycle::lease::{
 };
 use crate::memory::copy_pool::{self, CopyPool};
 use crate::memory::element::{as_bytes, byte_len, Element};
+use crate::memory::ring::StagingRing;
 use crate::memory::stream_copy::copy_streaming;
 use crate::memory::tensor::{shape_len, DeviceTensor};
 use crate::sync::{AtomicBool, AtomicUsize, Ordering, SpinWait};
@@ -170,7 +171,12 @@ fn pool_for(engine: &mut CudaEngine, bytes: usize) -> Result<Option<Copiers>> {
     if bytes < 2 * MIN_COPY_PART {
         return Ok(None);
     }
-    let cap = engine.enter()?.staging.config().copy_threads;
+    let cap = engine
+        .enter()?
+        .parts
+        .get_mut::<StagingRing>()
+        .config()
+        .copy_threads;
     let pool = copy_pool::pool()?;
     Ok(Some(Copiers {
         pool,

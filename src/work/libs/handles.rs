@@ -2,13 +2,14 @@
 //!
 //! One handle per library, created the first time an operation needs it and bound to the
 //! engine's compute stream, destroyed when the engine is dropped, after its streams have
-//! drained. This is engine state, held by the engine and locked with the driver; it knows only
-//! the driver seam.
+//! drained. This is an engine part (`core::parts`), held by the engine and locked with the
+//! driver; it knows only the driver seam and the part trait.
 //!
 //! The libraries are loaded at run time. cudarc panics when a dynamically loaded library is
 //! missing, so each one is probed first (once per process) and an absent library is a typed
 //! [`SetupError::Unavailable`](crate::error::SetupError::Unavailable) naming it.
 
+use crate::core::parts::{Part, Teardown};
 use crate::driver::Driver;
 use crate::error::{DeviceKind, Error, LibraryError, Result, SetupError};
 use std::sync::OnceLock;
@@ -19,6 +20,16 @@ pub(crate) struct LibraryHandles {
     cublas: Option<cudarc::cublas::sys::cublasHandle_t>,
     cusolver: Option<cudarc::cusolver::sys::cusolverDnHandle_t>,
     cutensor: Option<cudarc::cutensor::sys::cutensorHandle_t>,
+}
+
+impl Part for LibraryHandles {
+    /// After the core's events, before the kernel cache.
+    const TEARDOWN: Teardown = Teardown::AfterEvents(0);
+
+    /// Destroys every handle.
+    fn teardown(&mut self, _driver: &mut dyn Driver) {
+        self.release();
+    }
 }
 
 // SAFETY: the handles are opaque library handles, usable from any thread as long as calls on one

@@ -21,7 +21,7 @@
 //! [`CudaEngine::matmul`](crate::CudaEngine::matmul)), `solver` (cuSOLVER:
 //! [`CudaEngine::cholesky_solve`](crate::CudaEngine::cholesky_solve)) and `cutensor` (cuTENSOR:
 //! [`CudaEngine::contract`](crate::CudaEngine::contract)); the handles and the probes are
-//! `handles`, engine state that knows only the device seam.
+//! `handles`, an engine part that knows only the device seam.
 
 pub(crate) mod blas;
 pub(crate) mod cutensor;
@@ -34,23 +34,24 @@ pub use solver::SolverStatus;
 
 use crate::core::engine::Entered;
 use crate::error::{Result, UsageError};
+use handles::LibraryHandles;
 
 /// The engine's cuBLAS handle, made and bound to the compute stream on first use.
 pub(crate) fn cublas(st: &mut Entered<'_>) -> Result<cudarc::cublas::sys::cublasHandle_t> {
     let st = &mut **st;
-    st.libs.cublas(&*st.driver)
+    st.parts.get_mut::<LibraryHandles>().cublas(&*st.driver)
 }
 
 /// The engine's dense cuSOLVER handle, made and bound to the compute stream on first use.
 pub(crate) fn cusolver(st: &mut Entered<'_>) -> Result<cudarc::cusolver::sys::cusolverDnHandle_t> {
     let st = &mut **st;
-    st.libs.cusolver(&*st.driver)
+    st.parts.get_mut::<LibraryHandles>().cusolver(&*st.driver)
 }
 
 /// The engine's cuTENSOR handle, made on first use (cuTENSOR takes the compute stream per call).
 pub(crate) fn cutensor(st: &mut Entered<'_>) -> Result<cudarc::cutensor::sys::cutensorHandle_t> {
     let st = &mut **st;
-    st.libs.cutensor(&*st.driver)
+    st.parts.get_mut::<LibraryHandles>().cutensor(&*st.driver)
 }
 
 /// Converts a dimension to the `int` vendor APIs take.
