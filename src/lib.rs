@@ -65,13 +65,14 @@
 // The seam: the one trait that names device operations, and its two implementations.
 mod driver;
 
-// The engine: one owner of the driver, one lock around it.
+// The engine: one owner of the driver, one lock around it, the retirement queue it polls, and
+// the parts it holds for the levels above.
 mod core;
 
 // What the engine hands out: tensors, pinned buffers, and the pool and ring behind them.
 mod memory;
 
-// The proofs that the device is done with memory: fences, retirement, staging leases.
+// The proofs that the device is done with memory: fences, wakes, staging leases, signals.
 mod lifecycle;
 
 // The host/device routes.
@@ -112,8 +113,8 @@ pub use work::{collective, graph, libs};
 /// retirement queue's and the pinned pool's statistics, and the [`Signal`](engine::Signal) that
 /// orders one engine's work after another's.
 pub mod engine {
+    pub use crate::core::retire::RetirementStats;
     pub use crate::error::{DeviceId, DeviceKind};
-    pub use crate::lifecycle::retire::RetirementStats;
     pub use crate::lifecycle::signal::Signal;
     pub use crate::memory::pool::PinnedPoolStats;
 }

@@ -27,20 +27,18 @@
 //!    `crate::core`, `crate::memory`, `crate::lifecycle`, `crate::routes`, `crate::work` or
 //!    `CudaEngine`, not even in a comment, and every path it names resolves to the seam or the
 //!    base.
-//! 2. The state of the subsystems the engine holds (the pinned pool, the staging ring, the
-//!    retirement queue, the kernel cache) does not know the engine: those
-//!    files never mention `CudaEngine`.
-//! 3. No file names a path into a level above its own, and the base names nothing but the base.
-//!    The one exception is `core/engine.rs`, which holds the subsystems' state and so names those
-//!    four state files (and nothing else above the core). It creates no cycle at file level,
-//!    because everything a state file reaches, transitively, stays out of `core/`: a state file
-//!    depends only on the seam, the base and engine-free files of its own level. That is checked
-//!    too, by following every path from each state file.
+//! 2. No file names a path into a level above its own, and the base names nothing but the base.
+//!    There is no exception, the core's included: the engine holds the state that the levels
+//!    above keep per engine (the pinned pool, the staging ring, the kernel cache, ...) as parts,
+//!    by type, through a trait the core defines and those levels implement (`core::parts`), so
+//!    no file of the core names their types. With every edge pointing down or within a level, a
+//!    cycle through two levels has an edge that points up, and is caught as one.
 //!
-//! The checker itself is tested on small made-up trees below, one per kind of violation, so a
-//! change that blinds it fails here too.
+//! A path that resolves to no file the checker knows is refused too, since it could hide
+//! anything. The checker itself is tested on small made-up trees below, one per kind of
+//! violation, so a change that blinds it fails here too.
 
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
 /// The levels, lowest first. A level's rank is its index plus one; the base is rank 0.
@@ -51,17 +49,6 @@ const BASE: [&str; 4] = ["error.rs", "dtype.rs", "sync/mod.rs", "sync/copy_pool.
 
 /// The files at the top that are not levels.
 const NOT_LEVELS: [&str; 2] = ["lib.rs", "guide.rs"];
-
-/// The subsystems' state the engine holds: plain state that must not know the engine.
-const STATE: [&str; 4] = [
-    "memory/pool.rs",
-    "memory/ring.rs",
-    "lifecycle/retire.rs",
-    "work/kernels/cache.rs",
-];
-
-/// The one file that may name files of higher levels: the state files, and only those.
-const ENGINE: &str = "core/engine.rs";
 
 /// What no file under `driver/` may mention.
 const NOT_IN_THE_SEAM: [&str; 6] = [
@@ -92,12 +79,15 @@ fn the_checker_sees_the_real_edges() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
     let tree = Tree::read(&root);
     for (from, to) in [
-        ("core/engine.rs", "memory/pool.rs"),
-        ("core/engine.rs", "memory/ring.rs"),
-        ("core/engine.rs", "lifecycle/retire.rs"),
-        ("core/engine.rs", "work/kernels/cache.rs"),
+        ("core/engine.rs", "core/parts.rs"),
+        ("core/engine.rs", "core/retire.rs"),
         ("core/engine.rs", "driver/mod.rs"),
+        ("memory/pool.rs", "core/parts.rs"),
+        ("memory/ring.rs", "core/parts.rs"),
+        ("work/kernels/cache.rs", "core/parts.rs"),
         ("memory/pinned.rs", "memory/pool.rs"),
+        ("memory/pressure.rs", "memory/ring.rs"),
+        ("lifecycle/fence.rs", "core/retire.rs"),
         ("lifecycle/lease.rs", "memory/ring.rs"),
         ("routes/blocking.rs", "lifecycle/lease.rs"),
         ("routes/blocking.rs", "routes/scalar.rs"),
@@ -107,11 +97,14 @@ fn the_checker_sees_the_real_edges() {
         ("sync/copy_pool.rs", "error.rs"),
         ("routes/scalar.rs", "lifecycle/lease.rs"),
         ("routes/scalar.rs", "lifecycle/fence.rs"),
+        ("routes/blocking.rs", "memory/ring.rs"),
+        ("work/kernels/mod.rs", "work/kernels/cache.rs"),
         ("work/kernels/cache.rs", "work/kernels/emulate.rs"),
         ("work/kernels/emulate.rs", "driver/launch.rs"),
         ("work/libs/blas.rs", "driver/libs.rs"),
         ("work/libs/solver.rs", "routes/mod.rs"),
         ("driver/sim/launch.rs", "driver/sim.rs"),
+        ("lib.rs", "core/retire.rs"),
     ] {
         assert!(
             tree.targets(from).contains(to),
@@ -119,29 +112,28 @@ fn the_checker_sees_the_real_edges() {
             tree.targets(from)
         );
     }
-    for state in STATE {
-        assert!(tree.files.contains_key(state), "state file {state} is gone");
-    }
 }
 
 // ---------------------------------------------------------------------------------------------
 // The checker, tested on made-up trees.
 
-/// A small tree that keeps the rules, to which each test adds one violation.
+/// A small tree that keeps the rules, to which each test adds one violation. Its engine holds
+/// the pool and the cache as parts, which name the core's part trait.
 fn good_tree() -> Vec<(&'static str, &'static str)> {
     vec![
         ("lib.rs", "mod driver; mod core; mod memory; mod work; mod error;\npub use core::engine::CudaEngine;\npub use error::Error;\npub use memory::tensor::DeviceTensor;\n#[cfg(feature = \"sim\")]\npub mod sim { pub use crate::driver::sim::SimDevice; }\n"),
         ("error.rs", "pub struct Error;\n"),
         ("driver/mod.rs", "pub(crate) mod sim;\nuse crate::error::Error;\npub(crate) trait Driver {}\n"),
         ("driver/sim.rs", "use super::Driver;\npub struct SimDevice;\n"),
-        ("core/mod.rs", "pub(crate) mod engine;\n"),
-        ("core/engine.rs", "use crate::driver::Driver;\nuse crate::memory::pool::Pool;\nuse crate::work::kernels::cache::Cache;\npub struct CudaEngine { pool: Pool, cache: Cache }\n"),
+        ("core/mod.rs", "pub(crate) mod engine;\npub(crate) mod parts;\n"),
+        ("core/parts.rs", "use crate::driver::Driver;\npub(crate) trait Part { fn teardown(&mut self, driver: &mut dyn Driver); }\npub(crate) struct Parts;\n"),
+        ("core/engine.rs", "use crate::driver::Driver;\nuse super::parts::Parts;\npub struct CudaEngine { parts: Parts }\n"),
         ("memory/mod.rs", "pub(crate) mod pool;\npub(crate) mod tensor;\n"),
-        ("memory/pool.rs", "use crate::driver::Driver;\npub(crate) struct Pool;\n#[cfg(test)]\nmod tests {\n    use super::*;\n}\n"),
+        ("memory/pool.rs", "use crate::core::parts::Part;\nuse crate::driver::Driver;\npub(crate) struct Pool;\nimpl Part for Pool {}\n#[cfg(test)]\nmod tests {\n    use super::*;\n}\n"),
         ("memory/tensor.rs", "use crate::core::engine::CudaEngine;\nuse super::pool::Pool;\n// A comment may name crate::work::kernels::cache::Cache.\nconst S: &str = \"crate::work::kernels\";\npub struct DeviceTensor<'a>(&'a CudaEngine);\n"),
         ("work/mod.rs", "pub(crate) mod kernels;\npub(crate) mod ops;\n"),
         ("work/kernels/mod.rs", "pub(crate) mod cache;\npub(crate) mod spec_free;\n"),
-        ("work/kernels/cache.rs", "use crate::{driver::Driver, error::Error};\nuse super::spec_free::Spec;\npub(crate) struct Cache;\n"),
+        ("work/kernels/cache.rs", "use crate::{core::parts::Part, driver::Driver, error::Error};\nuse super::spec_free::Spec;\npub(crate) struct Cache;\n"),
         ("work/kernels/spec_free.rs", "use crate::Error;\npub(crate) struct Spec;\n"),
         ("work/ops.rs", "use crate::{CudaEngine, DeviceTensor};\nuse crate::memory::{pool::Pool, tensor};\nfn f() { let _ = crate::sim::SimDevice; }\n"),
     ]
@@ -151,12 +143,17 @@ fn check(files: &[(&str, &str)]) -> Vec<String> {
     Tree::from_files(files).violations()
 }
 
-/// The violations of the good tree with `file` replaced (or added).
-fn check_with(file: &'static str, text: &'static str) -> Vec<String> {
+/// The good tree with `file` replaced (or added).
+fn good_tree_with(file: &'static str, text: &'static str) -> Vec<(&'static str, &'static str)> {
     let mut files = good_tree();
     files.retain(|(name, _)| *name != file);
     files.push((file, text));
-    check(&files)
+    files
+}
+
+/// The violations of the good tree with `file` replaced (or added).
+fn check_with(file: &'static str, text: &'static str) -> Vec<String> {
+    check(&good_tree_with(file, text))
 }
 
 fn assert_caught(violations: &[String], needle: &str) {
@@ -169,6 +166,16 @@ fn assert_caught(violations: &[String], needle: &str) {
 #[test]
 fn checker_passes_a_tree_that_keeps_the_rules() {
     assert_eq!(check(&good_tree()), Vec::<String>::new());
+    // The parts name the core's trait, and the core names none of them.
+    let tree = Tree::from_files(&good_tree());
+    assert!(tree.targets("memory/pool.rs").contains("core/parts.rs"));
+    assert!(tree
+        .targets("work/kernels/cache.rs")
+        .contains("core/parts.rs"));
+    assert_eq!(
+        tree.targets("core/engine.rs"),
+        BTreeSet::from(["driver/mod.rs", "core/parts.rs"])
+    );
 }
 
 #[test]
@@ -190,16 +197,41 @@ fn checker_catches_the_seam_naming_the_engine() {
 }
 
 #[test]
-fn checker_catches_a_state_file_that_knows_the_engine() {
+fn checker_catches_the_core_naming_the_state_above_it() {
+    // The engine holding a subsystem's state by its type names a level above: caught, whether
+    // named directly, in a group, through a root re-export or in code.
+    for (text, needle) in [
+        (
+            "use crate::memory::pool::Pool;\nuse super::parts::Parts;\npub struct CudaEngine { pool: Pool, parts: Parts }\n",
+            "core/engine.rs:1: core names memory/pool.rs (memory, a higher level) through `crate::memory::pool::Pool`",
+        ),
+        (
+            "use super::parts::Parts;\nuse crate::{driver::Driver, work::kernels::cache::Cache};\n",
+            "core/engine.rs:2: core names work/kernels/cache.rs (work, a higher level)",
+        ),
+        (
+            "fn f(t: &crate::DeviceTensor) {}\n",
+            "core/engine.rs:1: core names memory/tensor.rs",
+        ),
+        (
+            "fn f() { crate::work::kernels::cache::Cache::default(); }\n",
+            "core/engine.rs:1: core names work/kernels/cache.rs",
+        ),
+    ] {
+        assert_caught(&check_with("core/engine.rs", text), needle);
+    }
+    // The part trait's own file is the core too.
+    let v = check_with(
+        "core/parts.rs",
+        "use crate::memory::pool::Pool;\npub(crate) trait Part {}\n",
+    );
+    assert_caught(&v, "core/parts.rs:1: core names memory/pool.rs");
+    // A part that knows the engine points down: no violation.
     let v = check_with(
         "memory/pool.rs",
-        "use crate::core::engine::CudaEngine;\npub(crate) struct Pool;\n",
+        "use crate::core::engine::CudaEngine;\nuse crate::core::parts::Part;\npub(crate) struct Pool;\nimpl Part for Pool {}\nfn f(e: &CudaEngine) {}\n",
     );
-    assert_caught(&v, "memory/pool.rs (engine state) mentions `CudaEngine`");
-    assert_caught(
-        &v,
-        "memory/pool.rs (engine state) reaches core/engine.rs: memory/pool.rs -> core/engine.rs",
-    );
+    assert_eq!(v, Vec::<String>::new());
 }
 
 #[test]
@@ -259,65 +291,62 @@ fn checker_catches_an_import_from_a_higher_level() {
 }
 
 #[test]
-fn checker_allows_only_the_engine_to_name_the_state_above_it() {
-    let v = check_with(
-        "core/engine.rs",
-        "use crate::memory::pool::Pool;\nuse crate::memory::tensor::DeviceTensor;\n",
-    );
-    assert_caught(&v, "core/engine.rs:2: core names memory/tensor.rs");
-    assert!(!v.iter().any(|v| v.contains("pool.rs")), "{v:#?}");
-}
-
-#[test]
-fn checker_catches_a_cycle_through_a_state_file() {
-    // The cache names an engine-free file of its own level, which names the engine: a cycle
-    // engine -> cache -> spec_free -> engine, although each edge alone is allowed.
-    let v = check_with(
+fn checker_catches_a_cycle_through_the_core_at_its_edge_up() {
+    // The cache names an engine-free file of its own level, which names the engine (both
+    // allowed); an engine that names the cache closes the cycle engine -> cache -> spec_free ->
+    // engine, caught at its one edge that points up, and only there.
+    let mut files = good_tree_with(
         "work/kernels/spec_free.rs",
         "use crate::core::engine::CudaEngine;\npub(crate) struct Spec;\n",
     );
+    assert_eq!(check(&files), Vec::<String>::new());
+    files.retain(|(name, _)| *name != "core/engine.rs");
+    files.push((
+        "core/engine.rs",
+        "use super::parts::Parts;\nuse crate::work::kernels::cache::Cache;\npub struct CudaEngine { cache: Cache }\n",
+    ));
+    let v = check(&files);
     assert_caught(
         &v,
-        "work/kernels/cache.rs (engine state) reaches core/engine.rs: work/kernels/cache.rs -> work/kernels/spec_free.rs -> core/engine.rs",
+        "core/engine.rs:2: core names work/kernels/cache.rs (work, a higher level)",
     );
-    // Through the parent module's re-exports too.
-    let v = check_with(
+    assert_eq!(v.len(), 1, "{v:#?}");
+    // Through the parent module: engine -> kernels/mod.rs -> engine.
+    let mut files = good_tree_with(
         "work/kernels/mod.rs",
-        "pub(crate) mod cache;\npub(crate) mod spec_free;\nuse crate::core::engine::CudaEngine;\n",
+        "pub(crate) mod cache;\npub(crate) mod spec_free;\nuse crate::core::engine::CudaEngine;\npub(crate) struct Helper;\n",
     );
-    assert!(
-        v.is_empty(),
-        "naming the engine from mod.rs is allowed: {v:#?}"
-    );
-    let v = check_with(
-        "work/kernels/cache.rs",
-        "use super::Helper;\npub(crate) struct Cache;\n",
-    );
-    assert!(v.is_empty(), "mod.rs names nothing of the core yet: {v:#?}");
-    let mut files = good_tree();
-    files.retain(|(name, _)| !name.starts_with("work/kernels/"));
+    assert_eq!(check(&files), Vec::<String>::new());
+    files.retain(|(name, _)| *name != "core/engine.rs");
     files.push((
-        "work/kernels/mod.rs",
-        "pub(crate) mod cache;\nuse crate::CudaEngine;\npub(crate) struct Helper;\n",
-    ));
-    files.push((
-        "work/kernels/cache.rs",
-        "use super::Helper;\npub(crate) struct Cache;\n",
+        "core/engine.rs",
+        "fn f() -> crate::work::kernels::Helper {}\n",
     ));
     assert_caught(
         &check(&files),
-        "work/kernels/cache.rs (engine state) reaches core/engine.rs: work/kernels/cache.rs -> work/kernels/mod.rs -> core/engine.rs",
+        "core/engine.rs:1: core names work/kernels/mod.rs (work, a higher level)",
     );
 }
 
 #[test]
 fn checker_skips_comments_strings_and_test_scopes_correctly() {
+    // Paths in comments and literals are not code, even where code naming them would be a
+    // violation (the pool is below the work level).
+    let pool = "pub(crate) struct Pool;\nmod tests {\n    use super::*;\n    /* crate::work::ops */\n    const X: &str = r#\"crate::work::ops\"#;\n    const C: char = '\"';\n    fn f<'a>(x: &'a str) -> &'a str { x }\n}\n";
+    let files = good_tree_with("memory/pool.rs", pool);
+    assert_eq!(check(&files), Vec::<String>::new());
     // `super` inside an inline module is the file's own module, not its parent.
-    let v = check_with(
-        "work/kernels/cache.rs",
-        "pub(crate) struct Cache;\nmod tests {\n    use super::*;\n    /* crate::core::engine */\n    const X: &str = r#\"crate::core\"#;\n    const C: char = '\"';\n    fn f<'a>(x: &'a str) -> &'a str { x }\n}\n",
+    let tree = Tree::from_files(&files);
+    assert_eq!(
+        tree.targets("memory/pool.rs"),
+        BTreeSet::from(["memory/pool.rs"])
     );
-    assert_eq!(v, Vec::<String>::new());
+    // The same path in code is seen (the control).
+    let v = check_with(
+        "memory/pool.rs",
+        "pub(crate) struct Pool;\nmod tests {\n    use super::*;\n    use crate::work::ops;\n}\n",
+    );
+    assert_caught(&v, "memory/pool.rs:4: memory names work/ops.rs");
 }
 
 #[test]
@@ -834,19 +863,13 @@ impl Tree {
                     }
                 }
             }
-            // 2. The state the engine holds does not know the engine.
-            if STATE.contains(&file.as_str()) && source.text.contains("CudaEngine") {
-                out.push(format!(
-                    "{file} (engine state) mentions `CudaEngine`: the engine holds it, it does not know the engine"
-                ));
-            }
             // A path the checker cannot follow could hide anything: refuse it.
             for (line, path) in &source.unresolved {
                 out.push(format!(
                     "{file}:{line}: `crate::{path}` resolves to no file the checker knows; name it by its module path"
                 ));
             }
-            // 3. Nothing names a higher level, but the engine names the state it holds.
+            // 2. Nothing names a higher level.
             for (line, path, target) in &source.edges {
                 let Some(target_rank) = rank(target) else {
                     continue;
@@ -854,51 +877,11 @@ impl Tree {
                 if target_rank <= file_rank {
                     continue;
                 }
-                if file == ENGINE && STATE.contains(&target.as_str()) {
-                    continue;
-                }
-                let mut message = format!(
+                out.push(format!(
                     "{file}:{line}: {} names {target} ({}, a higher level) through `crate::{path}`",
                     level_name(file_rank),
                     level_name(target_rank)
-                );
-                if file == ENGINE {
-                    message.push_str("; the engine may name only the state files above it");
-                }
-                out.push(message);
-            }
-        }
-        // 3b. No cycle through the engine: nothing a state file reaches lies in the core.
-        for state in STATE {
-            if !self.files.contains_key(state) {
-                continue;
-            }
-            let mut seen: BTreeMap<&str, &str> = BTreeMap::new();
-            let mut queue = VecDeque::from([state]);
-            seen.insert(state, state);
-            while let Some(at) = queue.pop_front() {
-                for target in self.targets(at) {
-                    if seen.contains_key(target) {
-                        continue;
-                    }
-                    seen.insert(target, at);
-                    if target.starts_with("core/") {
-                        let mut chain = vec![target];
-                        let mut step = at;
-                        while step != state {
-                            chain.push(step);
-                            step = seen[step];
-                        }
-                        chain.push(state);
-                        chain.reverse();
-                        out.push(format!(
-                            "{state} (engine state) reaches {target}: {}; engine state must stay engine-free",
-                            chain.join(" -> ")
-                        ));
-                    } else {
-                        queue.push_back(target);
-                    }
-                }
+                ));
             }
         }
         out

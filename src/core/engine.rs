@@ -11,21 +11,23 @@
 //! shared core alive through an `Arc`, so a value dropped after the engine still frees its memory
 //! on the right device, stream-ordered, and never early.
 //!
-//! The state behind the lock ([`State`]) holds the subsystems' state: the pinned pool, the
-//! staging ring, the retirement queue and event pool, and the kernel cache.
-//! Their types live in their own levels and know only the driver seam; the code that uses them
-//! on a caller's behalf lives there too, as `impl CudaEngine` or `impl State` blocks.
+//! The state behind the lock ([`State`]) holds, beside the driver, the core's own bookkeeping
+//! (the lane order, the retirement queue and the event pool, the failures deferred to the next
+//! boundary) and the [`Parts`]: the state the levels above keep per engine (the pinned pool, the
+//! staging ring, the kernel cache, ...), held by type and opaque here (`core::parts`). The code
+//! that uses a part on a caller's behalf lives in the part's own level, as `impl CudaEngine` or
+//! `impl State` blocks.
+//!
+//! Dropping the engine tears it down in a fixed order: after a wait proves the streams idle, it
+//! settles the retirement queue, releases the parts placed before the core's events (idle pinned
+//! memory), destroys the pooled events and the lane order's, then releases the parts placed after
+//! them (compiled modules among them). When the wait fails, nothing is released.
 
 use super::order::{Order, Proven, Use};
+use super::parts::Parts;
+use super::retire::{EventPool, Poll, Resources, RetireQueue, RetirementStats};
 use crate::driver::{wakes, ContextHandle, DevicePtr, Driver, Lane, Waits};
 use crate::error::{DeviceId, Error, Result, SetupError, UsageError};
-// The subsystems' state, which the engine holds and locks with the driver. Each of these files
-// depends only on the driver seam and the errors, never on the engine (see the level docs in
-// `core/mod.rs`).
-use crate::lifecycle::retire::{EventPool, Poll, Resources, RetireQueue, RetirementStats};
-use crate::memory::pool::{PinnedPool, PinnedPoolStats};
-use crate::memory::ring::StagingRing;
-use crate::work::kernels::cache::KernelCache;
 use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -58,8 +60,6 @@ pub(crate) struct State {
     /// Set once the teardown's wait for the streams has succeeded: everything queued before it
     /// is proven complete. A failed wait leaves it unset (being torn down proves nothing).
     pub(crate) settled: bool,
-    /// Idle pinned host blocks for reuse.
-    pub(crate) pinned: PinnedPool,
     /// Idle events for reuse.
     pub(crate) events: EventPool,
     /// Resources waiting for their event before release.
@@ -67,15 +67,13 @@ pub(crate) struct State {
     /// Resources proven free while the lock was held, dropped as soon as it is released (their
     /// drops take the lock).
     pub(crate) released: Vec<Resources>,
-    /// The pinned staging ring of the blocking routes.
-    pub(crate) staging: StagingRing,
-    /// Compiled elementwise kernels, by operation and element type(s).
-    pub(crate) kernels: KernelCache,
     /// The order of the three lanes: which value was last used where, and the waits between.
     pub(crate) order: Order,
     /// The engines (by id) whose memory this engine's device reaches with every access a peer
     /// copy needs already enabled (see `peer::access`).
     pub(crate) peers: Vec<u64>,
+    /// The state the levels above keep for this engine, by type, each made on first use.
+    pub(crate) parts: Parts,
 }
 
 impl State {
@@ -489,14 +487,12 @@ impl CudaEngine {
                     deferred: Vec::new(),
                     torn_down: false,
                     settled: false,
-                    pinned: PinnedPool::default(),
                     events: EventPool::default(),
                     retire: RetireQueue::default(),
                     released: Vec::new(),
-                    staging: StagingRing::default(),
-                    kernels: KernelCache::default(),
                     order,
                     peers: Vec::new(),
+                    parts: Parts::default(),
                 }),
                 in_wake: Mutex::new(Vec::new()),
             }),
@@ -590,30 +586,6 @@ impl CudaEngine {
         shared.release_and_report(Poll::Settle)
     }
 
-    /// The pinned pool's idle-byte budget: idle pinned memory beyond it is freed.
-    pub fn pinned_pool_budget(&self) -> usize {
-        self.shared.lock().pinned.stats().budget_bytes
-    }
-
-    /// Sets the pinned pool's idle-byte budget and trims the pool to it at once. A free the
-    /// driver refuses leaves that block pinned and unused, and is reported at the next `flush` or
-    /// `synchronize`, like every refused free.
-    ///
-    /// # Errors
-    /// [`Error::Driver`] when the engine's context cannot be made current.
-    pub fn set_pinned_pool_budget(&mut self, bytes: usize) -> Result<()> {
-        let mut st = self.enter()?;
-        let st = &mut *st;
-        st.pinned
-            .set_budget(&mut *st.driver, bytes, &mut st.deferred);
-        Ok(())
-    }
-
-    /// The pinned pool's counters.
-    pub fn pinned_pool_stats(&self) -> PinnedPoolStats {
-        self.shared.lock().pinned.stats()
-    }
-
     /// The retirement queue's counters.
     pub fn retirement_stats(&self) -> RetirementStats {
         self.shared.lock().retire.stats()
@@ -658,14 +630,15 @@ impl Drop for CudaEngine {
         st.settled = true;
         st.order.settled(upto);
         st.poll_retired(&*shared.waits, Poll::Settle);
-        // Teardown never reports: refused frees leave their memory with the driver.
-        st.pinned.trim_to(&mut *st.driver, 0, &mut Vec::new());
-        let _ = st.staging.free_idle(&mut *st.driver);
+        // Teardown never reports: refused frees leave their memory with the driver. First the
+        // parts placed before the events (idle pinned memory), then the core's events, then the
+        // driver's library handles and the rest of the parts: the streams are idle, so no kernel
+        // or library call queued on them is pending.
+        st.parts.teardown_before_events(&mut *st.driver);
         let _ = st.events.destroy_all(&mut *st.driver);
         st.order.release(&mut *st.driver);
-        // The stream is idle: no kernel or library call queued on it is pending.
         st.driver.libraries_release();
-        st.kernels.release(st.driver.as_mut());
+        st.parts.teardown_after_events(&mut *st.driver);
         // Released resources drop once the lock is gone; buffers among them are freed at once
         // since the engine is torn down.
     }

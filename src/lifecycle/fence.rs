@@ -18,8 +18,8 @@
 //!   through any of these paths leaks `R` (sound) instead of releasing it, and never takes the
 //!   engine's lock while it is held.
 
-use super::retire::Record;
 use crate::core::engine::{Shared, State};
+use crate::core::retire::Record;
 use crate::driver::{wakes, EventHandle, Lane, Wake};
 use crate::error::{DriverError, Error, Result, UsageError};
 use std::mem::ManuallyDrop;

@@ -34,7 +34,7 @@ use crate::error::{Error, Result, StagingError, SubmitError, UsageError};
 use crate::memory::element::Element;
 use crate::memory::pinned::PinnedHostBuffer;
 use crate::memory::pressure::Memory;
-use crate::memory::ring::{free_slot, Slot, SlotKind, StagingConfig, StagingStats};
+use crate::memory::ring::{free_slot, Slot, SlotKind, StagingConfig, StagingRing, StagingStats};
 use crate::memory::tensor::DeviceTensor;
 use std::marker::PhantomData;
 use std::mem::ManuallyDrop;
@@ -86,7 +86,7 @@ impl Drop for LeasedSlot {
             return; // leaked: sound
         };
         let torn_down = st.torn_down;
-        let Some(slot) = st.staging.put(slot, torn_down) else {
+        let Some(slot) = st.parts.get_mut::<StagingRing>().put(slot, torn_down) else {
             return;
         };
         drop(st);
@@ -442,7 +442,7 @@ impl StagingLease<Proven> {
             Fencing::Untracked(untracked, error) => {
                 // Nothing proves the chunk complete: the slot is never reused or freed.
                 if let Some(mut st) = untracked.owner().lock_for_drop() {
-                    st.staging.count_retired();
+                    st.parts.get_mut::<StagingRing>().count_retired();
                 }
                 untracked.retain();
                 Err(SubmitError::Retained { error })
@@ -518,7 +518,7 @@ impl StagingLease<Unproven> {
     /// was copying into) alive until the same proof.
     pub fn retire_with<R: KeepAlive>(self, resource: R) {
         if let Some(mut st) = self.hold.owner().lock_for_drop() {
-            st.staging.count_retired();
+            st.parts.get_mut::<StagingRing>().count_retired();
         }
         drop(self.hold.attach(resource));
     }
@@ -548,10 +548,12 @@ impl CudaEngine {
         let (st, slot) = self.shared.allocate(Memory::PageLocked, |st, pressure| {
             // Under pressure a slot released meanwhile serves first; else idle pinned memory
             // is freed to make room for a new one.
-            if pressure && !st.staging.has_idle() {
+            if pressure && !st.parts.get_mut::<StagingRing>().has_idle() {
                 st.free_idle_pinned();
             }
-            st.staging.take_slot(&mut *st.driver, kind)
+            st.parts
+                .get_mut::<StagingRing>()
+                .take_slot(&mut *st.driver, kind)
         })?;
         drop(st);
         Ok(StagingLease::from_slot(slot, &self.shared, None))
@@ -559,7 +561,7 @@ impl CudaEngine {
 
     /// The engine's staging settings.
     pub fn staging_config(&self) -> StagingConfig {
-        self.shared.lock().staging.config()
+        self.shared.lock().parts.get_mut::<StagingRing>().config()
     }
 
     /// Changes the staging settings. Idle slots of the old size are freed. `copy_threads` only
@@ -573,11 +575,13 @@ impl CudaEngine {
         config.validate()?;
         let mut st = self.enter()?;
         let st = &mut *st;
-        st.staging.reconfigure(&mut *st.driver, config)
+        st.parts
+            .get_mut::<StagingRing>()
+            .reconfigure(&mut *st.driver, config)
     }
 
     /// The staging ring's counters.
     pub fn staging_stats(&self) -> StagingStats {
-        self.shared.lock().staging.stats()
+        self.shared.lock().parts.get_mut::<StagingRing>().stats()
     }
 }

@@ -3,25 +3,26 @@
 //!
 //! - [`fence`]: the one proof of completion, `Fenced<R>`, and the two other outcomes of trying to
 //!   make one (proven at once, or untracked and retained).
-//! - [`retire`]: where fenced resources wait when their owner went away before the proof, and
-//!   the pool of events the proofs are recorded with (engine state).
 //! - [`wake`]: a future over a fence, woken by the device once the work has completed or failed.
 //! - [`lease`]: the `StagingLease<Proven/Unproven>` typestate over the staging ring's
 //!   slots, public for hand-built chunked pipelines.
 //! - [`signal`]: the same proof handed to another engine, whose streams wait for it on the
 //!   device.
 //!
+//! A fence whose owner goes away before the proof detaches into the engine's retirement queue,
+//! which the core keeps, with the pool of events the proofs are recorded with, because the
+//! engine polls it at every boundary ([`core::retire`](crate::core::retire)).
+//!
 //! Pending transfers, staging leases, the CubeCL boundary and every detached value are built on
-//! the first two, so the rules (no host wait under the engine's lock; a panic leaks, never
-//! releases; a failure retains and is reported once) are written here and nowhere else.
+//! the fence and the retirement queue, so the rules (no host wait under the engine's lock; a
+//! panic leaks, never releases; a failure retains and is reported once) are written in those
+//! two places and nowhere else.
 //!
 //! The level exists so those proofs sit apart from both the memory they guard (below: the
 //! memory level) and the routes that use them (above). It depends on the seam, the core, the
-//! memory level and the errors. `retire` is the engine's state and depends only on the seam and
-//! the errors (see [`core`](crate::core)).
+//! memory level and the errors.
 
 pub(crate) mod fence;
 pub(crate) mod lease;
-pub(crate) mod retire;
 pub(crate) mod signal;
 pub(crate) mod wake;

@@ -7,8 +7,8 @@
 //! - [`registered`]: `RegisteredBuffer<T>`, the caller's `Vec<T>` page-locked in place, handed
 //!   to transfers by value the same way.
 //! - [`host`]: `HostBuffer<T>`, the sealed trait of what a pending transfer's host side is.
-//! - [`pool`]: the pinned pool the buffers come from (engine state).
-//! - [`ring`]: the staging ring's chunks, settings and counters (engine state).
+//! - [`pool`]: the pinned pool the buffers come from (an engine part).
+//! - [`ring`]: the staging ring's chunks, settings and counters (an engine part).
 //! - [`pressure`]: the one answer of every allocation path to out-of-memory: release what the
 //!   retirement queue has proven complete, then retry once.
 //! - [`stream_copy`]: the copy into pinned staging memory, written around the CPU's caches so
@@ -17,8 +17,9 @@
 //! The level exists so that owning memory (allocating it on the engine's streams, returning it to
 //! a pool, freeing it stream-ordered) is written once, apart from the proofs of when the device
 //! is done with it, which are the lifecycle level's. It depends on the seam, the core and the
-//! errors. `pool` and `ring` are the engine's state and depend only on the seam and the base
-//! (see [`core`](crate::core)). The host-copy threads the blocking routes split their host copies
+//! errors. `pool` and `ring` are engine parts ([`core::parts`](crate::core::parts)): the engine
+//! holds them behind its lock without naming them, and they know nothing of the engine but the
+//! part trait. The host-copy threads the blocking routes split their host copies
 //! across are process state and know nothing of memory: they live in `sync::copy_pool`.
 
 pub(crate) mod element;

@@ -13,7 +13,7 @@
 
 use super::element::{byte_len, Element};
 use super::host::{sealed::HostMemory, HostBuffer};
-use super::pool::{Block, GRANULE};
+use super::pool::{Block, PinnedPool, PinnedPoolStats, GRANULE};
 use super::pressure::Memory;
 use crate::core::engine::{CudaEngine, Shared, State};
 use crate::driver::Waits;
@@ -35,13 +35,17 @@ impl State {
     ) -> Result<Block> {
         // A cheap poll: release the oldest detached records if they are done.
         self.release_completed_front(waits);
-        if let Some(block) = self.pinned.reuse(bytes) {
+        if let Some(block) = self.parts.get_mut::<PinnedPool>().reuse(bytes) {
             return Ok(block);
         }
         if under_pressure {
             self.free_idle_pinned();
         }
-        match self.pinned.allocate(&mut *self.driver, capacity) {
+        match self
+            .parts
+            .get_mut::<PinnedPool>()
+            .allocate(&mut *self.driver, capacity)
+        {
             Ok(Some(block)) => Ok(block),
             Ok(None) => Err(Error::Driver {
                 call: "cuMemHostAlloc",
@@ -72,6 +76,33 @@ fn acquire_pinned(engine: &mut CudaEngine, bytes: usize) -> Result<Block> {
         st.try_acquire_pinned(&*shared.waits, bytes, capacity, under_pressure)
     })?;
     Ok(block)
+}
+
+impl CudaEngine {
+    /// The pinned pool's idle-byte budget: idle pinned memory beyond it is freed.
+    pub fn pinned_pool_budget(&self) -> usize {
+        self.pinned_pool_stats().budget_bytes
+    }
+
+    /// Sets the pinned pool's idle-byte budget and trims the pool to it at once. A free the
+    /// driver refuses leaves that block pinned and unused, and is reported at the next `flush` or
+    /// `synchronize`, like every refused free.
+    ///
+    /// # Errors
+    /// [`Error::Driver`] when the engine's context cannot be made current.
+    pub fn set_pinned_pool_budget(&mut self, bytes: usize) -> Result<()> {
+        let mut st = self.enter()?;
+        let st = &mut *st;
+        st.parts
+            .get_mut::<PinnedPool>()
+            .set_budget(&mut *st.driver, bytes, &mut st.deferred);
+        Ok(())
+    }
+
+    /// The pinned pool's counters.
+    pub fn pinned_pool_stats(&self) -> PinnedPoolStats {
+        self.shared.lock().parts.get_mut::<PinnedPool>().stats()
+    }
 }
 
 /// Page-locked host memory holding `len` elements of `T`, drawn from an engine's pool.
@@ -214,8 +245,12 @@ impl<T: Element> Drop for PinnedHostBuffer<T> {
         if let Some(mut st) = self.owner.enter_for_drop() {
             let st = &mut *st;
             let torn_down = st.torn_down;
-            st.pinned
-                .put(&mut *st.driver, block, torn_down, &mut st.deferred);
+            st.parts.get_mut::<PinnedPool>().put(
+                &mut *st.driver,
+                block,
+                torn_down,
+                &mut st.deferred,
+            );
         }
     }
 }

@@ -2,9 +2,11 @@
 //!
 //! `cuMemHostAlloc` of 8 MiB takes milliseconds, far longer than the copy it enables, so blocks
 //! are reused: a buffer's block comes back here when the buffer is dropped, and the pool keeps at
-//! most a byte budget of idle memory, freeing the rest. This is engine state: the engine holds
-//! the pool and locks it with the driver; the pool itself knows only the driver seam.
+//! most a byte budget of idle memory, freeing the rest. The pool is an engine part
+//! (`core::parts`): the engine holds it behind its lock, made on first use, and frees its idle
+//! blocks first at teardown; the pool itself knows only the driver seam and the part trait.
 
+use crate::core::parts::{Part, Teardown};
 use crate::driver::Driver;
 use crate::error::{DriverError, Error};
 use std::collections::BTreeMap;
@@ -87,7 +89,18 @@ impl Default for PinnedPool {
     }
 }
 
+impl Part for PinnedPool {
+    /// First: idle host memory goes before the core's events.
+    const TEARDOWN: Teardown = Teardown::BeforeEvents(0);
+
+    /// Frees every idle block; a refused free leaves its memory with the driver.
+    fn teardown(&mut self, driver: &mut dyn Driver) {
+        self.trim_to(driver, 0, &mut Vec::new());
+    }
+}
+
 impl PinnedPool {
+    /// The pool's counters.
     pub(crate) fn stats(&self) -> PinnedPoolStats {
         PinnedPoolStats {
             idle_blocks: self.idle.values().map(Vec::len).sum(),

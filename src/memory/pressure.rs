@@ -14,6 +14,8 @@
 //! page-locked memory then reuses what came back first and frees the idle page-locked memory
 //! before it allocates ([`State::free_idle_pinned`]).
 
+use super::pool::PinnedPool;
+use super::ring::StagingRing;
 use crate::core::engine::{Entered, Shared, State};
 use crate::error::{DriverError, Error, Result};
 
@@ -37,19 +39,26 @@ impl State {
     /// retired records, resources released under this hold that drop once it ends, or idle
     /// page-locked memory.
     fn could_make_room(&self, memory: Memory) -> bool {
+        let idle_pinned = || {
+            let pool = self.parts.get::<PinnedPool>();
+            let ring = self.parts.get::<StagingRing>();
+            pool.is_some_and(|pool| pool.stats().idle_bytes > 0)
+                || ring.is_some_and(StagingRing::has_idle)
+        };
         self.retire.has_pending()
             || !self.released.is_empty()
-            || (memory == Memory::PageLocked
-                && (self.pinned.stats().idle_bytes > 0 || self.staging.has_idle()))
+            || (memory == Memory::PageLocked && idle_pinned())
     }
 
     /// Frees the idle page-locked memory the engine keeps for reuse (the pinned pool's idle
     /// blocks, the staging ring's idle slots), for an allocation under pressure. Nothing in it
     /// is named by queued work. Refused frees are recorded for the next boundary.
     pub(crate) fn free_idle_pinned(&mut self) {
-        self.pinned
+        self.parts
+            .get_mut::<PinnedPool>()
             .trim_to(&mut *self.driver, 0, &mut self.deferred);
-        self.staging
+        self.parts
+            .get_mut::<StagingRing>()
             .free_idle_into(&mut *self.driver, &mut self.deferred);
     }
 }

@@ -8,10 +8,12 @@
 //! bytes. The slots serve the blocking routes; leases taken by callers draw on a budget of their
 //! own (`ring_depth` at a time), so leases held or forgotten by a caller never starve the routes.
 //!
-//! This is engine state, held by the engine and locked with the driver; it knows only the driver
-//! seam. Who may touch a slot's memory, and when, is the lease's typestate
-//! (`lifecycle::lease`).
+//! The ring is an engine part (`core::parts`): the engine holds it behind its lock, made on first
+//! use, and frees its idle slots at teardown, right after the pinned pool's; it knows only the
+//! driver seam and the part trait. Who may touch a slot's memory, and when, is the lease's
+//! typestate (`lifecycle::lease`).
 
+use crate::core::parts::{Part, Teardown};
 use crate::driver::Driver;
 use crate::error::{DriverError, Error, Result, StagingError, UsageError};
 use crate::sync::copy_pool::MAX_THREADS;
@@ -165,6 +167,17 @@ pub(crate) struct StagingRing {
     scalar: Option<Slot>,
 }
 
+impl Part for StagingRing {
+    /// After the pinned pool, before the core's events.
+    const TEARDOWN: Teardown = Teardown::BeforeEvents(1);
+
+    /// Frees the idle slots and the scalar slot; a refused free leaves its memory with the
+    /// driver.
+    fn teardown(&mut self, driver: &mut dyn Driver) {
+        let _ = self.free_idle(driver);
+    }
+}
+
 impl StagingRing {
     /// The settings.
     pub(crate) fn config(&self) -> StagingConfig {
@@ -184,6 +197,7 @@ impl StagingRing {
         self.free_idle(driver)
     }
 
+    /// The ring's counters.
     pub(crate) fn stats(&self) -> StagingStats {
         StagingStats {
             slots: self.slots,

@@ -31,6 +31,7 @@ use crate::dtype::DType;
 use crate::error::{Error, Result, StagingError, SubmitError, UsageError};
 use crate::lifecycle::lease::{released, KeepAlive, Mark, Proven, StagingLease, Unproven};
 use crate::memory::element::{as_bytes, byte_len, Element};
+use crate::memory::ring::StagingRing;
 use crate::memory::stream_copy::copy_streaming;
 use crate::memory::tensor::{shape_len, DeviceTensor};
 use crate::sync::copy_pool::{self, CopyPool};
@@ -168,7 +169,12 @@ fn pool_for(engine: &mut CudaEngine, bytes: usize) -> Result<Option<Copiers>> {
     if bytes < 2 * MIN_COPY_PART {
         return Ok(None);
     }
-    let cap = engine.enter()?.staging.config().copy_threads;
+    let cap = engine
+        .enter()?
+        .parts
+        .get_mut::<StagingRing>()
+        .config()
+        .copy_threads;
     let pool = copy_pool::pool()?;
     Ok(Some(Copiers {
         pool,

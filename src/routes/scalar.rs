@@ -13,6 +13,7 @@ use crate::lifecycle::fence::synchronize_now;
 use crate::lifecycle::lease::LeasedSlot;
 use crate::memory::element::Element;
 use crate::memory::pressure::Memory;
+use crate::memory::ring::StagingRing;
 use crate::memory::tensor::DeviceTensor;
 use std::mem::ManuallyDrop;
 
@@ -69,10 +70,12 @@ pub(super) fn scalar_transfer<T: Element>(
     }
     let owner = &engine.shared;
     let (mut st, slot) = owner.allocate(Memory::PageLocked, |st, pressure| {
-        if pressure && !st.staging.stats().scalar_slot {
+        if pressure && !st.parts.get_mut::<StagingRing>().stats().scalar_slot {
             st.free_idle_pinned();
         }
-        st.staging.take_scalar(&mut *st.driver)
+        st.parts
+            .get_mut::<StagingRing>()
+            .take_scalar(&mut *st.driver)
     })?;
     let slot = LeasedSlot::new(slot, owner);
     let ptr = slot.ptr();

@@ -30,6 +30,7 @@ use crate::error::{Error, ProgramError, Result};
 use crate::lifecycle::fence::{fence, Fencing};
 use crate::memory::element::Element;
 use crate::memory::tensor::{alloc_device, DeviceTensor, Recycler};
+use crate::work::kernels::cache::KernelCache;
 use crate::work::kernels::fused::FusedKernel;
 use crate::work::libs::blas::row_major_product;
 use std::any::Any;
@@ -761,10 +762,12 @@ fn capture(
     let mut functions = Vec::new();
     for step in steps {
         if let Step::Fused { kernel, .. } = step {
-            let crate::core::engine::State {
-                driver, kernels, ..
-            } = &mut **st;
-            functions.push(kernels.fused(driver.as_mut(), kernel)?);
+            let crate::core::engine::State { driver, parts, .. } = &mut **st;
+            functions.push(
+                parts
+                    .get_mut::<KernelCache>()
+                    .fused(driver.as_mut(), kernel)?,
+            );
         }
     }
     let capturing = Capturing::begin(st)?;

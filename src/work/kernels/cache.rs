@@ -2,9 +2,10 @@
 //!
 //! Each kernel is compiled with NVRTC and loaded the first time an engine needs it, then kept
 //! until the engine is dropped, so steady-state calls cost one launch. Every module carries the
-//! emulation of its kernel, for devices that cannot run PTX. This is engine state, held by the
-//! engine and locked with the driver; it knows only the driver seam and the kernels' own
-//! descriptions (`spec`, `source`, `emulate`, `fused`).
+//! emulation of its kernel, for devices that cannot run PTX. The cache is an engine part
+//! (`core::parts`): the engine holds it behind its lock, made on first use, and unloads its
+//! modules last at teardown, once the streams are idle. It knows only the driver seam, the part
+//! trait and the kernels' own descriptions (`spec`, `source`, `emulate`, `fused`).
 
 #[cfg(any(test, feature = "sim"))]
 use super::emulate::ElementwiseEmulation;
@@ -13,6 +14,7 @@ use super::fused::FusedEmulation;
 use super::fused::FusedKernel;
 use super::source;
 use super::spec::ElementwiseSpec;
+use crate::core::parts::{Part, Teardown};
 use crate::driver::launch::{FunctionHandle, ModuleHandle, ModuleSource};
 use crate::driver::Driver;
 use crate::error::{Error, Result};
@@ -104,14 +106,20 @@ impl KernelCache {
     pub(crate) fn len(&self) -> usize {
         self.entries.len() + self.fused.len()
     }
+}
 
-    /// Unloads every module. Call only once the stream is idle (no launch pending).
-    pub(crate) fn release(&mut self, driver: &mut dyn Driver) {
+impl Part for KernelCache {
+    /// Last, after the library handles (which come after the core's events).
+    const TEARDOWN: Teardown = Teardown::AfterEvents(1);
+
+    /// Unloads every module; a refused unload leaves the module with the driver.
+    fn teardown(&mut self, driver: &mut dyn Driver) {
         let eager = self.entries.drain().map(|(_, entry)| entry);
         let fused = self.fused.drain().map(|(_, entry)| entry);
         for (module, _) in eager.chain(fused) {
-            // SAFETY: each cached module is unloaded once (drained from the cache); the caller
-            // guarantees the stream is idle, so no launch of its kernel is pending.
+            // SAFETY: each cached module is unloaded once (drained from the cache); a part is
+            // torn down only once the streams are proven idle, so no launch of its kernel is
+            // pending.
             let _ = unsafe { driver.module_unload(module) };
         }
     }

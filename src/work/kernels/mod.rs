@@ -56,6 +56,7 @@ use crate::dtype::DType;
 use crate::error::{Error, Result, UsageError};
 use crate::memory::element::{as_bytes, Element};
 use crate::memory::tensor::DeviceTensor;
+use cache::KernelCache;
 use spec::{unsupported, ElementwiseArgs, ElementwiseOp, ElementwiseSpec, BLOCK};
 
 fn spec(op: ElementwiseOp, input: DType, output: DType) -> Result<ElementwiseSpec> {
@@ -95,11 +96,13 @@ impl CudaEngine {
         let mut st = self.enter()?;
         let State {
             driver,
-            kernels,
+            parts,
             order,
             ..
         } = &mut *st;
-        let function = kernels.function(driver.as_mut(), spec)?;
+        let function = parts
+            .get_mut::<KernelCache>()
+            .function(driver.as_mut(), spec)?;
         // Reads first, the write last: an output identical to an operand ends up written. An
         // operand the kernel does not read is named as address 0, which the order skips.
         let read = |used: bool, ptr| Use::Read(if used { ptr } else { 0 });
@@ -295,7 +298,7 @@ impl CudaEngine {
 
     /// How many elementwise kernels this engine has compiled and cached.
     pub fn cached_kernels(&self) -> usize {
-        self.shared.lock().kernels.len()
+        self.shared.lock().parts.get_mut::<KernelCache>().len()
     }
 
     fn unary<T: Element>(

@@ -1,8 +1,10 @@
-//! The retirement queue and the event pool.
+//! The retirement queue and the event pool: the core's record of work that is still owed its
+//! proof of completion.
 //!
 //! When a value that holds fenced resources goes away before its proof (an in-flight transfer
-//! dropped, a staging chunk retired), its [`Fenced`](super::fence::Fenced) detaches into this
-//! queue as a [`Record`]: the event and, type-erased, everything the device may still touch.
+//! dropped, a staging chunk retired), its fence (the lifecycle level's `Fenced`) detaches into
+//! this queue as a [`Record`]: the event and, type-erased, everything the device may still
+//! touch.
 //!
 //! A record is released only after its event reports completion. Dropping a record leaks its
 //! resources instead (they are held in `ManuallyDrop`), so no panic and no teardown path can
@@ -16,6 +18,13 @@
 //! after waiting for the streams, outside the engine's lock. Released resources are not dropped
 //! here: they go to the engine's release list, dropped once its lock is released, because their
 //! drops take that lock.
+//!
+//! The queue is the core's own because the engine drives it: every boundary polls it and
+//! reports what it found, the teardown settles it before anything else is released, and the
+//! allocation paths of the levels above (memory among them) poll it under pressure. The event
+//! pool sits with it: a released record's event goes back there, and the teardown destroys the
+//! pool's events after settling the queue. Both depend only on the seam and the errors; the
+//! lifecycle level builds its records (`lifecycle::fence`).
 
 use crate::driver::{Driver, EventHandle, Lane, Waits};
 use crate::error::{DriverError, Error, Result};
@@ -83,6 +92,8 @@ pub(crate) enum Poll {
     Settle,
 }
 
+/// An engine's retirement queue: records waiting for their event, records whose event failed,
+/// work that was never fenced, and the failures still to report.
 #[derive(Default)]
 pub(crate) struct RetireQueue {
     pending: VecDeque<Record>,
@@ -96,6 +107,7 @@ pub(crate) struct RetireQueue {
 }
 
 impl RetireQueue {
+    /// Queues a record, to be released once its event reports completion.
     pub(crate) fn push(&mut self, record: Record) {
         self.pending.push_back(record);
     }
@@ -110,6 +122,7 @@ impl RetireQueue {
         self.untracked.push((what, error));
     }
 
+    /// The queue's counters.
     pub(crate) fn stats(&self) -> RetirementStats {
         let first_failed = self.failed.first().map(|(r, e)| (r.what, *e));
         RetirementStats {
@@ -183,6 +196,7 @@ pub(crate) struct EventPool {
 }
 
 impl EventPool {
+    /// An idle event: a pooled one, or a fresh one from the driver.
     pub(crate) fn take(&mut self, driver: &mut dyn Driver) -> Result<EventHandle> {
         if let Some(event) = self.free.pop() {
             return Ok(event);
@@ -199,6 +213,7 @@ impl EventPool {
         self.free.push(event);
     }
 
+    /// How many events the pool has created.
     pub(crate) fn created(&self) -> u64 {
         self.created
     }
