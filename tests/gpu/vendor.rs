@@ -316,38 +316,12 @@ fn the_simulator_computes_what_the_gpu_libraries_compute() {
         }
     };
     // gemm, every transpose, with leading dimensions past the rows and both scales.
-    let (m, n, k) = (17, 9, 23);
-    for (transa, transb) in [
-        (Transpose::No, Transpose::No),
-        (Transpose::Yes, Transpose::No),
-        (Transpose::No, Transpose::Yes),
-        (Transpose::Yes, Transpose::Yes),
-    ] {
-        let (a_rows, a_cols) = if transa == Transpose::No {
-            (m, k)
-        } else {
-            (k, m)
-        };
-        let (b_rows, b_cols) = if transb == Transpose::No {
-            (k, n)
-        } else {
-            (n, k)
-        };
-        let config = GemmConfig {
-            transa,
-            transb,
-            m,
-            n,
-            k,
-            alpha: 1.25,
-            beta: -0.5,
-            lda: a_rows + 3,
-            ldb: b_rows + 1,
-            ldc: m + 2,
-        };
+    let k = 23;
+    for config in crate::reference::gemm_configs(17, 9, k, 1.25, -0.5) {
+        let [(_, a_cols), (_, b_cols)] = crate::reference::gemm_operands(&config);
         let a: Vec<f64> = random(&mut rng, config.lda * a_cols);
         let b: Vec<f64> = random(&mut rng, config.ldb * b_cols);
-        let c: Vec<f64> = random(&mut rng, config.ldc * n);
+        let c: Vec<f64> = random(&mut rng, config.ldc * config.n);
         let mut out = Vec::new();
         for engine in [&mut gpu, &mut sim] {
             let ta = upload_tensor(engine, &a, &[a.len()]).unwrap();
@@ -356,12 +330,8 @@ fn the_simulator_computes_what_the_gpu_libraries_compute() {
             engine.gemm(&config, &ta, &tb, &mut tc).unwrap();
             out.push(download_tensor(engine, &tc).unwrap());
         }
-        close(
-            &format!("gemm {transa:?} {transb:?}"),
-            &out[0],
-            &out[1],
-            k as f64,
-        );
+        let what = format!("gemm {:?} {:?}", config.transa, config.transb);
+        close(&what, &out[0], &out[1], k as f64);
     }
     // The Cholesky solve of a well-conditioned system, and its factor.
     let order = 12;

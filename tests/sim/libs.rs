@@ -4,6 +4,7 @@
 //! references, stream order under interleaved schedules, a typed failure and nothing lost at a
 //! fault of every library call, and arguments refused before the library is asked.
 
+use crate::support::{gemm_configs, gemm_operands};
 use cuferry::error::{DriverError, LibraryError, UsageError};
 use cuferry::libs::{GemmConfig, Transpose};
 use cuferry::sim::{Schedule, SimConfig, SimDevice, SimOp};
@@ -62,49 +63,22 @@ fn values(n: usize, salt: usize) -> Vec<f64> {
 fn gemm_follows_blas_with_transposes_leading_dimensions_and_scales() {
     let mut engine = CudaEngine::simulated(SimConfig::default());
     let sim = engine.sim().unwrap();
-    let (m, n, k) = (3, 4, 5);
-    for (transa, transb) in [
-        (Transpose::No, Transpose::No),
-        (Transpose::Yes, Transpose::No),
-        (Transpose::No, Transpose::Yes),
-        (Transpose::Yes, Transpose::Yes),
-    ] {
-        for (alpha, beta) in [(1.0, 0.0), (2.0, 0.5), (-1.5, 1.0)] {
-            let (a_rows, a_cols) = if transa == Transpose::No {
-                (m, k)
-            } else {
-                (k, m)
-            };
-            let (b_rows, b_cols) = if transb == Transpose::No {
-                (k, n)
-            } else {
-                (n, k)
-            };
-            // Leading dimensions past the rows: the gaps must be neither read nor written.
-            let config = GemmConfig {
-                transa,
-                transb,
-                m,
-                n,
-                k,
-                alpha,
-                beta,
-                lda: a_rows + 1,
-                ldb: b_rows + 2,
-                ldc: m + 1,
-            };
+    for (alpha, beta) in [(1.0, 0.0), (2.0, 0.5), (-1.5, 1.0)] {
+        for config in gemm_configs(3, 4, 5, alpha, beta) {
+            let [(_, a_cols), (_, b_cols)] = gemm_operands(&config);
             let a = values(config.lda * a_cols, 1);
             let b = values(config.ldb * b_cols, 2);
-            let mut want = values(config.ldc * n, 3);
+            let mut want = values(config.ldc * config.n, 3);
             let ta = upload_tensor(&mut engine, &a, &[a.len()]).unwrap();
             let tb = upload_tensor(&mut engine, &b, &[b.len()]).unwrap();
             let mut tc = upload_tensor(&mut engine, &want, &[want.len()]).unwrap();
             engine.gemm(&config, &ta, &tb, &mut tc).unwrap();
             gemm_reference(&config, &a, &b, &mut want);
+            let (ta, tb) = (config.transa, config.transb);
             assert_eq!(
                 download_tensor(&mut engine, &tc).unwrap(),
                 want,
-                "{transa:?} {transb:?} alpha {alpha} beta {beta}"
+                "{ta:?} {tb:?} alpha {alpha} beta {beta}"
             );
         }
     }

@@ -577,3 +577,53 @@ pub(crate) fn reduce_pair<T: Reference>(op: cuferry::collective::ReduceOp, p: T,
         _ => p,
     }
 }
+
+/// One `gemm` of each transpose combination, `m × n` from `k`, with leading dimensions past
+/// the rows (so a read or write of the gaps shows) and the given scales.
+pub(crate) fn gemm_configs(
+    m: usize,
+    n: usize,
+    k: usize,
+    alpha: f64,
+    beta: f64,
+) -> Vec<cuferry::libs::GemmConfig<f64>> {
+    use cuferry::libs::{GemmConfig, Transpose};
+    let both = [Transpose::No, Transpose::Yes];
+    both.iter()
+        .flat_map(|&transa| both.iter().map(move |&transb| (transa, transb)))
+        .map(|(transa, transb)| {
+            let a_rows = if transa == Transpose::No { m } else { k };
+            let b_rows = if transb == Transpose::No { k } else { n };
+            GemmConfig {
+                transa,
+                transb,
+                m,
+                n,
+                k,
+                alpha,
+                beta,
+                lda: a_rows + 1,
+                ldb: b_rows + 2,
+                ldc: m + 1,
+            }
+        })
+        .collect()
+}
+
+/// The stored shape (rows, columns) of `gemm`'s `A` and `B` under their transposes.
+pub(crate) fn gemm_operands(config: &cuferry::libs::GemmConfig<f64>) -> [(usize, usize); 2] {
+    use cuferry::libs::Transpose;
+    let (m, n, k) = (config.m, config.n, config.k);
+    [
+        if config.transa == Transpose::No {
+            (m, k)
+        } else {
+            (k, m)
+        },
+        if config.transb == Transpose::No {
+            (k, n)
+        } else {
+            (n, k)
+        },
+    ]
+}
