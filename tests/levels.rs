@@ -106,6 +106,7 @@ fn the_checker_sees_the_real_edges() {
         ("work/libs/blas.rs", "work/libs/handles.rs"),
         ("work/libs/solver.rs", "routes/mod.rs"),
         ("driver/sim/launch.rs", "driver/sim.rs"),
+        ("driver/sim/state.rs", "driver/wakes.rs"),
     ] {
         assert!(
             tree.targets(from).contains(to),
