@@ -63,10 +63,11 @@
 //! [`Schedule`]s and running stream heads), `jobs.rs` (what a stream queues and what each job
 //! does when it runs), `memory.rs` (device blocks, stream-ordered allocation, page-locked host
 //! memory), `events.rs` (events, records, waits across streams, host waits and wakes),
-//! `race.rs` (the race checker and the violations it records), `fault.rs` ([`SimOp`], fault
-//! injection and call counting), `state.rs` (the device's state and its lock), `driver.rs` (the
-//! seam's `Driver` over all of them), `launch.rs` and `graph.rs` (the kernel and graph halves of
-//! the seam) and `collective.rs` (collectives across the machine's devices).
+//! `race.rs` (the race checker), `violation.rs` (the [`Violation`]s the device records),
+//! `fault.rs` ([`SimOp`], fault injection and call counting), `state.rs` (the device's state and
+//! its lock), `driver.rs` (the seam's `Driver` over all of them), `launch.rs` and `graph.rs` (the
+//! kernel and graph halves of the seam) and `collective.rs` (collectives across the machine's
+//! devices).
 
 mod clock;
 mod collective;
@@ -81,10 +82,12 @@ mod race;
 mod state;
 #[cfg(test)]
 mod tests;
+mod violation;
 
 pub use clock::Schedule;
 pub(crate) use driver::SimDriver;
 pub use fault::SimOp;
+pub use violation::Violation;
 
 // What the concern files share, named here so that each reaches it as `super::…`.
 use super::launch::Emulation;
@@ -96,11 +99,12 @@ use crate::error::{DeviceId, DeviceKind, DriverError};
 use clock::{lane_of, StreamId};
 use events::{SimEvent, SimWaits};
 use jobs::Job;
-use race::{describe_stream, Running, Touch};
+use race::{Running, Touch};
 use state::{Locked, State};
 use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
+use violation::driver_lane;
 
 /// How to build a simulated device.
 #[derive(Clone, Debug)]

@@ -2,7 +2,7 @@
 //! once each has reached the head of its stream, as a collective library's kernels meet on
 //! the device.
 
-use super::{describe_stream, DevicePtr, DriverError, Job, Running, State, StreamId};
+use super::{driver_lane, DevicePtr, DriverError, Job, Running, State, StreamId, Violation};
 use crate::driver::{CollectiveKind, CollectiveRank, Reduction};
 use crate::dtype::DType;
 
@@ -129,11 +129,13 @@ impl State {
             match self.block_mut(p.ptr, bytes) {
                 Some(block) => inputs.push(block.to_vec()),
                 None => {
-                    self.violations.push(format!(
-                        "collective on {} reads unmapped device range {:#x}+{bytes}",
-                        describe_stream(stream),
-                        p.ptr
-                    ));
+                    let (driver, lane) = driver_lane(stream);
+                    self.violations.push(Violation::UnmappedCollective {
+                        driver,
+                        lane,
+                        ptr: p.ptr,
+                        bytes,
+                    });
                     return;
                 }
             }

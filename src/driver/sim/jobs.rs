@@ -6,7 +6,7 @@
 //! recorded for the race checker (`race.rs`) and every impossible one recorded as a violation.
 
 use super::collective;
-use super::{DevicePtr, Emulation, State, StreamId};
+use super::{DevicePtr, Emulation, State, StreamId, Violation};
 use std::sync::Arc;
 
 /// A job queued on a stream, run when the device clock reaches it.
@@ -92,10 +92,10 @@ impl State {
                 self.access(dst, true);
                 match self.block_mut(dst, data.len()) {
                     Some(d) => d.copy_from_slice(&data),
-                    None => self.violations.push(format!(
-                        "host-to-device copy into unmapped device range {dst:#x}+{}",
-                        data.len()
-                    )),
+                    None => self.violations.push(Violation::UnmappedUpload {
+                        dst,
+                        bytes: data.len(),
+                    }),
                 }
             }
             Job::HtoD { dst, src, bytes } => {
@@ -107,9 +107,9 @@ impl State {
                         // from it.
                         unsafe { std::ptr::copy_nonoverlapping(src, d.as_mut_ptr(), bytes) }
                     }
-                    None => self.violations.push(format!(
-                        "host-to-device copy into unmapped device range {dst:#x}+{bytes}"
-                    )),
+                    None => self
+                        .violations
+                        .push(Violation::UnmappedUpload { dst, bytes }),
                 }
             }
             Job::DtoH { dst, src, bytes } => {
@@ -121,9 +121,9 @@ impl State {
                         // memory.
                         unsafe { std::ptr::copy_nonoverlapping(s.as_ptr(), dst, bytes) }
                     }
-                    None => self.violations.push(format!(
-                        "device-to-host copy from unmapped device range {src:#x}+{bytes}"
-                    )),
+                    None => self
+                        .violations
+                        .push(Violation::UnmappedDownload { src, bytes }),
                 }
             }
             Job::DtoD { dst, src, bytes } => {
@@ -132,9 +132,9 @@ impl State {
                 let data = self.block_mut(src, bytes).map(|s| s.to_vec());
                 match (data, self.block_mut(dst, bytes)) {
                     (Some(data), Some(d)) => d.copy_from_slice(&data),
-                    _ => self.violations.push(format!(
-                        "device-to-device copy {src:#x} -> {dst:#x} of {bytes} bytes touches unmapped memory"
-                    )),
+                    _ => self
+                        .violations
+                        .push(Violation::UnmappedDeviceCopy { src, dst, bytes }),
                 }
             }
             Job::Free(ptr) => {
@@ -144,15 +144,16 @@ impl State {
                         let device = self.touches.get(&ptr).map_or(0, |t| t.device);
                         self.device_used[device] -= block.len();
                     }
-                    None => self
-                        .violations
-                        .push(format!("free of unknown device pointer {ptr:#x}")),
+                    None => self.violations.push(Violation::UnknownDeviceFree { ptr }),
                 }
             }
             Job::Marker | Job::OrderMarker | Job::Wait { .. } => {}
             Job::Launch { emulation, params } => {
-                if let Err(violation) = emulation.run(self, &params) {
-                    self.violations.push(violation);
+                if let Err(message) = emulation.run(self, &params) {
+                    self.violations.push(Violation::KernelFailed {
+                        kernel: emulation.name().to_owned(),
+                        message,
+                    });
                 }
             }
             Job::Collective(part) => self.run_collective(seq, stream, part),

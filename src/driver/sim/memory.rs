@@ -10,6 +10,7 @@
 
 use super::{
     DevicePtr, DriverError, Job, Lane, SimDevice, SimDriver, SimOp, State, StreamId, Touch,
+    Violation,
 };
 use std::alloc::Layout;
 
@@ -152,14 +153,13 @@ impl State {
         let addr = ptr as usize;
         let Some(&bytes) = self.host.get(&addr) else {
             self.violations
-                .push(format!("free of unknown pinned pointer {addr:#x}"));
+                .push(Violation::UnknownPinnedFree { ptr: addr });
             return Err(DriverError::INVALID_VALUE);
         };
         if self.names_host(addr, bytes) {
             // Keep the memory: freeing it would let the queued copy touch freed memory.
-            self.violations.push(format!(
-                "pinned buffer {addr:#x} ({bytes} bytes) freed while a queued copy still names it"
-            ));
+            self.violations
+                .push(Violation::PinnedFreedUnderCopy { ptr: addr, bytes });
             return Ok(());
         }
         self.host.remove(&addr);
@@ -197,15 +197,14 @@ impl State {
         let addr = ptr as usize;
         let Some(&bytes) = self.registered.get(&addr) else {
             self.violations
-                .push(format!("unregister of unknown host range {addr:#x}"));
+                .push(Violation::UnknownUnregister { ptr: addr });
             return Err(DriverError::from_code(HOST_MEMORY_NOT_REGISTERED));
         };
         if self.names_host(addr, bytes) {
             // Refuse: the caller then keeps the memory (leaks it) instead of freeing memory the
             // queued copy will still read or write.
-            self.violations.push(format!(
-                "registered range {addr:#x} ({bytes} bytes) unregistered while a queued copy still names it"
-            ));
+            self.violations
+                .push(Violation::UnregisteredUnderCopy { ptr: addr, bytes });
             return Err(DriverError::INVALID_VALUE);
         }
         self.registered.remove(&addr);

@@ -3,10 +3,10 @@
 //! Every job that runs records which device allocations it reads and writes ([`Touch`]); a job
 //! that writes an allocation that a job queued after it has already read or written, or reads one
 //! that a job queued after it has already written, ran in an order its streams did not impose:
-//! the two were not ordered, so the device could have run them either way round. That, and every
-//! other misuse the device can see, is recorded as a violation for the tests to assert on.
+//! the two were not ordered, so the device could have run them either way round. That is
+//! recorded as a [`Violation::Race`] for the tests to assert on.
 
-use super::{lane_of, DevicePtr, Lane, SimDevice, State, StreamId};
+use super::{driver_lane, DevicePtr, State, StreamId, Violation};
 
 /// The accesses to one device allocation by the jobs that have run, for the race checker.
 pub(super) struct Touch {
@@ -28,23 +28,6 @@ pub(super) struct Running {
     pub(super) stream: StreamId,
 }
 
-/// A stream, for violations: its lane and its driver.
-pub(super) fn describe_stream(stream: StreamId) -> String {
-    format!(
-        "the {:?} lane of driver {}",
-        lane_of(stream),
-        stream / Lane::ALL.len()
-    )
-}
-
-impl SimDevice {
-    /// Lifecycle violations the device observed, such as pinned memory freed while a queued copy
-    /// still named it. A correct engine leaves this empty.
-    pub fn violations(&self) -> Vec<String> {
-        self.lock().violations.clone()
-    }
-}
-
 impl State {
     /// Records that the running job reads (or writes) the allocation holding `ptr`, and reports
     /// a race when a job queued after it has already made a conflicting access: a write after a
@@ -61,8 +44,8 @@ impl State {
         }
         let later = |at: Option<u64>| at.filter(|&at| at > job.seq);
         let conflict = match (later(touch.write), write) {
-            (Some(w), _) => Some((w, "wrote")),
-            (None, true) => later(touch.read).map(|r| (r, "read")),
+            (Some(w), _) => Some((w, true)),
+            (None, true) => later(touch.read).map(|r| (r, false)),
             (None, false) => None,
         };
         let slot = if write {
@@ -71,14 +54,17 @@ impl State {
             &mut touch.read
         };
         *slot = Some(slot.map_or(job.seq, |at| at.max(job.seq)));
-        if let Some((other, verb)) = conflict {
-            let violation = format!(
-                "job #{} ({} on {}) used device block {base:#x} after later job #{other} {verb} it: \
-                 the two are not ordered",
-                job.seq,
-                job.kind,
-                describe_stream(job.stream)
-            );
+        if let Some((later, later_wrote)) = conflict {
+            let (driver, lane) = driver_lane(job.stream);
+            let violation = Violation::Race {
+                job: job.seq,
+                kind: job.kind,
+                driver,
+                lane,
+                block: base,
+                later,
+                later_wrote,
+            };
             if !self.violations.contains(&violation) {
                 self.violations.push(violation);
             }

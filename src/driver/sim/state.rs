@@ -10,7 +10,7 @@
 use super::graph;
 use super::{
     DevicePtr, DriverError, Emulation, Job, Running, Schedule, SimConfig, SimEvent, SimOp,
-    StreamId, Touch, Wake, NEXT_CONTEXT,
+    StreamId, Touch, Violation, Wake, NEXT_CONTEXT,
 };
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::ops::{Deref, DerefMut};
@@ -70,7 +70,7 @@ pub(super) struct State {
     /// Whether only `advance` runs queued work (waits block instead).
     pub(super) clock_held: bool,
     pub(super) event_faults: Vec<(u64, DriverError)>,
-    pub(super) violations: Vec<String>,
+    pub(super) violations: Vec<Violation>,
     pub(super) completed_jobs: u64,
     /// Loaded modules, by handle: the emulation of the one kernel each holds.
     pub(super) modules: HashMap<u64, Arc<dyn Emulation>>,
@@ -151,8 +151,7 @@ pub(super) struct Locked<'a> {
 }
 
 impl<'a> Locked<'a> {
-    /// Takes the device's lock; one poisoned by a panic (a call armed by `panic_nth`) is taken
-    /// all the same.
+    /// Takes the device's lock, even one poisoned by a panic.
     pub(super) fn new(state: &'a Mutex<State>) -> Self {
         Locked {
             guard: Some(state.lock().unwrap_or_else(|e| e.into_inner())),

@@ -477,7 +477,13 @@ fn a_launch_runs_its_modules_emulation_when_the_clock_reaches_it() {
     assert_eq!(dev.peek(b, 4).unwrap(), [1, 2, 3, 4]);
     assert!(dev.violations().is_empty());
     dev.advance_all();
-    assert_eq!(dev.violations(), ["copy reads unmapped memory"]);
+    assert_eq!(
+        dev.violations(),
+        [Violation::KernelFailed {
+            kernel: "copy".into(),
+            message: "copy reads unmapped memory".into(),
+        }]
+    );
     assert_eq!(dev.calls(SimOp::Launch), 2);
     // SAFETY: loaded above, unloaded once, and both launches have run.
     unsafe { d.module_unload(module).unwrap() };
@@ -717,7 +723,7 @@ fn an_interleaved_schedule_lets_an_upload_overtake_earlier_compute_work() {
 
 /// Uploads into a block and downloads it on the other copy lane, ordered by a wait when
 /// `ordered`; returns whether the download ran first, the bytes it read and the violations.
-fn upload_then_download(seed: u64, ordered: bool) -> (bool, Vec<u8>, Vec<String>, DevicePtr) {
+fn upload_then_download(seed: u64, ordered: bool) -> (bool, Vec<u8>, Vec<Violation>, DevicePtr) {
     let (mut d, dev) = interleaved(seed);
     let src = pinned(&mut d, 4, |i| i as u8 + 1);
     let back = pinned(&mut d, 4, |_| 0xEE);
@@ -750,10 +756,22 @@ fn the_race_checker_flags_an_unordered_write_and_read() {
     );
     assert_eq!(
         violations,
-        [format!(
+        [Violation::Race {
+            job: 0,
+            kind: "host-to-device copy",
+            driver: 0,
+            lane: "Upload",
+            block: a,
+            later: 1,
+            later_wrote: false,
+        }]
+    );
+    assert_eq!(
+        violations[0].to_string(),
+        format!(
             "job #0 (host-to-device copy on the Upload lane of driver 0) used device block \
              {a:#x} after later job #1 read it: the two are not ordered"
-        )]
+        )
     );
     // Ordered by a wait, no schedule lets the download run first.
     for seed in 0..64 {
@@ -796,10 +814,15 @@ fn the_race_checker_sees_launches_and_frees() {
     d.waits().stream_synchronize().unwrap();
     assert_eq!(
         dev.violations(),
-        [format!(
-            "job #0 (kernel launch on the Compute lane of driver 0) used device block {b:#x} \
-             after later job #1 read it: the two are not ordered"
-        )]
+        [Violation::Race {
+            job: 0,
+            kind: "kernel launch",
+            driver: 0,
+            lane: "Compute",
+            block: b,
+            later: 1,
+            later_wrote: false,
+        }]
     );
     // A free that overtakes a download of its block: the download reads freed memory.
     let c = d.alloc(Lane::Compute, 4).unwrap();
@@ -815,11 +838,16 @@ fn the_race_checker_sees_launches_and_frees() {
     assert_eq!(
         dev.violations()[1..],
         [
-            format!(
-                "job #3 (device-to-host copy on the Download lane of driver 0) used device \
-                 block {c:#x} after later job #4 wrote it: the two are not ordered"
-            ),
-            format!("device-to-host copy from unmapped device range {c:#x}+4"),
+            Violation::Race {
+                job: 3,
+                kind: "device-to-host copy",
+                driver: 0,
+                lane: "Download",
+                block: c,
+                later: 4,
+                later_wrote: true,
+            },
+            Violation::UnmappedDownload { src: c, bytes: 4 },
         ]
     );
     // SAFETY: loaded above, unloaded once; the launch has run.
