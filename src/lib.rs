@@ -171,11 +171,13 @@ pub mod raw {
 ///
 /// Open an engine on a fresh one with [`CudaEngine::simulated`], or several engines on one with
 /// [`CudaEngine::simulated_on`]; [`CudaEngine::sim`] hands out the [`SimDevice`](sim::SimDevice)
-/// behind an engine, to advance its clock and inject faults between engine operations.
+/// behind an engine, to advance its clock and inject faults between engine operations, and
+/// whose [`violations`](sim::SimDevice::violations) list what the device saw go wrong, each a
+/// [`Violation`](sim::Violation) (a correct program leaves it empty).
 #[cfg(any(test, feature = "sim"))]
 pub mod sim {
     pub use crate::driver::sim::{
-        set_thread_context, thread_context, Schedule, SimConfig, SimDevice, SimOp,
+        set_thread_context, thread_context, Schedule, SimConfig, SimDevice, SimOp, Violation,
     };
 }
 

@@ -105,6 +105,7 @@ fn the_checker_sees_the_real_edges() {
         ("work/libs/solver.rs", "routes/mod.rs"),
         ("driver/sim/launch.rs", "driver/sim.rs"),
         ("lib.rs", "core/retire.rs"),
+        ("driver/sim/state.rs", "driver/wakes.rs"),
     ] {
         assert!(
             tree.targets(from).contains(to),

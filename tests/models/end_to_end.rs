@@ -13,7 +13,7 @@
 //! exactly what the model says; transfers must be ready exactly when the clock has passed their
 //! event.
 
-use cuferry::sim::SimDevice;
+use cuferry::sim::{SimDevice, Violation};
 use cuferry::{
     download_pending, download_tensor,
     pending::{Download, HostBuffer, InFlight, Operation, Returned, TryWait, Upload},
@@ -1073,7 +1073,7 @@ impl StateMachineTest for EndToEndTest {
     }
 
     fn check_invariants(sut: &Sut, m: &Model) {
-        assert_eq!(sut.sim.violations(), Vec::<String>::new());
+        assert_eq!(sut.sim.violations(), Vec::<Violation>::new());
         assert_eq!(
             sut.sim.queued() as u64,
             m.next_seq - m.done_seq,
@@ -1146,7 +1146,7 @@ impl StateMachineTest for EndToEndTest {
         drop(engine);
         // Frees of tensors released by the teardown itself are queued after its final wait.
         sim.advance_all();
-        assert_eq!(sim.violations(), Vec::<String>::new());
+        assert_eq!(sim.violations(), Vec::<Violation>::new());
         assert_eq!(sim.pinned_live(), (0, 0), "every pinned block freed");
         // Only what was forgotten stays: registered buffers never unregistered, and the tensors
         // of forgotten transfers.

@@ -23,7 +23,7 @@
 //! wait after a failed event record, which leaves the submission retained).
 
 use cuferry::error::UsageError;
-use cuferry::sim::{SimConfig, SimDevice, SimOp};
+use cuferry::sim::{SimConfig, SimDevice, SimOp, Violation};
 use cuferry::{
     download_pending,
     error::DriverError,
@@ -1036,7 +1036,7 @@ impl StateMachineTest for RetirementTest {
     fn check_invariants(sut: &Sut, model: &Model) {
         assert_eq!(sut.sims.len(), model.engines.len());
         for (e, (sim, engine)) in sut.sims.iter().zip(&model.engines).enumerate() {
-            assert_eq!(sim.violations(), Vec::<String>::new(), "engine {e}");
+            assert_eq!(sim.violations(), Vec::<Violation>::new(), "engine {e}");
             assert_eq!(
                 sim.queued() as u64,
                 engine.next_seq - engine.done_seq,
@@ -1116,7 +1116,7 @@ impl StateMachineTest for RetirementTest {
         drop(engine);
         drop(slots);
         for (e, sim) in sims.iter().enumerate() {
-            assert_eq!(sim.violations(), Vec::<String>::new(), "engine {e}");
+            assert_eq!(sim.violations(), Vec::<Violation>::new(), "engine {e}");
         }
     }
 }

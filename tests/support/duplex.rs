@@ -14,7 +14,7 @@
 //! check.
 
 use cuferry::graph::{GraphCompiler, Input, Prepared, TracedTensor};
-use cuferry::sim::{Schedule, SimConfig, SimDevice};
+use cuferry::sim::{Schedule, SimConfig, SimDevice, Violation};
 use cuferry::{
     download_pending, download_tensor,
     pending::{Download, Upload},
@@ -461,7 +461,7 @@ impl Run {
         if let Some(sim) = &self.sim {
             assert_eq!(
                 sim.violations(),
-                Vec::<String>::new(),
+                Vec::<Violation>::new(),
                 "after {op:?}: operations on shared memory ran out of order"
             );
         }
@@ -499,7 +499,7 @@ impl Run {
             return;
         };
         sim.advance_all();
-        assert_eq!(sim.violations(), Vec::<String>::new(), "at teardown");
+        assert_eq!(sim.violations(), Vec::<Violation>::new(), "at teardown");
         if retained == 0 {
             assert_eq!(sim.device_live().0, 0, "device memory left allocated");
             assert_eq!(sim.pinned_live().0, 0, "pinned memory left allocated");

@@ -12,8 +12,8 @@
 //! record run on that stream reports the failure (`CUDA_ERROR_LAUNCH_FAILED`), as the kernels of
 //! an aborted communicator end with an error.
 
-use super::{describe_stream, DevicePtr, DriverError, Job, Running, SimDevice, SimDriver, SimOp};
-use super::{State, StreamId};
+use super::{driver_lane, DevicePtr, DriverError, Job, Running, SimDevice, SimDriver, SimOp};
+use super::{State, StreamId, Violation};
 use crate::driver::collective::{CollectiveKind, Collectives, Communicators, Reduction};
 use crate::driver::Lane;
 use crate::dtype::DType;
@@ -232,17 +232,6 @@ impl State {
         Some(base + Lane::Compute.index())
     }
 
-    /// Reports a part's failure on `stream`, if one is pending there, through the event whose
-    /// record is job `seq`, which has just run.
-    pub(super) fn report_stream_failure(&mut self, seq: u64, stream: StreamId) {
-        let Some(failure) = self.failed_streams.remove(&stream) else {
-            return;
-        };
-        if let Some(event) = self.events.values_mut().find(|e| e.recorded == Some(seq)) {
-            event.fault.get_or_insert(failure);
-        }
-    }
-
     /// What the part at a stream's head waits for: nothing once every part of its collective is
     /// at the head of its stream, else the first part that is not (or a number never given out,
     /// should a part be missing: then nothing can run it).
@@ -309,11 +298,13 @@ impl State {
             match self.block_mut(p.ptr, bytes) {
                 Some(block) => inputs.push(block.to_vec()),
                 None => {
-                    self.violations.push(format!(
-                        "collective on {} reads unmapped device range {:#x}+{bytes}",
-                        describe_stream(stream),
-                        p.ptr
-                    ));
+                    let (driver, lane) = driver_lane(stream);
+                    self.violations.push(Violation::UnmappedCollective {
+                        driver,
+                        lane,
+                        ptr: p.ptr,
+                        bytes,
+                    });
                     return;
                 }
             }

@@ -14,7 +14,7 @@
 //! Every operation is all or nothing: a call that fails (injected or not) leaves no graph, no
 //! executable graph and no queued job behind.
 
-use super::{Job, SimDevice, SimDriver, SimOp, State, StreamId};
+use super::{Job, SimDevice, SimDriver, SimOp, State, StreamId, Violation};
 use crate::driver::graph::{GraphExecHandle, GraphHandle, GraphNodeHandle, Graphs};
 use crate::driver::launch::{Emulation, FunctionHandle};
 use crate::driver::Lane;
@@ -216,10 +216,10 @@ impl Graphs for SimDriver {
             return Err(DriverError::INVALID_VALUE);
         };
         if !graphs.captured.contains_key(&exec.graph) {
-            violations.push(format!(
-                "kernel node {:#x} updated after its graph {:#x} was destroyed",
-                node.0, exec.graph
-            ));
+            violations.push(Violation::NodeUpdatedAfterGraphDestroyed {
+                node: node.0,
+                graph: exec.graph,
+            });
             return Err(DriverError::INVALID_VALUE);
         }
         let Some(target) = exec.nodes.iter_mut().find(|n| n.id == node.0) else {

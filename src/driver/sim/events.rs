@@ -1,0 +1,273 @@
+//! Events and waits.
+//!
+//! An event's record is a marker queued on a stream: a query reports completion only once the
+//! marker has run, and a marker runs only once everything queued before it on its stream (and
+//! what that waited for) has. A stream's wait for an event is a job that holds its stream until
+//! the event's last record as of the call has run. A wake registered on an event is called once
+//! the device runs the record (or at once if it already has), after the device's lock is
+//! released. The host waits ([`SimWaits`]: event and stream synchronize, and the queries) run the
+//! clock up to what they wait for, or, while the clock is held, block until another thread
+//! advances it that far.
+
+use super::{
+    DriverError, EventHandle, Job, Lane, Locked, Schedule, SimDevice, SimOp, State, StreamId,
+    Waits, Wake,
+};
+
+/// An event of the device.
+pub(super) struct SimEvent {
+    /// Whether it only orders lanes (made by `ordering_event_create`).
+    ordering: bool,
+    /// Sequence number of the marker of the last record, if recorded.
+    recorded: Option<u64>,
+    /// The error this record reports once the device reaches it.
+    fault: Option<DriverError>,
+}
+
+impl SimDevice {
+    /// Live events (created and not destroyed).
+    pub fn events_live(&self) -> usize {
+        self.lock().events.values().filter(|e| !e.ordering).count()
+    }
+
+    /// Live events that only order one stream after another (the engine makes at most one per
+    /// stream, and destroys them at teardown).
+    pub fn ordering_events_live(&self) -> usize {
+        self.lock().events.values().filter(|e| e.ordering).count()
+    }
+}
+
+impl State {
+    /// Reports a part's failure on `stream`, if one is pending there, through the event whose
+    /// record is job `seq`, which has just run.
+    pub(super) fn report_stream_failure(&mut self, seq: u64, stream: StreamId) {
+        let Some(failure) = self.failed_streams.remove(&stream) else {
+            return;
+        };
+        if let Some(event) = self.events.values_mut().find(|e| e.recorded == Some(seq)) {
+            event.fault.get_or_insert(failure);
+        }
+    }
+
+    /// The live event `event`; `CUDA_ERROR_INVALID_VALUE` when there is none.
+    pub(super) fn event(&mut self, event: EventHandle) -> Result<&mut SimEvent, DriverError> {
+        self.events
+            .get_mut(&event.0)
+            .ok_or(DriverError::INVALID_VALUE)
+    }
+
+    /// Creates an event, counted as `op`; `ordering` for one that only orders lanes.
+    pub(super) fn create_event(
+        &mut self,
+        op: SimOp,
+        ordering: bool,
+    ) -> Result<EventHandle, DriverError> {
+        self.enter(op)?;
+        let id = self.next_event;
+        self.next_event += 1;
+        self.events.insert(
+            id,
+            SimEvent {
+                ordering,
+                recorded: None,
+                fault: None,
+            },
+        );
+        Ok(EventHandle(id))
+    }
+
+    /// Records `event` on `stream` (the driver's `event_record`): its marker is queued there, and
+    /// the event takes the fault `fail_event` armed for this record, if any.
+    pub(super) fn record_event(
+        &mut self,
+        stream: StreamId,
+        event: EventHandle,
+    ) -> Result<(), DriverError> {
+        if self.event(event)?.ordering {
+            // An ordering record: no device time, no fault of the work before it (the proofs'
+            // records model those), counted apart.
+            self.enter_stream(SimOp::OrderRecord, stream)?;
+            let seq = self.push(stream, Job::OrderMarker);
+            self.event(event)?.recorded = Some(seq);
+            return Ok(());
+        }
+        self.enter_stream(SimOp::EventRecord, stream)?;
+        self.event(event)?;
+        let n = self.calls[&SimOp::EventRecord];
+        let fault = self
+            .event_faults
+            .iter()
+            .position(|f| f.0 == n)
+            .map(|i| self.event_faults.remove(i).1);
+        let seq = self.push(stream, Job::Marker);
+        let ev = self.event(event)?;
+        ev.recorded = Some(seq);
+        ev.fault = fault;
+        Ok(())
+    }
+
+    /// Queues on `stream` a wait for `event`'s last record as of now (the driver's
+    /// `stream_wait`); nothing when that record has run, or the event was never recorded.
+    pub(super) fn wait_event(
+        &mut self,
+        stream: StreamId,
+        event: EventHandle,
+    ) -> Result<(), DriverError> {
+        self.enter_stream(SimOp::StreamWait, stream)?;
+        // What the wait waits for is fixed now: the event's last record as of this call.
+        if let Some(for_seq) = self.event(event)?.recorded {
+            if !self.is_done(for_seq) {
+                self.push(stream, Job::Wait { for_seq });
+            }
+        }
+        Ok(())
+    }
+
+    /// Destroys `event` (the driver's `event_destroy`).
+    pub(super) fn destroy_event(&mut self, event: EventHandle) -> Result<(), DriverError> {
+        self.enter(SimOp::EventDestroy)?;
+        self.events
+            .remove(&event.0)
+            .map(|_| ())
+            .ok_or(DriverError::INVALID_VALUE)
+    }
+
+    /// Registers `wake` for `event`'s last record (the driver's `notify_after`). It is due at
+    /// once (called when the lock is released) when the record has run or the event was never
+    /// recorded; otherwise the record's run calls it, and unless the clock is held the device
+    /// runs up to the record now. Returns whether it ran the clock, for the caller to signal
+    /// the waits blocked on it.
+    pub(super) fn register_wake(
+        &mut self,
+        event: EventHandle,
+        wake: Wake,
+    ) -> Result<bool, DriverError> {
+        self.enter(SimOp::NotifyAfter)?;
+        let recorded = self.event(event)?.recorded;
+        match recorded {
+            // Never recorded, or its record has run (a failed event counts: the device failed):
+            // the wake is due now, once the lock is released.
+            None => self.woken.push(wake),
+            Some(seq) if self.is_done(seq) => self.woken.push(wake),
+            Some(seq) => {
+                self.wakes.entry(seq).or_default().push(wake);
+                if !self.clock_held {
+                    self.run_until(seq);
+                    return Ok(true);
+                }
+            }
+        }
+        Ok(false)
+    }
+}
+
+/// The waiting half of a simulated driver. A wait runs the device up to what it waits for,
+/// unless the clock is held ([`SimDevice::hold_clock`]): then it blocks until another thread
+/// advances the clock that far, as a real wait blocks until the device gets there.
+pub(super) struct SimWaits {
+    pub(super) device: SimDevice,
+    /// The driver's first stream (see [`SimDriver`](super::SimDriver)).
+    pub(super) streams: StreamId,
+}
+
+impl SimWaits {
+    /// The device streams of the driver's lanes.
+    fn lanes(&self) -> impl Iterator<Item = StreamId> + '_ {
+        Lane::ALL
+            .into_iter()
+            .map(|lane| self.streams + lane.index())
+    }
+
+    /// Waits until `done` holds, running the clock with `run` (which must make progress towards
+    /// it) unless the clock is held.
+    fn wait_for<'a>(
+        &'a self,
+        mut s: Locked<'a>,
+        done: impl Fn(&State) -> bool,
+        run: impl Fn(&mut State),
+    ) -> Locked<'a> {
+        if !s.clock_held {
+            run(&mut s);
+            self.device.inner.progress.notify_all();
+            return s;
+        }
+        while !done(&s) {
+            s = s.wait(&self.device.inner.progress);
+        }
+        s
+    }
+
+    /// Waits until job `seq` has run, running the clock as the schedule picks unless it is held.
+    fn wait_until<'a>(&'a self, s: Locked<'a>, seq: u64) -> Locked<'a> {
+        self.wait_for(s, |s| s.is_done(seq), |s| s.run_until(seq))
+    }
+}
+
+impl Waits for SimWaits {
+    fn event_query(&self, event: EventHandle) -> Result<bool, DriverError> {
+        let mut s = self.device.lock();
+        s.enter(SimOp::EventQuery)?;
+        let Some(seq) = s.event(event)?.recorded else {
+            return Ok(true);
+        };
+        if !s.is_done(seq) {
+            return Ok(false);
+        }
+        s.event(event)?.fault.map_or(Ok(true), Err)
+    }
+
+    fn event_synchronize(&self, event: EventHandle) -> Result<(), DriverError> {
+        let mut s = self.device.lock();
+        s.enter(SimOp::EventSynchronize)?;
+        let Some(seq) = s.event(event)?.recorded else {
+            return Ok(());
+        };
+        let mut s = self.wait_until(s, seq);
+        s.event(event)?.fault.map_or(Ok(()), Err)
+    }
+
+    fn stream_synchronize(&self) -> Result<(), DriverError> {
+        let mut s = self.device.lock();
+        s.enter_stream(
+            SimOp::StreamSynchronize,
+            self.streams + Lane::Compute.index(),
+        )?;
+        let lanes: Vec<StreamId> = self.lanes().collect();
+        let done = |s: &State| s.streams_idle(lanes.iter().copied());
+        let run = |s: &mut State| {
+            for &stream in &lanes {
+                if let Some(last) = s.last_on(stream) {
+                    s.run_until(last);
+                }
+            }
+        };
+        drop(self.wait_for(s, done, run));
+        Ok(())
+    }
+
+    fn lane_synchronize(&self, lane: Lane) -> Result<(), DriverError> {
+        let mut s = self.device.lock();
+        let stream = self.streams + lane.index();
+        s.enter_stream(SimOp::StreamSynchronize, stream)?;
+        let done = |s: &State| s.streams_idle([stream]);
+        let run = |s: &mut State| {
+            if let Some(last) = s.last_on(stream) {
+                match s.schedule {
+                    // Program order: everything queued before the lane's last job runs first,
+                    // as on one stream.
+                    Schedule::InOrder => s.run_until(last),
+                    // Only the lane and what it waits for, as a GPU runs it.
+                    Schedule::Interleaved { .. } => s.run_through(last),
+                }
+            }
+        };
+        drop(self.wait_for(s, done, run));
+        Ok(())
+    }
+
+    fn stream_query(&self) -> Result<bool, DriverError> {
+        let mut s = self.device.lock();
+        s.enter_stream(SimOp::StreamQuery, self.streams + Lane::Compute.index())?;
+        Ok(s.streams_idle(self.lanes()))
+    }
+}

@@ -1,0 +1,206 @@
+//! The device's state, and the lock that every call takes.
+//!
+//! One mutex guards the whole simulated machine (its memory, streams, events, faults and the
+//! race checker's records), so each call of the seam sees and changes the device at one instant;
+//! the concern files add to [`State`] the operations of their concern. [`Locked`] is the guard:
+//! dropping it releases the lock and only then calls the wakes whose records ran meanwhile (and
+//! raises the panic of a call armed by `SimDevice::panic_after_nth`), so a wake never runs under
+//! the device's lock.
+
+use super::graph;
+use super::{
+    DevicePtr, DriverError, Emulation, Job, Running, Schedule, SimConfig, SimEvent, SimOp,
+    StreamId, Touch, Violation, Wake, NEXT_CONTEXT,
+};
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::ops::{Deref, DerefMut};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+
+static NEXT_INSTANCE: AtomicU64 = AtomicU64::new(1);
+
+/// The whole simulated machine, behind the device's lock.
+pub(super) struct State {
+    pub(super) instance: u64,
+    pub(super) ordinal: usize,
+    /// Each device's context, by device index.
+    pub(super) ctxs: Vec<u64>,
+    /// Whether two devices (by index) are joined by a peer link.
+    pub(super) peer_linked: Vec<Vec<bool>>,
+    pub(super) memory_bytes: usize,
+    pub(super) pinned_bytes: usize,
+    pub(super) mem: BTreeMap<DevicePtr, Vec<u8>>,
+    /// Bytes allocated on each device.
+    pub(super) device_used: Vec<usize>,
+    pub(super) next_addr: DevicePtr,
+    /// The streams that hold queued jobs (an empty stream is removed), each in queue order.
+    pub(super) streams: BTreeMap<StreamId, VecDeque<(u64, Job)>>,
+    /// Every queued job's stream, by sequence number: a job queued and not here has run.
+    pub(super) pending: BTreeMap<u64, StreamId>,
+    /// How many of the pending jobs only order streams (ordering records and waits).
+    pub(super) ordering_pending: usize,
+    /// Sequence numbers are global: the order of the calls that queued the jobs.
+    pub(super) next_seq: u64,
+    /// The first stream of the next driver made on the device.
+    pub(super) next_stream: StreamId,
+    /// How the clock picks the next stream to run.
+    pub(super) schedule: Schedule,
+    /// The state of [`Schedule::Interleaved`]'s generator.
+    pub(super) rng: u64,
+    /// Every allocation's accesses by the jobs that have run, by base address (kept after the
+    /// free: addresses are never reused).
+    pub(super) touches: BTreeMap<DevicePtr, Touch>,
+    /// The job running now, while it runs.
+    pub(super) running: Option<Running>,
+    pub(super) events: HashMap<u64, SimEvent>,
+    pub(super) next_event: u64,
+    pub(super) host: HashMap<usize, usize>,
+    pub(super) host_used: usize,
+    /// Registered host ranges: start and length.
+    pub(super) registered: BTreeMap<usize, usize>,
+    pub(super) registered_used: usize,
+    pub(super) calls: BTreeMap<SimOp, u64>,
+    pub(super) faults: Vec<(SimOp, u64, DriverError)>,
+    /// Calls that panic instead of returning: (operation, call number).
+    pub(super) panics: Vec<(SimOp, u64)>,
+    /// Calls that take effect and then panic: (operation, call number).
+    pub(super) panics_after: Vec<(SimOp, u64)>,
+    /// The panic of an armed call that has taken effect, raised once the lock is released.
+    pub(super) panic_on_release: Option<String>,
+    /// Whether only `advance` runs queued work (waits block instead).
+    pub(super) clock_held: bool,
+    pub(super) event_faults: Vec<(u64, DriverError)>,
+    pub(super) violations: Vec<Violation>,
+    pub(super) completed_jobs: u64,
+    /// Loaded modules, by handle: the emulation of the one kernel each holds.
+    pub(super) modules: HashMap<u64, Arc<dyn Emulation>>,
+    pub(super) next_module: u64,
+    /// The next collective's number.
+    pub(super) next_group: u64,
+    /// Streams on which a part failed (a collective's part launched without its partners), with
+    /// the failure that the next event record run there reports.
+    pub(super) failed_streams: HashMap<StreamId, DriverError>,
+    /// The captures in progress, by the compute stream they capture.
+    pub(super) captures: HashMap<StreamId, graph::Capture>,
+    /// Captured graphs and the executable graphs instantiated from them.
+    pub(super) graphs: graph::GraphTable,
+    /// Registered wakes, by the sequence number of the record they wait for.
+    pub(super) wakes: BTreeMap<u64, Vec<Wake>>,
+    /// Wakes whose record has run, to be called once the lock is released ([`Locked`]).
+    pub(super) woken: Vec<Wake>,
+}
+
+// SAFETY: the raw host pointers in queued jobs are addresses the engine guarantees (through the
+// seam's unsafe contracts) to stay valid until the job runs, on whichever thread runs it; the
+// state is only reached through the mutex.
+unsafe impl Send for State {}
+
+impl State {
+    /// A fresh machine as `config` describes it: nothing allocated, queued or recorded.
+    pub(super) fn new(config: SimConfig) -> Self {
+        State {
+            instance: NEXT_INSTANCE.fetch_add(1, Ordering::Relaxed),
+            ordinal: config.ordinal,
+            ctxs: (0..config.devices.max(1))
+                .map(|_| NEXT_CONTEXT.fetch_add(1, Ordering::Relaxed))
+                .collect(),
+            peer_linked: vec![vec![true; config.devices.max(1)]; config.devices.max(1)],
+            memory_bytes: config.memory_bytes,
+            pinned_bytes: config.pinned_bytes,
+            mem: BTreeMap::new(),
+            device_used: vec![0; config.devices.max(1)],
+            next_addr: 0x7f00_0000_0000,
+            streams: BTreeMap::new(),
+            pending: BTreeMap::new(),
+            ordering_pending: 0,
+            next_seq: 0,
+            next_stream: 0,
+            schedule: Schedule::InOrder,
+            rng: 0,
+            touches: BTreeMap::new(),
+            running: None,
+            events: HashMap::new(),
+            next_event: 1,
+            host: HashMap::new(),
+            host_used: 0,
+            registered: BTreeMap::new(),
+            registered_used: 0,
+            calls: BTreeMap::new(),
+            faults: Vec::new(),
+            panics: Vec::new(),
+            panics_after: Vec::new(),
+            panic_on_release: None,
+            clock_held: false,
+            event_faults: Vec::new(),
+            violations: Vec::new(),
+            completed_jobs: 0,
+            modules: HashMap::new(),
+            next_module: 1,
+            next_group: 1,
+            failed_streams: HashMap::new(),
+            captures: HashMap::new(),
+            graphs: graph::GraphTable::default(),
+            wakes: BTreeMap::new(),
+            woken: Vec::new(),
+        }
+    }
+}
+
+/// The device's state, locked. Dropping it releases the lock and then calls the wakes whose
+/// records ran meanwhile, so a wake never runs under the device's lock (it may take other
+/// locks, or register another wake).
+pub(super) struct Locked<'a> {
+    /// `Some` except while [`wait`](Self::wait) has handed the guard to the condition variable.
+    guard: Option<MutexGuard<'a, State>>,
+}
+
+impl<'a> Locked<'a> {
+    /// Takes the device's lock, even one poisoned by a panic.
+    pub(super) fn new(state: &'a Mutex<State>) -> Self {
+        Locked {
+            guard: Some(state.lock().unwrap_or_else(|e| e.into_inner())),
+        }
+    }
+
+    /// Releases the lock until `progress` is signalled, then takes it again.
+    pub(super) fn wait(mut self, progress: &Condvar) -> Self {
+        let guard = self.guard.take().expect("a live lock holds its guard");
+        let guard = progress.wait(guard).unwrap_or_else(|e| e.into_inner());
+        self.guard = Some(guard);
+        self
+    }
+}
+
+impl Deref for Locked<'_> {
+    type Target = State;
+    fn deref(&self) -> &State {
+        self.guard.as_ref().expect("a live lock holds its guard")
+    }
+}
+
+impl DerefMut for Locked<'_> {
+    fn deref_mut(&mut self) -> &mut State {
+        self.guard.as_mut().expect("a live lock holds its guard")
+    }
+}
+
+impl Drop for Locked<'_> {
+    fn drop(&mut self) {
+        let Some(mut guard) = self.guard.take() else {
+            return;
+        };
+        if std::thread::panicking() {
+            // Not while unwinding: the wakes stay for the next holder of the lock to call.
+            return;
+        }
+        let woken = std::mem::take(&mut guard.woken);
+        let panic = guard.panic_on_release.take();
+        drop(guard);
+        // Now, or once this thread holds no engine lock (see `driver::wakes`).
+        crate::driver::wakes::call(woken);
+        if let Some(message) = panic {
+            // A call armed by `panic_after_nth`: it has taken effect, and now panics.
+            panic!("{message}");
+        }
+    }
+}
