@@ -108,6 +108,54 @@ pub(crate) struct ContractionPlan {
     pub(crate) workspace: usize,
 }
 
+/// The contraction plans a driver has made, by the handle each [`ContractionPlan`] carries; a
+/// destroyed plan's slot is reused.
+#[derive(Debug)]
+pub(crate) struct Plans<P> {
+    slots: Vec<Option<P>>,
+}
+
+impl<P> Default for Plans<P> {
+    fn default() -> Self {
+        Plans { slots: Vec::new() }
+    }
+}
+
+impl<P> Plans<P> {
+    /// Keeps `plan`, and returns its handle.
+    pub(crate) fn insert(&mut self, plan: P) -> u64 {
+        let at = match self.slots.iter().position(Option::is_none) {
+            Some(free) => free,
+            None => {
+                self.slots.push(None);
+                self.slots.len() - 1
+            }
+        };
+        self.slots[at] = Some(plan);
+        at as u64
+    }
+
+    /// The plan of `handle`, while it is kept.
+    pub(crate) fn get(&self, handle: u64) -> Option<&P> {
+        self.slots.get(usize::try_from(handle).ok()?)?.as_ref()
+    }
+
+    /// Drops the plan of `handle`, if it is kept.
+    pub(crate) fn remove(&mut self, handle: u64) {
+        if let Some(slot) = usize::try_from(handle)
+            .ok()
+            .and_then(|at| self.slots.get_mut(at))
+        {
+            *slot = None;
+        }
+    }
+
+    /// Drops every plan.
+    pub(crate) fn clear(&mut self) {
+        self.slots.clear();
+    }
+}
+
 /// The dense linear algebra the crate offers, on the driver's context and compute stream.
 pub(crate) trait Libraries {
     /// Makes `library` ready on this driver (loads it, makes its handle and binds it to the

@@ -11,7 +11,7 @@
 //! machine).
 
 use super::CudaDriver;
-use crate::driver::libs::{Contraction, ContractionPlan, Gemm, Libraries, Library, Spd};
+use crate::driver::libs::{Contraction, ContractionPlan, Gemm, Libraries, Library, Plans, Spd};
 use crate::driver::{DevicePtr, Driver};
 use crate::dtype::DType;
 use crate::error::{Error, LibraryError, SetupError, UsageError};
@@ -28,7 +28,7 @@ pub(super) struct LibraryHandles {
     cusolver: Option<cusolverDnHandle_t>,
     cutensor: Option<tsys::cutensorHandle_t>,
     /// Live contraction plans, by the handle [`ContractionPlan`] carries.
-    plans: Vec<Option<Planned>>,
+    plans: Plans<Planned>,
 }
 
 /// What cuTENSOR made for one contraction: destroyed together, on every path.
@@ -534,16 +534,8 @@ impl Libraries for CudaDriver {
             library: "cuTENSOR",
             bytes: workspace,
         })?;
-        let slot = match self.libs.plans.iter().position(Option::is_none) {
-            Some(free) => free,
-            None => {
-                self.libs.plans.push(None);
-                self.libs.plans.len() - 1
-            }
-        };
-        self.libs.plans[slot] = Some(made);
         Ok(ContractionPlan {
-            handle: slot as u64,
+            handle: self.libs.plans.insert(made),
             workspace: bytes,
         })
     }
@@ -560,7 +552,7 @@ impl Libraries for CudaDriver {
     ) -> Result<(), Error> {
         let handle = self.cutensor()?;
         let stream = Driver::stream_handle(self) as tsys::cudaStream_t;
-        let Some(Some(made)) = self.libs.plans.get(plan.handle as usize) else {
+        let Some(made) = self.libs.plans.get(plan.handle) else {
             return Err(Error::driver("cutensorContract")(
                 crate::error::DriverError::INVALID_VALUE,
             ));
@@ -597,9 +589,7 @@ impl Libraries for CudaDriver {
     }
 
     fn contraction_plan_destroy(&mut self, plan: ContractionPlan) {
-        if let Some(slot) = self.libs.plans.get_mut(plan.handle as usize) {
-            *slot = None;
-        }
+        self.libs.plans.remove(plan.handle);
     }
 
     fn libraries_release(&mut self) {

@@ -25,8 +25,8 @@ pub(crate) struct SimDriver {
     ctx: u64,
     /// The driver's first stream on the device: its lanes' streams are `streams + lane index`.
     streams: StreamId,
-    /// The contraction plans made on this driver, by handle (freed slots are `None`).
-    pub(super) plans: Vec<Option<super::libs::Plan>>,
+    /// The contraction plans made on this driver, by handle.
+    pub(super) plans: crate::driver::libs::Plans<super::libs::Plan>,
 }
 
 impl SimDriver {
@@ -56,7 +56,7 @@ impl SimDriver {
             granted: Vec::new(),
             ctx,
             streams,
-            plans: Vec::new(),
+            plans: Default::default(),
         })
     }
 

@@ -238,19 +238,6 @@ impl GemmRun {
     }
 }
 
-impl Emulation for GemmRun {
-    fn name(&self) -> &str {
-        typed(self.0.dtype, "cublasSgemm_v2", "cublasDgemm_v2")
-    }
-
-    fn run(&self, memory: &mut dyn DeviceMemory, _params: &[u64]) -> Result<(), String> {
-        match self.0.dtype {
-            DType::F64 => self.run_typed::<f64>(memory),
-            _ => self.run_typed::<f32>(memory),
-        }
-    }
-}
-
 /// A queued Cholesky factorisation.
 struct PotrfRun {
     matrix: Spd,
@@ -288,19 +275,6 @@ impl PotrfRun {
         }
         a.write(memory, what)?;
         write_info(memory, self.info, info)
-    }
-}
-
-impl Emulation for PotrfRun {
-    fn name(&self) -> &str {
-        typed(self.matrix.dtype, "cusolverDnSpotrf", "cusolverDnDpotrf")
-    }
-
-    fn run(&self, memory: &mut dyn DeviceMemory, _params: &[u64]) -> Result<(), String> {
-        match self.matrix.dtype {
-            DType::F64 => self.run_typed::<f64>(memory),
-            _ => self.run_typed::<f32>(memory),
-        }
     }
 }
 
@@ -344,19 +318,6 @@ impl PotrsRun {
         }
         b.write(memory, "potrs's B")?;
         write_info(memory, self.info, 0)
-    }
-}
-
-impl Emulation for PotrsRun {
-    fn name(&self) -> &str {
-        typed(self.matrix.dtype, "cusolverDnSpotrs", "cusolverDnDpotrs")
-    }
-
-    fn run(&self, memory: &mut dyn DeviceMemory, _params: &[u64]) -> Result<(), String> {
-        match self.matrix.dtype {
-            DType::F64 => self.run_typed::<f64>(memory),
-            _ => self.run_typed::<f32>(memory),
-        }
     }
 }
 
@@ -447,18 +408,46 @@ impl ContractRun {
     }
 }
 
-impl Emulation for ContractRun {
-    fn name(&self) -> &str {
-        "cutensorContract"
-    }
+/// Implements [`Emulation`] for a library call's run: its name, as the call's in each
+/// precision, and its `run_typed` at the element type.
+macro_rules! library_emulation {
+    ($run:ty, |$r:ident| $dtype:expr, $single:literal, $double:literal) => {
+        impl Emulation for $run {
+            fn name(&self) -> &str {
+                let $r = self;
+                typed($dtype, $single, $double)
+            }
 
-    fn run(&self, memory: &mut dyn DeviceMemory, _params: &[u64]) -> Result<(), String> {
-        match self.plan.dtype {
-            DType::F64 => self.run_typed::<f64>(memory),
-            _ => self.run_typed::<f32>(memory),
+            fn run(&self, memory: &mut dyn DeviceMemory, _params: &[u64]) -> Result<(), String> {
+                let $r = self;
+                match $dtype {
+                    DType::F64 => $r.run_typed::<f64>(memory),
+                    _ => $r.run_typed::<f32>(memory),
+                }
+            }
         }
-    }
+    };
 }
+
+library_emulation!(GemmRun, |r| r.0.dtype, "cublasSgemm_v2", "cublasDgemm_v2");
+library_emulation!(
+    PotrfRun,
+    |r| r.matrix.dtype,
+    "cusolverDnSpotrf",
+    "cusolverDnDpotrf"
+);
+library_emulation!(
+    PotrsRun,
+    |r| r.matrix.dtype,
+    "cusolverDnSpotrs",
+    "cusolverDnDpotrs"
+);
+library_emulation!(
+    ContractRun,
+    |r| r.plan.dtype,
+    "cutensorContract",
+    "cutensorContract"
+);
 
 impl State {
     /// Counts call `op` of `library` (named `call`), failing it as the library when a fault is
@@ -611,16 +600,8 @@ impl Libraries for SimDriver {
             extents: c.extents.map(<[i64]>::to_vec),
             strides: c.strides.map(<[i64]>::to_vec),
         };
-        let slot = match self.plans.iter().position(Option::is_none) {
-            Some(free) => free,
-            None => {
-                self.plans.push(None);
-                self.plans.len() - 1
-            }
-        };
-        self.plans[slot] = Some(plan);
         Ok(ContractionPlan {
-            handle: slot as u64,
+            handle: self.plans.insert(plan),
             workspace: CONTRACTION_WORKSPACE,
         })
     }
@@ -638,7 +619,7 @@ impl Libraries for SimDriver {
         const LIB: Library = Library::Tensor;
         const CALL: &str = "cutensorContract";
         let stream = self.stream(Lane::Compute);
-        let Some(Some(planned)) = self.plans.get(plan.handle as usize).cloned() else {
+        let Some(planned) = self.plans.get(plan.handle).cloned() else {
             return Err(vendor(LIB, CALL, DriverError::INVALID_VALUE));
         };
         let mut s = self.lock();
@@ -654,9 +635,7 @@ impl Libraries for SimDriver {
     }
 
     fn contraction_plan_destroy(&mut self, plan: ContractionPlan) {
-        if let Some(slot) = self.plans.get_mut(plan.handle as usize) {
-            *slot = None;
-        }
+        self.plans.remove(plan.handle);
     }
 
     fn libraries_release(&mut self) {
