@@ -13,7 +13,7 @@ mod raw;
 
 use cudarc::driver::sys;
 use cuferry::{
-    collective::{all_reduce, Communicator, ReduceOp},
+    collective::{Communicator, ReduceOp, all_reduce},
     upload_tensor,
 };
 use raw::{check, context, event, stream};

@@ -10,8 +10,8 @@
 // criterion's macros generate undocumented public items.
 #![allow(missing_docs)]
 
-use criterion::{criterion_group, criterion_main, Criterion};
-use cuferry::{upload_tensor, CudaEngine, Error};
+use criterion::{Criterion, criterion_group, criterion_main};
+use cuferry::{CudaEngine, Error, upload_tensor};
 use std::time::Duration;
 
 fn benches(c: &mut Criterion) {

@@ -49,16 +49,16 @@
 #![allow(missing_docs)]
 
 use criterion::measurement::WallTime;
-use criterion::{criterion_group, criterion_main, BenchmarkGroup, Criterion, Throughput};
+use criterion::{BenchmarkGroup, Criterion, Throughput, criterion_group, criterion_main};
 use cudarc::driver::sys;
 use cuferry::{
-    download_pending,
+    CudaEngine, DeviceTensor, Pending, PinnedHostBuffer, download_pending,
     pending::{Download, Returned, Upload},
-    upload_pending, CudaEngine, DeviceTensor, Pending, PinnedHostBuffer,
+    upload_pending,
 };
 use std::cell::RefCell;
 use std::collections::VecDeque;
-use std::ffi::{c_void, CString};
+use std::ffi::{CString, c_void};
 use std::time::{Duration, Instant};
 
 /// The size of each direction in `duplex_256MiB`.

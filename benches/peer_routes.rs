@@ -13,7 +13,7 @@
 mod raw;
 
 use cudarc::driver::sys;
-use cuferry::{peer, CudaEngine};
+use cuferry::{CudaEngine, peer};
 use raw::{check, context, event, stream};
 use std::time::Duration;
 

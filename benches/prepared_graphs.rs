@@ -38,11 +38,11 @@
 #![allow(missing_docs)]
 
 use criterion::measurement::WallTime;
-use criterion::{criterion_group, criterion_main, BenchmarkGroup, Criterion, Throughput};
+use criterion::{BenchmarkGroup, Criterion, Throughput, criterion_group, criterion_main};
 use cudarc::driver::sys;
 use cuferry::graph::{GraphCompiler, Input, Prepared, Program, TracedTensor};
-use cuferry::{download_tensor, upload_tensor, CudaEngine, DType, DeviceTensor};
-use std::ffi::{c_void, CString};
+use cuferry::{CudaEngine, DType, DeviceTensor, download_tensor, upload_tensor};
+use std::ffi::{CString, c_void};
 use std::time::{Duration, Instant};
 
 /// Host-time loops synchronize the stream after this many iterations, outside the measured

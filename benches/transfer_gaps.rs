@@ -6,7 +6,7 @@
 //! `SIZES=4096,8192` (KiB) picks the sizes. Prints every figure. Run on a GPU machine: `cargo
 //! bench --bench transfer_gaps`. Without a GPU it prints a note and measures nothing.
 
-use cuferry::{download_tensor_into, upload_tensor_into, CudaEngine};
+use cuferry::{CudaEngine, download_tensor_into, upload_tensor_into};
 use std::time::{Duration, Instant};
 
 /// The median, in microseconds, of 300 runs of `f`, each after `gap` (one untimed run first).

@@ -48,18 +48,18 @@
 // criterion's macros generate undocumented public items.
 #![allow(missing_docs)]
 
-use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use cudarc::driver::sys;
 use cuferry::{
-    download_pending, download_tensor_into,
+    CudaEngine, DeviceTensor, Pending, PinnedHostBuffer, RegisteredBuffer, download_pending,
+    download_tensor_into,
     pending::{Operation, Returned},
-    upload_pending, upload_tensor_into, CudaEngine, DeviceTensor, Pending, PinnedHostBuffer,
-    RegisteredBuffer,
+    upload_pending, upload_tensor_into,
 };
 use std::cell::RefCell;
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 const SIZES: [(usize, &str); 5] = [

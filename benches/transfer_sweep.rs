@@ -17,7 +17,7 @@
 //! nothing.
 
 use cudarc::driver::sys;
-use cuferry::{download_tensor_into, upload_tensor, upload_tensor_into, CudaEngine};
+use cuferry::{CudaEngine, download_tensor_into, upload_tensor, upload_tensor_into};
 use std::ffi::c_void;
 use std::fmt::Write as _;
 use std::time::{Duration, Instant};

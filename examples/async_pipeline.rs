@@ -12,9 +12,9 @@
 //! timings there say nothing about a GPU.
 
 use cuferry::{
-    download_pending,
+    CudaEngine, Pending, PinnedHostBuffer, Result, download_pending,
     pending::{Download, Upload},
-    upload_pending, CudaEngine, Pending, PinnedHostBuffer, Result,
+    upload_pending,
 };
 use std::future::IntoFuture;
 use std::process::ExitCode;

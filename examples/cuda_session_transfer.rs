@@ -7,8 +7,8 @@
 //! without a GPU.
 
 use cuferry::{
-    download_pending, download_tensor_into, upload_pending, upload_tensor, CudaEngine,
-    PinnedHostBuffer,
+    CudaEngine, PinnedHostBuffer, download_pending, download_tensor_into, upload_pending,
+    upload_tensor,
 };
 use std::process::ExitCode;
 
@@ -85,7 +85,9 @@ fn main() -> ExitCode {
                     cuferry::error::SetupError::NoDriver { .. }
                 ))
             ) {
-                eprintln!("this example needs a machine with an NVIDIA GPU and driver; pass --simulated to run it on the simulated device");
+                eprintln!(
+                    "this example needs a machine with an NVIDIA GPU and driver; pass --simulated to run it on the simulated device"
+                );
             }
             ExitCode::FAILURE
         }

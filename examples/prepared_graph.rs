@@ -12,7 +12,7 @@
 
 use cuferry::error::SetupError;
 use cuferry::graph::{GraphCompiler, Input, TracedTensor};
-use cuferry::{download_tensor, upload_tensor, CudaEngine, DType, Error};
+use cuferry::{CudaEngine, DType, Error, download_tensor, upload_tensor};
 use std::process::ExitCode;
 use std::time::Instant;
 
@@ -22,7 +22,9 @@ fn open(simulated: bool) -> Result<CudaEngine, Failure> {
     if simulated {
         #[cfg(feature = "sim")]
         {
-            println!("running on the simulated device (--simulated): no GPU is used, timings are the simulator's");
+            println!(
+                "running on the simulated device (--simulated): no GPU is used, timings are the simulator's"
+            );
             return Ok(CudaEngine::simulated(Default::default()));
         }
         #[cfg(not(feature = "sim"))]
@@ -104,7 +106,12 @@ fn with_product(engine: &mut CudaEngine) -> Result<(), Failure> {
     let s = prepared.stats();
     println!(
         "product program: {} operations, {} fused kernels, {} product(s), {} graph(s); 3 runs checked against the host ({} graph launches, {} eager library calls)",
-        stats.operations, stats.fused_kernels, stats.matmuls, s.graphs, s.graph_launches, s.eager_calls
+        stats.operations,
+        stats.fused_kernels,
+        stats.matmuls,
+        s.graphs,
+        s.graph_launches,
+        s.eager_calls
     );
     Ok(())
 }
@@ -177,7 +184,9 @@ fn main() -> ExitCode {
                 e.downcast_ref::<Error>(),
                 Some(Error::Setup(SetupError::NoDriver { .. }))
             ) {
-                eprintln!("this example needs an NVIDIA GPU and driver; pass --simulated to run it on the simulated device");
+                eprintln!(
+                    "this example needs an NVIDIA GPU and driver; pass --simulated to run it on the simulated device"
+                );
             }
             ExitCode::FAILURE
         }

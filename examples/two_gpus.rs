@@ -16,13 +16,13 @@
 //! `--simulated` runs on a simulated machine of two devices (feature `sim`).
 
 use cuferry::{
-    download_pending, peer,
+    CudaEngine, Pending, PinnedHostBuffer, download_pending, peer,
     peer::PeerCopy,
     pending::{Download, TryWait},
-    upload_pending, CudaEngine, Pending, PinnedHostBuffer,
+    upload_pending,
 };
 use std::process::ExitCode;
-use std::sync::{mpsc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Mutex, MutexGuard, PoisonError, mpsc};
 use std::time::{Duration, Instant};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -189,7 +189,9 @@ fn main() -> ExitCode {
     match peer::access(&mut gpu0, &gpu1) {
         Ok(true) => println!("peer access: enabled"),
         Ok(false) => {
-            eprintln!("two_gpus: the devices have no peer link (peer::copy_staged would copy through host memory)");
+            eprintln!(
+                "two_gpus: the devices have no peer link (peer::copy_staged would copy through host memory)"
+            );
             return ExitCode::FAILURE;
         }
         Err(e) => {

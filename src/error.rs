@@ -64,11 +64,7 @@ impl DriverError {
     /// success is not an error. Numbers this crate does not know are kept as they are (their
     /// [`name`](Self::name) is `CUDA_ERROR_UNRECOGNIZED`).
     pub const fn from_code(code: u32) -> Self {
-        if code == 0 {
-            Self::UNKNOWN
-        } else {
-            Self(code)
-        }
+        if code == 0 { Self::UNKNOWN } else { Self(code) }
     }
 
     /// The numeric CUDA result code, as `cuGetErrorName` documents it. Never `0`.
@@ -341,7 +337,9 @@ pub enum UsageError {
     /// separate streams (and maybe separate devices), so using one engine's value on another
     /// would race with its pending work. Returned by every operation that takes an engine's
     /// values.
-    #[error("the value belongs to engine #{found} on {found_device}, not to engine #{expected} on {expected_device} (each engine has its own streams)")]
+    #[error(
+        "the value belongs to engine #{found} on {found_device}, not to engine #{expected} on {expected_device} (each engine has its own streams)"
+    )]
     WrongEngine {
         /// The engine the operation ran on.
         expected: u64,
@@ -394,7 +392,10 @@ pub enum UsageError {
     },
     /// A byte size is larger than memory can be addressed (`isize::MAX` bytes): a tensor, pinned
     /// buffer or transfer too large for its element type.
-    #[error("{what} of {count} element(s) of {element_bytes} byte(s) exceeds the addressable limit of {} bytes", isize::MAX)]
+    #[error(
+        "{what} of {count} element(s) of {element_bytes} byte(s) exceeds the addressable limit of {} bytes",
+        isize::MAX
+    )]
     SizeOverflow {
         /// What was being sized.
         what: &'static str,
@@ -463,7 +464,9 @@ pub enum UsageError {
         limit: usize,
     },
     /// A matrix's leading dimension is below its row count: `gemm`.
-    #[error("{operation}: leading dimension of {matrix} is {leading_dimension}, below its {rows} row(s)")]
+    #[error(
+        "{operation}: leading dimension of {matrix} is {leading_dimension}, below its {rows} row(s)"
+    )]
     LeadingDimension {
         /// The operation.
         operation: &'static str,
@@ -476,7 +479,9 @@ pub enum UsageError {
     },
     /// A matrix's extent (`rows × cols` with its leading dimension) needs more elements than
     /// fit in `usize`: `gemm`.
-    #[error("{operation}: {matrix} of {rows}×{cols} with leading dimension {leading_dimension} needs more than usize::MAX elements")]
+    #[error(
+        "{operation}: {matrix} of {rows}×{cols} with leading dimension {leading_dimension} needs more than usize::MAX elements"
+    )]
     MatrixOverflow {
         /// The operation.
         operation: &'static str,
@@ -491,7 +496,9 @@ pub enum UsageError {
     },
     /// A matrix's extent needs more elements than its tensor holds: `gemm`. A column-major
     /// `rows × cols` operand with leading dimension `ld` spans `ld × (cols - 1) + rows` elements.
-    #[error("{operation}: {matrix} with leading dimension {leading_dimension} needs {needed} element(s), but the tensor has {available}")]
+    #[error(
+        "{operation}: {matrix} with leading dimension {leading_dimension} needs {needed} element(s), but the tensor has {available}"
+    )]
     MatrixExceedsTensor {
         /// The operation.
         operation: &'static str,
@@ -588,7 +595,9 @@ pub enum UsageError {
         second: usize,
     },
     /// A host buffer smaller than the shape it is to hold: CubeCL `export`.
-    #[error("{operation}: shape {shape:?} of {dtype} needs {needed} bytes, the buffer holds {available}")]
+    #[error(
+        "{operation}: shape {shape:?} of {dtype} needs {needed} bytes, the buffer holds {available}"
+    )]
     BufferTooSmall {
         /// The operation.
         operation: &'static str,
@@ -603,7 +612,9 @@ pub enum UsageError {
     },
     /// A single-element transfer whose host side is empty or longer than its 16-byte slot or
     /// than the tensor: the blocking routes' small-transfer path.
-    #[error("{operation}: {bytes} host byte(s) for a tensor of {tensor_bytes} byte(s) through a {slot_bytes}-byte slot")]
+    #[error(
+        "{operation}: {bytes} host byte(s) for a tensor of {tensor_bytes} byte(s) through a {slot_bytes}-byte slot"
+    )]
     ScalarBytes {
         /// The operation.
         operation: &'static str,
@@ -815,7 +826,9 @@ pub enum StagingError {
     },
     /// A staging chunk's elements lie outside its tensor: the lease's `begin_upload` and
     /// `begin_download`.
-    #[error("staging chunk: elements {offset}..{offset}+{len} lie outside the tensor's {elements} element(s)")]
+    #[error(
+        "staging chunk: elements {offset}..{offset}+{len} lie outside the tensor's {elements} element(s)"
+    )]
     ChunkOutOfRange {
         /// The chunk's first element.
         offset: usize,
@@ -825,7 +838,9 @@ pub enum StagingError {
         elements: usize,
     },
     /// A staging chunk larger than its slot: the lease's `begin_upload` and `begin_download`.
-    #[error("staging chunk: {len} element(s) of {element_bytes} byte(s) exceed the slot's {capacity} bytes")]
+    #[error(
+        "staging chunk: {len} element(s) of {element_bytes} byte(s) exceed the slot's {capacity} bytes"
+    )]
     ChunkTooLarge {
         /// The chunk's element count.
         len: usize,

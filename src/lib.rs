@@ -177,7 +177,7 @@ pub mod raw {
 #[cfg(any(test, feature = "sim"))]
 pub mod sim {
     pub use crate::driver::sim::{
-        set_thread_context, thread_context, Schedule, SimConfig, SimDevice, SimOp, Violation,
+        Schedule, SimConfig, SimDevice, SimOp, Violation, set_thread_context, thread_context,
     };
 }
 

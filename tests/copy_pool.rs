@@ -4,7 +4,7 @@
 
 use cuferry::error::UsageError;
 use cuferry::sim::SimConfig;
-use cuferry::{download_tensor, upload_tensor, CudaEngine, Error};
+use cuferry::{CudaEngine, Error, download_tensor, upload_tensor};
 
 #[test]
 fn the_number_of_copy_threads_is_set_before_first_use_and_fixed_after() {

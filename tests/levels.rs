@@ -122,21 +122,63 @@ fn the_checker_sees_the_real_edges() {
 /// the pool and the cache as parts, which name the core's part trait.
 fn good_tree() -> Vec<(&'static str, &'static str)> {
     vec![
-        ("lib.rs", "mod driver; mod core; mod memory; mod work; mod error;\npub use core::engine::CudaEngine;\npub use error::Error;\npub use memory::tensor::DeviceTensor;\n#[cfg(feature = \"sim\")]\npub mod sim { pub use crate::driver::sim::SimDevice; }\n"),
+        (
+            "lib.rs",
+            "mod driver; mod core; mod memory; mod work; mod error;\npub use core::engine::CudaEngine;\npub use error::Error;\npub use memory::tensor::DeviceTensor;\n#[cfg(feature = \"sim\")]\npub mod sim { pub use crate::driver::sim::SimDevice; }\n",
+        ),
         ("error.rs", "pub struct Error;\n"),
-        ("driver/mod.rs", "pub(crate) mod sim;\nuse crate::error::Error;\npub(crate) trait Driver {}\n"),
-        ("driver/sim.rs", "use super::Driver;\npub struct SimDevice;\n"),
-        ("core/mod.rs", "pub(crate) mod engine;\npub(crate) mod parts;\n"),
-        ("core/parts.rs", "use crate::driver::Driver;\npub(crate) trait Part { fn teardown(&mut self, driver: &mut dyn Driver); }\npub(crate) struct Parts;\n"),
-        ("core/engine.rs", "use crate::driver::Driver;\nuse super::parts::Parts;\npub struct CudaEngine { parts: Parts }\n"),
-        ("memory/mod.rs", "pub(crate) mod pool;\npub(crate) mod tensor;\n"),
-        ("memory/pool.rs", "use crate::core::parts::Part;\nuse crate::driver::Driver;\npub(crate) struct Pool;\nimpl Part for Pool {}\n#[cfg(test)]\nmod tests {\n    use super::*;\n}\n"),
-        ("memory/tensor.rs", "use crate::core::engine::CudaEngine;\nuse super::pool::Pool;\n// A comment may name crate::work::kernels::cache::Cache.\nconst S: &str = \"crate::work::kernels\";\npub struct DeviceTensor<'a>(&'a CudaEngine);\n"),
-        ("work/mod.rs", "pub(crate) mod kernels;\npub(crate) mod ops;\n"),
-        ("work/kernels/mod.rs", "pub(crate) mod cache;\npub(crate) mod spec_free;\n"),
-        ("work/kernels/cache.rs", "use crate::{core::parts::Part, driver::Driver, error::Error};\nuse super::spec_free::Spec;\npub(crate) struct Cache;\n"),
-        ("work/kernels/spec_free.rs", "use crate::Error;\npub(crate) struct Spec;\n"),
-        ("work/ops.rs", "use crate::{CudaEngine, DeviceTensor};\nuse crate::memory::{pool::Pool, tensor};\nfn f() { let _ = crate::sim::SimDevice; }\n"),
+        (
+            "driver/mod.rs",
+            "pub(crate) mod sim;\nuse crate::error::Error;\npub(crate) trait Driver {}\n",
+        ),
+        (
+            "driver/sim.rs",
+            "use super::Driver;\npub struct SimDevice;\n",
+        ),
+        (
+            "core/mod.rs",
+            "pub(crate) mod engine;\npub(crate) mod parts;\n",
+        ),
+        (
+            "core/parts.rs",
+            "use crate::driver::Driver;\npub(crate) trait Part { fn teardown(&mut self, driver: &mut dyn Driver); }\npub(crate) struct Parts;\n",
+        ),
+        (
+            "core/engine.rs",
+            "use crate::driver::Driver;\nuse super::parts::Parts;\npub struct CudaEngine { parts: Parts }\n",
+        ),
+        (
+            "memory/mod.rs",
+            "pub(crate) mod pool;\npub(crate) mod tensor;\n",
+        ),
+        (
+            "memory/pool.rs",
+            "use crate::core::parts::Part;\nuse crate::driver::Driver;\npub(crate) struct Pool;\nimpl Part for Pool {}\n#[cfg(test)]\nmod tests {\n    use super::*;\n}\n",
+        ),
+        (
+            "memory/tensor.rs",
+            "use crate::core::engine::CudaEngine;\nuse super::pool::Pool;\n// A comment may name crate::work::kernels::cache::Cache.\nconst S: &str = \"crate::work::kernels\";\npub struct DeviceTensor<'a>(&'a CudaEngine);\n",
+        ),
+        (
+            "work/mod.rs",
+            "pub(crate) mod kernels;\npub(crate) mod ops;\n",
+        ),
+        (
+            "work/kernels/mod.rs",
+            "pub(crate) mod cache;\npub(crate) mod spec_free;\n",
+        ),
+        (
+            "work/kernels/cache.rs",
+            "use crate::{core::parts::Part, driver::Driver, error::Error};\nuse super::spec_free::Spec;\npub(crate) struct Cache;\n",
+        ),
+        (
+            "work/kernels/spec_free.rs",
+            "use crate::Error;\npub(crate) struct Spec;\n",
+        ),
+        (
+            "work/ops.rs",
+            "use crate::{CudaEngine, DeviceTensor};\nuse crate::memory::{pool::Pool, tensor};\nfn f() { let _ = crate::sim::SimDevice; }\n",
+        ),
     ]
 }
 
@@ -170,9 +212,10 @@ fn checker_passes_a_tree_that_keeps_the_rules() {
     // The parts name the core's trait, and the core names none of them.
     let tree = Tree::from_files(&good_tree());
     assert!(tree.targets("memory/pool.rs").contains("core/parts.rs"));
-    assert!(tree
-        .targets("work/kernels/cache.rs")
-        .contains("core/parts.rs"));
+    assert!(
+        tree.targets("work/kernels/cache.rs")
+            .contains("core/parts.rs")
+    );
     assert_eq!(
         tree.targets("core/engine.rs"),
         BTreeSet::from(["driver/mod.rs", "core/parts.rs"])

@@ -13,14 +13,15 @@
 use cuferry::graph::{GraphCompiler, Input, TracedTensor};
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{
-    collective::{all_reduce, Communicator, ReduceOp},
+    CudaEngine, DType, Error, PinnedHostBuffer, RegisteredBuffer,
+    collective::{Communicator, ReduceOp, all_reduce},
     download_pending, download_tensor, download_tensor_into, peer,
     staging::StagingConfig,
-    upload_pending, upload_tensor, CudaEngine, DType, Error, PinnedHostBuffer, RegisteredBuffer,
+    upload_pending, upload_tensor,
 };
-use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::process::Command;
-use std::sync::{mpsc, Mutex};
+use std::sync::{Mutex, mpsc};
 use std::time::Duration;
 
 /// The child's variable: how many copy threads its sweep runs with.

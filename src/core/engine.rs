@@ -26,7 +26,7 @@
 use super::order::{Order, Proven, Use};
 use super::parts::Parts;
 use super::retire::{EventPool, Poll, Resources, RetireQueue, RetirementStats};
-use crate::driver::{wakes, ContextHandle, DevicePtr, Driver, Lane, Waits};
+use crate::driver::{ContextHandle, DevicePtr, Driver, Lane, Waits, wakes};
 use crate::error::{DeviceId, Error, Result, SetupError, UsageError};
 use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -269,13 +269,13 @@ impl DerefMut for Entered<'_> {
 
 impl Drop for Entered<'_> {
     fn drop(&mut self) {
-        if let Some(previous) = self.previous {
-            if let Err(source) = self.locked.driver.set_current_context(previous) {
-                self.locked.defer(Error::Driver {
-                    call: "cuCtxSetCurrent (restore)",
-                    source,
-                });
-            }
+        if let Some(previous) = self.previous
+            && let Err(source) = self.locked.driver.set_current_context(previous)
+        {
+            self.locked.defer(Error::Driver {
+                call: "cuCtxSetCurrent (restore)",
+                source,
+            });
         }
     }
 }

@@ -31,8 +31,8 @@ use crate::driver::{DevicePtr, Driver, EventHandle, Lane};
 use crate::error::{Error, Result};
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// How an operation uses a device value: its allocation's base address.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

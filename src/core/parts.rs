@@ -161,7 +161,7 @@ mod tests {
     }
 
     macro_rules! part {
-        ($name:ident, $place:expr) => {
+        ($name:ident, $place:expr_2021) => {
             #[derive(Default)]
             struct $name(u32);
             impl Part for $name {

@@ -223,13 +223,13 @@ impl EventPool {
         let mut first = Ok(());
         for event in self.free.drain(..) {
             // SAFETY: idle pool events are not recorded again and are destroyed once.
-            if let Err(source) = unsafe { driver.event_destroy(event) } {
-                if first.is_ok() {
-                    first = Err(Error::Driver {
-                        call: "cuEventDestroy",
-                        source,
-                    });
-                }
+            if let Err(source) = unsafe { driver.event_destroy(event) }
+                && first.is_ok()
+            {
+                first = Err(Error::Driver {
+                    call: "cuEventDestroy",
+                    source,
+                });
             }
         }
         first

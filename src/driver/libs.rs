@@ -208,7 +208,7 @@ pub(crate) trait Libraries {
 
     /// Plans `contraction` (and says how much workspace running it takes).
     fn contraction_plan(&mut self, contraction: &Contraction<'_>)
-        -> Result<ContractionPlan, Error>;
+    -> Result<ContractionPlan, Error>;
 
     /// Queues the planned contraction on the compute stream: `C = alpha * Σ A·B + beta * C`
     /// (`alpha` and `beta` in the element type, widened exactly), with `work` holding the plan's

@@ -81,11 +81,7 @@ impl Lane {
 
     /// The lane a host copy runs on: upload for host to device, else download.
     pub(crate) const fn of_copy(upload: bool) -> Lane {
-        if upload {
-            Lane::Upload
-        } else {
-            Lane::Download
-        }
+        if upload { Lane::Upload } else { Lane::Download }
     }
 }
 
@@ -186,7 +182,7 @@ pub(crate) trait Driver:
     /// device other than the stream's). The memory is the pool's driver's: it frees it, after
     /// the allocation has completed.
     fn alloc_from(&mut self, lane: Lane, pool: u64, bytes: usize)
-        -> Result<DevicePtr, DriverError>;
+    -> Result<DevicePtr, DriverError>;
     /// Frees an allocation, ordered on `lane`.
     ///
     /// # Safety

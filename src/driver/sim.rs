@@ -99,7 +99,7 @@ pub use violation::Violation;
 use super::launch::Emulation;
 use super::{ContextHandle, DevicePtr, Driver, EventHandle, Lane, Waits, Wake};
 use crate::error::{DeviceId, DeviceKind, DriverError};
-use clock::{lane_of, StreamId};
+use clock::{StreamId, lane_of};
 use events::{SimEvent, SimWaits};
 use jobs::Job;
 use race::{Running, Touch};

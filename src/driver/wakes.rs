@@ -22,7 +22,7 @@
 
 use super::Wake;
 use std::cell::{Cell, RefCell};
-use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::panic::{AssertUnwindSafe, catch_unwind};
 
 thread_local! {
     /// How many engine locks this thread holds.
@@ -102,8 +102,8 @@ fn run(wakes: Vec<Wake>) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
 
     fn counting(count: &Arc<AtomicUsize>, saw_wake: bool) -> Wake {
         let count = Arc::clone(count);

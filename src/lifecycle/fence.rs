@@ -20,7 +20,7 @@
 
 use crate::core::engine::{Shared, State};
 use crate::core::retire::Record;
-use crate::driver::{wakes, EventHandle, Lane, Wake};
+use crate::driver::{EventHandle, Lane, Wake, wakes};
 use crate::error::{DriverError, Error, Result, UsageError};
 use std::mem::ManuallyDrop;
 use std::sync::Arc;
@@ -111,7 +111,7 @@ pub(crate) fn fence<R: Send + 'static>(
                     what,
                     covers: (lane, st.order.position(lane)),
                 }),
-            })
+            });
         }
         Err(error) => error,
     };

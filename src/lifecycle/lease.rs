@@ -27,14 +27,14 @@
 // A failed begin hands the lease back by value inside its error, as `TrySendError<T>` does.
 #![allow(clippy::result_large_err)]
 
-use super::fence::{fence, Fenced, Fencing, IdleEvent};
+use super::fence::{Fenced, Fencing, IdleEvent, fence};
 use crate::core::engine::{CudaEngine, Shared};
 
 use crate::error::{Error, Result, StagingError, SubmitError, UsageError};
 use crate::memory::element::Element;
 use crate::memory::pinned::PinnedHostBuffer;
 use crate::memory::pressure::Memory;
-use crate::memory::ring::{free_slot, Slot, SlotKind, StagingConfig, StagingRing, StagingStats};
+use crate::memory::ring::{Slot, SlotKind, StagingConfig, StagingRing, StagingStats, free_slot};
 use crate::memory::tensor::DeviceTensor;
 use std::marker::PhantomData;
 use std::mem::ManuallyDrop;
@@ -90,10 +90,10 @@ impl Drop for LeasedSlot {
             return;
         };
         drop(st);
-        if let Some(mut st) = self.owner.enter_for_drop() {
-            if let Err(error) = free_slot(&mut *st.driver, slot) {
-                st.defer(error);
-            }
+        if let Some(mut st) = self.owner.enter_for_drop()
+            && let Err(error) = free_slot(&mut *st.driver, slot)
+        {
+            st.defer(error);
         }
     }
 }

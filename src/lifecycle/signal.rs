@@ -11,7 +11,7 @@
 //! waits only for engines of the same simulated machine, on any of its devices (separate
 //! machines share no clock): anything else is refused with [`SetupError::Unreachable`](crate::error::SetupError::Unreachable).
 
-use super::fence::{fence, Fenced, Fencing};
+use super::fence::{Fenced, Fencing, fence};
 use crate::core::engine::CudaEngine;
 use crate::driver::Lane;
 use crate::error::{DeviceId, Error, Result, SetupError};

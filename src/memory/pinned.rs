@@ -11,9 +11,9 @@
 //! still touch it; it comes back from the transfer. Dropping it returns it to the pool, which is
 //! only reachable once no copy can touch it.
 
-use super::element::{byte_len, Element};
-use super::host::{sealed::HostMemory, HostBuffer};
-use super::pool::{Block, PinnedPool, PinnedPoolStats, GRANULE};
+use super::element::{Element, byte_len};
+use super::host::{HostBuffer, sealed::HostMemory};
+use super::pool::{Block, GRANULE, PinnedPool, PinnedPoolStats};
 use super::pressure::Memory;
 use crate::core::engine::{CudaEngine, Shared, State};
 use crate::driver::Waits;

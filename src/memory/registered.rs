@@ -64,7 +64,7 @@
 //! pending route, so it is the form offered.
 
 use super::element::Element;
-use super::host::{sealed::HostMemory, HostBuffer};
+use super::host::{HostBuffer, sealed::HostMemory};
 use super::pressure::Memory;
 use crate::core::engine::{CudaEngine, Shared};
 use crate::error::{DeviceId, Error, Result, SubmitError, UsageError};

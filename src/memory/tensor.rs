@@ -7,7 +7,7 @@
 //! Copying is explicit ([`CudaEngine::copy_tensor`], [`CudaEngine::copy_into`]): a queued
 //! device-to-device copy, never an implicit clone.
 
-use super::element::{byte_len, Element};
+use super::element::{Element, byte_len};
 use super::pressure::Memory;
 use crate::core::engine::{CudaEngine, Shared, State};
 use crate::core::order::Use;
@@ -291,10 +291,10 @@ impl<T: Element> Drop for DeviceTensor<T> {
         if self.ptr == 0 {
             return;
         }
-        if let Some(recycle) = &self.recycle {
-            if recycle.put(self.len * T::DTYPE.size_bytes(), self.ptr) {
-                return;
-            }
+        if let Some(recycle) = &self.recycle
+            && recycle.put(self.len * T::DTYPE.size_bytes(), self.ptr)
+        {
+            return;
         }
         // Leaked (never freed) when the context cannot be entered; see `enter_for_drop`.
         if let Some(mut st) = self.owner.enter_for_drop() {

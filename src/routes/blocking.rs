@@ -24,16 +24,16 @@
 //! on uploads) into the retirement queue, so nothing is freed while DMA may still touch it, and
 //! the route returns the error.
 
-use super::scalar::{scalar_transfer, ScalarHost, SCALAR_BYTES};
+use super::scalar::{SCALAR_BYTES, ScalarHost, scalar_transfer};
 use crate::core::engine::CudaEngine;
 use crate::driver::Lane;
 use crate::dtype::DType;
 use crate::error::{Error, Result, StagingError, SubmitError, UsageError};
-use crate::lifecycle::lease::{released, KeepAlive, Mark, Proven, StagingLease, Unproven};
-use crate::memory::element::{as_bytes, byte_len, Element};
+use crate::lifecycle::lease::{KeepAlive, Mark, Proven, StagingLease, Unproven, released};
+use crate::memory::element::{Element, as_bytes, byte_len};
 use crate::memory::ring::StagingRing;
 use crate::memory::stream_copy::copy_streaming;
-use crate::memory::tensor::{shape_len, DeviceTensor};
+use crate::memory::tensor::{DeviceTensor, shape_len};
 use crate::sync::copy_pool::{self, CopyPool};
 use crate::sync::{AtomicBool, AtomicUsize, Ordering, SpinWait};
 use std::collections::VecDeque;
@@ -527,8 +527,7 @@ pub fn download_tensor_into<T: Element>(
         Some(Error::Usage(UsageError::UnsupportedElement {
             operation: "download_tensor_into",
             dtype: T::DTYPE,
-            reason:
-                "raw device bytes are not guaranteed to be 0 or 1; download_tensor decodes them",
+            reason: "raw device bytes are not guaranteed to be 0 or 1; download_tensor decodes them",
         }))
     } else {
         tensor.check_engine(engine).err()
@@ -1072,7 +1071,7 @@ mod tests {
 #[cfg(all(test, cuferry_loom))]
 mod loom_models {
     use super::*;
-    use crate::sync::{thread, Arc};
+    use crate::sync::{Arc, thread};
     use loom::cell::UnsafeCell;
 
     /// Runs `f` under loom, with at most `preemptions` preemptions in a schedule.

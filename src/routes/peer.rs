@@ -31,7 +31,7 @@ use std::sync::Mutex;
 
 mod pending;
 
-pub use pending::{copy_pending, PeerCopy};
+pub use pending::{PeerCopy, copy_pending};
 
 /// The ordered pairs of devices (reaching, reached) whose peer access this process has enabled.
 static ENABLED: Mutex<Vec<(DeviceId, DeviceId)>> = Mutex::new(Vec::new());

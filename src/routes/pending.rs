@@ -43,7 +43,7 @@ mod future;
 mod transfer;
 
 pub use future::PendingFuture;
-pub use transfer::{download_pending, upload_pending, Download, Upload};
+pub use transfer::{Download, Upload, download_pending, upload_pending};
 
 pub(crate) mod sealed {
     /// Only the crate's operations and states.

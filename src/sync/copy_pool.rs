@@ -53,10 +53,10 @@
 
 use crate::error::{Error, Result, UsageError};
 use crate::sync::thread::{self, Thread};
-use crate::sync::{arc_slice, fence, Arc, AtomicBool, AtomicU8, AtomicUsize, Ordering};
+use crate::sync::{Arc, AtomicBool, AtomicU8, AtomicUsize, Ordering, arc_slice, fence};
 use crate::sync::{SpinWait, UnsafeCell};
 use crossbeam_utils::CachePadded;
-use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -401,10 +401,10 @@ impl CopyPool {
         // the worker's fence comes first, and this sees it parked (and unparks it), or this one
         // does, and the worker sees READY before parking.
         fence(Ordering::SeqCst);
-        if worker.parked.load(Ordering::Relaxed) {
-            if let Some(thread) = worker.thread.get() {
-                thread.unpark();
-            }
+        if worker.parked.load(Ordering::Relaxed)
+            && let Some(thread) = worker.thread.get()
+        {
+            thread.unpark();
         }
     }
 
@@ -587,9 +587,11 @@ mod tests {
             // Every helper finished before `join` returned.
             assert_eq!(done.load(Ordering::Relaxed), 3);
             let names = names.into_inner().unwrap();
-            assert!(names
-                .iter()
-                .all(|n| n.as_deref().is_some_and(|n| n.starts_with("cuferry-copy-"))));
+            assert!(
+                names
+                    .iter()
+                    .all(|n| n.as_deref().is_some_and(|n| n.starts_with("cuferry-copy-")))
+            );
             // Rounds far apart find the threads parked, and still wake them.
             if round % 10 == 9 {
                 std::thread::sleep(HOT * 3);

@@ -28,13 +28,13 @@
 pub(crate) mod copy_pool;
 
 #[cfg(not(cuferry_loom))]
-pub(crate) use std::sync::atomic::{fence, AtomicBool, AtomicU8, AtomicUsize, Ordering};
+pub(crate) use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering, fence};
 #[cfg(not(cuferry_loom))]
 #[allow(unused_imports)] // `Arc` is for the models; a protocol's lock must come from here.
 pub(crate) use std::sync::{Arc, Mutex, MutexGuard};
 
 #[cfg(cuferry_loom)]
-pub(crate) use loom::sync::atomic::{fence, AtomicBool, AtomicU8, AtomicUsize, Ordering};
+pub(crate) use loom::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering, fence};
 #[cfg(cuferry_loom)]
 #[allow(unused_imports)]
 pub(crate) use loom::sync::{Arc, Mutex, MutexGuard};
@@ -43,11 +43,11 @@ pub(crate) use loom::sync::{Arc, Mutex, MutexGuard};
 pub(crate) mod thread {
     #[cfg(not(cuferry_loom))]
     #[allow(unused_imports)] // `JoinHandle` is kept only by a loom build's pool.
-    pub(crate) use std::thread::{park, yield_now, Builder, JoinHandle, Thread};
+    pub(crate) use std::thread::{Builder, JoinHandle, Thread, park, yield_now};
 
     #[cfg(cuferry_loom)]
     #[allow(unused_imports)]
-    pub(crate) use loom::thread::{park, yield_now, Builder, JoinHandle, Thread};
+    pub(crate) use loom::thread::{Builder, JoinHandle, Thread, park, yield_now};
 }
 
 /// Hints to the processor (under loom, to the model's scheduler).

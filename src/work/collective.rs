@@ -31,11 +31,11 @@ mod ranks;
 
 use crate::core::engine::CudaEngine;
 use crate::core::order::Use;
-use crate::driver::collective::{self as seam, CollectiveKind, Communicators, Reduction};
 use crate::driver::Lane;
+use crate::driver::collective::{self as seam, CollectiveKind, Communicators, Reduction};
 use crate::error::SubmitError;
 use crate::error::{DeviceId, Error, Result, SetupError, UsageError};
-use crate::lifecycle::fence::{fence, Fencing, IdleEvent};
+use crate::lifecycle::fence::{Fencing, IdleEvent, fence};
 use crate::memory::element::Element;
 use crate::memory::tensor::DeviceTensor;
 use crate::routes::pending::{self, InFlight, Operation, Pending, Returned};
@@ -341,10 +341,10 @@ fn refusal<T: Element>(
             tensors: tensors.len(),
         }));
     }
-    if let Kind::Broadcast(root) = kind {
-        if root >= ranks {
-            return Some(Error::Usage(UsageError::RootOutOfRange { root, ranks }));
-        }
+    if let Kind::Broadcast(root) = kind
+        && root >= ranks
+    {
+        return Some(Error::Usage(UsageError::RootOutOfRange { root, ranks }));
     }
     for ((engine, tensor), &(device, id)) in engines.iter().zip(tensors).zip(&comms.members) {
         if let Err(error) = engine
@@ -440,7 +440,7 @@ fn submit<T: CollectiveElement>(
                 return Err(SubmitError::Failed {
                     input: tensors,
                     error,
-                })
+                });
             }
         }
     }

@@ -3,7 +3,7 @@
 
 use crate::common::{distinct_f32, open};
 use cuferry::{
-    download_pending, download_tensor, upload_pending, upload_tensor, CudaEngine, PinnedHostBuffer,
+    CudaEngine, PinnedHostBuffer, download_pending, download_tensor, upload_pending, upload_tensor,
 };
 use tokio::runtime::{Builder, Runtime};
 

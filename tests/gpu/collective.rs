@@ -3,11 +3,12 @@
 //! engines' next work in flight, detached on drop, and the refusals. Needs two GPUs and NCCL;
 //! with fewer GPUs or without NCCL it says so and checks the refusal.
 
-use crate::reference::{assert_same, reduce_pair, small_values, Reference, Rng};
+use crate::reference::{Reference, Rng, assert_same, reduce_pair, small_values};
 use cuferry::error::{SetupError, UsageError};
 use cuferry::{
-    collective::{all_reduce, broadcast, CollectiveElement, Communicator, ReduceOp},
-    download_tensor, upload_tensor, CudaEngine, Error, SubmitError,
+    CudaEngine, Error, SubmitError,
+    collective::{CollectiveElement, Communicator, ReduceOp, all_reduce, broadcast},
+    download_tensor, upload_tensor,
 };
 
 /// Two engines on GPU 0 and 1, and their communicator; `None` (after saying why) without a

@@ -4,7 +4,7 @@
 //! the copy engines and the SMs really run at once, read back against the program-order
 //! reference. Fewer cases than on the simulated device; 4 MiB slots, so copies overlap kernels.
 
-use crate::reference::duplex::{op, Run};
+use crate::reference::duplex::{Run, op};
 use proptest::prelude::*;
 
 proptest! {

@@ -1,8 +1,8 @@
 //! The engine's rules on a real device.
 
-use crate::common::{current_context, distinct_f32, open, ForeignContext};
+use crate::common::{ForeignContext, current_context, distinct_f32, open};
 use cuferry::error::{SetupError, UsageError};
-use cuferry::{download_tensor, upload_tensor, CudaEngine, Error};
+use cuferry::{CudaEngine, Error, download_tensor, upload_tensor};
 
 #[test]
 #[ignore = "needs a CUDA device"]

@@ -2,9 +2,9 @@
 //! transfer still in flight, with no host wait, and sees the data the copy lands.
 
 use crate::engine;
-use crate::reference::{assert_same, random_vec, Reference, Rng};
+use crate::reference::{Reference, Rng, assert_same, random_vec};
 use cuferry::{
-    download_pending, download_tensor, upload_pending, CudaEngine, DType, Element, PinnedHostBuffer,
+    CudaEngine, DType, Element, PinnedHostBuffer, download_pending, download_tensor, upload_pending,
 };
 
 /// Upload, device copy of the in-flight destination, pending download of the copy: the host

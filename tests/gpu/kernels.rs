@@ -2,7 +2,7 @@
 //! operation serves, and every cast.
 
 use crate::engine;
-use crate::reference::{check_casts_from, check_ops, Reference, Rng};
+use crate::reference::{Reference, Rng, check_casts_from, check_ops};
 use cuferry::{download_tensor, upload_tensor};
 
 fn ops_for<T: Reference>(seed: u64) {

@@ -2,8 +2,8 @@
 //! has a second GPU.
 
 use crate::common::open;
-use crate::reference::{assert_same, random_vec, Reference, Rng};
-use cuferry::{download_tensor, peer, upload_tensor, CudaEngine};
+use crate::reference::{Reference, Rng, assert_same, random_vec};
+use cuferry::{CudaEngine, download_tensor, peer, upload_tensor};
 
 fn round_trip<T: Reference>(a: &mut CudaEngine, b: &mut CudaEngine, rng: &mut Rng) {
     let size = std::mem::size_of::<T>();

@@ -3,8 +3,8 @@
 use crate::common::{distinct_f32, open};
 use cuferry::error::UsageError;
 use cuferry::{
-    bf16, download_pending, download_tensor, download_tensor_into, f16, upload_pending,
-    upload_tensor, CudaEngine, Element, Error, PinnedHostBuffer, SubmitError,
+    CudaEngine, Element, Error, PinnedHostBuffer, SubmitError, bf16, download_pending,
+    download_tensor, download_tensor_into, f16, upload_pending, upload_tensor,
 };
 
 const BIG: usize = 64 << 20; // bytes

@@ -7,8 +7,8 @@ use crate::engine;
 use crate::reference::Rng;
 use cudarc::driver::{result, sys};
 use cuferry::error::UsageError;
-use cuferry::{download_tensor, upload_tensor, CudaEngine, Error};
-use std::ffi::{c_void, CString};
+use cuferry::{CudaEngine, Error, download_tensor, upload_tensor};
+use std::ffi::{CString, c_void};
 
 type TestError = Box<dyn std::error::Error + Send + Sync>;
 

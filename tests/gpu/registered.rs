@@ -3,8 +3,8 @@
 
 use crate::common::open;
 use cuferry::{
-    download_pending, download_tensor, error::DriverError, upload_pending, CudaEngine, Element,
-    Error, RegisteredBuffer,
+    CudaEngine, Element, Error, RegisteredBuffer, download_pending, download_tensor,
+    error::DriverError, upload_pending,
 };
 
 /// Registers `data`, uploads it with a pending upload, overwrites the buffer, downloads the

@@ -1,7 +1,7 @@
 //! Signals between two engines on one GPU: the waiting engine's streams wait on the device.
 
 use crate::common::open;
-use cuferry::{download_tensor, upload_pending, upload_tensor, PinnedHostBuffer};
+use cuferry::{PinnedHostBuffer, download_tensor, upload_pending, upload_tensor};
 
 #[test]
 #[ignore = "needs a CUDA device"]

@@ -1,10 +1,10 @@
 //! The blocking routes' staging pipeline on a real device.
 
 use crate::common::open;
-use crate::reference::{assert_same, random_vec, Reference, Rng};
+use crate::reference::{Reference, Rng, assert_same, random_vec};
 use cuferry::{
-    bf16, download_tensor, download_tensor_into, f16, upload_tensor, upload_tensor_into,
-    CudaEngine, Element,
+    CudaEngine, Element, bf16, download_tensor, download_tensor_into, f16, upload_tensor,
+    upload_tensor_into,
 };
 
 fn sizes(engine: &CudaEngine, size: usize) -> Vec<usize> {

@@ -5,9 +5,9 @@ use crate::engine;
 use crate::reference::Rng;
 use cuferry::error::{LibraryError, SetupError, UsageError};
 use cuferry::{
-    download_tensor,
+    CudaEngine, Error, download_tensor,
     libs::{BlasElement, GemmConfig, Transpose},
-    upload_tensor, CudaEngine, Error,
+    upload_tensor,
 };
 
 /// Column-major host gemm, accumulated in f64.

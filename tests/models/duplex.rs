@@ -12,7 +12,7 @@
 //! property injects faults into the cross-stream waits and the ordering events' records: every
 //! failure is a typed error, nothing runs out of order, nothing leaks.
 
-use crate::support::duplex::{op, Run};
+use crate::support::duplex::{Run, op};
 use cuferry::error::DriverError;
 use cuferry::sim::SimOp;
 use proptest::prelude::*;

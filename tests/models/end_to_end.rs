@@ -15,15 +15,15 @@
 
 use cuferry::sim::{SimDevice, Violation};
 use cuferry::{
-    download_pending, download_tensor,
+    CudaEngine, DeviceTensor, Pending, PinnedHostBuffer, RegisteredBuffer, download_pending,
+    download_tensor,
     pending::{Download, HostBuffer, InFlight, Operation, Returned, TryWait, Upload},
-    upload_pending, upload_tensor, CudaEngine, DeviceTensor, Pending, PinnedHostBuffer,
-    RegisteredBuffer,
+    upload_pending, upload_tensor,
 };
 use proptest::prelude::*;
 use proptest::sample::select;
 use proptest::test_runner::Config;
-use proptest_state_machine::{prop_state_machine, ReferenceStateMachine, StateMachineTest};
+use proptest_state_machine::{ReferenceStateMachine, StateMachineTest, prop_state_machine};
 use std::collections::VecDeque;
 
 // ---------------------------------------------------------------------------------------------
@@ -718,7 +718,7 @@ enum Handle {
 
 /// Runs `$body` with `$x` bound to the transfer of a live handle, whatever its buffer kind.
 macro_rules! each {
-    ($handle:expr, $x:ident => $body:expr) => {
+    ($handle:expr_2021, $x:ident => $body:expr_2021) => {
         match $handle {
             Handle::Pinned($x) => $body,
             Handle::Registered($x) => $body,

@@ -100,13 +100,13 @@
 use cuferry::error::{StagingError, UsageError};
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{
-    download_pending, download_tensor, download_tensor_into,
+    CudaEngine, DeviceTensor, Error, Pending, PinnedHostBuffer, SubmitError, download_pending,
+    download_tensor, download_tensor_into,
     engine::PinnedPoolStats,
     error::DriverError,
     pending::{Download, Returned, TryWait, Upload},
     staging::{Proven, StagingConfig, StagingLease, Unproven},
-    upload_pending, upload_tensor, CudaEngine, DeviceTensor, Error, Pending, PinnedHostBuffer,
-    SubmitError,
+    upload_pending, upload_tensor,
 };
 /// What a refused or failed host submission hands back.
 type TransferRefused = SubmitError<(PinnedHostBuffer<u32>, DeviceTensor<u32>)>;
@@ -549,7 +549,7 @@ fn explains(causes: &[Cause], error: &Error) -> bool {
 }
 
 macro_rules! ensure {
-    ($cond:expr, $($msg:tt)+) => {
+    ($cond:expr_2021, $($msg:tt)+) => {
         if !$cond {
             return Err(TestCaseError::fail(format!($($msg)+)));
         }
@@ -1112,7 +1112,7 @@ impl Model {
                 _ => {
                     return Err(TestCaseError::fail(format!(
                         "a fault landed in a call this operation has no business making: {f:?}"
-                    )))
+                    )));
                 }
             }
         }
@@ -1280,7 +1280,7 @@ impl Model {
                 (query, result) => {
                     return Err(TestCaseError::fail(format!(
                         "flush owed nothing (stream query fault: {query:?}), but gave {result:?}"
-                    )))
+                    )));
                 }
             }
         } else {
@@ -1774,12 +1774,10 @@ impl Sut {
             m.transfers[x].tensor,
             m.transfers[x].upload,
         );
-        if refill {
-            if let Xfer::UpBack(r) = &mut handle {
-                let words = pattern(m.salt(), r.buffer().len());
-                r.buffer_mut().as_mut_slice().copy_from_slice(&words);
-                m.hosts[host].set(to_bytes(&words));
-            }
+        if refill && let Xfer::UpBack(r) = &mut handle {
+            let words = pattern(m.salt(), r.buffer().len());
+            r.buffer_mut().as_mut_slice().copy_from_slice(&words);
+            m.hosts[host].set(to_bytes(&words));
         }
         let (result, obs) = self.run(m, |s| {
             let engine = s.engine();
@@ -1843,7 +1841,13 @@ impl Sut {
                 });
                 self.transfers.push((m.transfers.len() - 1, handle));
             }
-            (Expect::Refused, Err(SubmitError::Rejected { input: package, error })) => {
+            (
+                Expect::Refused,
+                Err(SubmitError::Rejected {
+                    input: package,
+                    error,
+                }),
+            ) => {
                 seen(Seen::SubmitRejected);
                 ensure!(
                     matches!(error, Error::Usage(UsageError::LengthMismatch { .. })),
@@ -1852,7 +1856,13 @@ impl Sut {
                 ensure!(obs.queued_nothing(), "a rejected submission queued work");
                 self.take_back(m, sub, package.0, package.1)?;
             }
-            (Expect::NotQueued(cause), Err(SubmitError::Failed { input: package, error })) => {
+            (
+                Expect::NotQueued(cause),
+                Err(SubmitError::Failed {
+                    input: package,
+                    error,
+                }),
+            ) => {
                 seen(Seen::SubmitNotQueued);
                 ensure!(
                     explains(&[cause], &error),
@@ -1861,7 +1871,13 @@ impl Sut {
                 ensure!(obs.queued_nothing(), "a refused copy left work queued");
                 self.take_back(m, sub, package.0, package.1)?;
             }
-            (Expect::Proven(cause), Err(SubmitError::Failed { input: package, error })) => {
+            (
+                Expect::Proven(cause),
+                Err(SubmitError::Failed {
+                    input: package,
+                    error,
+                }),
+            ) => {
                 seen(Seen::SubmitProvenByStreamWait);
                 ensure!(
                     explains(&[cause], &error),
@@ -1891,7 +1907,7 @@ impl Sut {
                 return Err(TestCaseError::fail(format!(
                     "submission {sub:?}: the rules expect {expect:?} (faults {:?}), the engine gave {result:?}",
                     obs.fired
-                )))
+                )));
             }
         }
         let mut handled = vec![
@@ -1974,7 +1990,7 @@ impl Sut {
             (Some(f), Ok(r)) => {
                 return Err(TestCaseError::fail(format!(
                     "is_ready answered {r} although its query failed ({f:?})"
-                )))
+                )));
             }
             (None, result) => {
                 let verdict = match &result {
@@ -1988,7 +2004,7 @@ impl Sut {
                     Err(e) => {
                         return Err(TestCaseError::fail(format!(
                             "is_ready failed untyped: {e:?}"
-                        )))
+                        )));
                     }
                 };
                 ensure!(
@@ -2024,7 +2040,7 @@ impl Sut {
             (Some(f), Ok(h)) => {
                 return Err(TestCaseError::fail(format!(
                     "try_wait answered {h:?} although its query failed ({f:?})"
-                )))
+                )));
             }
             (None, Err(e)) => {
                 ensure!(
@@ -2284,11 +2300,11 @@ impl Sut {
             }
             (expect, result) => {
                 return Err(TestCaseError::fail(format!(
-                "chunk ({}, {offset}+{len} of {tlen}): the rules expect {expect:?} (faults {:?}), \
+                    "chunk ({}, {offset}+{len} of {tlen}): the rules expect {expect:?} (faults {:?}), \
                      the engine gave {result:?}",
-                if upload { "upload" } else { "download" },
-                obs.fired
-            )))
+                    if upload { "upload" } else { "download" },
+                    obs.fired
+                )));
             }
         }
         m.absorb(
@@ -2604,16 +2620,30 @@ impl Sut {
             bit += 1;
             if later {
                 // Move the next value (in drop order) to the after-teardown set.
-                if let Some(v) = self.buffers.pop() {
-                    kept.buffers.push(v);
-                } else if let Some(v) = self.tensors.pop() {
-                    kept.tensors.push(v);
-                } else if let Some(v) = self.proven.pop() {
-                    kept.proven.push(v);
-                } else if let Some(v) = self.transfers.pop() {
-                    kept.transfers.push(v);
-                } else if let Some(v) = self.unproven.pop() {
-                    kept.unproven.push(v);
+                match self.buffers.pop() {
+                    Some(v) => {
+                        kept.buffers.push(v);
+                    }
+                    _ => match self.tensors.pop() {
+                        Some(v) => {
+                            kept.tensors.push(v);
+                        }
+                        _ => match self.proven.pop() {
+                            Some(v) => {
+                                kept.proven.push(v);
+                            }
+                            _ => match self.transfers.pop() {
+                                Some(v) => {
+                                    kept.transfers.push(v);
+                                }
+                                _ => {
+                                    if let Some(v) = self.unproven.pop() {
+                                        kept.unproven.push(v);
+                                    }
+                                }
+                            },
+                        },
+                    },
                 }
             } else {
                 self.drop_one(m, false)?;

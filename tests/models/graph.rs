@@ -8,18 +8,18 @@
 //! step of `prepare` and `run` must surface as errors, leave the program usable or cleanly
 //! dropped, and leak nothing: no device memory, no graph, no violation on the device.
 
-use crate::support::{random_vec, Reference, Rng};
+use crate::support::{Reference, Rng, random_vec};
 use cuferry::graph::{GraphCompiler, Input, Output, Prepared, TracedTensor};
 use cuferry::sim::{SimConfig, SimOp};
 use cuferry::{
-    bf16, download_tensor, error::DriverError, f16, upload_tensor, CudaEngine, DType, DeviceTensor,
+    CudaEngine, DType, DeviceTensor, bf16, download_tensor, error::DriverError, f16, upload_tensor,
 };
 use proptest::prelude::*;
 use std::any::Any;
 
 /// Runs `$body` with `$t` bound to the Rust type of a `DType`.
 macro_rules! typed {
-    ($d:expr, $t:ident => $body:expr) => {
+    ($d:expr_2021, $t:ident => $body:expr_2021) => {
         match $d {
             DType::F32 => {
                 type $t = f32;
@@ -600,7 +600,7 @@ fn fused_matches_eager(engine: &mut CudaEngine) {
 }
 
 macro_rules! cuferry_tests_each {
-    ($t:ident => $body:expr) => {
+    ($t:ident => $body:expr_2021) => {
         for d in DType::ALL {
             typed!(d, $t => $body);
         }

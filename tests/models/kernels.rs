@@ -5,7 +5,7 @@
 //! show as a simulator violation or a wrong value.
 
 use cuferry::sim::SimConfig;
-use cuferry::{download_tensor, upload_tensor, CudaEngine, DeviceTensor};
+use cuferry::{CudaEngine, DeviceTensor, download_tensor, upload_tensor};
 use proptest::prelude::*;
 
 #[derive(Clone, Debug)]

@@ -14,8 +14,8 @@
 use cuferry::error::SetupError;
 use cuferry::sim::{Schedule, SimConfig, SimDevice, SimOp};
 use cuferry::{
-    download_tensor, engine::Signal, error::DriverError, peer, peer::PeerCopy, upload_tensor,
-    CudaEngine, DeviceTensor, Error, Pending, SubmitError,
+    CudaEngine, DeviceTensor, Error, Pending, SubmitError, download_tensor, engine::Signal,
+    error::DriverError, peer, peer::PeerCopy, upload_tensor,
 };
 use proptest::prelude::*;
 
@@ -322,14 +322,17 @@ impl Model {
                             error => self.failed("pending peer copy", error),
                         }
                         let retained = matches!(refused, SubmitError::Retained { .. });
-                        if let Some(package) = refused.into_input() {
-                            // Handed back untouched: the source as it was, the destination's
-                            // contents unspecified only if the copy may have run.
-                            self.slots[from][slot] = Some(package.0);
-                            self.reference[from][slot] = values;
-                            self.slots[to][into] = Some(package.1);
-                        } else {
-                            assert!(retained);
+                        match refused.into_input() {
+                            Some(package) => {
+                                // Handed back untouched: the source as it was, the destination's
+                                // contents unspecified only if the copy may have run.
+                                self.slots[from][slot] = Some(package.0);
+                                self.reference[from][slot] = values;
+                                self.slots[to][into] = Some(package.1);
+                            }
+                            _ => {
+                                assert!(retained);
+                            }
                         }
                     }
                 }

@@ -25,15 +25,15 @@
 use cuferry::error::UsageError;
 use cuferry::sim::{SimConfig, SimDevice, SimOp, Violation};
 use cuferry::{
-    download_pending,
+    CudaEngine, DeviceTensor, Error, Pending, PinnedHostBuffer, SubmitError, download_pending,
     error::DriverError,
     pending::{InFlight, Operation, Returned, TryWait},
-    upload_pending, CudaEngine, DeviceTensor, Error, Pending, PinnedHostBuffer, SubmitError,
+    upload_pending,
 };
 use proptest::prelude::*;
 use proptest::sample::select;
 use proptest::test_runner::Config;
-use proptest_state_machine::{prop_state_machine, ReferenceStateMachine, StateMachineTest};
+use proptest_state_machine::{ReferenceStateMachine, StateMachineTest, prop_state_machine};
 use std::collections::VecDeque;
 
 // ---------------------------------------------------------------------------------------------

@@ -5,7 +5,7 @@
 
 use cuferry::sim::{SimConfig, SimOp};
 use cuferry::{
-    download_tensor, error::DriverError, staging::StagingConfig, upload_tensor, CudaEngine, Error,
+    CudaEngine, Error, download_tensor, error::DriverError, staging::StagingConfig, upload_tensor,
 };
 use proptest::prelude::*;
 

@@ -1,14 +1,14 @@
 //! `.await` on pending transfers, on the simulated device: woken by the device's clock, on any
 //! executor, cancel-safe, and with every failure typed and nothing freed early.
 
-use crate::support::distinct_salted as distinct;
 use crate::support::Fault;
+use crate::support::distinct_salted as distinct;
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{
-    download_pending,
+    CudaEngine, Error, Pending, PinnedHostBuffer, download_pending,
     error::DriverError,
     pending::{PendingFuture, Upload},
-    upload_pending, upload_tensor, CudaEngine, Error, Pending, PinnedHostBuffer,
+    upload_pending, upload_tensor,
 };
 use std::future::{Future, IntoFuture};
 use std::pin::Pin;

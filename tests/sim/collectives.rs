@@ -4,14 +4,15 @@
 //! refusals, which hand the tensors back; detach on drop into each engine's queue; a failed wait
 //! that retains; and a fault at every driver call of the route.
 
-use crate::support::{assert_same, reduce_pair, small_values, Reference, Rng};
+use crate::support::{Reference, Rng, assert_same, reduce_pair, small_values};
 use cuferry::error::{LibraryError, SetupError, UsageError};
 use cuferry::sim::{Schedule, SimConfig, SimDevice, SimOp};
 use cuferry::{
-    collective::{all_reduce, broadcast, CollectiveElement, Communicator, ReduceOp},
+    CudaEngine, DeviceTensor, Error, SubmitError,
+    collective::{CollectiveElement, Communicator, ReduceOp, all_reduce, broadcast},
     download_tensor,
     error::DriverError,
-    upload_tensor, upload_tensor_into, CudaEngine, DeviceTensor, Error, SubmitError,
+    upload_tensor, upload_tensor_into,
 };
 
 fn machine(devices: usize, seed: u64) -> (SimDevice, Vec<CudaEngine>) {
@@ -682,9 +683,11 @@ fn an_awaited_collective_dropped_before_it_resolves_detaches_into_each_engine() 
     let summed = all_reduce(&comm, &mut all(&mut engines), tensors, ReduceOp::Max).unwrap();
     let mut future = summed.into_future();
     let waker = Waker::from(Arc::new(Wakes::default()));
-    assert!(std::pin::Pin::new(&mut future)
-        .poll(&mut Context::from_waker(&waker))
-        .is_pending());
+    assert!(
+        std::pin::Pin::new(&mut future)
+            .poll(&mut Context::from_waker(&waker))
+            .is_pending()
+    );
     drop(future);
     for engine in &mut engines {
         assert_eq!(engine.retirement_stats().pending, 1);

@@ -2,10 +2,10 @@
 
 use crate::support::{distinct_f32 as distinct, sim_engine as engine};
 use cuferry::error::{SetupError, UsageError};
-use cuferry::sim::{set_thread_context, thread_context, SimDevice, SimOp};
+use cuferry::sim::{SimDevice, SimOp, set_thread_context, thread_context};
 use cuferry::{
-    download_tensor, download_tensor_into, error::DriverError, upload_tensor, CudaEngine, DType,
-    Error,
+    CudaEngine, DType, Error, download_tensor, download_tensor_into, error::DriverError,
+    upload_tensor,
 };
 
 #[test]

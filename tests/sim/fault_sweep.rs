@@ -8,8 +8,8 @@
 use crate::support::distinct_salted as distinct;
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{
-    download_pending, download_tensor, download_tensor_into, error::DriverError,
-    staging::StagingConfig, upload_pending, upload_tensor, CudaEngine, Error, PinnedHostBuffer,
+    CudaEngine, Error, PinnedHostBuffer, download_pending, download_tensor, download_tensor_into,
+    error::DriverError, staging::StagingConfig, upload_pending, upload_tensor,
 };
 
 /// Every operation the workload reaches, with the failure a real driver could report for it.

@@ -4,7 +4,7 @@
 use cuferry::error::{ProgramError, UsageError};
 use cuferry::graph::{GraphCompiler, Input, OutputKind, Program, TracedTensor};
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
-use cuferry::{download_tensor, upload_tensor, CudaEngine, DType, Error};
+use cuferry::{CudaEngine, DType, Error, download_tensor, upload_tensor};
 
 static_assertions::assert_impl_all!(Program: Send, Sync, Clone);
 static_assertions::assert_impl_all!(TracedTensor: Send, Sync, Clone);
@@ -114,19 +114,21 @@ fn compilation_refuses_bad_specifications_and_shapes() {
     spec(c.compile_with_input_specs(&[&x], &[(&x, DType::F32, &[2, 2])]));
     spec(c.compile_with_input_specs(&[&x], &[(&x, DType::F32, &[4]), (&x, DType::F32, &[4])]));
     // Elementwise shapes differ.
-    assert!(spec(
-        c.compile_with_input_specs(&[&y], &[(&x, DType::F32, &[4]), (&z, DType::F32, &[5])])
-    )
-    .contains("differ"));
+    assert!(
+        spec(c.compile_with_input_specs(&[&y], &[(&x, DType::F32, &[4]), (&z, DType::F32, &[5])]))
+            .contains("differ")
+    );
     // Inner dimensions of a product, element count of a reshape.
     let a = TracedTensor::input_symbolic_shape(DType::F64, 2);
     let b = TracedTensor::input_symbolic_shape(DType::F64, 2);
     let p = a.matmul(&b).unwrap();
-    assert!(spec(c.compile_with_input_specs(
-        &[&p],
-        &[(&a, DType::F64, &[2, 3]), (&b, DType::F64, &[4, 2])]
-    ))
-    .contains("inner dimensions"));
+    assert!(
+        spec(c.compile_with_input_specs(
+            &[&p],
+            &[(&a, DType::F64, &[2, 3]), (&b, DType::F64, &[4, 2])]
+        ))
+        .contains("inner dimensions")
+    );
     let r = x.reshape(&[3]);
     assert!(spec(c.compile_with_input_specs(&[&r], &[(&x, DType::F32, &[4])])).contains("reshape"));
     // A product with an empty inner dimension is zeros, computed by a fused kernel.

@@ -5,13 +5,13 @@
 //! its queue: with the clock held, queued work runs only when a test advances it.
 
 use crate::support::sim_engine as engine;
-use crate::support::{random_vec, Reference, Rng};
+use crate::support::{Reference, Rng, random_vec};
 use cuferry::error::UsageError;
 use cuferry::graph::{GraphCompiler, Input, TracedTensor};
 use cuferry::sim::{SimDevice, SimOp};
 use cuferry::{
-    download_pending, download_tensor, error::DriverError, upload_pending, upload_tensor, DType,
-    Element, Error, PinnedHostBuffer, SubmitError,
+    DType, Element, Error, PinnedHostBuffer, SubmitError, download_pending, download_tensor,
+    error::DriverError, upload_pending, upload_tensor,
 };
 
 /// Host waits the device has seen so far.

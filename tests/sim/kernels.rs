@@ -2,11 +2,11 @@
 //! element type, typed refusals, the per-engine kernel cache, and stream ordering (a queued
 //! kernel has written nothing until the device clock reaches it, and a chain waits for nothing).
 
-use crate::support::{check_casts_from, check_ops, Reference, Rng};
+use crate::support::{Reference, Rng, check_casts_from, check_ops};
 use cuferry::error::UsageError;
 use cuferry::sim::{SimConfig, SimOp};
 use cuferry::{
-    download_tensor, error::DriverError, upload_tensor, CudaEngine, DeviceTensor, Element, Error,
+    CudaEngine, DeviceTensor, Element, Error, download_tensor, error::DriverError, upload_tensor,
 };
 
 fn engine() -> CudaEngine {

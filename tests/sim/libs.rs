@@ -8,7 +8,7 @@ use crate::support::{gemm_configs, gemm_operands};
 use cuferry::error::{DriverError, LibraryError, UsageError};
 use cuferry::libs::{GemmConfig, Transpose};
 use cuferry::sim::{Schedule, SimConfig, SimDevice, SimOp};
-use cuferry::{download_tensor, upload_tensor, CudaEngine, DeviceTensor, Error};
+use cuferry::{CudaEngine, DeviceTensor, Error, download_tensor, upload_tensor};
 
 /// Every operation the stream has been given so far, run or not.
 fn enqueued(sim: &SimDevice) -> u64 {

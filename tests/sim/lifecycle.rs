@@ -5,11 +5,11 @@ use crate::support::{distinct_u32 as distinct, sim_engine as engine};
 use cuferry::error::{StagingError, UsageError};
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{
-    download_pending, download_tensor, download_tensor_into, error::DriverError, libs::GemmConfig,
-    staging::StagingConfig, upload_pending, upload_tensor, CudaEngine, Error, PinnedHostBuffer,
-    SubmitError,
+    CudaEngine, Error, PinnedHostBuffer, SubmitError, download_pending, download_tensor,
+    download_tensor_into, error::DriverError, libs::GemmConfig, staging::StagingConfig,
+    upload_pending, upload_tensor,
 };
-use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::mpsc;
 use std::time::Duration;
 

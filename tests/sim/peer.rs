@@ -4,13 +4,13 @@
 //! route reported, with nothing freed under the copy and nothing leaked.
 
 use crate::support::{
-    assert_same, engines_on as engines, random_vec, sim_machine as machine, Reference, Rng,
+    Reference, Rng, assert_same, engines_on as engines, random_vec, sim_machine as machine,
 };
 use cuferry::error::{SetupError, UsageError};
 use cuferry::sim::{Schedule, SimConfig, SimDevice, SimOp};
 use cuferry::{
-    download_tensor, error::DriverError, peer, upload_pending, upload_tensor, CudaEngine, Error,
-    PinnedHostBuffer,
+    CudaEngine, Error, PinnedHostBuffer, download_tensor, error::DriverError, peer, upload_pending,
+    upload_tensor,
 };
 
 fn round_trip<T: Reference>(a: &mut CudaEngine, b: &mut CudaEngine, rng: &mut Rng) {
@@ -194,10 +194,12 @@ fn the_copy_keeps_the_order_of_both_engines_under_every_interleaving() {
             expected,
             "seed {seed}"
         );
-        assert!(download_tensor(&mut a, &y)
-            .unwrap()
-            .iter()
-            .all(|&v| v == -1.0));
+        assert!(
+            download_tensor(&mut a, &y)
+                .unwrap()
+                .iter()
+                .all(|&v| v == -1.0)
+        );
         // A source still being uploaded on the other stream: the copy waits for it.
         let buffer = PinnedHostBuffer::from_slice(&mut a, &data).unwrap();
         let fresh = a.alloc_tensor::<f32>(&[4096]).unwrap();

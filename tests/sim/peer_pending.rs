@@ -5,13 +5,13 @@
 //! resubmission, `.await`, and a fault at every driver call of the route.
 
 use crate::support::{
-    assert_same, engines_on as engines, random_vec, sim_machine as machine, Reference, Rng,
+    Reference, Rng, assert_same, engines_on as engines, random_vec, sim_machine as machine,
 };
 use cuferry::error::{SetupError, UsageError};
 use cuferry::sim::{Schedule, SimDevice, SimOp};
 use cuferry::{
-    download_tensor, error::DriverError, peer, pending::TryWait, upload_pending, upload_tensor,
-    CudaEngine, DeviceTensor, Error, PinnedHostBuffer, SubmitError,
+    CudaEngine, DeviceTensor, Error, PinnedHostBuffer, SubmitError, download_tensor,
+    error::DriverError, peer, pending::TryWait, upload_pending, upload_tensor,
 };
 
 fn round_trip<T: Reference>(a: &mut CudaEngine, b: &mut CudaEngine, rng: &mut Rng) {

@@ -4,8 +4,8 @@ use crate::support::{distinct_u32 as distinct, sim_engine as engine};
 use cuferry::error::UsageError;
 use cuferry::sim::{SimConfig, SimOp};
 use cuferry::{
-    download_pending, download_tensor, download_tensor_into, error::DriverError, pending::TryWait,
-    upload_pending, upload_tensor, CudaEngine, Error, PinnedHostBuffer, SubmitError,
+    CudaEngine, Error, PinnedHostBuffer, SubmitError, download_pending, download_tensor,
+    download_tensor_into, error::DriverError, pending::TryWait, upload_pending, upload_tensor,
 };
 
 #[test]

@@ -2,8 +2,8 @@
 //! on unwind; entering a scope is not a host barrier; work queued around a scope keeps its order.
 
 use cuferry::error::UsageError;
-use cuferry::sim::{set_thread_context, thread_context, SimConfig, SimDevice, SimOp};
-use cuferry::{download_tensor, upload_tensor, CudaEngine, Error};
+use cuferry::sim::{SimConfig, SimDevice, SimOp, set_thread_context, thread_context};
+use cuferry::{CudaEngine, Error, download_tensor, upload_tensor};
 
 #[test]
 fn with_raw_restores_the_callers_context_on_return_err_and_unwind() {

@@ -3,13 +3,13 @@
 //! memory, detach-on-drop, `mem::forget`, and a fault at every driver call of the lifecycle.
 
 use crate::support::{
-    assert_same, distinct_u32 as distinct, random_vec, sim_engine, Fault, Reference, Rng,
+    Fault, Reference, Rng, assert_same, distinct_u32 as distinct, random_vec, sim_engine,
 };
 use cuferry::error::UsageError;
 use cuferry::sim::{SimConfig, SimOp};
 use cuferry::{
-    download_pending, download_tensor, error::DriverError, pending::TryWait, upload_pending,
-    upload_tensor, CudaEngine, Element, Error, RegisteredBuffer, SubmitError,
+    CudaEngine, Element, Error, RegisteredBuffer, SubmitError, download_pending, download_tensor,
+    error::DriverError, pending::TryWait, upload_pending, upload_tensor,
 };
 
 /// The device address of a tensor, for reading it with `SimDevice::peek`.
@@ -581,7 +581,7 @@ fn lifecycle(engine: &mut CudaEngine, value: cuferry::DeviceTensor<u32>) -> (End
     let buffer = match RegisteredBuffer::register(engine, distinct(64)) {
         Ok(buffer) => buffer,
         Err(SubmitError::Rejected { input, error } | SubmitError::Failed { input, error }) => {
-            return (End::Back(input), Some(error))
+            return (End::Back(input), Some(error));
         }
         Err(other) => panic!("a registration is never retained: {other}"),
     };

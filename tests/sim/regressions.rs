@@ -4,8 +4,8 @@ use crate::support::distinct_f32 as distinct;
 use cuferry::error::UsageError;
 use cuferry::sim::{SimConfig, SimOp};
 use cuferry::{
-    download_tensor, error::DriverError, staging::StagingConfig, upload_pending, upload_tensor,
-    CudaEngine, Error, PinnedHostBuffer, SubmitError,
+    CudaEngine, Error, PinnedHostBuffer, SubmitError, download_tensor, error::DriverError,
+    staging::StagingConfig, upload_pending, upload_tensor,
 };
 
 /// A returned transfer resubmitted on an engine of another device is refused; the transfer's
@@ -168,8 +168,8 @@ fn pinned_pressure_reuses_the_memory_of_completed_detached_transfers() {
 /// dropping the program must free that block even though no run was ever queued.
 #[test]
 fn a_run_refused_before_its_launch_frees_its_output_with_the_program() {
-    use cuferry::graph::{GraphCompiler, Input, TracedTensor};
     use cuferry::DType;
+    use cuferry::graph::{GraphCompiler, Input, TracedTensor};
     let sim = cuferry::sim::SimDevice::new(SimConfig::default());
     let mut engine = CudaEngine::simulated_on(&sim);
     let x = TracedTensor::input_symbolic_shape(DType::F32, 1);

@@ -14,13 +14,13 @@
 use cuferry::error::{LibraryError, ProgramError, SetupError, StagingError, UsageError};
 use cuferry::upload_tensor;
 use cuferry::{
+    CudaEngine, DeviceTensor, Error, Pending, PinnedHostBuffer, RegisteredBuffer, SubmitError,
     collective::Collective,
     error::DriverError,
     peer::PeerCopy,
     pending::{Download, InFlight, PendingFuture, Returned, Upload},
     raw::{RawContext, RawDevicePtr, RawScope, RawStream},
     staging::{Proven, StagingLease, Unproven},
-    CudaEngine, DeviceTensor, Error, Pending, PinnedHostBuffer, RegisteredBuffer, SubmitError,
 };
 use static_assertions::{assert_impl_all, assert_not_impl_any};
 

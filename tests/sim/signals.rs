@@ -6,8 +6,8 @@
 use cuferry::error::SetupError;
 use cuferry::sim::{Schedule, SimConfig, SimDevice, SimOp};
 use cuferry::{
-    engine::Signal, error::DriverError, pending::Upload, upload_pending, CudaEngine, Error,
-    Pending, PinnedHostBuffer,
+    CudaEngine, Error, Pending, PinnedHostBuffer, engine::Signal, error::DriverError,
+    pending::Upload, upload_pending,
 };
 
 fn data(n: usize, salt: f32) -> Vec<f32> {

@@ -4,8 +4,8 @@
 use cuferry::error::{StagingError, UsageError};
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{
-    bf16, download_tensor, download_tensor_into, error::DriverError, f16, staging::StagingConfig,
-    upload_tensor, CudaEngine, Element, Error,
+    CudaEngine, Element, Error, bf16, download_tensor, download_tensor_into, error::DriverError,
+    f16, staging::StagingConfig, upload_tensor,
 };
 
 const CHUNK: usize = 4096;

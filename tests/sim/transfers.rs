@@ -6,11 +6,11 @@
 //! The process's copy pool is set to four threads before anything uses it, so the parallel path
 //! runs whatever the machine's core count.
 
-use crate::support::{random_vec, Fault, Rng};
+use crate::support::{Fault, Rng, random_vec};
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{
-    download_tensor, download_tensor_into, error::DriverError, staging::StagingConfig,
-    upload_tensor, upload_tensor_into, CudaEngine, Error,
+    CudaEngine, Error, download_tensor, download_tensor_into, error::DriverError,
+    staging::StagingConfig, upload_tensor, upload_tensor_into,
 };
 
 const CHUNK: usize = 1 << 20;

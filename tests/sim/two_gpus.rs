@@ -6,8 +6,8 @@
 #[path = "../../examples/two_gpus.rs"]
 mod example;
 
-use cuferry::sim::{Schedule, SimConfig, SimDevice};
 use cuferry::CudaEngine;
+use cuferry::sim::{Schedule, SimConfig, SimDevice};
 
 #[test]
 fn the_pipeline_delivers_every_batch_with_one_host_wait() {

@@ -4,12 +4,12 @@
 //! call the route makes, after which nothing is freed early, nothing leaks and the same tensor
 //! takes a correct upload again.
 
-use crate::support::{assert_same, random_vec, Fault, Reference, Rng};
+use crate::support::{Fault, Reference, Rng, assert_same, random_vec};
 use cuferry::error::UsageError;
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{
-    download_tensor, error::DriverError, staging::StagingConfig, upload_tensor, upload_tensor_into,
-    CudaEngine, DeviceTensor, Element, Error,
+    CudaEngine, DeviceTensor, Element, Error, download_tensor, error::DriverError,
+    staging::StagingConfig, upload_tensor, upload_tensor_into,
 };
 
 const CHUNK: usize = 4096;

@@ -16,10 +16,10 @@
 use cuferry::graph::{GraphCompiler, Input, Prepared, TracedTensor};
 use cuferry::sim::{Schedule, SimConfig, SimDevice, Violation};
 use cuferry::{
-    download_pending, download_tensor,
+    CudaEngine, DType, DeviceTensor, Error, Pending, PinnedHostBuffer, download_pending,
+    download_tensor,
     pending::{Download, Upload},
-    upload_pending, upload_tensor_into, CudaEngine, DType, DeviceTensor, Error, Pending,
-    PinnedHostBuffer,
+    upload_pending, upload_tensor_into,
 };
 use proptest::prelude::*;
 

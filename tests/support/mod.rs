@@ -7,7 +7,7 @@
 pub(crate) mod duplex;
 
 use cuferry::error::UsageError;
-use cuferry::{bf16, f16, DType, Element};
+use cuferry::{DType, Element, bf16, f16};
 
 /// xorshift64*: small, seeded, deterministic.
 pub(crate) struct Rng(u64);
@@ -68,11 +68,7 @@ fn random_float(rng: &mut Rng) -> f64 {
         100.0
     };
     let v = rng.unit() * scale;
-    if v == 0.0 {
-        0.5
-    } else {
-        v
-    }
+    if v == 0.0 { 0.5 } else { v }
 }
 
 impl Reference for f32 {
@@ -200,11 +196,7 @@ macro_rules! int_reference {
                 } else {
                     ((raw >> 8) % 100) as $t
                 };
-                if v == 0 {
-                    7 as $t
-                } else {
-                    v
-                }
+                if v == 0 { 7 as $t } else { v }
             }
             fn add(self, rhs: Self) -> Self {
                 self.wrapping_add(rhs)
@@ -364,7 +356,7 @@ macro_rules! for_each_element {
     }};
 }
 
-use cuferry::{download_tensor, upload_tensor, CudaEngine, Error};
+use cuferry::{CudaEngine, Error, download_tensor, upload_tensor};
 
 fn expect_unsupported<R: std::fmt::Debug>(what: &str, result: Result<R, Error>) {
     match result {

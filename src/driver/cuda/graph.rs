@@ -5,8 +5,8 @@
 //! threads are never affected. Like every other call of this driver, these run with the driver's
 //! context current, which the code above the seam arranges.
 
-use super::launch::with_kernel_params;
 use super::CudaDriver;
+use super::launch::with_kernel_params;
 use crate::driver::graph::{GraphExecHandle, GraphHandle, GraphNodeHandle, Graphs};
 use crate::driver::launch::FunctionHandle;
 use crate::error::DriverError;
@@ -51,12 +51,12 @@ impl Graphs for CudaDriver {
             sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_INVALIDATED => {
                 return Err(DriverError::from_raw(
                     sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED,
-                ))
+                ));
             }
             sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE => {
                 return Err(DriverError::from_raw(
                     sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_UNMATCHED,
-                ))
+                ));
             }
         }
         // The last captured operation is the one node the stream's next work would depend on;

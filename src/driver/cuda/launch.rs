@@ -9,7 +9,7 @@ use crate::driver::launch::{FunctionHandle, Launch, ModuleHandle, ModuleSource};
 use crate::error::{DriverError, Error, LibraryError, SetupError};
 use cudarc::driver::sys;
 use cudarc::nvrtc::sys as nvrtc;
-use std::ffi::{c_char, c_int, c_void, CString};
+use std::ffi::{CString, c_char, c_int, c_void};
 use std::mem::MaybeUninit;
 use std::sync::OnceLock;
 
@@ -149,8 +149,10 @@ fn compile_ptx(source: &ModuleSource<'_>, arch: i32) -> Result<Vec<c_char>, Erro
     let program = Program(unsafe { raw.assume_init() });
 
     let options: Vec<CString> = if arch > 0 {
-        vec![CString::new(format!("--gpu-architecture=compute_{arch}"))
-            .map_err(|_| invalid("option"))?]
+        vec![
+            CString::new(format!("--gpu-architecture=compute_{arch}"))
+                .map_err(|_| invalid("option"))?,
+        ]
     } else {
         Vec::new()
     };

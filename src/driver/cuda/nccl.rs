@@ -12,7 +12,7 @@ use super::CudaDriver;
 use crate::driver::collective::{CollectiveKind, Collectives, Communicators, Part, Reduction};
 use crate::dtype::DType;
 use crate::error::{DeviceId, Error, LibraryError, Result, SetupError, UsageError};
-use std::ffi::{c_char, c_int, c_void, CStr};
+use std::ffi::{CStr, c_char, c_int, c_void};
 use std::sync::OnceLock;
 
 /// `ncclComm_t`: an opaque communicator.
@@ -251,7 +251,7 @@ fn data_type(dtype: DType) -> Result<c_int> {
                 operation: "collective",
                 dtype: other,
                 reason: "NCCL reduces and broadcasts 8-, 32- and 64-bit integers and floats",
-            }))
+            }));
         }
     })
 }

@@ -31,8 +31,8 @@ use crate::driver::{EventHandle, Wake};
 use crate::error::DriverError;
 use cudarc::driver::{result, sys};
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// At most this many side streams per driver.
 pub(super) const SIDE_STREAMS: usize = 8;

@@ -12,10 +12,10 @@
 //! record run on that stream reports the failure (`CUDA_ERROR_LAUNCH_FAILED`), as the kernels of
 //! an aborted communicator end with an error.
 
-use super::{driver_lane, DevicePtr, DriverError, Job, Running, SimDevice, SimDriver, SimOp};
+use super::{DevicePtr, DriverError, Job, Running, SimDevice, SimDriver, SimOp, driver_lane};
 use super::{State, StreamId, Violation};
-use crate::driver::collective::{CollectiveKind, Collectives, Communicators, Reduction};
 use crate::driver::Lane;
+use crate::driver::collective::{CollectiveKind, Collectives, Communicators, Reduction};
 use crate::dtype::DType;
 use crate::error::{DeviceId, DeviceKind, Error, LibraryError};
 use std::sync::Mutex;
@@ -148,10 +148,10 @@ impl Communicators for SimComms {
         if matches!(part.dtype, DType::I16 | DType::U16 | DType::Bool) {
             return Err(invalid("an element type NCCL does not reduce"));
         }
-        if let CollectiveKind::Broadcast { root } = part.kind {
-            if root >= self.ranks {
-                return Err(invalid("the root is not a rank"));
-            }
+        if let CollectiveKind::Broadcast { root } = part.kind
+            && root >= self.ranks
+        {
+            return Err(invalid("the root is not a rank"));
         }
         let stream = s
             .compute_stream_of(part.stream)
@@ -343,7 +343,7 @@ impl State {
 fn reduce(dtype: DType, op: Reduction, inputs: &[Vec<u8>]) -> Vec<u8> {
     let n = inputs.len();
     macro_rules! fold {
-        ($t:ty, $size:expr, $from:expr, $to:expr, $add:expr, $mul:expr, $div:expr) => {{
+        ($t:ty, $size:expr_2021, $from:expr_2021, $to:expr_2021, $add:expr_2021, $mul:expr_2021, $div:expr_2021) => {{
             let read = |buf: &[u8], i: usize| -> $t {
                 let mut b = [0u8; $size];
                 b.copy_from_slice(&buf[i * $size..(i + 1) * $size]);
@@ -383,7 +383,7 @@ fn reduce(dtype: DType, op: Reduction, inputs: &[Vec<u8>]) -> Vec<u8> {
         }};
     }
     macro_rules! int {
-        ($t:ty, $size:expr) => {
+        ($t:ty, $size:expr_2021) => {
             fold!(
                 $t,
                 $size,
@@ -401,7 +401,7 @@ fn reduce(dtype: DType, op: Reduction, inputs: &[Vec<u8>]) -> Vec<u8> {
         };
     }
     macro_rules! float {
-        ($t:ty, $size:expr) => {
+        ($t:ty, $size:expr_2021) => {
             fold!(
                 $t,
                 $size,

@@ -8,8 +8,8 @@
 //! of the seam are in `launch.rs` and `graph.rs`.
 
 use super::{
-    ContextHandle, DeviceId, DeviceKind, DevicePtr, Driver, DriverError, EventHandle, Job, Lane,
-    Locked, SimDevice, SimOp, SimWaits, State, StreamId, Waits, Wake, CURRENT,
+    CURRENT, ContextHandle, DeviceId, DeviceKind, DevicePtr, Driver, DriverError, EventHandle, Job,
+    Lane, Locked, SimDevice, SimOp, SimWaits, State, StreamId, Waits, Wake,
 };
 use std::cell::Cell;
 use std::sync::Arc;

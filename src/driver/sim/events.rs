@@ -115,10 +115,10 @@ impl State {
     ) -> Result<(), DriverError> {
         self.enter_stream(SimOp::StreamWait, stream)?;
         // What the wait waits for is fixed now: the event's last record as of this call.
-        if let Some(for_seq) = self.event(event)?.recorded {
-            if !self.is_done(for_seq) {
-                self.push(stream, Job::Wait { for_seq });
-            }
+        if let Some(for_seq) = self.event(event)?.recorded
+            && !self.is_done(for_seq)
+        {
+            self.push(stream, Job::Wait { for_seq });
         }
         Ok(())
     }

@@ -15,9 +15,9 @@
 //! executable graph and no queued job behind.
 
 use super::{Job, SimDevice, SimDriver, SimOp, State, StreamId, Violation};
+use crate::driver::Lane;
 use crate::driver::graph::{GraphExecHandle, GraphHandle, GraphNodeHandle, Graphs};
 use crate::driver::launch::{Emulation, FunctionHandle};
-use crate::driver::Lane;
 use crate::error::DriverError;
 use cudarc::driver::sys::CUresult;
 use std::collections::HashMap;

@@ -66,11 +66,7 @@ fn vendor(library: Library, call: &'static str, error: DriverError) -> Error {
 
 /// `call`'s name for `dtype`: its single-precision name, or the double-precision one.
 fn typed(dtype: DType, single: &'static str, double: &'static str) -> &'static str {
-    if dtype == DType::F64 {
-        double
-    } else {
-        single
-    }
+    if dtype == DType::F64 { double } else { single }
 }
 
 /// Refuses an element type the libraries do not serve.
@@ -99,7 +95,7 @@ trait Real:
 }
 
 macro_rules! real {
-    ($t:ty, $n:expr) => {
+    ($t:ty, $n:expr_2021) => {
         impl Real for $t {
             const SIZE: usize = $n;
             const ZERO: Self = 0.0;
@@ -411,7 +407,7 @@ impl ContractRun {
 /// Implements [`Emulation`] for a library call's run: its name, as the call's in each
 /// precision, and its `run_typed` at the element type.
 macro_rules! library_emulation {
-    ($run:ty, |$r:ident| $dtype:expr, $single:literal, $double:literal) => {
+    ($run:ty, |$r:ident| $dtype:expr_2021, $single:literal, $double:literal) => {
         impl Emulation for $run {
             fn name(&self) -> &str {
                 let $r = self;

@@ -6,7 +6,7 @@
 //! the two were not ordered, so the device could have run them either way round. That is
 //! recorded as a [`Violation::Race`] for the tests to assert on.
 
-use super::{driver_lane, DevicePtr, State, StreamId, Violation};
+use super::{DevicePtr, State, StreamId, Violation, driver_lane};
 
 /// The accesses to one device allocation by the jobs that have run, for the race checker.
 pub(super) struct Touch {

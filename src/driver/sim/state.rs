@@ -9,8 +9,8 @@
 
 use super::graph;
 use super::{
-    DevicePtr, DriverError, Emulation, Job, Running, Schedule, SimConfig, SimEvent, SimOp,
-    StreamId, Touch, Violation, Wake, NEXT_CONTEXT,
+    DevicePtr, DriverError, Emulation, Job, NEXT_CONTEXT, Running, Schedule, SimConfig, SimEvent,
+    SimOp, StreamId, Touch, Violation, Wake,
 };
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::ops::{Deref, DerefMut};

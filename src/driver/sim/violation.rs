@@ -8,7 +8,7 @@
 //! does not. Each kind of misuse is a variant naming what is involved; its `Display` says it in a
 //! sentence.
 
-use super::{lane_of, Lane, SimDevice, StreamId};
+use super::{Lane, SimDevice, StreamId, lane_of};
 use std::fmt;
 
 /// The driver that owns a stream (by creation order on the machine), and the name of the
@@ -238,11 +238,17 @@ mod tests {
                  0x7f0000000100 after later job #4 wrote it: the two are not ordered",
             ),
             (
-                Violation::UnmappedUpload { dst: 0x10, bytes: 4 },
+                Violation::UnmappedUpload {
+                    dst: 0x10,
+                    bytes: 4,
+                },
                 "host-to-device copy into unmapped device range 0x10+4",
             ),
             (
-                Violation::UnmappedDownload { src: 0x10, bytes: 4 },
+                Violation::UnmappedDownload {
+                    src: 0x10,
+                    bytes: 4,
+                },
                 "device-to-host copy from unmapped device range 0x10+4",
             ),
             (

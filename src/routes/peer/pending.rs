@@ -23,11 +23,11 @@ use crate::core::engine::CudaEngine;
 use crate::core::order::Use;
 use crate::driver::Lane;
 use crate::error::{Error, SetupError, SubmitError, UsageError};
-use crate::lifecycle::fence::{fence, Fenced, Fencing, IdleEvent};
+use crate::lifecycle::fence::{Fenced, Fencing, IdleEvent, fence};
 use crate::lifecycle::signal::Signal;
 use crate::memory::element::Element;
 use crate::memory::tensor::DeviceTensor;
-use crate::routes::pending::{sealed, InFlight, Operation, Pending, Returned};
+use crate::routes::pending::{InFlight, Operation, Pending, Returned, sealed};
 use std::marker::PhantomData;
 use std::mem::ManuallyDrop;
 
@@ -211,19 +211,19 @@ fn submit<T: Element>(
             return Err(SubmitError::Rejected {
                 input: back(package),
                 error: super::no_link(src_engine, dst_engine),
-            })
+            });
         }
         Err(error @ Error::Setup(SetupError::Unreachable { .. })) => {
             return Err(SubmitError::Rejected {
                 input: back(package),
                 error,
-            })
+            });
         }
         Err(error) => {
             return Err(SubmitError::Failed {
                 input: back(package),
                 error,
-            })
+            });
         }
     }
     // The copy reads the source only once the source engine's work that writes it is done.
@@ -234,7 +234,7 @@ fn submit<T: Element>(
             return Err(SubmitError::Failed {
                 input: back(package),
                 error,
-            })
+            });
         }
     };
     let owner = &dst_engine.shared;
@@ -244,7 +244,7 @@ fn submit<T: Element>(
             return Err(SubmitError::Failed {
                 input: back(package),
                 error,
-            })
+            });
         }
     };
     let (dst, src) = (package.destination.raw_ptr(), package.source.raw_ptr());

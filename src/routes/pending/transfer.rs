@@ -17,10 +17,10 @@
 // error is large by design and travels only on the refusal path.
 #![allow(clippy::result_large_err)]
 
-use super::{sealed, InFlight, Operation, Pending, Returned};
+use super::{InFlight, Operation, Pending, Returned, sealed};
 use crate::core::engine::CudaEngine;
 use crate::error::{Error, SubmitError, UsageError};
-use crate::lifecycle::fence::{fence, Fenced, Fencing, IdleEvent};
+use crate::lifecycle::fence::{Fenced, Fencing, IdleEvent, fence};
 use crate::memory::element::Element;
 use crate::memory::host::HostBuffer;
 use crate::memory::pinned::PinnedHostBuffer;
@@ -97,7 +97,7 @@ trait Direction<T: Element, B: HostBuffer<T>>:
 }
 
 macro_rules! transfer_operation {
-    ($op:ident, $upload:expr, $name:expr) => {
+    ($op:ident, $upload:expr_2021, $name:expr_2021) => {
         impl<T: Element, B: HostBuffer<T>> sealed::Sealed for $op<T, B> {}
 
         impl<T: Element, B: HostBuffer<T>> Operation for $op<T, B> {
@@ -230,8 +230,7 @@ fn refusal<D: Direction<T, B>, T: Element, B: HostBuffer<T>>(
         return Some(Error::Usage(UsageError::UnsupportedElement {
             operation: "download_pending",
             dtype: T::DTYPE,
-            reason:
-                "raw device bytes need not be 0 or 1, and a host buffer exposes them as they are",
+            reason: "raw device bytes need not be 0 or 1, and a host buffer exposes them as they are",
         }));
     }
     None

@@ -74,10 +74,10 @@ impl<T: Element> Flight for Ranks<T> {
 
     fn is_ready(&self) -> Result<bool> {
         for part in &self.parts {
-            if let Part::Fenced(fenced) = part {
-                if !fenced.is_ready()? {
-                    return Ok(false);
-                }
+            if let Part::Fenced(fenced) = part
+                && !fenced.is_ready()?
+            {
+                return Ok(false);
             }
         }
         Ok(true)

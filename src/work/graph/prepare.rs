@@ -27,9 +27,9 @@ use crate::driver::libs::Library;
 use crate::driver::{DevicePtr, Lane};
 use crate::dtype::DType;
 use crate::error::{Error, ProgramError, Result};
-use crate::lifecycle::fence::{fence, Fencing};
+use crate::lifecycle::fence::{Fencing, fence};
 use crate::memory::element::Element;
-use crate::memory::tensor::{alloc_device, DeviceTensor, Recycler};
+use crate::memory::tensor::{DeviceTensor, Recycler, alloc_device};
 use crate::work::kernels::cache::KernelCache;
 use crate::work::kernels::fused::FusedKernel;
 use crate::work::libs::blas::row_major_product;
@@ -858,7 +858,7 @@ fn capture(
             return Err(Error::Driver {
                 call: "cuStreamEndCapture",
                 source,
-            })
+            });
         }
     };
     let exec = match st.driver.graph_instantiate(graph) {

@@ -13,11 +13,11 @@ use crate::dtype::DType;
 use crate::error::{Error, ProgramError, Result, UsageError};
 use crate::memory::element::Element;
 use crate::work::kernels::scalar_bits;
-use crate::work::kernels::spec::unsupported;
 use crate::work::kernels::spec::ElementwiseOp;
+use crate::work::kernels::spec::unsupported;
 use std::fmt;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 static NEXT_NODE: AtomicU64 = AtomicU64::new(1);
 

@@ -30,12 +30,12 @@ use crate::core::order::Use;
 use crate::driver::Lane;
 use crate::error::{Error, LibraryError, Result, SetupError, UsageError};
 use crate::lifecycle::fence::wait_for_queued;
-use crate::memory::element::{byte_len, Element};
-use crate::memory::tensor::{shape_len, DeviceTensor};
+use crate::memory::element::{Element, byte_len};
+use crate::memory::tensor::{DeviceTensor, shape_len};
+use cubecl::Runtime;
 use cubecl::client::ComputeClient;
 use cubecl::cuda::{CudaDevice, CudaRuntime};
 use cubecl::server::Handle;
-use cubecl::Runtime;
 use std::sync::Arc;
 
 /// The CubeCL runtime this interop targets, re-exported so kernels use the same version.

@@ -15,8 +15,8 @@ use super::fused::FusedKernel;
 use super::source;
 use super::spec::ElementwiseSpec;
 use crate::core::parts::{Part, Teardown};
-use crate::driver::launch::{FunctionHandle, ModuleHandle, ModuleSource};
 use crate::driver::Driver;
+use crate::driver::launch::{FunctionHandle, ModuleHandle, ModuleSource};
 use crate::error::{Error, Result};
 use std::collections::HashMap;
 

@@ -135,7 +135,7 @@ half_emulated!(f16, F16);
 half_emulated!(bf16, BF16);
 
 macro_rules! int_emulated {
-    ($t:ty, $v:ident, $signed:expr) => {
+    ($t:ty, $v:ident, $signed:expr_2021) => {
         impl Emulated for $t {
             scalar_conversions!($v);
             const BYTES: usize = std::mem::size_of::<$t>();
@@ -238,7 +238,7 @@ fn cast_to<I: Emulated, O: Emulated>(a: &[u8], len: usize) -> Vec<u8> {
 }
 
 macro_rules! dispatch {
-    ($dtype:expr, $f:ident $(::<$($pre:ty),*>)? ($($arg:expr),*)) => {
+    ($dtype:expr_2021, $f:ident $(::<$($pre:ty),*>)? ($($arg:expr_2021),*)) => {
         match $dtype {
             DType::F32 => $f::<$($($pre,)*)? f32>($($arg),*),
             DType::F64 => $f::<$($($pre,)*)? f64>($($arg),*),
@@ -279,7 +279,7 @@ pub(crate) enum Scalar {
 
 /// `$body` with `$x` bound to the element inside `$s`, whatever its type.
 macro_rules! each {
-    ($s:expr, $x:ident => $body:expr) => {
+    ($s:expr_2021, $x:ident => $body:expr_2021) => {
         match $s {
             Scalar::F32($x) => $body,
             Scalar::F64($x) => $body,
@@ -493,30 +493,36 @@ mod tests {
 
     #[test]
     fn unsupported_operations_are_refused() {
-        assert!(run(
-            spec(ElementwiseOp::Neg, DType::U32, DType::U32),
-            &[0; 4],
-            &[],
-            0,
-            1
-        )
-        .is_none());
-        assert!(run(
-            spec(ElementwiseOp::Add, DType::Bool, DType::Bool),
-            &[1],
-            &[1],
-            0,
-            1
-        )
-        .is_none());
-        assert!(run(
-            spec(ElementwiseOp::Add, DType::F32, DType::F64),
-            &[0; 4],
-            &[0; 4],
-            0,
-            1
-        )
-        .is_none());
+        assert!(
+            run(
+                spec(ElementwiseOp::Neg, DType::U32, DType::U32),
+                &[0; 4],
+                &[],
+                0,
+                1
+            )
+            .is_none()
+        );
+        assert!(
+            run(
+                spec(ElementwiseOp::Add, DType::Bool, DType::Bool),
+                &[1],
+                &[1],
+                0,
+                1
+            )
+            .is_none()
+        );
+        assert!(
+            run(
+                spec(ElementwiseOp::Add, DType::F32, DType::F64),
+                &[0; 4],
+                &[0; 4],
+                0,
+                1
+            )
+            .is_none()
+        );
     }
 
     #[test]

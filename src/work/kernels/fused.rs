@@ -15,9 +15,9 @@
 #[cfg(any(test, feature = "sim"))]
 use super::emulate::Scalar;
 use super::source::{
-    cast_expression, cast_saturates, kind, load, saturate_function, storage, store, Kind, PRELUDE,
+    Kind, PRELUDE, cast_expression, cast_saturates, kind, load, saturate_function, storage, store,
 };
-use super::spec::{unsupported, ElementwiseOp, MAX_BLOCKS};
+use super::spec::{ElementwiseOp, MAX_BLOCKS, unsupported};
 #[cfg(any(test, feature = "sim"))]
 use crate::driver::launch::{DeviceMemory, Emulation};
 use crate::dtype::DType;
@@ -893,9 +893,11 @@ pub(super) mod tests {
         assert_eq!(name, kernel.clone().name());
         assert!(name.starts_with("cuferry_fused_"));
         assert_eq!(name.len(), "cuferry_fused_".len() + 16);
-        assert!(name["cuferry_fused_".len()..]
-            .chars()
-            .all(|c| c.is_ascii_hexdigit() && !c.is_ascii_uppercase()));
+        assert!(
+            name["cuferry_fused_".len()..]
+                .chars()
+                .all(|c| c.is_ascii_hexdigit() && !c.is_ascii_uppercase())
+        );
         // The hash is FNV-1a of the canonical text, the same everywhere.
         assert_eq!(fnv1a(b""), 0xcbf2_9ce4_8422_2325);
         assert_eq!(fnv1a(b"a"), 0xaf63_dc4c_8601_ec8c);
@@ -1026,36 +1028,44 @@ pub(super) mod tests {
                 .contains("not an earlier value")
         );
         assert!(bad(vec![DType::F32], vec![FusedOp::Neg(0)], vec![0]).contains("not an earlier"));
-        assert!(bad(
-            vec![DType::F32, DType::F64],
-            vec![FusedOp::Load(0), FusedOp::Load(1), add(0, 1)],
-            vec![2]
-        )
-        .contains("combines f32 with f64"));
-        assert!(bad(
-            vec![DType::Bool],
-            vec![FusedOp::Load(0), add(0, 0)],
-            vec![1]
-        )
-        .contains("bool"));
+        assert!(
+            bad(
+                vec![DType::F32, DType::F64],
+                vec![FusedOp::Load(0), FusedOp::Load(1), add(0, 1)],
+                vec![2]
+            )
+            .contains("combines f32 with f64")
+        );
+        assert!(
+            bad(
+                vec![DType::Bool],
+                vec![FusedOp::Load(0), add(0, 0)],
+                vec![1]
+            )
+            .contains("bool")
+        );
         let div = FusedOp::Binary {
             op: ElementwiseOp::Div,
             a: 0,
             b: 0,
         };
         assert!(bad(vec![DType::I32], vec![FusedOp::Load(0), div], vec![1]).contains("division"));
-        assert!(bad(
-            vec![DType::U8],
-            vec![FusedOp::Load(0), FusedOp::Neg(0)],
-            vec![1]
-        )
-        .contains("negation"));
-        assert!(bad(
-            vec![DType::Bool],
-            vec![FusedOp::Load(0), FusedOp::Scale { a: 0, bits: 1 }],
-            vec![1]
-        )
-        .contains("bool"));
+        assert!(
+            bad(
+                vec![DType::U8],
+                vec![FusedOp::Load(0), FusedOp::Neg(0)],
+                vec![1]
+            )
+            .contains("negation")
+        );
+        assert!(
+            bad(
+                vec![DType::Bool],
+                vec![FusedOp::Load(0), FusedOp::Scale { a: 0, bits: 1 }],
+                vec![1]
+            )
+            .contains("bool")
+        );
         let fill = FusedOp::Binary {
             op: ElementwiseOp::Fill,
             a: 0,
@@ -1064,15 +1074,17 @@ pub(super) mod tests {
         assert!(
             bad(vec![DType::F32], vec![FusedOp::Load(0), fill], vec![1]).contains("not a binary")
         );
-        assert!(bad(
-            vec![],
-            vec![FusedOp::Const {
-                dtype: DType::I8,
-                bits: 0x100
-            }],
-            vec![0]
-        )
-        .contains("more bits"));
+        assert!(
+            bad(
+                vec![],
+                vec![FusedOp::Const {
+                    dtype: DType::I8,
+                    bits: 0x100
+                }],
+                vec![0]
+            )
+            .contains("more bits")
+        );
         assert!(bad(vec![DType::F32], vec![FusedOp::Load(0)], vec![1]).contains("output"));
         // Casts serve every pair, and the result has the target type.
         let ok = FusedKernel {

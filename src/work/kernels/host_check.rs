@@ -253,8 +253,8 @@ static unsigned char* cf_alloc(size_t bytes) { return (unsigned char*)std::align
 /// pointer one element off (scalar path only): the outputs must match the fused emulation.
 #[test]
 fn fused_cuda_source_compiled_for_the_host_matches_the_emulation() {
-    use super::fused::tests::{emulated, random_input, random_kernel, Rng};
     use super::fused::FusedKernel;
+    use super::fused::tests::{Rng, emulated, random_input, random_kernel};
     let mut rng = Rng(0x5eed_f00d_1234_5678);
     let kernels: Vec<FusedKernel> = DType::ALL
         .iter()
@@ -392,7 +392,7 @@ fn fused_cuda_source_compiled_for_the_host_matches_the_emulation() {
 #[test]
 #[ignore = "needs NVRTC (libnvrtc) on the library path"]
 fn fused_kernels_compile_with_nvrtc() {
-    use super::fused::tests::{random_kernel, Rng};
+    use super::fused::tests::{Rng, random_kernel};
     assert!(
         crate::driver::cuda::nvrtc_present(),
         "NVRTC could not be loaded"

@@ -54,10 +54,10 @@ use crate::core::order::Use;
 use crate::driver::Lane;
 use crate::dtype::DType;
 use crate::error::{Error, Result, UsageError};
-use crate::memory::element::{as_bytes, Element};
+use crate::memory::element::{Element, as_bytes};
 use crate::memory::tensor::DeviceTensor;
 use cache::KernelCache;
-use spec::{unsupported, ElementwiseArgs, ElementwiseOp, ElementwiseSpec, BLOCK};
+use spec::{BLOCK, ElementwiseArgs, ElementwiseOp, ElementwiseSpec, unsupported};
 
 fn spec(op: ElementwiseOp, input: DType, output: DType) -> Result<ElementwiseSpec> {
     if let Some(reason) = unsupported(op, input) {

@@ -8,8 +8,8 @@
 use super::BlasElement;
 use crate::core::engine::CudaEngine;
 use crate::core::order::Use;
-use crate::driver::libs::{Contraction, Library};
 use crate::driver::Lane;
+use crate::driver::libs::{Contraction, Library};
 use crate::error::{Error, Result, UsageError};
 use crate::memory::tensor::DeviceTensor;
 use std::collections::HashMap;

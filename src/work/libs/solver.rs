@@ -6,11 +6,11 @@
 //! device, so the call returns a [`SolverStatus`] holding cuSOLVER's device-side `info` instead
 //! of waiting for it; [`SolverStatus::check`] reads it when the caller chooses to wait.
 
-use super::{dim, BlasElement};
+use super::{BlasElement, dim};
 use crate::core::engine::CudaEngine;
 use crate::core::order::Use;
-use crate::driver::libs::{Library, Spd};
 use crate::driver::Lane;
+use crate::driver::libs::{Library, Spd};
 use crate::error::{Error, LibraryError, Result, UsageError};
 use crate::memory::tensor::DeviceTensor;
 use crate::routes::download_tensor;
@@ -97,7 +97,7 @@ impl CudaEngine {
                     operation: OP,
                     what: "A",
                     shape: a.shape().to_vec(),
-                }))
+                }));
             }
         };
         if b.is_empty() || !b.len().is_multiple_of(n) {
