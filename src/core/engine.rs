@@ -415,6 +415,9 @@ impl Shared {
 /// than freed.
 pub struct CudaEngine {
     pub(crate) shared: Arc<Shared>,
+    /// The simulated machine the engine was opened on, if it was (its test handle).
+    #[cfg(any(test, feature = "sim"))]
+    sim: Option<crate::driver::sim::SimDevice>,
 }
 
 impl std::fmt::Debug for CudaEngine {
@@ -449,7 +452,7 @@ impl CudaEngine {
     #[cfg(any(test, feature = "sim"))]
     pub fn simulated_on(device: &crate::driver::sim::SimDevice) -> Self {
         let driver = crate::driver::sim::SimDriver::new(device.clone());
-        Self::from_driver(Box::new(driver))
+        Self::from_driver(Box::new(driver)).on_machine(device)
     }
 
     /// Opens an engine on device `index` of a simulated machine of several devices (feature
@@ -465,7 +468,7 @@ impl CudaEngine {
         index: usize,
     ) -> Result<Self> {
         match crate::driver::sim::SimDriver::on(device.clone(), index) {
-            Some(driver) => Ok(Self::from_driver(Box::new(driver))),
+            Some(driver) => Ok(Self::from_driver(Box::new(driver)).on_machine(device)),
             None => Err(Error::Setup(SetupError::NoSuchDevice {
                 ordinal: index,
                 count: device.devices(),
@@ -496,7 +499,16 @@ impl CudaEngine {
                 }),
                 in_wake: Mutex::new(Vec::new()),
             }),
+            #[cfg(any(test, feature = "sim"))]
+            sim: None,
         }
+    }
+
+    /// Records the simulated machine the engine's driver runs on, for [`sim`](Self::sim).
+    #[cfg(any(test, feature = "sim"))]
+    fn on_machine(mut self, device: &crate::driver::sim::SimDevice) -> Self {
+        self.sim = Some(device.clone());
+        self
     }
 
     /// The number of CUDA devices on this machine.
@@ -526,7 +538,7 @@ impl CudaEngine {
     /// inject faults and read its accounting through it.
     #[cfg(any(test, feature = "sim"))]
     pub fn sim(&self) -> Option<crate::driver::sim::SimDevice> {
-        self.shared.lock().driver.as_sim()
+        self.sim.clone()
     }
 
     pub(crate) fn enter(&mut self) -> Result<Entered<'_>> {

@@ -324,10 +324,4 @@ pub(crate) trait Driver:
     fn hosts_cuda_runtimes(&self) -> bool {
         true
     }
-
-    /// The simulated device behind this driver, if it is one.
-    #[cfg(any(test, feature = "sim"))]
-    fn as_sim(&self) -> Option<sim::SimDevice> {
-        None
-    }
 }

@@ -297,8 +297,4 @@ impl Driver for SimDriver {
     fn hosts_cuda_runtimes(&self) -> bool {
         false
     }
-
-    fn as_sim(&self) -> Option<SimDevice> {
-        Some(self.device.clone())
-    }
 }
