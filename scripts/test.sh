@@ -6,6 +6,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo fmt --all --check
 cargo clippy --all-targets --all-features -- -D warnings
+# The library as a dependent builds it, without features: code only one feature uses must not
+# warn there.
+cargo clippy --lib --no-default-features -- -D warnings
 RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --all-features
 cargo test --all-features
 

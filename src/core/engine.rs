@@ -27,7 +27,7 @@ use super::order::{Order, Proven, Use};
 use super::parts::Parts;
 use super::retire::{EventPool, Poll, Resources, RetireQueue, RetirementStats};
 use crate::driver::{ContextHandle, DevicePtr, Driver, Lane, Waits, wakes};
-use crate::error::{DeviceId, Error, Result, SetupError, UsageError};
+use crate::error::{DeviceId, Error, Result, UsageError};
 use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -469,7 +469,7 @@ impl CudaEngine {
     ) -> Result<Self> {
         match crate::driver::sim::SimDriver::on(device.clone(), index) {
             Some(driver) => Ok(Self::from_driver(Box::new(driver)).on_machine(device)),
-            None => Err(Error::Setup(SetupError::NoSuchDevice {
+            None => Err(Error::Setup(crate::error::SetupError::NoSuchDevice {
                 ordinal: index,
                 count: device.devices(),
             })),

@@ -321,6 +321,7 @@ pub(crate) trait Driver:
     /// Whether another CUDA runtime in the process (CubeCL's, say) can drive this device through
     /// its primary context, the one the driver's streams belong to. A real device: yes; the
     /// simulated one has no CUDA context to share.
+    #[cfg(feature = "cubecl")]
     fn hosts_cuda_runtimes(&self) -> bool {
         true
     }

@@ -294,6 +294,7 @@ impl Driver for SimDriver {
         })
     }
 
+    #[cfg(feature = "cubecl")]
     fn hosts_cuda_runtimes(&self) -> bool {
         false
     }
