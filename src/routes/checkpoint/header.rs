@@ -1,0 +1,444 @@
+//! The header of a safetensors file, read from the file and checked before any tensor is
+//! allocated or any byte of data is read.
+//!
+//! A safetensors file is an 8-byte little-endian header length `n`, `n` bytes of UTF-8 JSON
+//! naming each tensor's element type, shape and byte range (relative to the data, which starts
+//! right after the header), then the data. The JSON is validated by the format's own Rust
+//! implementation (`safetensors::tensor::Metadata`: the ranges tile the data in order, without
+//! gaps or overlaps, and each matches its shape and element type). Before that, this module reads
+//! every name as the file spells it, so that a name given twice (which a JSON map would silently
+//! collapse) is refused, and every failure names the file and, where there is one, the tensor.
+
+use super::{CheckpointError, ReadAt};
+use crate::dtype::DType;
+use serde::de::{Deserializer, IgnoredAny, MapAccess, Visitor};
+use std::path::Path;
+
+/// The largest header accepted, in bytes: the format's own limit (100 MB).
+pub(crate) const MAX_HEADER: u64 = 100_000_000;
+
+/// The length prefix's size.
+const PREFIX: u64 = 8;
+
+/// The name under which the format keeps free-form metadata; not a tensor.
+const METADATA_KEY: &str = "__metadata__";
+
+/// One tensor the header names.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Entry {
+    pub(crate) name: String,
+    pub(crate) dtype: DType,
+    pub(crate) shape: Vec<usize>,
+    /// The tensor's bytes, as absolute offsets into the file.
+    pub(crate) start: u64,
+    pub(crate) end: u64,
+}
+
+/// A file's header, checked against the file's length.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Header {
+    /// The tensors, in the order of their bytes in the file.
+    pub(crate) tensors: Vec<Entry>,
+    /// Where the data starts: the prefix and the header.
+    pub(crate) data_start: u64,
+}
+
+/// The element type a safetensors dtype names, where the crate has one.
+fn dtype(format: safetensors::Dtype) -> Option<DType> {
+    use safetensors::Dtype as F;
+    Some(match format {
+        F::BOOL => DType::Bool,
+        F::U8 => DType::U8,
+        F::I8 => DType::I8,
+        F::I16 => DType::I16,
+        F::U16 => DType::U16,
+        F::F16 => DType::F16,
+        F::BF16 => DType::BF16,
+        F::I32 => DType::I32,
+        F::U32 => DType::U32,
+        F::F32 => DType::F32,
+        F::F64 => DType::F64,
+        F::I64 => DType::I64,
+        F::U64 => DType::U64,
+        _ => return None,
+    })
+}
+
+/// Every top-level name of a JSON object, in the order written, duplicates included.
+struct Names(Vec<String>);
+
+impl<'de> serde::Deserialize<'de> for Names {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Keys;
+        impl<'de> Visitor<'de> for Keys {
+            type Value = Names;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a JSON object of tensors")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Names, A::Error> {
+                let mut names = Vec::new();
+                while let Some((name, IgnoredAny)) = map.next_entry::<String, IgnoredAny>()? {
+                    names.push(name);
+                }
+                Ok(Names(names))
+            }
+        }
+        deserializer.deserialize_map(Keys)
+    }
+}
+
+/// Reads exactly `buf.len()` bytes at `offset`, or says why not.
+pub(crate) fn read_exact_at(
+    path: &Path,
+    file: &dyn ReadAt,
+    mut offset: u64,
+    mut buf: &mut [u8],
+) -> Result<(), CheckpointError> {
+    while !buf.is_empty() {
+        match file.read_at(buf, offset) {
+            Ok(0) => {
+                return Err(CheckpointError::ShortRead {
+                    path: path.to_owned(),
+                    offset,
+                    missing: buf.len(),
+                });
+            }
+            Ok(n) => {
+                offset += n as u64;
+                buf = &mut buf[n..];
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(source) => {
+                return Err(CheckpointError::Io {
+                    path: path.to_owned(),
+                    operation: "read",
+                    source,
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Reads and checks the header of the file `path`, `len` bytes long.
+pub(crate) fn read(path: &Path, file: &dyn ReadAt, len: u64) -> Result<Header, CheckpointError> {
+    let at = |reason: String| CheckpointError::Header {
+        path: path.to_owned(),
+        tensor: None,
+        reason,
+    };
+    if len < PREFIX {
+        return Err(CheckpointError::Truncated {
+            path: path.to_owned(),
+            needed: PREFIX,
+            len,
+        });
+    }
+    let mut prefix = [0u8; PREFIX as usize];
+    read_exact_at(path, file, 0, &mut prefix)?;
+    let n = u64::from_le_bytes(prefix);
+    if n > MAX_HEADER {
+        return Err(CheckpointError::HeaderLength {
+            path: path.to_owned(),
+            length: n,
+            limit: MAX_HEADER,
+            file_len: len,
+        });
+    }
+    let data_start = PREFIX + n;
+    if data_start > len {
+        return Err(CheckpointError::Truncated {
+            path: path.to_owned(),
+            needed: data_start,
+            len,
+        });
+    }
+    let mut json = vec![0u8; n as usize];
+    read_exact_at(path, file, PREFIX, &mut json)?;
+    let text = std::str::from_utf8(&json).map_err(|e| at(format!("not UTF-8: {e}")))?;
+    let Names(names) = serde_json::from_str(text).map_err(|e| at(format!("not JSON: {e}")))?;
+    let mut seen = std::collections::HashSet::with_capacity(names.len());
+    for name in &names {
+        if !seen.insert(name.as_str()) {
+            return Err(CheckpointError::Header {
+                path: path.to_owned(),
+                tensor: Some(name.clone()),
+                reason: "the name is given twice".into(),
+            });
+        }
+    }
+    // Each tensor's own entry first, so that a bad one is named.
+    let raw: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_str(text).map_err(|e| at(format!("not JSON: {e}")))?;
+    for (name, value) in &raw {
+        if name == METADATA_KEY {
+            continue;
+        }
+        let named = |reason: String| CheckpointError::Header {
+            path: path.to_owned(),
+            tensor: Some(name.clone()),
+            reason,
+        };
+        let info: safetensors::tensor::TensorInfo = serde_json::from_value(value.clone())
+            .map_err(|e| named(format!("not a tensor entry: {e}")))?;
+        let Some(element) = dtype(info.dtype) else {
+            return Err(CheckpointError::Dtype {
+                path: path.to_owned(),
+                tensor: name.clone(),
+                dtype: format!("{:?}", info.dtype),
+            });
+        };
+        let (start, end) = info.data_offsets;
+        let bytes = info
+            .shape
+            .iter()
+            .try_fold(element.size_bytes(), |acc, &d| acc.checked_mul(d));
+        if bytes != end.checked_sub(start) {
+            return Err(named(format!(
+                "shape {:?} of {} is {} bytes, its range {start}..{end} holds {}",
+                info.shape,
+                element.name(),
+                bytes.map_or("more than usize::MAX".into(), |b| b.to_string()),
+                end.saturating_sub(start),
+            )));
+        }
+    }
+    // Then the format's own check of the whole: the ranges tile the data, in order.
+    let metadata: safetensors::tensor::Metadata =
+        serde_json::from_str(text).map_err(|e| at(format!("{e}")))?;
+    let data_len = metadata.data_len() as u64;
+    if data_start + data_len != len {
+        return Err(CheckpointError::DataLength {
+            path: path.to_owned(),
+            header_says: data_len,
+            file_holds: len - data_start,
+        });
+    }
+    let mut tensors: Vec<Entry> = metadata
+        .tensors()
+        .into_iter()
+        .map(|(name, info)| Entry {
+            dtype: dtype(info.dtype).expect("checked above"),
+            shape: info.shape.clone(),
+            start: data_start + info.data_offsets.0 as u64,
+            end: data_start + info.data_offsets.1 as u64,
+            name,
+        })
+        .collect();
+    tensors.sort_by_key(|t| (t.start, t.end));
+    Ok(Header {
+        tensors,
+        data_start,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use std::collections::HashMap;
+
+    /// A file made by the format's own serializer: `tensors` of (name, dtype, shape, bytes).
+    fn file(tensors: &[(&str, safetensors::Dtype, Vec<usize>, Vec<u8>)]) -> Vec<u8> {
+        let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+            .iter()
+            .map(|(name, dtype, shape, data)| {
+                let view = safetensors::tensor::TensorView::new(*dtype, shape.clone(), data)
+                    .expect("a valid view");
+                (name.to_string(), view)
+            })
+            .collect();
+        safetensors::serialize(views, None::<HashMap<String, String>>).expect("serializes")
+    }
+
+    fn parse(bytes: &[u8]) -> Result<Header, CheckpointError> {
+        read(Path::new("model.safetensors"), &bytes, bytes.len() as u64)
+    }
+
+    /// A file with the header `json` and `data` bytes after it.
+    fn raw(json: &str, data: usize) -> Vec<u8> {
+        let mut out = (json.len() as u64).to_le_bytes().to_vec();
+        out.extend_from_slice(json.as_bytes());
+        out.extend(std::iter::repeat_n(0u8, data));
+        out
+    }
+
+    fn sample() -> Vec<u8> {
+        file(&[
+            ("b", safetensors::Dtype::F32, vec![2, 3], vec![1; 24]),
+            ("a", safetensors::Dtype::BF16, vec![4], vec![2; 8]),
+            ("c", safetensors::Dtype::I64, vec![], vec![3; 8]),
+        ])
+    }
+
+    #[test]
+    fn a_file_the_format_wrote_reads_back_in_data_order() {
+        let bytes = sample();
+        let header = parse(&bytes).unwrap();
+        let names: Vec<&str> = header.tensors.iter().map(|t| t.name.as_str()).collect();
+        assert_eq!(header.tensors.len(), 3);
+        let total: u64 = header.tensors.iter().map(|t| t.end - t.start).sum();
+        assert_eq!(header.data_start + total, bytes.len() as u64);
+        for t in &header.tensors {
+            let width = t.dtype.size_bytes() * t.shape.iter().product::<usize>();
+            assert_eq!((t.end - t.start) as usize, width, "{}", t.name);
+        }
+        assert!(
+            header.tensors.windows(2).all(|w| w[0].end == w[1].start),
+            "{names:?}"
+        );
+        let c = header.tensors.iter().find(|t| t.name == "c").unwrap();
+        assert_eq!((c.dtype, c.shape.as_slice()), (DType::I64, &[][..]));
+    }
+
+    fn reason(result: Result<Header, CheckpointError>) -> String {
+        match result {
+            Err(e) => e.to_string(),
+            Ok(h) => panic!("accepted: {h:?}"),
+        }
+    }
+
+    #[test]
+    fn each_kind_of_bad_header_is_its_own_typed_error_naming_file_and_tensor() {
+        // Shorter than the prefix, and than the header the prefix announces.
+        assert!(matches!(
+            parse(&[1, 2, 3]),
+            Err(CheckpointError::Truncated { needed: 8, .. })
+        ));
+        let mut short = sample();
+        short.truncate(20);
+        assert!(matches!(
+            parse(&short),
+            Err(CheckpointError::Truncated { .. })
+        ));
+        // A header length above the limit.
+        let huge = (MAX_HEADER + 1).to_le_bytes();
+        assert!(matches!(
+            parse(&huge),
+            Err(CheckpointError::HeaderLength { .. })
+        ));
+        // Not UTF-8, not JSON.
+        let mut bad = raw("{\"a\":1}", 0);
+        bad[9] = 0xff;
+        assert!(reason(parse(&bad)).contains("not UTF-8"));
+        assert!(reason(parse(&raw("{not json", 0))).contains("not JSON"));
+        // An unknown dtype, and one the crate has no element type for.
+        let unknown = r#"{"w":{"dtype":"F12","shape":[1],"data_offsets":[0,2]}}"#;
+        let text = reason(parse(&raw(unknown, 2)));
+        assert!(
+            text.contains("model.safetensors") && text.contains("'w'"),
+            "{text}"
+        );
+        let fp8 = r#"{"w":{"dtype":"F8_E4M3","shape":[2],"data_offsets":[0,2]}}"#;
+        assert!(matches!(
+            parse(&raw(fp8, 2)),
+            Err(CheckpointError::Dtype { .. })
+        ));
+        // Shape times element size other than the range.
+        let wrong = r#"{"w":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}}"#;
+        let text = reason(parse(&raw(wrong, 8)));
+        assert!(text.contains("'w'") && text.contains("12 bytes"), "{text}");
+        // Ranges that overlap, leave a gap, or run past the data.
+        let overlap = r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},
+                          "b":{"dtype":"U8","shape":[4],"data_offsets":[2,6]}}"#;
+        assert!(matches!(
+            parse(&raw(overlap, 6)),
+            Err(CheckpointError::Header { .. })
+        ));
+        let gap = r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},
+                      "b":{"dtype":"U8","shape":[4],"data_offsets":[6,10]}}"#;
+        assert!(matches!(
+            parse(&raw(gap, 10)),
+            Err(CheckpointError::Header { .. })
+        ));
+        let past = r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}}"#;
+        assert!(matches!(
+            parse(&raw(past, 2)),
+            Err(CheckpointError::DataLength { .. })
+        ));
+        assert!(matches!(
+            parse(&raw(past, 9)),
+            Err(CheckpointError::DataLength { .. })
+        ));
+        // A name given twice.
+        let twice = r#"{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},
+                        "a":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}}"#;
+        let text = reason(parse(&raw(twice, 2)));
+        assert!(text.contains("'a'") && text.contains("twice"), "{text}");
+    }
+
+    /// A reader that fails, or comes back short, at its `n`-th read.
+    struct Faulty<'a> {
+        bytes: &'a [u8],
+        fail_at: usize,
+        short: bool,
+        reads: std::sync::atomic::AtomicUsize,
+    }
+
+    impl ReadAt for Faulty<'_> {
+        fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<usize> {
+            let n = self
+                .reads
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+                + 1;
+            if n == self.fail_at {
+                if self.short {
+                    return Ok(0);
+                }
+                return Err(std::io::Error::other("injected"));
+            }
+            self.bytes.read_at(buf, offset)
+        }
+    }
+
+    #[test]
+    fn a_read_that_fails_or_comes_back_short_is_reported_as_such() {
+        let bytes = sample();
+        for fail_at in 1..=2 {
+            for short in [false, true] {
+                let reader = Faulty {
+                    bytes: &bytes,
+                    fail_at,
+                    short,
+                    reads: std::sync::atomic::AtomicUsize::new(0),
+                };
+                let got = read(Path::new("m.safetensors"), &reader, bytes.len() as u64);
+                match (short, got) {
+                    (
+                        false,
+                        Err(CheckpointError::Io {
+                            operation: "read", ..
+                        }),
+                    ) => {}
+                    (true, Err(CheckpointError::ShortRead { .. })) => {}
+                    (_, other) => panic!("read {fail_at}, short {short}: {other:?}"),
+                }
+            }
+        }
+    }
+
+    proptest! {
+        /// Random bytes, flipped bits and cuts at every length: only typed errors, never a panic,
+        /// and whatever is accepted describes ranges inside the file.
+        #[test]
+        fn corrupted_headers_and_truncated_files_give_only_typed_errors(
+            flips in proptest::collection::vec((0usize..200, 0u8..8), 0..6),
+            cut in 0usize..400,
+            noise in proptest::collection::vec(any::<u8>(), 0..64),
+        ) {
+            let mut bytes = sample();
+            for (at, bit) in flips {
+                let at = at % bytes.len();
+                bytes[at] ^= 1 << bit;
+            }
+            bytes.truncate(cut.min(bytes.len()));
+            for candidate in [bytes.clone(), noise.clone()] {
+                if let Ok(header) = parse(&candidate) {
+                    for t in &header.tensors {
+                        prop_assert!(t.start <= t.end && t.end <= candidate.len() as u64);
+                    }
+                }
+            }
+        }
+    }
+}
