@@ -231,7 +231,42 @@ impl<T: Element> DeviceTensor<T> {
     pub(crate) fn owner(&self) -> &Shared {
         &self.owner
     }
+}
 
+impl DeviceTensor<u8> {
+    /// The same memory as a tensor of `T` of `shape`, whose elements fill these bytes exactly;
+    /// `None` (and the bytes dropped, stream-ordered as ever) when they do not.
+    ///
+    /// # Safety
+    /// Once the work queued on the memory so far has run, every `size_of::<T>()` bytes of it are
+    /// a valid `T`: any bit pattern for the numeric types, 0 or 1 for `bool`.
+    pub(crate) unsafe fn reinterpret<T: Element>(self, shape: &[usize]) -> Option<DeviceTensor<T>> {
+        let len: usize = shape.iter().product();
+        if len.checked_mul(T::DTYPE.size_bytes()) != Some(self.len) {
+            return None;
+        }
+        let this = std::mem::ManuallyDrop::new(self);
+        // SAFETY: the fields are moved out of a value that is never dropped (`ManuallyDrop`), so
+        // the memory has one owner throughout, now the new tensor. The allocation is the
+        // driver's (device allocations are aligned far beyond any element), `len` elements of
+        // `T` long (checked above), and the caller vouches for its contents.
+        let (owner, recycle) =
+            unsafe { (std::ptr::read(&this.owner), std::ptr::read(&this.recycle)) };
+        // Drop the byte tensor's shape, which is not moved.
+        // SAFETY: read once; `this` is never used again.
+        drop(unsafe { std::ptr::read(&this.shape) });
+        Some(DeviceTensor {
+            ptr: this.ptr,
+            len,
+            shape: shape.into(),
+            owner,
+            recycle,
+            _element: PhantomData,
+        })
+    }
+}
+
+impl<T: Element> DeviceTensor<T> {
     /// A tensor of `shape` (`len` elements) over memory the caller allocated on `owner`'s
     /// driver: for code that allocates several tensors under one lock. When dropped, the memory
     /// goes to `recycle` if it has room, else back to the driver.

@@ -11,6 +11,7 @@
 //! layer of the caller's) can stand in for the file.
 
 mod header;
+mod load;
 
 use std::path::PathBuf;
 
@@ -97,6 +98,13 @@ pub(crate) enum CheckpointError {
         path: PathBuf,
         tensor: String,
         dtype: String,
+    },
+    /// The file's length changed while it was being read.
+    #[error("{path}: {before} bytes long when the load began, {after} when it ended", path = path.display())]
+    LengthChanged {
+        path: PathBuf,
+        before: u64,
+        after: u64,
     },
     /// The data after the header is not as long as the header's ranges say.
     #[error(
