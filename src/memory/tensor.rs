@@ -233,6 +233,7 @@ impl<T: Element> DeviceTensor<T> {
     }
 }
 
+#[cfg(feature = "safetensors")]
 impl DeviceTensor<u8> {
     /// The same memory as a tensor of `T` of `shape`, whose elements fill these bytes exactly;
     /// `None` (and the bytes dropped, stream-ordered as ever) when they do not.

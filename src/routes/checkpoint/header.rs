@@ -64,6 +64,26 @@ fn dtype(format: safetensors::Dtype) -> Option<DType> {
     })
 }
 
+/// The safetensors dtype of an element type.
+pub(crate) fn format_dtype(dtype: DType) -> safetensors::Dtype {
+    use safetensors::Dtype as F;
+    match dtype {
+        DType::Bool => F::BOOL,
+        DType::U8 => F::U8,
+        DType::I8 => F::I8,
+        DType::I16 => F::I16,
+        DType::U16 => F::U16,
+        DType::F16 => F::F16,
+        DType::BF16 => F::BF16,
+        DType::I32 => F::I32,
+        DType::U32 => F::U32,
+        DType::F32 => F::F32,
+        DType::F64 => F::F64,
+        DType::I64 => F::I64,
+        DType::U64 => F::U64,
+    }
+}
+
 /// Every top-level name of a JSON object, in the order written, duplicates included.
 struct Names(Vec<String>);
 

@@ -101,8 +101,8 @@ fn chunks(tensors: &[Entry], capacity: usize) -> Vec<Chunk> {
 }
 
 /// Loads the tensors of the safetensors file `path` (read through `file`, `len` bytes long)
-/// that `wanted` selects, onto `engine`, in file order. Returns once every copy is queued; each
-/// tensor's later work on the engine is ordered after its own copies.
+/// that `wanted` selects, onto `engine`, in file order. Returns once every copy is proven
+/// complete.
 ///
 /// # Errors
 /// [`LoadError::Checkpoint`] for a bad header, a failed or short read, a `bool` tensor holding
@@ -173,10 +173,11 @@ pub(crate) fn load(
             }
         }
     }
-    // The copies stay queued; their leases retire into the engine, which returns each slot
-    // once its copy is proven. The tensors' own later work is ordered after the copies.
+    // The last copies are proven before the load returns, so their slots go back to the
+    // engine's lease budget at once (a retired lease would hold its place there until the
+    // engine next polls).
     for lease in flying {
-        lease.retire();
+        lease.end_chunk()?.release();
     }
     drop(free);
     let current = file_len(path, file, len)?;
@@ -265,7 +266,7 @@ fn read_batch(
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use crate::driver::sim::{SimConfig, SimDevice, SimOp};
     use crate::error::DriverError;
@@ -275,11 +276,11 @@ mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
 
     /// A tensor as the tests expect it back: name, element type, shape, bytes.
-    type Expected = (String, DType, Vec<usize>, Vec<u8>);
+    pub(in crate::routes::checkpoint) type Expected = (String, DType, Vec<usize>, Vec<u8>);
 
     /// A checkpoint written by the format's own serializer: four tensors of four element types,
     /// with distinct bytes, large enough to take several chunks of a small slot.
-    fn checkpoint() -> (Vec<u8>, Vec<Expected>) {
+    pub(in crate::routes::checkpoint) fn checkpoint() -> (Vec<u8>, Vec<Expected>) {
         use safetensors::Dtype as F;
         let tensors: Vec<(F, Expected)> = vec![
             (
@@ -335,7 +336,7 @@ mod tests {
 
     /// An engine whose staging slots are small (so every tensor takes several chunks and every
     /// batch several threads).
-    fn engine() -> (CudaEngine, SimDevice) {
+    pub(in crate::routes::checkpoint) fn engine() -> (CudaEngine, SimDevice) {
         let mut engine = CudaEngine::simulated(SimConfig::default());
         let config = StagingConfig {
             chunk_bytes: 4096,
@@ -348,7 +349,7 @@ mod tests {
         (engine, sim)
     }
 
-    fn load_all(
+    pub(in crate::routes::checkpoint) fn load_all(
         engine: &mut CudaEngine,
         file: &dyn ReadAt,
         len: u64,

@@ -12,6 +12,7 @@
 
 mod header;
 mod load;
+mod save;
 
 use std::path::PathBuf;
 
