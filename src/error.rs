@@ -317,6 +317,11 @@ pub enum Error {
     /// The engine's staging ring refused a lease or a chunk.
     #[error(transparent)]
     Staging(#[from] StagingError),
+    /// A checkpoint file is not what it must be, or cannot be read or written (feature
+    /// `safetensors`).
+    #[cfg(feature = "safetensors")]
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
 }
 
 impl Error {
@@ -1019,4 +1024,112 @@ mod tests {
             "CUDA_ERROR_OUT_OF_MEMORY (2)"
         );
     }
+}
+
+/// What is wrong with a checkpoint file (feature `safetensors`), named by its path, and by its
+/// tensor where one is at fault. Found before anything is allocated for a bad header; a load
+/// or save that fails part way leaves nothing behind (see [`crate::checkpoint`]).
+#[cfg(feature = "safetensors")]
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CheckpointError {
+    /// The operating system refused an operation on the file.
+    #[error("{path}: {operation} failed: {source}", path = path.display())]
+    Io {
+        /// The file.
+        path: std::path::PathBuf,
+        /// What was asked of it: `read`, `create`, `write`, `flush` or `rename`.
+        operation: &'static str,
+        /// The operating system's error.
+        source: std::io::Error,
+    },
+    /// A read came back short of what the file's length promised (the file shrank, or the
+    /// storage under it failed quietly).
+    #[error("{path}: a read at byte {offset} came back {missing} byte(s) short", path = path.display())]
+    ShortRead {
+        /// The file.
+        path: std::path::PathBuf,
+        /// Where the read began.
+        offset: u64,
+        /// How many bytes it lacked.
+        missing: usize,
+    },
+    /// The file is shorter than its header says it must be.
+    #[error("{path}: {len} bytes long, shorter than the {needed} its header needs", path = path.display())]
+    Truncated {
+        /// The file.
+        path: std::path::PathBuf,
+        /// The bytes its header needs.
+        needed: u64,
+        /// Its length.
+        len: u64,
+    },
+    /// The header's length is beyond the format's limit.
+    #[error(
+        "{path}: a header of {length} bytes, above the limit of {limit} (the file is {file_len} bytes)",
+        path = path.display()
+    )]
+    HeaderLength {
+        /// The file.
+        path: std::path::PathBuf,
+        /// The length the header's prefix gives.
+        length: u64,
+        /// The limit.
+        limit: u64,
+        /// The file's length.
+        file_len: u64,
+    },
+    /// The header (or, for a save, the tensors to write) is not what the format describes: not
+    /// UTF-8, not JSON, a tensor entry that is not one, ranges that do not tile the data, a
+    /// `bool` byte other than 0 or 1, a name given twice.
+    #[error(
+        "{path}: bad header{}: {reason}",
+        tensor.as_ref().map(|t| format!(" at tensor '{t}'")).unwrap_or_default(),
+        path = path.display()
+    )]
+    Header {
+        /// The file.
+        path: std::path::PathBuf,
+        /// The tensor at fault, where one is.
+        tensor: Option<String>,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A tensor's element type is one the crate has no type for (the 8-bit and sub-byte floats,
+    /// the complex types).
+    #[error(
+        "{path}: tensor '{tensor}' has element type {dtype}, which cuferry does not hold",
+        path = path.display()
+    )]
+    Dtype {
+        /// The file.
+        path: std::path::PathBuf,
+        /// The tensor.
+        tensor: String,
+        /// The element type, as the format names it.
+        dtype: String,
+    },
+    /// The file's length changed while it was being read.
+    #[error("{path}: {before} bytes long when the load began, {after} when it ended", path = path.display())]
+    LengthChanged {
+        /// The file.
+        path: std::path::PathBuf,
+        /// Its length when the load began.
+        before: u64,
+        /// Its length when it ended.
+        after: u64,
+    },
+    /// The data after the header is not as long as the header's ranges say.
+    #[error(
+        "{path}: the header describes {header_says} bytes of data, the file holds {file_holds}",
+        path = path.display()
+    )]
+    DataLength {
+        /// The file.
+        path: std::path::PathBuf,
+        /// The data the header describes, in bytes.
+        header_says: u64,
+        /// The data the file holds after its header.
+        file_holds: u64,
+    },
 }

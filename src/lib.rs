@@ -167,6 +167,16 @@ pub mod raw {
     pub use cudarc;
 }
 
+/// Checkpoint files in the safetensors format (feature `safetensors`): [`load`](checkpoint::load)
+/// named device tensors from a file and [`save`](checkpoint::save) them to one, through pinned
+/// staging, every bad file a typed [`CheckpointError`](crate::error::CheckpointError).
+#[cfg(feature = "safetensors")]
+pub mod checkpoint {
+    pub use crate::routes::checkpoint::{
+        Checkpoint, ReadAt, Tensor, load, load_from, load_selected, save,
+    };
+}
+
 /// The simulated device (feature `sim`).
 ///
 /// Open an engine on a fresh one with [`CudaEngine::simulated`], or several engines on one with

@@ -234,6 +234,33 @@ impl<T: Element> DeviceTensor<T> {
 }
 
 #[cfg(feature = "safetensors")]
+impl<T: Element> DeviceTensor<T> {
+    /// The same memory as a flat tensor of its bytes (every bit pattern is a valid `u8`).
+    pub(crate) fn into_bytes(self) -> DeviceTensor<u8> {
+        let bytes = self.len * T::DTYPE.size_bytes();
+        let this = std::mem::ManuallyDrop::new(self);
+        // SAFETY: the fields are moved out of a value that is never dropped (`ManuallyDrop`), so
+        // the memory keeps one owner, the new tensor; the shape box is read once and dropped.
+        let (owner, recycle, shape) = unsafe {
+            (
+                std::ptr::read(&this.owner),
+                std::ptr::read(&this.recycle),
+                std::ptr::read(&this.shape),
+            )
+        };
+        drop(shape);
+        DeviceTensor {
+            ptr: this.ptr,
+            len: bytes,
+            shape: Box::new([bytes]),
+            owner,
+            recycle,
+            _element: PhantomData,
+        }
+    }
+}
+
+#[cfg(feature = "safetensors")]
 impl DeviceTensor<u8> {
     /// The same memory as a tensor of `T` of `shape`, whose elements fill these bytes exactly;
     /// `None` (and the bytes dropped, stream-ordered as ever) when they do not.

@@ -12,11 +12,8 @@
 //! seam, the core, memory, lifecycle) and on the errors; nothing below it depends on a route.
 
 pub(crate) mod blocking;
-// The checkpoint files' header checks; the routes that load and save through them are not part
-// of the public API yet, so outside the tests nothing calls them.
 #[cfg(feature = "safetensors")]
-#[cfg_attr(not(test), allow(dead_code))]
-mod checkpoint;
+pub(crate) mod checkpoint;
 pub mod peer;
 pub(crate) mod pending;
 mod scalar;

@@ -10,6 +10,9 @@ mod copy_threads;
 mod support;
 
 // Host transfers: the blocking routes, and the pending ones with their buffers.
+// Checkpoint files (feature `safetensors`).
+#[cfg(feature = "safetensors")]
+mod checkpoint;
 mod handoff;
 mod pending;
 mod registered;

@@ -9,8 +9,9 @@
 //! every name as the file spells it, so that a name given twice (which a JSON map would silently
 //! collapse) is refused, and every failure names the file and, where there is one, the tensor.
 
-use super::{CheckpointError, ReadAt};
+use super::ReadAt;
 use crate::dtype::DType;
+use crate::error::CheckpointError;
 use serde::de::{Deserializer, IgnoredAny, MapAccess, Visitor};
 use std::path::Path;
 

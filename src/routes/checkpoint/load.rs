@@ -11,64 +11,70 @@
 //! back once their copies are proven, never before), the tensors made so far are dropped, which
 //! frees them after their copies, and the error names the file (and the tensor, for bad data).
 
+use super::ReadAt;
 use super::header::{self, Entry, Header};
-use super::{CheckpointError, ReadAt};
 use crate::core::engine::CudaEngine;
 use crate::dtype::DType;
-use crate::error::{Error, StagingError};
+use crate::error::{CheckpointError, Error, Result, StagingError};
 use crate::lifecycle::lease::{Proven, StagingLease, Unproven, released};
+use crate::memory::element::Element;
 use crate::memory::tensor::DeviceTensor;
 use std::collections::VecDeque;
 use std::path::Path;
 
-/// Why a load stopped.
-#[derive(Debug, thiserror::Error)]
-pub(crate) enum LoadError {
-    /// The file, or what it holds.
-    #[error(transparent)]
-    Checkpoint(#[from] CheckpointError),
-    /// The engine (an allocation, a copy, a proof of one).
-    #[error(transparent)]
-    Engine(#[from] Error),
-}
-
-/// A device tensor of an element type known at run time: its bytes, their type and its shape.
+/// A device tensor whose element type is known at run time, as a checkpoint holds it: its
+/// bytes on the device, their element type and the tensor's shape.
+///
+/// [`into_typed`](Self::into_typed) gives the `DeviceTensor<T>` of its element type (checked);
+/// `Tensor::from` makes one of any `DeviceTensor<T>`, for [`save`](crate::checkpoint::save).
 #[derive(Debug)]
-pub(crate) struct AnyTensor {
+pub struct Tensor {
     bytes: DeviceTensor<u8>,
     dtype: DType,
     shape: Vec<usize>,
 }
 
-impl AnyTensor {
+impl Tensor {
     /// The element type.
-    pub(crate) fn dtype(&self) -> DType {
+    pub fn dtype(&self) -> DType {
         self.dtype
     }
 
     /// The shape.
-    pub(crate) fn shape(&self) -> &[usize] {
+    pub fn shape(&self) -> &[usize] {
         &self.shape
     }
 
     /// The tensor's bytes, as the file held them.
-    pub(crate) fn bytes(&self) -> &DeviceTensor<u8> {
+    pub fn bytes(&self) -> &DeviceTensor<u8> {
         &self.bytes
     }
 
     /// The tensor as a `DeviceTensor<T>`, when `T` is its element type; the tensor back
-    /// otherwise.
-    pub(crate) fn into_typed<T: crate::memory::element::Element>(
-        self,
-    ) -> Result<DeviceTensor<T>, AnyTensor> {
+    /// otherwise, unchanged.
+    ///
+    /// # Errors
+    /// The tensor itself, when `T` is not its element type.
+    pub fn into_typed<T: Element>(self) -> std::result::Result<DeviceTensor<T>, Tensor> {
         if T::DTYPE != self.dtype {
             return Err(self);
         }
-        let AnyTensor { bytes, shape, .. } = self;
+        let Tensor { bytes, shape, .. } = self;
         // SAFETY: the bytes are a tensor of `T` (checked above) as the file held it, and the
         // load refused a `bool` tensor holding a byte other than 0 or 1 before copying it.
         let typed = unsafe { bytes.reinterpret::<T>(&shape) };
-        Ok(typed.expect("the shape fills the bytes (checked by the header)"))
+        Ok(typed.expect("the shape fills the bytes (checked by the header, or by `from`)"))
+    }
+}
+
+impl<T: Element> From<DeviceTensor<T>> for Tensor {
+    fn from(tensor: DeviceTensor<T>) -> Tensor {
+        let shape = tensor.shape().to_vec();
+        Tensor {
+            bytes: tensor.into_bytes(),
+            dtype: T::DTYPE,
+            shape,
+        }
     }
 }
 
@@ -105,16 +111,16 @@ fn chunks(tensors: &[Entry], capacity: usize) -> Vec<Chunk> {
 /// complete.
 ///
 /// # Errors
-/// [`LoadError::Checkpoint`] for a bad header, a failed or short read, a `bool` tensor holding
-/// a byte other than 0 or 1, or a file whose length changed; [`LoadError::Engine`] when the
-/// engine cannot allocate, copy or prove a copy.
+/// [`Error::Checkpoint`] for a bad header, a failed or short read, a `bool` tensor holding a
+/// byte other than 0 or 1, or a file whose length changed; the engine's error when it cannot
+/// allocate, copy or prove a copy.
 pub(crate) fn load(
     engine: &mut CudaEngine,
     path: &Path,
     file: &dyn ReadAt,
     len: u64,
     wanted: &mut dyn FnMut(&str) -> bool,
-) -> Result<Vec<(String, AnyTensor)>, LoadError> {
+) -> Result<Vec<(String, Tensor)>> {
     let Header { tensors, .. } = header::read(path, file, len)?;
     let tensors: Vec<Entry> = tensors.into_iter().filter(|t| wanted(&t.name)).collect();
     let mut out: Vec<DeviceTensor<u8>> = Vec::with_capacity(tensors.len());
@@ -152,7 +158,7 @@ pub(crate) fn load(
                     {
                         depth = flying.len() + leases.len();
                     }
-                    Err(error) => return Err(error.into()),
+                    Err(error) => return Err(error),
                 }
             }
             match flying.pop_front() {
@@ -169,7 +175,7 @@ pub(crate) fn load(
             let bytes = (chunk.end - chunk.start) as usize;
             match lease.begin_upload(engine, tensor, chunk.at, bytes) {
                 Ok(unproven) => flying.push_back(unproven),
-                Err(refused) => return Err(released(refused).into()),
+                Err(refused) => return Err(released(refused)),
             }
         }
     }
@@ -193,7 +199,7 @@ pub(crate) fn load(
         .into_iter()
         .zip(out)
         .map(|(t, bytes)| {
-            let tensor = AnyTensor {
+            let tensor = Tensor {
                 bytes,
                 dtype: t.dtype,
                 shape: t.shape,
@@ -353,7 +359,7 @@ pub(super) mod tests {
         engine: &mut CudaEngine,
         file: &dyn ReadAt,
         len: u64,
-    ) -> Result<Vec<(String, AnyTensor)>, LoadError> {
+    ) -> Result<Vec<(String, Tensor)>> {
         load(
             engine,
             Path::new("model.safetensors"),
@@ -489,9 +495,9 @@ pub(super) mod tests {
                 match load_all(&mut engine, &file, bytes.len() as u64) {
                     // The last read asks past the end, where reading nothing is the truth.
                     Ok(_) if short && fail_at == reads => {}
-                    Err(LoadError::Checkpoint(CheckpointError::Io { .. }))
-                    | Err(LoadError::Checkpoint(CheckpointError::ShortRead { .. }))
-                    | Err(LoadError::Checkpoint(CheckpointError::LengthChanged { .. })) => {}
+                    Err(Error::Checkpoint(CheckpointError::Io { .. }))
+                    | Err(Error::Checkpoint(CheckpointError::ShortRead { .. }))
+                    | Err(Error::Checkpoint(CheckpointError::LengthChanged { .. })) => {}
                     other => panic!("read {fail_at} (short: {short}): {other:?}"),
                 }
                 recovers(engine, &sim, &bytes);
@@ -525,7 +531,7 @@ pub(super) mod tests {
                 let (mut engine, sim) = engine();
                 sim.fail_nth(op, n, DriverError::LAUNCH_FAILED);
                 match load_all(&mut engine, &&bytes[..], bytes.len() as u64) {
-                    Err(LoadError::Engine(_)) => {}
+                    Err(e) if !matches!(e, Error::Checkpoint(_)) => {}
                     other => panic!("{op:?} call {n}: {other:?}"),
                 }
                 recovers(engine, &sim, &bytes);

@@ -1,5 +1,6 @@
-//! Checkpoint files in the safetensors format (feature `safetensors`): what a file holds, read
-//! and checked before anything reaches the device.
+//! Checkpoint files in the safetensors format (feature `safetensors`): named device tensors
+//! loaded from a file and saved to one, through pinned staging, with the bytes checked before
+//! anything reaches the device.
 //!
 //! The module exists because a checkpoint is the transfer most GPU work waits on, and its input
 //! is a file nobody has checked: every way a header can be wrong (a file shorter than it says, a
@@ -14,11 +15,15 @@ mod header;
 mod load;
 mod save;
 
-use std::path::PathBuf;
+pub use load::Tensor;
+
+use crate::core::engine::CudaEngine;
+use crate::error::{CheckpointError, Result};
+use std::path::Path;
 
 /// Positioned reads: the bytes at an offset, without a cursor, so that one open file serves
 /// several readers at once.
-pub(crate) trait ReadAt: Sync {
+pub trait ReadAt: Sync {
     /// Reads up to `buf.len()` bytes at `offset` into `buf`, and returns how many were read;
     /// zero only at the end of the file (or for an empty `buf`).
     ///
@@ -42,79 +47,130 @@ impl ReadAt for &[u8] {
     }
 }
 
-/// What is wrong with a checkpoint file, named by its path (and its tensor, where one is at
-/// fault).
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub(crate) enum CheckpointError {
-    /// The operating system refused an operation on the file.
-    #[error("{path}: {operation} failed: {source}", path = path.display())]
-    Io {
-        path: PathBuf,
-        operation: &'static str,
-        source: std::io::Error,
-    },
-    /// A read came back short of what the file's length promised (the file shrank, or the
-    /// storage under it failed quietly).
-    #[error("{path}: a read at byte {offset} came back {missing} byte(s) short", path = path.display())]
-    ShortRead {
-        path: PathBuf,
-        offset: u64,
-        missing: usize,
-    },
-    /// The file is shorter than its header says it must be.
-    #[error("{path}: {len} bytes long, shorter than the {needed} its header needs", path = path.display())]
-    Truncated {
-        path: PathBuf,
-        needed: u64,
-        len: u64,
-    },
-    /// The header's length is beyond the format's limit.
-    #[error(
-        "{path}: a header of {length} bytes, above the limit of {limit} (the file is {file_len} bytes)",
-        path = path.display()
-    )]
-    HeaderLength {
-        path: PathBuf,
-        length: u64,
-        limit: u64,
-        file_len: u64,
-    },
-    /// The header is not what the format describes: not UTF-8, not JSON, a tensor entry that is
-    /// not one, ranges that do not tile the data, a name given twice.
-    #[error(
-        "{path}: bad header{}: {reason}",
-        tensor.as_ref().map(|t| format!(" at tensor '{t}'")).unwrap_or_default(),
-        path = path.display()
-    )]
-    Header {
-        path: PathBuf,
-        tensor: Option<String>,
-        reason: String,
-    },
-    /// A tensor's element type is one the crate has no type for (the 8-bit and sub-byte floats,
-    /// the complex types), or one the format does not know.
-    #[error("{path}: tensor '{tensor}' has element type {dtype}, which cuferry does not hold", path = path.display())]
-    Dtype {
-        path: PathBuf,
-        tensor: String,
-        dtype: String,
-    },
-    /// The file's length changed while it was being read.
-    #[error("{path}: {before} bytes long when the load began, {after} when it ended", path = path.display())]
-    LengthChanged {
-        path: PathBuf,
-        before: u64,
-        after: u64,
-    },
-    /// The data after the header is not as long as the header's ranges say.
-    #[error(
-        "{path}: the header describes {header_says} bytes of data, the file holds {file_holds}",
-        path = path.display()
-    )]
-    DataLength {
-        path: PathBuf,
-        header_says: u64,
-        file_holds: u64,
-    },
+/// The tensors of a checkpoint, by name, in the order of their bytes in the file.
+#[derive(Debug, Default)]
+pub struct Checkpoint {
+    tensors: Vec<(String, Tensor)>,
+}
+
+impl Checkpoint {
+    /// The tensor named `name`.
+    pub fn get(&self, name: &str) -> Option<&Tensor> {
+        self.tensors.iter().find(|(n, _)| n == name).map(|(_, t)| t)
+    }
+
+    /// Takes the tensor named `name` out of the checkpoint.
+    pub fn remove(&mut self, name: &str) -> Option<Tensor> {
+        let at = self.tensors.iter().position(|(n, _)| n == name)?;
+        Some(self.tensors.remove(at).1)
+    }
+
+    /// The names, in file order.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.tensors.iter().map(|(n, _)| n.as_str())
+    }
+
+    /// The tensors with their names, in file order.
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &Tensor)> {
+        self.tensors.iter().map(|(n, t)| (n.as_str(), t))
+    }
+
+    /// How many tensors it holds.
+    pub fn len(&self) -> usize {
+        self.tensors.len()
+    }
+
+    /// Whether it holds none.
+    pub fn is_empty(&self) -> bool {
+        self.tensors.is_empty()
+    }
+}
+
+impl IntoIterator for Checkpoint {
+    type Item = (String, Tensor);
+    type IntoIter = std::vec::IntoIter<(String, Tensor)>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.tensors.into_iter()
+    }
+}
+
+/// Loads every tensor of the safetensors file `path` onto `engine`.
+///
+/// The header is read and checked first; then each tensor is allocated and its bytes travel
+/// file → pinned staging → device: positioned reads on threads of their own into the engine's
+/// staging slots (at most `ring_depth` of them, of `chunk_bytes` each: the
+/// [`StagingConfig`](crate::staging::StagingConfig)), each slot's copy queued as soon as its read
+/// is done, and the next slots read meanwhile. Returns once every copy is complete.
+///
+/// # Errors
+/// [`Error::Checkpoint`](crate::Error::Checkpoint) naming the file (and the tensor, where one
+/// is at fault) for a file that cannot be opened or read, a bad header (see
+/// [`CheckpointError`]), a `bool` tensor holding a byte other than 0 or 1, or a file whose
+/// length changed during the load; the engine's error when it cannot allocate, copy or prove a
+/// copy. Nothing is kept: the tensors made so far are freed after their copies, and the staging
+/// slots return once theirs are proven.
+pub fn load(engine: &mut CudaEngine, path: impl AsRef<Path>) -> Result<Checkpoint> {
+    load_selected(engine, path, |_| true)
+}
+
+/// As [`load`], for the tensors whose names `select` accepts: the others are neither allocated
+/// nor read.
+///
+/// # Errors
+/// As [`load`].
+pub fn load_selected(
+    engine: &mut CudaEngine,
+    path: impl AsRef<Path>,
+    mut select: impl FnMut(&str) -> bool,
+) -> Result<Checkpoint> {
+    let path = path.as_ref();
+    let io = |operation| {
+        move |source| CheckpointError::Io {
+            path: path.to_owned(),
+            operation,
+            source,
+        }
+    };
+    let file = std::fs::File::open(path).map_err(io("open"))?;
+    let len = file.metadata().map_err(io("stat"))?.len();
+    load_from(engine, path, &file, len, &mut select)
+}
+
+/// As [`load_selected`], reading through `file` (`len` bytes long): a storage layer of the
+/// caller's, or a file opened another way. `path` names it in errors.
+///
+/// # Errors
+/// As [`load`].
+pub fn load_from(
+    engine: &mut CudaEngine,
+    path: &Path,
+    file: &dyn ReadAt,
+    len: u64,
+    select: &mut dyn FnMut(&str) -> bool,
+) -> Result<Checkpoint> {
+    Ok(Checkpoint {
+        tensors: load::load(engine, path, file, len, select)?,
+    })
+}
+
+/// Writes `tensors` (names with tensors of `engine`) to the safetensors file `path`, in the
+/// format's own layout: the file is byte for byte what `safetensors::serialize` writes for the
+/// same tensors.
+///
+/// The bytes travel device → pinned staging → file through the engine's staging slots, each
+/// chunk written at its place once its download is proven, the next downloads in flight
+/// meanwhile. The file is written as `<name>.partial` beside `path`, flushed to the storage and
+/// renamed only when complete.
+///
+/// # Errors
+/// [`Error::Checkpoint`](crate::Error::Checkpoint) when the file cannot be created, written,
+/// flushed or renamed, or for a name given twice; the engine's error when a download or its
+/// proof fails. Either way nothing is left under `path` and the partial file is removed.
+pub fn save(
+    engine: &mut CudaEngine,
+    path: impl AsRef<Path>,
+    tensors: &[(&str, &Tensor)],
+) -> Result<()> {
+    save::save(engine, path.as_ref(), tensors)
 }

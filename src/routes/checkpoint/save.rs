@@ -10,10 +10,10 @@
 //! renamed only when every byte is there, so a failure never leaves a truncated checkpoint under
 //! the final name (the partial file is removed).
 
-use super::CheckpointError;
 use super::header;
-use super::load::{AnyTensor, LoadError};
+use super::load::Tensor;
 use crate::core::engine::CudaEngine;
+use crate::error::{CheckpointError, Error, Result};
 use crate::lifecycle::lease::{Proven, StagingLease, Unproven, released};
 use std::collections::VecDeque;
 use std::fs::File;
@@ -23,7 +23,7 @@ use std::path::{Path, PathBuf};
 /// The header bytes (padded) and each tensor's place, for `tensors` in the format's order.
 fn layout(
     path: &Path,
-    tensors: &mut [(String, &AnyTensor)],
+    tensors: &mut [(String, &Tensor)],
 ) -> Result<(Vec<u8>, Vec<u64>), CheckpointError> {
     // The format's order: its dtypes by descending alignment (its enum's order), then names.
     tensors.sort_by(|(ln, l), (rn, r)| {
@@ -74,14 +74,14 @@ fn partial(path: &Path) -> PathBuf {
 /// Writes `tensors` (names with their tensors, of `engine`) to the safetensors file `path`.
 ///
 /// # Errors
-/// [`LoadError::Checkpoint`] when the file cannot be created, written, flushed or renamed (the
+/// [`Error::Checkpoint`] when the file cannot be created, written, flushed or renamed (the
 /// partial file is then removed, and nothing is left under `path`), or for a name given twice;
-/// [`LoadError::Engine`] when a download or its proof fails.
+/// the engine's error when a download or its proof fails.
 pub(crate) fn save(
     engine: &mut CudaEngine,
     path: &Path,
-    tensors: &[(&str, &AnyTensor)],
-) -> Result<(), LoadError> {
+    tensors: &[(&str, &Tensor)],
+) -> Result<()> {
     let mut names = std::collections::HashSet::new();
     for (name, _) in tensors {
         if !names.insert(*name) {
@@ -93,7 +93,7 @@ pub(crate) fn save(
             .into());
         }
     }
-    let mut ordered: Vec<(String, &AnyTensor)> =
+    let mut ordered: Vec<(String, &Tensor)> =
         tensors.iter().map(|(n, t)| ((*n).to_owned(), *t)).collect();
     let (head, starts) = layout(path, &mut ordered)?;
     let temporary = partial(path);
@@ -106,16 +106,13 @@ pub(crate) fn save(
         }
     };
     let file = File::create(&temporary).map_err(io("create"))?;
-    let written = write_all(engine, &file, &temporary, &head, &ordered, &starts).and_then(|()| {
-        file.sync_all()
-            .map_err(io("flush"))
-            .map_err(LoadError::from)
-    });
+    let written = write_all(engine, &file, &temporary, &head, &ordered, &starts)
+        .and_then(|()| file.sync_all().map_err(io("flush")).map_err(Error::from));
     drop(file);
     let renamed = written.and_then(|()| {
         std::fs::rename(&temporary, path)
             .map_err(io("rename"))
-            .map_err(LoadError::from)
+            .map_err(Error::from)
     });
     if renamed.is_err() {
         let _ = std::fs::remove_file(&temporary);
@@ -138,9 +135,9 @@ fn write_all(
     file: &File,
     path: &Path,
     head: &[u8],
-    tensors: &[(String, &AnyTensor)],
+    tensors: &[(String, &Tensor)],
     starts: &[u64],
-) -> Result<(), LoadError> {
+) -> Result<()> {
     let write = |bytes: &[u8], offset: u64| -> Result<(), CheckpointError> {
         file.write_all_at(bytes, offset)
             .map_err(|source| CheckpointError::Io {
@@ -170,28 +167,31 @@ fn write_all(
     }
     let mut flying: VecDeque<(StagingLease<Unproven>, Chunk)> = VecDeque::new();
     // Proves the oldest download, writes its bytes, and returns its lease.
-    let land = |flying: &mut VecDeque<(StagingLease<Unproven>, Chunk)>| -> Result<StagingLease<Proven>, LoadError> {
-        let (lease, chunk) = flying.pop_front().expect("a download in flight");
-        let lease = lease.end_chunk()?;
-        write(&lease.as_bytes()[..chunk.len], chunk.offset)?;
-        Ok(lease)
-    };
+    let land =
+        |flying: &mut VecDeque<(StagingLease<Unproven>, Chunk)>| -> Result<StagingLease<Proven>> {
+            let (lease, chunk) = flying.pop_front().expect("a download in flight");
+            let lease = lease.end_chunk()?;
+            write(&lease.as_bytes()[..chunk.len], chunk.offset)?;
+            Ok(lease)
+        };
     for chunk in plan {
         let lease = match free.pop() {
             Some(lease) => lease,
             None if flying.len() < depth => match engine.staging_lease() {
                 Ok(lease) => lease,
-                Err(crate::error::Error::Staging(crate::error::StagingError::Exhausted {
-                    ..
-                })) if !flying.is_empty() => land(&mut flying)?,
-                Err(error) => return Err(error.into()),
+                Err(Error::Staging(crate::error::StagingError::Exhausted { .. }))
+                    if !flying.is_empty() =>
+                {
+                    land(&mut flying)?
+                }
+                Err(error) => return Err(error),
             },
             None => land(&mut flying)?,
         };
         let source = tensors[chunk.tensor].1.bytes();
         match lease.begin_download(engine, source, chunk.at, chunk.len) {
             Ok(unproven) => flying.push_back((unproven, chunk)),
-            Err(refused) => return Err(released(refused).into()),
+            Err(refused) => return Err(released(refused)),
         }
     }
     while !flying.is_empty() {
@@ -208,7 +208,7 @@ mod tests {
     use crate::error::DriverError;
 
     /// The checkpoint's tensors, loaded onto `engine`.
-    fn loaded(engine: &mut CudaEngine) -> Vec<(String, AnyTensor)> {
+    fn loaded(engine: &mut CudaEngine) -> Vec<(String, Tensor)> {
         let (bytes, _) = checkpoint();
         load_all(engine, &&bytes[..], bytes.len() as u64).unwrap()
     }
@@ -220,7 +220,7 @@ mod tests {
         let tensors = loaded(&mut engine);
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("model.safetensors");
-        let named: Vec<(&str, &AnyTensor)> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
+        let named: Vec<(&str, &Tensor)> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
         save(&mut engine, &path, &named).unwrap();
         let written = std::fs::read(&path).unwrap();
         assert_eq!(
@@ -265,7 +265,7 @@ mod tests {
         let counts: Vec<u64> = {
             let (mut engine, sim) = engine();
             let tensors = loaded(&mut engine);
-            let named: Vec<(&str, &AnyTensor)> =
+            let named: Vec<(&str, &Tensor)> =
                 tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
             let before: Vec<u64> = OPS.iter().map(|&op| sim.calls(op)).collect();
             save(&mut engine, &path, &named).unwrap();
@@ -280,11 +280,11 @@ mod tests {
             for n in 1..=count {
                 let (mut engine, sim) = engine();
                 let tensors = loaded(&mut engine);
-                let named: Vec<(&str, &AnyTensor)> =
+                let named: Vec<(&str, &Tensor)> =
                     tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
                 sim.fail_nth(op, n, DriverError::LAUNCH_FAILED);
                 match save(&mut engine, &path, &named) {
-                    Err(LoadError::Engine(_)) => {
+                    Err(e) if !matches!(e, Error::Checkpoint(_)) => {
                         let left = std::fs::read_dir(dir.path()).unwrap().count();
                         assert_eq!(left, 0, "{op:?} {n}: a file was left");
                     }
