@@ -1119,6 +1119,14 @@ pub enum CheckpointError {
         /// Its length when it ended.
         after: u64,
     },
+    /// A sharded checkpoint's index names a shard that is not there.
+    #[error("{index}: names the shard {shard}, which is missing", index = index.display(), shard = shard.display())]
+    MissingShard {
+        /// The index file.
+        index: std::path::PathBuf,
+        /// The shard it names.
+        shard: std::path::PathBuf,
+    },
     /// The data after the header is not as long as the header's ranges say.
     #[error(
         "{path}: the header describes {header_says} bytes of data, the file holds {file_holds}",

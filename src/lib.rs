@@ -173,7 +173,8 @@ pub mod raw {
 #[cfg(feature = "safetensors")]
 pub mod checkpoint {
     pub use crate::routes::checkpoint::{
-        Checkpoint, ReadAt, Tensor, load, load_from, load_selected, save,
+        Checkpoint, LoadOptions, Progress, ReadAt, SaveOptions, Tensor, load, load_from, load_with,
+        save, save_with,
     };
 }
 

@@ -11,8 +11,8 @@
 //! back once their copies are proven, never before), the tensors made so far are dropped, which
 //! frees them after their copies, and the error names the file (and the tensor, for bad data).
 
-use super::ReadAt;
 use super::header::{self, Entry, Header};
+use super::{ReadAt, Tally};
 use crate::core::engine::CudaEngine;
 use crate::dtype::DType;
 use crate::error::{CheckpointError, Error, Result, StagingError};
@@ -106,9 +106,26 @@ fn chunks(tensors: &[Entry], capacity: usize) -> Vec<Chunk> {
     out
 }
 
-/// Loads the tensors of the safetensors file `path` (read through `file`, `len` bytes long)
-/// that `wanted` selects, onto `engine`, in file order. Returns once every copy is proven
-/// complete.
+/// The tensors of the safetensors file `path` (read through `file`, `len` bytes long) that
+/// `wanted` selects, in file order: its header, read and checked.
+pub(crate) fn plan(
+    path: &Path,
+    file: &dyn ReadAt,
+    len: u64,
+    wanted: &mut dyn FnMut(&str) -> bool,
+) -> Result<Vec<Entry>> {
+    let Header { tensors, .. } = header::read(path, file, len)?;
+    Ok(tensors.into_iter().filter(|t| wanted(&t.name)).collect())
+}
+
+/// The bytes a plan moves.
+pub(crate) fn plan_bytes(tensors: &[Entry]) -> u64 {
+    tensors.iter().map(|t| t.end - t.start).sum()
+}
+
+/// Loads the planned `tensors` of the file `path` (read through `file`, `len` bytes long) onto
+/// `engine`, in file order, counting each chunk's bytes into `tally` once its copy is queued.
+/// Returns once every copy is proven complete.
 ///
 /// # Errors
 /// [`Error::Checkpoint`] for a bad header, a failed or short read, a `bool` tensor holding a
@@ -119,10 +136,9 @@ pub(crate) fn load(
     path: &Path,
     file: &dyn ReadAt,
     len: u64,
-    wanted: &mut dyn FnMut(&str) -> bool,
+    tensors: Vec<Entry>,
+    tally: &mut Tally<'_>,
 ) -> Result<Vec<(String, Tensor)>> {
-    let Header { tensors, .. } = header::read(path, file, len)?;
-    let tensors: Vec<Entry> = tensors.into_iter().filter(|t| wanted(&t.name)).collect();
     let mut out: Vec<DeviceTensor<u8>> = Vec::with_capacity(tensors.len());
     for t in &tensors {
         out.push(engine.alloc_tensor::<u8>(&[(t.end - t.start) as usize])?);
@@ -174,7 +190,10 @@ pub(crate) fn load(
             let tensor = &mut out[chunk.tensor];
             let bytes = (chunk.end - chunk.start) as usize;
             match lease.begin_upload(engine, tensor, chunk.at, bytes) {
-                Ok(unproven) => flying.push_back(unproven),
+                Ok(unproven) => {
+                    flying.push_back(unproven);
+                    tally.add(bytes as u64);
+                }
                 Err(refused) => return Err(released(refused)),
             }
         }
@@ -360,13 +379,9 @@ pub(super) mod tests {
         file: &dyn ReadAt,
         len: u64,
     ) -> Result<Vec<(String, Tensor)>> {
-        load(
-            engine,
-            Path::new("model.safetensors"),
-            file,
-            len,
-            &mut |_| true,
-        )
+        let path = Path::new("model.safetensors");
+        let tensors = plan(path, file, len, &mut |_| true)?;
+        load(engine, path, file, len, tensors, &mut Tally::silent())
     }
 
     #[test]
@@ -410,14 +425,10 @@ pub(super) mod tests {
         }
         let before = sim.device_live().0;
         let file = Counting(&bytes, &reads);
-        let loaded = load(
-            &mut engine,
-            Path::new("m"),
-            &file,
-            bytes.len() as u64,
-            &mut |n| n == "step",
-        )
-        .unwrap();
+        let len = bytes.len() as u64;
+        let path = Path::new("m");
+        let tensors = plan(path, &file, len, &mut |n| n == "step").unwrap();
+        let loaded = load(&mut engine, path, &file, len, tensors, &mut Tally::silent()).unwrap();
         assert_eq!(loaded.len(), 1);
         assert_eq!(
             download_tensor(&mut engine, loaded[0].1.bytes()).unwrap(),

@@ -12,6 +12,7 @@
 //! layer of the caller's) can stand in for the file.
 
 mod header;
+mod index;
 mod load;
 mod save;
 
@@ -44,6 +45,93 @@ impl ReadAt for &[u8] {
         let n = buf.len().min(self.len() - start);
         buf[..n].copy_from_slice(&self[start..start + n]);
         Ok(n)
+    }
+}
+
+/// How far a load or a save has come: bytes done of bytes in all.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Progress {
+    /// The bytes moved so far: for a load, those whose copy to the device is queued; for a
+    /// save, those written to the file.
+    pub done: u64,
+    /// The bytes the load or save moves in all.
+    pub total: u64,
+}
+
+/// Counts the bytes moved and reports each step.
+pub(crate) struct Tally<'a> {
+    done: u64,
+    total: u64,
+    report: &'a mut dyn FnMut(Progress),
+}
+
+impl<'a> Tally<'a> {
+    pub(crate) fn new(total: u64, report: &'a mut dyn FnMut(Progress)) -> Self {
+        Tally {
+            done: 0,
+            total,
+            report,
+        }
+    }
+
+    /// A tally that reports to no one.
+    #[cfg(test)]
+    pub(crate) fn silent() -> Tally<'static> {
+        Tally {
+            done: 0,
+            total: 0,
+            report: Box::leak(Box::new(|_| {})),
+        }
+    }
+
+    pub(crate) fn add(&mut self, bytes: u64) {
+        self.done += bytes;
+        (self.report)(Progress {
+            done: self.done,
+            total: self.total,
+        });
+    }
+}
+
+/// What a load reads, and whom it tells how far it has come.
+pub struct LoadOptions<'a> {
+    select: Box<dyn FnMut(&str) -> bool + 'a>,
+    progress: Box<dyn FnMut(Progress) + 'a>,
+}
+
+impl std::fmt::Debug for LoadOptions<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LoadOptions").finish_non_exhaustive()
+    }
+}
+
+impl Default for LoadOptions<'_> {
+    fn default() -> Self {
+        LoadOptions {
+            select: Box::new(|_| true),
+            progress: Box::new(|_| {}),
+        }
+    }
+}
+
+impl<'a> LoadOptions<'a> {
+    /// Every tensor, reporting to no one.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Loads only the tensors whose names `select` accepts: the others are neither allocated
+    /// nor read.
+    pub fn select(mut self, select: impl FnMut(&str) -> bool + 'a) -> Self {
+        self.select = Box::new(select);
+        self
+    }
+
+    /// Calls `progress` after each chunk's copy is queued, with the bytes done of the bytes
+    /// selected.
+    pub fn progress(mut self, progress: impl FnMut(Progress) + 'a) -> Self {
+        self.progress = Box::new(progress);
+        self
     }
 }
 
@@ -95,7 +183,8 @@ impl IntoIterator for Checkpoint {
     }
 }
 
-/// Loads every tensor of the safetensors file `path` onto `engine`.
+/// Loads every tensor of the safetensors checkpoint `path` onto `engine`: one file, or, for a
+/// path ending in `.index.json`, the sharded set that index names.
 ///
 /// The header is read and checked first; then each tensor is allocated and its bytes travel
 /// file → pinned staging → device: positioned reads on threads of their own into the engine's
@@ -106,39 +195,59 @@ impl IntoIterator for Checkpoint {
 /// # Errors
 /// [`Error::Checkpoint`](crate::Error::Checkpoint) naming the file (and the tensor, where one
 /// is at fault) for a file that cannot be opened or read, a bad header (see
-/// [`CheckpointError`]), a `bool` tensor holding a byte other than 0 or 1, or a file whose
-/// length changed during the load; the engine's error when it cannot allocate, copy or prove a
-/// copy. Nothing is kept: the tensors made so far are freed after their copies, and the staging
-/// slots return once theirs are proven.
+/// [`CheckpointError`]), a `bool` tensor holding a byte other than 0 or 1, a file whose length
+/// changed during the load, or an index that names a shard that is missing or lacks a tensor;
+/// the engine's error when it cannot allocate, copy or prove a copy. Nothing is kept: the
+/// tensors made so far are freed after their copies, and the staging slots return once theirs
+/// are proven.
 pub fn load(engine: &mut CudaEngine, path: impl AsRef<Path>) -> Result<Checkpoint> {
-    load_selected(engine, path, |_| true)
+    load_with(engine, path, LoadOptions::default())
 }
 
-/// As [`load`], for the tensors whose names `select` accepts: the others are neither allocated
-/// nor read.
+/// As [`load`], with a selection of the tensors and a progress report.
 ///
 /// # Errors
 /// As [`load`].
-pub fn load_selected(
+pub fn load_with(
     engine: &mut CudaEngine,
     path: impl AsRef<Path>,
-    mut select: impl FnMut(&str) -> bool,
+    mut options: LoadOptions<'_>,
 ) -> Result<Checkpoint> {
     let path = path.as_ref();
-    let io = |operation| {
-        move |source| CheckpointError::Io {
-            path: path.to_owned(),
-            operation,
-            source,
-        }
-    };
-    let file = std::fs::File::open(path).map_err(io("open"))?;
-    let len = file.metadata().map_err(io("stat"))?.len();
-    load_from(engine, path, &file, len, &mut select)
+    if path.to_string_lossy().ends_with(".index.json") {
+        return index::load(engine, path, &mut options);
+    }
+    let file = open(path)?;
+    let len = file_len(path, &file)?;
+    load_from(engine, path, &file, len, options)
 }
 
-/// As [`load_selected`], reading through `file` (`len` bytes long): a storage layer of the
-/// caller's, or a file opened another way. `path` names it in errors.
+/// Opens `path` for reading.
+fn open(path: &Path) -> Result<std::fs::File> {
+    std::fs::File::open(path).map_err(|source| {
+        CheckpointError::Io {
+            path: path.to_owned(),
+            operation: "open",
+            source,
+        }
+        .into()
+    })
+}
+
+/// The length of the open file `path`.
+fn file_len(path: &Path, file: &std::fs::File) -> Result<u64> {
+    Ok(file
+        .metadata()
+        .map_err(|source| CheckpointError::Io {
+            path: path.to_owned(),
+            operation: "stat",
+            source,
+        })?
+        .len())
+}
+
+/// As [`load_with`], for one file read through `file` (`len` bytes long): a storage layer of
+/// the caller's, or a file opened another way. `path` names it in errors.
 ///
 /// # Errors
 /// As [`load`].
@@ -147,10 +256,12 @@ pub fn load_from(
     path: &Path,
     file: &dyn ReadAt,
     len: u64,
-    select: &mut dyn FnMut(&str) -> bool,
+    mut options: LoadOptions<'_>,
 ) -> Result<Checkpoint> {
+    let tensors = load::plan(path, file, len, &mut *options.select)?;
+    let mut tally = Tally::new(load::plan_bytes(&tensors), &mut *options.progress);
     Ok(Checkpoint {
-        tensors: load::load(engine, path, file, len, select)?,
+        tensors: load::load(engine, path, file, len, tensors, &mut tally)?,
     })
 }
 
@@ -172,5 +283,51 @@ pub fn save(
     path: impl AsRef<Path>,
     tensors: &[(&str, &Tensor)],
 ) -> Result<()> {
-    save::save(engine, path.as_ref(), tensors)
+    save_with(engine, path, tensors, SaveOptions::default())
+}
+
+/// Whom a save tells how far it has come.
+pub struct SaveOptions<'a> {
+    progress: Box<dyn FnMut(Progress) + 'a>,
+}
+
+impl std::fmt::Debug for SaveOptions<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SaveOptions").finish_non_exhaustive()
+    }
+}
+
+impl Default for SaveOptions<'_> {
+    fn default() -> Self {
+        SaveOptions {
+            progress: Box::new(|_| {}),
+        }
+    }
+}
+
+impl<'a> SaveOptions<'a> {
+    /// Reporting to no one.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Calls `progress` after each chunk is written, with the bytes written of the bytes to
+    /// write.
+    pub fn progress(mut self, progress: impl FnMut(Progress) + 'a) -> Self {
+        self.progress = Box::new(progress);
+        self
+    }
+}
+
+/// As [`save`], with a progress report.
+///
+/// # Errors
+/// As [`save`].
+pub fn save_with(
+    engine: &mut CudaEngine,
+    path: impl AsRef<Path>,
+    tensors: &[(&str, &Tensor)],
+    mut options: SaveOptions<'_>,
+) -> Result<()> {
+    save::save(engine, path.as_ref(), tensors, &mut *options.progress)
 }

@@ -10,8 +10,8 @@
 //! renamed only when every byte is there, so a failure never leaves a truncated checkpoint under
 //! the final name (the partial file is removed).
 
-use super::header;
 use super::load::Tensor;
+use super::{Progress, Tally, header};
 use crate::core::engine::CudaEngine;
 use crate::error::{CheckpointError, Error, Result};
 use crate::lifecycle::lease::{Proven, StagingLease, Unproven, released};
@@ -81,6 +81,7 @@ pub(crate) fn save(
     engine: &mut CudaEngine,
     path: &Path,
     tensors: &[(&str, &Tensor)],
+    progress: &mut dyn FnMut(Progress),
 ) -> Result<()> {
     let mut names = std::collections::HashSet::new();
     for (name, _) in tensors {
@@ -106,8 +107,12 @@ pub(crate) fn save(
         }
     };
     let file = File::create(&temporary).map_err(io("create"))?;
-    let written = write_all(engine, &file, &temporary, &head, &ordered, &starts)
-        .and_then(|()| file.sync_all().map_err(io("flush")).map_err(Error::from));
+    let total = ordered.iter().map(|(_, t)| t.bytes().len() as u64).sum();
+    let mut tally = Tally::new(total, progress);
+    let written = write_all(
+        engine, &file, &temporary, &head, &ordered, &starts, &mut tally,
+    )
+    .and_then(|()| file.sync_all().map_err(io("flush")).map_err(Error::from));
     drop(file);
     let renamed = written.and_then(|()| {
         std::fs::rename(&temporary, path)
@@ -137,6 +142,7 @@ fn write_all(
     head: &[u8],
     tensors: &[(String, &Tensor)],
     starts: &[u64],
+    tally: &mut Tally<'_>,
 ) -> Result<()> {
     let write = |bytes: &[u8], offset: u64| -> Result<(), CheckpointError> {
         file.write_all_at(bytes, offset)
@@ -167,11 +173,12 @@ fn write_all(
     }
     let mut flying: VecDeque<(StagingLease<Unproven>, Chunk)> = VecDeque::new();
     // Proves the oldest download, writes its bytes, and returns its lease.
-    let land =
+    let mut land =
         |flying: &mut VecDeque<(StagingLease<Unproven>, Chunk)>| -> Result<StagingLease<Proven>> {
             let (lease, chunk) = flying.pop_front().expect("a download in flight");
             let lease = lease.end_chunk()?;
             write(&lease.as_bytes()[..chunk.len], chunk.offset)?;
+            tally.add(chunk.len as u64);
             Ok(lease)
         };
     for chunk in plan {
@@ -221,7 +228,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("model.safetensors");
         let named: Vec<(&str, &Tensor)> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
-        save(&mut engine, &path, &named).unwrap();
+        save(&mut engine, &path, &named, &mut |_| {}).unwrap();
         let written = std::fs::read(&path).unwrap();
         assert_eq!(
             written, bytes,
@@ -246,7 +253,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("m.safetensors");
         let twice = [("a", &tensors[0].1), ("a", &tensors[1].1)];
-        let err = save(&mut engine, &path, &twice).unwrap_err();
+        let err = save(&mut engine, &path, &twice, &mut |_| {}).unwrap_err();
         assert!(err.to_string().contains("'a'"), "{err}");
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
     }
@@ -268,7 +275,7 @@ mod tests {
             let named: Vec<(&str, &Tensor)> =
                 tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
             let before: Vec<u64> = OPS.iter().map(|&op| sim.calls(op)).collect();
-            save(&mut engine, &path, &named).unwrap();
+            save(&mut engine, &path, &named, &mut |_| {}).unwrap();
             std::fs::remove_file(&path).unwrap();
             OPS.iter()
                 .zip(before)
@@ -283,7 +290,7 @@ mod tests {
                 let named: Vec<(&str, &Tensor)> =
                     tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
                 sim.fail_nth(op, n, DriverError::LAUNCH_FAILED);
-                match save(&mut engine, &path, &named) {
+                match save(&mut engine, &path, &named, &mut |_| {}) {
                     Err(e) if !matches!(e, Error::Checkpoint(_)) => {
                         let left = std::fs::read_dir(dir.path()).unwrap().count();
                         assert_eq!(left, 0, "{op:?} {n}: a file was left");
@@ -300,7 +307,7 @@ mod tests {
                 }
                 let _ = engine.synchronize();
                 sim.clear_faults();
-                save(&mut engine, &path, &named).expect("the engine saves again");
+                save(&mut engine, &path, &named, &mut |_| {}).expect("the engine saves again");
                 assert_eq!(std::fs::read(&path).unwrap(), checkpoint().0);
                 std::fs::remove_file(&path).unwrap();
                 drop(named);

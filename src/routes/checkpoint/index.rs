@@ -1,0 +1,137 @@
+//! Sharded checkpoints: a `model.safetensors.index.json` whose `weight_map` names, for each
+//! tensor, the shard file (beside the index) that holds it.
+//!
+//! Every shard's header is read and checked before anything is allocated, so a missing shard,
+//! a shard that lacks a tensor the index gives it, or a bad shard is found first, and the
+//! progress report knows the total from the start. The shards then load one after another, each
+//! through the same pipeline as a single file.
+
+use super::load as pipeline;
+use super::{Checkpoint, LoadOptions, Tally, file_len, open};
+use crate::core::engine::CudaEngine;
+use crate::error::{CheckpointError, Result};
+use serde::de::{Deserializer, MapAccess, Visitor};
+use std::path::Path;
+
+/// The index's `weight_map`, entry by entry as written, duplicates included.
+struct WeightMap(Vec<(String, String)>);
+
+impl<'de> serde::Deserialize<'de> for WeightMap {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
+        struct Entries;
+        impl<'de> Visitor<'de> for Entries {
+            type Value = WeightMap;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a map of tensor names to shard files")
+            }
+            fn visit_map<A: MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> std::result::Result<WeightMap, A::Error> {
+                let mut entries = Vec::new();
+                while let Some(entry) = map.next_entry::<String, String>()? {
+                    entries.push(entry);
+                }
+                Ok(WeightMap(entries))
+            }
+        }
+        deserializer.deserialize_map(Entries)
+    }
+}
+
+/// The index file's shape: the weight map, and whatever else it holds (ignored).
+#[derive(serde::Deserialize)]
+struct Index {
+    weight_map: WeightMap,
+}
+
+/// Loads the tensors a sharded checkpoint's index `path` names (those `options` selects).
+pub(super) fn load(
+    engine: &mut CudaEngine,
+    path: &Path,
+    options: &mut LoadOptions<'_>,
+) -> Result<Checkpoint> {
+    let bad = |tensor: Option<String>, reason: String| CheckpointError::Header {
+        path: path.to_owned(),
+        tensor,
+        reason,
+    };
+    let text = std::fs::read_to_string(path).map_err(|source| CheckpointError::Io {
+        path: path.to_owned(),
+        operation: "read",
+        source,
+    })?;
+    let Index {
+        weight_map: WeightMap(entries),
+    } = serde_json::from_str(&text).map_err(|e| bad(None, format!("not an index: {e}")))?;
+    // The shards in the order first named, each with the tensors it must hold.
+    let mut shards: Vec<(String, Vec<String>)> = Vec::new();
+    let mut seen = std::collections::HashSet::new();
+    for (name, shard) in entries {
+        if !seen.insert(name.clone()) {
+            return Err(bad(Some(name), "the name is given twice".into()).into());
+        }
+        if shard.contains('/') || shard.contains('\\') || shard == ".." {
+            return Err(bad(
+                Some(name),
+                format!("shard {shard:?} is not a file beside the index"),
+            )
+            .into());
+        }
+        match shards.iter_mut().find(|(s, _)| *s == shard) {
+            Some((_, names)) => names.push(name),
+            None => shards.push((shard, vec![name])),
+        }
+    }
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let mut plans = Vec::with_capacity(shards.len());
+    for (shard, names) in &shards {
+        let shard_path = dir.join(shard);
+        if !shard_path.is_file() {
+            return Err(CheckpointError::MissingShard {
+                index: path.to_owned(),
+                shard: shard_path,
+            }
+            .into());
+        }
+        let file = open(&shard_path)?;
+        let len = file_len(&shard_path, &file)?;
+        let everything = pipeline::plan(&shard_path, &file, len, &mut |_| true)?;
+        if let Some(absent) = names
+            .iter()
+            .find(|n| !everything.iter().any(|t| &t.name == *n))
+        {
+            return Err(CheckpointError::Header {
+                path: shard_path,
+                tensor: Some(absent.clone()),
+                reason: format!(
+                    "the index {} places the tensor here; the shard lacks it",
+                    path.display()
+                ),
+            }
+            .into());
+        }
+        let wanted: Vec<_> = everything
+            .into_iter()
+            .filter(|t| names.contains(&t.name) && (options.select)(&t.name))
+            .collect();
+        plans.push((shard_path, file, len, wanted));
+    }
+    let total = plans
+        .iter()
+        .map(|(_, _, _, t)| pipeline::plan_bytes(t))
+        .sum();
+    let mut tally = Tally::new(total, &mut *options.progress);
+    let mut tensors = Vec::new();
+    for (shard_path, file, len, wanted) in plans {
+        tensors.extend(pipeline::load(
+            engine,
+            &shard_path,
+            &file,
+            len,
+            wanted,
+            &mut tally,
+        )?);
+    }
+    Ok(Checkpoint { tensors })
+}
