@@ -17,6 +17,12 @@ pub mod transfers {
     #![doc = include_str!("../docs/guide/transfers.md")]
 }
 
+#[cfg(feature = "safetensors")]
+pub mod checkpoints {
+    // Loading and saving safetensors checkpoints through pinned staging.
+    #![doc = include_str!("../docs/guide/checkpoints.md")]
+}
+
 pub mod kernels {
     // The elementwise kernels: which element types each serves, and their semantics.
     #![doc = include_str!("../docs/guide/kernels.md")]
