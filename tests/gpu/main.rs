@@ -3,6 +3,8 @@
 //! `cargo test --release --test gpu -- --ignored --test-threads=1`. Each opens device 0.
 
 mod awaiting;
+#[cfg(feature = "safetensors")]
+mod checkpoint;
 mod collective;
 mod common;
 #[path = "../support/mod.rs"]
