@@ -235,35 +235,31 @@ impl<T: Element> DeviceTensor<T> {
 
 #[cfg(feature = "safetensors")]
 impl<T: Element> DeviceTensor<T> {
+    /// Moves this tensor's memory into a tensor of element type `U`, `len` elements of `shape`;
+    /// this tensor is left empty (address 0), so its drop frees nothing.
+    fn retype<U: Element>(mut self, len: usize, shape: Box<[usize]>) -> DeviceTensor<U> {
+        DeviceTensor {
+            ptr: std::mem::replace(&mut self.ptr, 0),
+            len,
+            shape,
+            owner: Arc::clone(&self.owner),
+            recycle: self.recycle.take(),
+            _element: PhantomData,
+        }
+    }
+
     /// The same memory as a flat tensor of its bytes (every bit pattern is a valid `u8`).
     pub(crate) fn into_bytes(self) -> DeviceTensor<u8> {
         let bytes = self.len * T::DTYPE.size_bytes();
-        let this = std::mem::ManuallyDrop::new(self);
-        // SAFETY: the fields are moved out of a value that is never dropped (`ManuallyDrop`), so
-        // the memory keeps one owner, the new tensor; the shape box is read once and dropped.
-        let (owner, recycle, shape) = unsafe {
-            (
-                std::ptr::read(&this.owner),
-                std::ptr::read(&this.recycle),
-                std::ptr::read(&this.shape),
-            )
-        };
-        drop(shape);
-        DeviceTensor {
-            ptr: this.ptr,
-            len: bytes,
-            shape: Box::new([bytes]),
-            owner,
-            recycle,
-            _element: PhantomData,
-        }
+        self.retype(bytes, Box::new([bytes]))
     }
 }
 
 #[cfg(feature = "safetensors")]
 impl DeviceTensor<u8> {
     /// The same memory as a tensor of `T` of `shape`, whose elements fill these bytes exactly;
-    /// `None` (and the bytes dropped, stream-ordered as ever) when they do not.
+    /// `None` (and the bytes dropped, stream-ordered as ever) when they do not. The allocation
+    /// is the driver's, aligned far beyond any element.
     ///
     /// # Safety
     /// Once the work queued on the memory so far has run, every `size_of::<T>()` bytes of it are
@@ -273,24 +269,7 @@ impl DeviceTensor<u8> {
         if len.checked_mul(T::DTYPE.size_bytes()) != Some(self.len) {
             return None;
         }
-        let this = std::mem::ManuallyDrop::new(self);
-        // SAFETY: the fields are moved out of a value that is never dropped (`ManuallyDrop`), so
-        // the memory has one owner throughout, now the new tensor. The allocation is the
-        // driver's (device allocations are aligned far beyond any element), `len` elements of
-        // `T` long (checked above), and the caller vouches for its contents.
-        let (owner, recycle) =
-            unsafe { (std::ptr::read(&this.owner), std::ptr::read(&this.recycle)) };
-        // Drop the byte tensor's shape, which is not moved.
-        // SAFETY: read once; `this` is never used again.
-        drop(unsafe { std::ptr::read(&this.shape) });
-        Some(DeviceTensor {
-            ptr: this.ptr,
-            len,
-            shape: shape.into(),
-            owner,
-            recycle,
-            _element: PhantomData,
-        })
+        Some(self.retype(len, shape.into()))
     }
 }
 
