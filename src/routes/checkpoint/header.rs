@@ -3,16 +3,16 @@
 //!
 //! A safetensors file is an 8-byte little-endian header length `n`, `n` bytes of UTF-8 JSON
 //! naming each tensor's element type, shape and byte range (relative to the data, which starts
-//! right after the header), then the data. The JSON is validated by the format's own Rust
+//! right after the header), then the data. The JSON is parsed once, entry by entry as the file
+//! spells it, so that a name given twice (which a JSON map would silently collapse) is refused
+//! and each bad entry is named; the whole is then validated by the format's own Rust
 //! implementation (`safetensors::tensor::Metadata`: the ranges tile the data in order, without
-//! gaps or overlaps, and each matches its shape and element type). Before that, this module reads
-//! every name as the file spells it, so that a name given twice (which a JSON map would silently
-//! collapse) is refused, and every failure names the file and, where there is one, the tensor.
+//! gaps or overlaps).
 
 use super::ReadAt;
 use crate::dtype::DType;
 use crate::error::CheckpointError;
-use serde::de::{Deserializer, IgnoredAny, MapAccess, Visitor};
+use serde::de::{Deserializer, MapAccess, Visitor};
 use std::path::Path;
 
 /// The largest header accepted, in bytes: the format's own limit (100 MB).
@@ -85,26 +85,38 @@ pub(crate) fn format_dtype(dtype: DType) -> safetensors::Dtype {
     }
 }
 
-/// Every top-level name of a JSON object, in the order written, duplicates included.
-struct Names(Vec<String>);
+/// A JSON object's entries in the order written, duplicates included (a map would keep only
+/// the last of two with one name): a checkpoint's header, or an index's weight map.
+pub(super) struct Entries<V>(pub(super) Vec<(String, V)>);
 
-impl<'de> serde::Deserialize<'de> for Names {
+impl<'de, V: serde::Deserialize<'de>> serde::Deserialize<'de> for Entries<V> {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        struct Keys;
-        impl<'de> Visitor<'de> for Keys {
-            type Value = Names;
+        struct Collect<V>(std::marker::PhantomData<V>);
+        impl<'de, V: serde::Deserialize<'de>> Visitor<'de> for Collect<V> {
+            type Value = Entries<V>;
             fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str("a JSON object of tensors")
+                f.write_str("a JSON object")
             }
-            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Names, A::Error> {
-                let mut names = Vec::new();
-                while let Some((name, IgnoredAny)) = map.next_entry::<String, IgnoredAny>()? {
-                    names.push(name);
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Entries<V>, A::Error> {
+                let mut entries = Vec::new();
+                while let Some(entry) = map.next_entry::<String, V>()? {
+                    entries.push(entry);
                 }
-                Ok(Names(names))
+                Ok(Entries(entries))
             }
         }
-        deserializer.deserialize_map(Keys)
+        deserializer.deserialize_map(Collect(std::marker::PhantomData))
+    }
+}
+
+impl<V> Entries<V> {
+    /// The first name given twice, if one is.
+    pub(super) fn repeated(&self) -> Option<&str> {
+        let mut seen = std::collections::HashSet::with_capacity(self.0.len());
+        self.0
+            .iter()
+            .map(|(name, _)| name.as_str())
+            .find(|name| !seen.insert(*name))
     }
 }
 
@@ -177,22 +189,23 @@ pub(crate) fn read(path: &Path, file: &dyn ReadAt, len: u64) -> Result<Header, C
     let mut json = vec![0u8; n as usize];
     read_exact_at(path, file, PREFIX, &mut json)?;
     let text = std::str::from_utf8(&json).map_err(|e| at(format!("not UTF-8: {e}")))?;
-    let Names(names) = serde_json::from_str(text).map_err(|e| at(format!("not JSON: {e}")))?;
-    let mut seen = std::collections::HashSet::with_capacity(names.len());
-    for name in &names {
-        if !seen.insert(name.as_str()) {
-            return Err(CheckpointError::Header {
-                path: path.to_owned(),
-                tensor: Some(name.clone()),
-                reason: "the name is given twice".into(),
-            });
-        }
+    let entries: Entries<serde_json::Value> =
+        serde_json::from_str(text).map_err(|e| at(format!("not JSON: {e}")))?;
+    if let Some(name) = entries.repeated() {
+        return Err(CheckpointError::Header {
+            path: path.to_owned(),
+            tensor: Some(name.to_owned()),
+            reason: "the name is given twice".into(),
+        });
     }
     // Each tensor's own entry first, so that a bad one is named.
-    let raw: serde_json::Map<String, serde_json::Value> =
-        serde_json::from_str(text).map_err(|e| at(format!("not JSON: {e}")))?;
-    for (name, value) in &raw {
+    let mut infos = Vec::with_capacity(entries.0.len());
+    let mut extra = None;
+    for (name, value) in entries.0 {
         if name == METADATA_KEY {
+            let free: std::collections::HashMap<String, String> = serde_json::from_value(value)
+                .map_err(|e| at(format!("{METADATA_KEY} is not a map of strings: {e}")))?;
+            extra = Some(free);
             continue;
         }
         let named = |reason: String| CheckpointError::Header {
@@ -200,12 +213,12 @@ pub(crate) fn read(path: &Path, file: &dyn ReadAt, len: u64) -> Result<Header, C
             tensor: Some(name.clone()),
             reason,
         };
-        let info: safetensors::tensor::TensorInfo = serde_json::from_value(value.clone())
-            .map_err(|e| named(format!("not a tensor entry: {e}")))?;
+        let info: safetensors::tensor::TensorInfo =
+            serde_json::from_value(value).map_err(|e| named(format!("not a tensor entry: {e}")))?;
         let Some(element) = dtype(info.dtype) else {
             return Err(CheckpointError::Dtype {
                 path: path.to_owned(),
-                tensor: name.clone(),
+                tensor: name,
                 dtype: format!("{:?}", info.dtype),
             });
         };
@@ -223,10 +236,12 @@ pub(crate) fn read(path: &Path, file: &dyn ReadAt, len: u64) -> Result<Header, C
                 end.saturating_sub(start),
             )));
         }
+        infos.push((name, info));
     }
     // Then the format's own check of the whole: the ranges tile the data, in order.
-    let metadata: safetensors::tensor::Metadata =
-        serde_json::from_str(text).map_err(|e| at(format!("{e}")))?;
+    infos.sort_by_key(|(_, info)| info.data_offsets);
+    let metadata =
+        safetensors::tensor::Metadata::new(extra, infos).map_err(|e| at(e.to_string()))?;
     let data_len = metadata.data_len() as u64;
     if data_start + data_len != len {
         return Err(CheckpointError::DataLength {

@@ -6,43 +6,18 @@
 //! progress report knows the total from the start. The shards then load one after another, each
 //! through the same pipeline as a single file.
 
+use super::header::Entries;
 use super::load as pipeline;
 use super::{Checkpoint, LoadOptions, Tally, file_len, open};
 use crate::core::engine::CudaEngine;
 use crate::error::{CheckpointError, Result};
-use serde::de::{Deserializer, MapAccess, Visitor};
 use std::path::Path;
-
-/// The index's `weight_map`, entry by entry as written, duplicates included.
-struct WeightMap(Vec<(String, String)>);
-
-impl<'de> serde::Deserialize<'de> for WeightMap {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
-        struct Entries;
-        impl<'de> Visitor<'de> for Entries {
-            type Value = WeightMap;
-            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str("a map of tensor names to shard files")
-            }
-            fn visit_map<A: MapAccess<'de>>(
-                self,
-                mut map: A,
-            ) -> std::result::Result<WeightMap, A::Error> {
-                let mut entries = Vec::new();
-                while let Some(entry) = map.next_entry::<String, String>()? {
-                    entries.push(entry);
-                }
-                Ok(WeightMap(entries))
-            }
-        }
-        deserializer.deserialize_map(Entries)
-    }
-}
 
 /// The index file's shape: the weight map, and whatever else it holds (ignored).
 #[derive(serde::Deserialize)]
 struct Index {
-    weight_map: WeightMap,
+    /// Each tensor's shard, entry by entry as written.
+    weight_map: Entries<String>,
 }
 
 /// Loads the tensors a sharded checkpoint's index `path` names (those `options` selects).
@@ -61,16 +36,14 @@ pub(super) fn load(
         operation: "read",
         source,
     })?;
-    let Index {
-        weight_map: WeightMap(entries),
-    } = serde_json::from_str(&text).map_err(|e| bad(None, format!("not an index: {e}")))?;
+    let Index { weight_map } =
+        serde_json::from_str(&text).map_err(|e| bad(None, format!("not an index: {e}")))?;
+    if let Some(name) = weight_map.repeated() {
+        return Err(bad(Some(name.to_owned()), "the name is given twice".into()).into());
+    }
     // The shards in the order first named, each with the tensors it must hold.
     let mut shards: Vec<(String, Vec<String>)> = Vec::new();
-    let mut seen = std::collections::HashSet::new();
-    for (name, shard) in entries {
-        if !seen.insert(name.clone()) {
-            return Err(bad(Some(name), "the name is given twice".into()).into());
-        }
+    for (name, shard) in weight_map.0 {
         if shard.contains('/') || shard.contains('\\') || shard == ".." {
             return Err(bad(
                 Some(name),
