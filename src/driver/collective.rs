@@ -3,13 +3,13 @@
 //!
 //! Collectives follow NCCL's model, whatever runs them. A set of [`Communicators`] joins devices,
 //! one rank each, in a given order ([`Collectives::communicators`]). One collective is a group:
-//! [`Communicators::group_start`], then one call per rank ([`Communicators::queue`]), each on
-//! that rank's stream, then [`Communicators::group_end`], which launches the calls together so
-//! that one thread drives every device. Every rank's part runs once all of them have reached
+//! [`Communicators::group`] opens it, one call per rank ([`Group::queue`]) adds each part on
+//! that rank's stream, and [`Group::end`] launches them together, so that one thread drives
+//! every device; the group's type ends it exactly once on every path. Every rank's part runs once all of them have reached
 //! their streams' heads, and they run together.
 //!
 //! The failure modes are NCCL's too, and the caller must allow for all of them: a call inside a
-//! group may be refused, and the group must still be ended; the end may fail; and once a group
+//! group may be refused, and the group is still ended; the end may fail; and once a group
 //! has started, a failure does not say which ranks' parts were launched. A part launched without
 //! its partners can never complete as a collective. So after any failure past the group's start
 //! every rank's buffer must be treated as in use by the device until an event recorded after the
@@ -65,21 +65,25 @@ pub(crate) struct Part {
 /// Dropping it destroys them; the caller keeps it alive until every collective queued on it has
 /// completed.
 pub(crate) trait Communicators: Send + Sync {
-    /// Opens a group: the calls up to [`group_end`](Self::group_end) are launched together.
-    fn group_start(&self) -> Result<(), Error>;
+    /// Opens a group: the parts added to it up to its [`end`](Group::end) are launched together.
+    /// A group is ended exactly once, by `end` or, should it be dropped (a panic between its
+    /// start and its end), by its drop, as NCCL requires of every group it opened.
+    fn group(&self) -> Result<Box<dyn Group + '_>, Error>;
+}
 
-    /// Adds rank `rank`'s part to the open group. A refusal leaves the group open: it must
-    /// still be ended, and the other ranks' parts may be launched by the end.
+/// An open group of one collective: one part per rank, then the end that launches them.
+pub(crate) trait Group {
+    /// Adds rank `rank`'s part. A refusal leaves the group open: it is still ended, and the
+    /// other ranks' parts may be launched by the end.
     ///
     /// # Safety
     /// The buffer holds `part.count` elements of `part.dtype` on rank `rank`'s device, and stays
     /// allocated and untouched by other work until the part has completed on `part.stream`, a
     /// compute stream of that device (in the engine's context).
-    unsafe fn queue(&self, rank: usize, part: &Part) -> Result<(), Error>;
+    unsafe fn queue(&mut self, rank: usize, part: &Part) -> Result<(), Error>;
 
-    /// Closes the group and launches its calls. It is called once per
-    /// [`group_start`](Self::group_start), whatever happened inside.
-    fn group_end(&self) -> Result<(), Error>;
+    /// Closes the group and launches its parts.
+    fn end(self: Box<Self>) -> Result<(), Error>;
 }
 
 /// Making communicators: the driver of one of the devices makes them for all.

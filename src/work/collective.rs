@@ -32,7 +32,7 @@ mod ranks;
 use crate::core::engine::CudaEngine;
 use crate::core::order::Use;
 use crate::driver::Lane;
-use crate::driver::collective::{self as seam, CollectiveKind, Communicators, Reduction};
+use crate::driver::collective::{self as seam, CollectiveKind, Communicators, Group, Reduction};
 use crate::error::SubmitError;
 use crate::error::{DeviceId, Error, Result, SetupError, UsageError};
 use crate::lifecycle::fence::{Fencing, IdleEvent, fence};
@@ -372,15 +372,15 @@ fn refusal<T: Element>(
     None
 }
 
-/// Queues every rank's part of the collective into the group the caller has started, and ends
-/// it. `Err` means that any rank's part may have been launched.
+/// Queues every rank's part of the collective into `group`, and ends it. `Err` means that any
+/// rank's part may have been launched.
 ///
 /// # Safety
 /// Each tensor holds `count` elements of `T` on its rank's device and stays allocated, and
 /// untouched by other work, until its part has completed on its rank's stream, `streams[i]`,
 /// the compute stream of that rank's engine.
 unsafe fn queue_group<T: Element>(
-    comms: &dyn Communicators,
+    mut group: Box<dyn Group + '_>,
     streams: &[u64],
     tensors: &[DeviceTensor<T>],
     kind: Kind,
@@ -399,14 +399,13 @@ unsafe fn queue_group<T: Element>(
             kind,
         };
         // SAFETY: the caller's contract, for rank `rank`.
-        let queued = unsafe { comms.queue(rank, &part) };
+        let queued = unsafe { group.queue(rank, &part) };
         if first.is_ok() {
             first = queued;
         }
     }
     // Ended whatever happened inside, as NCCL requires.
-    let ended = comms.group_end();
-    first.and(ended)
+    first.and(group.end())
 }
 
 /// Validates and queues the collective. `events` are the ranks' idle events on resubmission
@@ -445,17 +444,20 @@ fn submit<T: CollectiveElement>(
         }
     }
     // Nothing of the collective is queued until its group has started.
-    if let Err(error) = comms.seam.group_start() {
-        return Err(SubmitError::Failed {
-            input: tensors,
-            error,
-        });
-    }
+    let group = match comms.seam.group() {
+        Ok(group) => group,
+        Err(error) => {
+            return Err(SubmitError::Failed {
+                input: tensors,
+                error,
+            });
+        }
+    };
     // SAFETY: the buffers hold their lengths' elements of `T` on their ranks' devices (checked
     // by `refusal`), the streams are the ranks' engines' compute streams, which waited for the
     // tensors' earlier uses above, and the tensors are fenced below before anything can release
     // them (and kept, never freed, where they cannot be).
-    let queued = unsafe { queue_group(&*comms.seam, &streams, &tensors, kind) };
+    let queued = unsafe { queue_group(group, &streams, &tensors, kind) };
     // From here the device may touch every tensor: each is fenced on its engine.
     let mut parts = Vec::with_capacity(tensors.len());
     let mut failure = queued.err();

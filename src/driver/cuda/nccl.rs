@@ -9,7 +9,9 @@
 //! installed, and it panics where it finds nothing.
 
 use super::CudaDriver;
-use crate::driver::collective::{CollectiveKind, Collectives, Communicators, Part, Reduction};
+use crate::driver::collective::{
+    CollectiveKind, Collectives, Communicators, Group, Part, Reduction,
+};
 use crate::dtype::DType;
 use crate::error::{DeviceId, Error, LibraryError, Result, SetupError, UsageError};
 use std::ffi::{CStr, c_char, c_int, c_void};
@@ -181,7 +183,7 @@ impl Nccl {
 
     /// Closes the group and launches its calls.
     fn group_end(&self) -> Result<()> {
-        // SAFETY: no arguments; called once per `group_start`.
+        // SAFETY: no arguments; called once per `group_start` (`NcclGroup` closes once).
         self.check("ncclGroupEnd", unsafe { (self.group_end)() })
     }
 
@@ -296,17 +298,47 @@ impl Drop for NcclComms {
 }
 
 impl Communicators for NcclComms {
-    fn group_start(&self) -> Result<()> {
-        self.nccl.group_start()
+    fn group(&self) -> Result<Box<dyn Group + '_>> {
+        self.nccl.group_start()?;
+        Ok(Box::new(NcclGroup {
+            comms: self,
+            open: true,
+        }))
     }
+}
 
-    unsafe fn queue(&self, rank: usize, part: &Part) -> Result<()> {
-        let comm = *self
+/// An NCCL group opened by `ncclGroupStart`, closed once.
+struct NcclGroup<'a> {
+    comms: &'a NcclComms,
+    /// Until `end` closes it (else the drop does).
+    open: bool,
+}
+
+impl NcclGroup<'_> {
+    fn close(&mut self) -> Result<()> {
+        self.open = false;
+        // NCCL launches on every rank's device here: the caller's context is restored after.
+        keeping_context(|| self.comms.nccl.group_end())
+    }
+}
+
+impl Drop for NcclGroup<'_> {
+    fn drop(&mut self) {
+        if self.open {
+            let _ = self.close();
+        }
+    }
+}
+
+impl Group for NcclGroup<'_> {
+    unsafe fn queue(&mut self, rank: usize, part: &Part) -> Result<()> {
+        let comms = self.comms;
+        let comm = *comms
             .comms
             .get(rank)
             .ok_or(Error::Usage(UsageError::RootOutOfRange {
                 root: rank,
-                ranks: self.comms.len(),
+                ranks: comms.comms.len(),
             }))?;
         let dtype = data_type(part.dtype)?;
         let stream = part.stream as Stream;
@@ -315,28 +347,29 @@ impl Communicators for NcclComms {
             // SAFETY: the caller's contract: the buffer holds `count` elements on the rank's
             // device and stays untouched until the part completes on `stream`.
             CollectiveKind::AllReduce(op) => unsafe {
-                self.nccl
+                comms
+                    .nccl
                     .all_reduce(part.buffer, part.count, dtype, red_op(op), comm, stream)
             },
             CollectiveKind::Broadcast { root } => {
                 let root = c_int::try_from(root).map_err(|_| {
                     Error::Usage(UsageError::RootOutOfRange {
                         root,
-                        ranks: self.comms.len(),
+                        ranks: comms.comms.len(),
                     })
                 })?;
                 // SAFETY: as above.
                 unsafe {
-                    self.nccl
+                    comms
+                        .nccl
                         .broadcast(part.buffer, part.count, dtype, root, comm, stream)
                 }
             }
         })
     }
 
-    fn group_end(&self) -> Result<()> {
-        // NCCL launches on every rank's device here: the caller's context is restored after.
-        keeping_context(|| self.nccl.group_end())
+    fn end(mut self: Box<Self>) -> Result<()> {
+        self.close()
     }
 }
 

@@ -15,10 +15,9 @@
 use super::{DevicePtr, DriverError, Job, Running, SimDevice, SimDriver, SimOp, driver_lane};
 use super::{State, StreamId, Violation};
 use crate::driver::Lane;
-use crate::driver::collective::{CollectiveKind, Collectives, Communicators, Reduction};
+use crate::driver::collective::{CollectiveKind, Collectives, Communicators, Group, Reduction};
 use crate::dtype::DType;
 use crate::error::{DeviceId, DeviceKind, Error, LibraryError};
-use std::sync::Mutex;
 
 /// NCCL's status for a refused argument, `ncclInvalidArgument`.
 const INVALID_ARGUMENT: i64 = 4;
@@ -58,8 +57,15 @@ pub(super) struct Part {
 struct SimComms {
     device: SimDevice,
     ranks: usize,
-    /// The group open, if one is: the parts added so far, each with its stream.
-    group: Mutex<Option<Vec<(StreamId, Part)>>>,
+}
+
+/// An open group on the simulated machine: the parts added so far, each with its stream,
+/// launched by its end (or its drop).
+struct SimGroup<'a> {
+    comms: &'a SimComms,
+    parts: Vec<(StreamId, Part)>,
+    /// Until `end` closes it (else the drop does).
+    open: bool,
 }
 
 impl Collectives for SimDriver {
@@ -83,41 +89,27 @@ impl Collectives for SimDriver {
         Ok(Box::new(SimComms {
             device: self.device.clone(),
             ranks: devices.len(),
-            group: Mutex::new(None),
         }))
     }
 }
 
-impl SimComms {
-    /// The open group, locked.
-    fn group(&self) -> std::sync::MutexGuard<'_, Option<Vec<(StreamId, Part)>>> {
-        self.group
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-    }
-}
-
 impl Communicators for SimComms {
-    fn group_start(&self) -> Result<(), Error> {
-        const CALL: &str = "ncclGroupStart";
-        let mut group = self.group();
+    fn group(&self) -> Result<Box<dyn Group + '_>, Error> {
         self.device
             .lock()
             .enter(SimOp::GroupStart)
-            .map_err(injected(CALL))?;
-        if group.is_some() {
-            return Err(nccl(
-                CALL,
-                INVALID_USAGE,
-                "ncclInvalidUsage: a group is open".into(),
-            ));
-        }
-        *group = Some(Vec::new());
-        Ok(())
+            .map_err(injected("ncclGroupStart"))?;
+        Ok(Box::new(SimGroup {
+            comms: self,
+            parts: Vec::new(),
+            open: true,
+        }))
     }
+}
 
+impl Group for SimGroup<'_> {
     unsafe fn queue(
-        &self,
+        &mut self,
         rank: usize,
         part: &crate::driver::collective::Part,
     ) -> Result<(), Error> {
@@ -132,24 +124,18 @@ impl Communicators for SimComms {
                 format!("ncclInvalidArgument: {why}"),
             )
         };
-        let mut group = self.group();
-        let Some(parts) = group.as_mut() else {
-            return Err(nccl(
-                call,
-                INVALID_USAGE,
-                "ncclInvalidUsage: no group is open".into(),
-            ));
-        };
-        let mut s = self.device.lock();
+        let ranks = self.comms.ranks;
+        let parts = &mut self.parts;
+        let mut s = self.comms.device.lock();
         s.enter(SimOp::Collective).map_err(injected(call))?;
-        if rank >= self.ranks || parts.iter().any(|(_, p)| p.rank == rank) {
+        if rank >= ranks || parts.iter().any(|(_, p)| p.rank == rank) {
             return Err(invalid("no such rank, or its part is already in the group"));
         }
         if matches!(part.dtype, DType::I16 | DType::U16 | DType::Bool) {
             return Err(invalid("an element type NCCL does not reduce"));
         }
         if let CollectiveKind::Broadcast { root } = part.kind
-            && root >= self.ranks
+            && root >= ranks
         {
             return Err(invalid("the root is not a rank"));
         }
@@ -172,7 +158,7 @@ impl Communicators for SimComms {
             Part {
                 group: 0,
                 rank,
-                ranks: self.ranks,
+                ranks,
                 ptr: part.buffer,
                 count: part.count,
                 dtype: part.dtype,
@@ -183,17 +169,18 @@ impl Communicators for SimComms {
         Ok(())
     }
 
-    fn group_end(&self) -> Result<(), Error> {
+    fn end(mut self: Box<Self>) -> Result<(), Error> {
+        self.close()
+    }
+}
+
+impl SimGroup<'_> {
+    /// Closes the group: launches every part added, or none when the end is refused.
+    fn close(&mut self) -> Result<(), Error> {
         const CALL: &str = "ncclGroupEnd";
-        let mut group = self.group();
-        let Some(parts) = group.take() else {
-            return Err(nccl(
-                CALL,
-                INVALID_USAGE,
-                "ncclInvalidUsage: no group is open".into(),
-            ));
-        };
-        let mut s = self.device.lock();
+        self.open = false;
+        let parts = std::mem::take(&mut self.parts);
+        let mut s = self.comms.device.lock();
         s.enter(SimOp::GroupEnd).map_err(injected(CALL))?;
         let Some(&(_, first)) = parts.first() else {
             return Ok(());
@@ -210,13 +197,21 @@ impl Communicators for SimComms {
         }
         let group_id = s.next_group;
         s.next_group += 1;
-        let complete = parts.len() == self.ranks;
+        let complete = parts.len() == self.comms.ranks;
         for (stream, mut part) in parts {
             part.group = group_id;
             part.complete = complete;
             s.push(stream, Job::Collective(part));
         }
         Ok(())
+    }
+}
+
+impl Drop for SimGroup<'_> {
+    fn drop(&mut self) {
+        if self.open {
+            let _ = self.close();
+        }
     }
 }
 
