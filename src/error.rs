@@ -1140,4 +1140,17 @@ pub enum CheckpointError {
         /// The data the file holds after its header.
         file_holds: u64,
     },
+    /// A byte range asked of a file that ends past the largest file offset.
+    #[error(
+        "{path}: {bytes} byte(s) at offset {offset} pass the largest file offset",
+        path = path.display()
+    )]
+    RangeOverflow {
+        /// The file.
+        path: std::path::PathBuf,
+        /// Where the range starts.
+        offset: u64,
+        /// Its length.
+        bytes: usize,
+    },
 }

@@ -173,8 +173,9 @@ pub mod raw {
 #[cfg(feature = "safetensors")]
 pub mod checkpoint {
     pub use crate::routes::checkpoint::{
-        Checkpoint, LoadOptions, Progress, ReadAt, SaveOptions, Tensor, load, load_from, load_with,
-        save, save_with,
+        Checkpoint, DEFAULT_STAGING_BYTES, DEFAULT_THREADS, LoadOptions, Progress, ReadAt,
+        SaveOptions, Tensor, WriteAt, load, load_each, load_from, load_with, read_into,
+        read_pending, save, save_with, write_from, write_returned,
     };
 }
 

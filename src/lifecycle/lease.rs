@@ -294,6 +294,114 @@ impl StagingLease<Proven> {
         )
     }
 
+    /// Queues a copy of each of `copies` (bytes of the slot into byte tensors, several per
+    /// slot), records one event after the last, and yields the lease [`Unproven`]: the
+    /// scattered upload of a slot that holds the bytes of several tensors, or a chunk that does
+    /// not start at the slot's first byte.
+    ///
+    /// Every copy is checked before any is queued. When a copy after the first cannot be queued,
+    /// those queued so far stay covered by the lease (which comes back `Unproven`) and the
+    /// failure is the second value: nothing after it was queued.
+    ///
+    /// # Errors
+    /// As [`begin_upload`](Self::begin_upload), for any of the copies; an empty list is a
+    /// [`UsageError::ZeroLength`](crate::error::UsageError::ZeroLength).
+    pub(crate) fn begin_scatter(
+        self,
+        engine: &mut CudaEngine,
+        copies: &[Scatter<'_>],
+    ) -> (Begun, Option<Error>) {
+        let refusal = if copies.is_empty() {
+            Some(Error::Usage(UsageError::ZeroLength {
+                what: "a scattered staging chunk",
+            }))
+        } else {
+            copies.iter().find_map(|c| self.scatter_refusal(engine, c))
+        };
+        if let Some(error) = refusal {
+            return (Err(SubmitError::Rejected { input: self, error }), None);
+        }
+        let host = self.slot().ptr();
+        let owner = &engine.shared;
+        let mut st = match owner.enter() {
+            Ok(st) => st,
+            Err(error) => return (Err(SubmitError::Failed { input: self, error }), None),
+        };
+        // From the first enqueue until the fence holds it, a panic inside any driver call below
+        // leaks the slot (see `begin`).
+        let ProvenSlot { slot, event } = self.hold;
+        let slot = ManuallyDrop::new(slot);
+        let mut lane = None;
+        let mut later = None;
+        for copy in copies {
+            let device = copy.tensor.raw_ptr() + copy.at as u64;
+            // SAFETY: `from + len` lies in the slot and `at + len` in the tensor (checked by
+            // `scatter_refusal`); the slot is held in `ManuallyDrop` from here, then fenced below
+            // (unreachable until its event proves every copy complete); the tensor's free is
+            // ordered after the copy.
+            let queued = unsafe {
+                st.queue_host_copy(
+                    true,
+                    copy.tensor.raw_ptr(),
+                    device,
+                    host.add(copy.from),
+                    copy.len,
+                )
+            };
+            match queued {
+                Ok(queued) => lane = Some(queued),
+                Err(error) if lane.is_none() => {
+                    drop(st);
+                    // Nothing was queued: the lease comes back proven.
+                    let slot = ManuallyDrop::into_inner(slot);
+                    let lease = StagingLease::new(ProvenSlot { slot, event });
+                    let failed = SubmitError::Failed {
+                        input: lease,
+                        error,
+                    };
+                    return (Err(failed), None);
+                }
+                Err(error) => {
+                    later = Some(error);
+                    break;
+                }
+            }
+        }
+        let lane = lane.expect("at least one copy was queued");
+        let event = event.map(IdleEvent::into_raw);
+        let fencing = fence(&mut st, owner, lane, slot, event, "staging chunk");
+        drop(st);
+        let begun = match fencing {
+            Fencing::Fenced(fenced) => Ok(StagingLease::new(fenced)),
+            Fencing::Proven(slot, error) => Err(SubmitError::Failed {
+                input: StagingLease::new(ProvenSlot { slot, event: None }),
+                error,
+            }),
+            Fencing::Untracked(untracked, error) => {
+                // Nothing proves the copies complete: the slot is never reused or freed.
+                if let Some(mut st) = untracked.owner().lock_for_drop() {
+                    st.parts.get_mut::<StagingRing>().count_retired();
+                }
+                untracked.retain();
+                Err(SubmitError::Retained { error })
+            }
+        };
+        (begun, later)
+    }
+
+    /// Why `copy` cannot be queued from this slot, if it cannot.
+    fn scatter_refusal(&self, engine: &CudaEngine, copy: &Scatter<'_>) -> Option<Error> {
+        let end = copy.from.checked_add(copy.len);
+        if end.is_none_or(|end| end > self.capacity()) {
+            return Some(Error::Staging(StagingError::ChunkTooLarge {
+                len: copy.from.saturating_add(copy.len),
+                element_bytes: 1,
+                capacity: self.capacity(),
+            }));
+        }
+        self.refusal(engine, copy.tensor, copy.at, copy.len)
+    }
+
     /// Why a chunk of `len` elements at `offset` of `tensor` cannot be queued, if it cannot.
     fn refusal<T: Element>(
         &self,
@@ -449,6 +557,15 @@ impl StagingLease<Proven> {
             }
         }
     }
+}
+
+/// One copy of a scattered upload ([`StagingLease::begin_scatter`]): `len` bytes from byte
+/// `from` of the slot into byte `at` of `tensor`.
+pub(crate) struct Scatter<'t> {
+    pub(crate) tensor: &'t DeviceTensor<u8>,
+    pub(crate) at: usize,
+    pub(crate) from: usize,
+    pub(crate) len: usize,
 }
 
 /// A point inside a download chunk queued in parts ([`StagingLease::begin_download_marked`]).

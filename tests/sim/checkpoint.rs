@@ -209,3 +209,223 @@ fn a_sharded_checkpoint_loads_through_its_index() {
     let err = checkpoint::load(&mut engine, &index).unwrap_err();
     assert!(err.to_string().contains("twice"), "{err}");
 }
+
+/// An engine whose staging slots are `chunk` bytes, so a small file takes many chunks.
+fn small_slots(chunk: usize) -> CudaEngine {
+    let mut engine = CudaEngine::simulated(SimConfig::default());
+    let mut config = cuferry::staging::StagingConfig::default();
+    config.chunk_bytes = chunk;
+    config.cutoff_bytes = 1024;
+    engine.set_staging_config(config).unwrap();
+    engine
+}
+
+/// A file of `count` u8 tensors of `bytes` bytes each (distinct contents), and their bytes.
+fn layers(count: usize, bytes: usize) -> (Vec<u8>, Vec<(String, Vec<u8>)>) {
+    let tensors: Vec<(String, Vec<u8>)> = (0..count)
+        .map(|i| {
+            let data = (0..bytes).map(|j| (j * 13 + i * 7) as u8).collect();
+            (format!("layer.{i:02}"), data)
+        })
+        .collect();
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+        .iter()
+        .map(|(n, d)| {
+            let view =
+                safetensors::tensor::TensorView::new(safetensors::Dtype::U8, vec![d.len()], d);
+            (n.clone(), view.unwrap())
+        })
+        .collect();
+    let file = safetensors::serialize(views, None::<HashMap<String, String>>).unwrap();
+    (file, tensors)
+}
+
+#[test]
+fn each_tensor_is_handed_over_once_its_copies_are_queued_and_work_on_it_follows_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("layers.safetensors");
+    let (file, tensors) = layers(12, 10_000);
+    std::fs::write(&path, &file).unwrap();
+    let mut engine = small_slots(4096);
+    let sim = engine.sim().unwrap();
+    let done = std::cell::Cell::new(0u64);
+    let options = LoadOptions::new()
+        .readers(3)
+        .staging_bytes(4 * 4096)
+        .progress(|p| done.set(p.done));
+    // Each tensor, as it is handed over, is copied on the device at once: that copy is queued
+    // while later tensors are still being read, and ordered after the tensor's own copies.
+    let mut copies = Vec::new();
+    let mut seen_at = Vec::new();
+    checkpoint::load_each(&mut engine, &path, options, |engine, name, tensor| {
+        seen_at.push(done.get());
+        let copy = engine.copy_tensor(tensor.bytes())?;
+        copies.push((name, copy));
+        Ok(())
+    })
+    .unwrap();
+    assert_eq!(copies.len(), tensors.len());
+    let total = (tensors.len() * 10_000) as u64;
+    assert!(
+        seen_at[0] < total / 2,
+        "the first tensor came at {} of {total} bytes",
+        seen_at[0]
+    );
+    for (name, copy) in &copies {
+        let (_, data) = tensors.iter().find(|(n, _)| n == name).unwrap();
+        assert_eq!(&download_tensor(&mut engine, copy).unwrap(), data, "{name}");
+    }
+    engine.synchronize().unwrap();
+    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+    // An error of the callback stops the load; what was not handed over is freed.
+    drop(copies);
+    engine.synchronize().unwrap();
+    let before = sim.device_live().0;
+    let err = checkpoint::load_each(&mut engine, &path, LoadOptions::new(), |_, _, _| {
+        Err(Error::Usage(cuferry::error::UsageError::ZeroLength {
+            what: "the caller's refusal",
+        }))
+    })
+    .unwrap_err();
+    assert!(err.to_string().contains("the caller's refusal"), "{err}");
+    engine.synchronize().unwrap();
+    assert_eq!(sim.device_live().0, before, "nothing kept");
+}
+
+#[test]
+fn direct_reads_load_the_same_bytes_at_every_alignment() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("odd.safetensors");
+    // Tensors of odd sizes, so most start and end off a block boundary.
+    let (file, tensors) = layers(7, 70_001);
+    std::fs::write(&path, &file).unwrap();
+    let mut engine = small_slots(64 << 10);
+    let sim = engine.sim().unwrap();
+    for direct in [true, false] {
+        let options = LoadOptions::new()
+            .readers(2)
+            .staging_bytes(4 << 16)
+            .direct_io(direct);
+        let loaded = checkpoint::load_with(&mut engine, &path, options).unwrap();
+        for (name, data) in &tensors {
+            let t = loaded.get(name).unwrap();
+            let back = download_tensor(&mut engine, t.bytes()).unwrap();
+            assert!(&back == data, "{name} (direct: {direct})");
+        }
+    }
+    engine.synchronize().unwrap();
+    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+}
+
+#[test]
+fn staging_stays_within_its_setting_and_bad_settings_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("layers.safetensors");
+    let (file, _) = layers(8, 20_000);
+    std::fs::write(&path, &file).unwrap();
+    let mut engine = small_slots(4096);
+    let sim = engine.sim().unwrap();
+    let peak = std::cell::Cell::new(0usize);
+    let options = LoadOptions::new()
+        .readers(4)
+        .staging_bytes(3 * 4096)
+        .progress(|_| peak.set(peak.get().max(sim.pinned_live().1)));
+    let loaded = checkpoint::load_with(&mut engine, &path, options).unwrap();
+    assert_eq!(loaded.len(), 8);
+    assert!(
+        peak.get() > 0 && peak.get() <= 3 * 4096,
+        "{} pinned bytes",
+        peak.get()
+    );
+    let named: Vec<(&str, &Tensor)> = loaded.iter().collect();
+    let out = dir.path().join("out.safetensors");
+    let peak = std::cell::Cell::new(0usize);
+    let options = SaveOptions::new()
+        .writers(2)
+        .staging_bytes(2 * 4096)
+        .progress(|_| peak.set(peak.get().max(sim.pinned_live().1)));
+    checkpoint::save_with(&mut engine, &out, &named, options).unwrap();
+    assert_eq!(std::fs::read(&out).unwrap(), file);
+    assert!(peak.get() <= 3 * 4096, "{} pinned bytes", peak.get());
+    for bad in [
+        LoadOptions::new().readers(0),
+        LoadOptions::new().readers(257),
+        LoadOptions::new().staging_bytes(0),
+    ] {
+        let err = checkpoint::load_with(&mut engine, &path, bad).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::Usage(cuferry::error::UsageError::InvalidSetting { .. })
+            ),
+            "{err}"
+        );
+    }
+    let err = checkpoint::save_with(&mut engine, &out, &named, SaveOptions::new().writers(0));
+    assert!(matches!(
+        err,
+        Err(Error::Usage(
+            cuferry::error::UsageError::InvalidSetting { .. }
+        ))
+    ));
+}
+
+#[test]
+fn file_ranges_go_to_and_from_tensors_blocking_and_pending() {
+    use cuferry::PinnedHostBuffer;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("blob");
+    let blob: Vec<u8> = (0..100_000u32).map(|i| (i * 31 % 253) as u8).collect();
+    std::fs::write(&path, &blob).unwrap();
+    let file = std::fs::File::open(&path).unwrap();
+    let mut engine = small_slots(4096);
+    let sim = engine.sim().unwrap();
+    // Blocking: a range at an odd offset into a tensor, and the tensor into another file.
+    let mut tensor = engine.alloc_tensor::<u8>(&[30_001]).unwrap();
+    checkpoint::read_into(&mut engine, &path, &file, 12_345, &mut tensor).unwrap();
+    let back = download_tensor(&mut engine, &tensor).unwrap();
+    assert!(back == blob[12_345..42_346]);
+    let out_path = dir.path().join("out");
+    let out = std::fs::File::create(&out_path).unwrap();
+    checkpoint::write_from(&mut engine, &tensor, &out_path, &out, 777).unwrap();
+    let written = std::fs::read(&out_path).unwrap();
+    assert_eq!(written.len(), 777 + 30_001);
+    assert!(written[777..] == blob[12_345..42_346]);
+    // A range past the end of the file is a short read naming it.
+    let err = checkpoint::read_into(&mut engine, &path, &file, 90_000, &mut tensor).unwrap_err();
+    assert!(
+        matches!(err, Error::Checkpoint(CheckpointError::ShortRead { .. })),
+        "{err}"
+    );
+    // Pending: read into a pinned buffer handed over, the upload in flight; then back down and
+    // into the file once returned.
+    let buffer = PinnedHostBuffer::<u8>::new(&mut engine, 30_001).unwrap();
+    let pending = checkpoint::read_pending(&mut engine, &path, &file, 5, buffer, tensor).unwrap();
+    let (buffer, tensor) = pending.wait().unwrap().into_parts();
+    assert!(download_tensor(&mut engine, &tensor).unwrap() == blob[5..30_006]);
+    let down = cuferry::download_pending(&mut engine, tensor, buffer).unwrap();
+    let returned = down.wait().unwrap();
+    checkpoint::write_returned(&out_path, &out, 0, &returned).unwrap();
+    assert!(std::fs::read(&out_path).unwrap()[..30_001] == blob[5..30_006]);
+    // A refusal hands both back: a buffer of another length, or a read past the end.
+    let (buffer, tensor) = returned.into_parts();
+    let short = PinnedHostBuffer::<u8>::new(&mut engine, 10).unwrap();
+    match checkpoint::read_pending(&mut engine, &path, &file, 0, short, tensor) {
+        Err(cuferry::SubmitError::Rejected { input, .. }) => {
+            assert_eq!((input.0.len(), input.1.len()), (10, 30_001));
+            match checkpoint::read_pending(&mut engine, &path, &file, 80_000, buffer, input.1) {
+                Err(cuferry::SubmitError::Failed { input, error }) => {
+                    assert!(matches!(
+                        error,
+                        Error::Checkpoint(CheckpointError::ShortRead { .. })
+                    ));
+                    assert_eq!(input.1.len(), 30_001);
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        other => panic!("{other:?}"),
+    }
+    engine.synchronize().unwrap();
+    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+}

@@ -8,8 +8,7 @@
 
 use super::header::Entries;
 use super::load as pipeline;
-use super::{Checkpoint, LoadOptions, Tally, file_len, open};
-use crate::core::engine::CudaEngine;
+use super::{Shard, file_len, open, open_direct};
 use crate::error::{CheckpointError, Result};
 use std::path::Path;
 
@@ -20,12 +19,14 @@ struct Index {
     weight_map: Entries<String>,
 }
 
-/// Loads the tensors a sharded checkpoint's index `path` names (those `options` selects).
-pub(super) fn load(
-    engine: &mut CudaEngine,
+/// The shards of the sharded checkpoint whose index is `path`, each opened and checked, with
+/// the tensors the index places there that `select` accepts; each also opened for direct
+/// reads, where `direct` asks for them.
+pub(super) fn plan(
     path: &Path,
-    options: &mut LoadOptions<'_>,
-) -> Result<Checkpoint> {
+    select: &mut dyn FnMut(&str) -> bool,
+    direct: bool,
+) -> Result<Vec<Shard>> {
     let bad = |tensor: Option<String>, reason: String| CheckpointError::Header {
         path: path.to_owned(),
         tensor,
@@ -84,27 +85,18 @@ pub(super) fn load(
             }
             .into());
         }
-        let wanted: Vec<_> = everything
+        let tensors: Vec<_> = everything
             .into_iter()
-            .filter(|t| names.contains(&t.name) && (options.select)(&t.name))
+            .filter(|t| names.contains(&t.name) && select(&t.name))
             .collect();
-        plans.push((shard_path, file, len, wanted));
-    }
-    let total = plans
-        .iter()
-        .map(|(_, _, _, t)| pipeline::plan_bytes(t))
-        .sum();
-    let mut tally = Tally::new(total, &mut *options.progress);
-    let mut tensors = Vec::new();
-    for (shard_path, file, len, wanted) in plans {
-        tensors.extend(pipeline::load(
-            engine,
-            &shard_path,
-            &file,
+        let direct = direct.then(|| open_direct(&shard_path)).flatten();
+        plans.push(Shard {
+            path: shard_path,
+            file,
+            direct,
             len,
-            wanted,
-            &mut tally,
-        )?);
+            tensors,
+        });
     }
-    Ok(Checkpoint { tensors })
+    Ok(plans)
 }

@@ -14,12 +14,14 @@
 mod header;
 mod index;
 mod load;
+mod range;
 mod save;
 
 pub use load::Tensor;
+pub use range::{read_into, read_pending, write_from, write_returned};
 
 use crate::core::engine::CudaEngine;
-use crate::error::{CheckpointError, Result};
+use crate::error::{CheckpointError, Result, UsageError};
 use std::path::Path;
 
 /// Positioned reads: the bytes at an offset, without a cursor, so that one open file serves
@@ -45,6 +47,22 @@ impl ReadAt for &[u8] {
         let n = buf.len().min(self.len() - start);
         buf[..n].copy_from_slice(&self[start..start + n]);
         Ok(n)
+    }
+}
+
+/// Positioned writes: bytes at an offset, without a cursor, so that several writers may write
+/// one open file at once.
+pub trait WriteAt: Sync {
+    /// Writes up to `buf.len()` bytes of `buf` at `offset`, and returns how many were written.
+    ///
+    /// # Errors
+    /// The operating system's, as [`std::io::Error`].
+    fn write_at(&self, buf: &[u8], offset: u64) -> std::io::Result<usize>;
+}
+
+impl WriteAt for std::fs::File {
+    fn write_at(&self, buf: &[u8], offset: u64) -> std::io::Result<usize> {
+        std::os::unix::fs::FileExt::write_at(self, buf, offset)
     }
 }
 
@@ -93,15 +111,69 @@ impl<'a> Tally<'a> {
     }
 }
 
-/// What a load reads, and whom it tells how far it has come.
+/// The pinned staging a load or a save stages its bytes through, unless its options say
+/// otherwise: 256 MiB (sixteen slots of the engine's default 16 MiB chunk).
+pub const DEFAULT_STAGING_BYTES: usize = 256 << 20;
+
+/// The reader (or writer) threads a load (or a save) runs, unless its options say otherwise:
+/// enough positioned reads in flight for a page-cache read to reach memory bandwidth
+/// (`docs/records/checkpoints.md`).
+pub const DEFAULT_THREADS: usize = 16;
+
+/// How a load or a save stages its bytes: at most `bytes` of pinned slots (the engine's
+/// chunk size each, at least two), `threads` file threads, and for a load, direct reads.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Staging {
+    pub(crate) bytes: usize,
+    pub(crate) threads: usize,
+    pub(crate) direct: bool,
+}
+
+impl Default for Staging {
+    fn default() -> Self {
+        Staging {
+            bytes: DEFAULT_STAGING_BYTES,
+            threads: DEFAULT_THREADS,
+            direct: false,
+        }
+    }
+}
+
+impl Staging {
+    /// Checks the settings' ranges.
+    fn validate(self, threads: &'static str) -> Result<Self> {
+        let bad = |setting, value, reason| {
+            Err(UsageError::InvalidSetting {
+                setting,
+                value,
+                reason,
+            }
+            .into())
+        };
+        if self.bytes == 0 {
+            return bad("staging_bytes", 0, "must be above zero");
+        }
+        if self.threads == 0 || self.threads > 256 {
+            return bad(threads, self.threads, "must be between 1 and 256");
+        }
+        Ok(self)
+    }
+}
+
+/// What a load reads, how it stages the bytes, and whom it tells how far it has come.
 pub struct LoadOptions<'a> {
     select: Box<dyn FnMut(&str) -> bool + 'a>,
     progress: Box<dyn FnMut(Progress) + 'a>,
+    staging: Staging,
 }
 
 impl std::fmt::Debug for LoadOptions<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("LoadOptions").finish_non_exhaustive()
+        f.debug_struct("LoadOptions")
+            .field("staging_bytes", &self.staging.bytes)
+            .field("readers", &self.staging.threads)
+            .field("direct_io", &self.staging.direct)
+            .finish_non_exhaustive()
     }
 }
 
@@ -110,12 +182,13 @@ impl Default for LoadOptions<'_> {
         LoadOptions {
             select: Box::new(|_| true),
             progress: Box::new(|_| {}),
+            staging: Staging::default(),
         }
     }
 }
 
 impl<'a> LoadOptions<'a> {
-    /// Every tensor, reporting to no one.
+    /// Every tensor, reporting to no one, through the default staging.
     pub fn new() -> Self {
         Self::default()
     }
@@ -131,6 +204,32 @@ impl<'a> LoadOptions<'a> {
     /// selected.
     pub fn progress(mut self, progress: impl FnMut(Progress) + 'a) -> Self {
         self.progress = Box::new(progress);
+        self
+    }
+
+    /// The most pinned staging memory the load holds: slots of the engine's
+    /// [`chunk_bytes`](crate::staging::StagingConfig::chunk_bytes), as many as fit (two at
+    /// least). Default [`DEFAULT_STAGING_BYTES`]. The slots are the engine's, kept once made, so
+    /// a second load does not pay for them again. Zero is refused when the load starts.
+    pub fn staging_bytes(mut self, bytes: usize) -> Self {
+        self.staging.bytes = bytes;
+        self
+    }
+
+    /// How many positioned reads the load keeps in flight, each on a thread of its own (at most
+    /// one per staging slot). Default [`DEFAULT_THREADS`]; 1 to 256, others refused when the
+    /// load starts.
+    pub fn readers(mut self, readers: usize) -> Self {
+        self.staging.threads = readers;
+        self
+    }
+
+    /// Reads the file with `O_DIRECT`, bypassing the page cache: whole 4 KiB blocks straight
+    /// into the pinned slots, for a file that is not in the cache and need not be kept there
+    /// (a cold load). Where the file system refuses direct reads, or the file is not opened by
+    /// the load (`load_from`), the reads go through the page cache. Default off.
+    pub fn direct_io(mut self, direct: bool) -> Self {
+        self.staging.direct = direct;
         self
     }
 }
@@ -187,10 +286,11 @@ impl IntoIterator for Checkpoint {
 /// path ending in `.index.json`, the sharded set that index names.
 ///
 /// The header is read and checked first; then each tensor is allocated and its bytes travel
-/// file → pinned staging → device: positioned reads on threads of their own into the engine's
-/// staging slots (at most `ring_depth` of them, of `chunk_bytes` each: the
-/// [`StagingConfig`](crate::staging::StagingConfig)), each slot's copy queued as soon as its read
-/// is done, and the next slots read meanwhile. Returns once every copy is complete.
+/// file → pinned staging → device: positioned reads on [`DEFAULT_THREADS`] threads into staging
+/// slots of the engine's chunk size ([`DEFAULT_STAGING_BYTES`] of them in all), each slot's
+/// copies queued as soon as its read is done and the slot read into again once they are proven.
+/// Tensors that follow each other in the file share a slot. Returns once every copy is
+/// complete.
 ///
 /// # Errors
 /// [`Error::Checkpoint`](crate::Error::Checkpoint) naming the file (and the tensor, where one
@@ -204,22 +304,158 @@ pub fn load(engine: &mut CudaEngine, path: impl AsRef<Path>) -> Result<Checkpoin
     load_with(engine, path, LoadOptions::default())
 }
 
-/// As [`load`], with a selection of the tensors and a progress report.
+/// As [`load`], with a selection of the tensors, a progress report and the staging settings.
 ///
 /// # Errors
-/// As [`load`].
+/// As [`load`], and [`UsageError::InvalidSetting`] for a staging setting out of range.
 pub fn load_with(
     engine: &mut CudaEngine,
     path: impl AsRef<Path>,
-    mut options: LoadOptions<'_>,
+    options: LoadOptions<'_>,
 ) -> Result<Checkpoint> {
-    let path = path.as_ref();
-    if path.to_string_lossy().ends_with(".index.json") {
-        return index::load(engine, path, &mut options);
+    let mut tensors = Vec::new();
+    load_indexed(engine, path.as_ref(), options, &mut |_, i, name, tensor| {
+        tensors.push((i, name, tensor));
+        Ok(())
+    })?;
+    Ok(Checkpoint::ordered(tensors))
+}
+
+/// As [`load_with`], handing each tensor to `each` as soon as every copy into it is queued,
+/// while later tensors are still being read: the in-flight handoff.
+///
+/// `each` runs on the calling thread with the engine, so it can queue work on the tensor at
+/// once; that work is ordered after the tensor's copies on the device (the engine's one
+/// order), so a model's first layers can run while the rest of the file is still loading. The
+/// tensors come in the order their last bytes are read, which with several readers need not be
+/// file order. A tensor of no bytes comes first.
+///
+/// # Errors
+/// As [`load_with`], and `each`'s error, which stops the load. The tensors already handed out
+/// are the caller's; the others are freed after their copies.
+pub fn load_each(
+    engine: &mut CudaEngine,
+    path: impl AsRef<Path>,
+    options: LoadOptions<'_>,
+    mut each: impl FnMut(&mut CudaEngine, String, Tensor) -> Result<()>,
+) -> Result<()> {
+    load_indexed(
+        engine,
+        path.as_ref(),
+        options,
+        &mut |engine, _, name, tensor| each(engine, name, tensor),
+    )
+}
+
+/// What a load hands each tensor to: the engine, the tensor's place in the checkpoint's file
+/// order, its name and the tensor.
+type Handoff<'e> = dyn FnMut(&mut CudaEngine, usize, String, Tensor) -> Result<()> + 'e;
+
+impl Checkpoint {
+    /// The tensors handed out by a load, put back in file order.
+    fn ordered(mut tensors: Vec<(usize, String, Tensor)>) -> Checkpoint {
+        tensors.sort_unstable_by_key(|(i, _, _)| *i);
+        Checkpoint {
+            tensors: tensors.into_iter().map(|(_, n, t)| (n, t)).collect(),
+        }
     }
-    let file = open(path)?;
-    let len = file_len(path, &file)?;
-    load_from(engine, path, &file, len, options)
+}
+
+/// Loads `path` (one file, or the shards of an index) through `options`, handing each tensor
+/// to `each`.
+fn load_indexed(
+    engine: &mut CudaEngine,
+    path: &Path,
+    mut options: LoadOptions<'_>,
+    each: &mut Handoff<'_>,
+) -> Result<()> {
+    let staging = options.staging.validate("readers")?;
+    let shards = if path.to_string_lossy().ends_with(".index.json") {
+        index::plan(path, &mut *options.select, staging.direct)?
+    } else {
+        let file = open(path)?;
+        let len = file_len(path, &file)?;
+        let tensors = load::plan(path, &file, len, &mut *options.select)?;
+        let direct = staging.direct.then(|| open_direct(path)).flatten();
+        vec![Shard {
+            path: path.to_owned(),
+            file,
+            direct,
+            len,
+            tensors,
+        }]
+    };
+    let total = shards.iter().map(|s| load::plan_bytes(&s.tensors)).sum();
+    let mut tally = Tally::new(total, &mut *options.progress);
+    let mut base = 0;
+    for shard in &shards {
+        let source = load::Source {
+            path: &shard.path,
+            file: &shard.file,
+            direct: shard.direct.as_ref(),
+            len: shard.len,
+        };
+        load_shard(
+            engine,
+            source,
+            &shard.tensors,
+            base,
+            staging,
+            &mut tally,
+            each,
+        )?;
+        base += shard.tensors.len();
+    }
+    Ok(())
+}
+
+/// One file of a load: its planned tensors, and the file opened for them.
+pub(crate) struct Shard {
+    pub(crate) path: std::path::PathBuf,
+    pub(crate) file: std::fs::File,
+    /// The file opened for direct reads, where they were asked for and the system allows them.
+    pub(crate) direct: Option<std::fs::File>,
+    pub(crate) len: u64,
+    pub(crate) tensors: Vec<header::Entry>,
+}
+
+/// Loads the planned `tensors` of one file, handing each to `each` with its place (`base` on).
+fn load_shard(
+    engine: &mut CudaEngine,
+    source: load::Source<'_>,
+    tensors: &[header::Entry],
+    base: usize,
+    staging: Staging,
+    tally: &mut Tally<'_>,
+    each: &mut Handoff<'_>,
+) -> Result<()> {
+    load::load(
+        engine,
+        source,
+        tensors,
+        staging,
+        tally,
+        &mut |engine, i, tensor| each(engine, base + i, tensors[i].name.clone(), tensor),
+    )
+}
+
+/// Opens `path` for reading with `O_DIRECT`, where the system has it and the file system
+/// allows it.
+pub(crate) fn open_direct(path: &Path) -> Option<std::fs::File> {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(path)
+            .ok()
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = path;
+        None
+    }
 }
 
 /// Opens `path` for reading.
@@ -247,10 +483,11 @@ fn file_len(path: &Path, file: &std::fs::File) -> Result<u64> {
 }
 
 /// As [`load_with`], for one file read through `file` (`len` bytes long): a storage layer of
-/// the caller's, or a file opened another way. `path` names it in errors.
+/// the caller's, or a file opened another way. `path` names it in errors. Direct reads do not
+/// apply: the reads are `file`'s.
 ///
 /// # Errors
-/// As [`load`].
+/// As [`load_with`].
 pub fn load_from(
     engine: &mut CudaEngine,
     path: &Path,
@@ -258,21 +495,33 @@ pub fn load_from(
     len: u64,
     mut options: LoadOptions<'_>,
 ) -> Result<Checkpoint> {
+    let staging = options.staging.validate("readers")?;
     let tensors = load::plan(path, file, len, &mut *options.select)?;
     let mut tally = Tally::new(load::plan_bytes(&tensors), &mut *options.progress);
-    Ok(Checkpoint {
-        tensors: load::load(engine, path, file, len, tensors, &mut tally)?,
-    })
+    let source = load::Source {
+        path,
+        file,
+        direct: None,
+        len,
+    };
+    let mut out = Vec::new();
+    let mut each = |_: &mut CudaEngine, i, name, tensor| {
+        out.push((i, name, tensor));
+        Ok(())
+    };
+    load_shard(engine, source, &tensors, 0, staging, &mut tally, &mut each)?;
+    Ok(Checkpoint::ordered(out))
 }
 
 /// Writes `tensors` (names with tensors of `engine`) to the safetensors file `path`, in the
 /// format's own layout: the file is byte for byte what `safetensors::serialize` writes for the
 /// same tensors.
 ///
-/// The bytes travel device → pinned staging → file through the engine's staging slots, each
-/// chunk written at its place once its download is proven, the next downloads in flight
-/// meanwhile. The file is written as `<name>.partial` beside `path`, flushed to the storage and
-/// renamed only when complete.
+/// The bytes travel device → pinned staging → file: each chunk's download queued into a
+/// staging slot of the engine's chunk size ([`DEFAULT_STAGING_BYTES`] of them in all), and
+/// once proven written at its place by one of [`DEFAULT_THREADS`] writer threads while the
+/// next downloads are in flight. The file is written as `<name>.partial` beside `path`, flushed
+/// to the storage and renamed only when complete.
 ///
 /// # Errors
 /// [`Error::Checkpoint`](crate::Error::Checkpoint) when the file cannot be created, written,
@@ -286,14 +535,18 @@ pub fn save(
     save_with(engine, path, tensors, SaveOptions::default())
 }
 
-/// Whom a save tells how far it has come.
+/// Whom a save tells how far it has come, and how it stages the bytes.
 pub struct SaveOptions<'a> {
     progress: Box<dyn FnMut(Progress) + 'a>,
+    staging: Staging,
 }
 
 impl std::fmt::Debug for SaveOptions<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SaveOptions").finish_non_exhaustive()
+        f.debug_struct("SaveOptions")
+            .field("staging_bytes", &self.staging.bytes)
+            .field("writers", &self.staging.threads)
+            .finish_non_exhaustive()
     }
 }
 
@@ -301,12 +554,13 @@ impl Default for SaveOptions<'_> {
     fn default() -> Self {
         SaveOptions {
             progress: Box::new(|_| {}),
+            staging: Staging::default(),
         }
     }
 }
 
 impl<'a> SaveOptions<'a> {
-    /// Reporting to no one.
+    /// Reporting to no one, through the default staging.
     pub fn new() -> Self {
         Self::default()
     }
@@ -317,17 +571,38 @@ impl<'a> SaveOptions<'a> {
         self.progress = Box::new(progress);
         self
     }
+
+    /// The most pinned staging memory the save holds, as
+    /// [`LoadOptions::staging_bytes`].
+    pub fn staging_bytes(mut self, bytes: usize) -> Self {
+        self.staging.bytes = bytes;
+        self
+    }
+
+    /// How many positioned writes the save keeps in flight, each on a thread of its own.
+    /// Default [`DEFAULT_THREADS`]; 1 to 256, others refused when the save starts.
+    pub fn writers(mut self, writers: usize) -> Self {
+        self.staging.threads = writers;
+        self
+    }
 }
 
-/// As [`save`], with a progress report.
+/// As [`save`], with a progress report and the staging settings.
 ///
 /// # Errors
-/// As [`save`].
+/// As [`save`], and [`UsageError::InvalidSetting`] for a staging setting out of range.
 pub fn save_with(
     engine: &mut CudaEngine,
     path: impl AsRef<Path>,
     tensors: &[(&str, &Tensor)],
     mut options: SaveOptions<'_>,
 ) -> Result<()> {
-    save::save(engine, path.as_ref(), tensors, &mut *options.progress)
+    let staging = options.staging.validate("writers")?;
+    save::save(
+        engine,
+        path.as_ref(),
+        tensors,
+        staging,
+        &mut *options.progress,
+    )
 }

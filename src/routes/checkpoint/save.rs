@@ -11,14 +11,16 @@
 //! the final name (the partial file is removed).
 
 use super::load::Tensor;
-use super::{Progress, Tally, header};
+use super::{Progress, Staging, Tally, WriteAt, header};
 use crate::core::engine::CudaEngine;
 use crate::error::{CheckpointError, Error, Result};
 use crate::lifecycle::lease::{Proven, StagingLease, Unproven, released};
+use crate::memory::tensor::DeviceTensor;
 use std::collections::VecDeque;
 use std::fs::File;
-use std::os::unix::fs::FileExt;
+use std::panic::AssertUnwindSafe;
 use std::path::{Path, PathBuf};
+use std::sync::{Mutex, mpsc};
 
 /// The header bytes (padded) and each tensor's place, for `tensors` in the format's order.
 fn layout(
@@ -81,6 +83,7 @@ pub(crate) fn save(
     engine: &mut CudaEngine,
     path: &Path,
     tensors: &[(&str, &Tensor)],
+    staging: Staging,
     progress: &mut dyn FnMut(Progress),
 ) -> Result<()> {
     let mut names = std::collections::HashSet::new();
@@ -110,7 +113,7 @@ pub(crate) fn save(
     let total = ordered.iter().map(|(_, t)| t.bytes().len() as u64).sum();
     let mut tally = Tally::new(total, progress);
     let written = write_all(
-        engine, &file, &temporary, &head, &ordered, &starts, &mut tally,
+        engine, &file, &temporary, &head, &ordered, &starts, staging, &mut tally,
     )
     .and_then(|()| file.sync_all().map_err(io("flush")).map_err(Error::from));
     drop(file);
@@ -125,16 +128,17 @@ pub(crate) fn save(
     renamed
 }
 
-/// One chunk of the save: bytes `at..at + len` of tensor `tensor`, to file offset `offset`.
+/// One chunk of the save: bytes `at..at + len` of item `item`, to file offset `offset`.
 #[derive(Clone, Copy, Debug)]
 struct Chunk {
-    tensor: usize,
+    item: usize,
     at: usize,
     len: usize,
     offset: u64,
 }
 
-/// Writes the header, then every tensor's bytes through a window of staging leases.
+/// Writes the header, then every tensor's bytes at its place.
+#[allow(clippy::too_many_arguments)]
 fn write_all(
     engine: &mut CudaEngine,
     file: &File,
@@ -142,28 +146,90 @@ fn write_all(
     head: &[u8],
     tensors: &[(String, &Tensor)],
     starts: &[u64],
+    staging: Staging,
     tally: &mut Tally<'_>,
 ) -> Result<()> {
-    let write = |bytes: &[u8], offset: u64| -> Result<(), CheckpointError> {
-        file.write_all_at(bytes, offset)
-            .map_err(|source| CheckpointError::Io {
-                path: path.to_owned(),
-                operation: "write",
-                source,
-            })
-    };
-    write(head, 0)?;
-    let depth = engine.staging_config().ring_depth.max(2);
-    let first = engine.staging_lease()?;
+    write_exact_at(path, file, head, 0)?;
+    let items: Vec<(&DeviceTensor<u8>, u64)> = tensors
+        .iter()
+        .zip(starts)
+        .map(|((_, t), &start)| (t.bytes(), start))
+        .collect();
+    download(engine, path, file, &items, staging, tally)
+}
+
+/// Writes all of `bytes` at `offset` of `file` (`path` in errors).
+pub(crate) fn write_exact_at(
+    path: &Path,
+    file: &dyn WriteAt,
+    mut bytes: &[u8],
+    mut offset: u64,
+) -> Result<(), CheckpointError> {
+    while !bytes.is_empty() {
+        match file.write_at(bytes, offset) {
+            Ok(0) => {
+                let source = std::io::Error::from(std::io::ErrorKind::WriteZero);
+                return Err(CheckpointError::Io {
+                    path: path.to_owned(),
+                    operation: "write",
+                    source,
+                });
+            }
+            Ok(n) => {
+                bytes = &bytes[n..];
+                offset += n as u64;
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(source) => {
+                return Err(CheckpointError::Io {
+                    path: path.to_owned(),
+                    operation: "write",
+                    source,
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A write for a writer thread: the chunk's index and the slot its bytes are in.
+type Job = (usize, StagingLease<Proven>);
+
+/// A writer's answer: the chunk, its slot, and how the write went.
+type Done = (
+    usize,
+    StagingLease<Proven>,
+    std::thread::Result<Result<(), CheckpointError>>,
+);
+
+/// Writes each of `items` (a tensor and the file offset of its first byte) to `file` through
+/// `staging`: each chunk's download queued into a slot, and once proven written by one of the
+/// writer threads, while the next downloads are in flight. Counts each chunk's bytes into
+/// `tally` once written. Returns once every byte is written (not flushed).
+///
+/// # Errors
+/// [`Error::Checkpoint`] for a failed write; the engine's error when a download or its proof
+/// fails. The slots come back once their downloads are proven.
+pub(crate) fn download(
+    engine: &mut CudaEngine,
+    path: &Path,
+    file: &dyn WriteAt,
+    items: &[(&DeviceTensor<u8>, u64)],
+    staging: Staging,
+    tally: &mut Tally<'_>,
+) -> Result<()> {
+    if items.iter().all(|(t, _)| t.is_empty()) {
+        return Ok(());
+    }
+    let first = engine.route_lease()?;
     let capacity = first.capacity();
-    let mut free: Vec<StagingLease<Proven>> = vec![first];
     let mut plan = Vec::new();
-    for (i, ((_, t), &start)) in tensors.iter().zip(starts).enumerate() {
+    for (i, &(t, start)) in items.iter().enumerate() {
         let mut at = 0;
-        while at < t.bytes().len() {
-            let len = capacity.min(t.bytes().len() - at);
+        while at < t.len() {
+            let len = capacity.min(t.len() - at);
             plan.push(Chunk {
-                tensor: i,
+                item: i,
                 at,
                 len,
                 offset: start + at as u64,
@@ -171,40 +237,135 @@ fn write_all(
             at += len;
         }
     }
-    let mut flying: VecDeque<(StagingLease<Unproven>, Chunk)> = VecDeque::new();
-    // Proves the oldest download, writes its bytes, and returns its lease.
-    let mut land =
-        |flying: &mut VecDeque<(StagingLease<Unproven>, Chunk)>| -> Result<StagingLease<Proven>> {
-            let (lease, chunk) = flying.pop_front().expect("a download in flight");
-            let lease = lease.end_chunk()?;
-            write(&lease.as_bytes()[..chunk.len], chunk.offset)?;
-            tally.add(chunk.len as u64);
-            Ok(lease)
-        };
-    for chunk in plan {
-        let lease = match free.pop() {
-            Some(lease) => lease,
-            None if flying.len() < depth => match engine.staging_lease() {
-                Ok(lease) => lease,
-                Err(Error::Staging(crate::error::StagingError::Exhausted { .. }))
-                    if !flying.is_empty() =>
-                {
-                    land(&mut flying)?
+    let mut slots = (staging.bytes / capacity).max(2);
+    let threads = staging.threads.clamp(1, slots).min(plan.len());
+    let (jobs, queue) = mpsc::channel::<Job>();
+    let queue = Mutex::new(queue);
+    let (report, answers) = mpsc::channel::<Done>();
+    let plan = &plan;
+    std::thread::scope(|scope| {
+        for _ in 0..threads {
+            let report = report.clone();
+            let queue = &queue;
+            scope.spawn(move || {
+                loop {
+                    // The lock is held only to take a job, never across a write.
+                    let job = queue.lock().unwrap_or_else(|p| p.into_inner()).recv();
+                    let Ok((i, lease)) = job else { break };
+                    let chunk = &plan[i];
+                    let bytes = &lease.as_bytes()[..chunk.len];
+                    // A panic of the caller's writer comes back as an answer, so the save
+                    // lets go of its slots before it rethrows it.
+                    let written = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                        write_exact_at(path, file, bytes, chunk.offset)
+                    }));
+                    if report.send((i, lease, written)).is_err() {
+                        break;
+                    }
                 }
-                Err(error) => return Err(error),
-            },
-            None => land(&mut flying)?,
-        };
-        let source = tensors[chunk.tensor].1.bytes();
-        match lease.begin_download(engine, source, chunk.at, chunk.len) {
-            Ok(unproven) => flying.push_back((unproven, chunk)),
-            Err(refused) => return Err(released(refused)),
+            });
         }
+        drop(report);
+        let mut free = vec![first];
+        let mut made = 1;
+        let mut writing = 0;
+        let mut flying: VecDeque<(StagingLease<Unproven>, usize)> = VecDeque::new();
+        let mut next = 0;
+        let mut failure: Option<Error> = None;
+        let mut panicked = None;
+        loop {
+            if failure.is_none() {
+                // Downloads are queued while a slot can be had without waiting: an idle one,
+                // or a new one while the budget allows.
+                while next < plan.len() {
+                    let lease = match free.pop() {
+                        Some(lease) => lease,
+                        None if made < slots => match engine.route_lease() {
+                            Ok(lease) => {
+                                made += 1;
+                                lease
+                            }
+                            // Pinned memory ran out: the save goes on with the slots it has.
+                            Err(_) => {
+                                slots = made;
+                                break;
+                            }
+                        },
+                        None => break,
+                    };
+                    let chunk = plan[next];
+                    let source = items[chunk.item].0;
+                    match lease.begin_download(engine, source, chunk.at, chunk.len) {
+                        Ok(unproven) => flying.push_back((unproven, next)),
+                        Err(refused) => {
+                            failure = Some(released(refused));
+                            break;
+                        }
+                    }
+                    next += 1;
+                }
+            }
+            // The oldest download, once proven, goes to an idle writer.
+            if failure.is_none()
+                && writing < threads
+                && let Some((unproven, i)) = flying.pop_front()
+            {
+                match unproven.end_chunk() {
+                    Ok(lease) => {
+                        if jobs.send((i, lease)).is_err() {
+                            failure = Some(writers_gone(path));
+                        } else {
+                            writing += 1;
+                        }
+                    }
+                    Err(error) => failure = Some(error),
+                }
+                continue;
+            }
+            if writing == 0 {
+                break;
+            }
+            let Ok((i, lease, written)) = answers.recv() else {
+                failure.get_or_insert(writers_gone(path));
+                break;
+            };
+            writing -= 1;
+            free.push(lease);
+            match written {
+                Ok(Ok(())) => tally.add(plan[i].len as u64),
+                Ok(Err(error)) => {
+                    failure.get_or_insert(error.into());
+                }
+                Err(payload) => {
+                    panicked.get_or_insert(payload);
+                    failure.get_or_insert(writers_gone(path));
+                }
+            }
+        }
+        drop(jobs);
+        if let Some(payload) = panicked {
+            // The downloads in flight retire (their slots come back once proven); then the
+            // writer's panic goes on to the caller.
+            drop(flying);
+            drop(free);
+            std::panic::resume_unwind(payload);
+        }
+        match failure {
+            Some(error) => Err(error),
+            None => Ok(()),
+        }
+    })
+}
+
+/// The error of a save whose writer threads ended early: one panicked, and its panic goes on
+/// to the caller once the save has let go of its slots.
+fn writers_gone(path: &Path) -> Error {
+    CheckpointError::Io {
+        path: path.to_owned(),
+        operation: "write",
+        source: std::io::Error::other("a writer thread panicked"),
     }
-    while !flying.is_empty() {
-        free.push(land(&mut flying)?);
-    }
-    Ok(())
+    .into()
 }
 
 #[cfg(test)]
@@ -213,6 +374,16 @@ mod tests {
     use super::*;
     use crate::driver::sim::SimOp;
     use crate::error::DriverError;
+
+    /// Staging of four slots and two writers, so the writes run in parallel even on a machine
+    /// of few cores.
+    fn staging() -> Staging {
+        Staging {
+            bytes: 4 * 4096,
+            threads: 2,
+            direct: false,
+        }
+    }
 
     /// The checkpoint's tensors, loaded onto `engine`.
     fn loaded(engine: &mut CudaEngine) -> Vec<(String, Tensor)> {
@@ -228,7 +399,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("model.safetensors");
         let named: Vec<(&str, &Tensor)> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
-        save(&mut engine, &path, &named, &mut |_| {}).unwrap();
+        save(&mut engine, &path, &named, staging(), &mut |_| {}).unwrap();
         let written = std::fs::read(&path).unwrap();
         assert_eq!(
             written, bytes,
@@ -253,7 +424,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("m.safetensors");
         let twice = [("a", &tensors[0].1), ("a", &tensors[1].1)];
-        let err = save(&mut engine, &path, &twice, &mut |_| {}).unwrap_err();
+        let err = save(&mut engine, &path, &twice, staging(), &mut |_| {}).unwrap_err();
         assert!(err.to_string().contains("'a'"), "{err}");
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
     }
@@ -275,7 +446,7 @@ mod tests {
             let named: Vec<(&str, &Tensor)> =
                 tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
             let before: Vec<u64> = OPS.iter().map(|&op| sim.calls(op)).collect();
-            save(&mut engine, &path, &named, &mut |_| {}).unwrap();
+            save(&mut engine, &path, &named, staging(), &mut |_| {}).unwrap();
             std::fs::remove_file(&path).unwrap();
             OPS.iter()
                 .zip(before)
@@ -290,10 +461,16 @@ mod tests {
                 let named: Vec<(&str, &Tensor)> =
                     tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
                 sim.fail_nth(op, n, DriverError::LAUNCH_FAILED);
-                match save(&mut engine, &path, &named, &mut |_| {}) {
+                match save(&mut engine, &path, &named, staging(), &mut |_| {}) {
                     Err(e) if !matches!(e, Error::Checkpoint(_)) => {
                         let left = std::fs::read_dir(dir.path()).unwrap().count();
                         assert_eq!(left, 0, "{op:?} {n}: a file was left");
+                    }
+                    // A slot after the first that cannot be made: the save goes on with those
+                    // it has, and the file is whole.
+                    Ok(()) if op == SimOp::HostAlloc => {
+                        assert_eq!(std::fs::read(&path).unwrap(), checkpoint().0, "{op:?} {n}");
+                        std::fs::remove_file(&path).unwrap();
                     }
                     // A copy proven another way (a stream synchronize, when its event could not
                     // be recorded): the file is whole, and the failure is reported at the next
@@ -307,7 +484,8 @@ mod tests {
                 }
                 let _ = engine.synchronize();
                 sim.clear_faults();
-                save(&mut engine, &path, &named, &mut |_| {}).expect("the engine saves again");
+                save(&mut engine, &path, &named, staging(), &mut |_| {})
+                    .expect("the engine saves again");
                 assert_eq!(std::fs::read(&path).unwrap(), checkpoint().0);
                 std::fs::remove_file(&path).unwrap();
                 drop(named);
