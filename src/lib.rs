@@ -173,8 +173,8 @@ pub mod raw {
 #[cfg(feature = "safetensors")]
 pub mod checkpoint {
     pub use crate::routes::checkpoint::{
-        Checkpoint, DEFAULT_STAGING_BYTES, DEFAULT_THREADS, LoadOptions, Progress, ReadAt,
-        SaveOptions, Tensor, WriteAt, load, load_each, load_from, load_with, read_into,
+        Checkpoint, DEFAULT_READERS, DEFAULT_STAGING_BYTES, DEFAULT_WRITERS, LoadOptions, Progress,
+        ReadAt, SaveOptions, Tensor, WriteAt, load, load_each, load_from, load_with, read_into,
         read_pending, save, save_with, write_from, write_returned,
     };
 }

@@ -661,6 +661,18 @@ impl CudaEngine {
         self.lease(SlotKind::Route)
     }
 
+    /// Keeps up to `slots` of the blocking routes' slots idle once they are released (at least
+    /// `ring_depth`), for a route that stages through that many: a checkpoint load or save,
+    /// whose next run then finds its slots made. Idle slots are still freed under memory
+    /// pressure and when the settings change.
+    pub(crate) fn reserve_route_slots(&mut self, slots: usize) {
+        self.shared
+            .lock()
+            .parts
+            .get_mut::<StagingRing>()
+            .reserve(slots);
+    }
+
     fn lease(&mut self, kind: SlotKind) -> Result<StagingLease<Proven>> {
         let (st, slot) = self.shared.allocate(Memory::PageLocked, |st, pressure| {
             // Under pressure a slot released meanwhile serves first; else idle pinned memory

@@ -165,6 +165,9 @@ pub(crate) struct StagingRing {
     retired: u64,
     /// The 16-byte pinned slot of the smallest band.
     scalar: Option<Slot>,
+    /// Idle slots kept beyond `ring_depth`: the most a file route (a checkpoint load or save)
+    /// staged through, so the next one finds its slots made.
+    reserve: usize,
 }
 
 impl Part for StagingRing {
@@ -234,6 +237,12 @@ impl StagingRing {
         !self.idle.is_empty()
     }
 
+    /// Keeps up to `slots` idle slots from now on (at least `ring_depth`), for a route that
+    /// stages through that many: its next use finds them made.
+    pub(crate) fn reserve(&mut self, slots: usize) {
+        self.reserve = self.reserve.max(slots);
+    }
+
     /// Counts a slot handed to the retirement queue by a lease.
     pub(crate) fn count_retired(&mut self) {
         self.retired += 1;
@@ -255,7 +264,7 @@ impl StagingRing {
         }
         let keep = !torn_down
             && slot.bytes == self.config.chunk_bytes
-            && self.idle.len() < self.config.ring_depth;
+            && self.idle.len() < self.config.ring_depth.max(self.reserve);
         if keep {
             self.idle.push(slot);
             None

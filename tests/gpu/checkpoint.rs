@@ -299,7 +299,7 @@ fn measure_an_8_gib_checkpoint_against_the_storage_limits() {
     println!(
         "load, default staging ({} MiB, {} readers), warm: {} GiB/s; peak resident {peak:.0} MiB",
         checkpoint::DEFAULT_STAGING_BYTES >> 20,
-        checkpoint::DEFAULT_THREADS,
+        checkpoint::DEFAULT_READERS,
         rates(warm_default.clone())
     );
     println!(
@@ -316,18 +316,36 @@ fn measure_an_8_gib_checkpoint_against_the_storage_limits() {
         best / best_limit,
         median / best_limit
     );
-    for (staging, readers) in [(512usize << 20, 16usize), (256 << 20, 8), (512 << 20, 24)] {
+    // Other settings: the engine's chunk size (one slot), the load's staging and readers.
+    let default_config = engine.staging_config();
+    for (chunk, staging, readers) in [
+        (16usize << 20, 256usize << 20, 16usize),
+        (16 << 20, 256 << 20, 24),
+        (16 << 20, 256 << 20, 48),
+        (16 << 20, 512 << 20, 32),
+        (8 << 20, 256 << 20, 32),
+        (8 << 20, 256 << 20, 24),
+    ] {
+        let mut config = default_config;
+        config.chunk_bytes = chunk;
+        engine.set_staging_config(config).unwrap();
         let options = || LoadOptions::new().staging_bytes(staging).readers(readers);
         drop(checkpoint::load_with(&mut engine, &path, options()).unwrap());
         let r: Vec<f64> = (0..3)
             .map(|_| timed_load(&mut engine, &path, options(), total))
             .collect();
         println!(
-            "load, {} MiB staging, {readers} readers, warm: {} GiB/s",
+            "load, {} MiB slots, {} MiB staging, {readers} readers, warm: {} GiB/s",
+            chunk >> 20,
             staging >> 20,
             rates(r)
         );
     }
+    engine.set_staging_config(default_config).unwrap();
+    println!(
+        "limit again: 16 threads into pinned memory: {:.1} GiB/s",
+        read_rate(&mut engine, &f, len, 16)
+    );
     // Every tensor of a load, checked against the file.
     {
         let loaded = checkpoint::load(&mut engine, &path).unwrap();

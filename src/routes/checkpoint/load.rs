@@ -377,6 +377,9 @@ fn pipeline(
 ) -> Result<()> {
     let mut slots = (staging.bytes / first.capacity()).max(2);
     let threads = staging.threads.clamp(1, slots).min(chunks.len());
+    // More reads in flight than slots: each slot's read is split between threads.
+    let split = staging.threads.div_ceil(threads);
+    run.engine.reserve_route_slots(slots.min(chunks.len()));
     let (jobs, queue) = mpsc::channel::<Job>();
     let queue = Mutex::new(queue);
     let (report, answers) = mpsc::channel::<Done>();
@@ -393,7 +396,7 @@ fn pipeline(
                     // A panic of the caller's reader comes back as an answer, so the load lets
                     // go of its slots before it rethrows it.
                     let read = std::panic::catch_unwind(AssertUnwindSafe(|| {
-                        read_chunk(source, tensors, &chunks[i], lease.as_mut_bytes())
+                        read_chunk(source, tensors, &chunks[i], lease.as_mut_bytes(), split)
                     }));
                     if report.send((i, lease, read)).is_err() {
                         break;
@@ -522,21 +525,46 @@ fn file_len(path: &Path, file: &dyn ReadAt, len: u64) -> Result<u64, CheckpointE
     Ok(len + file.read_at(&mut probe, len).map_err(io)? as u64)
 }
 
-/// Reads `chunk` into `slot` and checks the bytes of its `bool` pieces.
+/// Reads `chunk` into `slot`, in `split` parts read at once (one on this thread, the others on
+/// threads of their own), and checks the bytes of its `bool` pieces.
 fn read_chunk(
     source: Source<'_>,
     tensors: &[Entry],
     chunk: &Chunk,
     slot: &mut [u8],
+    split: usize,
 ) -> Result<(), CheckpointError> {
-    let bytes = (chunk.end - chunk.start) as usize;
-    let direct = match source.direct {
-        Some(file) => read_direct(source, file, chunk, slot)?,
-        None => false,
+    // The slot's bytes `..want` hold the file's from `base`; a direct read covers whole blocks.
+    let base = chunk.start - chunk.skew as u64;
+    let want = chunk.skew + (chunk.end - chunk.start) as usize;
+    let span = match source.direct {
+        Some(_) => want.next_multiple_of(BLOCK as usize).min(slot.len()),
+        None => want,
     };
-    if !direct {
-        let into = &mut slot[chunk.skew..chunk.skew + bytes];
-        header::read_exact_at(source.path, source.file, chunk.start, into)?;
+    let part = span
+        .div_ceil(split.max(1))
+        .next_multiple_of(BLOCK as usize)
+        .max(1);
+    let read = |(k, buf): (usize, &mut [u8])| {
+        let need = want.saturating_sub(k * part).min(buf.len());
+        read_part(source, base + (k * part) as u64, buf, need)
+    };
+    if span <= part {
+        read((0, &mut slot[..span]))?;
+    } else {
+        std::thread::scope(|scope| {
+            let mut parts = slot[..span].chunks_mut(part).enumerate();
+            let first = parts.next().expect("a chunk has bytes");
+            let others: Vec<_> = parts.map(|job| scope.spawn(move || read(job))).collect();
+            let mut result = read(first);
+            for handle in others {
+                let joined = handle
+                    .join()
+                    .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+                result = result.and(joined);
+            }
+            result
+        })?;
     }
     for piece in &chunk.pieces {
         let t = &tensors[piece.tensor];
@@ -555,49 +583,45 @@ fn read_chunk(
     Ok(())
 }
 
-/// Reads `chunk` with `O_DIRECT`: whole blocks from the block boundary at or below its start,
-/// into the slot from its first byte. False, having read nothing, when the file system or the
-/// slot's memory refuses a direct read (`EINVAL`), for the caller to read the chunk through the
-/// page cache; a direct read refused part way is finished through the page cache.
-fn read_direct(
+/// Reads the file from `offset` into `buf`, which needs its first `need` bytes (a direct read
+/// asks for all of `buf`, whole blocks, and may end early at the end of the file). A direct read
+/// that the file system or the buffer's memory refuses (`EINVAL`) is finished through the page
+/// cache.
+fn read_part(
     source: Source<'_>,
-    file: &std::fs::File,
-    chunk: &Chunk,
-    slot: &mut [u8],
-) -> Result<bool, CheckpointError> {
-    let from = chunk.start - chunk.skew as u64;
-    let want = chunk.skew + (chunk.end - chunk.start) as usize;
-    let len = want.next_multiple_of(BLOCK as usize).min(slot.len());
+    offset: u64,
+    buf: &mut [u8],
+    need: usize,
+) -> Result<(), CheckpointError> {
+    let Some(direct) = source.direct else {
+        return header::read_exact_at(source.path, source.file, offset, &mut buf[..need]);
+    };
     let mut got = 0;
-    while got < want {
-        match std::os::unix::fs::FileExt::read_at(file, &mut slot[got..len], from + got as u64) {
+    while got < need {
+        match std::os::unix::fs::FileExt::read_at(direct, &mut buf[got..], offset + got as u64) {
             Ok(0) => {
                 return Err(CheckpointError::ShortRead {
                     path: source.path.to_owned(),
-                    offset: from + got as u64,
-                    missing: want - got,
+                    offset: offset + got as u64,
+                    missing: need - got,
                 });
             }
             Ok(n) => got += n,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
             Err(e) if e.kind() == std::io::ErrorKind::InvalidInput => {
-                if got == 0 {
-                    return Ok(false);
-                }
-                let rest = &mut slot[got..want];
-                header::read_exact_at(source.path, source.file, from + got as u64, rest)?;
-                got = want;
+                let rest = &mut buf[got..need];
+                return header::read_exact_at(source.path, source.file, offset + got as u64, rest);
             }
-            Err(source_error) => {
+            Err(error) => {
                 return Err(CheckpointError::Io {
                     path: source.path.to_owned(),
                     operation: "read",
-                    source: source_error,
+                    source: error,
                 });
             }
         }
     }
-    Ok(true)
+    Ok(())
 }
 
 #[cfg(test)]
@@ -672,9 +696,14 @@ pub(super) mod tests {
     /// An engine whose staging slots are small (so every tensor takes several chunks and every
     /// batch several threads).
     pub(in crate::routes::checkpoint) fn engine() -> (CudaEngine, SimDevice) {
+        engine_with(4096)
+    }
+
+    /// An engine whose staging slots are `chunk` bytes.
+    fn engine_with(chunk: usize) -> (CudaEngine, SimDevice) {
         let mut engine = CudaEngine::simulated(SimConfig::default());
         let config = StagingConfig {
-            chunk_bytes: 4096,
+            chunk_bytes: chunk,
             cutoff_bytes: 1024,
             ring_depth: 4,
             ..StagingConfig::default()
@@ -699,9 +728,38 @@ pub(super) mod tests {
         file: &dyn ReadAt,
         len: u64,
     ) -> Result<Vec<(String, Tensor)>> {
+        load_all_with(engine, file, len, staging())
+    }
+
+    /// As `load_all`, through `staging`.
+    fn load_all_with(
+        engine: &mut CudaEngine,
+        file: &dyn ReadAt,
+        len: u64,
+        staging: Staging,
+    ) -> Result<Vec<(String, Tensor)>> {
         let path = Path::new("model.safetensors");
         let tensors = plan(path, file, len, &mut |_| true)?;
-        load_planned(engine, path, file, len, &tensors)
+        let source = Source {
+            path,
+            file,
+            direct: None,
+            len,
+        };
+        let mut out = Vec::new();
+        let mut each = |_: &mut CudaEngine, i: usize, t| {
+            out.push((tensors[i].name.clone(), t));
+            Ok(())
+        };
+        load(
+            engine,
+            source,
+            &tensors,
+            staging,
+            &mut Tally::silent(),
+            &mut each,
+        )?;
+        Ok(out)
     }
 
     /// Loads the planned `tensors`, in the order they are handed out.
@@ -889,36 +947,44 @@ pub(super) mod tests {
     #[test]
     fn a_read_that_fails_or_comes_back_short_at_any_step_is_reported_and_loses_nothing() {
         let (bytes, _) = checkpoint();
-        let reads = {
-            let file = Faulty {
-                bytes: &bytes,
-                fail_at: 0,
-                short: false,
-                reads: AtomicUsize::new(0),
-            };
-            let (mut engine, _sim) = engine();
-            load_all(&mut engine, &file, bytes.len() as u64).unwrap();
-            file.reads.load(Ordering::SeqCst)
+        // Small slots, three readers; then one 64 KiB slot whose read is split in three.
+        let split = Staging {
+            bytes: 4 << 16,
+            threads: 8,
+            direct: false,
         };
-        assert!(reads >= 6, "{reads} reads");
-        for fail_at in 1..=reads {
-            for short in [false, true] {
-                let (mut engine, sim) = engine();
+        for (chunk, staging) in [(4096, staging()), (64 << 10, split)] {
+            let reads = {
                 let file = Faulty {
                     bytes: &bytes,
-                    fail_at,
-                    short,
+                    fail_at: 0,
+                    short: false,
                     reads: AtomicUsize::new(0),
                 };
-                match load_all(&mut engine, &file, bytes.len() as u64) {
-                    // The last read asks past the end, where reading nothing is the truth.
-                    Ok(_) if short && fail_at == reads => {}
-                    Err(Error::Checkpoint(CheckpointError::Io { .. }))
-                    | Err(Error::Checkpoint(CheckpointError::ShortRead { .. }))
-                    | Err(Error::Checkpoint(CheckpointError::LengthChanged { .. })) => {}
-                    other => panic!("read {fail_at} (short: {short}): {other:?}"),
+                let (mut engine, _sim) = engine_with(chunk);
+                load_all_with(&mut engine, &file, bytes.len() as u64, staging).unwrap();
+                file.reads.load(Ordering::SeqCst)
+            };
+            assert!(reads >= 6, "{reads} reads");
+            for fail_at in 1..=reads {
+                for short in [false, true] {
+                    let (mut engine, sim) = engine_with(chunk);
+                    let file = Faulty {
+                        bytes: &bytes,
+                        fail_at,
+                        short,
+                        reads: AtomicUsize::new(0),
+                    };
+                    match load_all_with(&mut engine, &file, bytes.len() as u64, staging) {
+                        // The last read asks past the end, where reading nothing is the truth.
+                        Ok(_) if short && fail_at == reads => {}
+                        Err(Error::Checkpoint(CheckpointError::Io { .. }))
+                        | Err(Error::Checkpoint(CheckpointError::ShortRead { .. }))
+                        | Err(Error::Checkpoint(CheckpointError::LengthChanged { .. })) => {}
+                        other => panic!("{chunk}: read {fail_at} (short: {short}): {other:?}"),
+                    }
+                    recovers(engine, &sim, &bytes);
                 }
-                recovers(engine, &sim, &bytes);
             }
         }
     }

@@ -115,10 +115,13 @@ impl<'a> Tally<'a> {
 /// otherwise: 256 MiB (sixteen slots of the engine's default 16 MiB chunk).
 pub const DEFAULT_STAGING_BYTES: usize = 256 << 20;
 
-/// The reader (or writer) threads a load (or a save) runs, unless its options say otherwise:
-/// enough positioned reads in flight for a page-cache read to reach memory bandwidth
-/// (`docs/records/checkpoints.md`).
-pub const DEFAULT_THREADS: usize = 16;
+/// The positioned reads a load keeps in flight, unless its options say otherwise: more than
+/// there are staging slots, so each slot's read is split between threads
+/// (`docs/records/checkpoints.md` has the measurements behind the figure).
+pub const DEFAULT_READERS: usize = 32;
+
+/// The writer threads a save runs, unless its options say otherwise.
+pub const DEFAULT_WRITERS: usize = 16;
 
 /// How a load or a save stages its bytes: at most `bytes` of pinned slots (the engine's
 /// chunk size each, at least two), `threads` file threads, and for a load, direct reads.
@@ -129,12 +132,21 @@ pub(crate) struct Staging {
     pub(crate) direct: bool,
 }
 
-impl Default for Staging {
-    fn default() -> Self {
+impl Staging {
+    /// A load's defaults.
+    pub(crate) fn load() -> Self {
         Staging {
             bytes: DEFAULT_STAGING_BYTES,
-            threads: DEFAULT_THREADS,
+            threads: DEFAULT_READERS,
             direct: false,
+        }
+    }
+
+    /// A save's defaults.
+    pub(crate) fn save() -> Self {
+        Staging {
+            threads: DEFAULT_WRITERS,
+            ..Staging::load()
         }
     }
 }
@@ -182,7 +194,7 @@ impl Default for LoadOptions<'_> {
         LoadOptions {
             select: Box::new(|_| true),
             progress: Box::new(|_| {}),
-            staging: Staging::default(),
+            staging: Staging::load(),
         }
     }
 }
@@ -216,9 +228,10 @@ impl<'a> LoadOptions<'a> {
         self
     }
 
-    /// How many positioned reads the load keeps in flight, each on a thread of its own (at most
-    /// one per staging slot). Default [`DEFAULT_THREADS`]; 1 to 256, others refused when the
-    /// load starts.
+    /// How many positioned reads the load keeps in flight, each on a thread of its own: one
+    /// thread per staging slot being read, and where there are more readers than slots, each
+    /// slot's read split between as many threads as it takes. Default [`DEFAULT_READERS`]; 1 to
+    /// 256, others refused when the load starts.
     pub fn readers(mut self, readers: usize) -> Self {
         self.staging.threads = readers;
         self
@@ -286,7 +299,7 @@ impl IntoIterator for Checkpoint {
 /// path ending in `.index.json`, the sharded set that index names.
 ///
 /// The header is read and checked first; then each tensor is allocated and its bytes travel
-/// file → pinned staging → device: positioned reads on [`DEFAULT_THREADS`] threads into staging
+/// file → pinned staging → device: [`DEFAULT_READERS`] positioned reads in flight into staging
 /// slots of the engine's chunk size ([`DEFAULT_STAGING_BYTES`] of them in all), each slot's
 /// copies queued as soon as its read is done and the slot read into again once they are proven.
 /// Tensors that follow each other in the file share a slot. Returns once every copy is
@@ -519,7 +532,7 @@ pub fn load_from(
 ///
 /// The bytes travel device → pinned staging → file: each chunk's download queued into a
 /// staging slot of the engine's chunk size ([`DEFAULT_STAGING_BYTES`] of them in all), and
-/// once proven written at its place by one of [`DEFAULT_THREADS`] writer threads while the
+/// once proven written at its place by one of [`DEFAULT_WRITERS`] writer threads while the
 /// next downloads are in flight. The file is written as `<name>.partial` beside `path`, flushed
 /// to the storage and renamed only when complete.
 ///
@@ -554,7 +567,7 @@ impl Default for SaveOptions<'_> {
     fn default() -> Self {
         SaveOptions {
             progress: Box::new(|_| {}),
-            staging: Staging::default(),
+            staging: Staging::save(),
         }
     }
 }
@@ -579,8 +592,9 @@ impl<'a> SaveOptions<'a> {
         self
     }
 
-    /// How many positioned writes the save keeps in flight, each on a thread of its own.
-    /// Default [`DEFAULT_THREADS`]; 1 to 256, others refused when the save starts.
+    /// How many positioned writes the save keeps in flight, each on a thread of its own (at
+    /// most one per staging slot). Default [`DEFAULT_WRITERS`]; 1 to 256, others refused when
+    /// the save starts.
     pub fn writers(mut self, writers: usize) -> Self {
         self.staging.threads = writers;
         self

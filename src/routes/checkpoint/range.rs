@@ -15,7 +15,7 @@
 use super::header::{self, Entry};
 use super::load::{self, Source, Targets};
 use super::save::{self, write_exact_at};
-use super::{DEFAULT_THREADS, ReadAt, Staging, Tally, WriteAt};
+use super::{DEFAULT_READERS, DEFAULT_WRITERS, ReadAt, Staging, Tally, WriteAt};
 use crate::core::engine::CudaEngine;
 use crate::dtype::DType;
 use crate::error::{CheckpointError, Error, Result, SubmitError, UsageError};
@@ -50,7 +50,7 @@ fn range(path: &Path, offset: u64, bytes: usize) -> Result<u64> {
 }
 
 /// Uploads the bytes of `file` at `offset..offset + tensor.len()` into `tensor`, through the
-/// engine's pinned staging: [`DEFAULT_THREADS`] positioned reads in flight, each slot's copy
+/// engine's pinned staging: [`DEFAULT_READERS`] positioned reads in flight, each slot's copy
 /// queued as soon as its read is done. Returns once the copies are complete. `path` names the
 /// file in errors.
 ///
@@ -88,14 +88,14 @@ pub fn read_into(
         engine,
         source,
         &entries,
-        Staging::default(),
+        Staging::load(),
         &mut tally,
         &mut one,
     )
 }
 
 /// Downloads `tensor` into `file` at `offset..offset + tensor.len()`, through the engine's
-/// pinned staging: each chunk written by one of [`DEFAULT_THREADS`] writer threads once its
+/// pinned staging: each chunk written by one of [`DEFAULT_WRITERS`] writer threads once its
 /// download is proven, while the next downloads are in flight. Returns once every byte is
 /// written (not flushed: [`File::sync_all`](std::fs::File::sync_all) is the caller's). `path`
 /// names the file in errors.
@@ -120,13 +120,13 @@ pub fn write_from(
         path,
         file,
         &[(tensor, offset)],
-        Staging::default(),
+        Staging::save(),
         &mut tally,
     )
 }
 
 /// Reads `file` at `offset..offset + buffer.len()` into `buffer` (positioned reads on up to
-/// [`DEFAULT_THREADS`] threads), then queues its upload into `tensor` and returns the transfer
+/// [`DEFAULT_READERS`] threads), then queues its upload into `tensor` and returns the transfer
 /// in flight: the [`Pending`] of [`upload_pending`], whose parts come back as
 /// `(buffer, tensor)` once it is [`Returned`]. `path` names the file in errors.
 ///
@@ -175,7 +175,7 @@ pub fn read_pending(
 }
 
 /// Writes the buffer of a returned [`download_pending`](crate::download_pending) to `file` at
-/// `offset..offset + len` (positioned writes on up to [`DEFAULT_THREADS`] threads): the file
+/// `offset..offset + len` (positioned writes on up to [`DEFAULT_WRITERS`] threads): the file
 /// side of a pending download into a file, done once the device side is proven. `path` names
 /// the file in errors.
 ///
@@ -192,10 +192,10 @@ pub fn write_returned(
     Ok(write_parallel(path, file, offset, bytes)?)
 }
 
-/// The pieces a host-side read or write of `len` bytes splits into: at most
-/// [`DEFAULT_THREADS`], none smaller than 4 MiB (but the last).
-fn piece(len: usize) -> usize {
-    len.div_ceil(DEFAULT_THREADS).max(4 << 20).max(1)
+/// The size of the pieces a host-side read or write of `len` bytes splits into: at most
+/// `threads` pieces, none smaller than 4 MiB (but the last).
+fn piece(len: usize, threads: usize) -> usize {
+    len.div_ceil(threads).max(4 << 20).max(1)
 }
 
 /// Reads `file` at `offset` into all of `buffer`, in pieces on threads of their own.
@@ -205,7 +205,7 @@ fn read_parallel(
     offset: u64,
     buffer: &mut [u8],
 ) -> Result<(), CheckpointError> {
-    let piece = piece(buffer.len());
+    let piece = piece(buffer.len(), DEFAULT_READERS);
     let read = |(k, part): (usize, &mut [u8])| {
         header::read_exact_at(path, file, offset + (k * piece) as u64, part)
     };
@@ -229,7 +229,7 @@ fn write_parallel(
     offset: u64,
     bytes: &[u8],
 ) -> Result<(), CheckpointError> {
-    let piece = piece(bytes.len());
+    let piece = piece(bytes.len(), DEFAULT_WRITERS);
     let write =
         |(k, part): (usize, &[u8])| write_exact_at(path, file, part, offset + (k * piece) as u64);
     if bytes.len() <= piece {

@@ -239,6 +239,7 @@ pub(crate) fn download(
     }
     let mut slots = (staging.bytes / capacity).max(2);
     let threads = staging.threads.clamp(1, slots).min(plan.len());
+    engine.reserve_route_slots(slots.min(plan.len()));
     let (jobs, queue) = mpsc::channel::<Job>();
     let queue = Mutex::new(queue);
     let (report, answers) = mpsc::channel::<Done>();
