@@ -1140,6 +1140,29 @@ pub enum CheckpointError {
         /// The data the file holds after its header.
         file_holds: u64,
     },
+    /// A checkpoint's tensor asked for as an element type other than its own
+    /// ([`Checkpoint::take`](crate::checkpoint::Checkpoint::take)); the tensor stays in the
+    /// checkpoint.
+    #[error(
+        "{path}: tensor '{tensor}' holds {holds}, not the {asked} asked for",
+        path = path.display()
+    )]
+    ElementType {
+        /// The file the tensor came from.
+        path: std::path::PathBuf,
+        /// The tensor.
+        tensor: String,
+        /// The element type asked for.
+        asked: crate::dtype::DType,
+        /// The element type the tensor holds.
+        holds: crate::dtype::DType,
+    },
+    /// A tensor asked of a checkpoint that holds none of that name.
+    #[error("the checkpoint holds no tensor named '{tensor}'")]
+    NoTensor {
+        /// The name asked for.
+        tensor: String,
+    },
     /// A byte range asked of a file that ends past the largest file offset.
     #[error(
         "{path}: {bytes} byte(s) at offset {offset} pass the largest file offset",

@@ -306,6 +306,7 @@ impl StagingLease<Proven> {
     /// # Errors
     /// As [`begin_upload`](Self::begin_upload), for any of the copies; an empty list is a
     /// [`UsageError::ZeroLength`](crate::error::UsageError::ZeroLength).
+    #[cfg(feature = "safetensors")]
     pub(crate) fn begin_scatter(
         self,
         engine: &mut CudaEngine,
@@ -390,6 +391,7 @@ impl StagingLease<Proven> {
     }
 
     /// Why `copy` cannot be queued from this slot, if it cannot.
+    #[cfg(feature = "safetensors")]
     fn scatter_refusal(&self, engine: &CudaEngine, copy: &Scatter<'_>) -> Option<Error> {
         let end = copy.from.checked_add(copy.len);
         if end.is_none_or(|end| end > self.capacity()) {
@@ -561,6 +563,7 @@ impl StagingLease<Proven> {
 
 /// One copy of a scattered upload ([`StagingLease::begin_scatter`]): `len` bytes from byte
 /// `from` of the slot into byte `at` of `tensor`.
+#[cfg(feature = "safetensors")]
 pub(crate) struct Scatter<'t> {
     pub(crate) tensor: &'t DeviceTensor<u8>,
     pub(crate) at: usize,
@@ -665,6 +668,7 @@ impl CudaEngine {
     /// `ring_depth`), for a route that stages through that many: a checkpoint load or save,
     /// whose next run then finds its slots made. Idle slots are still freed under memory
     /// pressure and when the settings change.
+    #[cfg(feature = "safetensors")]
     pub(crate) fn reserve_route_slots(&mut self, slots: usize) {
         self.shared
             .lock()

@@ -239,6 +239,7 @@ impl StagingRing {
 
     /// Keeps up to `slots` idle slots from now on (at least `ring_depth`), for a route that
     /// stages through that many: its next use finds them made.
+    #[cfg(feature = "safetensors")]
     pub(crate) fn reserve(&mut self, slots: usize) {
         self.reserve = self.reserve.max(slots);
     }

@@ -446,3 +446,91 @@ fn file_ranges_go_to_and_from_tensors_blocking_and_pending() {
     engine.synchronize().unwrap();
     assert!(sim.violations().is_empty(), "{:?}", sim.violations());
 }
+
+#[test]
+fn a_tensor_asked_for_as_another_element_type_is_a_typed_error_naming_file_and_tensor() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("model.safetensors");
+    std::fs::write(&path, model()).unwrap();
+    let mut engine = CudaEngine::simulated(SimConfig::default());
+    let mut loaded = checkpoint::load(&mut engine, &path).unwrap();
+    let err = loaded.take::<f64>("layer.weight").unwrap_err();
+    match &err {
+        Error::Checkpoint(CheckpointError::ElementType {
+            path: file,
+            tensor,
+            asked,
+            holds,
+        }) => {
+            assert_eq!(file, &path);
+            assert_eq!(tensor, "layer.weight");
+            assert_eq!((*asked, *holds), (cuferry::DType::F64, cuferry::DType::F32));
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(err.to_string().contains("'layer.weight' holds f32"), "{err}");
+    assert_eq!(loaded.len(), 3, "the tensor stays");
+    assert!(matches!(
+        loaded.take::<f32>("no.such"),
+        Err(Error::Checkpoint(CheckpointError::NoTensor { .. }))
+    ));
+    let weight = loaded.take::<f32>("layer.weight").unwrap();
+    assert_eq!(download_tensor(&mut engine, &weight).unwrap()[5], 2.5);
+    assert_eq!(loaded.len(), 2);
+}
+
+/// A writer that fails, or writes nothing, at its `n`-th write.
+struct FaultyWriter {
+    file: std::fs::File,
+    fail_at: usize,
+    zero: bool,
+    writes: std::sync::atomic::AtomicUsize,
+}
+
+impl checkpoint::WriteAt for FaultyWriter {
+    fn write_at(&self, buf: &[u8], offset: u64) -> std::io::Result<usize> {
+        use std::sync::atomic::Ordering;
+        if self.writes.fetch_add(1, Ordering::SeqCst) + 1 == self.fail_at {
+            if self.zero {
+                return Ok(0);
+            }
+            return Err(std::io::Error::other("injected"));
+        }
+        std::os::unix::fs::FileExt::write_at(&self.file, buf, offset)
+    }
+}
+
+#[test]
+fn a_write_that_fails_at_any_step_is_reported_and_the_engine_writes_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("out");
+    let data: Vec<u8> = (0..40_000u32).map(|i| (i % 251) as u8).collect();
+    let mut engine = small_slots(4096);
+    let sim = engine.sim().unwrap();
+    let tensor = cuferry::upload_tensor(&mut engine, &data, &[data.len()]).unwrap();
+    let writer = |fail_at, zero| FaultyWriter {
+        file: std::fs::File::create(&path).unwrap(),
+        fail_at,
+        zero,
+        writes: Default::default(),
+    };
+    let clean = writer(0, false);
+    checkpoint::write_from(&mut engine, &tensor, &path, &clean, 0).unwrap();
+    let writes = clean.writes.into_inner();
+    assert!(writes >= 10, "{writes} writes");
+    for fail_at in 1..=writes {
+        for zero in [false, true] {
+            let w = writer(fail_at, zero);
+            match checkpoint::write_from(&mut engine, &tensor, &path, &w, 0) {
+                Err(Error::Checkpoint(CheckpointError::Io { .. })) => {}
+                other => panic!("write {fail_at} (zero: {zero}): {other:?}"),
+            }
+            let w = writer(0, false);
+            checkpoint::write_from(&mut engine, &tensor, &path, &w, 0).unwrap();
+            assert!(std::fs::read(&path).unwrap() == data, "write {fail_at}");
+        }
+    }
+    engine.synchronize().unwrap();
+    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+    assert_eq!(engine.staging_stats().leased, 0, "every slot came back");
+}

@@ -22,7 +22,10 @@ pub use range::{read_into, read_pending, write_from, write_returned};
 
 use crate::core::engine::CudaEngine;
 use crate::error::{CheckpointError, Result, UsageError};
+use crate::memory::element::Element;
+use crate::memory::tensor::DeviceTensor;
 use std::path::Path;
+use std::sync::Arc;
 
 /// Positioned reads: the bytes at an offset, without a cursor, so that one open file serves
 /// several readers at once.
@@ -247,10 +250,13 @@ impl<'a> LoadOptions<'a> {
     }
 }
 
-/// The tensors of a checkpoint, by name, in the order of their bytes in the file.
+/// The tensors of a checkpoint, by name, in the order of their bytes in the file (the shards'
+/// in the order the index first names them).
 #[derive(Debug, Default)]
 pub struct Checkpoint {
     tensors: Vec<(String, Tensor)>,
+    /// The file each tensor came from, for errors.
+    files: Vec<Arc<Path>>,
 }
 
 impl Checkpoint {
@@ -262,7 +268,39 @@ impl Checkpoint {
     /// Takes the tensor named `name` out of the checkpoint.
     pub fn remove(&mut self, name: &str) -> Option<Tensor> {
         let at = self.tensors.iter().position(|(n, _)| n == name)?;
+        self.files.remove(at);
         Some(self.tensors.remove(at).1)
+    }
+
+    /// Takes the tensor named `name` out of the checkpoint as a `DeviceTensor<T>`, when `T` is
+    /// its element type.
+    ///
+    /// # Errors
+    /// [`CheckpointError::NoTensor`] when the checkpoint holds no tensor of that name;
+    /// [`CheckpointError::ElementType`], naming the file, the tensor and both element types,
+    /// when it holds another type. Either way the checkpoint is unchanged.
+    pub fn take<T: Element>(&mut self, name: &str) -> Result<DeviceTensor<T>> {
+        let Some(at) = self.tensors.iter().position(|(n, _)| n == name) else {
+            return Err(CheckpointError::NoTensor {
+                tensor: name.to_owned(),
+            }
+            .into());
+        };
+        let holds = self.tensors[at].1.dtype();
+        if holds != T::DTYPE {
+            return Err(CheckpointError::ElementType {
+                path: self.files[at].to_path_buf(),
+                tensor: name.to_owned(),
+                asked: T::DTYPE,
+                holds,
+            }
+            .into());
+        }
+        self.files.remove(at);
+        let (_, tensor) = self.tensors.remove(at);
+        Ok(tensor
+            .into_typed::<T>()
+            .expect("the element type was checked"))
     }
 
     /// The names, in file order.
@@ -327,8 +365,8 @@ pub fn load_with(
     options: LoadOptions<'_>,
 ) -> Result<Checkpoint> {
     let mut tensors = Vec::new();
-    load_indexed(engine, path.as_ref(), options, &mut |_, i, name, tensor| {
-        tensors.push((i, name, tensor));
+    load_indexed(engine, path.as_ref(), options, &mut |_, i, file, name, tensor| {
+        tensors.push((i, Arc::clone(file), name, tensor));
         Ok(())
     })?;
     Ok(Checkpoint::ordered(tensors))
@@ -356,21 +394,27 @@ pub fn load_each(
         engine,
         path.as_ref(),
         options,
-        &mut |engine, _, name, tensor| each(engine, name, tensor),
+        &mut |engine, _, _, name, tensor| each(engine, name, tensor),
     )
 }
 
 /// What a load hands each tensor to: the engine, the tensor's place in the checkpoint's file
-/// order, its name and the tensor.
-type Handoff<'e> = dyn FnMut(&mut CudaEngine, usize, String, Tensor) -> Result<()> + 'e;
+/// order, its file, its name and the tensor.
+type Handoff<'e> = dyn FnMut(&mut CudaEngine, usize, &Arc<Path>, String, Tensor) -> Result<()> + 'e;
+
+/// A tensor handed out by a load: its place, file, name and the tensor.
+type Placed = (usize, Arc<Path>, String, Tensor);
 
 impl Checkpoint {
     /// The tensors handed out by a load, put back in file order.
-    fn ordered(mut tensors: Vec<(usize, String, Tensor)>) -> Checkpoint {
-        tensors.sort_unstable_by_key(|(i, _, _)| *i);
-        Checkpoint {
-            tensors: tensors.into_iter().map(|(_, n, t)| (n, t)).collect(),
+    fn ordered(mut tensors: Vec<Placed>) -> Checkpoint {
+        tensors.sort_unstable_by_key(|(i, ..)| *i);
+        let mut checkpoint = Checkpoint::default();
+        for (_, file, name, tensor) in tensors {
+            checkpoint.tensors.push((name, tensor));
+            checkpoint.files.push(file);
         }
+        checkpoint
     }
 }
 
@@ -442,14 +486,10 @@ fn load_shard(
     tally: &mut Tally<'_>,
     each: &mut Handoff<'_>,
 ) -> Result<()> {
-    load::load(
-        engine,
-        source,
-        tensors,
-        staging,
-        tally,
-        &mut |engine, i, tensor| each(engine, base + i, tensors[i].name.clone(), tensor),
-    )
+    let file: Arc<Path> = source.path.into();
+    load::load(engine, source, tensors, staging, tally, &mut |engine, i, tensor| {
+        each(engine, base + i, &file, tensors[i].name.clone(), tensor)
+    })
 }
 
 /// Opens `path` for reading with `O_DIRECT`, where the system has it and the file system
@@ -518,8 +558,8 @@ pub fn load_from(
         len,
     };
     let mut out = Vec::new();
-    let mut each = |_: &mut CudaEngine, i, name, tensor| {
-        out.push((i, name, tensor));
+    let mut each = |_: &mut CudaEngine, i, file: &Arc<Path>, name, tensor| {
+        out.push((i, Arc::clone(file), name, tensor));
         Ok(())
     };
     load_shard(engine, source, &tensors, 0, staging, &mut tally, &mut each)?;
