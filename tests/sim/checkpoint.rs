@@ -468,7 +468,10 @@ fn a_tensor_asked_for_as_another_element_type_is_a_typed_error_naming_file_and_t
         }
         other => panic!("{other:?}"),
     }
-    assert!(err.to_string().contains("'layer.weight' holds f32"), "{err}");
+    assert!(
+        err.to_string().contains("'layer.weight' holds f32"),
+        "{err}"
+    );
     assert_eq!(loaded.len(), 3, "the tensor stays");
     assert!(matches!(
         loaded.take::<f32>("no.such"),

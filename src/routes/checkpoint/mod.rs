@@ -365,10 +365,15 @@ pub fn load_with(
     options: LoadOptions<'_>,
 ) -> Result<Checkpoint> {
     let mut tensors = Vec::new();
-    load_indexed(engine, path.as_ref(), options, &mut |_, i, file, name, tensor| {
-        tensors.push((i, Arc::clone(file), name, tensor));
-        Ok(())
-    })?;
+    load_indexed(
+        engine,
+        path.as_ref(),
+        options,
+        &mut |_, i, file, name, tensor| {
+            tensors.push((i, Arc::clone(file), name, tensor));
+            Ok(())
+        },
+    )?;
     Ok(Checkpoint::ordered(tensors))
 }
 
@@ -487,9 +492,14 @@ fn load_shard(
     each: &mut Handoff<'_>,
 ) -> Result<()> {
     let file: Arc<Path> = source.path.into();
-    load::load(engine, source, tensors, staging, tally, &mut |engine, i, tensor| {
-        each(engine, base + i, &file, tensors[i].name.clone(), tensor)
-    })
+    load::load(
+        engine,
+        source,
+        tensors,
+        staging,
+        tally,
+        &mut |engine, i, tensor| each(engine, base + i, &file, tensors[i].name.clone(), tensor),
+    )
 }
 
 /// Opens `path` for reading with `O_DIRECT`, where the system has it and the file system
