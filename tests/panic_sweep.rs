@@ -188,10 +188,67 @@ fn workload(a: &mut CudaEngine, b: &mut CudaEngine, wrong: &Wrong) -> Result<(),
     );
     drop(reduced);
     drop(comm);
+    #[cfg(feature = "safetensors")]
+    checkpoints(a, wrong)?;
     a.flush()?;
     b.flush()?;
     a.synchronize()?;
     b.synchronize()
+}
+
+/// Checkpoint files: a save, a load handing each tensor over (each copied on the device at
+/// once), and file ranges both ways, with three readers and writers on three slots.
+#[cfg(feature = "safetensors")]
+fn checkpoints(a: &mut CudaEngine, wrong: &Wrong) -> Result<(), Error> {
+    use cuferry::checkpoint::{self, LoadOptions, SaveOptions, Tensor};
+    let dir = std::env::temp_dir().join(format!("cuferry-panic-sweep-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("model.safetensors");
+    let large = distinct(400_000, 12); // 1.5 MiB: two slots
+    let tensors = [
+        Tensor::from(upload_tensor(a, &large, &[400_000])?),
+        Tensor::from(upload_tensor(a, &distinct(3000, 13), &[3000])?),
+        Tensor::from(upload_tensor(a, &[7u8; 7], &[7])?),
+    ];
+    let named = [
+        ("large", &tensors[0]),
+        ("small", &tensors[1]),
+        ("tiny", &tensors[2]),
+    ];
+    let options = SaveOptions::new().writers(3).staging_bytes(3 << 20);
+    checkpoint::save_with(a, &path, &named, options)?;
+    drop(tensors);
+    let mut copies = Vec::new();
+    let options = LoadOptions::new().readers(3).staging_bytes(3 << 20);
+    checkpoint::load_each(a, &path, options, |a, name, tensor| {
+        copies.push((name, a.copy_tensor(tensor.bytes())?));
+        Ok(())
+    })?;
+    let (_, large_copy) = copies.iter().find(|(n, _)| n == "large").expect("loaded");
+    let back = download_tensor(a, large_copy)?;
+    let want: Vec<u8> = large.iter().flat_map(|v| v.to_le_bytes()).collect();
+    expect(wrong, "checkpoint::load_each", &back, &want);
+    let file = std::fs::File::open(&path).unwrap();
+    let mut range = a.alloc_tensor::<u8>(&[want.len()])?;
+    // The large tensor's bytes come first, right after the header (the format's order).
+    let header = 8 + u64::from_le_bytes(std::fs::read(&path).unwrap()[..8].try_into().unwrap());
+    checkpoint::read_into(a, &path, &file, header, &mut range)?;
+    expect(
+        wrong,
+        "checkpoint::read_into",
+        &download_tensor(a, &range)?,
+        &want,
+    );
+    let out = dir.join("range");
+    let writer = std::fs::File::create(&out).unwrap();
+    checkpoint::write_from(a, &range, &out, &writer, 3)?;
+    expect(
+        wrong,
+        "checkpoint::write_from",
+        &std::fs::read(&out).unwrap()[3..],
+        &want,
+    );
+    Ok(())
 }
 
 /// Whether an engine still serves transfers correctly at every band: every upload first (through
