@@ -4,9 +4,11 @@
 //! A blocking route moves ordinary (pageable) host memory. The device's copy engines only reach
 //! the PCIe limit from page-locked memory, so the route stages through pinned chunks: host
 //! threads copy a chunk into a pinned slot while the DMA of the previous chunk runs. The ring has
-//! a fixed depth, so the engine never holds more pinned staging memory than `depth × chunk`
-//! bytes. The slots serve the blocking routes; leases taken by callers draw on a budget of their
-//! own (`ring_depth` at a time), so leases held or forgotten by a caller never starve the routes.
+//! a fixed depth, so the blocking routes never hold more pinned staging memory than
+//! `depth × chunk` bytes. The checkpoint routes (feature `safetensors`) stage through slots of
+//! the same size up to a budget of their own (`staging_bytes`), and the ring keeps that many idle
+//! for their next use. Leases taken by callers draw on a budget of their own (`ring_depth` at a
+//! time), so leases held or forgotten by a caller never starve the routes.
 //!
 //! The ring is an engine part (`core::parts`): the engine holds it behind its lock, made on first
 //! use, and frees its idle slots at teardown, right after the pinned pool's; it knows only the
