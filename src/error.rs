@@ -322,6 +322,10 @@ pub enum Error {
     #[cfg(feature = "safetensors")]
     #[error(transparent)]
     Checkpoint(#[from] CheckpointError),
+    /// The bootstrap of a communicator across processes failed: the launcher's variables, the
+    /// rendezvous, or a unique id's bytes.
+    #[error(transparent)]
+    Bootstrap(#[from] BootstrapError),
 }
 
 impl Error {
@@ -1175,5 +1179,89 @@ pub enum CheckpointError {
         offset: u64,
         /// Its length.
         bytes: usize,
+    },
+}
+
+/// Why the bootstrap of a communicator across processes failed
+/// ([`collective::bootstrap`](crate::collective::bootstrap)).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum BootstrapError {
+    /// A launcher variable (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`) is
+    /// missing or not what it must be.
+    #[error("launcher variable {variable}{}: {reason}", .value.as_ref().map_or_else(String::new, |v| format!(" = {v:?}")))]
+    Environment {
+        /// The variable.
+        variable: &'static str,
+        /// Its value, where it is set.
+        value: Option<String>,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+    /// A rank at or above the world size, or a world of no ranks.
+    #[error("rank {rank} is not a rank of a world of {world}")]
+    Rank {
+        /// The rank.
+        rank: usize,
+        /// The world size.
+        world: usize,
+    },
+    /// A socket operation of the rendezvous failed.
+    #[error("rendezvous at {address}: {operation} failed: {source}")]
+    Io {
+        /// The rendezvous address.
+        address: String,
+        /// The operation: `bind`, `connect`, `accept`, `read`, `write`.
+        operation: &'static str,
+        /// The operating system's error.
+        source: std::io::Error,
+    },
+    /// Rank 0 waited its deadline and these ranks did not arrive (connections it refused are
+    /// listed, each with why).
+    #[error(
+        "rendezvous at {address}: rank(s) {missing:?} never arrived by the deadline{}",
+        if refused.is_empty() { String::new() } else { format!("; refused: {}", refused.join("; ")) }
+    )]
+    Missing {
+        /// The rendezvous address.
+        address: String,
+        /// The ranks that did not arrive.
+        missing: Vec<usize>,
+        /// The connections refused meanwhile, each with its peer's address and why.
+        refused: Vec<String>,
+    },
+    /// A rank other than 0 could not reach rank 0, or had no answer from it, by its deadline.
+    #[error("rendezvous at {address}: no answer from rank 0 by the deadline{}", .last.as_ref().map_or_else(String::new, |e| format!(" (last: {e})")))]
+    NoRoot {
+        /// The rendezvous address.
+        address: String,
+        /// The last failure seen, if any.
+        last: Option<String>,
+    },
+    /// Rank 0 refused this rank: the reason is what rank 0 found wrong with its greeting.
+    #[error("rendezvous at {address}: rank 0 refused rank {rank}: {reason}")]
+    Refused {
+        /// The rendezvous address.
+        address: String,
+        /// This rank.
+        rank: usize,
+        /// Why: a world of another size, a rank out of range or already taken, a peer of
+        /// another job or protocol.
+        reason: String,
+    },
+    /// Bytes from rank 0's address that are not the rendezvous protocol.
+    #[error("rendezvous at {address}: the answer is not the rendezvous protocol: {reason}")]
+    Garbage {
+        /// The rendezvous address.
+        address: String,
+        /// What was wrong.
+        reason: String,
+    },
+    /// Bytes that are not a unique id of this crate's format, or one made by another version
+    /// of the collective library.
+    #[error("not a usable unique id: {reason}")]
+    UniqueId {
+        /// What is wrong with the bytes.
+        reason: String,
     },
 }

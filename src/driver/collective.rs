@@ -86,8 +86,20 @@ pub(crate) trait Group {
     fn end(self: Box<Self>) -> Result<(), Error>;
 }
 
+/// The size of a communicator's unique id (`ncclUniqueId`).
+pub(crate) const UNIQUE_ID_BYTES: usize = 128;
+
 /// Making communicators: the driver of one of the devices makes them for all.
 pub(crate) trait Collectives {
+    /// A fresh unique id for a communicator whose ranks join it one by one, in processes of
+    /// their own (`ncclGetUniqueId`), with the version of the library that made it (NCCL's
+    /// version code; 0 for the simulator). Other processes learn the id from its bytes.
+    ///
+    /// # Errors
+    /// [`SetupError::Unavailable`](crate::error::SetupError::Unavailable) without a collective
+    /// library, [`LibraryError::Vendor`](crate::error::LibraryError::Vendor) when it refuses.
+    fn unique_id(&self) -> Result<(u32, [u8; UNIQUE_ID_BYTES]), Error>;
+
     /// Communicators over `devices`, rank `i` being `devices[i]`, each a device this driver's
     /// machine reaches. The caller has checked that they are distinct and reachable.
     ///

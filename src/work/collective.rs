@@ -27,6 +27,7 @@
 // A refused call hands its tensors back by value (see `routes::pending`).
 #![allow(clippy::result_large_err)]
 
+pub mod bootstrap;
 mod ranks;
 
 use crate::core::engine::CudaEngine;
@@ -39,6 +40,7 @@ use crate::lifecycle::fence::{Fencing, IdleEvent, fence};
 use crate::memory::element::Element;
 use crate::memory::tensor::DeviceTensor;
 use crate::routes::pending::{self, InFlight, Operation, Pending, Returned};
+pub use bootstrap::{DEFAULT_RENDEZVOUS_TIMEOUT, Launch, Rendezvous, UniqueId};
 use ranks::{Part, Ranks, RanksLanded};
 use std::fmt;
 use std::marker::PhantomData;

@@ -10,7 +10,7 @@
 
 use super::CudaDriver;
 use crate::driver::collective::{
-    CollectiveKind, Collectives, Communicators, Group, Part, Reduction,
+    CollectiveKind, Collectives, Communicators, Group, Part, Reduction, UNIQUE_ID_BYTES,
 };
 use crate::dtype::DType;
 use crate::error::{DeviceId, Error, LibraryError, Result, SetupError, UsageError};
@@ -32,6 +32,7 @@ struct Nccl {
     version: c_int,
     get_error_string: unsafe extern "C" fn(Status) -> *const c_char,
     comm_init_all: unsafe extern "C" fn(*mut Comm, c_int, *const c_int) -> Status,
+    get_unique_id: unsafe extern "C" fn(*mut [u8; UNIQUE_ID_BYTES]) -> Status,
     comm_destroy: unsafe extern "C" fn(Comm) -> Status,
     all_reduce: unsafe extern "C" fn(
         *const c_void,
@@ -122,6 +123,7 @@ fn load() -> std::result::Result<Nccl, String> {
             version,
             get_error_string: get(&library, "ncclGetErrorString")?,
             comm_init_all: get(&library, "ncclCommInitAll")?,
+            get_unique_id: get(&library, "ncclGetUniqueId")?,
             comm_destroy: get(&library, "ncclCommDestroy")?,
             all_reduce: get(&library, "ncclAllReduce")?,
             broadcast: get(&library, "ncclBroadcast")?,
@@ -374,6 +376,15 @@ impl Group for NcclGroup<'_> {
 }
 
 impl Collectives for CudaDriver {
+    fn unique_id(&self) -> Result<(u32, [u8; UNIQUE_ID_BYTES])> {
+        let nccl = nccl()?;
+        let mut id = [0u8; UNIQUE_ID_BYTES];
+        // SAFETY: `ncclGetUniqueId` writes one `ncclUniqueId` (128 bytes) at the pointer.
+        let status = unsafe { (nccl.get_unique_id)(&mut id) };
+        nccl.check("ncclGetUniqueId", status)?;
+        Ok((u32::try_from(nccl.version).unwrap_or(0), id))
+    }
+
     fn communicators(&self, devices: &[DeviceId]) -> Result<Box<dyn Communicators>> {
         let nccl = nccl()?;
         let ordinals = devices

@@ -15,9 +15,12 @@
 use super::{DevicePtr, DriverError, Job, Running, SimDevice, SimDriver, SimOp, driver_lane};
 use super::{State, StreamId, Violation};
 use crate::driver::Lane;
-use crate::driver::collective::{CollectiveKind, Collectives, Communicators, Group, Reduction};
+use crate::driver::collective::{
+    CollectiveKind, Collectives, Communicators, Group, Reduction, UNIQUE_ID_BYTES,
+};
 use crate::dtype::DType;
 use crate::error::{DeviceId, DeviceKind, Error, LibraryError};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// NCCL's status for a refused argument, `ncclInvalidArgument`.
 const INVALID_ARGUMENT: i64 = 4;
@@ -69,6 +72,20 @@ struct SimGroup<'a> {
 }
 
 impl Collectives for SimDriver {
+    /// The simulator's ids: a mark, the machine's instance and a count, so that ids of one
+    /// machine are distinct and those of another machine are told apart.
+    fn unique_id(&self) -> Result<(u32, [u8; UNIQUE_ID_BYTES]), Error> {
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        let mut s = self.lock();
+        s.enter(SimOp::UniqueId)
+            .map_err(injected("ncclGetUniqueId"))?;
+        let mut id = [0u8; UNIQUE_ID_BYTES];
+        id[..8].copy_from_slice(b"SIM-NCCL");
+        id[8..16].copy_from_slice(&s.instance.to_le_bytes());
+        id[16..24].copy_from_slice(&NEXT.fetch_add(1, Ordering::Relaxed).to_le_bytes());
+        Ok((0, id))
+    }
+
     fn communicators(&self, devices: &[DeviceId]) -> Result<Box<dyn Communicators>, Error> {
         let mut s = self.lock();
         s.enter(SimOp::CommInit)

@@ -78,6 +78,8 @@ pub enum SimOp {
     Collective,
     /// The making of communicators (`ncclCommInitAll`).
     CommInit,
+    /// The making of a communicator's unique id (`ncclGetUniqueId`).
+    UniqueId,
     /// The start of a collective's group (`ncclGroupStart`).
     GroupStart,
     /// The end of a collective's group, which launches its parts (`ncclGroupEnd`). A refused end
