@@ -11,8 +11,8 @@
 //! back once their copies are proven, never before), the tensors made so far are dropped, which
 //! frees them after their copies, and the error names the file (and the tensor, for bad data).
 
-use super::Staging;
 use super::header::{self, Entry, Header};
+use super::{Done, Job, Staging, file_threads};
 use super::{ReadAt, Tally};
 use crate::core::engine::CudaEngine;
 use crate::dtype::DType;
@@ -21,7 +21,6 @@ use crate::lifecycle::lease::{Proven, Scatter, StagingLease, Unproven, released}
 use crate::memory::element::Element;
 use crate::memory::tensor::DeviceTensor;
 use std::collections::VecDeque;
-use std::panic::AssertUnwindSafe;
 use std::path::Path;
 use std::sync::{Mutex, mpsc};
 
@@ -355,16 +354,6 @@ impl Run<'_, '_> {
     }
 }
 
-/// A read for a reader thread: the chunk's index and the slot to read it into.
-type Job = (usize, StagingLease<Proven>);
-
-/// A reader's answer: the chunk, its slot, and how the read went.
-type Done = (
-    usize,
-    StagingLease<Proven>,
-    std::thread::Result<Result<(), CheckpointError>>,
-);
-
 /// Reads `chunks` on `staging.threads` reader threads into at most `staging.bytes` of staging
 /// slots (`first` one of them), each slot's copies queued as soon as its read is done, and the
 /// slot read into again once its copies are proven.
@@ -384,26 +373,9 @@ fn pipeline(
     let queue = Mutex::new(queue);
     let (report, answers) = mpsc::channel::<Done>();
     let tensors = run.entries;
+    let read = |i: usize, slot: &mut [u8]| read_chunk(source, tensors, &chunks[i], slot, split);
     std::thread::scope(|scope| {
-        for _ in 0..threads {
-            let report = report.clone();
-            let queue = &queue;
-            scope.spawn(move || {
-                loop {
-                    // The lock is held only to take a job, never across a read.
-                    let job = queue.lock().unwrap_or_else(|p| p.into_inner()).recv();
-                    let Ok((i, mut lease)) = job else { break };
-                    // A panic of the caller's reader comes back as an answer, so the load lets
-                    // go of its slots before it rethrows it.
-                    let read = std::panic::catch_unwind(AssertUnwindSafe(|| {
-                        read_chunk(source, tensors, &chunks[i], lease.as_mut_bytes(), split)
-                    }));
-                    if report.send((i, lease, read)).is_err() {
-                        break;
-                    }
-                }
-            });
-        }
+        file_threads(scope, threads, &queue, &report, &read);
         drop(report);
         let mut free = vec![first];
         let mut made = 1;
@@ -456,7 +428,7 @@ fn pipeline(
             if reading == 0 {
                 break;
             }
-            let Ok((i, lease, read)) = answers.recv() else {
+            let Ok(((i, lease), read)) = answers.recv() else {
                 failure.get_or_insert(readers_gone(source.path));
                 break;
             };
@@ -740,35 +712,17 @@ pub(super) mod tests {
     ) -> Result<Vec<(String, Tensor)>> {
         let path = Path::new("model.safetensors");
         let tensors = plan(path, file, len, &mut |_| true)?;
-        let source = Source {
-            path,
-            file,
-            direct: None,
-            len,
-        };
-        let mut out = Vec::new();
-        let mut each = |_: &mut CudaEngine, i: usize, t| {
-            out.push((tensors[i].name.clone(), t));
-            Ok(())
-        };
-        load(
-            engine,
-            source,
-            &tensors,
-            staging,
-            &mut Tally::silent(),
-            &mut each,
-        )?;
-        Ok(out)
+        load_planned(engine, path, file, len, &tensors, staging)
     }
 
-    /// Loads the planned `tensors`, in the order they are handed out.
+    /// Loads the planned `tensors` through `staging`, in the order they are handed out.
     fn load_planned(
         engine: &mut CudaEngine,
         path: &Path,
         file: &dyn ReadAt,
         len: u64,
         tensors: &[Entry],
+        staging: Staging,
     ) -> Result<Vec<(String, Tensor)>> {
         let source = Source {
             path,
@@ -785,7 +739,7 @@ pub(super) mod tests {
             engine,
             source,
             tensors,
-            staging(),
+            staging,
             &mut Tally::silent(),
             &mut each,
         )?;
@@ -893,7 +847,7 @@ pub(super) mod tests {
         let len = bytes.len() as u64;
         let path = Path::new("m");
         let tensors = plan(path, &file, len, &mut |n| n == "step").unwrap();
-        let loaded = load_planned(&mut engine, path, &file, len, &tensors).unwrap();
+        let loaded = load_planned(&mut engine, path, &file, len, &tensors, staging()).unwrap();
         assert_eq!(loaded.len(), 1);
         assert_eq!(
             download_tensor(&mut engine, loaded[0].1.bytes()).unwrap(),

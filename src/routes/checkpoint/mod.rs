@@ -69,6 +69,48 @@ impl WriteAt for std::fs::File {
     }
 }
 
+/// A job for a file thread: a chunk's index and the staging slot it reads into or writes from.
+pub(crate) type Job = (
+    usize,
+    crate::lifecycle::lease::StagingLease<crate::lifecycle::lease::Proven>,
+);
+
+/// A file thread's answer: the job back, and how its read or write went (a panic of the
+/// caller's reader or writer caught, so the route lets go of its slots before it rethrows it).
+pub(crate) type Done = (
+    Job,
+    std::thread::Result<std::result::Result<(), CheckpointError>>,
+);
+
+/// Starts `threads` threads in `scope` that take jobs from `queue` until it closes, and answer
+/// each on `report` with `work`'s result, until no one listens.
+pub(crate) fn file_threads<'scope, W>(
+    scope: &'scope std::thread::Scope<'scope, '_>,
+    threads: usize,
+    queue: &'scope std::sync::Mutex<std::sync::mpsc::Receiver<Job>>,
+    report: &std::sync::mpsc::Sender<Done>,
+    work: &'scope W,
+) where
+    W: Fn(usize, &mut [u8]) -> std::result::Result<(), CheckpointError> + Sync,
+{
+    for _ in 0..threads {
+        let report = report.clone();
+        scope.spawn(move || {
+            loop {
+                // The lock is held only to take a job, never across a read or a write.
+                let job = queue.lock().unwrap_or_else(|p| p.into_inner()).recv();
+                let Ok((i, mut lease)) = job else { break };
+                let done = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    work(i, lease.as_mut_bytes())
+                }));
+                if report.send(((i, lease), done)).is_err() {
+                    break;
+                }
+            }
+        });
+    }
+}
+
 /// How far a load or a save has come: bytes done of bytes in all.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Progress {

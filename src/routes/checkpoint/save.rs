@@ -11,14 +11,13 @@
 //! the final name (the partial file is removed).
 
 use super::load::Tensor;
-use super::{Progress, Staging, Tally, WriteAt, header};
+use super::{Done, Job, Progress, Staging, Tally, WriteAt, file_threads, header};
 use crate::core::engine::CudaEngine;
 use crate::error::{CheckpointError, Error, Result};
-use crate::lifecycle::lease::{Proven, StagingLease, Unproven, released};
+use crate::lifecycle::lease::{StagingLease, Unproven, released};
 use crate::memory::tensor::DeviceTensor;
 use std::collections::VecDeque;
 use std::fs::File;
-use std::panic::AssertUnwindSafe;
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, mpsc};
 
@@ -192,16 +191,6 @@ pub(crate) fn write_exact_at(
     Ok(())
 }
 
-/// A write for a writer thread: the chunk's index and the slot its bytes are in.
-type Job = (usize, StagingLease<Proven>);
-
-/// A writer's answer: the chunk, its slot, and how the write went.
-type Done = (
-    usize,
-    StagingLease<Proven>,
-    std::thread::Result<Result<(), CheckpointError>>,
-);
-
 /// Writes each of `items` (a tensor and the file offset of its first byte) to `file` through
 /// `staging`: each chunk's download queued into a slot, and once proven written by one of the
 /// writer threads, while the next downloads are in flight. Counts each chunk's bytes into
@@ -244,28 +233,12 @@ pub(crate) fn download(
     let queue = Mutex::new(queue);
     let (report, answers) = mpsc::channel::<Done>();
     let plan = &plan;
+    let write = |i: usize, slot: &mut [u8]| {
+        let chunk = &plan[i];
+        write_exact_at(path, file, &slot[..chunk.len], chunk.offset)
+    };
     std::thread::scope(|scope| {
-        for _ in 0..threads {
-            let report = report.clone();
-            let queue = &queue;
-            scope.spawn(move || {
-                loop {
-                    // The lock is held only to take a job, never across a write.
-                    let job = queue.lock().unwrap_or_else(|p| p.into_inner()).recv();
-                    let Ok((i, lease)) = job else { break };
-                    let chunk = &plan[i];
-                    let bytes = &lease.as_bytes()[..chunk.len];
-                    // A panic of the caller's writer comes back as an answer, so the save
-                    // lets go of its slots before it rethrows it.
-                    let written = std::panic::catch_unwind(AssertUnwindSafe(|| {
-                        write_exact_at(path, file, bytes, chunk.offset)
-                    }));
-                    if report.send((i, lease, written)).is_err() {
-                        break;
-                    }
-                }
-            });
-        }
+        file_threads(scope, threads, &queue, &report, &write);
         drop(report);
         let mut free = vec![first];
         let mut made = 1;
@@ -326,7 +299,7 @@ pub(crate) fn download(
             if writing == 0 {
                 break;
             }
-            let Ok((i, lease, written)) = answers.recv() else {
+            let Ok(((i, lease), written)) = answers.recv() else {
                 failure.get_or_insert(writers_gone(path));
                 break;
             };
