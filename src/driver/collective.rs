@@ -100,6 +100,25 @@ pub(crate) trait Collectives {
     /// library, [`LibraryError::Vendor`](crate::error::LibraryError::Vendor) when it refuses.
     fn unique_id(&self) -> Result<(u32, [u8; UNIQUE_ID_BYTES]), Error>;
 
+    /// The communicator of rank `rank` of a world of `world` ranks that join one by one, each
+    /// in its own process (`ncclCommInitRank`), on this driver's device, through `id` (made by
+    /// [`unique_id`](Self::unique_id) in one of them, by the library of version `library`).
+    /// It has one rank here, index 0 of its groups; its parts' ranks are the world's. Returns
+    /// once every rank has joined.
+    ///
+    /// # Errors
+    /// As [`unique_id`](Self::unique_id);
+    /// [`BootstrapError::UniqueId`](crate::error::BootstrapError::UniqueId) for an id of
+    /// another library version than this driver's; the library's error for an id it cannot
+    /// use.
+    fn join(
+        &self,
+        id: &[u8; UNIQUE_ID_BYTES],
+        library: u32,
+        rank: usize,
+        world: usize,
+    ) -> Result<Box<dyn Communicators>, Error>;
+
     /// Communicators over `devices`, rank `i` being `devices[i]`, each a device this driver's
     /// machine reaches. The caller has checked that they are distinct and reachable.
     ///
@@ -107,6 +126,15 @@ pub(crate) trait Collectives {
     /// [`SetupError::Unavailable`](crate::error::SetupError::Unavailable) without a collective
     /// library, [`LibraryError::Vendor`](crate::error::LibraryError::Vendor) when it refuses.
     fn communicators(&self, devices: &[DeviceId]) -> Result<Box<dyn Communicators>, Error>;
+}
+
+/// The refusal of an id made by the collective library of version `made`, by one of version
+/// `here`.
+pub(crate) fn other_library(made: u32, here: u32) -> Error {
+    crate::error::BootstrapError::UniqueId {
+        reason: format!("made by collective library version {made}, where this process has {here}"),
+    }
+    .into()
 }
 
 /// The version of the collective library a GPU uses (NCCL), as `(major, minor, patch)`.

@@ -98,8 +98,12 @@ impl ReduceOp {
 struct Comms {
     /// What queues the collectives: NCCL's communicators on GPUs, the simulated machine's own.
     seam: Box<dyn Communicators>,
-    /// Each rank's engine: its device and id.
+    /// Each rank's engine here: its device and id.
     members: Vec<(DeviceId, u64)>,
+    /// The world's ranks, in this process and others.
+    world: usize,
+    /// The world's rank of `members[0]` (the others follow it).
+    first_rank: usize,
 }
 
 /// NCCL communicators over engines on distinct devices, one rank per engine, in the order the
@@ -164,14 +168,73 @@ impl Communicator {
         }
         let devices: Vec<DeviceId> = members.iter().map(|&(d, _)| d).collect();
         let seam = engines[0].shared.enter()?.driver.communicators(&devices)?;
+        let world = members.len();
         Ok(Communicator {
-            inner: Arc::new(Comms { seam, members }),
+            inner: Arc::new(Comms {
+                seam,
+                members,
+                world,
+                first_rank: 0,
+            }),
         })
     }
 
-    /// The number of ranks.
+    /// Joins rank `rank` of a world of `world` ranks, each in a process of its own (or a thread
+    /// of its own), with `engine` as this rank's (`ncclCommInitRank`): every rank calls it with
+    /// the same `id` (rank 0's [`UniqueId`], handed over by a [`Rendezvous`] or your own
+    /// exchange). Returns once every rank has joined.
+    ///
+    /// The communicator holds one rank here: a collective on it takes this engine and one
+    /// tensor (`&mut [&mut engine]`, `vec![tensor]`), and every other rank must make the same
+    /// call, with the same length and element type, in the same order.
+    ///
+    /// # Errors
+    /// [`BootstrapError::Rank`](crate::error::BootstrapError::Rank) for a rank at or above the
+    /// world size; [`BootstrapError::UniqueId`](crate::error::BootstrapError::UniqueId) for an
+    /// id made by another version of NCCL than this process loads;
+    /// [`SetupError::Unavailable`](crate::error::SetupError::Unavailable) without NCCL;
+    /// [`LibraryError::Vendor`](crate::error::LibraryError::Vendor) when NCCL refuses (an id it
+    /// cannot use, a rank given twice).
+    pub fn join(
+        engine: &mut CudaEngine,
+        id: &UniqueId,
+        rank: usize,
+        world: usize,
+    ) -> Result<Communicator> {
+        if world == 0 || rank >= world {
+            return Err(crate::error::BootstrapError::Rank { rank, world }.into());
+        }
+        let seam =
+            engine
+                .shared
+                .enter()?
+                .driver
+                .join(id.raw(), id.library_version(), rank, world)?;
+        let members = vec![(engine.device(), engine.shared.engine_id)];
+        Ok(Communicator {
+            inner: Arc::new(Comms {
+                seam,
+                members,
+                world,
+                first_rank: rank,
+            }),
+        })
+    }
+
+    /// The number of ranks in this process (all of the world's, for [`new`](Self::new); one,
+    /// for [`join`](Self::join)).
     pub fn ranks(&self) -> usize {
         self.inner.members.len()
+    }
+
+    /// The number of ranks in the world, here and in other processes.
+    pub fn world(&self) -> usize {
+        self.inner.world
+    }
+
+    /// The world's rank of this process's first rank (0 for [`new`](Self::new)).
+    pub fn rank(&self) -> usize {
+        self.inner.first_rank
     }
 
     /// The version of the NCCL library loaded, as `(major, minor, patch)`.
@@ -344,9 +407,12 @@ fn refusal<T: Element>(
         }));
     }
     if let Kind::Broadcast(root) = kind
-        && root >= ranks
+        && root >= comms.world
     {
-        return Some(Error::Usage(UsageError::RootOutOfRange { root, ranks }));
+        return Some(Error::Usage(UsageError::RootOutOfRange {
+            root,
+            ranks: comms.world,
+        }));
     }
     for ((engine, tensor), &(device, id)) in engines.iter().zip(tensors).zip(&comms.members) {
         if let Err(error) = engine

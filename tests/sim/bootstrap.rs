@@ -255,3 +255,77 @@ fn the_launcher_variables_name_the_rank_and_the_rendezvous() {
     .unwrap();
     assert_eq!(alone.library_version(), 0);
 }
+
+#[test]
+fn ranks_on_threads_of_their_own_join_through_the_rendezvous_and_reduce_together() {
+    use cuferry::collective::{Communicator, ReduceOp, all_reduce, broadcast};
+    use cuferry::sim::SimDevice;
+    use cuferry::{download_tensor, upload_tensor};
+    let world = 3;
+    let sim = SimDevice::new(SimConfig {
+        devices: world,
+        ..SimConfig::default()
+    });
+    let port = free_port();
+    let results: Vec<(Vec<f32>, Vec<f32>)> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..world)
+            .map(|rank| {
+                let sim = sim.clone();
+                s.spawn(move || {
+                    let mut engine = CudaEngine::simulated_on_device(&sim, rank).unwrap();
+                    let id = at(port, rank, world)
+                        .exchange(|| UniqueId::new(&engine))
+                        .unwrap();
+                    let comm = Communicator::join(&mut engine, &id, rank, world).unwrap();
+                    assert_eq!((comm.rank(), comm.world(), comm.ranks()), (rank, world, 1));
+                    let mine: Vec<f32> = (0..1000).map(|i| (i * (rank + 1)) as f32).collect();
+                    let t = upload_tensor(&mut engine, &mine, &[1000]).unwrap();
+                    let summed = all_reduce(&comm, &mut [&mut engine], vec![t], ReduceOp::Sum)
+                        .unwrap()
+                        .wait()
+                        .unwrap()
+                        .into_parts();
+                    let sum = download_tensor(&mut engine, &summed[0]).unwrap();
+                    let from_two = broadcast(&comm, &mut [&mut engine], summed, 2)
+                        .unwrap()
+                        .wait()
+                        .unwrap()
+                        .into_parts();
+                    let root_mine = download_tensor(&mut engine, &from_two[0]).unwrap();
+                    engine.synchronize().unwrap();
+                    (sum, root_mine)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let want: Vec<f32> = (0..1000).map(|i| (i * (1 + 2 + 3)) as f32).collect();
+    for (rank, (sum, broadcast)) in results.iter().enumerate() {
+        assert_eq!(sum, &want, "rank {rank}'s sum");
+        assert_eq!(broadcast, &want, "rank {rank}'s broadcast");
+    }
+    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+}
+
+#[test]
+fn a_join_refuses_a_rank_out_of_range_and_an_id_of_another_version() {
+    use cuferry::collective::Communicator;
+    let mut engine = CudaEngine::simulated(SimConfig::default());
+    let id = UniqueId::new(&engine).unwrap();
+    assert!(matches!(
+        Communicator::join(&mut engine, &id, 1, 1),
+        Err(Error::Bootstrap(BootstrapError::Rank { rank: 1, world: 1 }))
+    ));
+    let mut bytes = id.to_bytes();
+    bytes[10] = 7; // made by "another library"
+    let other = UniqueId::from_bytes(&bytes).unwrap();
+    match Communicator::join(&mut engine, &other, 0, 1) {
+        Err(Error::Bootstrap(BootstrapError::UniqueId { reason })) => {
+            assert!(reason.contains("version 7"), "{reason}")
+        }
+        other => panic!("{other:?}"),
+    }
+    // A world of one joins at once.
+    let comm = Communicator::join(&mut engine, &id, 0, 1).unwrap();
+    assert_eq!(comm.world(), 1);
+}

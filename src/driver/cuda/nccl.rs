@@ -19,6 +19,13 @@ use std::sync::OnceLock;
 
 /// `ncclComm_t`: an opaque communicator.
 type Comm = *mut c_void;
+
+/// `ncclUniqueId`, which `ncclCommInitRank` takes by value.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct UniqueId {
+    internal: [u8; UNIQUE_ID_BYTES],
+}
 /// `ncclResult_t`.
 type Status = c_int;
 /// `cudaStream_t` (the driver's `CUstream`).
@@ -33,6 +40,7 @@ struct Nccl {
     get_error_string: unsafe extern "C" fn(Status) -> *const c_char,
     comm_init_all: unsafe extern "C" fn(*mut Comm, c_int, *const c_int) -> Status,
     get_unique_id: unsafe extern "C" fn(*mut [u8; UNIQUE_ID_BYTES]) -> Status,
+    comm_init_rank: unsafe extern "C" fn(*mut Comm, c_int, UniqueId, c_int) -> Status,
     comm_destroy: unsafe extern "C" fn(Comm) -> Status,
     all_reduce: unsafe extern "C" fn(
         *const c_void,
@@ -124,6 +132,7 @@ fn load() -> std::result::Result<Nccl, String> {
             get_error_string: get(&library, "ncclGetErrorString")?,
             comm_init_all: get(&library, "ncclCommInitAll")?,
             get_unique_id: get(&library, "ncclGetUniqueId")?,
+            comm_init_rank: get(&library, "ncclCommInitRank")?,
             comm_destroy: get(&library, "ncclCommDestroy")?,
             all_reduce: get(&library, "ncclAllReduce")?,
             broadcast: get(&library, "ncclBroadcast")?,
@@ -383,6 +392,54 @@ impl Collectives for CudaDriver {
         let status = unsafe { (nccl.get_unique_id)(&mut id) };
         nccl.check("ncclGetUniqueId", status)?;
         Ok((u32::try_from(nccl.version).unwrap_or(0), id))
+    }
+
+    fn join(
+        &self,
+        id: &[u8; UNIQUE_ID_BYTES],
+        library: u32,
+        rank: usize,
+        world: usize,
+    ) -> Result<Box<dyn Communicators>> {
+        use cudarc::driver::sys;
+        let nccl = nccl()?;
+        let here = u32::try_from(nccl.version).unwrap_or(0);
+        if library != here {
+            return Err(crate::driver::collective::other_library(library, here));
+        }
+        let too_large = |what, value| {
+            Error::Usage(UsageError::ExceedsLimit {
+                operation: "Communicator::join",
+                what,
+                value,
+                limit: c_int::MAX as usize,
+            })
+        };
+        let n = c_int::try_from(world).map_err(|_| too_large("world", world))?;
+        let r = c_int::try_from(rank).map_err(|_| too_large("rank", rank))?;
+        let id = UniqueId { internal: *id };
+        let mut comm: Comm = std::ptr::null_mut();
+        let ctx = self.ctx;
+        // NCCL joins on the current device: the engine's context is made current for the call,
+        // and the caller's restored after.
+        let status = keeping_context(|| {
+            // SAFETY: `ctx` is this driver's retained primary context.
+            let bound = unsafe { sys::cuCtxSetCurrent(ctx) };
+            if bound != sys::CUresult::CUDA_SUCCESS {
+                return Err(Error::Driver {
+                    call: "cuCtxSetCurrent",
+                    source: crate::error::DriverError::from_raw(bound),
+                });
+            }
+            // SAFETY: `comm` is an out pointer for one communicator; the id is passed by value,
+            // as `nccl.h` declares it; rank and world were checked to fit.
+            Ok(unsafe { (nccl.comm_init_rank)(&mut comm, n, id, r) })
+        })?;
+        nccl.check("ncclCommInitRank", status)?;
+        Ok(Box::new(NcclComms {
+            nccl,
+            comms: vec![comm],
+        }))
     }
 
     fn communicators(&self, devices: &[DeviceId]) -> Result<Box<dyn Communicators>> {

@@ -26,6 +26,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 const INVALID_ARGUMENT: i64 = 4;
 /// NCCL's status for calls that do not fit together, `ncclInvalidUsage`.
 const INVALID_USAGE: i64 = 5;
+/// NCCL's status for a failure inside the library, `ncclInternalError`.
+const INTERNAL_ERROR: i64 = 3;
 
 /// NCCL's failure of `call`: `status` (one of NCCL's), or an injected fault's code.
 fn nccl(call: &'static str, status: i64, name: String) -> Error {
@@ -59,8 +61,32 @@ pub(super) struct Part {
 /// The communicators of one set of ranks on the simulated machine.
 struct SimComms {
     device: SimDevice,
+    /// The ranks these communicators hold: all of the world's (`ncclCommInitAll`), or one.
     ranks: usize,
+    /// For one rank of a world that joined one by one: which, and its collectives so far.
+    joined: Option<Joined>,
 }
+
+/// One rank of a world of joined ranks (`ncclCommInitRank`).
+struct Joined {
+    /// The id's number, which names the world on the machine.
+    key: u64,
+    rank: usize,
+    world: usize,
+    /// How many groups this rank has ended: the next one's sequence number.
+    next: AtomicU64,
+}
+
+/// A collective of joined ranks, as the ranks' group ends reach it: its number, how many
+/// ranks have queued their part, and the first part's count, element type and kind.
+pub(super) struct JoinedGroup {
+    group: u64,
+    queued: usize,
+    shape: (usize, DType, CollectiveKind),
+}
+
+/// How long a joining rank waits for the others before its join fails.
+const JOIN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// An open group on the simulated machine: the parts added so far, each with its stream,
 /// launched by its end (or its drop).
@@ -106,6 +132,87 @@ impl Collectives for SimDriver {
         Ok(Box::new(SimComms {
             device: self.device.clone(),
             ranks: devices.len(),
+            joined: None,
+        }))
+    }
+
+    /// Joins the world the id names on this machine: every rank registers, then waits (the
+    /// machine's lock released) until the world is whole, as `ncclCommInitRank` does.
+    fn join(
+        &self,
+        id: &[u8; UNIQUE_ID_BYTES],
+        library: u32,
+        rank: usize,
+        world: usize,
+    ) -> Result<Box<dyn Communicators>, Error> {
+        const CALL: &str = "ncclCommInitRank";
+        if library != 0 {
+            return Err(crate::driver::collective::other_library(library, 0));
+        }
+        let invalid = |why: String| {
+            nccl(
+                CALL,
+                INVALID_ARGUMENT,
+                format!("ncclInvalidArgument: {why}"),
+            )
+        };
+        let key = {
+            let mut s = self.lock();
+            s.enter(SimOp::CommInit).map_err(injected(CALL))?;
+            let instance = u64::from_le_bytes(id[8..16].try_into().expect("eight bytes"));
+            if &id[..8] != b"SIM-NCCL" || instance != s.instance {
+                return Err(invalid("an id of another machine".into()));
+            }
+            if world == 0 || rank >= world {
+                return Err(invalid(format!("rank {rank} of a world of {world}")));
+            }
+            let key = u64::from_le_bytes(id[16..24].try_into().expect("eight bytes"));
+            let (size, joined) = s.joins.entry(key).or_insert_with(|| (world, Vec::new()));
+            if *size != world {
+                return Err(invalid(format!(
+                    "a world of {world}, where the first rank joined one of {size}"
+                )));
+            }
+            if joined.contains(&rank) {
+                return Err(nccl(
+                    CALL,
+                    INVALID_USAGE,
+                    format!("ncclInvalidUsage: rank {rank} joined twice"),
+                ));
+            }
+            joined.push(rank);
+            key
+        };
+        let start = std::time::Instant::now();
+        loop {
+            {
+                let mut s = self.lock();
+                let whole = s.joins.get(&key).is_some_and(|(_, j)| j.len() == world);
+                if whole {
+                    break;
+                }
+                if start.elapsed() > JOIN_TIMEOUT {
+                    if let Some((_, joined)) = s.joins.get_mut(&key) {
+                        joined.retain(|&r| r != rank);
+                    }
+                    return Err(nccl(
+                        CALL,
+                        INTERNAL_ERROR,
+                        format!("ncclInternalError: not every rank joined within {JOIN_TIMEOUT:?}"),
+                    ));
+                }
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        Ok(Box::new(SimComms {
+            device: self.device.clone(),
+            ranks: 1,
+            joined: Some(Joined {
+                key,
+                rank,
+                world,
+                next: AtomicU64::new(0),
+            }),
         }))
     }
 }
@@ -151,8 +258,13 @@ impl Group for SimGroup<'_> {
         if matches!(part.dtype, DType::I16 | DType::U16 | DType::Bool) {
             return Err(invalid("an element type NCCL does not reduce"));
         }
+        let (global, world) = self
+            .comms
+            .joined
+            .as_ref()
+            .map_or((rank, ranks), |j| (j.rank, j.world));
         if let CollectiveKind::Broadcast { root } = part.kind
-            && root >= ranks
+            && root >= world
         {
             return Err(invalid("the root is not a rank"));
         }
@@ -174,8 +286,8 @@ impl Group for SimGroup<'_> {
             stream,
             Part {
                 group: 0,
-                rank,
-                ranks,
+                rank: global,
+                ranks: world,
                 ptr: part.buffer,
                 count: part.count,
                 dtype: part.dtype,
@@ -212,14 +324,52 @@ impl SimGroup<'_> {
                 "ncclInvalidUsage: the ranks' calls differ".into(),
             ));
         }
-        let group_id = s.next_group;
-        s.next_group += 1;
-        let complete = parts.len() == self.comms.ranks;
+        let (group_id, complete) = match &self.comms.joined {
+            None => {
+                let group = s.next_group;
+                s.next_group += 1;
+                (group, parts.len() == self.comms.ranks)
+            }
+            // The other ranks end their groups in their own time: the n-th group of every rank
+            // is one collective.
+            Some(joined) => {
+                let seq = joined.next.fetch_add(1, Ordering::Relaxed);
+                let shape = (first.count, first.dtype, first.kind);
+                let next = s.next_group;
+                let entry = s
+                    .joined_groups
+                    .entry((joined.key, seq))
+                    .or_insert(JoinedGroup {
+                        group: next,
+                        queued: 0,
+                        shape,
+                    });
+                if entry.shape != shape {
+                    return Err(nccl(
+                        CALL,
+                        INVALID_USAGE,
+                        "ncclInvalidUsage: the ranks' calls differ".into(),
+                    ));
+                }
+                entry.queued += 1;
+                let group = entry.group;
+                if entry.queued == joined.world {
+                    s.joined_groups.remove(&(joined.key, seq));
+                }
+                if group == next {
+                    s.next_group += 1;
+                }
+                (group, true)
+            }
+        };
         for (stream, mut part) in parts {
             part.group = group_id;
             part.complete = complete;
             s.push(stream, Job::Collective(part));
         }
+        drop(s);
+        // Ranks on other threads may be waiting for this part.
+        self.comms.device.inner.progress.notify_all();
         Ok(())
     }
 }

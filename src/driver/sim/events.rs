@@ -187,9 +187,16 @@ impl SimWaits {
         run: impl Fn(&mut State),
     ) -> Locked<'a> {
         if !s.clock_held {
-            run(&mut s);
-            self.device.inner.progress.notify_all();
-            return s;
+            loop {
+                run(&mut s);
+                self.device.inner.progress.notify_all();
+                // A collective of ranks that joined one by one may wait for the parts of ranks
+                // on other threads, which have yet to queue them: wait until they do.
+                if done(&s) || s.joined_groups.is_empty() {
+                    return s;
+                }
+                s = s.wait(&self.device.inner.progress);
+            }
         }
         while !done(&s) {
             s = s.wait(&self.device.inner.progress);

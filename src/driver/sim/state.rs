@@ -77,6 +77,12 @@ pub(super) struct State {
     pub(super) next_module: u64,
     /// The next collective's number.
     pub(super) next_group: u64,
+    /// Communicators whose ranks join one by one (`ncclCommInitRank`), by their id's number:
+    /// the world's size and the ranks joined so far.
+    pub(super) joins: HashMap<u64, (usize, Vec<usize>)>,
+    /// The collectives of joined communicators, by id number and sequence: the collective's
+    /// number, how many ranks have queued their part, and the first part's shape.
+    pub(super) joined_groups: HashMap<(u64, u64), super::collective::JoinedGroup>,
     /// Streams on which a part failed (a collective's part launched without its partners), with
     /// the failure that the next event record run there reports.
     pub(super) failed_streams: HashMap<StreamId, DriverError>,
@@ -137,6 +143,8 @@ impl State {
             modules: HashMap::new(),
             next_module: 1,
             next_group: 1,
+            joins: HashMap::new(),
+            joined_groups: HashMap::new(),
             failed_streams: HashMap::new(),
             captures: HashMap::new(),
             graphs: graph::GraphTable::default(),

@@ -106,6 +106,11 @@ impl UniqueId {
         Ok(UniqueId { library, bytes: id })
     }
 
+    /// The id's bytes, as the collective library made them.
+    pub(crate) fn raw(&self) -> &[u8; UNIQUE_ID_BYTES] {
+        &self.bytes
+    }
+
     /// The version of the collective library that made the id (NCCL's version code,
     /// `major * 10000 + minor * 100 + patch`; 0 for the simulated device).
     pub fn library_version(&self) -> u32 {
