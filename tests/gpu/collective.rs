@@ -174,3 +174,53 @@ fn a_collective_follows_queued_kernels_and_detaches_on_drop() {
         "{refused}"
     );
 }
+
+/// A world of one across processes: the launcher's variables, the rendezvous (which needs no
+/// socket for one rank), rank 0's NCCL id, `ncclCommInitRank`, then an all-reduce and a
+/// broadcast on the joined communicator.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_world_of_one_joins_through_the_bootstrap_and_reduces() {
+    use cuferry::collective::{Launch, UniqueId};
+    let vars = |name: &str| match name {
+        "RANK" => Some("0".to_owned()),
+        "WORLD_SIZE" => Some("1".to_owned()),
+        "MASTER_PORT" => Some("29533".to_owned()),
+        _ => None,
+    };
+    let launch = Launch::from_vars(vars).unwrap();
+    let mut engine = CudaEngine::open(launch.local_rank).unwrap();
+    let id = match launch
+        .rendezvous()
+        .unwrap()
+        .exchange(|| UniqueId::new(&engine))
+    {
+        Ok(id) => id,
+        Err(Error::Setup(SetupError::Unavailable { .. })) => {
+            println!("no NCCL: nothing to join");
+            return;
+        }
+        Err(e) => panic!("{e}"),
+    };
+    let (major, minor, patch) = Communicator::nccl_version().unwrap();
+    assert_eq!(id.library_version(), major * 10000 + minor * 100 + patch);
+    let again = UniqueId::from_bytes(&id.to_bytes()).unwrap();
+    let comm = Communicator::join(&mut engine, &again, 0, 1).unwrap();
+    assert_eq!((comm.rank(), comm.world(), comm.ranks()), (0, 1, 1));
+    let data: Vec<f32> = (0..1 << 20).map(|i| i as f32).collect();
+    let t = upload_tensor(&mut engine, &data, &[data.len()]).unwrap();
+    let summed = all_reduce(&comm, &mut [&mut engine], vec![t], ReduceOp::Sum)
+        .unwrap()
+        .wait()
+        .unwrap()
+        .into_parts();
+    assert!(download_tensor(&mut engine, &summed[0]).unwrap() == data);
+    let sent = broadcast(&comm, &mut [&mut engine], summed, 0)
+        .unwrap()
+        .wait()
+        .unwrap()
+        .into_parts();
+    assert!(download_tensor(&mut engine, &sent[0]).unwrap() == data);
+    engine.synchronize().unwrap();
+    println!("a world of one joined through ncclCommInitRank (NCCL {major}.{minor}.{patch})");
+}
