@@ -329,3 +329,37 @@ fn a_join_refuses_a_rank_out_of_range_and_an_id_of_another_version() {
     let comm = Communicator::join(&mut engine, &id, 0, 1).unwrap();
     assert_eq!(comm.world(), 1);
 }
+
+#[test]
+fn a_rank_that_joins_twice_or_with_another_world_is_refused_by_the_library() {
+    use cuferry::collective::Communicator;
+    use cuferry::sim::SimDevice;
+    let sim = SimDevice::new(SimConfig {
+        devices: 2,
+        ..SimConfig::default()
+    });
+    let mut a = CudaEngine::simulated_on_device(&sim, 0).unwrap();
+    let mut b = CudaEngine::simulated_on_device(&sim, 1).unwrap();
+    let id = UniqueId::new(&a).unwrap();
+    std::thread::scope(|s| {
+        let first = s.spawn(|| Communicator::join(&mut a, &id, 0, 2));
+        std::thread::sleep(Duration::from_millis(100));
+        // Rank 0 again, and a world of another size: the library refuses both at once.
+        for (rank, world, what) in [(0, 2, "joined twice"), (1, 3, "a world of 3")] {
+            match Communicator::join(&mut b, &id, rank, world) {
+                Err(Error::Library(e)) => assert!(e.to_string().contains(what), "{e}"),
+                other => panic!("{other:?}"),
+            }
+        }
+        // Then the right rank completes the world, and both joins return.
+        let second = Communicator::join(&mut b, &id, 1, 2).unwrap();
+        assert_eq!(second.rank(), 1);
+        assert_eq!(first.join().unwrap().unwrap().rank(), 0);
+    });
+    // An id of another simulated machine is refused.
+    let other = UniqueId::new(&CudaEngine::simulated(SimConfig::default())).unwrap();
+    match Communicator::join(&mut b, &other, 0, 1) {
+        Err(Error::Library(e)) => assert!(e.to_string().contains("another machine"), "{e}"),
+        other => panic!("{other:?}"),
+    }
+}
