@@ -23,6 +23,10 @@
 //! [`SimDevice`](crate::sim::SimDevice), feature `sim`) the device itself runs the collective,
 //! every rank's part together once each has reached the head of its stream, so the same
 //! lifecycle is tested without a GPU.
+//!
+//! Ranks in processes of their own join one by one: [`Communicator::join`] (`ncclCommInitRank`)
+//! with rank 0's [`UniqueId`], handed over by the [`bootstrap`] module's [`Rendezvous`] or an
+//! exchange of the caller's. Each such communicator holds one rank, this process's engine.
 
 // A refused call hands its tensors back by value (see `routes::pending`).
 #![allow(clippy::result_large_err)]
