@@ -1257,6 +1257,17 @@ pub enum BootstrapError {
         /// What was wrong.
         reason: String,
     },
+    /// A rank's join waited its deadline and the world did not form: a rank never came. The
+    /// communicator begun was aborted; the engine is usable.
+    #[error("rank {rank} of a world of {world}: not every rank joined within {waited:?}")]
+    Unjoined {
+        /// This rank.
+        rank: usize,
+        /// The world's size.
+        world: usize,
+        /// How long it waited.
+        waited: std::time::Duration,
+    },
     /// Bytes that are not a unique id of this crate's format, or one made by another version
     /// of the collective library.
     #[error("not a usable unique id: {reason}")]

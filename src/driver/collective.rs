@@ -104,19 +104,22 @@ pub(crate) trait Collectives {
     /// in its own process (`ncclCommInitRank`), on this driver's device, through `id` (made by
     /// [`unique_id`](Self::unique_id) in one of them, by the library of version `library`).
     /// It has one rank here, index 0 of its groups; its parts' ranks are the world's. Returns
-    /// once every rank has joined.
+    /// once every rank has joined, or fails once `timeout` has passed without them (the
+    /// communicator begun is aborted).
     ///
     /// # Errors
     /// As [`unique_id`](Self::unique_id);
     /// [`BootstrapError::UniqueId`](crate::error::BootstrapError::UniqueId) for an id of
-    /// another library version than this driver's; the library's error for an id it cannot
-    /// use.
+    /// another library version than this driver's;
+    /// [`BootstrapError::Unjoined`](crate::error::BootstrapError::Unjoined) when the world did
+    /// not form in time; the library's error for an id it cannot use.
     fn join(
         &self,
         id: &[u8; UNIQUE_ID_BYTES],
         library: u32,
         rank: usize,
         world: usize,
+        timeout: std::time::Duration,
     ) -> Result<Box<dyn Communicators>, Error>;
 
     /// Communicators over `devices`, rank `i` being `devices[i]`, each a device this driver's

@@ -45,6 +45,10 @@ use crate::memory::element::Element;
 use crate::memory::tensor::DeviceTensor;
 use crate::routes::pending::{self, InFlight, Operation, Pending, Returned};
 pub use bootstrap::{DEFAULT_RENDEZVOUS_TIMEOUT, Launch, Rendezvous, UniqueId};
+
+/// How long [`Communicator::join`] waits for every rank of its world: as long as a
+/// rendezvous's default, for ranks that start at different times.
+pub const DEFAULT_JOIN_TIMEOUT: std::time::Duration = DEFAULT_RENDEZVOUS_TIMEOUT;
 use ranks::{Part, Ranks, RanksLanded};
 use std::fmt;
 use std::marker::PhantomData;
@@ -186,7 +190,8 @@ impl Communicator {
     /// Joins rank `rank` of a world of `world` ranks, each in a process of its own (or a thread
     /// of its own), with `engine` as this rank's (`ncclCommInitRank`): every rank calls it with
     /// the same `id` (rank 0's [`UniqueId`], handed over by a [`Rendezvous`] or your own
-    /// exchange). Returns once every rank has joined.
+    /// exchange). Returns once every rank has joined, waiting at most
+    /// [`DEFAULT_JOIN_TIMEOUT`]; [`join_within`](Self::join_within) sets another deadline.
     ///
     /// The communicator holds one rank here: a collective on it takes this engine and one
     /// tensor (`&mut [&mut engine]`, `vec![tensor]`), and every other rank must make the same
@@ -196,6 +201,8 @@ impl Communicator {
     /// [`BootstrapError::Rank`](crate::error::BootstrapError::Rank) for a rank at or above the
     /// world size; [`BootstrapError::UniqueId`](crate::error::BootstrapError::UniqueId) for an
     /// id made by another version of NCCL than this process loads;
+    /// [`BootstrapError::Unjoined`](crate::error::BootstrapError::Unjoined) when the world did
+    /// not form by the deadline (the join begun is aborted, and the engine works on);
     /// [`SetupError::Unavailable`](crate::error::SetupError::Unavailable) without NCCL;
     /// [`LibraryError::Vendor`](crate::error::LibraryError::Vendor) when NCCL refuses (an id it
     /// cannot use, a rank given twice).
@@ -205,15 +212,32 @@ impl Communicator {
         rank: usize,
         world: usize,
     ) -> Result<Communicator> {
+        Communicator::join_within(engine, id, rank, world, DEFAULT_JOIN_TIMEOUT)
+    }
+
+    /// As [`join`](Self::join), waiting at most `timeout` for the world to form. The join is
+    /// non-blocking inside NCCL (2.14 and later; an older NCCL joins blocking, with no
+    /// deadline), so a rank that never comes ends the wait, not the process.
+    ///
+    /// # Errors
+    /// As [`join`](Self::join).
+    pub fn join_within(
+        engine: &mut CudaEngine,
+        id: &UniqueId,
+        rank: usize,
+        world: usize,
+        timeout: std::time::Duration,
+    ) -> Result<Communicator> {
         if world == 0 || rank >= world {
             return Err(crate::error::BootstrapError::Rank { rank, world }.into());
         }
-        let seam =
-            engine
-                .shared
-                .enter()?
-                .driver
-                .join(id.raw(), id.library_version(), rank, world)?;
+        let seam = engine.shared.enter()?.driver.join(
+            id.raw(),
+            id.library_version(),
+            rank,
+            world,
+            timeout,
+        )?;
         let members = vec![(engine.device(), engine.shared.engine_id)];
         Ok(Communicator {
             inner: Arc::new(Comms {

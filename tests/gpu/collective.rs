@@ -224,3 +224,46 @@ fn a_world_of_one_joins_through_the_bootstrap_and_reduces() {
     engine.synchronize().unwrap();
     println!("a world of one joined through ncclCommInitRank (NCCL {major}.{minor}.{patch})");
 }
+
+/// The abort path: rank 0 of a world of two whose peer never comes waits its deadline, NCCL's
+/// join begun is aborted, and the engine works on (a world of one joins after it).
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_join_whose_peer_never_comes_is_aborted_by_its_deadline() {
+    use cuferry::collective::UniqueId;
+    use cuferry::error::BootstrapError;
+    use std::time::{Duration, Instant};
+    let mut engine = CudaEngine::open(0).unwrap();
+    let id = match UniqueId::new(&engine) {
+        Ok(id) => id,
+        Err(Error::Setup(SetupError::Unavailable { .. })) => {
+            println!("no NCCL: nothing to join");
+            return;
+        }
+        Err(e) => panic!("{e}"),
+    };
+    let start = Instant::now();
+    match Communicator::join_within(&mut engine, &id, 0, 2, Duration::from_secs(3)) {
+        Err(Error::Bootstrap(BootstrapError::Unjoined { waited, .. })) => {
+            println!("the lone rank's join was aborted after {waited:?}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(
+        start.elapsed() < Duration::from_secs(30),
+        "{:?}",
+        start.elapsed()
+    );
+    let data: Vec<u32> = (0..4096).collect();
+    let t = upload_tensor(&mut engine, &data, &[4096]).unwrap();
+    assert_eq!(download_tensor(&mut engine, &t).unwrap(), data);
+    let alone = UniqueId::new(&engine).unwrap();
+    let comm = Communicator::join(&mut engine, &alone, 0, 1).unwrap();
+    let summed = all_reduce(&comm, &mut [&mut engine], vec![t], ReduceOp::Max)
+        .unwrap()
+        .wait()
+        .unwrap()
+        .into_parts();
+    assert_eq!(download_tensor(&mut engine, &summed[0]).unwrap(), data);
+    engine.synchronize().unwrap();
+}

@@ -363,3 +363,34 @@ fn a_rank_that_joins_twice_or_with_another_world_is_refused_by_the_library() {
         other => panic!("{other:?}"),
     }
 }
+
+#[test]
+fn a_join_whose_peer_never_comes_ends_by_its_deadline_and_the_engine_works_on() {
+    use cuferry::collective::Communicator;
+    use cuferry::{download_tensor, upload_tensor};
+    let mut engine = CudaEngine::simulated(SimConfig::default());
+    let id = UniqueId::new(&engine).unwrap();
+    let started = std::time::Instant::now();
+    match Communicator::join_within(&mut engine, &id, 0, 2, Duration::from_millis(200)) {
+        Err(Error::Bootstrap(BootstrapError::Unjoined {
+            rank,
+            world,
+            waited,
+        })) => {
+            assert_eq!((rank, world), (0, 2));
+            assert!(waited >= Duration::from_millis(200), "{waited:?}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(started.elapsed() < Duration::from_secs(5));
+    // The engine works on, and a world of one joins with a fresh id.
+    let t = upload_tensor(&mut engine, &[1u32, 2, 3], &[3]).unwrap();
+    assert_eq!(download_tensor(&mut engine, &t).unwrap(), [1, 2, 3]);
+    let alone = UniqueId::new(&engine).unwrap();
+    assert_eq!(
+        Communicator::join(&mut engine, &alone, 0, 1)
+            .unwrap()
+            .world(),
+        1
+    );
+}

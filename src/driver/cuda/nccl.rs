@@ -20,6 +20,35 @@ use std::sync::OnceLock;
 /// `ncclComm_t`: an opaque communicator.
 type Comm = *mut c_void;
 
+/// What a non-blocking join needs: `ncclCommInitRankConfig`, `ncclCommGetAsyncError` and
+/// `ncclCommAbort`.
+struct NonBlocking {
+    init_rank_config:
+        unsafe extern "C" fn(*mut Comm, c_int, UniqueId, c_int, *mut Config) -> Status,
+    get_async_error: unsafe extern "C" fn(Comm, *mut Status) -> Status,
+    abort: unsafe extern "C" fn(Comm) -> Status,
+}
+
+/// The leading fields of `ncclConfig_t`, as NCCL 2.14 declared it: NCCL reads only `size`
+/// bytes of a configuration and, for one stamped with an older version, takes its defaults for
+/// every field added since, so this prefix sets `blocking` and leaves the rest to NCCL.
+#[repr(C)]
+struct Config {
+    size: usize,
+    magic: u32,
+    version: u32,
+    blocking: c_int,
+}
+
+/// `NCCL_API_MAGIC`, which marks an initialised configuration.
+const CONFIG_MAGIC: u32 = 0xcafe_beef;
+
+/// NCCL 2.14.0's version code: the layout `Config` follows.
+const CONFIG_VERSION: u32 = 21400;
+
+/// `ncclInProgress`: a non-blocking call still under way.
+const IN_PROGRESS: Status = 7;
+
 /// `ncclUniqueId`, which `ncclCommInitRank` takes by value.
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -41,6 +70,8 @@ struct Nccl {
     comm_init_all: unsafe extern "C" fn(*mut Comm, c_int, *const c_int) -> Status,
     get_unique_id: unsafe extern "C" fn(*mut [u8; UNIQUE_ID_BYTES]) -> Status,
     comm_init_rank: unsafe extern "C" fn(*mut Comm, c_int, UniqueId, c_int) -> Status,
+    /// The non-blocking join and what it needs (NCCL 2.14 on); `None` on an older NCCL.
+    nonblocking: Option<NonBlocking>,
     comm_destroy: unsafe extern "C" fn(Comm) -> Status,
     all_reduce: unsafe extern "C" fn(
         *const c_void,
@@ -133,6 +164,14 @@ fn load() -> std::result::Result<Nccl, String> {
             comm_init_all: get(&library, "ncclCommInitAll")?,
             get_unique_id: get(&library, "ncclGetUniqueId")?,
             comm_init_rank: get(&library, "ncclCommInitRank")?,
+            nonblocking: (|| {
+                Ok::<_, String>(NonBlocking {
+                    init_rank_config: get(&library, "ncclCommInitRankConfig")?,
+                    get_async_error: get(&library, "ncclCommGetAsyncError")?,
+                    abort: get(&library, "ncclCommAbort")?,
+                })
+            })()
+            .ok(),
             comm_destroy: get(&library, "ncclCommDestroy")?,
             all_reduce: get(&library, "ncclAllReduce")?,
             broadcast: get(&library, "ncclBroadcast")?,
@@ -193,11 +232,6 @@ impl Nccl {
     }
 
     /// Closes the group and launches its calls.
-    fn group_end(&self) -> Result<()> {
-        // SAFETY: no arguments; called once per `group_start` (`NcclGroup` closes once).
-        self.check("ncclGroupEnd", unsafe { (self.group_end)() })
-    }
-
     /// Queues an in-place all-reduce of `count` elements at `buffer` on `stream`.
     ///
     /// # Safety
@@ -284,6 +318,9 @@ fn red_op(reduction: Reduction) -> c_int {
 struct NcclComms {
     nccl: &'static Nccl,
     comms: Vec<Comm>,
+    /// Whether the communicators were made non-blocking: NCCL's calls on them may then return
+    /// `ncclInProgress`, and the group's end waits for the enqueue to finish.
+    nonblocking: bool,
 }
 
 // SAFETY: NCCL communicators may be used from any thread as long as calls on one are not made
@@ -308,6 +345,38 @@ impl Drop for NcclComms {
     }
 }
 
+impl NcclComms {
+    /// Ends the group. On non-blocking communicators the end may return `ncclInProgress` while
+    /// NCCL is still queuing the parts: it waits until each communicator's state has settled,
+    /// so that what is recorded on the streams after the end follows the parts.
+    fn group_end(&self) -> Result<()> {
+        let nccl = self.nccl;
+        // SAFETY: no arguments; called once per `group_start` (`NcclGroup` closes once).
+        let status = unsafe { (nccl.group_end)() };
+        if status != IN_PROGRESS || !self.nonblocking {
+            return nccl.check("ncclGroupEnd", status);
+        }
+        let nb = nccl
+            .nonblocking
+            .as_ref()
+            .expect("non-blocking communicators have the calls");
+        for &comm in &self.comms {
+            loop {
+                let mut state: Status = 0;
+                // SAFETY: `comm` is live (this value owns it); `state` is an out pointer.
+                let asked = unsafe { (nb.get_async_error)(comm, &mut state) };
+                nccl.check("ncclCommGetAsyncError", asked)?;
+                if state != IN_PROGRESS {
+                    nccl.check("ncclGroupEnd", state)?;
+                    break;
+                }
+                std::thread::yield_now();
+            }
+        }
+        Ok(())
+    }
+}
+
 impl Communicators for NcclComms {
     fn group(&self) -> Result<Box<dyn Group + '_>> {
         self.nccl.group_start()?;
@@ -329,7 +398,7 @@ impl NcclGroup<'_> {
     fn close(&mut self) -> Result<()> {
         self.open = false;
         // NCCL launches on every rank's device here: the caller's context is restored after.
-        keeping_context(|| self.comms.nccl.group_end())
+        keeping_context(|| self.comms.group_end())
     }
 }
 
@@ -400,6 +469,7 @@ impl Collectives for CudaDriver {
         library: u32,
         rank: usize,
         world: usize,
+        timeout: std::time::Duration,
     ) -> Result<Box<dyn Communicators>> {
         use cudarc::driver::sys;
         let nccl = nccl()?;
@@ -420,9 +490,10 @@ impl Collectives for CudaDriver {
         let id = UniqueId { internal: *id };
         let mut comm: Comm = std::ptr::null_mut();
         let ctx = self.ctx;
+        let start = std::time::Instant::now();
         // NCCL joins on the current device: the engine's context is made current for the call,
         // and the caller's restored after.
-        let status = keeping_context(|| {
+        let joined = keeping_context(|| -> Result<()> {
             // SAFETY: `ctx` is this driver's retained primary context.
             let bound = unsafe { sys::cuCtxSetCurrent(ctx) };
             if bound != sys::CUresult::CUDA_SUCCESS {
@@ -431,14 +502,61 @@ impl Collectives for CudaDriver {
                     source: crate::error::DriverError::from_raw(bound),
                 });
             }
-            // SAFETY: `comm` is an out pointer for one communicator; the id is passed by value,
-            // as `nccl.h` declares it; rank and world were checked to fit.
-            Ok(unsafe { (nccl.comm_init_rank)(&mut comm, n, id, r) })
-        })?;
-        nccl.check("ncclCommInitRank", status)?;
+            let Some(nb) = &nccl.nonblocking else {
+                // An NCCL before 2.14: the blocking join, which has no deadline.
+                // SAFETY: `comm` is an out pointer for one communicator; the id is passed by
+                // value, as `nccl.h` declares it; rank and world were checked to fit.
+                let status = unsafe { (nccl.comm_init_rank)(&mut comm, n, id, r) };
+                return nccl.check("ncclCommInitRank", status);
+            };
+            let mut config = Config {
+                size: std::mem::size_of::<Config>(),
+                magic: CONFIG_MAGIC,
+                version: CONFIG_VERSION,
+                blocking: 0,
+            };
+            // SAFETY: as above, and `config` is a configuration NCCL reads `size` bytes of.
+            let status = unsafe { (nb.init_rank_config)(&mut comm, n, id, r, &mut config) };
+            if status != IN_PROGRESS {
+                nccl.check("ncclCommInitRankConfig", status)?;
+            }
+            // The join goes on inside NCCL until every rank has come, or the deadline passes.
+            loop {
+                let mut state: Status = 0;
+                // SAFETY: `comm` was made by the call above; `state` is an out pointer.
+                let asked = unsafe { (nb.get_async_error)(comm, &mut state) };
+                let failed =
+                    nccl.check("ncclCommGetAsyncError", asked)
+                        .and_then(|()| match state {
+                            IN_PROGRESS => Ok(false),
+                            done => nccl.check("ncclCommInitRankConfig", done).map(|()| true),
+                        });
+                match failed {
+                    Ok(true) => return Ok(()),
+                    Ok(false) if start.elapsed() < timeout => {
+                        std::thread::sleep(std::time::Duration::from_millis(1));
+                    }
+                    outcome => {
+                        // SAFETY: `comm` is this join's, aborted once and never used after.
+                        let _ = unsafe { (nb.abort)(comm) };
+                        return match outcome {
+                            Err(error) => Err(error),
+                            _ => Err(crate::error::BootstrapError::Unjoined {
+                                rank,
+                                world,
+                                waited: start.elapsed(),
+                            }
+                            .into()),
+                        };
+                    }
+                }
+            }
+        });
+        joined?;
         Ok(Box::new(NcclComms {
             nccl,
             comms: vec![comm],
+            nonblocking: nccl.nonblocking.is_some(),
         }))
     }
 
@@ -460,6 +578,10 @@ impl Collectives for CudaDriver {
         // NCCL makes each device's primary context (the engines') current as it goes: the
         // caller's is restored after.
         let comms = keeping_context(|| nccl.comm_init_all(&ordinals))?;
-        Ok(Box::new(NcclComms { nccl, comms }))
+        Ok(Box::new(NcclComms {
+            nccl,
+            comms,
+            nonblocking: false,
+        }))
     }
 }

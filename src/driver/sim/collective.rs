@@ -26,8 +26,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 const INVALID_ARGUMENT: i64 = 4;
 /// NCCL's status for calls that do not fit together, `ncclInvalidUsage`.
 const INVALID_USAGE: i64 = 5;
-/// NCCL's status for a failure inside the library, `ncclInternalError`.
-const INTERNAL_ERROR: i64 = 3;
 
 /// NCCL's failure of `call`: `status` (one of NCCL's), or an injected fault's code.
 fn nccl(call: &'static str, status: i64, name: String) -> Error {
@@ -85,9 +83,6 @@ pub(super) struct JoinedGroup {
     shape: (usize, DType, CollectiveKind),
 }
 
-/// How long a joining rank waits for the others before its join fails.
-const JOIN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
-
 /// An open group on the simulated machine: the parts added so far, each with its stream,
 /// launched by its end (or its drop).
 struct SimGroup<'a> {
@@ -144,6 +139,7 @@ impl Collectives for SimDriver {
         library: u32,
         rank: usize,
         world: usize,
+        timeout: std::time::Duration,
     ) -> Result<Box<dyn Communicators>, Error> {
         const CALL: &str = "ncclCommInitRank";
         if library != 0 {
@@ -191,15 +187,17 @@ impl Collectives for SimDriver {
                 if whole {
                     break;
                 }
-                if start.elapsed() > JOIN_TIMEOUT {
+                if start.elapsed() > timeout {
+                    // Aborted: this rank leaves the world it began to join.
                     if let Some((_, joined)) = s.joins.get_mut(&key) {
                         joined.retain(|&r| r != rank);
                     }
-                    return Err(nccl(
-                        CALL,
-                        INTERNAL_ERROR,
-                        format!("ncclInternalError: not every rank joined within {JOIN_TIMEOUT:?}"),
-                    ));
+                    return Err(crate::error::BootstrapError::Unjoined {
+                        rank,
+                        world,
+                        waited: start.elapsed(),
+                    }
+                    .into());
                 }
             }
             std::thread::sleep(std::time::Duration::from_millis(1));
