@@ -372,22 +372,7 @@ impl StagingLease<Proven> {
         let event = event.map(IdleEvent::into_raw);
         let fencing = fence(&mut st, owner, lane, slot, event, "staging chunk");
         drop(st);
-        let begun = match fencing {
-            Fencing::Fenced(fenced) => Ok(StagingLease::new(fenced)),
-            Fencing::Proven(slot, error) => Err(SubmitError::Failed {
-                input: StagingLease::new(ProvenSlot { slot, event: None }),
-                error,
-            }),
-            Fencing::Untracked(untracked, error) => {
-                // Nothing proves the copies complete: the slot is never reused or freed.
-                if let Some(mut st) = untracked.owner().lock_for_drop() {
-                    st.parts.get_mut::<StagingRing>().count_retired();
-                }
-                untracked.retain();
-                Err(SubmitError::Retained { error })
-            }
-        };
-        (begun, later)
+        (begun(fencing), later)
     }
 
     /// Why `copy` cannot be queued from this slot, if it cannot.
@@ -543,20 +528,26 @@ impl StagingLease<Proven> {
         if let Some(untracked) = unproven_mark {
             untracked.retain();
         }
-        match fencing {
-            Fencing::Fenced(fenced) => Ok(StagingLease::new(fenced)),
-            Fencing::Proven(slot, error) => Err(SubmitError::Failed {
-                input: StagingLease::new(ProvenSlot { slot, event: None }),
-                error,
-            }),
-            Fencing::Untracked(untracked, error) => {
-                // Nothing proves the chunk complete: the slot is never reused or freed.
-                if let Some(mut st) = untracked.owner().lock_for_drop() {
-                    st.parts.get_mut::<StagingRing>().count_retired();
-                }
-                untracked.retain();
-                Err(SubmitError::Retained { error })
+        begun(fencing)
+    }
+}
+
+/// What a begin gives once its copies are queued and the slot's fence is tried: the lease
+/// `Unproven`; back `Proven`, where a stream synchronize proved the copies complete; or
+/// nothing, the slot retained, where nothing proves them complete (never reused or freed).
+fn begun(fencing: Fencing<LeasedSlot>) -> Begun {
+    match fencing {
+        Fencing::Fenced(fenced) => Ok(StagingLease::new(fenced)),
+        Fencing::Proven(slot, error) => Err(SubmitError::Failed {
+            input: StagingLease::new(ProvenSlot { slot, event: None }),
+            error,
+        }),
+        Fencing::Untracked(untracked, error) => {
+            if let Some(mut st) = untracked.owner().lock_for_drop() {
+                st.parts.get_mut::<StagingRing>().count_retired();
             }
+            untracked.retain();
+            Err(SubmitError::Retained { error })
         }
     }
 }
