@@ -326,6 +326,10 @@ pub enum Error {
     /// rendezvous, or a unique id's bytes.
     #[error(transparent)]
     Bootstrap(#[from] BootstrapError),
+    /// A collective across processes did not complete: its deadline passed, its communicator
+    /// failed, or it was aborted.
+    #[error(transparent)]
+    Collective(#[from] CollectiveError),
 }
 
 impl Error {
@@ -658,13 +662,22 @@ pub enum UsageError {
         /// The tensors given.
         tensors: usize,
     },
-    /// A broadcast's root past the last rank: `broadcast`.
+    /// A broadcast's or a reduction's root past the last rank of the world: `broadcast`,
+    /// `reduce`.
     #[error("root {root} of {ranks} rank(s)")]
     RootOutOfRange {
         /// The root given.
         root: usize,
-        /// The communicator's ranks.
+        /// The world's ranks.
         ranks: usize,
+    },
+    /// A send's or a receive's peer past the last rank of the world: `send`, `recv`.
+    #[error("peer {peer} of a world of {world} rank(s)")]
+    PeerOutOfRange {
+        /// The peer given.
+        peer: usize,
+        /// The world's ranks.
+        world: usize,
     },
 }
 
@@ -1274,5 +1287,50 @@ pub enum BootstrapError {
     UniqueId {
         /// What is wrong with the bytes.
         reason: String,
+    },
+}
+
+/// Why a collective over ranks in other processes did not complete
+/// ([`collective`](crate::collective)). Each comes after the communicator was aborted: its
+/// queued parts end, the engine stays usable, and the tensors the collective lent are released
+/// once their engines prove the parts ended (or kept for the engine's lifetime where they
+/// cannot).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CollectiveError {
+    /// The communicator's deadline passed before this rank's part completed: a peer died, hung,
+    /// or never queued its part.
+    #[error(
+        "rank {rank} of a world of {world}: the collective did not complete within {timeout:?} \
+         (a peer died, hangs or never queued its part); the communicator was aborted"
+    )]
+    TimedOut {
+        /// This rank.
+        rank: usize,
+        /// The world's size.
+        world: usize,
+        /// The communicator's deadline.
+        timeout: std::time::Duration,
+    },
+    /// The collective library found the communicator failed (a peer's connection lost, a
+    /// remote error): `reason` is its report.
+    #[error("rank {rank} of a world of {world}: the communicator failed: {reason}; it was aborted")]
+    Failed {
+        /// This rank.
+        rank: usize,
+        /// The world's size.
+        world: usize,
+        /// The library's report.
+        reason: String,
+    },
+    /// The communicator was aborted before (by a deadline, a failure or
+    /// [`Communicator::abort`](crate::collective::Communicator::abort)): nothing more runs on
+    /// it.
+    #[error("rank {rank} of a world of {world}: the communicator was aborted")]
+    Aborted {
+        /// This rank.
+        rank: usize,
+        /// The world's size.
+        world: usize,
     },
 }

@@ -26,16 +26,79 @@ use super::DevicePtr;
 use crate::dtype::DType;
 use crate::error::{DeviceId, Error};
 
-/// What a collective does with its ranks' buffers.
+/// What one call of a collective does with its rank's buffers. `count` is the count NCCL's call
+/// takes (see [`extents`](Self::extents) for what each buffer holds).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum CollectiveKind {
-    /// Every buffer becomes the element-wise reduction of all of them.
+    /// Every rank's output becomes the element-wise reduction of every rank's input.
     AllReduce(Reduction),
-    /// Every buffer becomes a copy of rank `root`'s.
+    /// Every rank's output becomes a copy of rank `root`'s input.
     Broadcast {
-        /// The rank whose buffer is copied.
+        /// The rank whose input is copied.
         root: usize,
     },
+    /// Rank `root`'s output becomes the element-wise reduction of every rank's input; the
+    /// other ranks' outputs are untouched.
+    Reduce {
+        /// How elements combine.
+        op: Reduction,
+        /// The rank that receives the reduction.
+        root: usize,
+    },
+    /// Every rank's output (`count` elements per rank) becomes every rank's input, in rank
+    /// order.
+    AllGather,
+    /// Rank `r`'s output (`count` elements) becomes the element-wise reduction of the `r`-th
+    /// `count` elements of every rank's input.
+    ReduceScatter(Reduction),
+    /// The input goes to rank `peer`, whose matching [`Recv`](Self::Recv) receives it.
+    Send {
+        /// The receiving rank.
+        peer: usize,
+    },
+    /// The output receives what rank `peer`'s matching [`Send`](Self::Send) sends.
+    Recv {
+        /// The sending rank.
+        peer: usize,
+    },
+}
+
+impl CollectiveKind {
+    /// The elements read from the input and written to the output, for `count` (the call's
+    /// count) in a world of `world` ranks.
+    pub(crate) fn extents(self, count: usize, world: usize) -> (usize, usize) {
+        match self {
+            CollectiveKind::AllReduce(_)
+            | CollectiveKind::Broadcast { .. }
+            | CollectiveKind::Reduce { .. } => (count, count),
+            CollectiveKind::AllGather => (count, count.saturating_mul(world)),
+            CollectiveKind::ReduceScatter(_) => (count.saturating_mul(world), count),
+            CollectiveKind::Send { .. } => (count, 0),
+            CollectiveKind::Recv { .. } => (0, count),
+        }
+    }
+
+    /// NCCL's name for the call.
+    pub(crate) fn call(self) -> &'static str {
+        match self {
+            CollectiveKind::AllReduce(_) => "ncclAllReduce",
+            CollectiveKind::Broadcast { .. } => "ncclBroadcast",
+            CollectiveKind::Reduce { .. } => "ncclReduce",
+            CollectiveKind::AllGather => "ncclAllGather",
+            CollectiveKind::ReduceScatter(_) => "ncclReduceScatter",
+            CollectiveKind::Send { .. } => "ncclSend",
+            CollectiveKind::Recv { .. } => "ncclRecv",
+        }
+    }
+
+    /// Whether it is a point-to-point call, matched with its peer's rather than with every
+    /// rank's.
+    pub(crate) fn is_p2p(self) -> bool {
+        matches!(
+            self,
+            CollectiveKind::Send { .. } | CollectiveKind::Recv { .. }
+        )
+    }
 }
 
 /// How an all-reduce combines elements.
@@ -49,13 +112,16 @@ pub(crate) enum Reduction {
     Avg,
 }
 
-/// One rank's part of a collective, in place: `count` elements of `dtype` at `buffer`, on the
-/// compute stream `stream` of that rank's device (the raw handle of
+/// One call of a rank's part of a collective: `count` (NCCL's count) elements of `dtype`, read
+/// from `send` and written to `recv` as [`CollectiveKind::extents`] says (the same address for
+/// a call in place; unused for a send's output or a receive's input), on the compute stream
+/// `stream` of that rank's device (the raw handle of
 /// [`Driver::stream_handle`](super::Driver::stream_handle)).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Part {
     pub(crate) stream: u64,
-    pub(crate) buffer: DevicePtr,
+    pub(crate) send: DevicePtr,
+    pub(crate) recv: DevicePtr,
     pub(crate) count: usize,
     pub(crate) dtype: DType,
     pub(crate) kind: CollectiveKind,
@@ -68,18 +134,42 @@ pub(crate) trait Communicators: Send + Sync {
     /// Opens a group: the parts added to it up to its [`end`](Group::end) are launched together.
     /// A group is ended exactly once, by `end` or, should it be dropped (a panic between its
     /// start and its end), by its drop, as NCCL requires of every group it opened.
-    fn group(&self) -> Result<Box<dyn Group + '_>, Error>;
+    /// The group's end waits at most `timeout` for the library to queue its parts (a
+    /// non-blocking communicator connecting to a peer), then fails with
+    /// [`CollectiveError::TimedOut`](crate::error::CollectiveError::TimedOut) after aborting
+    /// the communicators.
+    fn group(&self, timeout: std::time::Duration) -> Result<Box<dyn Group + '_>, Error>;
+
+    /// Whether some of the ranks are in other processes (a communicator joined one by one):
+    /// a rank there may die or never queue its part, so waits on these communicators' work
+    /// watch their [`health`](Self::health) and a deadline.
+    fn watched(&self) -> bool;
+
+    /// The communicators' asynchronous state (`ncclCommGetAsyncError`): `Ok` while they work,
+    /// the failure once one has failed (they must then be aborted).
+    ///
+    /// # Errors
+    /// The library's error for a communicator that failed;
+    /// [`CollectiveError::Aborted`](crate::error::CollectiveError::Aborted) once aborted.
+    fn health(&self) -> Result<(), Error>;
+
+    /// Aborts the communicators (`ncclCommAbort`), once: every part queued on them ends on its
+    /// stream without its partners, leaving its buffers as they are, and every later group is
+    /// refused ([`CollectiveError::Aborted`](crate::error::CollectiveError::Aborted)). Safe to
+    /// call from any thread, with or without work queued; the second call does nothing.
+    fn abort(&self);
 }
 
 /// An open group of one collective: one part per rank, then the end that launches them.
 pub(crate) trait Group {
-    /// Adds rank `rank`'s part. A refusal leaves the group open: it is still ended, and the
-    /// other ranks' parts may be launched by the end.
+    /// Adds a call to rank `rank`'s part (a rank's calls keep their order; point-to-point calls
+    /// match their peer's in order). A refusal leaves the group open: it is still ended, and the
+    /// other calls may be launched by the end.
     ///
     /// # Safety
-    /// The buffer holds `part.count` elements of `part.dtype` on rank `rank`'s device, and stays
-    /// allocated and untouched by other work until the part has completed on `part.stream`, a
-    /// compute stream of that device (in the engine's context).
+    /// The buffers hold what [`CollectiveKind::extents`] says, in elements of `part.dtype`, on
+    /// rank `rank`'s device, and stay allocated and untouched by other work until the part has
+    /// completed on `part.stream`, a compute stream of that device (in the engine's context).
     unsafe fn queue(&mut self, rank: usize, part: &Part) -> Result<(), Error>;
 
     /// Closes the group and launches its parts.

@@ -127,6 +127,28 @@ pub(crate) trait Waits: Send + Sync {
     fn event_query(&self, event: EventHandle) -> Result<bool, DriverError>;
     /// Waits until the work before the event's last record has completed.
     fn event_synchronize(&self, event: EventHandle) -> Result<(), DriverError>;
+    /// Waits at most about `within` for the work before the event's last record: `Ok(true)`
+    /// once it has completed, `Ok(false)` when `within` passed first. Asks the event with
+    /// pauses that grow to a millisecond (a device has no timed wait on an event).
+    fn event_wait_within(
+        &self,
+        event: EventHandle,
+        within: std::time::Duration,
+    ) -> Result<bool, DriverError> {
+        let start = std::time::Instant::now();
+        let mut pause = std::time::Duration::from_micros(5);
+        loop {
+            if self.event_query(event)? {
+                return Ok(true);
+            }
+            let left = within.saturating_sub(start.elapsed());
+            if left.is_zero() {
+                return Ok(false);
+            }
+            std::thread::sleep(pause.min(left));
+            pause = (pause * 2).min(std::time::Duration::from_millis(1));
+        }
+    }
     /// Waits until everything queued on every lane has completed.
     fn stream_synchronize(&self) -> Result<(), DriverError>;
     /// Waits until everything queued on one lane has completed.

@@ -193,6 +193,25 @@ impl<R: Send + 'static> Fenced<R> {
             })
     }
 
+    /// Waits at most about `within` for the work, outside the engine's lock: `Ok(true)` once
+    /// it has completed, `Ok(false)` when `within` passed first. The resources stay fenced
+    /// either way.
+    ///
+    /// # Errors
+    /// As [`is_ready`](Self::is_ready).
+    pub(crate) fn wait_within(&self, within: std::time::Duration) -> Result<bool> {
+        in_wake_refused("a wait")?;
+        let inner = self.inner();
+        inner
+            .owner
+            .waits
+            .event_wait_within(inner.event, within)
+            .map_err(|source| Error::DeviceFault {
+                what: inner.what,
+                source,
+            })
+    }
+
     /// For a caller that has just found the work not done: asks the event again, without
     /// waiting and without the lock, until it reports completion or a failure, or until the
     /// driver's `spin_before_wake` has passed (with none, it does not ask again). `Ok(false)`:

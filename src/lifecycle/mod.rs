@@ -25,4 +25,5 @@
 pub(crate) mod fence;
 pub(crate) mod lease;
 pub(crate) mod signal;
+pub(crate) mod timer;
 pub(crate) mod wake;

@@ -37,7 +37,9 @@ mod ranks;
 use crate::core::engine::CudaEngine;
 use crate::core::order::Use;
 use crate::driver::Lane;
-use crate::driver::collective::{self as seam, CollectiveKind, Communicators, Group, Reduction};
+use crate::driver::collective::{
+    self as seam, CollectiveKind, Communicators, Group as SeamGroup, Reduction,
+};
 use crate::error::SubmitError;
 use crate::error::{DeviceId, Error, Result, SetupError, UsageError};
 use crate::lifecycle::fence::{Fencing, IdleEvent, fence};
@@ -48,12 +50,13 @@ pub use bootstrap::{DEFAULT_RENDEZVOUS_TIMEOUT, Launch, Rendezvous, UniqueId};
 
 /// How long [`Communicator::join`] waits for every rank of its world: as long as a
 /// rendezvous's default, for ranks that start at different times.
-pub const DEFAULT_JOIN_TIMEOUT: std::time::Duration = DEFAULT_RENDEZVOUS_TIMEOUT;
+pub const DEFAULT_JOIN_TIMEOUT: Duration = DEFAULT_RENDEZVOUS_TIMEOUT;
 use ranks::{Part, Ranks, RanksLanded};
 use std::fmt;
 use std::marker::PhantomData;
 use std::mem::ManuallyDrop;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 mod sealed {
     pub trait Sealed {}
@@ -72,7 +75,8 @@ macro_rules! collective_element {
 
 collective_element!(i8, u8, i32, u32, i64, u64, half::f16, f32, f64, half::bf16);
 
-/// How [`all_reduce`] combines the ranks' elements.
+/// How a reduction ([`all_reduce`], [`reduce`], [`reduce_scatter`]) combines the ranks'
+/// elements.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum ReduceOp {
@@ -114,8 +118,15 @@ struct Comms {
     first_rank: usize,
 }
 
+/// How long a collective over ranks in other processes may take, from its submission to the
+/// proof that this rank's part completed, before its wait aborts the communicator: ten
+/// minutes, as long as PyTorch's default for NCCL, for steps that wait on slow peers (a
+/// checkpoint, a straggler) without calling them dead.
+pub const DEFAULT_COLLECTIVE_TIMEOUT: Duration = Duration::from_secs(600);
+
 /// NCCL communicators over engines on distinct devices, one rank per engine, in the order the
-/// engines were given.
+/// engines were given ([`new`](Self::new)), or one rank of a world whose other ranks are in
+/// other processes ([`join`](Self::join)).
 ///
 /// ```no_run
 /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -133,26 +144,39 @@ struct Comms {
 #[derive(Clone)]
 pub struct Communicator {
     inner: Arc<Comms>,
+    /// The deadline of each collective submitted through this handle, for joined ranks.
+    timeout: Duration,
 }
 
 impl fmt::Debug for Communicator {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Communicator")
             .field("ranks", &self.inner.members.len())
+            .field("world", &self.inner.world)
+            .field("rank", &self.inner.first_rank)
             .finish()
     }
 }
 
 impl Communicator {
+    fn from_comms(comms: Comms) -> Communicator {
+        Communicator {
+            inner: Arc::new(comms),
+            timeout: DEFAULT_COLLECTIVE_TIMEOUT,
+        }
+    }
+
     /// One NCCL communicator per engine (`ncclCommInitAll`), rank `i` being `engines[i]`; for
     /// engines of one simulated machine, the machine's own communicators.
     ///
     /// # Errors
-    /// [`SetupError::Unavailable`](crate::error::SetupError::Unavailable) without NCCL; [`SetupError::Unreachable`](crate::error::SetupError::Unreachable) for engines of different
-    /// simulated machines, or real and simulated engines together; [`UsageError::NoEngines`](crate::error::UsageError::NoEngines)
-    /// for no engines, [`UsageError::TwoRanksOnOneDevice`](crate::error::UsageError::TwoRanksOnOneDevice)
-    /// for two on one device (ranks are devices); [`LibraryError::Vendor`](crate::error::LibraryError::Vendor) when NCCL
-    /// refuses.
+    /// [`SetupError::Unavailable`](crate::error::SetupError::Unavailable) without NCCL;
+    /// [`SetupError::Unreachable`](crate::error::SetupError::Unreachable) for engines of
+    /// different simulated machines, or real and simulated engines together;
+    /// [`UsageError::NoEngines`](crate::error::UsageError::NoEngines) for no engines,
+    /// [`UsageError::TwoRanksOnOneDevice`](crate::error::UsageError::TwoRanksOnOneDevice) for
+    /// two on one device (ranks are devices);
+    /// [`LibraryError::Vendor`](crate::error::LibraryError::Vendor) when NCCL refuses.
     pub fn new(engines: &mut [&mut CudaEngine]) -> Result<Communicator> {
         let Some(first) = engines.first().map(|e| e.device()) else {
             return Err(Error::Usage(UsageError::NoEngines {
@@ -177,14 +201,12 @@ impl Communicator {
         let devices: Vec<DeviceId> = members.iter().map(|&(d, _)| d).collect();
         let seam = engines[0].shared.enter()?.driver.communicators(&devices)?;
         let world = members.len();
-        Ok(Communicator {
-            inner: Arc::new(Comms {
-                seam,
-                members,
-                world,
-                first_rank: 0,
-            }),
-        })
+        Ok(Communicator::from_comms(Comms {
+            seam,
+            members,
+            world,
+            first_rank: 0,
+        }))
     }
 
     /// Joins rank `rank` of a world of `world` ranks, each in a process of its own (or a thread
@@ -193,9 +215,11 @@ impl Communicator {
     /// exchange). Returns once every rank has joined, waiting at most
     /// [`DEFAULT_JOIN_TIMEOUT`]; [`join_within`](Self::join_within) sets another deadline.
     ///
-    /// The communicator holds one rank here: a collective on it takes this engine and one
-    /// tensor (`&mut [&mut engine]`, `vec![tensor]`), and every other rank must make the same
-    /// call, with the same length and element type, in the same order.
+    /// The communicator holds one rank here: a collective on it takes this engine and this
+    /// rank's tensors (`&mut [&mut engine]`, `vec![tensor]`), and every other rank must make
+    /// the same calls, with the same counts and element type, in the same order (NCCL does not
+    /// check this: calls that differ hang until the [deadline](Self::with_timeout), or corrupt
+    /// the results).
     ///
     /// # Errors
     /// [`BootstrapError::Rank`](crate::error::BootstrapError::Rank) for a rank at or above the
@@ -226,7 +250,7 @@ impl Communicator {
         id: &UniqueId,
         rank: usize,
         world: usize,
-        timeout: std::time::Duration,
+        timeout: Duration,
     ) -> Result<Communicator> {
         if world == 0 || rank >= world {
             return Err(crate::error::BootstrapError::Rank { rank, world }.into());
@@ -239,14 +263,42 @@ impl Communicator {
             timeout,
         )?;
         let members = vec![(engine.device(), engine.shared.engine_id)];
-        Ok(Communicator {
-            inner: Arc::new(Comms {
-                seam,
-                members,
-                world,
-                first_rank: rank,
-            }),
-        })
+        Ok(Communicator::from_comms(Comms {
+            seam,
+            members,
+            world,
+            first_rank: rank,
+        }))
+    }
+
+    /// This handle with another deadline for the collectives submitted through it (the
+    /// default is [`DEFAULT_COLLECTIVE_TIMEOUT`]). It counts from a collective's submission;
+    /// a wait on a collective of [joined](Self::join) ranks that passes it aborts the
+    /// communicator and fails with
+    /// [`CollectiveError::TimedOut`](crate::error::CollectiveError::TimedOut). Collectives of
+    /// [`new`](Self::new)'s communicators, whose ranks are all in this process, have no
+    /// deadline: no peer can vanish.
+    #[must_use]
+    pub fn with_timeout(mut self, timeout: Duration) -> Communicator {
+        self.timeout = timeout;
+        self
+    }
+
+    /// The deadline of the collectives submitted through this handle.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// Aborts the communicator (`ncclCommAbort`): its collectives still queued end without
+    /// their peers, leaving their tensors' contents unspecified, and every later collective on
+    /// it is refused with [`CollectiveError::Aborted`](crate::error::CollectiveError::Aborted),
+    /// as is every wait on one in flight. For a rank that learns by other means that a peer is
+    /// gone (its launcher said so), or that must leave a collective it will not wait for
+    /// (dropped in flight) before its engine can synchronize. The tensors lent are released by
+    /// their engines once the ended parts are proven complete. Every clone of this handle sees
+    /// the abort; a second one does nothing.
+    pub fn abort(&self) {
+        self.inner.seam.abort();
     }
 
     /// The number of ranks in this process (all of the world's, for [`new`](Self::new); one,
@@ -272,10 +324,25 @@ impl Communicator {
     pub fn nccl_version() -> Result<(u32, u32, u32)> {
         seam::library_version()
     }
+
+    /// An empty group of collectives on this communicator, of one element type: the calls
+    /// added to it are queued as one NCCL group, and are one operation in flight.
+    pub fn group<T: CollectiveElement>(&self) -> CollectiveGroup<T> {
+        CollectiveGroup {
+            comm: self.clone(),
+            plan: Plan::default(),
+            tensors: Vec::new(),
+            refusal: None,
+        }
+    }
 }
 
-/// The operation of [`all_reduce`] and [`broadcast`]: one collective over every rank's tensor.
-/// Its [parts](Operation::Parts) are the tensors, in rank order.
+/// The operation of every collective: one NCCL group over this process's ranks' tensors. Its
+/// [parts](Operation::Parts) are the tensors in the order they were given: one per rank, in
+/// rank order, for [`all_reduce`], [`broadcast`] and [`reduce`]; each rank's input and then
+/// each rank's output for [`all_gather`] and [`reduce_scatter`]; the one tensor of [`send`]
+/// and [`recv`]; the tensors of each call of a [`CollectiveGroup`] in the order the calls were
+/// added.
 ///
 /// In flight it owns the tensors and lends each only shared, to work on its own engine
 /// ([`tensor`](Pending::tensor)); [`wait`](Pending::wait) proves every rank's part complete.
@@ -306,34 +373,34 @@ impl<T: Element> Operation for Collective<T> {
 }
 
 impl<T: Element> Pending<Collective<T>, InFlight> {
-    /// Rank `rank`'s tensor, for work on its own engine: that engine orders it after the
-    /// collective (on another of its streams, by an event wait on the device), with no host
-    /// wait. `None` past the last rank.
-    pub fn tensor(&self, rank: usize) -> Option<&DeviceTensor<T>> {
-        self.hold.parts.get(rank).map(|part| match part {
+    /// Tensor `index` (in the order given: see [`Collective`]), for work on its own engine:
+    /// that engine orders it after the collective (on another of its streams, by an event
+    /// wait on the device), with no host wait. `None` past the last.
+    pub fn tensor(&self, index: usize) -> Option<&DeviceTensor<T>> {
+        self.hold.parts.get(index).map(|part| match part {
             Part::Fenced(fenced) => &fenced.resources().0,
             Part::Done(tensor) => tensor,
         })
     }
 
-    /// The number of ranks.
-    pub fn ranks(&self) -> usize {
+    /// The number of tensors the collective holds.
+    pub fn tensor_count(&self) -> usize {
         self.hold.parts.len()
     }
 }
 
 impl<T: Element> Pending<Collective<T>, Returned> {
-    /// Rank `rank`'s tensor; `None` past the last rank.
-    pub fn tensor(&self, rank: usize) -> Option<&DeviceTensor<T>> {
-        self.hold.tensors.get(rank)
+    /// Tensor `index` (in the order given); `None` past the last.
+    pub fn tensor(&self, index: usize) -> Option<&DeviceTensor<T>> {
+        self.hold.tensors.get(index)
     }
 
-    /// Every rank's tensor, in rank order.
+    /// Every tensor, in the order given.
     pub fn tensors(&self) -> &[DeviceTensor<T>] {
         &self.hold.tensors
     }
 
-    /// Every rank's tensor, mutably: rewrite them (the next step's gradients, say) before
+    /// Every tensor, mutably: rewrite them (the next step's gradients, say) before
     /// [`resubmit`](Self::resubmit)ting. A tensor swapped for one of another engine or length is
     /// refused by the resubmission, which hands every tensor back.
     pub fn tensors_mut(&mut self) -> &mut [DeviceTensor<T>] {
@@ -342,12 +409,11 @@ impl<T: Element> Pending<Collective<T>, Returned> {
 }
 
 impl<T: CollectiveElement> Pending<Collective<T>, Returned> {
-    /// Queues the same collective again (the same reduction or root, over the same
-    /// communicator), on the same tensors, reusing each rank's event: for a training loop that
-    /// reduces the same gradients every step (rewrite them through
+    /// Queues the same collective again (the same calls, over the same communicator, with the
+    /// same deadline), on the same tensors, reusing each tensor's event: for a training loop
+    /// that reduces the same gradients every step (rewrite them through
     /// [`tensors_mut`](Self::tensors_mut)). `engines[i]` is rank `i`'s engine. No event and no
-    /// device memory is allocated; the per-rank lists of the submission (one entry per rank) are
-    /// made again, as on the first submission.
+    /// device memory is allocated.
     ///
     /// # Errors
     /// As [`all_reduce`].
@@ -356,67 +422,445 @@ impl<T: CollectiveElement> Pending<Collective<T>, Returned> {
             tensors,
             events,
             comms,
-            kind,
+            plan,
+            timeout,
         } = self.hold;
-        submit(&comms, engines, tensors, kind, events)
+        submit(&comms, timeout, engines, tensors, plan, events)
     }
 }
 
-type Submitted<T> = Result<Pending<Collective<T>>, SubmitError<Vec<DeviceTensor<T>>>>;
+/// What a collective's submission returns: the operation in flight, or the refusal with every
+/// tensor back, in the order given.
+pub type Submitted<T> = Result<Pending<Collective<T>>, SubmitError<Vec<DeviceTensor<T>>>>;
 
-/// What the collective does on each rank.
-#[derive(Clone, Copy, Debug)]
-enum Kind {
+/// One call of a collective, for one rank here.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Call {
     AllReduce(ReduceOp),
     Broadcast(usize),
+    Reduce(ReduceOp, usize),
+    AllGather,
+    ReduceScatter(ReduceOp),
+    Send(usize),
+    Recv(usize),
+}
+
+impl Call {
+    fn kind(self) -> CollectiveKind {
+        match self {
+            Call::AllReduce(op) => CollectiveKind::AllReduce(op.reduction()),
+            Call::Broadcast(root) => CollectiveKind::Broadcast { root },
+            Call::Reduce(op, root) => CollectiveKind::Reduce {
+                op: op.reduction(),
+                root,
+            },
+            Call::AllGather => CollectiveKind::AllGather,
+            Call::ReduceScatter(op) => CollectiveKind::ReduceScatter(op.reduction()),
+            Call::Send(peer) => CollectiveKind::Send { peer },
+            Call::Recv(peer) => CollectiveKind::Recv { peer },
+        }
+    }
+}
+
+/// One call for one rank here: rank `rank` (of this process's) reads tensor `input` and
+/// writes tensor `output` (indices into the operation's tensors; the same one for a call in
+/// place). `call` numbers the builder's calls, whose steps (one per rank) belong together.
+#[derive(Clone, Copy, Debug)]
+struct Step {
+    rank: usize,
+    call: Call,
+    input: usize,
+    output: usize,
+    id: usize,
+}
+
+/// What a collective runs: its steps, in order, and each tensor's rank here.
+#[derive(Clone, Debug, Default)]
+struct Plan {
+    steps: Vec<Step>,
+    owners: Vec<usize>,
+    calls: usize,
+}
+
+/// A group of collectives and point-to-point calls on one communicator, of one element type,
+/// queued together as one NCCL group (`ncclGroupStart`, the calls, `ncclGroupEnd`) and in
+/// flight as one operation ([`Collective`]): the buckets of a step's gradients, or a ring of
+/// sends and receives, which must be grouped for NCCL to match them without deadlock.
+///
+/// Each call takes its tensors by value; [`submit`](Self::submit) checks every call (their
+/// ranks' engines, lengths, roots and peers) before anything is queued and hands every tensor
+/// back, in the order given, when it refuses. The operation's tensors are in the order given,
+/// each call's in the order its arguments list them.
+///
+/// ```no_run
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// # use cuferry::collective::{Communicator, UniqueId};
+/// # use cuferry::{upload_tensor, CudaEngine};
+/// # let mut engine = CudaEngine::open(0)?;
+/// # let comm = Communicator::join(&mut engine, &UniqueId::new(&mut engine)?, 0, 1)?;
+/// // A ring: each rank sends its tensor to the next and receives the previous one's.
+/// let (rank, world) = (comm.rank(), comm.world());
+/// let mine = upload_tensor(&mut engine, &[rank as f32; 4], &[4])?;
+/// let theirs = upload_tensor(&mut engine, &[0.0f32; 4], &[4])?;
+/// let mut ring = comm.group();
+/// ring.send(0, mine, (rank + 1) % world)
+///     .recv(0, theirs, (rank + world - 1) % world);
+/// let [_mine, theirs]: [_; 2] = ring.submit(&mut [&mut engine])?.wait()?.into_parts().try_into().unwrap();
+/// # drop(theirs); Ok(()) }
+/// ```
+pub struct CollectiveGroup<T: CollectiveElement> {
+    comm: Communicator,
+    plan: Plan,
+    tensors: Vec<DeviceTensor<T>>,
+    /// The first call given the wrong number of tensors, refused by the submission.
+    refusal: Option<Error>,
+}
+
+impl<T: CollectiveElement> fmt::Debug for CollectiveGroup<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CollectiveGroup")
+            .field("dtype", &T::DTYPE)
+            .field("calls", &self.plan.calls)
+            .field("tensors", &self.tensors.len())
+            .finish()
+    }
+}
+
+impl<T: CollectiveElement> CollectiveGroup<T> {
+    /// Adds `tensor` as rank `rank`'s (of this process's) for a call, returning its index.
+    fn push(&mut self, rank: usize, tensor: DeviceTensor<T>) -> usize {
+        self.tensors.push(tensor);
+        self.plan.owners.push(rank);
+        self.tensors.len() - 1
+    }
+
+    /// Adds a call with one tensor per rank here, each read and written in place.
+    fn in_place(&mut self, tensors: Vec<DeviceTensor<T>>, call: Call) -> &mut Self {
+        self.count_check(tensors.len());
+        let id = self.next_id();
+        for (rank, tensor) in tensors.into_iter().enumerate() {
+            let at = self.push(rank, tensor);
+            self.plan.steps.push(Step {
+                rank,
+                call,
+                input: at,
+                output: at,
+                id,
+            });
+        }
+        self
+    }
+
+    /// Adds a call with an input and an output per rank here.
+    fn exchange(
+        &mut self,
+        inputs: Vec<DeviceTensor<T>>,
+        outputs: Vec<DeviceTensor<T>>,
+        call: Call,
+    ) -> &mut Self {
+        self.count_check(inputs.len());
+        self.count_check(outputs.len());
+        let id = self.next_id();
+        let inputs: Vec<usize> = inputs
+            .into_iter()
+            .enumerate()
+            .map(|(rank, t)| self.push(rank, t))
+            .collect();
+        let outputs: Vec<usize> = outputs
+            .into_iter()
+            .enumerate()
+            .map(|(rank, t)| self.push(rank, t))
+            .collect();
+        for (rank, (&input, &output)) in inputs.iter().zip(&outputs).enumerate() {
+            self.plan.steps.push(Step {
+                rank,
+                call,
+                input,
+                output,
+                id,
+            });
+        }
+        self
+    }
+
+    fn next_id(&mut self) -> usize {
+        self.plan.calls += 1;
+        self.plan.calls - 1
+    }
+
+    /// Records the refusal of a call given `given` tensors (or ranks) where this process has
+    /// another number of ranks.
+    fn count_check(&mut self, given: usize) {
+        let ranks = self.comm.ranks();
+        if given != ranks && self.refusal.is_none() {
+            self.refusal = Some(Error::Usage(UsageError::RankCount {
+                ranks,
+                engines: ranks,
+                tensors: given,
+            }));
+        }
+    }
+
+    /// Adds an all-reduce of `tensors` (one per rank here, in place): see [`all_reduce`].
+    pub fn all_reduce(&mut self, tensors: Vec<DeviceTensor<T>>, op: ReduceOp) -> &mut Self {
+        self.in_place(tensors, Call::AllReduce(op))
+    }
+
+    /// Adds a broadcast from world rank `root` into `tensors` (one per rank here, in place):
+    /// see [`broadcast`].
+    pub fn broadcast(&mut self, tensors: Vec<DeviceTensor<T>>, root: usize) -> &mut Self {
+        self.in_place(tensors, Call::Broadcast(root))
+    }
+
+    /// Adds a reduction of `tensors` (one per rank here, in place) into world rank `root`'s:
+    /// see [`reduce`].
+    pub fn reduce(
+        &mut self,
+        tensors: Vec<DeviceTensor<T>>,
+        op: ReduceOp,
+        root: usize,
+    ) -> &mut Self {
+        self.in_place(tensors, Call::Reduce(op, root))
+    }
+
+    /// Adds an all-gather of `inputs` into `outputs` (one of each per rank here): see
+    /// [`all_gather`].
+    pub fn all_gather(
+        &mut self,
+        inputs: Vec<DeviceTensor<T>>,
+        outputs: Vec<DeviceTensor<T>>,
+    ) -> &mut Self {
+        self.exchange(inputs, outputs, Call::AllGather)
+    }
+
+    /// Adds a reduce-scatter of `inputs` into `outputs` (one of each per rank here): see
+    /// [`reduce_scatter`].
+    pub fn reduce_scatter(
+        &mut self,
+        inputs: Vec<DeviceTensor<T>>,
+        outputs: Vec<DeviceTensor<T>>,
+        op: ReduceOp,
+    ) -> &mut Self {
+        self.exchange(inputs, outputs, Call::ReduceScatter(op))
+    }
+
+    /// Adds a send of `tensor`, from rank `rank` of this process's (0 for a
+    /// [joined](Communicator::join) rank), to world rank `peer`, which must add a matching
+    /// [`recv`](Self::recv) (same length and element type; sends to one peer meet its receives
+    /// from this rank in order).
+    pub fn send(&mut self, rank: usize, tensor: DeviceTensor<T>, peer: usize) -> &mut Self {
+        let id = self.next_id();
+        let at = self.push(rank, tensor);
+        self.plan.steps.push(Step {
+            rank,
+            call: Call::Send(peer),
+            input: at,
+            output: at,
+            id,
+        });
+        self
+    }
+
+    /// Adds a receive into `tensor`, on rank `rank` of this process's, from world rank `peer`,
+    /// which must add a matching [`send`](Self::send).
+    pub fn recv(&mut self, rank: usize, tensor: DeviceTensor<T>, peer: usize) -> &mut Self {
+        let id = self.next_id();
+        let at = self.push(rank, tensor);
+        self.plan.steps.push(Step {
+            rank,
+            call: Call::Recv(peer),
+            input: at,
+            output: at,
+            id,
+        });
+        self
+    }
+
+    /// The number of calls added.
+    pub fn len(&self) -> usize {
+        self.plan.calls
+    }
+
+    /// Whether no call was added.
+    pub fn is_empty(&self) -> bool {
+        self.plan.calls == 0
+    }
+
+    /// Checks every call and queues them as one NCCL group: `engines[i]` is rank `i`'s (of
+    /// this process's) engine.
+    ///
+    /// # Errors
+    /// As [`all_reduce`], and [`SubmitError::Rejected`] for an empty group or a call given
+    /// another number of tensors than this process's ranks.
+    pub fn submit(self, engines: &mut [&mut CudaEngine]) -> Submitted<T> {
+        let CollectiveGroup {
+            comm,
+            plan,
+            tensors,
+            refusal,
+        } = self;
+        if let Some(error) = refusal {
+            return Err(SubmitError::Rejected {
+                input: tensors,
+                error,
+            });
+        }
+        submit(
+            &comm.inner,
+            comm.timeout,
+            engines,
+            tensors,
+            Arc::new(plan),
+            Vec::new(),
+        )
+    }
+}
+
+/// One call alone as a group.
+fn single<T: CollectiveElement>(
+    comm: &Communicator,
+    engines: &mut [&mut CudaEngine],
+    build: impl FnOnce(&mut CollectiveGroup<T>),
+) -> Submitted<T> {
+    let mut group = comm.group();
+    build(&mut group);
+    group.submit(engines)
 }
 
 /// Sums (or otherwise reduces, by `op`) every rank's tensor, element by element, into every
-/// rank's tensor, in place: `tensors[i]` is rank `i`'s, of `engines[i]`.
+/// rank's tensor, in place: `tensors[i]` is rank `i`'s (of this process's), of `engines[i]`.
+/// Every rank of the world calls it with the same length.
 ///
 /// # Errors
-/// [`SubmitError::Rejected`] (the tensors back, untouched, in rank order) for a count of engines
-/// or tensors other than the ranks, lengths that differ, an engine that is not the rank's or a
-/// tensor not of its rank's engine, or a zero length; [`SubmitError::Failed`] (the tensors back)
-/// when an engine could not order the collective after its earlier work, or the collective
-/// library refused to open its group, before any of it was queued; [`SubmitError::Retained`]
-/// when the library refused a rank's part or the group's end, or an event could not be fenced,
-/// after parts of it may have been launched: every rank's tensor is then held by its engine
-/// until that engine proves its stream complete (retained for good where it cannot, as when a
-/// part launched without its partners fails), never freed under the device.
+/// [`SubmitError::Rejected`] (the tensors back, untouched, in the order given) for a count of
+/// engines or tensors other than this process's ranks, lengths that differ, an engine that is
+/// not the rank's or a tensor not of its rank's engine, or a zero length;
+/// [`SubmitError::Failed`] (the tensors back) when an engine could not order the collective
+/// after its earlier work, or the collective library refused to open its group (for an
+/// aborted communicator,
+/// [`CollectiveError::Aborted`](crate::error::CollectiveError::Aborted)), before any of it was
+/// queued; [`SubmitError::Retained`] when the library refused a rank's part or the group's end,
+/// or an event could not be fenced, after parts of it may have been launched: every tensor is
+/// then held by its engine until that engine proves its stream complete (retained for good
+/// where it cannot, as when a part launched without its partners fails), never freed under the
+/// device.
 pub fn all_reduce<T: CollectiveElement>(
     comm: &Communicator,
     engines: &mut [&mut CudaEngine],
     tensors: Vec<DeviceTensor<T>>,
     op: ReduceOp,
 ) -> Submitted<T> {
-    submit(
-        &comm.inner,
-        engines,
-        tensors,
-        Kind::AllReduce(op),
-        Vec::new(),
-    )
+    single(comm, engines, |g| {
+        g.all_reduce(tensors, op);
+    })
 }
 
-/// Copies rank `root`'s tensor into every other rank's, in place: `tensors[i]` is rank `i`'s,
-/// of `engines[i]`.
+/// Copies world rank `root`'s tensor into every other rank's, in place: `tensors[i]` is rank
+/// `i`'s (of this process's), of `engines[i]`. Every rank of the world calls it with the same
+/// length and root.
 ///
 /// # Errors
-/// As [`all_reduce`], and [`SubmitError::Rejected`] for a root past the last rank.
+/// As [`all_reduce`], and [`SubmitError::Rejected`] for a root past the world's last rank.
 pub fn broadcast<T: CollectiveElement>(
     comm: &Communicator,
     engines: &mut [&mut CudaEngine],
     tensors: Vec<DeviceTensor<T>>,
     root: usize,
 ) -> Submitted<T> {
-    submit(
-        &comm.inner,
-        engines,
-        tensors,
-        Kind::Broadcast(root),
-        Vec::new(),
-    )
+    single(comm, engines, |g| {
+        g.broadcast(tensors, root);
+    })
+}
+
+/// Reduces every rank's tensor by `op` into world rank `root`'s, in place; the other ranks'
+/// tensors are left as they were. Every rank of the world calls it with the same length, op
+/// and root.
+///
+/// # Errors
+/// As [`broadcast`].
+pub fn reduce<T: CollectiveElement>(
+    comm: &Communicator,
+    engines: &mut [&mut CudaEngine],
+    tensors: Vec<DeviceTensor<T>>,
+    op: ReduceOp,
+    root: usize,
+) -> Submitted<T> {
+    single(comm, engines, |g| {
+        g.reduce(tensors, op, root);
+    })
+}
+
+/// Gathers every rank's input into every rank's output, in world rank order: each output holds
+/// the world's size times its input's length (NCCL writes that many elements, so a shorter
+/// output is refused here, before anything is queued). Every rank of the world calls it with
+/// the same input length. The operation's tensors are the inputs, then the outputs.
+///
+/// # Errors
+/// As [`all_reduce`], and [`SubmitError::Rejected`] for an output that is not the world's size
+/// times its input's length.
+pub fn all_gather<T: CollectiveElement>(
+    comm: &Communicator,
+    engines: &mut [&mut CudaEngine],
+    inputs: Vec<DeviceTensor<T>>,
+    outputs: Vec<DeviceTensor<T>>,
+) -> Submitted<T> {
+    single(comm, engines, |g| {
+        g.all_gather(inputs, outputs);
+    })
+}
+
+/// Reduces every rank's input by `op` and scatters the result: world rank `r`'s output gets
+/// the `r`-th of the world's size equal slices. Each input holds the world's size times its
+/// output's length. Every rank of the world calls it with the same output length. The
+/// operation's tensors are the inputs, then the outputs.
+///
+/// # Errors
+/// As [`all_gather`], for an input that is not the world's size times its output's length.
+pub fn reduce_scatter<T: CollectiveElement>(
+    comm: &Communicator,
+    engines: &mut [&mut CudaEngine],
+    inputs: Vec<DeviceTensor<T>>,
+    outputs: Vec<DeviceTensor<T>>,
+    op: ReduceOp,
+) -> Submitted<T> {
+    single(comm, engines, |g| {
+        g.reduce_scatter(inputs, outputs, op);
+    })
+}
+
+/// Sends `tensor` from this process's one rank (a [joined](Communicator::join) communicator)
+/// to world rank `peer`, whose [`recv`] of the same length and element type receives it. For
+/// ranks in one process, or a send and a receive that must happen together (a ring, an
+/// exchange), use a [`CollectiveGroup`]: a send alone waits for its receive.
+///
+/// # Errors
+/// As [`all_reduce`], and [`SubmitError::Rejected`] for a peer past the world's last rank or
+/// a communicator with several ranks here.
+pub fn send<T: CollectiveElement>(
+    comm: &Communicator,
+    engine: &mut CudaEngine,
+    tensor: DeviceTensor<T>,
+    peer: usize,
+) -> Submitted<T> {
+    single(comm, &mut [engine], |g| {
+        g.send(0, tensor, peer).count_check(1);
+    })
+}
+
+/// Receives into `tensor`, on this process's one rank, what world rank `peer`'s [`send`]
+/// sends.
+///
+/// # Errors
+/// As [`send`].
+pub fn recv<T: CollectiveElement>(
+    comm: &Communicator,
+    engine: &mut CudaEngine,
+    tensor: DeviceTensor<T>,
+    peer: usize,
+) -> Submitted<T> {
+    single(comm, &mut [engine], |g| {
+        g.recv(0, tensor, peer).count_check(1);
+    })
 }
 
 /// Why a collective over `tensors` on `engines` is refused, if it is.
@@ -424,25 +868,31 @@ fn refusal<T: Element>(
     comms: &Comms,
     engines: &[&mut CudaEngine],
     tensors: &[DeviceTensor<T>],
-    kind: Kind,
+    plan: &Plan,
 ) -> Option<Error> {
     let ranks = comms.members.len();
-    if engines.len() != ranks || tensors.len() != ranks {
+    let world = comms.world;
+    if engines.len() != ranks {
         return Some(Error::Usage(UsageError::RankCount {
             ranks,
             engines: engines.len(),
             tensors: tensors.len(),
         }));
     }
-    if let Kind::Broadcast(root) = kind
-        && root >= comms.world
-    {
-        return Some(Error::Usage(UsageError::RootOutOfRange {
-            root,
-            ranks: comms.world,
+    if plan.steps.is_empty() {
+        return Some(Error::Usage(UsageError::ZeroLength {
+            what: "a collective group of no calls",
         }));
     }
-    for ((engine, tensor), &(device, id)) in engines.iter().zip(tensors).zip(&comms.members) {
+    for (tensor, &rank) in tensors.iter().zip(&plan.owners) {
+        let Some(&(device, id)) = comms.members.get(rank) else {
+            return Some(Error::Usage(UsageError::RankCount {
+                ranks,
+                engines: engines.len(),
+                tensors: rank + 1,
+            }));
+        };
+        let engine = &engines[rank];
         if let Err(error) = engine
             .shared
             .check_owner(device, id)
@@ -450,52 +900,100 @@ fn refusal<T: Element>(
         {
             return Some(error);
         }
+        if tensor.is_empty() {
+            return Some(Error::Usage(UsageError::ZeroLength {
+                what: "a collective's tensor",
+            }));
+        }
     }
-    let len = tensors[0].len();
-    if len == 0 {
-        return Some(Error::Usage(UsageError::ZeroLength {
-            what: "a collective",
-        }));
-    }
-    if let Some(other) = tensors.iter().find(|t| t.len() != len) {
-        return Some(Error::Usage(UsageError::LengthMismatch {
-            what: "collective: another rank's tensor for the first rank's",
-            expected: len,
-            found: other.len(),
-            shape: None,
-        }));
+    let mut first_len: Vec<Option<usize>> = vec![None; plan.calls];
+    for step in &plan.steps {
+        let (input, output) = (tensors[step.input].len(), tensors[step.output].len());
+        match step.call {
+            Call::Broadcast(root) | Call::Reduce(_, root) if root >= world => {
+                return Some(Error::Usage(UsageError::RootOutOfRange {
+                    root,
+                    ranks: world,
+                }));
+            }
+            Call::Send(peer) | Call::Recv(peer) if peer >= world => {
+                return Some(Error::Usage(UsageError::PeerOutOfRange { peer, world }));
+            }
+            Call::AllGather if input.checked_mul(world) != Some(output) => {
+                return Some(Error::Usage(UsageError::LengthMismatch {
+                    what: "all_gather: an output for the world's size times its input",
+                    expected: input.saturating_mul(world),
+                    found: output,
+                    shape: None,
+                }));
+            }
+            Call::ReduceScatter(_) if output.checked_mul(world) != Some(input) => {
+                return Some(Error::Usage(UsageError::LengthMismatch {
+                    what: "reduce_scatter: an input for the world's size times its output",
+                    expected: output.saturating_mul(world),
+                    found: input,
+                    shape: None,
+                }));
+            }
+            _ => {}
+        }
+        // The ranks here of one collective call take the same length.
+        if !matches!(step.call, Call::Send(_) | Call::Recv(_)) {
+            let first = *first_len[step.id].get_or_insert(input);
+            if input != first {
+                return Some(Error::Usage(UsageError::LengthMismatch {
+                    what: match step.call {
+                        Call::AllReduce(_) => {
+                            "all_reduce: another rank's tensor for the first rank's"
+                        }
+                        Call::Broadcast(_) => {
+                            "broadcast: another rank's tensor for the first rank's"
+                        }
+                        Call::Reduce(..) => "reduce: another rank's tensor for the first rank's",
+                        _ => "collective: another rank's input for the first rank's",
+                    },
+                    expected: first,
+                    found: input,
+                    shape: None,
+                }));
+            }
+        }
     }
     None
 }
 
-/// Queues every rank's part of the collective into `group`, and ends it. `Err` means that any
-/// rank's part may have been launched.
+/// Queues every step into `group`, and ends it. `Err` means that any rank's part may have been
+/// launched.
 ///
 /// # Safety
-/// Each tensor holds `count` elements of `T` on its rank's device and stays allocated, and
-/// untouched by other work, until its part has completed on its rank's stream, `streams[i]`,
-/// the compute stream of that rank's engine.
+/// Each tensor holds its length's elements of `T` on its rank's device and stays allocated,
+/// and untouched by other work, until its part has completed on its rank's stream,
+/// `streams[rank]`, the compute stream of that rank's engine; the plan's lengths were checked
+/// by [`refusal`].
 unsafe fn queue_group<T: Element>(
-    mut group: Box<dyn Group + '_>,
+    mut group: Box<dyn SeamGroup + '_>,
     streams: &[u64],
     tensors: &[DeviceTensor<T>],
-    kind: Kind,
+    plan: &Plan,
 ) -> Result<()> {
-    let kind = match kind {
-        Kind::AllReduce(op) => CollectiveKind::AllReduce(op.reduction()),
-        Kind::Broadcast(root) => CollectiveKind::Broadcast { root },
-    };
     let mut first = Ok(());
-    for (rank, (&stream, tensor)) in streams.iter().zip(tensors).enumerate() {
-        let part = seam::Part {
-            stream,
-            buffer: tensor.raw_ptr(),
-            count: tensor.len(),
-            dtype: T::DTYPE,
-            kind,
+    for step in &plan.steps {
+        let (input, output) = (&tensors[step.input], &tensors[step.output]);
+        let count = match step.call {
+            Call::AllGather | Call::Send(_) => input.len(),
+            Call::ReduceScatter(_) | Call::Recv(_) => output.len(),
+            Call::AllReduce(_) | Call::Broadcast(_) | Call::Reduce(..) => input.len(),
         };
-        // SAFETY: the caller's contract, for rank `rank`.
-        let queued = unsafe { group.queue(rank, &part) };
+        let part = seam::Part {
+            stream: streams[step.rank],
+            send: input.raw_ptr(),
+            recv: output.raw_ptr(),
+            count,
+            dtype: T::DTYPE,
+            kind: step.call.kind(),
+        };
+        // SAFETY: the caller's contract, for the step's rank.
+        let queued = unsafe { group.queue(step.rank, &part) };
         if first.is_ok() {
             first = queued;
         }
@@ -504,28 +1002,35 @@ unsafe fn queue_group<T: Element>(
     first.and(group.end())
 }
 
-/// Validates and queues the collective. `events` are the ranks' idle events on resubmission
-/// (empty otherwise); on a refusal they go back to their engines' pools.
+/// Validates and queues the collective. `events` are the tensors' idle events on
+/// resubmission (empty otherwise); on a refusal they go back to their engines' pools.
 fn submit<T: CollectiveElement>(
     comms: &Arc<Comms>,
+    timeout: Duration,
     engines: &mut [&mut CudaEngine],
     tensors: Vec<DeviceTensor<T>>,
-    kind: Kind,
+    plan: Arc<Plan>,
     events: Vec<Option<IdleEvent>>,
 ) -> Submitted<T> {
-    if let Some(error) = refusal(comms, engines, &tensors, kind) {
+    if let Some(error) = refusal(comms, engines, &tensors, &plan) {
         return Err(SubmitError::Rejected {
             input: tensors,
             error,
         });
     }
-    // Each rank's compute stream first waits for the earlier work on its tensor (its engine's
-    // other streams); the use is recorded, so the engine's later uses and free wait for the
+    // Each rank's compute stream first waits for the earlier work on its tensors (its engine's
+    // other streams); the uses are recorded, so the engine's later uses and free wait for the
     // collective.
     let mut streams = Vec::with_capacity(engines.len());
-    for (engine, tensor) in engines.iter_mut().zip(&tensors) {
+    for (rank, engine) in engines.iter_mut().enumerate() {
+        let uses: Vec<Use> = tensors
+            .iter()
+            .zip(&plan.owners)
+            .filter(|&(_, &owner)| owner == rank)
+            .map(|(tensor, _)| Use::Write(tensor.raw_ptr()))
+            .collect();
         let ordered = engine.shared.enter().and_then(|mut st| {
-            st.order_uses(Lane::Compute, &[Use::Write(tensor.raw_ptr())])?;
+            st.order_uses(Lane::Compute, &uses)?;
             Ok(st.driver.stream_handle())
         });
         match ordered {
@@ -540,7 +1045,7 @@ fn submit<T: CollectiveElement>(
         }
     }
     // Nothing of the collective is queued until its group has started.
-    let group = match comms.seam.group() {
+    let group = match comms.seam.group(timeout) {
         Ok(group) => group,
         Err(error) => {
             return Err(SubmitError::Failed {
@@ -549,17 +1054,19 @@ fn submit<T: CollectiveElement>(
             });
         }
     };
+    let submitted = Instant::now();
     // SAFETY: the buffers hold their lengths' elements of `T` on their ranks' devices (checked
     // by `refusal`), the streams are the ranks' engines' compute streams, which waited for the
     // tensors' earlier uses above, and the tensors are fenced below before anything can release
     // them (and kept, never freed, where they cannot be).
-    let queued = unsafe { queue_group(group, &streams, &tensors, kind) };
-    // From here the device may touch every tensor: each is fenced on its engine.
+    let queued = unsafe { queue_group(group, &streams, &tensors, &plan) };
+    // From here the device may touch every tensor: each is fenced on its rank's engine.
     let mut parts = Vec::with_capacity(tensors.len());
     let mut failure = queued.err();
     let mut events = events.into_iter();
-    for (engine, tensor) in engines.iter_mut().zip(tensors) {
-        let owner = std::sync::Arc::clone(&engine.shared);
+    for (tensor, &rank) in tensors.into_iter().zip(&plan.owners) {
+        let engine = &mut engines[rank];
+        let owner = Arc::clone(&engine.shared);
         let resources = ManuallyDrop::new((tensor, Arc::clone(comms)));
         let event = events.next().flatten();
         let mut st = match owner.enter() {
@@ -595,7 +1102,9 @@ fn submit<T: CollectiveElement>(
         None => Ok(Pending::in_flight(Ranks {
             parts,
             comms: Arc::clone(comms),
-            kind,
+            plan,
+            timeout,
+            deadline: submitted + timeout,
         })),
         Some(error) => {
             // Every fenced part detaches into its engine's queue as `parts` drops.

@@ -612,7 +612,7 @@ fn try_wait_hands_the_collective_back_until_every_rank_is_done() {
         TryWait::InFlight(summed) => summed,
         TryWait::Returned(_) => panic!("returned before the devices ran it"),
     };
-    assert_eq!(summed.ranks(), 3);
+    assert_eq!(summed.tensor_count(), 3);
     sim.hold_clock(false);
     sim.advance_all();
     let returned = match summed.try_wait().unwrap() {

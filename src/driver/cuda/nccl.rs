@@ -13,9 +13,12 @@ use crate::driver::collective::{
     CollectiveKind, Collectives, Communicators, Group, Part, Reduction, UNIQUE_ID_BYTES,
 };
 use crate::dtype::DType;
-use crate::error::{DeviceId, Error, LibraryError, Result, SetupError, UsageError};
+use crate::error::{
+    CollectiveError, DeviceId, Error, LibraryError, Result, SetupError, UsageError,
+};
 use std::ffi::{CStr, c_char, c_int, c_void};
-use std::sync::OnceLock;
+use std::sync::{OnceLock, PoisonError, RwLock, RwLockReadGuard};
+use std::time::{Duration, Instant};
 
 /// `ncclComm_t`: an opaque communicator.
 type Comm = *mut c_void;
@@ -91,6 +94,29 @@ struct Nccl {
         Comm,
         Stream,
     ) -> Status,
+    reduce: unsafe extern "C" fn(
+        *const c_void,
+        *mut c_void,
+        usize,
+        c_int,
+        c_int,
+        c_int,
+        Comm,
+        Stream,
+    ) -> Status,
+    all_gather:
+        unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, Comm, Stream) -> Status,
+    reduce_scatter: unsafe extern "C" fn(
+        *const c_void,
+        *mut c_void,
+        usize,
+        c_int,
+        c_int,
+        Comm,
+        Stream,
+    ) -> Status,
+    send: unsafe extern "C" fn(*const c_void, usize, c_int, c_int, Comm, Stream) -> Status,
+    recv: unsafe extern "C" fn(*mut c_void, usize, c_int, c_int, Comm, Stream) -> Status,
     group_start: unsafe extern "C" fn() -> Status,
     group_end: unsafe extern "C" fn() -> Status,
 }
@@ -175,6 +201,11 @@ fn load() -> std::result::Result<Nccl, String> {
             comm_destroy: get(&library, "ncclCommDestroy")?,
             all_reduce: get(&library, "ncclAllReduce")?,
             broadcast: get(&library, "ncclBroadcast")?,
+            reduce: get(&library, "ncclReduce")?,
+            all_gather: get(&library, "ncclAllGather")?,
+            reduce_scatter: get(&library, "ncclReduceScatter")?,
+            send: get(&library, "ncclSend")?,
+            recv: get(&library, "ncclRecv")?,
             group_start: get(&library, "ncclGroupStart")?,
             group_end: get(&library, "ncclGroupEnd")?,
             _library: library,
@@ -231,46 +262,66 @@ impl Nccl {
         self.check("ncclGroupStart", unsafe { (self.group_start)() })
     }
 
-    /// Closes the group and launches its calls.
-    /// Queues an in-place all-reduce of `count` elements at `buffer` on `stream`.
+    /// Queues one call of a rank's part on `stream`, on `comm`.
     ///
     /// # Safety
-    /// `buffer` holds `count` elements of `dtype` on `comm`'s device and stays allocated, and
-    /// untouched by other work, until the operation has completed on `stream`, a stream of that
-    /// device's primary context.
-    unsafe fn all_reduce(
-        &self,
-        buffer: u64,
-        count: usize,
-        dtype: c_int,
-        op: c_int,
-        comm: Comm,
-        stream: Stream,
-    ) -> Result<()> {
-        let ptr = buffer as *mut c_void;
-        // SAFETY: the caller's contract; in place, as `nccl.h` allows (send == receive).
-        let status = unsafe { (self.all_reduce)(ptr, ptr, count, dtype, op, comm, stream) };
-        self.check("ncclAllReduce", status)
-    }
-
-    /// Queues an in-place broadcast of `count` elements at `buffer` from rank `root` on
-    /// `stream`.
-    ///
-    /// # Safety
-    /// As [`all_reduce`](Self::all_reduce).
-    unsafe fn broadcast(
-        &self,
-        buffer: u64,
-        count: usize,
-        dtype: c_int,
-        root: c_int,
-        comm: Comm,
-        stream: Stream,
-    ) -> Result<()> {
-        let ptr = buffer as *mut c_void;
-        // SAFETY: the caller's contract; in place, as `nccl.h` allows.
-        let status = unsafe { (self.broadcast)(ptr, ptr, count, dtype, root, comm, stream) };
-        self.check("ncclBroadcast", status)
+    /// `part`'s buffers hold what its kind's extents say on `comm`'s device and stay allocated,
+    /// and untouched by other work, until the call has completed on `stream`, a stream of that
+    /// device's primary context; its root or peer is a rank of `comm`'s world.
+    unsafe fn enqueue(&self, part: &Part, comm: Comm) -> Result<()> {
+        let dtype = data_type(part.dtype)?;
+        let stream = part.stream as Stream;
+        let (send, recv) = (part.send as *const c_void, part.recv as *mut c_void);
+        let count = part.count;
+        let rank = |r: usize| {
+            c_int::try_from(r).map_err(|_| {
+                Error::Usage(UsageError::ExceedsLimit {
+                    operation: "collective",
+                    what: "rank",
+                    value: r,
+                    limit: c_int::MAX as usize,
+                })
+            })
+        };
+        // SAFETY: (every arm) the caller's contract; each call's arguments are those `nccl.h`
+        // declares, send and receive buffers possibly the same (in place, which NCCL allows).
+        let status = unsafe {
+            match part.kind {
+                CollectiveKind::AllReduce(op) => {
+                    (self.all_reduce)(send, recv, count, dtype, red_op(op), comm, stream)
+                }
+                CollectiveKind::Broadcast { root } => {
+                    (self.broadcast)(send, recv, count, dtype, rank(root)?, comm, stream)
+                }
+                CollectiveKind::Reduce { op, root } => (self.reduce)(
+                    send,
+                    recv,
+                    count,
+                    dtype,
+                    red_op(op),
+                    rank(root)?,
+                    comm,
+                    stream,
+                ),
+                CollectiveKind::AllGather => {
+                    (self.all_gather)(send, recv, count, dtype, comm, stream)
+                }
+                CollectiveKind::ReduceScatter(op) => {
+                    (self.reduce_scatter)(send, recv, count, dtype, red_op(op), comm, stream)
+                }
+                CollectiveKind::Send { peer } => {
+                    (self.send)(send, count, dtype, rank(peer)?, comm, stream)
+                }
+                CollectiveKind::Recv { peer } => {
+                    (self.recv)(recv, count, dtype, rank(peer)?, comm, stream)
+                }
+            }
+        };
+        // A non-blocking communicator may answer that the call is under way.
+        if status == IN_PROGRESS {
+            return Ok(());
+        }
+        self.check(part.kind.call(), status)
     }
 }
 
@@ -314,31 +365,42 @@ fn red_op(reduction: Reduction) -> c_int {
     }
 }
 
-/// NCCL communicators, one per rank, destroyed on drop.
+/// NCCL communicators, one per rank, destroyed on drop (or freed by their abort).
 struct NcclComms {
     nccl: &'static Nccl,
-    comms: Vec<Comm>,
+    /// The communicators, in rank order; empty once aborted (`ncclCommAbort` frees them). A
+    /// group holds the read lock from its start to its end; the abort takes the write lock.
+    comms: RwLock<Vec<Comm>>,
     /// Whether the communicators were made non-blocking: NCCL's calls on them may then return
     /// `ncclInProgress`, and the group's end waits for the enqueue to finish.
     nonblocking: bool,
+    /// Whether the world has ranks in other processes (made by a join).
+    joined: bool,
+    /// The world's rank of the first communicator, and the world's size.
+    rank: usize,
+    world: usize,
 }
 
 // SAFETY: NCCL communicators may be used from any thread as long as calls on one are not made
-// concurrently; the engines serialise every collective over them (each call borrows every
-// member engine exclusively), and the destroy runs once, from the last owner.
+// concurrently, except `ncclCommGetAsyncError` and `ncclCommAbort`, which NCCL allows from a
+// watching thread. The engines serialise every group over them (each call borrows every member
+// engine exclusively, and a group holds the read lock); the abort takes the write lock, so it
+// waits for a group in progress and frees the communicators once; the destroy runs once, from
+// the last owner.
 unsafe impl Send for NcclComms {}
-// SAFETY: as above: the trait's calls are made only with every member engine borrowed
-// exclusively, so never concurrently.
+// SAFETY: as above.
 unsafe impl Sync for NcclComms {}
 
 impl Drop for NcclComms {
     fn drop(&mut self) {
+        let comms = std::mem::take(self.comms.get_mut().unwrap_or_else(PoisonError::into_inner));
         // Any thread may drop the last reference: NCCL makes each communicator's device current
         // to destroy it, and the thread's own context is put back.
         keeping_context(|| {
-            for &comm in &self.comms {
-                // SAFETY: made by `ncclCommInitAll`, destroyed once; the owner keeps this value
-                // alive until every collective queued on it has completed.
+            for comm in comms {
+                // SAFETY: made by `ncclCommInitAll` or a join, destroyed once (an aborted one
+                // is no longer in the list); the owner keeps this value alive until every
+                // collective queued on it has completed.
                 let _ = unsafe { self.nccl.comm_destroy(comm) };
             }
         });
@@ -346,10 +408,24 @@ impl Drop for NcclComms {
 }
 
 impl NcclComms {
+    fn read(&self) -> RwLockReadGuard<'_, Vec<Comm>> {
+        self.comms.read().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn aborted(&self) -> Error {
+        CollectiveError::Aborted {
+            rank: self.rank,
+            world: self.world,
+        }
+        .into()
+    }
+
     /// Ends the group. On non-blocking communicators the end may return `ncclInProgress` while
-    /// NCCL is still queuing the parts: it waits until each communicator's state has settled,
-    /// so that what is recorded on the streams after the end follows the parts.
-    fn group_end(&self) -> Result<()> {
+    /// NCCL is still queuing the parts (connecting to a peer, for a first send): it waits until
+    /// each communicator's state has settled, so that what is recorded on the streams after the
+    /// end follows the parts, or until `timeout` has passed, when it reports
+    /// [`CollectiveError::TimedOut`] (the caller aborts).
+    fn group_end(&self, comms: &[Comm], timeout: Duration) -> Result<()> {
         let nccl = self.nccl;
         // SAFETY: no arguments; called once per `group_start` (`NcclGroup` closes once).
         let status = unsafe { (nccl.group_end)() };
@@ -360,15 +436,25 @@ impl NcclComms {
             .nonblocking
             .as_ref()
             .expect("non-blocking communicators have the calls");
-        for &comm in &self.comms {
+        let start = Instant::now();
+        for &comm in comms {
             loop {
                 let mut state: Status = 0;
-                // SAFETY: `comm` is live (this value owns it); `state` is an out pointer.
+                // SAFETY: `comm` is live (the caller holds the read lock); `state` is an out
+                // pointer.
                 let asked = unsafe { (nb.get_async_error)(comm, &mut state) };
                 nccl.check("ncclCommGetAsyncError", asked)?;
                 if state != IN_PROGRESS {
                     nccl.check("ncclGroupEnd", state)?;
                     break;
+                }
+                if start.elapsed() >= timeout {
+                    return Err(CollectiveError::TimedOut {
+                        rank: self.rank,
+                        world: self.world,
+                        timeout,
+                    }
+                    .into());
                 }
                 std::thread::yield_now();
             }
@@ -378,74 +464,115 @@ impl NcclComms {
 }
 
 impl Communicators for NcclComms {
-    fn group(&self) -> Result<Box<dyn Group + '_>> {
+    fn group(&self, timeout: Duration) -> Result<Box<dyn Group + '_>> {
+        let comms = self.read();
+        if comms.is_empty() {
+            return Err(self.aborted());
+        }
         self.nccl.group_start()?;
         Ok(Box::new(NcclGroup {
-            comms: self,
-            open: true,
+            owner: self,
+            comms: Some(comms),
+            timeout,
         }))
+    }
+
+    fn watched(&self) -> bool {
+        self.joined
+    }
+
+    fn health(&self) -> Result<()> {
+        let comms = self.read();
+        if comms.is_empty() {
+            return Err(self.aborted());
+        }
+        let Some(nb) = self.nccl.nonblocking.as_ref() else {
+            return Ok(()); // an NCCL before 2.14 has no asynchronous state to ask
+        };
+        for &comm in comms.iter() {
+            let mut state: Status = 0;
+            // SAFETY: `comm` is live (the read lock is held); `state` is an out pointer; NCCL
+            // allows this call beside the communicator's other calls.
+            let asked = unsafe { (nb.get_async_error)(comm, &mut state) };
+            self.nccl.check("ncclCommGetAsyncError", asked)?;
+            if state != IN_PROGRESS {
+                self.nccl.check("ncclCommGetAsyncError", state)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn abort(&self) {
+        let mut comms = self.comms.write().unwrap_or_else(PoisonError::into_inner);
+        let taken = std::mem::take(&mut *comms);
+        let Some(nb) = self.nccl.nonblocking.as_ref() else {
+            // Without `ncclCommAbort` (before NCCL 2.14) nothing can end the parts: the
+            // communicators stay, and are destroyed with this value.
+            *comms = taken;
+            return;
+        };
+        keeping_context(|| {
+            for comm in taken {
+                // SAFETY: `comm` is live, aborted once (it left the list under the write lock,
+                // so no group is using it), and never used after.
+                let _ = unsafe { (nb.abort)(comm) };
+            }
+        });
     }
 }
 
-/// An NCCL group opened by `ncclGroupStart`, closed once.
+/// An NCCL group opened by `ncclGroupStart`, closed once, holding the communicators' read lock
+/// from its start to its end.
 struct NcclGroup<'a> {
-    comms: &'a NcclComms,
-    /// Until `end` closes it (else the drop does).
-    open: bool,
+    owner: &'a NcclComms,
+    /// Until the group is closed.
+    comms: Option<RwLockReadGuard<'a, Vec<Comm>>>,
+    /// How long its end waits for NCCL to queue the parts on non-blocking communicators.
+    timeout: Duration,
 }
 
 impl NcclGroup<'_> {
     fn close(&mut self) -> Result<()> {
-        self.open = false;
+        let Some(comms) = self.comms.take() else {
+            return Ok(());
+        };
         // NCCL launches on every rank's device here: the caller's context is restored after.
-        keeping_context(|| self.comms.group_end())
+        let ended = keeping_context(|| self.owner.group_end(&comms, self.timeout));
+        drop(comms);
+        if matches!(
+            ended,
+            Err(Error::Collective(CollectiveError::TimedOut { .. }))
+        ) {
+            // The parts were never all queued: the abort ends those that were.
+            self.owner.abort();
+        }
+        ended
     }
 }
 
 impl Drop for NcclGroup<'_> {
     fn drop(&mut self) {
-        if self.open {
-            let _ = self.close();
-        }
+        let _ = self.close();
     }
 }
 
 impl Group for NcclGroup<'_> {
     unsafe fn queue(&mut self, rank: usize, part: &Part) -> Result<()> {
-        let comms = self.comms;
-        let comm = *comms
+        let comms = self
             .comms
+            .as_ref()
+            .expect("an open group holds its communicators");
+        let comm = *comms
             .get(rank)
             .ok_or(Error::Usage(UsageError::RootOutOfRange {
                 root: rank,
-                ranks: comms.comms.len(),
+                ranks: comms.len(),
             }))?;
-        let dtype = data_type(part.dtype)?;
-        let stream = part.stream as Stream;
+        let nccl = self.owner.nccl;
         // NCCL may make the rank's device current: the caller's context is restored after.
-        keeping_context(|| match part.kind {
-            // SAFETY: the caller's contract: the buffer holds `count` elements on the rank's
-            // device and stays untouched until the part completes on `stream`.
-            CollectiveKind::AllReduce(op) => unsafe {
-                comms
-                    .nccl
-                    .all_reduce(part.buffer, part.count, dtype, red_op(op), comm, stream)
-            },
-            CollectiveKind::Broadcast { root } => {
-                let root = c_int::try_from(root).map_err(|_| {
-                    Error::Usage(UsageError::RootOutOfRange {
-                        root,
-                        ranks: comms.comms.len(),
-                    })
-                })?;
-                // SAFETY: as above.
-                unsafe {
-                    comms
-                        .nccl
-                        .broadcast(part.buffer, part.count, dtype, root, comm, stream)
-                }
-            }
-        })
+        // SAFETY: the caller's contract: the buffers hold what the part names on the rank's
+        // device and stay untouched until the part completes on its stream.
+        keeping_context(|| unsafe { nccl.enqueue(part, comm) })
     }
 
     fn end(mut self: Box<Self>) -> Result<()> {
@@ -555,8 +682,11 @@ impl Collectives for CudaDriver {
         joined?;
         Ok(Box::new(NcclComms {
             nccl,
-            comms: vec![comm],
+            comms: RwLock::new(vec![comm]),
             nonblocking: nccl.nonblocking.is_some(),
+            joined: true,
+            rank,
+            world,
         }))
     }
 
@@ -578,10 +708,14 @@ impl Collectives for CudaDriver {
         // NCCL makes each device's primary context (the engines') current as it goes: the
         // caller's is restored after.
         let comms = keeping_context(|| nccl.comm_init_all(&ordinals))?;
+        let world = comms.len();
         Ok(Box::new(NcclComms {
             nccl,
-            comms,
+            comms: RwLock::new(comms),
             nonblocking: false,
+            joined: false,
+            rank: 0,
+            world,
         }))
     }
 }

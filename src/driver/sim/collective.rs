@@ -19,13 +19,18 @@ use crate::driver::collective::{
     CollectiveKind, Collectives, Communicators, Group, Reduction, UNIQUE_ID_BYTES,
 };
 use crate::dtype::DType;
-use crate::error::{DeviceId, DeviceKind, Error, LibraryError};
-use std::sync::atomic::{AtomicU64, Ordering};
+use crate::error::{CollectiveError, DeviceId, DeviceKind, Error, LibraryError};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 /// NCCL's status for a refused argument, `ncclInvalidArgument`.
 const INVALID_ARGUMENT: i64 = 4;
 /// NCCL's status for calls that do not fit together, `ncclInvalidUsage`.
 const INVALID_USAGE: i64 = 5;
+
+/// The numbers that name worlds of communicators, in unique ids and in the machine's state:
+/// distinct across every simulated machine of the process.
+static NEXT_WORLD: AtomicU64 = AtomicU64::new(1);
 
 /// NCCL's failure of `call`: `status` (one of NCCL's), or an injected fault's code.
 fn nccl(call: &'static str, status: i64, name: String) -> Error {
@@ -42,16 +47,26 @@ fn injected(call: &'static str) -> impl FnOnce(DriverError) -> Error {
     move |e| nccl(call, i64::from(e.code()), format!("{e} (simulated)"))
 }
 
-/// One rank's part of a collective.
+/// One call of a rank's part: NCCL's arguments.
 #[derive(Clone, Copy, Debug)]
-pub(super) struct Part {
-    group: u64,
-    rank: usize,
-    ranks: usize,
-    ptr: DevicePtr,
+pub(super) struct Call {
+    send: DevicePtr,
+    recv: DevicePtr,
     count: usize,
     dtype: DType,
     kind: CollectiveKind,
+}
+
+/// One rank's part of a collective: its calls, in order, run with every other rank's part.
+#[derive(Clone, Debug)]
+pub(super) struct Part {
+    group: u64,
+    /// The number of the communicators' world (for aborts).
+    world_key: u64,
+    /// The world's rank, and the world's size.
+    rank: usize,
+    ranks: usize,
+    calls: Vec<Call>,
     /// Whether every rank's part was launched: a part without all its partners fails instead.
     complete: bool,
 }
@@ -61,49 +76,63 @@ struct SimComms {
     device: SimDevice,
     /// The ranks these communicators hold: all of the world's (`ncclCommInitAll`), or one.
     ranks: usize,
+    /// The number of their world.
+    key: u64,
     /// For one rank of a world that joined one by one: which, and its collectives so far.
     joined: Option<Joined>,
+    /// Whether they were aborted.
+    aborted: AtomicBool,
 }
 
 /// One rank of a world of joined ranks (`ncclCommInitRank`).
 struct Joined {
-    /// The id's number, which names the world on the machine.
-    key: u64,
     rank: usize,
     world: usize,
     /// How many groups this rank has ended: the next one's sequence number.
     next: AtomicU64,
 }
 
-/// A collective of joined ranks, as the ranks' group ends reach it: its number, how many
-/// ranks have queued their part, and the first part's count, element type and kind.
+/// A collective of joined ranks, as the ranks' group ends reach it: its number, and how many
+/// ranks have queued their part.
 pub(super) struct JoinedGroup {
     group: u64,
     queued: usize,
-    shape: (usize, DType, CollectiveKind),
 }
 
-/// An open group on the simulated machine: the parts added so far, each with its stream,
+/// An open group on the simulated machine: the calls added so far, by rank (with its stream),
 /// launched by its end (or its drop).
 struct SimGroup<'a> {
     comms: &'a SimComms,
-    parts: Vec<(StreamId, Part)>,
+    parts: Vec<(StreamId, usize, Vec<Call>)>,
     /// Until `end` closes it (else the drop does).
     open: bool,
 }
 
+impl SimComms {
+    fn aborted_error(&self) -> Error {
+        let (rank, world) = self.world();
+        CollectiveError::Aborted { rank, world }.into()
+    }
+
+    /// This world rank of the first rank held here, and the world's size.
+    fn world(&self) -> (usize, usize) {
+        self.joined
+            .as_ref()
+            .map_or((0, self.ranks), |j| (j.rank, j.world))
+    }
+}
+
 impl Collectives for SimDriver {
-    /// The simulator's ids: a mark, the machine's instance and a count, so that ids of one
-    /// machine are distinct and those of another machine are told apart.
+    /// The simulator's ids: a mark, the machine's instance and the world's number, so that ids
+    /// of one machine are distinct and those of another machine are told apart.
     fn unique_id(&self) -> Result<(u32, [u8; UNIQUE_ID_BYTES]), Error> {
-        static NEXT: AtomicU64 = AtomicU64::new(1);
         let mut s = self.lock();
         s.enter(SimOp::UniqueId)
             .map_err(injected("ncclGetUniqueId"))?;
         let mut id = [0u8; UNIQUE_ID_BYTES];
         id[..8].copy_from_slice(b"SIM-NCCL");
         id[8..16].copy_from_slice(&s.instance.to_le_bytes());
-        id[16..24].copy_from_slice(&NEXT.fetch_add(1, Ordering::Relaxed).to_le_bytes());
+        id[16..24].copy_from_slice(&NEXT_WORLD.fetch_add(1, Ordering::Relaxed).to_le_bytes());
         Ok((0, id))
     }
 
@@ -127,7 +156,9 @@ impl Collectives for SimDriver {
         Ok(Box::new(SimComms {
             device: self.device.clone(),
             ranks: devices.len(),
+            key: NEXT_WORLD.fetch_add(1, Ordering::Relaxed),
             joined: None,
+            aborted: AtomicBool::new(false),
         }))
     }
 
@@ -205,27 +236,62 @@ impl Collectives for SimDriver {
         Ok(Box::new(SimComms {
             device: self.device.clone(),
             ranks: 1,
+            key,
             joined: Some(Joined {
-                key,
                 rank,
                 world,
                 next: AtomicU64::new(0),
             }),
+            aborted: AtomicBool::new(false),
         }))
     }
 }
 
 impl Communicators for SimComms {
-    fn group(&self) -> Result<Box<dyn Group + '_>, Error> {
-        self.device
-            .lock()
-            .enter(SimOp::GroupStart)
+    /// The simulated end queues every part at once: it never waits, so `timeout` is unused.
+    fn group(&self, _timeout: std::time::Duration) -> Result<Box<dyn Group + '_>, Error> {
+        let mut s = self.device.lock();
+        s.enter(SimOp::GroupStart)
             .map_err(injected("ncclGroupStart"))?;
+        if self.aborted.load(Ordering::Acquire) {
+            return Err(self.aborted_error());
+        }
         Ok(Box::new(SimGroup {
             comms: self,
             parts: Vec::new(),
             open: true,
         }))
+    }
+
+    fn watched(&self) -> bool {
+        self.joined.is_some()
+    }
+
+    fn health(&self) -> Result<(), Error> {
+        self.device
+            .lock()
+            .enter(SimOp::CommHealth)
+            .map_err(injected("ncclCommGetAsyncError"))?;
+        if self.aborted.load(Ordering::Acquire) {
+            return Err(self.aborted_error());
+        }
+        Ok(())
+    }
+
+    /// Marks this set's ranks aborted: each of their parts then ends alone when it reaches its
+    /// stream's head (at once, for one waiting there), touching nothing, and its partners wait
+    /// on for parts that never come, as a live peer's kernels do when one rank aborts.
+    fn abort(&self) {
+        if self.aborted.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let (first, _) = self.world();
+        let mut s = self.device.lock();
+        for rank in first..first + self.ranks {
+            s.aborted_ranks.insert((self.key, rank));
+        }
+        drop(s);
+        self.device.inner.progress.notify_all();
     }
 }
 
@@ -235,10 +301,7 @@ impl Group for SimGroup<'_> {
         rank: usize,
         part: &crate::driver::collective::Part,
     ) -> Result<(), Error> {
-        let call = match part.kind {
-            CollectiveKind::AllReduce(_) => "ncclAllReduce",
-            CollectiveKind::Broadcast { .. } => "ncclBroadcast",
-        };
+        let call = part.kind.call();
         let invalid = |why: &str| {
             nccl(
                 call,
@@ -247,52 +310,60 @@ impl Group for SimGroup<'_> {
             )
         };
         let ranks = self.comms.ranks;
+        let (_, world) = self.comms.world();
         let parts = &mut self.parts;
         let mut s = self.comms.device.lock();
         s.enter(SimOp::Collective).map_err(injected(call))?;
-        if rank >= ranks || parts.iter().any(|(_, p)| p.rank == rank) {
-            return Err(invalid("no such rank, or its part is already in the group"));
+        if rank >= ranks {
+            return Err(invalid("no such rank"));
         }
         if matches!(part.dtype, DType::I16 | DType::U16 | DType::Bool) {
             return Err(invalid("an element type NCCL does not reduce"));
         }
-        let (global, world) = self
-            .comms
-            .joined
-            .as_ref()
-            .map_or((rank, ranks), |j| (j.rank, j.world));
-        if let CollectiveKind::Broadcast { root } = part.kind
-            && root >= world
-        {
-            return Err(invalid("the root is not a rank"));
+        match part.kind {
+            CollectiveKind::Broadcast { root } | CollectiveKind::Reduce { root, .. }
+                if root >= world =>
+            {
+                return Err(invalid("the root is not a rank"));
+            }
+            CollectiveKind::Send { peer } | CollectiveKind::Recv { peer } if peer >= world => {
+                return Err(invalid("the peer is not a rank"));
+            }
+            _ => {}
         }
         let stream = s
             .compute_stream_of(part.stream)
             .ok_or_else(|| invalid("not a compute stream of this machine"))?;
-        let bytes = part
-            .count
-            .checked_mul(part.dtype.size_bytes())
-            .ok_or_else(|| invalid("the count overflows"))?;
-        if s.block_mut(part.buffer, bytes).is_none() {
-            return Err(invalid("the buffer lies outside every allocation"));
+        let (read, written) = part.kind.extents(part.count, world);
+        for (ptr, elems) in [(part.send, read), (part.recv, written)] {
+            if elems == 0 {
+                continue;
+            }
+            let bytes = elems
+                .checked_mul(part.dtype.size_bytes())
+                .ok_or_else(|| invalid("the count overflows"))?;
+            if s.block_mut(ptr, bytes).is_none() {
+                return Err(invalid("a buffer lies outside every allocation"));
+            }
         }
-        if parts.iter().any(|&(other, _)| other == stream) {
-            return Err(invalid("two ranks on one stream"));
+        if parts
+            .iter()
+            .any(|&(other, r, _)| (other == stream) != (r == rank))
+        {
+            return Err(invalid("two ranks on one stream, or one rank on two"));
         }
         s.refuse_in_capture(stream).map_err(injected(call))?;
-        parts.push((
-            stream,
-            Part {
-                group: 0,
-                rank: global,
-                ranks: world,
-                ptr: part.buffer,
-                count: part.count,
-                dtype: part.dtype,
-                kind: part.kind,
-                complete: false,
-            },
-        ));
+        let call = Call {
+            send: part.send,
+            recv: part.recv,
+            count: part.count,
+            dtype: part.dtype,
+            kind: part.kind,
+        };
+        match parts.iter_mut().find(|(_, r, _)| *r == rank) {
+            Some((_, _, calls)) => calls.push(call),
+            None => parts.push((stream, rank, vec![call])),
+        }
         Ok(())
     }
 
@@ -302,57 +373,55 @@ impl Group for SimGroup<'_> {
 }
 
 impl SimGroup<'_> {
-    /// Closes the group: launches every part added, or none when the end is refused.
+    /// Closes the group: launches every rank's part, or none when the end is refused.
     fn close(&mut self) -> Result<(), Error> {
         const CALL: &str = "ncclGroupEnd";
         self.open = false;
         let parts = std::mem::take(&mut self.parts);
         let mut s = self.comms.device.lock();
         s.enter(SimOp::GroupEnd).map_err(injected(CALL))?;
-        let Some(&(_, first)) = parts.first() else {
+        if parts.is_empty() {
             return Ok(());
-        };
-        if parts
-            .iter()
-            .any(|(_, p)| (p.count, p.dtype, p.kind) != (first.count, first.dtype, first.kind))
-        {
-            return Err(nccl(
-                CALL,
-                INVALID_USAGE,
-                "ncclInvalidUsage: the ranks' calls differ".into(),
-            ));
         }
-        let (group_id, complete) = match &self.comms.joined {
+        let (first, world) = self.comms.world();
+        let mut whole = false;
+        let (group, complete) = match &self.comms.joined {
             None => {
                 let group = s.next_group;
                 s.next_group += 1;
-                (group, parts.len() == self.comms.ranks)
+                let complete = parts.len() == self.comms.ranks;
+                // Every rank is here: calls that do not fit together are refused now, before
+                // any is launched.
+                if complete {
+                    let calls: Vec<(usize, &[Call])> = parts
+                        .iter()
+                        .map(|(_, rank, calls)| (*rank, calls.as_slice()))
+                        .collect();
+                    if let Some(why) = mismatch(&calls) {
+                        return Err(nccl(
+                            CALL,
+                            INVALID_USAGE,
+                            format!("ncclInvalidUsage: {why}"),
+                        ));
+                    }
+                }
+                (group, complete)
             }
             // The other ranks end their groups in their own time: the n-th group of every rank
-            // is one collective.
+            // is one collective, checked once every part has reached its stream's head.
             Some(joined) => {
                 let seq = joined.next.fetch_add(1, Ordering::Relaxed);
-                let shape = (first.count, first.dtype, first.kind);
+                let key = (self.comms.key, seq);
                 let next = s.next_group;
-                let entry = s
-                    .joined_groups
-                    .entry((joined.key, seq))
-                    .or_insert(JoinedGroup {
-                        group: next,
-                        queued: 0,
-                        shape,
-                    });
-                if entry.shape != shape {
-                    return Err(nccl(
-                        CALL,
-                        INVALID_USAGE,
-                        "ncclInvalidUsage: the ranks' calls differ".into(),
-                    ));
-                }
+                let entry = s.joined_groups.entry(key).or_insert(JoinedGroup {
+                    group: next,
+                    queued: 0,
+                });
                 entry.queued += 1;
                 let group = entry.group;
                 if entry.queued == joined.world {
-                    s.joined_groups.remove(&(joined.key, seq));
+                    s.joined_groups.remove(&key);
+                    whole = true;
                 }
                 if group == next {
                     s.next_group += 1;
@@ -360,10 +429,23 @@ impl SimGroup<'_> {
                 (group, true)
             }
         };
-        for (stream, mut part) in parts {
-            part.group = group_id;
-            part.complete = complete;
-            s.push(stream, Job::Collective(part));
+        let mut last = None;
+        for (stream, rank, calls) in parts {
+            let part = Part {
+                group,
+                world_key: self.comms.key,
+                rank: first + rank,
+                ranks: world,
+                calls,
+                complete,
+            };
+            last = Some(s.push(stream, Job::Collective(part)));
+        }
+        // The last rank's part of a collective of joined ranks arrived: the device runs it now,
+        // as every rank's kernels meet (the ranks' awaits are woken by it), unless only
+        // `advance` runs the device.
+        if let Some(seq) = last.filter(|_| whole && !s.clock_held) {
+            s.run_through(seq);
         }
         drop(s);
         // Ranks on other threads may be waiting for this part.
@@ -380,6 +462,47 @@ impl Drop for SimGroup<'_> {
     }
 }
 
+/// Why the ranks' calls (each rank's, in order, by world rank) do not fit together, if they
+/// do not: every rank makes the same collective calls in the same order (kind, count, element
+/// type), and each rank's sends to a peer match that peer's receives from it, in order, in
+/// count and element type.
+fn mismatch(parts: &[(usize, &[Call])]) -> Option<&'static str> {
+    let collectives = |calls: &[Call]| -> Vec<(CollectiveKind, usize, DType)> {
+        calls
+            .iter()
+            .filter(|c| !c.kind.is_p2p())
+            .map(|c| (c.kind, c.count, c.dtype))
+            .collect()
+    };
+    let first = collectives(parts.first()?.1);
+    if parts.iter().any(|(_, calls)| collectives(calls) != first) {
+        return Some("the ranks' collective calls differ");
+    }
+    let mut sends: HashMap<(usize, usize), Vec<(usize, DType)>> = HashMap::new();
+    let mut recvs: HashMap<(usize, usize), Vec<(usize, DType)>> = HashMap::new();
+    for &(rank, calls) in parts {
+        for c in calls {
+            match c.kind {
+                CollectiveKind::Send { peer } => {
+                    sends
+                        .entry((rank, peer))
+                        .or_default()
+                        .push((c.count, c.dtype));
+                }
+                CollectiveKind::Recv { peer } => {
+                    recvs
+                        .entry((peer, rank))
+                        .or_default()
+                        .push((c.count, c.dtype));
+                }
+                _ => {}
+            }
+        }
+    }
+    (sends != recvs)
+        .then_some("a send and its receive differ in count or element type, or one has no match")
+}
+
 impl State {
     /// The compute stream a raw stream handle names (see `SimDriver::stream_handle`: this
     /// machine's tag in the low bits, the driver's first stream above them), if it is one of this
@@ -392,14 +515,20 @@ impl State {
         Some(base + Lane::Compute.index())
     }
 
+    /// Whether `part`'s rank was aborted.
+    fn aborted(&self, part: &Part) -> bool {
+        self.aborted_ranks.contains(&(part.world_key, part.rank))
+    }
+
     /// What the part at a stream's head waits for: nothing once every part of its collective is
-    /// at the head of its stream, else the first part that is not (or a number never given out,
-    /// should a part be missing: then nothing can run it).
+    /// at the head of its stream (or it was aborted, or launched without its partners: it then
+    /// ends alone), else the first part that is not (or a number never given out, should a
+    /// part be missing: then nothing can run it).
     pub(super) fn collective_blocked_on(&self, part: &Part) -> Option<u64> {
-        if !part.complete {
-            return None; // it fails alone
+        if !part.complete || self.aborted(part) {
+            return None;
         }
-        let ours = |job: &Job| matches!(job, Job::Collective(p) if p.group == part.group);
+        let ours = |job: &Job| matches!(job, Job::Collective(p) if p.group == part.group && !self.aborted(p));
         let at_head = self
             .streams
             .values()
@@ -420,17 +549,21 @@ impl State {
     /// Runs a collective: `part` (job `seq`, already taken from `stream`) and the other ranks'
     /// parts, taken from the heads of their streams here.
     pub(super) fn run_collective(&mut self, seq: u64, stream: StreamId, part: Part) {
+        if self.aborted(&part) {
+            return; // its communicator's abort ended it: nothing touched
+        }
         if !part.complete {
             self.failed_streams
                 .insert(stream, DriverError::LAUNCH_FAILED);
             return;
         }
+        let group = part.group;
         let mut parts = vec![(seq, stream, part)];
         let heads: Vec<StreamId> = self
             .streams
             .iter()
             .filter(|(_, queue)| {
-                matches!(queue.front(), Some((_, Job::Collective(p))) if p.group == part.group)
+                matches!(queue.front(), Some((_, Job::Collective(p))) if p.group == group)
             })
             .map(|(&id, _)| id)
             .collect();
@@ -445,53 +578,151 @@ impl State {
             self.pending.remove(&other);
             parts.push((other, id, p));
         }
-        parts.sort_by_key(|&(_, _, p)| p.rank);
-        let bytes = part.count * part.dtype.size_bytes();
-        let mut inputs = Vec::with_capacity(parts.len());
-        for &(seq, stream, p) in &parts {
-            self.running = Some(Running {
-                seq,
-                kind: "collective",
-                stream,
-            });
-            self.access(p.ptr, false);
-            match self.block_mut(p.ptr, bytes) {
-                Some(block) => inputs.push(block.to_vec()),
-                None => {
-                    let (driver, lane) = driver_lane(stream);
-                    self.violations.push(Violation::UnmappedCollective {
-                        driver,
-                        lane,
-                        ptr: p.ptr,
-                        bytes,
-                    });
-                    return;
-                }
-            }
-        }
-        let result = match part.kind {
-            CollectiveKind::Broadcast { root } => inputs[root].clone(),
-            CollectiveKind::AllReduce(op) => reduce(part.dtype, op, &inputs),
-        };
-        for &(seq, stream, p) in &parts {
-            self.running = Some(Running {
-                seq,
-                kind: "collective",
-                stream,
-            });
-            self.access(p.ptr, true);
-            if let Some(block) = self.block_mut(p.ptr, bytes) {
-                block.copy_from_slice(&result);
-            }
-        }
+        parts.sort_by_key(|(_, _, p)| p.rank);
         // The other parts complete with this one (the caller counts this one).
-        for &(other, _, _) in &parts[..] {
+        for &(other, _, _) in &parts {
             if other == seq {
                 continue;
             }
             self.completed_jobs += 1;
             if let Some(wakes) = self.wakes.remove(&other) {
                 self.woken.extend(wakes);
+            }
+        }
+        let calls: Vec<(usize, &[Call])> = parts
+            .iter()
+            .map(|(_, _, p)| (p.rank, p.calls.as_slice()))
+            .collect();
+        if mismatch(&calls).is_some() {
+            // Calls that do not meet: every rank's kernels end with an error, touching nothing.
+            for &(_, stream, _) in &parts {
+                self.failed_streams
+                    .insert(stream, DriverError::LAUNCH_FAILED);
+            }
+            return;
+        }
+        self.meet(&parts);
+    }
+
+    /// Runs the calls of every rank's part (one per rank, in rank order): reads every input,
+    /// then writes every output.
+    fn meet(&mut self, parts: &[(u64, StreamId, Part)]) {
+        let world = parts.len();
+        let mut inputs: Vec<Vec<Vec<u8>>> = Vec::with_capacity(world);
+        for &(seq, stream, ref p) in parts {
+            self.running = Some(Running {
+                seq,
+                kind: "collective",
+                stream,
+            });
+            let mut mine = Vec::with_capacity(p.calls.len());
+            for c in &p.calls {
+                let (read, _) = c.kind.extents(c.count, world);
+                let bytes = read * c.dtype.size_bytes();
+                if bytes == 0 {
+                    mine.push(Vec::new());
+                    continue;
+                }
+                self.access(c.send, false);
+                match self.block_mut(c.send, bytes) {
+                    Some(block) => mine.push(block.to_vec()),
+                    None => {
+                        let (driver, lane) = driver_lane(stream);
+                        self.violations.push(Violation::UnmappedCollective {
+                            driver,
+                            lane,
+                            ptr: c.send,
+                            bytes,
+                        });
+                        return;
+                    }
+                }
+            }
+            inputs.push(mine);
+        }
+        // (rank, address, bytes) of each output.
+        let mut outputs: Vec<(usize, DevicePtr, Vec<u8>)> = Vec::new();
+        let collective_calls: Vec<Vec<usize>> = parts
+            .iter()
+            .map(|(_, _, p)| {
+                (0..p.calls.len())
+                    .filter(|&i| !p.calls[i].kind.is_p2p())
+                    .collect()
+            })
+            .collect();
+        // The k-th collective call of every rank meets the others' k-th.
+        #[allow(clippy::needless_range_loop)]
+        for k in 0..collective_calls[0].len() {
+            let at = |r: usize| collective_calls[r][k];
+            let ins: Vec<Vec<u8>> = (0..world).map(|r| inputs[r][at(r)].clone()).collect();
+            let recv = |r: usize| parts[r].2.calls[at(r)].recv;
+            let c = parts[0].2.calls[at(0)];
+            match c.kind {
+                CollectiveKind::AllReduce(op) => {
+                    let out = reduce(c.dtype, op, &ins);
+                    outputs.extend((0..world).map(|r| (r, recv(r), out.clone())));
+                }
+                CollectiveKind::Broadcast { root } => {
+                    outputs.extend((0..world).map(|r| (r, recv(r), ins[root].clone())));
+                }
+                CollectiveKind::Reduce { op, root } => {
+                    outputs.push((root, recv(root), reduce(c.dtype, op, &ins)));
+                }
+                CollectiveKind::AllGather => {
+                    let out = ins.concat();
+                    outputs.extend((0..world).map(|r| (r, recv(r), out.clone())));
+                }
+                CollectiveKind::ReduceScatter(op) => {
+                    let full = reduce(c.dtype, op, &ins);
+                    let chunk = c.count * c.dtype.size_bytes();
+                    outputs.extend(
+                        (0..world).map(|r| (r, recv(r), full[r * chunk..(r + 1) * chunk].to_vec())),
+                    );
+                }
+                CollectiveKind::Send { .. } | CollectiveKind::Recv { .. } => {
+                    unreachable!("point-to-point calls are matched below")
+                }
+            }
+        }
+        // Each send meets its peer's receive from it of the same order.
+        for (r, (_, _, p)) in parts.iter().enumerate() {
+            for (i, c) in p.calls.iter().enumerate() {
+                let CollectiveKind::Send { peer } = c.kind else {
+                    continue;
+                };
+                let nth = p.calls[..i]
+                    .iter()
+                    .filter(|e| e.kind == CollectiveKind::Send { peer })
+                    .count();
+                let receive = parts[peer]
+                    .2
+                    .calls
+                    .iter()
+                    .filter(|e| e.kind == CollectiveKind::Recv { peer: r })
+                    .nth(nth)
+                    .expect("matched by `mismatch`");
+                outputs.push((peer, receive.recv, inputs[r][i].clone()));
+            }
+        }
+        for (r, ptr, bytes) in outputs {
+            let (seq, stream, _) = parts[r];
+            self.running = Some(Running {
+                seq,
+                kind: "collective",
+                stream,
+            });
+            self.access(ptr, true);
+            match self.block_mut(ptr, bytes.len()) {
+                Some(block) => block.copy_from_slice(&bytes),
+                None => {
+                    let (driver, lane) = driver_lane(stream);
+                    self.violations.push(Violation::UnmappedCollective {
+                        driver,
+                        lane,
+                        ptr,
+                        bytes: bytes.len(),
+                    });
+                }
             }
         }
     }

@@ -182,24 +182,56 @@ impl SimWaits {
     /// it) unless the clock is held.
     fn wait_for<'a>(
         &'a self,
-        mut s: Locked<'a>,
+        s: Locked<'a>,
         done: impl Fn(&State) -> bool,
         run: impl Fn(&mut State),
     ) -> Locked<'a> {
+        self.wait_for_until(s, done, run, None)
+    }
+
+    /// As [`wait_for`](Self::wait_for), giving up at `deadline`, if any.
+    fn wait_for_until<'a>(
+        &'a self,
+        mut s: Locked<'a>,
+        done: impl Fn(&State) -> bool,
+        run: impl Fn(&mut State),
+        deadline: Option<std::time::Instant>,
+    ) -> Locked<'a> {
+        let progress = &self.device.inner.progress;
+        // Blocks until another thread makes progress, or the deadline; `None` once it passed.
+        let block = |s: Locked<'a>| -> Result<Locked<'a>, Locked<'a>> {
+            match deadline {
+                None => Ok(s.wait(progress)),
+                Some(at) => {
+                    let left = at.saturating_duration_since(std::time::Instant::now());
+                    if left.is_zero() {
+                        Err(s)
+                    } else {
+                        Ok(s.wait_timeout(progress, left))
+                    }
+                }
+            }
+        };
         if !s.clock_held {
             loop {
                 run(&mut s);
-                self.device.inner.progress.notify_all();
+                progress.notify_all();
                 // A collective of ranks that joined one by one may wait for the parts of ranks
                 // on other threads, which have yet to queue them: wait until they do.
                 if done(&s) || s.joined_groups.is_empty() {
                     return s;
                 }
-                s = s.wait(&self.device.inner.progress);
+                s = match block(s) {
+                    Ok(s) => s,
+                    Err(s) => return s,
+                };
             }
         }
         while !done(&s) {
-            s = s.wait(&self.device.inner.progress);
+            s = match block(s) {
+                Ok(s) => s,
+                Err(s) => return s,
+            };
         }
         s
     }
@@ -231,6 +263,25 @@ impl Waits for SimWaits {
         };
         let mut s = self.wait_until(s, seq);
         s.event(event)?.fault.map_or(Ok(()), Err)
+    }
+
+    fn event_wait_within(
+        &self,
+        event: EventHandle,
+        within: std::time::Duration,
+    ) -> Result<bool, DriverError> {
+        let mut s = self.device.lock();
+        s.enter(SimOp::EventSynchronize)?;
+        let Some(seq) = s.event(event)?.recorded else {
+            return Ok(true);
+        };
+        let deadline = std::time::Instant::now() + within;
+        let mut s =
+            self.wait_for_until(s, |s| s.is_done(seq), |s| s.run_until(seq), Some(deadline));
+        if !s.is_done(seq) {
+            return Ok(false);
+        }
+        s.event(event)?.fault.map_or(Ok(true), Err)
     }
 
     fn stream_synchronize(&self) -> Result<(), DriverError> {

@@ -80,6 +80,9 @@ pub enum SimOp {
     CommInit,
     /// The making of a communicator's unique id (`ncclGetUniqueId`).
     UniqueId,
+    /// A query of a communicator's asynchronous state (`ncclCommGetAsyncError`), as every wait
+    /// on a collective of ranks in other processes makes.
+    CommHealth,
     /// The start of a collective's group (`ncclGroupStart`).
     GroupStart,
     /// The end of a collective's group, which launches its parts (`ncclGroupEnd`). A refused end

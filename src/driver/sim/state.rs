@@ -83,6 +83,9 @@ pub(super) struct State {
     /// The collectives of joined communicators, by id number and sequence: the collective's
     /// number, how many ranks have queued their part, and the first part's shape.
     pub(super) joined_groups: HashMap<(u64, u64), super::collective::JoinedGroup>,
+    /// The ranks whose communicators were aborted, by world number and world rank: their parts
+    /// end alone, touching nothing.
+    pub(super) aborted_ranks: std::collections::HashSet<(u64, usize)>,
     /// Streams on which a part failed (a collective's part launched without its partners), with
     /// the failure that the next event record run there reports.
     pub(super) failed_streams: HashMap<StreamId, DriverError>,
@@ -145,6 +148,7 @@ impl State {
             next_group: 1,
             joins: HashMap::new(),
             joined_groups: HashMap::new(),
+            aborted_ranks: std::collections::HashSet::new(),
             failed_streams: HashMap::new(),
             captures: HashMap::new(),
             graphs: graph::GraphTable::default(),
@@ -174,6 +178,16 @@ impl<'a> Locked<'a> {
     pub(super) fn wait(mut self, progress: &Condvar) -> Self {
         let guard = self.guard.take().expect("a live lock holds its guard");
         let guard = progress.wait(guard).unwrap_or_else(|e| e.into_inner());
+        self.guard = Some(guard);
+        self
+    }
+
+    /// As [`wait`](Self::wait), for at most `within`.
+    pub(super) fn wait_timeout(mut self, progress: &Condvar, within: std::time::Duration) -> Self {
+        let guard = self.guard.take().expect("a live lock holds its guard");
+        let (guard, _) = progress
+            .wait_timeout(guard, within)
+            .unwrap_or_else(|e| e.into_inner());
         self.guard = Some(guard);
         self
     }

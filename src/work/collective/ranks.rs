@@ -1,28 +1,51 @@
-//! A collective in flight, rank by rank: its parts, their proof and their `.await`.
+//! A collective in flight, tensor by tensor: its parts, their proof and their `.await`, and,
+//! for ranks in other processes, the watch on the communicator's health and deadline that
+//! every wait keeps.
+//!
+//! A collective of [joined](super::Communicator::join) ranks can wait for ever: a peer that
+//! died, hangs or never queues its part leaves this rank's part spinning on the device, and its
+//! event never completes. So every wait on one ([`is_ready`](Flight::is_ready),
+//! [`wait`](Flight::wait), [`try_wait`](Flight::try_wait), `.await`) also asks the
+//! communicator's asynchronous state (`ncclCommGetAsyncError`) and the collective's deadline,
+//! at least every [`WATCH_PERIOD`]. A failure or a deadline passed aborts the communicator
+//! (`ncclCommAbort`), which ends the part on the device, and the wait returns
+//! [`CollectiveError`]; the collective's tensors then detach into their engines' retirement
+//! queues, released once each engine's event proves the ended part complete, as for any
+//! operation dropped in flight. A collective whose events complete after its communicator was
+//! aborted reports [`CollectiveError::Aborted`] too: its results are void.
 
-use super::{Comms, Kind};
-use crate::error::Result;
+use super::{Comms, Plan};
+use crate::error::{CollectiveError, Error, Result};
 use crate::lifecycle::fence::{Fenced, IdleEvent};
+use crate::lifecycle::timer;
 use crate::lifecycle::wake::FenceFuture;
 use crate::memory::element::Element;
 use crate::memory::tensor::DeviceTensor;
 use crate::routes::pending::flight::Flight;
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
 
-/// A rank's part of a collective in flight: its tensor fenced on its engine, or proven complete
-/// already (where the event could not be recorded but a synchronize proved the work done).
+/// How often a wait on a collective of joined ranks asks the communicator's health while its
+/// part is not done.
+const WATCH_PERIOD: Duration = Duration::from_millis(10);
+
+/// A tensor of a collective in flight: fenced on its engine, or proven complete already (where
+/// the event could not be recorded but a synchronize proved the work done).
 pub(super) enum Part<T: Element> {
     Fenced(Fenced<(DeviceTensor<T>, Arc<Comms>)>),
     Done(DeviceTensor<T>),
 }
 
-/// What a collective in flight holds: every rank's part, in rank order, and what a resubmission
-/// needs.
+/// What a collective in flight holds: every tensor's part, in the order given, and what a
+/// resubmission and the watch need.
 pub struct Ranks<T: Element> {
     pub(super) parts: Vec<Part<T>>,
     pub(super) comms: Arc<Comms>,
-    pub(super) kind: Kind,
+    pub(super) plan: Arc<Plan>,
+    pub(super) timeout: Duration,
+    /// When a wait on a watched communicator gives up.
+    pub(super) deadline: Instant,
 }
 
 impl<T: Element> std::fmt::Debug for Ranks<T> {
@@ -33,13 +56,14 @@ impl<T: Element> std::fmt::Debug for Ranks<T> {
     }
 }
 
-/// A returned collective: every rank's tensor, in rank order, with each rank's idle event (where
-/// it had one) kept for resubmission.
+/// A returned collective: every tensor, in the order given, with its idle event (where it had
+/// one) kept for resubmission.
 pub struct RanksLanded<T: Element> {
     pub(super) tensors: Vec<DeviceTensor<T>>,
     pub(super) events: Vec<Option<IdleEvent>>,
     pub(super) comms: Arc<Comms>,
-    pub(super) kind: Kind,
+    pub(super) plan: Arc<Plan>,
+    pub(super) timeout: Duration,
 }
 
 impl<T: Element> std::fmt::Debug for RanksLanded<T> {
@@ -50,17 +74,6 @@ impl<T: Element> std::fmt::Debug for RanksLanded<T> {
     }
 }
 
-impl<T: Element> Ranks<T> {
-    fn landed(comms: Arc<Comms>, kind: Kind, ranks: usize) -> RanksLanded<T> {
-        RanksLanded {
-            tensors: Vec::with_capacity(ranks),
-            events: Vec::with_capacity(ranks),
-            comms,
-            kind,
-        }
-    }
-}
-
 impl<T: Element> RanksLanded<T> {
     fn push(&mut self, tensor: DeviceTensor<T>, event: Option<IdleEvent>) {
         self.tensors.push(tensor);
@@ -68,27 +81,104 @@ impl<T: Element> RanksLanded<T> {
     }
 }
 
-impl<T: Element> Flight for Ranks<T> {
-    type Done = RanksLanded<T>;
-    type Poller = RanksFuture<T>;
+/// The watch of a collective: its communicator and deadline.
+#[derive(Clone)]
+struct Watch {
+    comms: Arc<Comms>,
+    timeout: Duration,
+    deadline: Instant,
+}
 
-    fn is_ready(&self) -> Result<bool> {
-        for part in &self.parts {
-            if let Part::Fenced(fenced) = part
-                && !fenced.is_ready()?
-            {
-                return Ok(false);
-            }
-        }
-        Ok(true)
+impl Watch {
+    /// Whether the communicator's waits are watched at all (ranks in other processes).
+    fn active(&self) -> bool {
+        self.comms.seam.watched()
     }
 
-    fn wait(self) -> Result<RanksLanded<T>> {
-        let mut landed = Ranks::landed(self.comms, self.kind, self.parts.len());
+    /// `Err` (after aborting the communicator) when it failed or was aborted: for work found
+    /// complete, whose results an abort voids.
+    fn health(&self) -> Result<()> {
+        if !self.active() {
+            return Ok(());
+        }
+        let (rank, world) = (self.comms.first_rank, self.comms.world);
+        if let Err(error) = self.comms.seam.health() {
+            self.comms.seam.abort();
+            return Err(match error {
+                Error::Collective(aborted) => Error::Collective(aborted),
+                other => CollectiveError::Failed {
+                    rank,
+                    world,
+                    reason: other.to_string(),
+                }
+                .into(),
+            });
+        }
+        Ok(())
+    }
+
+    /// As [`health`](Self::health), and `Err` (after aborting the communicator) when the
+    /// deadline passed: for work found not complete.
+    fn check(&self) -> Result<()> {
+        self.health()?;
+        if self.active() && Instant::now() >= self.deadline {
+            let (rank, world) = (self.comms.first_rank, self.comms.world);
+            self.comms.seam.abort();
+            return Err(CollectiveError::TimedOut {
+                rank,
+                world,
+                timeout: self.timeout,
+            }
+            .into());
+        }
+        Ok(())
+    }
+
+    /// How long a wait may block before it checks again.
+    fn slice(&self) -> Duration {
+        self.deadline
+            .saturating_duration_since(Instant::now())
+            .min(WATCH_PERIOD)
+    }
+
+    /// Blocks until `fenced`'s work completes (`Ok`), its wait reports a failure (`Ok` too:
+    /// the caller's wait settles it), or the watch fails.
+    fn wait_for<R: Send + 'static>(&self, fenced: &Fenced<R>) -> Result<()> {
+        loop {
+            match fenced.wait_within(self.slice()) {
+                Ok(true) | Err(_) => return Ok(()),
+                Ok(false) => self.check()?,
+            }
+        }
+    }
+}
+
+impl<T: Element> Ranks<T> {
+    fn watch(&self) -> Watch {
+        Watch {
+            comms: Arc::clone(&self.comms),
+            timeout: self.timeout,
+            deadline: self.deadline,
+        }
+    }
+
+    fn landed(&self) -> RanksLanded<T> {
+        RanksLanded {
+            tensors: Vec::with_capacity(self.parts.len()),
+            events: Vec::with_capacity(self.parts.len()),
+            comms: Arc::clone(&self.comms),
+            plan: Arc::clone(&self.plan),
+            timeout: self.timeout,
+        }
+    }
+
+    /// Waits for every part, each proven complete by its event; `Err` (the parts not yet
+    /// taken detach as they drop; a failing part's tensor is retained) on the first failure.
+    fn take_all(self) -> Result<RanksLanded<T>> {
+        let mut landed = self.landed();
         for part in self.parts {
             match part {
                 Part::Done(tensor) => landed.push(tensor, None),
-                // On a failure the parts not waited for detach as they drop.
                 Part::Fenced(fenced) => {
                     let ((tensor, _comms), event) = fenced.wait_parts()?;
                     landed.push(tensor, Some(event));
@@ -97,25 +187,64 @@ impl<T: Element> Flight for Ranks<T> {
         }
         Ok(landed)
     }
+}
+
+impl<T: Element> Flight for Ranks<T> {
+    type Done = RanksLanded<T>;
+    type Poller = RanksFuture<T>;
+
+    fn is_ready(&self) -> Result<bool> {
+        let watch = self.watch();
+        for part in &self.parts {
+            if let Part::Fenced(fenced) = part
+                && !fenced.is_ready()?
+            {
+                watch.check()?;
+                return Ok(false);
+            }
+        }
+        watch.health()?;
+        Ok(true)
+    }
+
+    fn wait(self) -> Result<RanksLanded<T>> {
+        let watch = self.watch();
+        if watch.active() {
+            for part in &self.parts {
+                if let Part::Fenced(fenced) = part {
+                    watch.wait_for(fenced)?;
+                }
+            }
+            // Complete: unless the communicator was aborted meanwhile, which voids the results.
+            watch.health()?;
+        }
+        self.take_all()
+    }
 
     fn try_wait(self) -> Result<std::result::Result<RanksLanded<T>, Self>> {
+        let watch = self.watch();
         for part in &self.parts {
             if let Part::Fenced(fenced) = part {
                 match fenced.is_ready() {
                     Ok(true) => {}
-                    Ok(false) => return Ok(Err(self)),
-                    // The wait below settles the failure: the failing rank's tensor is retained.
+                    Ok(false) => {
+                        watch.check()?;
+                        return Ok(Err(self));
+                    }
+                    // The wait below settles the failure: the failing tensor is retained.
                     Err(_) => break,
                 }
             }
         }
         // Every part is done (or one failed): the waits return at once.
-        self.wait().map(Ok)
+        watch.health()?;
+        self.take_all().map(Ok)
     }
 
     fn poller(self) -> RanksFuture<T> {
-        let landed = Ranks::landed(self.comms, self.kind, self.parts.len());
+        let landed = self.landed();
         RanksFuture {
+            watch: self.watch(),
             landed: Some(landed),
             current: None,
             rest: self.parts.into_iter(),
@@ -127,8 +256,10 @@ impl<T: Element> Flight for Ranks<T> {
     }
 }
 
-/// A collective being awaited: each rank's part in turn, each woken by its own device.
+/// A collective being awaited: each part in turn, each woken by its own device (and, for
+/// joined ranks, by the timer too, to watch the communicator).
 pub struct RanksFuture<T: Element> {
+    watch: Watch,
     /// `None` once resolved.
     landed: Option<RanksLanded<T>>,
     current: Option<FenceFuture<(DeviceTensor<T>, Arc<Comms>)>>,
@@ -147,28 +278,50 @@ impl<T: Element> std::fmt::Debug for RanksFuture<T> {
 impl<T: Element> Unpin for RanksFuture<T> {}
 
 impl<T: Element> RanksFuture<T> {
+    /// Resolves to `error`: the parts not awaited detach as the future drops.
+    fn fail(&mut self, error: Error) -> Poll<Result<RanksLanded<T>>> {
+        self.landed = None;
+        self.current = None;
+        Poll::Ready(Err(error))
+    }
+
     fn poll(&mut self, cx: &mut Context<'_>) -> Poll<Result<RanksLanded<T>>> {
-        let landed = self
-            .landed
-            .as_mut()
-            .expect("a collective's future is not polled after it resolved");
+        assert!(
+            self.landed.is_some(),
+            "a collective's future is not polled after it resolved"
+        );
         loop {
             if let Some(current) = &mut self.current {
                 match current.poll(cx) {
-                    Poll::Pending => return Poll::Pending,
-                    Poll::Ready(Ok(((tensor, _comms), event))) => landed.push(tensor, Some(event)),
-                    Poll::Ready(Err(error)) => {
-                        // The parts not awaited detach as the future drops.
-                        self.landed = None;
-                        return Poll::Ready(Err(error));
+                    Poll::Pending => {
+                        if let Err(error) = self.watch.check() {
+                            return self.fail(error);
+                        }
+                        if self.watch.active() {
+                            // No device wake comes for a peer that died: look again soon.
+                            timer::wake_at(Instant::now() + self.watch.slice(), cx.waker().clone());
+                        }
+                        return Poll::Pending;
                     }
+                    Poll::Ready(Ok(((tensor, _comms), event))) => {
+                        let landed = self.landed.as_mut().expect("checked above");
+                        landed.push(tensor, Some(event));
+                    }
+                    Poll::Ready(Err(error)) => return self.fail(error),
                 }
                 self.current = None;
             }
             match self.rest.next() {
-                Some(Part::Done(tensor)) => landed.push(tensor, None),
+                Some(Part::Done(tensor)) => {
+                    let landed = self.landed.as_mut().expect("checked above");
+                    landed.push(tensor, None);
+                }
                 Some(Part::Fenced(fenced)) => self.current = Some(FenceFuture::new(fenced)),
                 None => {
+                    // Complete: unless the communicator was aborted meanwhile.
+                    if let Err(error) = self.watch.health() {
+                        return self.fail(error);
+                    }
                     let landed = self.landed.take().expect("checked above");
                     return Poll::Ready(Ok(landed));
                 }
