@@ -774,3 +774,289 @@ fn a_resubmitted_collective_runs_again_on_the_same_tensors_and_events() {
     drop((comm, engines));
     nothing_left(&sim);
 }
+
+/// Each engine's values uploaded, untouched by later work.
+fn uploaded<T: Reference + CollectiveElement>(
+    engines: &mut [CudaEngine],
+    values: &[Vec<T>],
+) -> Vec<DeviceTensor<T>> {
+    engines
+        .iter_mut()
+        .zip(values)
+        .map(|(engine, v)| upload_tensor(engine, v, &[v.len()]).unwrap())
+        .collect()
+}
+
+fn downloaded<T: Reference + CollectiveElement>(
+    engines: &mut [CudaEngine],
+    tensors: &[DeviceTensor<T>],
+) -> Vec<Vec<T>> {
+    engines
+        .iter_mut()
+        .zip(tensors)
+        .map(|(engine, t)| download_tensor(engine, t).unwrap())
+        .collect()
+}
+
+#[test]
+fn reduce_all_gather_and_reduce_scatter_on_three_devices_match_the_reference() {
+    use cuferry::collective::{all_gather, reduce, reduce_scatter};
+    for seed in 0..4 {
+        let (sim, mut engines) = machine(3, seed);
+        let comm = Communicator::new(&mut all(&mut engines)).unwrap();
+        let n = 5;
+        let values: Vec<Vec<i64>> = (0..3)
+            .map(|r| (0..3 * n).map(|i| (r * 100 + i * (r + 1)) as i64).collect())
+            .collect();
+        // A reduction into rank 1 only, queued behind a copy on every engine.
+        let t = busy_tensors(&mut engines, &values);
+        let reduced = reduce(&comm, &mut all(&mut engines), t, ReduceOp::Max, 1)
+            .unwrap()
+            .wait()
+            .unwrap()
+            .into_parts();
+        let got = downloaded(&mut engines, &reduced);
+        let max: Vec<i64> = (0..3 * n)
+            .map(|i| values.iter().map(|v| v[i]).max().unwrap())
+            .collect();
+        assert_eq!(got[1], max, "seed {seed}: the root's reduction");
+        assert_eq!(got[0], values[0], "seed {seed}: rank 0 untouched");
+        assert_eq!(got[2], values[2], "seed {seed}: rank 2 untouched");
+        // Every rank's first `n` elements, gathered in rank order on every rank.
+        let heads: Vec<Vec<i64>> = values.iter().map(|v| v[..n].to_vec()).collect();
+        let inputs = busy_tensors(&mut engines, &heads);
+        let outputs = uploaded(&mut engines, &vec![vec![-1i64; 3 * n]; 3]);
+        let gathered_parts = all_gather(&comm, &mut all(&mut engines), inputs, outputs)
+            .unwrap()
+            .wait()
+            .unwrap()
+            .into_parts();
+        assert_eq!(gathered_parts.len(), 6, "the inputs, then the outputs");
+        let gathered: Vec<i64> = heads.concat();
+        let outputs = downloaded(&mut engines, &gathered_parts[3..]);
+        for (rank, got) in outputs.iter().enumerate() {
+            assert_eq!(got, &gathered, "seed {seed}: rank {rank}'s gather");
+        }
+        let inputs = downloaded(&mut engines, &gathered_parts[..3]);
+        assert_eq!(inputs, heads, "inputs kept");
+        // The sum, rank `r` keeping the `r`-th slice.
+        let inputs = busy_tensors(&mut engines, &values);
+        let outputs = uploaded(&mut engines, &vec![vec![0i64; n]; 3]);
+        let parts = reduce_scatter(
+            &comm,
+            &mut all(&mut engines),
+            inputs,
+            outputs,
+            ReduceOp::Sum,
+        )
+        .unwrap()
+        .wait()
+        .unwrap()
+        .into_parts();
+        for (rank, got) in downloaded(&mut engines, &parts[3..]).iter().enumerate() {
+            let want: Vec<i64> = (rank * n..(rank + 1) * n)
+                .map(|i| values.iter().map(|v| v[i]).sum())
+                .collect();
+            assert_eq!(got, &want, "seed {seed}: rank {rank}'s slice");
+        }
+        drop((reduced, gathered_parts, parts, comm));
+        drop(engines);
+        nothing_left(&sim);
+    }
+}
+
+#[test]
+fn a_group_runs_a_reduction_and_a_ring_of_sends_as_one_operation_and_again() {
+    let (sim, mut engines) = machine(3, 11);
+    let comm = Communicator::new(&mut all(&mut engines)).unwrap();
+    let grads = busy_tensors(
+        &mut engines,
+        &[vec![1.0f32; 64], vec![2.0; 64], vec![6.0; 64]],
+    );
+    let mine = uploaded(&mut engines, &[vec![0.0f32; 8], vec![1.0; 8], vec![2.0; 8]]);
+    let theirs = uploaded(&mut engines, &vec![vec![-1.0f32; 8]; 3]);
+    let mut group = comm.group::<f32>();
+    group.all_reduce(grads, ReduceOp::Avg);
+    for (rank, (mine, theirs)) in mine.into_iter().zip(theirs).enumerate() {
+        group
+            .send(rank, mine, (rank + 1) % 3)
+            .recv(rank, theirs, (rank + 2) % 3);
+    }
+    assert_eq!(group.len(), 7);
+    let pending = group.submit(&mut all(&mut engines)).unwrap();
+    assert_eq!(pending.tensor_count(), 9);
+    // Rank 2's received tensor, read by its engine in flight: after the group.
+    let early = download_tensor(&mut engines[2], pending.tensor(8).unwrap()).unwrap();
+    assert_eq!(early, [1.0; 8]);
+    let mut returned = pending.wait().unwrap();
+    let check = |engines: &mut [CudaEngine], tensors: &[DeviceTensor<f32>], step: f32| {
+        for rank in 0..3 {
+            let avg = download_tensor(&mut engines[rank], &tensors[rank]).unwrap();
+            assert_eq!(avg, vec![3.0 * step; 64], "rank {rank}'s mean");
+            let got = download_tensor(&mut engines[rank], &tensors[4 + 2 * rank]).unwrap();
+            let from = ((rank + 2) % 3) as f32;
+            assert_eq!(got, vec![from * step; 8], "rank {rank}'s receive");
+        }
+    };
+    check(&mut engines, returned.tensors(), 1.0);
+    // The next step: every rank's tensors doubled, the same group again.
+    let doubled: Vec<Vec<f32>> = returned
+        .tensors()
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            let rank = if i < 3 { i } else { (i - 3) / 2 };
+            let v = download_tensor(&mut engines[rank], t).unwrap();
+            v.iter().map(|x| x * 2.0).collect()
+        })
+        .collect();
+    for (i, v) in doubled.iter().enumerate() {
+        let rank = if i < 3 { i } else { (i - 3) / 2 };
+        upload_tensor_into(&mut engines[rank], &mut returned.tensors_mut()[i], v).unwrap();
+    }
+    let again = returned
+        .resubmit(&mut all(&mut engines))
+        .unwrap()
+        .wait()
+        .unwrap();
+    check(&mut engines, again.tensors(), 2.0);
+    drop(again);
+    drop(engines);
+    nothing_left(&sim);
+}
+
+#[test]
+fn the_calls_check_lengths_roots_and_peers_and_hand_every_tensor_back() {
+    use cuferry::collective::{all_gather, recv, reduce, reduce_scatter, send};
+    let (sim, mut engines) = machine(2, 12);
+    let comm = Communicator::new(&mut all(&mut engines)).unwrap();
+    let calls = || sim.calls(SimOp::Collective) + sim.calls(SimOp::GroupStart);
+    let before = calls();
+    // Every tensor is dropped at the block's end, before the engines.
+    {
+        let make = |engines: &mut [CudaEngine], lens: &[usize]| -> Vec<DeviceTensor<u32>> {
+            lens.iter()
+                .enumerate()
+                .map(|(i, &n)| {
+                    upload_tensor(&mut engines[i % 2], &vec![i as u32; n], &[n]).unwrap()
+                })
+                .collect()
+        };
+        let refused = |r: SubmitError<Vec<DeviceTensor<u32>>>, is: fn(&Error) -> bool| {
+            assert!(is(r.error()), "{r}");
+            assert!(matches!(r, SubmitError::Rejected { .. }), "{r}");
+            r.into_input().expect("handed back")
+        };
+        let lens = |t: &[DeviceTensor<u32>]| t.iter().map(|t| t.len()).collect::<Vec<_>>();
+        // An all-gather's output one element short on rank 1: NCCL would write past it.
+        let mut t = make(&mut engines, &[4, 4, 8, 7]);
+        let outputs = t.split_off(2);
+        let back = refused(
+            all_gather(&comm, &mut all(&mut engines), t, outputs).unwrap_err(),
+            |e| {
+                matches!(e, Error::Usage(UsageError::LengthMismatch { expected: 8, found: 7, what, .. })
+                if what.starts_with("all_gather"))
+            },
+        );
+        assert_eq!(lens(&back), [4, 4, 8, 7], "inputs, then outputs, as given");
+        // A reduce-scatter's input not the world's size times its output.
+        let mut t = make(&mut engines, &[6, 5, 3, 3]);
+        let outputs = t.split_off(2);
+        let back = refused(
+            reduce_scatter(&comm, &mut all(&mut engines), t, outputs, ReduceOp::Sum).unwrap_err(),
+            |e| {
+                matches!(
+                    e,
+                    Error::Usage(UsageError::LengthMismatch {
+                        expected: 6,
+                        found: 5,
+                        ..
+                    })
+                )
+            },
+        );
+        assert_eq!(lens(&back), [6, 5, 3, 3]);
+        // A reduction's root and a send's peer past the world.
+        let t = make(&mut engines, &[3, 3]);
+        let t = refused(
+            reduce(&comm, &mut all(&mut engines), t, ReduceOp::Sum, 2).unwrap_err(),
+            |e| {
+                matches!(
+                    e,
+                    Error::Usage(UsageError::RootOutOfRange { root: 2, ranks: 2 })
+                )
+            },
+        );
+        let mut t = t.into_iter();
+        let mut group = comm.group();
+        group
+            .send(0, t.next().unwrap(), 2)
+            .recv(1, t.next().unwrap(), 0);
+        let back = refused(group.submit(&mut all(&mut engines)).unwrap_err(), |e| {
+            matches!(
+                e,
+                Error::Usage(UsageError::PeerOutOfRange { peer: 2, world: 2 })
+            )
+        });
+        assert_eq!(lens(&back), [3, 3]);
+        // A call given one tensor for two ranks: every call's tensors come back.
+        let mut t = make(&mut engines, &[2, 2, 2]).into_iter();
+        let mut group = comm.group();
+        group
+            .all_reduce(vec![t.next().unwrap(), t.next().unwrap()], ReduceOp::Sum)
+            .broadcast(vec![t.next().unwrap()], 0);
+        let back = refused(group.submit(&mut all(&mut engines)).unwrap_err(), |e| {
+            matches!(
+                e,
+                Error::Usage(UsageError::RankCount {
+                    ranks: 2,
+                    tensors: 1,
+                    ..
+                })
+            )
+        });
+        assert_eq!(back.len(), 3);
+        // An empty group; a send alone on a communicator of two ranks here.
+        refused(
+            comm.group::<u32>()
+                .submit(&mut all(&mut engines))
+                .unwrap_err(),
+            |e| matches!(e, Error::Usage(UsageError::ZeroLength { .. })),
+        );
+        let t = make(&mut engines, &[3]).pop().unwrap();
+        let t = refused(send(&comm, &mut engines[0], t, 1).unwrap_err(), |e| {
+            matches!(e, Error::Usage(UsageError::RankCount { .. }))
+        });
+        refused(
+            recv(&comm, &mut engines[0], t.into_iter().next().unwrap(), 1).unwrap_err(),
+            |e| matches!(e, Error::Usage(UsageError::RankCount { .. })),
+        );
+    }
+    assert_eq!(calls(), before, "nothing was queued");
+    drop((comm, engines));
+    nothing_left(&sim);
+}
+
+#[test]
+fn a_send_and_a_receive_that_differ_are_refused_by_the_group_end_and_nothing_is_lost() {
+    let (sim, mut engines) = machine(2, 13);
+    let comm = Communicator::new(&mut all(&mut engines)).unwrap();
+    let a = upload_tensor(&mut engines[0], &[1u32; 4], &[4]).unwrap();
+    let b = upload_tensor(&mut engines[1], &[2u32; 3], &[3]).unwrap();
+    let mut group = comm.group();
+    group.send(0, a, 1).recv(1, b, 0);
+    match group.submit(&mut all(&mut engines)) {
+        Err(SubmitError::Retained {
+            error: Error::Library(LibraryError::Vendor { call, .. }),
+        }) => assert_eq!(call, "ncclGroupEnd"),
+        other => panic!("{other:?}"),
+    }
+    // Nothing was launched: the tensors are released once each engine proves its stream done.
+    for engine in &mut engines {
+        engine.synchronize().unwrap();
+        assert_eq!(engine.retirement_stats().retained, 0);
+        assert_eq!(engine.retirement_stats().released, 1);
+    }
+    drop((comm, engines));
+    nothing_left(&sim);
+}

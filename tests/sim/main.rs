@@ -24,6 +24,7 @@ mod awaiting;
 mod lifecycle;
 mod staging;
 // Several engines: signals, peer copies, the two-GPU pipeline, collectives.
+mod across_processes;
 mod bootstrap;
 mod collectives;
 mod peer;

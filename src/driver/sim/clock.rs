@@ -166,6 +166,7 @@ impl State {
         match self.streams.get(&stream)?.front()? {
             (_, Job::Wait { for_seq }) if !self.is_done(*for_seq) => Some(*for_seq),
             (_, Job::Collective(part)) => self.collective_blocked_on(part),
+            (_, Job::P2p(p)) => self.p2p_blocked_on(p),
             _ => None,
         }
     }

@@ -69,6 +69,26 @@ pub(super) struct Part {
     calls: Vec<Call>,
     /// Whether every rank's part was launched: a part without all its partners fails instead.
     complete: bool,
+    /// Whether its world's ranks joined one by one (the other parts may come from threads yet
+    /// to queue them).
+    pub(super) joined: bool,
+}
+
+/// Which send meets which receive: the world's number, the sending and receiving ranks, and
+/// the send's order among those from one to the other.
+pub(super) type Channel = (u64, usize, usize, u64);
+
+/// A send or a receive, queued on its rank's stream after the rank's collective part.
+#[derive(Clone, Debug)]
+pub(super) struct P2p {
+    channel: Channel,
+    /// This rank (the world's).
+    rank: usize,
+    ptr: DevicePtr,
+    bytes: usize,
+    send: bool,
+    complete: bool,
+    pub(super) joined: bool,
 }
 
 /// The communicators of one set of ranks on the simulated machine.
@@ -104,6 +124,8 @@ pub(super) struct JoinedGroup {
 struct SimGroup<'a> {
     comms: &'a SimComms,
     parts: Vec<(StreamId, usize, Vec<Call>)>,
+    /// Whether a call was refused: then every call launched fails alone.
+    refused: bool,
     /// Until `end` closes it (else the drop does).
     open: bool,
 }
@@ -259,6 +281,7 @@ impl Communicators for SimComms {
         Ok(Box::new(SimGroup {
             comms: self,
             parts: Vec::new(),
+            refused: false,
             open: true,
         }))
     }
@@ -301,6 +324,19 @@ impl Group for SimGroup<'_> {
         rank: usize,
         part: &crate::driver::collective::Part,
     ) -> Result<(), Error> {
+        let queued = self.add(rank, part);
+        self.refused |= queued.is_err();
+        queued
+    }
+
+    fn end(mut self: Box<Self>) -> Result<(), Error> {
+        self.close()
+    }
+}
+
+impl SimGroup<'_> {
+    /// Checks a call and adds it to its rank's part.
+    fn add(&mut self, rank: usize, part: &crate::driver::collective::Part) -> Result<(), Error> {
         let call = part.kind.call();
         let invalid = |why: &str| {
             nccl(
@@ -367,13 +403,9 @@ impl Group for SimGroup<'_> {
         Ok(())
     }
 
-    fn end(mut self: Box<Self>) -> Result<(), Error> {
-        self.close()
-    }
-}
-
-impl SimGroup<'_> {
-    /// Closes the group: launches every rank's part, or none when the end is refused.
+    /// Closes the group: launches every rank's part, or none when the end is refused. A
+    /// rank's collective calls become one part, run with every rank's; each of its sends and
+    /// receives a job of its own, after it, which meets its peer's.
     fn close(&mut self) -> Result<(), Error> {
         const CALL: &str = "ncclGroupEnd";
         self.open = false;
@@ -384,71 +416,125 @@ impl SimGroup<'_> {
             return Ok(());
         }
         let (first, world) = self.comms.world();
-        let mut whole = false;
-        let (group, complete) = match &self.comms.joined {
-            None => {
-                let group = s.next_group;
-                s.next_group += 1;
-                let complete = parts.len() == self.comms.ranks;
-                // Every rank is here: calls that do not fit together are refused now, before
-                // any is launched.
-                if complete {
-                    let calls: Vec<(usize, &[Call])> = parts
-                        .iter()
-                        .map(|(_, rank, calls)| (*rank, calls.as_slice()))
-                        .collect();
-                    if let Some(why) = mismatch(&calls) {
-                        return Err(nccl(
-                            CALL,
-                            INVALID_USAGE,
-                            format!("ncclInvalidUsage: {why}"),
-                        ));
-                    }
-                }
-                (group, complete)
+        let key = self.comms.key;
+        let joined = self.comms.joined.as_ref();
+        let complete = !self.refused;
+        let has_collectives = parts
+            .iter()
+            .any(|(_, _, calls)| calls.iter().any(|c| !c.kind.is_p2p()));
+        // Every rank of a communicator in this process is here: calls that do not fit
+        // together are refused now, before any is launched.
+        if joined.is_none() && complete {
+            let calls: Vec<(usize, &[Call])> = parts
+                .iter()
+                .map(|(_, rank, calls)| (*rank, calls.as_slice()))
+                .collect();
+            // A rank without calls has no collective calls either.
+            if has_collectives && calls.len() != self.comms.ranks {
+                return Err(nccl(
+                    CALL,
+                    INVALID_USAGE,
+                    "ncclInvalidUsage: a rank has no part in the group's collective".into(),
+                ));
             }
-            // The other ranks end their groups in their own time: the n-th group of every rank
-            // is one collective, checked once every part has reached its stream's head.
+            if let Some(why) = collectives_differ(&calls).or_else(|| p2p_unmatched(&calls)) {
+                return Err(nccl(
+                    CALL,
+                    INVALID_USAGE,
+                    format!("ncclInvalidUsage: {why}"),
+                ));
+            }
+        }
+        // The collective's number: a fresh one here, or, for joined ranks, which end their
+        // groups in their own time, that of the n-th group with collective calls of every rank.
+        let mut whole = false;
+        let group = match joined.filter(|_| has_collectives) {
+            None => {
+                s.next_group += 1;
+                s.next_group - 1
+            }
             Some(joined) => {
                 let seq = joined.next.fetch_add(1, Ordering::Relaxed);
-                let key = (self.comms.key, seq);
                 let next = s.next_group;
-                let entry = s.joined_groups.entry(key).or_insert(JoinedGroup {
+                let entry = s.joined_groups.entry((key, seq)).or_insert(JoinedGroup {
                     group: next,
                     queued: 0,
                 });
                 entry.queued += 1;
                 let group = entry.group;
                 if entry.queued == joined.world {
-                    s.joined_groups.remove(&key);
+                    s.joined_groups.remove(&(key, seq));
                     whole = true;
                 }
                 if group == next {
                     s.next_group += 1;
                 }
-                (group, true)
+                group
             }
         };
-        let mut last = None;
+        let mut runnable = Vec::new();
         for (stream, rank, calls) in parts {
-            let part = Part {
-                group,
-                world_key: self.comms.key,
-                rank: first + rank,
-                ranks: world,
-                calls,
-                complete,
-            };
-            last = Some(s.push(stream, Job::Collective(part)));
+            let rank = first + rank;
+            let (collective, p2p): (Vec<Call>, Vec<Call>) =
+                calls.into_iter().partition(|c| !c.kind.is_p2p());
+            if !collective.is_empty() {
+                let part = Part {
+                    group,
+                    world_key: key,
+                    rank,
+                    ranks: world,
+                    calls: collective,
+                    complete,
+                    joined: joined.is_some(),
+                };
+                let seq = s.push(stream, Job::Collective(part));
+                if whole {
+                    runnable.push(seq);
+                }
+            }
+            // Sends first: a ring's receives then find their sends posted.
+            let (sends, recvs): (Vec<Call>, Vec<Call>) = p2p
+                .into_iter()
+                .partition(|c| matches!(c.kind, CollectiveKind::Send { .. }));
+            for c in sends.into_iter().chain(recvs) {
+                let (from, to, send) = match c.kind {
+                    CollectiveKind::Send { peer } => (rank, peer, true),
+                    CollectiveKind::Recv { peer } => (peer, rank, false),
+                    _ => unreachable!("partitioned above"),
+                };
+                let counter = s.p2p_next.entry((key, from, to, send)).or_insert(0);
+                let nth = *counter;
+                *counter += 1;
+                let job = P2p {
+                    channel: (key, from, to, nth),
+                    rank,
+                    ptr: if send { c.send } else { c.recv },
+                    bytes: c.count * c.dtype.size_bytes(),
+                    send,
+                    complete,
+                    joined: joined.is_some(),
+                };
+                let seq = s.push(stream, Job::P2p(job));
+                if send {
+                    s.p2p_sends.insert((key, from, to, nth), seq);
+                } else {
+                    s.p2p_posted.insert((key, from, to, nth), seq);
+                }
+                if joined.is_some() {
+                    runnable.push(seq);
+                }
+            }
         }
-        // The last rank's part of a collective of joined ranks arrived: the device runs it now,
-        // as every rank's kernels meet (the ranks' awaits are woken by it), unless only
+        // Joined ranks' parts meet as the last of them arrives: the device runs what it can
+        // now, as every rank's kernels do (the ranks' awaits are woken by it), unless only
         // `advance` runs the device.
-        if let Some(seq) = last.filter(|_| whole && !s.clock_held) {
-            s.run_through(seq);
+        if !s.clock_held {
+            for seq in runnable {
+                s.run_through(seq);
+            }
         }
         drop(s);
-        // Ranks on other threads may be waiting for this part.
+        // Ranks on other threads may be waiting for these parts.
         self.comms.device.inner.progress.notify_all();
         Ok(())
     }
@@ -462,11 +548,10 @@ impl Drop for SimGroup<'_> {
     }
 }
 
-/// Why the ranks' calls (each rank's, in order, by world rank) do not fit together, if they
-/// do not: every rank makes the same collective calls in the same order (kind, count, element
-/// type), and each rank's sends to a peer match that peer's receives from it, in order, in
-/// count and element type.
-fn mismatch(parts: &[(usize, &[Call])]) -> Option<&'static str> {
+/// Why the ranks' collective calls (each rank's, in order) do not fit together, if they do
+/// not: every rank makes the same collective calls in the same order (kind, count, element
+/// type).
+fn collectives_differ(parts: &[(usize, &[Call])]) -> Option<&'static str> {
     let collectives = |calls: &[Call]| -> Vec<(CollectiveKind, usize, DType)> {
         calls
             .iter()
@@ -475,9 +560,16 @@ fn mismatch(parts: &[(usize, &[Call])]) -> Option<&'static str> {
             .collect()
     };
     let first = collectives(parts.first()?.1);
-    if parts.iter().any(|(_, calls)| collectives(calls) != first) {
-        return Some("the ranks' collective calls differ");
-    }
+    parts
+        .iter()
+        .any(|(_, calls)| collectives(calls) != first)
+        .then_some("the ranks' collective calls differ")
+}
+
+/// Why the ranks' sends and receives (each rank's, by world rank) do not pair up, if they do
+/// not: each rank's sends to a peer match that peer's receives from it, in order, in count and
+/// element type.
+fn p2p_unmatched(parts: &[(usize, &[Call])]) -> Option<&'static str> {
     let mut sends: HashMap<(usize, usize), Vec<(usize, DType)>> = HashMap::new();
     let mut recvs: HashMap<(usize, usize), Vec<(usize, DType)>> = HashMap::new();
     for &(rank, calls) in parts {
@@ -593,7 +685,7 @@ impl State {
             .iter()
             .map(|(_, _, p)| (p.rank, p.calls.as_slice()))
             .collect();
-        if mismatch(&calls).is_some() {
+        if collectives_differ(&calls).is_some() {
             // Calls that do not meet: every rank's kernels end with an error, touching nothing.
             for &(_, stream, _) in &parts {
                 self.failed_streams
@@ -680,28 +772,8 @@ impl State {
                     );
                 }
                 CollectiveKind::Send { .. } | CollectiveKind::Recv { .. } => {
-                    unreachable!("point-to-point calls are matched below")
+                    unreachable!("point-to-point calls are jobs of their own")
                 }
-            }
-        }
-        // Each send meets its peer's receive from it of the same order.
-        for (r, (_, _, p)) in parts.iter().enumerate() {
-            for (i, c) in p.calls.iter().enumerate() {
-                let CollectiveKind::Send { peer } = c.kind else {
-                    continue;
-                };
-                let nth = p.calls[..i]
-                    .iter()
-                    .filter(|e| e.kind == CollectiveKind::Send { peer })
-                    .count();
-                let receive = parts[peer]
-                    .2
-                    .calls
-                    .iter()
-                    .filter(|e| e.kind == CollectiveKind::Recv { peer: r })
-                    .nth(nth)
-                    .expect("matched by `mismatch`");
-                outputs.push((peer, receive.recv, inputs[r][i].clone()));
             }
         }
         for (r, ptr, bytes) in outputs {
@@ -725,6 +797,84 @@ impl State {
                 }
             }
         }
+    }
+}
+
+impl State {
+    /// What a send or a receive at its stream's head waits for: a send, for its receive to be
+    /// posted; a receive, for its send to have run (that send's job, where it is queued, else
+    /// a number never given out). Nothing for one aborted or launched without its partners:
+    /// it ends alone.
+    pub(super) fn p2p_blocked_on(&self, p: &P2p) -> Option<u64> {
+        if !p.complete || self.aborted_ranks.contains(&(p.channel.0, p.rank)) {
+            return None;
+        }
+        if p.send {
+            return (!self.p2p_posted.contains_key(&p.channel)).then_some(u64::MAX);
+        }
+        if self.p2p_data.contains_key(&p.channel) {
+            return None;
+        }
+        Some(self.p2p_sends.get(&p.channel).copied().unwrap_or(u64::MAX))
+    }
+
+    /// Runs a send (its bytes taken for its receive) or a receive (its send's bytes written).
+    pub(super) fn run_p2p(&mut self, stream: StreamId, p: P2p) {
+        if self.aborted_ranks.contains(&(p.channel.0, p.rank)) {
+            return; // its communicator's abort ended it: nothing touched
+        }
+        if !p.complete {
+            self.failed_streams
+                .insert(stream, DriverError::LAUNCH_FAILED);
+            return;
+        }
+        let (driver, lane) = driver_lane(stream);
+        if p.send {
+            self.p2p_sends.remove(&p.channel);
+            self.access(p.ptr, false);
+            match self.block_mut(p.ptr, p.bytes) {
+                Some(block) => {
+                    let data = block.to_vec();
+                    self.p2p_data.insert(p.channel, data);
+                }
+                None => self.violations.push(Violation::UnmappedCollective {
+                    driver,
+                    lane,
+                    ptr: p.ptr,
+                    bytes: p.bytes,
+                }),
+            }
+            return;
+        }
+        self.p2p_posted.remove(&p.channel);
+        let data = self.p2p_data.remove(&p.channel).unwrap_or_default();
+        if data.len() != p.bytes {
+            // A send of another length: the receive's kernel ends with an error, touching
+            // nothing.
+            self.failed_streams
+                .insert(stream, DriverError::LAUNCH_FAILED);
+            return;
+        }
+        self.access(p.ptr, true);
+        match self.block_mut(p.ptr, p.bytes) {
+            Some(block) => block.copy_from_slice(&data),
+            None => self.violations.push(Violation::UnmappedCollective {
+                driver,
+                lane,
+                ptr: p.ptr,
+                bytes: p.bytes,
+            }),
+        }
+    }
+
+    /// Whether a job of a world of joined ranks is queued: a wait may then be waiting for a
+    /// part that a rank on another thread has yet to queue.
+    pub(super) fn awaits_peers(&self) -> bool {
+        self.streams.values().flatten().any(|(_, job)| match job {
+            Job::Collective(p) => p.joined,
+            Job::P2p(p) => p.joined,
+            _ => false,
+        })
     }
 }
 

@@ -218,7 +218,7 @@ impl SimWaits {
                 progress.notify_all();
                 // A collective of ranks that joined one by one may wait for the parts of ranks
                 // on other threads, which have yet to queue them: wait until they do.
-                if done(&s) || s.joined_groups.is_empty() {
+                if done(&s) || !s.awaits_peers() {
                     return s;
                 }
                 s = match block(s) {

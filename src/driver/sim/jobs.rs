@@ -50,6 +50,8 @@ pub(super) enum Job {
     /// Rank `rank`'s part of collective `group`: it runs, with every other rank's part, once
     /// each has reached the head of its stream.
     Collective(collective::Part),
+    /// A rank's send or receive: it runs once its peer's matching call is there.
+    P2p(collective::P2p),
 }
 
 impl Job {
@@ -74,6 +76,7 @@ impl Job {
             Job::Launch { .. } => "kernel launch",
             Job::Wait { .. } => "wait",
             Job::Collective(_) => "collective",
+            Job::P2p(_) => "point-to-point",
         }
     }
 
@@ -158,6 +161,7 @@ impl State {
                 }
             }
             Job::Collective(part) => self.run_collective(seq, stream, part),
+            Job::P2p(p) => self.run_p2p(stream, p),
         }
     }
 }

@@ -86,6 +86,15 @@ pub(super) struct State {
     /// The ranks whose communicators were aborted, by world number and world rank: their parts
     /// end alone, touching nothing.
     pub(super) aborted_ranks: std::collections::HashSet<(u64, usize)>,
+    /// Sends and receives: how many each rank has queued to (or from) each peer, by world
+    /// number, sender, receiver and direction (`true` for sends).
+    pub(super) p2p_next: HashMap<(u64, usize, usize, bool), u64>,
+    /// The sends queued and not run, by channel: their jobs.
+    pub(super) p2p_sends: HashMap<super::collective::Channel, u64>,
+    /// The receives queued and not run, by channel: their jobs.
+    pub(super) p2p_posted: HashMap<super::collective::Channel, u64>,
+    /// The bytes of sends that have run, waiting for their receives, by channel.
+    pub(super) p2p_data: HashMap<super::collective::Channel, Vec<u8>>,
     /// Streams on which a part failed (a collective's part launched without its partners), with
     /// the failure that the next event record run there reports.
     pub(super) failed_streams: HashMap<StreamId, DriverError>,
@@ -149,6 +158,10 @@ impl State {
             joins: HashMap::new(),
             joined_groups: HashMap::new(),
             aborted_ranks: std::collections::HashSet::new(),
+            p2p_next: HashMap::new(),
+            p2p_sends: HashMap::new(),
+            p2p_posted: HashMap::new(),
+            p2p_data: HashMap::new(),
             failed_streams: HashMap::new(),
             captures: HashMap::new(),
             graphs: graph::GraphTable::default(),

@@ -141,14 +141,15 @@ impl Watch {
             .min(WATCH_PERIOD)
     }
 
-    /// Blocks until `fenced`'s work completes (`Ok`), its wait reports a failure (`Ok` too:
-    /// the caller's wait settles it), or the watch fails.
+    /// Blocks until `fenced`'s work completes (`Ok`), or its wait reports a failure or the
+    /// watch fails (`Err`: the caller drops the parts, which detach into their engines'
+    /// queues, released only once proven complete).
     fn wait_for<R: Send + 'static>(&self, fenced: &Fenced<R>) -> Result<()> {
         loop {
-            match fenced.wait_within(self.slice()) {
-                Ok(true) | Err(_) => return Ok(()),
-                Ok(false) => self.check()?,
+            if fenced.wait_within(self.slice())? {
+                return Ok(());
             }
+            self.check()?;
         }
     }
 }
