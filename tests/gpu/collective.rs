@@ -267,3 +267,104 @@ fn a_join_whose_peer_never_comes_is_aborted_by_its_deadline() {
     assert_eq!(download_tensor(&mut engine, &summed[0]).unwrap(), data);
     engine.synchronize().unwrap();
 }
+
+/// A world of one, joined through the bootstrap (`None` without NCCL).
+fn alone(engine: &mut CudaEngine) -> Option<Communicator> {
+    use cuferry::collective::UniqueId;
+    match UniqueId::new(engine) {
+        Ok(id) => Some(Communicator::join(engine, &id, 0, 1).unwrap()),
+        Err(Error::Setup(SetupError::Unavailable { .. })) => {
+            println!("no NCCL: nothing to join");
+            None
+        }
+        Err(e) => panic!("{e}"),
+    }
+}
+
+/// Every collective NCCL runs, on a joined world of one: reduce, all-gather, reduce-scatter,
+/// a send to itself with its receive in one group, and an awaited all-reduce, each checked.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn every_collective_runs_on_a_joined_world_of_one() {
+    use cuferry::collective::{all_gather, reduce, reduce_scatter};
+    let mut engine = CudaEngine::open(0).unwrap();
+    let Some(comm) = alone(&mut engine) else {
+        return;
+    };
+    let n = 1 << 18;
+    let data: Vec<i64> = (0..n as i64).map(|i| i * 3 - 7).collect();
+    let up = |engine: &mut CudaEngine, v: &[i64]| upload_tensor(engine, v, &[v.len()]).unwrap();
+    let t = up(&mut engine, &data);
+    let reduced = reduce(&comm, &mut [&mut engine], vec![t], ReduceOp::Min, 0)
+        .unwrap()
+        .wait()
+        .unwrap()
+        .into_parts();
+    assert!(download_tensor(&mut engine, &reduced[0]).unwrap() == data);
+    let (i, o) = (up(&mut engine, &data), up(&mut engine, &vec![0; n]));
+    let gathered = all_gather(&comm, &mut [&mut engine], vec![i], vec![o])
+        .unwrap()
+        .wait()
+        .unwrap()
+        .into_parts();
+    assert!(download_tensor(&mut engine, &gathered[1]).unwrap() == data);
+    let (i, o) = (up(&mut engine, &data), up(&mut engine, &vec![0; n]));
+    let scattered = reduce_scatter(&comm, &mut [&mut engine], vec![i], vec![o], ReduceOp::Sum)
+        .unwrap()
+        .wait()
+        .unwrap()
+        .into_parts();
+    assert!(download_tensor(&mut engine, &scattered[1]).unwrap() == data);
+    let (mine, theirs) = (up(&mut engine, &data), up(&mut engine, &vec![0; n]));
+    let mut ring = comm.group();
+    ring.send(0, mine, 0).recv(0, theirs, 0);
+    let ring = ring
+        .submit(&mut [&mut engine])
+        .unwrap()
+        .wait()
+        .unwrap()
+        .into_parts();
+    assert!(download_tensor(&mut engine, &ring[1]).unwrap() == data);
+    let t = up(&mut engine, &data);
+    let pending = all_reduce(&comm, &mut [&mut engine], vec![t], ReduceOp::Sum).unwrap();
+    let awaited = futures_lite::future::block_on(pending.into_future())
+        .unwrap()
+        .into_parts();
+    assert!(download_tensor(&mut engine, &awaited[0]).unwrap() == data);
+    engine.synchronize().unwrap();
+    println!("reduce, all-gather, reduce-scatter, a send to itself and an awaited all-reduce");
+}
+
+/// A send to itself without its receive, on a joined world of one: NCCL refuses it at the
+/// group's end (after the group started, so the tensor is held until the engine proves its
+/// stream done), and the engine and the communicator work on.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_send_without_its_receive_is_refused_by_nccl_and_nothing_is_lost() {
+    use cuferry::error::LibraryError;
+    let mut engine = CudaEngine::open(0).unwrap();
+    let Some(comm) = alone(&mut engine) else {
+        return;
+    };
+    let t = upload_tensor(&mut engine, &vec![1.0f32; 1 << 20], &[1 << 20]).unwrap();
+    let mut lonely = comm.group();
+    lonely.send(0, t, 0);
+    match lonely.submit(&mut [&mut engine]) {
+        Err(SubmitError::Retained {
+            error: Error::Library(LibraryError::Vendor { call, name, .. }),
+        }) => println!("NCCL refused the lone send at {call}: {name}"),
+        other => panic!("{other:?}"),
+    }
+    engine.synchronize().unwrap();
+    let stats = engine.retirement_stats();
+    assert_eq!((stats.pending, stats.retained), (0, 0), "{stats:?}");
+    let data: Vec<u32> = (0..4096).collect();
+    let t = upload_tensor(&mut engine, &data, &[4096]).unwrap();
+    let summed = all_reduce(&comm, &mut [&mut engine], vec![t], ReduceOp::Sum)
+        .unwrap()
+        .wait()
+        .unwrap()
+        .into_parts();
+    assert_eq!(download_tensor(&mut engine, &summed[0]).unwrap(), data);
+    engine.synchronize().unwrap();
+}

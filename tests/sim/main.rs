@@ -23,10 +23,12 @@ mod awaiting;
 // Staging leases and the lifecycles behind every route.
 mod lifecycle;
 mod staging;
-// Several engines: signals, peer copies, the two-GPU pipeline, collectives.
+// Several engines: signals, peer copies, the two-GPU pipeline, collectives (in one process, and
+// across ranks that join one by one, with the multi-process example).
 mod across_processes;
 mod bootstrap;
 mod collectives;
+mod multi_process;
 mod peer;
 mod peer_pending;
 mod signals;
