@@ -23,6 +23,12 @@ pub mod checkpoints {
     #![doc = include_str!("../docs/guide/checkpoints.md")]
 }
 
+pub mod across_processes {
+    // Ranks in processes of their own: launch, rendezvous, join, collectives, deadlines, and
+    // what happens when a peer dies.
+    #![doc = include_str!("../docs/guide/across-processes.md")]
+}
+
 pub mod kernels {
     // The elementwise kernels: which element types each serves, and their semantics.
     #![doc = include_str!("../docs/guide/kernels.md")]

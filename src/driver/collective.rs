@@ -1,26 +1,33 @@
 //! The collective half of the device seam: communicators over several devices, and the group of
-//! calls that queues one collective on every rank's stream.
+//! calls that queues a collective on every rank's stream.
 //!
 //! Collectives follow NCCL's model, whatever runs them. A set of [`Communicators`] joins devices,
-//! one rank each, in a given order ([`Collectives::communicators`]). One collective is a group:
-//! [`Communicators::group`] opens it, one call per rank ([`Group::queue`]) adds each part on
-//! that rank's stream, and [`Group::end`] launches them together, so that one thread drives
-//! every device; the group's type ends it exactly once on every path. Every rank's part runs once all of them have reached
-//! their streams' heads, and they run together.
+//! one rank each, in a given order ([`Collectives::communicators`]), or holds one rank of a
+//! world whose other ranks join from processes of their own ([`Collectives::join`]). One
+//! operation is a group: [`Communicators::group`] opens it, calls for each rank
+//! ([`Group::queue`]: all-reduce, broadcast, reduce, all-gather, reduce-scatter, send, receive)
+//! add that rank's part on its stream, and [`Group::end`] launches them together, so that one
+//! thread drives every device; the group's type ends it exactly once on every path. A rank's
+//! collective calls run once every rank's have reached their streams' heads; a send meets its
+//! peer's receive.
 //!
 //! The failure modes are NCCL's too, and the caller must allow for all of them: a call inside a
 //! group may be refused, and the group is still ended; the end may fail; and once a group
 //! has started, a failure does not say which ranks' parts were launched. A part launched without
 //! its partners can never complete as a collective. So after any failure past the group's start
 //! every rank's buffer must be treated as in use by the device until an event recorded after the
-//! group on that rank's stream proves otherwise.
+//! group on that rank's stream proves otherwise. A world with ranks elsewhere adds two: a peer
+//! may never queue its part, which then waits for ever, and the library may find the
+//! communicator failed. [`Communicators::health`] asks the second, and
+//! [`Communicators::abort`] ends the parts of both.
 //!
-//! A real device uses NCCL, loaded at run time, with one communicator per device made by
-//! `ncclCommInitAll`. The simulated machine runs the collectives itself, with NCCL's rank rules,
-//! and fault injection for each call: a part refused inside a group leaves the other ranks'
-//! parts launched, which the simulator then fails on their streams (as an aborted communicator's
-//! kernels would end) instead of leaving them waiting for ever, and the failure is what the next
-//! event recorded after the part on that stream reports.
+//! A real device uses NCCL, loaded at run time: `ncclCommInitAll` for the ranks of one process,
+//! the non-blocking `ncclCommInitRankConfig` for a joined rank. The simulated machine runs the
+//! collectives itself, with NCCL's rank rules, and fault injection for each call: a part refused
+//! inside a group leaves the other ranks' parts launched, which the simulator then fails on
+//! their streams (as an aborted communicator's kernels would end) instead of leaving them
+//! waiting for ever, and the failure is what the next event recorded after the part on that
+//! stream reports.
 
 use super::DevicePtr;
 use crate::dtype::DType;

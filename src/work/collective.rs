@@ -1,32 +1,44 @@
-//! Collectives across engines through NCCL: all-reduce and broadcast over one engine per GPU.
+//! Collectives across engines through NCCL: all-reduce, broadcast, reduce, all-gather,
+//! reduce-scatter, and sends and receives, alone or grouped, over one engine per GPU.
 //!
-//! A [`Communicator`] joins engines on distinct devices, one NCCL rank each, in the order given.
-//! [`all_reduce`] and [`broadcast`] take one tensor per rank by value, queue the collective on
-//! every rank's compute stream (in one NCCL group, so one thread drives every GPU), record an
-//! event after it on each, and return a [`Pending<Collective<T>>`](Pending): an operation in
-//! flight like every other ([`crate::pending`]), with its verbs and rules:
+//! A [`Communicator`] joins engines on distinct devices, one NCCL rank each, in the order given
+//! ([`Communicator::new`]), or one rank of a world whose other ranks are processes of their own
+//! ([`Communicator::join`]). [`all_reduce`], [`broadcast`], [`reduce`], [`all_gather`],
+//! [`reduce_scatter`], [`send`] and [`recv`] take this process's ranks' tensors by value, and a
+//! [`CollectiveGroup`] several such calls; each queues on every rank's compute stream in one NCCL
+//! group (so one thread drives every GPU), records an event after it on each, and returns a
+//! [`Pending<Collective<T>>`](Pending): an operation in flight like every other
+//! ([`crate::pending`]), with its verbs and rules:
 //!
-//! - a refused call hands the tensors back, in rank order ([`SubmitError`]);
-//! - each rank's tensor is lent shared, for work on its own engine that the engine orders after
-//!   the collective ([`tensor`](Pending::tensor));
+//! - every call is checked on the calling rank before anything is queued (engines, lengths,
+//!   roots, peers), and a refused one hands the tensors back, in the order given
+//!   ([`SubmitError`]);
+//! - each tensor is lent shared, for work on its own engine that the engine orders after the
+//!   collective ([`tensor`](Pending::tensor));
 //! - [`is_ready`](Pending::is_ready), [`wait`](Pending::wait), [`try_wait`](Pending::try_wait)
 //!   and `.await` cover every rank; once returned, [`resubmit`](Pending::resubmit) queues the
-//!   same collective again with the same events;
+//!   same calls again with the same events;
 //! - dropping it in flight detaches each tensor into its own engine's retirement queue,
 //!   released once that engine's event proves its part complete; `mem::forget` leaks them;
-//! - a wait that fails retains the failing rank's tensor for its engine's lifetime.
+//! - a wait that fails retains the failing tensor for its engine's lifetime;
+//! - for joined ranks, every wait also watches the communicator's state and a deadline
+//!   ([`Communicator::with_timeout`]): a peer that died ends it with
+//!   [`CollectiveError`](crate::error::CollectiveError), the communicator aborted and the
+//!   tensors detached as on a drop.
 //!
 //! The communicators live as long as the [`Communicator`] and every collective queued on them,
 //! and are destroyed after the last of those. NCCL is loaded at run time (`libnccl.so.2`, then
 //! `libnccl.so`, or the file `CUFERRY_NCCL` names); without it the calls are a typed
-//! [`SetupError::Unavailable`](crate::error::SetupError::Unavailable). On a simulated machine (engines of one
-//! [`SimDevice`](crate::sim::SimDevice), feature `sim`) the device itself runs the collective,
-//! every rank's part together once each has reached the head of its stream, so the same
-//! lifecycle is tested without a GPU.
+//! [`SetupError::Unavailable`](crate::error::SetupError::Unavailable). On a simulated machine
+//! (engines of one [`SimDevice`](crate::sim::SimDevice), feature `sim`) the device itself runs
+//! the collectives, every rank's part together once each has reached the head of its stream,
+//! and each send with its receive, so the same lifecycle is tested without a GPU.
 //!
 //! Ranks in processes of their own join one by one: [`Communicator::join`] (`ncclCommInitRank`)
 //! with rank 0's [`UniqueId`], handed over by the [`bootstrap`] module's [`Rendezvous`] or an
-//! exchange of the caller's. Each such communicator holds one rank, this process's engine.
+//! exchange of the caller's. Each such communicator holds one rank, this process's engine. The
+//! guide's chapter [Running across processes](crate::guide::across_processes) is that path,
+//! start to finish.
 
 // A refused call hands its tensors back by value (see `routes::pending`).
 #![allow(clippy::result_large_err)]

@@ -1,16 +1,26 @@
-//! Collectives on the simulated machine: communicators over its devices, and groups whose parts,
-//! one per rank on that rank's stream, run together once each has reached the head of its
-//! stream, as a collective library's kernels meet on the device.
+//! Collectives on the simulated machine: communicators over its devices (or one rank of a
+//! world that joins rank by rank, from threads of their own), and groups whose parts run as a
+//! collective library's kernels meet on the device.
 //!
-//! The rank rules are NCCL's: every part of a group names the same count, element type and
-//! operation; a broadcast's root is a rank; each rank's part is on its own stream. A part is
-//! checked when it is added to the group and refused there (named as NCCL's call, with
+//! A rank's collective calls in a group are one part on its stream, run together with every
+//! other rank's part once each has reached the head of its stream (for joined ranks, the n-th
+//! group with collective calls of each rank meets the others' n-th). Each send and receive is a
+//! job of its own after it: a send runs once its receive is posted, and a receive once its send
+//! has run, matched by sender, receiver and order, so a rank outside a send takes no part.
+//!
+//! The rank rules are NCCL's: every rank makes the same collective calls (count, element type,
+//! operation, root); roots and peers are ranks; each rank's calls are on its own stream. A call
+//! is checked when it is added to the group and refused there (named as NCCL's call, with
 //! `ncclInvalidArgument`'s meaning) when it breaks a rule or a fault is injected for it
-//! ([`SimOp::Collective`]); the group's end launches every part added, refused ones aside. A
-//! part launched without all its partners can never meet them: when it reaches the head of its
-//! stream it fails there instead of waiting for ever, touching no memory, and the next event
-//! record run on that stream reports the failure (`CUDA_ERROR_LAUNCH_FAILED`), as the kernels of
-//! an aborted communicator end with an error.
+//! ([`SimOp::Collective`]); the group's end launches every call added, and for ranks of one
+//! process refuses calls that do not fit together before launching any. Where a call was
+//! refused, the others can never meet their partners: each fails when it reaches the head of
+//! its stream instead of waiting for ever, touching no memory, and the next event record run on
+//! that stream reports the failure (`CUDA_ERROR_LAUNCH_FAILED`), as the kernels of an aborted
+//! communicator end with an error. Joined ranks' calls that do not fit together (found when
+//! they meet) fail the same way on every rank; a receive whose send has another length fails
+//! alone. An aborted rank's parts end alone when they reach their stream's head, touching
+//! nothing, and its peers wait on, as live peers do when one rank aborts.
 
 use super::{DevicePtr, DriverError, Job, Running, SimDevice, SimDriver, SimOp, driver_lane};
 use super::{State, StreamId, Violation};
