@@ -755,7 +755,9 @@ fn single<T: CollectiveElement>(
 /// or an event could not be fenced, after parts of it may have been launched: every tensor is
 /// then held by its engine until that engine proves its stream complete (retained for good
 /// where it cannot, as when a part launched without its partners fails), never freed under the
-/// device.
+/// device; a [joined](Communicator::join) rank's communicator is then aborted (NCCL leaves it
+/// unusable), and later collectives on it are refused with
+/// [`CollectiveError::Aborted`](crate::error::CollectiveError::Aborted).
 pub fn all_reduce<T: CollectiveElement>(
     comm: &Communicator,
     engines: &mut [&mut CudaEngine],
@@ -1119,6 +1121,12 @@ fn submit<T: CollectiveElement>(
             deadline: submitted + timeout,
         })),
         Some(error) => {
+            // NCCL leaves a non-blocking communicator whose group failed in an error state for
+            // good: it is aborted, which ends whatever parts were launched, and later
+            // collectives on it are refused as aborted.
+            if comms.seam.watched() {
+                comms.seam.abort();
+            }
             // Every fenced part detaches into its engine's queue as `parts` drops.
             drop(parts);
             Err(SubmitError::Retained { error })

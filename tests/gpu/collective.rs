@@ -337,11 +337,12 @@ fn every_collective_runs_on_a_joined_world_of_one() {
 
 /// A send to itself without its receive, on a joined world of one: NCCL refuses it at the
 /// group's end (after the group started, so the tensor is held until the engine proves its
-/// stream done), and the engine and the communicator work on.
+/// stream done) and leaves the communicator unusable, so it is aborted: a later collective on
+/// it is refused with its tensor back, and a new communicator works.
 #[test]
 #[ignore = "needs a CUDA device"]
 fn a_send_without_its_receive_is_refused_by_nccl_and_nothing_is_lost() {
-    use cuferry::error::LibraryError;
+    use cuferry::error::{CollectiveError, LibraryError};
     let mut engine = CudaEngine::open(0).unwrap();
     let Some(comm) = alone(&mut engine) else {
         return;
@@ -360,7 +361,15 @@ fn a_send_without_its_receive_is_refused_by_nccl_and_nothing_is_lost() {
     assert_eq!((stats.pending, stats.retained), (0, 0), "{stats:?}");
     let data: Vec<u32> = (0..4096).collect();
     let t = upload_tensor(&mut engine, &data, &[4096]).unwrap();
-    let summed = all_reduce(&comm, &mut [&mut engine], vec![t], ReduceOp::Sum)
+    let t = match all_reduce(&comm, &mut [&mut engine], vec![t], ReduceOp::Sum) {
+        Err(SubmitError::Failed {
+            input,
+            error: Error::Collective(CollectiveError::Aborted { .. }),
+        }) => input,
+        other => panic!("{other:?}"),
+    };
+    let comm = alone(&mut engine).unwrap();
+    let summed = all_reduce(&comm, &mut [&mut engine], t, ReduceOp::Sum)
         .unwrap()
         .wait()
         .unwrap()

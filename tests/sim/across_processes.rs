@@ -545,3 +545,39 @@ fn a_fault_at_every_step_of_a_ranks_collective_ends_every_rank_with_a_typed_erro
     assert!(failures >= 44, "every fault was reported: {failures}");
     assert!(started.elapsed() < Duration::from_secs(240), "no rank hung");
 }
+
+#[test]
+fn a_refused_group_leaves_a_joined_communicator_aborted_and_a_new_one_works() {
+    let sim = machine(1);
+    ranks(&sim, 1, |_, engine, comm| {
+        let t = up(engine, &[1, 2, 3]);
+        sim.fail_nth(SimOp::GroupEnd, 1, DriverError::UNKNOWN);
+        match all_reduce(&comm, &mut [&mut *engine], vec![t], ReduceOp::Sum) {
+            Err(SubmitError::Retained {
+                error: Error::Library(_),
+            }) => {}
+            other => panic!("{other:?}"),
+        }
+        // NCCL leaves such a communicator unusable: it was aborted.
+        let t = up(engine, &[4, 5, 6]);
+        let t = match all_reduce(&comm, &mut [&mut *engine], vec![t], ReduceOp::Sum) {
+            Err(SubmitError::Failed {
+                input,
+                error: Error::Collective(CollectiveError::Aborted { rank: 0, world: 1 }),
+            }) => input,
+            other => panic!("{other:?}"),
+        };
+        engine.synchronize().unwrap();
+        let stats = engine.retirement_stats();
+        assert_eq!((stats.pending, stats.retained), (0, 0), "{stats:?}");
+        let id = UniqueId::new(engine).unwrap();
+        let again = Communicator::join(engine, &id, 0, 1).unwrap();
+        let summed = all_reduce(&again, &mut [&mut *engine], t, ReduceOp::Sum)
+            .unwrap()
+            .wait()
+            .unwrap()
+            .into_parts();
+        assert_eq!(down(engine, &summed[0]), [4, 5, 6]);
+    });
+    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+}
