@@ -72,7 +72,8 @@ pub(crate) enum CollectiveKind {
 
 impl CollectiveKind {
     /// The elements read from the input and written to the output, for `count` (the call's
-    /// count) in a world of `world` ranks.
+    /// count) in a world of `world` ranks. (The simulated machine checks and runs calls by it.)
+    #[cfg(feature = "sim")]
     pub(crate) fn extents(self, count: usize, world: usize) -> (usize, usize) {
         match self {
             CollectiveKind::AllReduce(_)
@@ -100,6 +101,7 @@ impl CollectiveKind {
 
     /// Whether it is a point-to-point call, matched with its peer's rather than with every
     /// rank's.
+    #[cfg(feature = "sim")]
     pub(crate) fn is_p2p(self) -> bool {
         matches!(
             self,
