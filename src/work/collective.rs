@@ -509,7 +509,8 @@ struct Plan {
 /// # use cuferry::collective::{Communicator, UniqueId};
 /// # use cuferry::{upload_tensor, CudaEngine};
 /// # let mut engine = CudaEngine::open(0)?;
-/// # let comm = Communicator::join(&mut engine, &UniqueId::new(&mut engine)?, 0, 1)?;
+/// # let id = UniqueId::new(&engine)?;
+/// # let comm = Communicator::join(&mut engine, &id, 0, 1)?;
 /// // A ring: each rank sends its tensor to the next and receives the previous one's.
 /// let (rank, world) = (comm.rank(), comm.world());
 /// let mine = upload_tensor(&mut engine, &[rank as f32; 4], &[4])?;
