@@ -596,6 +596,20 @@ impl<T: CollectiveElement> CollectiveGroup<T> {
         self
     }
 
+    /// Adds a send or a receive of one tensor of rank `rank` here.
+    fn point_to_point(&mut self, rank: usize, tensor: DeviceTensor<T>, call: Call) -> &mut Self {
+        let id = self.next_id();
+        let at = self.push(rank, tensor);
+        self.plan.steps.push(Step {
+            rank,
+            call,
+            input: at,
+            output: at,
+            id,
+        });
+        self
+    }
+
     fn next_id(&mut self) -> usize {
         self.plan.calls += 1;
         self.plan.calls - 1
@@ -662,31 +676,13 @@ impl<T: CollectiveElement> CollectiveGroup<T> {
     /// [`recv`](Self::recv) (same length and element type; sends to one peer meet its receives
     /// from this rank in order).
     pub fn send(&mut self, rank: usize, tensor: DeviceTensor<T>, peer: usize) -> &mut Self {
-        let id = self.next_id();
-        let at = self.push(rank, tensor);
-        self.plan.steps.push(Step {
-            rank,
-            call: Call::Send(peer),
-            input: at,
-            output: at,
-            id,
-        });
-        self
+        self.point_to_point(rank, tensor, Call::Send(peer))
     }
 
     /// Adds a receive into `tensor`, on rank `rank` of this process's, from world rank `peer`,
     /// which must add a matching [`send`](Self::send).
     pub fn recv(&mut self, rank: usize, tensor: DeviceTensor<T>, peer: usize) -> &mut Self {
-        let id = self.next_id();
-        let at = self.push(rank, tensor);
-        self.plan.steps.push(Step {
-            rank,
-            call: Call::Recv(peer),
-            input: at,
-            output: at,
-            id,
-        });
-        self
+        self.point_to_point(rank, tensor, Call::Recv(peer))
     }
 
     /// The number of calls added.
