@@ -330,6 +330,10 @@ pub enum Error {
     /// failed, or it was aborted.
     #[error(transparent)]
     Collective(#[from] CollectiveError),
+    /// Sharing a tensor between processes failed: the socket, or a handle that is not of this
+    /// host, this boot or a live process.
+    #[error(transparent)]
+    Share(#[from] ShareError),
 }
 
 impl Error {
@@ -1332,5 +1336,49 @@ pub enum CollectiveError {
         rank: usize,
         /// The world's size.
         world: usize,
+    },
+}
+
+/// Why sharing a tensor between processes failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ShareError {
+    /// A socket operation failed.
+    #[error("sharing socket: {operation} failed: {source}")]
+    Io {
+        /// The operation: `read`, `write`, `sendmsg`, `recvmsg`, `connect`, `bind`.
+        operation: &'static str,
+        /// The operating system's error.
+        source: std::io::Error,
+    },
+    /// The peer closed the socket before a message began.
+    #[error("sharing socket: the peer closed it")]
+    Closed,
+    /// Bytes that are not the sharing protocol: `reason` says what was wrong. Nothing they name
+    /// was mapped, and a descriptor that came with them was closed.
+    #[error("sharing socket: not the sharing protocol: {reason}")]
+    Garbage {
+        /// What was wrong.
+        reason: String,
+    },
+    /// A handle made on another host: device memory is shared only between processes of one.
+    #[error("a handle of another host")]
+    OtherHost,
+    /// A handle made before this host last booted.
+    #[error("a handle of another boot of this host")]
+    OtherBoot,
+    /// A handle of a process that has exited (or whose pid now names a later process).
+    #[error("a handle of process {pid}, which has exited")]
+    ProcessGone {
+        /// The process id the handle names.
+        pid: u32,
+    },
+    /// This process's identity (its host's id, the boot's id, its start time) cannot be read.
+    #[error("cannot name this {what}: {reason}")]
+    Identity {
+        /// What: `host`, `boot` or `process`.
+        what: &'static str,
+        /// Why.
+        reason: String,
     },
 }
