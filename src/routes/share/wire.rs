@@ -10,7 +10,8 @@
 //! (or whose pid now names another process, which its start time tells apart). A file descriptor
 //! that arrives with a message the reader refuses is closed, never leaked.
 //!
-//! A process is named by its host's machine id (`/etc/machine-id`), the boot's id
+//! A process is named by its host's machine id (`/etc/machine-id`, or its name where it has
+//! none), the boot's id
 //! (`/proc/sys/kernel/random/boot_id`), its pid and its start time (`/proc/PID/stat`), so an
 //! offer copied to another machine, kept across a reboot, or replayed after its exporter exited
 //! is refused before anything is mapped.
@@ -83,6 +84,23 @@ fn read_id(what: &'static str, paths: &[&str]) -> Result<[u8; 16], ShareError> {
     })
 }
 
+/// The host's id: its machine id, or, on a host without one (a minimal container), 128 bits
+/// of its name (two FNV-1a hashes), which tells hosts apart as far as their names do.
+fn host_id() -> Result<[u8; 16], ShareError> {
+    read_id("host", &["/etc/machine-id", "/var/lib/dbus/machine-id"]).or_else(|missing| {
+        let name = std::fs::read_to_string("/proc/sys/kernel/hostname").map_err(|_| missing)?;
+        let fnv = |seed: u64| {
+            name.trim().bytes().fold(seed, |h, b| {
+                (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+            })
+        };
+        let mut id = [0u8; 16];
+        id[..8].copy_from_slice(&fnv(0xcbf2_9ce4_8422_2325).to_le_bytes());
+        id[8..].copy_from_slice(&fnv(0x8422_2325_cbf2_9ce4).to_le_bytes());
+        Ok(id)
+    })
+}
+
 /// The start time of process `pid`, if it is alive (`/proc/PID/stat`, the field after the
 /// command's closing parenthesis's nineteenth).
 fn start_of(pid: u32) -> Option<u64> {
@@ -104,7 +122,7 @@ impl Origin {
     pub(crate) fn here() -> Result<Origin, ShareError> {
         let pid = std::process::id();
         Ok(Origin {
-            host: read_id("host", &["/etc/machine-id", "/var/lib/dbus/machine-id"])?,
+            host: host_id()?,
             boot: read_id("boot", &["/proc/sys/kernel/random/boot_id"])?,
             pid,
             start: start_of(pid).ok_or(ShareError::Identity {
