@@ -450,8 +450,96 @@ fn counts_that_differ_across_ranks_fail_every_rank_and_touch_nothing() {
     assert!(sim.violations().is_empty(), "{:?}", sim.violations());
 }
 
-/// One rank's two all-reduces, the fault armed by rank 0 once both have joined: each rank's
-/// outcome, `Ok` with the right sums or a typed error by its deadline.
+/// The last tensor of a collective once it has completed.
+fn last(submitted: cuferry::collective::Submitted<i64>) -> Result<DeviceTensor<i64>, Error> {
+    let pending = submitted.map_err(SubmitError::into_error)?;
+    Ok(pending.wait()?.into_parts().pop().expect("a tensor"))
+}
+
+/// Rank `rank` of a world of two runs every collective once, alone or grouped, and checks each
+/// result; the first failure ends it.
+fn every_collective(
+    comm: &Communicator,
+    engine: &mut CudaEngine,
+    rank: usize,
+) -> Result<(), Error> {
+    let (n, peer) = (8, 1 - rank);
+    let upload = |engine: &mut CudaEngine, v: &[i64]| upload_tensor(engine, v, &[v.len()]);
+    let pair = |call, f: fn(i64, i64) -> i64| -> Vec<i64> {
+        (0..n)
+            .map(|i| f(values(0, n, call)[i], values(1, n, call)[i]))
+            .collect()
+    };
+    let check = |engine: &mut CudaEngine, t: DeviceTensor<i64>, want: Vec<i64>, what| {
+        download_tensor(engine, &t).map(|got| assert_eq!(got, want, "rank {rank}: {what}"))
+    };
+    let t = upload(engine, &values(rank, n, 0))?;
+    let out = last(all_reduce(
+        comm,
+        &mut [&mut *engine],
+        vec![t],
+        ReduceOp::Sum,
+    ))?;
+    check(engine, out, pair(0, |a, b| a + b), "all-reduce")?;
+    let t = upload(engine, &values(rank, n, 1))?;
+    let out = last(broadcast(comm, &mut [&mut *engine], vec![t], 1))?;
+    check(engine, out, values(1, n, 1), "broadcast")?;
+    let t = upload(engine, &values(rank, n, 2))?;
+    let out = last(reduce(comm, &mut [&mut *engine], vec![t], ReduceOp::Max, 0))?;
+    let want = if rank == 0 {
+        pair(2, i64::max)
+    } else {
+        values(1, n, 2)
+    };
+    check(engine, out, want, "reduce")?;
+    let (i, o) = (
+        upload(engine, &values(rank, n, 3))?,
+        upload(engine, &[0; 16])?,
+    );
+    let out = last(all_gather(comm, &mut [&mut *engine], vec![i], vec![o]))?;
+    check(
+        engine,
+        out,
+        [values(0, n, 3), values(1, n, 3)].concat(),
+        "all-gather",
+    )?;
+    let (i, o) = (
+        upload(engine, &values(rank, 2 * n, 4))?,
+        upload(engine, &[0; 8])?,
+    );
+    let out = last(reduce_scatter(
+        comm,
+        &mut [&mut *engine],
+        vec![i],
+        vec![o],
+        ReduceOp::Sum,
+    ))?;
+    let want = (rank * n..(rank + 1) * n)
+        .map(|i| values(0, 2 * n, 4)[i] + values(1, 2 * n, 4)[i])
+        .collect();
+    check(engine, out, want, "reduce-scatter")?;
+    let (mine, theirs) = (
+        upload(engine, &values(rank, n, 5))?,
+        upload(engine, &[0; 8])?,
+    );
+    let mut ring = comm.group();
+    ring.send(0, mine, peer).recv(0, theirs, peer);
+    let out = last(ring.submit(&mut [&mut *engine]))?;
+    check(engine, out, values(peer, n, 5), "grouped exchange")?;
+    if rank == 0 {
+        let t = upload(engine, &values(0, n, 6))?;
+        last(send(comm, engine, t, 1))?;
+    } else {
+        let t = upload(engine, &[0; 8])?;
+        let out = last(recv(comm, engine, t, 0))?;
+        check(engine, out, values(0, n, 6), "receive")?;
+    }
+    Ok(())
+}
+
+/// Every collective once on each rank of two, the fault armed by rank 0 once both have
+/// joined: each rank's outcome, `Ok` with every result right or a typed error by its
+/// deadline.
 fn faulted_world(op: SimOp, n: u64) -> (SimDevice, Vec<Result<(), Error>>, u64) {
     let world = 2;
     let sim = machine(world);
@@ -468,24 +556,8 @@ fn faulted_world(op: SimOp, n: u64) -> (SimDevice, Vec<Result<(), Error>>, u64) 
             }
         }
         joined.wait();
-        let want: Vec<i64> = (0..32)
-            .map(|i| (0..world).map(|r| values(r, 32, 0)[i]).sum())
-            .collect();
-        let run = |engine: &mut CudaEngine, t| -> Result<DeviceTensor<i64>, Error> {
-            let pending = all_reduce(&comm, &mut [&mut *engine], vec![t], ReduceOp::Sum)
-                .map_err(SubmitError::into_error)?;
-            Ok(pending.wait()?.into_parts().pop().unwrap())
-        };
         let mut steps = || -> Result<(), Error> {
-            for _ in 0..2 {
-                let t = upload_tensor(engine, &values(rank, 32, 0), &[32])?;
-                let summed = run(engine, t)?;
-                assert_eq!(
-                    download_tensor(engine, &summed)?,
-                    want,
-                    "rank {rank}: a wrong sum"
-                );
-            }
+            every_collective(&comm, engine, rank)?;
             Ok(())
         };
         // A failure found later is reported at the next boundary.
@@ -500,7 +572,7 @@ fn faulted_world(op: SimOp, n: u64) -> (SimDevice, Vec<Result<(), Error>>, u64) 
 }
 
 #[test]
-fn a_fault_at_every_step_of_a_ranks_collective_ends_every_rank_with_a_typed_error() {
+fn a_fault_at_every_step_of_every_collective_ends_every_rank_with_a_typed_error() {
     let steps = [
         SimOp::GroupStart,
         SimOp::Collective,
@@ -580,4 +652,31 @@ fn a_refused_group_leaves_a_joined_communicator_aborted_and_a_new_one_works() {
         assert_eq!(down(engine, &summed[0]), [4, 5, 6]);
     });
     assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+}
+
+#[test]
+fn receives_queued_before_their_sends_on_both_ranks_end_by_the_deadline() {
+    let world = 2;
+    let sim = machine(world);
+    let deadline = Duration::from_millis(300);
+    ranks(&sim, world, |rank, engine, comm| {
+        let comm = comm.with_timeout(deadline);
+        let peer = 1 - rank;
+        // Each rank waits to receive before it sends, in groups of their own: a deadlock on any
+        // device, which the deadline ends on both ranks.
+        let into = up(engine, &[0; 4]);
+        let received = recv(&comm, engine, into, peer).unwrap();
+        let mine = up(engine, &values(rank, 4, 0));
+        let sent = send(&comm, engine, mine, peer).unwrap();
+        let error = received.wait().unwrap_err();
+        assert!(timed_out(&error, rank, world), "{error:?}");
+        let error = sent.wait().unwrap_err();
+        assert!(
+            matches!(error, Error::Collective(CollectiveError::Aborted { .. })),
+            "{error:?}"
+        );
+        works_on_after_the_abort(engine, &comm);
+    });
+    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+    assert_eq!(sim.device_live().0, 0, "every tensor released");
 }

@@ -265,6 +265,9 @@ impl State {
             match self.blocked_on(stream) {
                 // Never given out: nothing can run it (a collective missing a part).
                 Some(first) if first >= self.next_seq => return,
+                // Waits that wait for each other (parts of ranks queued in orders that cross):
+                // a deadlock on the device, which nothing here can run either.
+                Some(first) if goals.contains(&first) => return,
                 Some(first) => goals.push(first),
                 None => self.run_head(stream),
             }

@@ -825,11 +825,25 @@ impl State {
         if self.p2p_data.contains_key(&p.channel) {
             return None;
         }
-        Some(self.p2p_sends.get(&p.channel).copied().unwrap_or(u64::MAX))
+        // Its send's job while it is queued; a number never given out once it ended without
+        // sending (aborted) or was never queued: then nothing can run this receive.
+        Some(
+            self.p2p_sends
+                .get(&p.channel)
+                .copied()
+                .filter(|&seq| !self.is_done(seq))
+                .unwrap_or(u64::MAX),
+        )
     }
 
     /// Runs a send (its bytes taken for its receive) or a receive (its send's bytes written).
     pub(super) fn run_p2p(&mut self, stream: StreamId, p: P2p) {
+        // Run or ended, it is no longer queued: its peer stops waiting for it here.
+        if p.send {
+            self.p2p_sends.remove(&p.channel);
+        } else {
+            self.p2p_posted.remove(&p.channel);
+        }
         if self.aborted_ranks.contains(&(p.channel.0, p.rank)) {
             return; // its communicator's abort ended it: nothing touched
         }
@@ -840,7 +854,6 @@ impl State {
         }
         let (driver, lane) = driver_lane(stream);
         if p.send {
-            self.p2p_sends.remove(&p.channel);
             self.access(p.ptr, false);
             match self.block_mut(p.ptr, p.bytes) {
                 Some(block) => {
@@ -856,7 +869,6 @@ impl State {
             }
             return;
         }
-        self.p2p_posted.remove(&p.channel);
         let data = self.p2p_data.remove(&p.channel).unwrap_or_default();
         if data.len() != p.bytes {
             // A send of another length: the receive's kernel ends with an error, touching
