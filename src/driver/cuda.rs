@@ -11,6 +11,7 @@ mod launch;
 mod libs;
 mod nccl;
 mod notify;
+mod share;
 
 pub(crate) use nccl::nccl_version;
 
@@ -42,6 +43,14 @@ pub(crate) struct CudaDriver {
     side: notify::SideStreams,
     /// The library handles and contraction plans, made on first use.
     libs: libs::LibraryHandles,
+    /// The device's UUID, which names it to other processes.
+    uuid: [u8; 16],
+    /// Whether the pool was made exportable (the device supports POSIX descriptors for pools).
+    exportable: bool,
+    /// The pool's exported descriptor, once exported; closed when the driver is dropped.
+    pool_fd: Option<std::os::fd::OwnedFd>,
+    /// Pools imported from other processes, destroyed when the driver is dropped.
+    imported_pools: Vec<sys::CUmemoryPool>,
 }
 
 // SAFETY: the handles are plain driver handles that the CUDA driver API accepts from any thread
@@ -116,6 +125,18 @@ impl CudaDriver {
             source: DriverError::from_raw(e.0),
         })?;
         let name = result::device::get_name(device).unwrap_or_else(|_| "unknown".into());
+        let uuid = share::uuid_of(device).map_err(Error::driver("cuDeviceGetUuid"))?;
+        // A pool exported as a POSIX descriptor lets another process map its blocks
+        // (`routes::share`); where the device cannot, the pool is made without it.
+        let exportable = cfg!(target_os = "linux")
+            // SAFETY: `device` came from `cuDeviceGet`; the attribute is an integer.
+            && unsafe {
+                result::device::get_attribute(
+                    device,
+                    sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
+                )
+            }
+            .is_ok_and(|supported| supported != 0);
 
         let mut ctx = MaybeUninit::uninit();
         // SAFETY: `device` came from `cuDeviceGet`; the out pointer is valid for one write.
@@ -139,6 +160,10 @@ impl CudaDriver {
             granted: Vec::new(),
             side: notify::SideStreams::default(),
             libs: libs::LibraryHandles::default(),
+            uuid,
+            exportable,
+            pool_fd: None,
+            imported_pools: Vec::new(),
             waits: Arc::new(CudaWaits {
                 ctx,
                 streams: [std::ptr::null_mut(); 3],
@@ -174,7 +199,11 @@ impl CudaDriver {
         // the fields that matter are set below.
         let mut props: sys::CUmemPoolProps = unsafe { std::mem::zeroed() };
         props.allocType = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
-        props.handleTypes = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE;
+        props.handleTypes = if self.exportable {
+            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        } else {
+            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE
+        };
         props.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
         props.location.id = self.device;
         let mut pool = MaybeUninit::uninit();
@@ -243,6 +272,15 @@ impl Drop for CudaDriver {
                 sys::cuMemPoolDestroy(self.pool);
             }
         }
+        for &pool in &self.imported_pools {
+            // SAFETY: imported by this driver and destroyed once; the engine released every
+            // import of it before its teardown dropped the driver (a pool keeps what is still
+            // mapped until it is freed, as `cuMemPoolDestroy` documents).
+            unsafe {
+                sys::cuMemPoolDestroy(pool);
+            }
+        }
+        // The pool's exported descriptor, if any, closes as `pool_fd` drops.
         // SAFETY: restores whatever was current before (null unbinds), then releases the one
         // primary-context reference this driver retained.
         unsafe {

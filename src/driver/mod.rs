@@ -14,13 +14,14 @@
 //! an event recorded on another, and the engine inserts those waits where a value is shared
 //! (`core::order`). Its methods take `&mut self` because the engine serialises access to it.
 //!
-//! Besides the memory, copy and event operations of [`Driver`] itself, the seam has four halves
+//! Besides the memory, copy and event operations of [`Driver`] itself, the seam has five halves
 //! that are supertraits of it: [`launch::Launch`] compiles, loads and launches kernels;
 //! [`graph::Graphs`] captures queued launches into graphs, instantiates them, updates their
 //! kernel nodes' parameters and replays them on the compute stream; [`libs::Libraries`] queues
 //! the dense linear algebra the crate offers (cuBLAS, cuSOLVER and cuTENSOR on a GPU); and
 //! [`collective::Collectives`] makes communicators across devices, whose groups queue
-//! collectives on every rank's stream (NCCL on a GPU). Nothing above this module calls CUDA, a
+//! collectives on every rank's stream (NCCL on a GPU); and [`share::Sharing`] exports memory and
+//! events to other processes and imports theirs. Nothing above this module calls CUDA, a
 //! vendor library or NCCL, or asks which of the two implementations it runs on.
 
 pub(crate) mod collective;
@@ -28,6 +29,7 @@ pub(crate) mod cuda;
 pub(crate) mod graph;
 pub(crate) mod launch;
 pub(crate) mod libs;
+pub(crate) mod share;
 #[cfg(any(test, feature = "sim"))]
 pub(crate) mod sim;
 pub(crate) mod wakes;
@@ -177,7 +179,7 @@ pub(crate) trait Waits: Send + Sync {
 /// Compiling, loading and launching kernels is the [`launch::Launch`] half of the seam;
 /// capturing queued launches into graphs and replaying them is the [`graph::Graphs`] half.
 pub(crate) trait Driver:
-    Send + launch::Launch + graph::Graphs + libs::Libraries + collective::Collectives
+    Send + launch::Launch + graph::Graphs + libs::Libraries + collective::Collectives + share::Sharing
 {
     /// The device this driver drives.
     fn device(&self) -> DeviceId;
