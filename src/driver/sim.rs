@@ -60,6 +60,14 @@
 //!   a lifecycle bug is reported by the tests instead of corrupting memory. Unregistering a
 //!   registered range that a queued copy still names is a violation too, and is refused, so the
 //!   caller keeps (leaks) the memory instead of freeing it under the copy.
+//! - **Processes and sharing.** Each driver is a simulated process of its own, with a pid of
+//!   its own (from `0x4000_0000` on, never a real one); the sharing half of the seam (`share.rs`)
+//!   exports its pool through a real file descriptor, its allocations and inter-process events
+//!   through bytes the machine registers, so forged names are refused as CUDA refuses them. An
+//!   exporter's free that runs while another process still maps the memory is a
+//!   [violation](SimDevice::violations) (the memory is kept until the last import is released),
+//!   and [`SimDevice::kill_process`] ends a process as the operating system would: its queued work
+//!   never comes, its imports are unmapped, and its every later call fails.
 //!
 //! Contexts are modelled per thread, so the context-restoring rules of raw scopes are testable
 //! too ([`thread_context`], [`set_thread_context`], [`SimDevice::foreign_context`]).
@@ -71,8 +79,9 @@
 //! `race.rs` (the race checker), `violation.rs` (the [`Violation`]s the device records),
 //! `fault.rs` ([`SimOp`], fault injection and call counting), `state.rs` (the device's state and
 //! its lock), `driver.rs` (the seam's `Driver` over all of them), `launch.rs` and `graph.rs` (the
-//! kernel and graph halves of the seam), `libs.rs` (the library half) and `collective.rs`
-//! (collectives across the machine's devices).
+//! kernel and graph halves of the seam), `libs.rs` (the library half), `collective.rs`
+//! (collectives across the machine's devices) and `share.rs` (processes, and memory and events
+//! shared between them).
 
 mod clock;
 mod collective;
@@ -85,6 +94,7 @@ mod launch;
 mod libs;
 mod memory;
 mod race;
+mod share;
 mod state;
 #[cfg(test)]
 mod tests;
@@ -196,6 +206,12 @@ impl SimDevice {
 
     fn lock(&self) -> Locked<'_> {
         Locked::new(&self.inner.state)
+    }
+
+    /// The device's lock, taken for a call of the driver of simulated process `pid` (whose
+    /// calls fail once the process is killed).
+    fn lock_as(&self, pid: u32) -> Locked<'_> {
+        Locked::of(&self.inner.state, pid)
     }
 
     /// A fresh context that belongs to no engine, for testing that raw scopes restore whatever

@@ -123,7 +123,7 @@ impl State {
 
     /// Runs every ordering job that can run: a stream head that is an ordering record, or a
     /// wait whose record has run. They take no device time, so no step of the clock.
-    fn run_ordering(&mut self) {
+    pub(super) fn run_ordering(&mut self) {
         loop {
             let ready: Vec<StreamId> = self
                 .streams

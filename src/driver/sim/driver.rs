@@ -27,6 +27,10 @@ pub(crate) struct SimDriver {
     streams: StreamId,
     /// The contraction plans made on this driver, by handle.
     pub(super) plans: crate::driver::libs::Plans<super::libs::Plan>,
+    /// The simulated process this driver is (see `share.rs`): its pid and start.
+    pub(super) process: super::share::Process,
+    /// The pool's exported descriptor, once exported; closed when the driver is dropped.
+    pub(super) pool_fd: Option<std::os::fd::OwnedFd>,
 }
 
 impl SimDriver {
@@ -38,12 +42,13 @@ impl SimDriver {
     /// A driver on device `index` of the machine `device`, with three streams of its own there;
     /// `None` when the machine has no such device.
     pub(crate) fn on(device: SimDevice, index: usize) -> Option<Self> {
-        let (instance, ordinal, ctx, streams) = {
+        let (instance, ordinal, ctx, streams, process) = {
             let mut s = device.lock();
             let ctx = *s.ctxs.get(index)?;
             let streams = s.next_stream;
             s.next_stream += Lane::ALL.len();
-            (s.instance, s.ordinal + index, ctx, streams)
+            let process = s.start_process(streams);
+            (s.instance, s.ordinal + index, ctx, streams, process)
         };
         Some(SimDriver {
             device,
@@ -57,16 +62,25 @@ impl SimDriver {
             ctx,
             streams,
             plans: Default::default(),
+            process,
+            pool_fd: None,
         })
     }
 
+    /// The device's lock, for a call of this driver: once its process is killed, the call
+    /// fails as it enters the device.
     pub(super) fn lock(&self) -> Locked<'_> {
-        self.device.lock()
+        self.device.lock_as(self.process.pid)
+    }
+
+    /// Which device of the machine the driver drives.
+    pub(super) fn index(&self) -> usize {
+        self.index
     }
 
     /// The index on the machine of device `peer`, when it is a device of this machine linked to
     /// this driver's (or this driver's own).
-    fn linked(&self, s: &State, peer: DeviceId) -> Option<usize> {
+    pub(super) fn linked(&self, s: &State, peer: DeviceId) -> Option<usize> {
         let index = peer.ordinal.checked_sub(s.ordinal)?;
         let ours = peer.kind == DeviceKind::Simulated && peer.instance == s.instance;
         (ours && s.peer_linked.get(self.index)?.get(index) == Some(&true)).then_some(index)
@@ -205,7 +219,9 @@ impl Driver for SimDriver {
     }
 
     fn can_access_peer(&self, peer: DeviceId) -> Result<bool, DriverError> {
-        Ok(self.linked(&self.lock(), peer).is_some())
+        let s = self.lock();
+        s.alive()?;
+        Ok(self.linked(&s, peer).is_some())
     }
 
     fn enable_peer_access(&mut self, peer: ContextHandle) -> Result<(), DriverError> {
@@ -219,6 +235,7 @@ impl Driver for SimDriver {
 
     fn grant_peer_access(&mut self, peer: DeviceId) -> Result<(), DriverError> {
         let mut s = self.lock();
+        s.alive()?;
         let index = peer.ordinal.checked_sub(s.ordinal);
         if index == Some(self.index) || index.is_some_and(|i| self.granted.contains(&i)) {
             return Ok(());
@@ -291,6 +308,7 @@ impl Driver for SimDriver {
         Arc::new(SimWaits {
             device: self.device.clone(),
             streams: self.streams,
+            pid: self.process.pid,
         })
     }
 

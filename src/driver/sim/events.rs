@@ -17,23 +17,35 @@ use super::{
 /// An event of the device.
 pub(super) struct SimEvent {
     /// Whether it only orders lanes (made by `ordering_event_create`).
-    ordering: bool,
+    pub(super) ordering: bool,
     /// Sequence number of the marker of the last record, if recorded.
-    recorded: Option<u64>,
+    pub(super) recorded: Option<u64>,
     /// The error this record reports once the device reaches it.
-    fault: Option<DriverError>,
+    pub(super) fault: Option<DriverError>,
+    /// The simulated process whose driver made it (`None` when none did): a killed process's
+    /// events went with its context.
+    pub(super) owner: Option<u32>,
 }
 
 impl SimDevice {
-    /// Live events (created and not destroyed).
+    /// Live events (created and not destroyed), inter-process events opened from another
+    /// process's included; those of a killed process went with its context and are not counted.
     pub fn events_live(&self) -> usize {
-        self.lock().events.values().filter(|e| !e.ordering).count()
+        let s = self.lock();
+        s.events
+            .values()
+            .filter(|e| !e.ordering && !s.killed(e.owner))
+            .count()
     }
 
     /// Live events that only order one stream after another (the engine makes at most one per
-    /// stream, and destroys them at teardown).
+    /// stream, and destroys them at teardown); a killed process's are not counted.
     pub fn ordering_events_live(&self) -> usize {
-        self.lock().events.values().filter(|e| e.ordering).count()
+        let s = self.lock();
+        s.events
+            .values()
+            .filter(|e| e.ordering && !s.killed(e.owner))
+            .count()
     }
 }
 
@@ -49,8 +61,10 @@ impl State {
         }
     }
 
-    /// The live event `event`; `CUDA_ERROR_INVALID_VALUE` when there is none.
+    /// The live event `event`; `CUDA_ERROR_INVALID_VALUE` when there is none. Using an opened
+    /// inter-process event whose exporter has destroyed its own is a violation (`share.rs`).
     pub(super) fn event(&mut self, event: EventHandle) -> Result<&mut SimEvent, DriverError> {
+        self.check_opened(event);
         self.events
             .get_mut(&event.0)
             .ok_or(DriverError::INVALID_VALUE)
@@ -71,6 +85,7 @@ impl State {
                 ordering,
                 recorded: None,
                 fault: None,
+                owner: self.caller,
             },
         );
         Ok(EventHandle(id))
@@ -103,6 +118,8 @@ impl State {
         let ev = self.event(event)?;
         ev.recorded = Some(seq);
         ev.fault = fault;
+        // An inter-process event's record is every process's that has it open (`share.rs`).
+        self.share_record(event);
         Ok(())
     }
 
@@ -128,7 +145,7 @@ impl State {
         self.enter(SimOp::EventDestroy)?;
         self.events
             .remove(&event.0)
-            .map(|_| ())
+            .map(|_| self.forget_opened(event))
             .ok_or(DriverError::INVALID_VALUE)
     }
 
@@ -168,6 +185,8 @@ pub(super) struct SimWaits {
     pub(super) device: SimDevice,
     /// The driver's first stream (see [`SimDriver`](super::SimDriver)).
     pub(super) streams: StreamId,
+    /// The driver's simulated process: once it is killed, every wait fails.
+    pub(super) pid: u32,
 }
 
 impl SimWaits {
@@ -244,7 +263,7 @@ impl SimWaits {
 
 impl Waits for SimWaits {
     fn event_query(&self, event: EventHandle) -> Result<bool, DriverError> {
-        let mut s = self.device.lock();
+        let mut s = self.device.lock_as(self.pid);
         s.enter(SimOp::EventQuery)?;
         let Some(seq) = s.event(event)?.recorded else {
             return Ok(true);
@@ -256,7 +275,7 @@ impl Waits for SimWaits {
     }
 
     fn event_synchronize(&self, event: EventHandle) -> Result<(), DriverError> {
-        let mut s = self.device.lock();
+        let mut s = self.device.lock_as(self.pid);
         s.enter(SimOp::EventSynchronize)?;
         let Some(seq) = s.event(event)?.recorded else {
             return Ok(());
@@ -270,7 +289,7 @@ impl Waits for SimWaits {
         event: EventHandle,
         within: std::time::Duration,
     ) -> Result<bool, DriverError> {
-        let mut s = self.device.lock();
+        let mut s = self.device.lock_as(self.pid);
         s.enter(SimOp::EventSynchronize)?;
         let Some(seq) = s.event(event)?.recorded else {
             return Ok(true);
@@ -285,7 +304,7 @@ impl Waits for SimWaits {
     }
 
     fn stream_synchronize(&self) -> Result<(), DriverError> {
-        let mut s = self.device.lock();
+        let mut s = self.device.lock_as(self.pid);
         s.enter_stream(
             SimOp::StreamSynchronize,
             self.streams + Lane::Compute.index(),
@@ -304,7 +323,7 @@ impl Waits for SimWaits {
     }
 
     fn lane_synchronize(&self, lane: Lane) -> Result<(), DriverError> {
-        let mut s = self.device.lock();
+        let mut s = self.device.lock_as(self.pid);
         let stream = self.streams + lane.index();
         s.enter_stream(SimOp::StreamSynchronize, stream)?;
         let done = |s: &State| s.streams_idle([stream]);
@@ -324,7 +343,7 @@ impl Waits for SimWaits {
     }
 
     fn stream_query(&self) -> Result<bool, DriverError> {
-        let mut s = self.device.lock();
+        let mut s = self.device.lock_as(self.pid);
         s.enter_stream(SimOp::StreamQuery, self.streams + Lane::Compute.index())?;
         Ok(s.streams_idle(self.lanes()))
     }

@@ -103,6 +103,26 @@ pub enum SimOp {
     ContractionPlan,
     /// A tensor contraction's enqueue (`cutensorContract`).
     Contract,
+    /// The export of a driver's memory pool as a file descriptor
+    /// (`cuMemPoolExportToShareableHandle`), made on the first `pool_descriptor` call only.
+    PoolExportToShareableHandle,
+    /// An allocation's export data (`cuMemPoolExportPointer`).
+    PoolExportPointer,
+    /// The import of another process's pool from its descriptor
+    /// (`cuMemPoolImportFromShareableHandle`).
+    PoolImportFromShareableHandle,
+    /// The import of an allocation of an imported pool (`cuMemPoolImportPointer`).
+    PoolImportPointer,
+    /// The stream-ordered release of an imported allocation (`cuMemFreeAsync` on an imported
+    /// pointer).
+    ImportFreeAsync,
+    /// The creation of an inter-process event and its handle (`cuEventCreate` with
+    /// `CU_EVENT_INTERPROCESS`, then `cuIpcGetEventHandle`).
+    IpcGetEventHandle,
+    /// The opening of another process's inter-process event (`cuIpcOpenEventHandle`).
+    IpcOpenEventHandle,
+    /// The closing of an opened inter-process event (`cuEventDestroy` on it).
+    IpcEventDestroy,
 }
 
 impl SimDevice {
@@ -167,8 +187,10 @@ impl State {
     }
 
     /// Counts a call of `op` and fires what a test armed for it: a panic now, a panic once the
-    /// device's lock is released, or the injected error.
+    /// device's lock is released, or the injected error. A call of a killed process's driver
+    /// fails first, uncounted (`CUDA_ERROR_CONTEXT_IS_DESTROYED`; see `share.rs`).
     pub(super) fn enter(&mut self, op: SimOp) -> Result<(), DriverError> {
+        self.alive()?;
         let n = self.calls.entry(op).or_insert(0);
         *n += 1;
         let n = *n;

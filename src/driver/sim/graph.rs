@@ -148,6 +148,7 @@ impl Graphs for SimDriver {
 
     fn capture_last_node(&mut self) -> Result<GraphNodeHandle, DriverError> {
         let s = self.lock();
+        s.alive()?;
         let Some(capture) = s.captures.get(&self.stream(Lane::Compute)) else {
             return Err(error(CUresult::CUDA_ERROR_STREAM_CAPTURE_UNMATCHED));
         };

@@ -52,6 +52,12 @@ pub(super) enum Job {
     Collective(collective::Part),
     /// A rank's send or receive: it runs once its peer's matching call is there.
     P2p(collective::P2p),
+    /// The release of simulated process `pid`'s import of the allocation at `ptr`: it unmaps
+    /// the import when it runs, touching no memory (`share.rs`).
+    Release {
+        pid: u32,
+        ptr: DevicePtr,
+    },
 }
 
 impl Job {
@@ -77,6 +83,7 @@ impl Job {
             Job::Wait { .. } => "wait",
             Job::Collective(_) => "collective",
             Job::P2p(_) => "point-to-point",
+            Job::Release { .. } => "release of an import",
         }
     }
 
@@ -142,12 +149,10 @@ impl State {
             }
             Job::Free(ptr) => {
                 self.access(ptr, true);
-                match self.mem.remove(&ptr) {
-                    Some(block) => {
-                        let device = self.touches.get(&ptr).map_or(0, |t| t.device);
-                        self.device_used[device] -= block.len();
-                    }
-                    None => self.violations.push(Violation::UnknownDeviceFree { ptr }),
+                if !self.mem.contains_key(&ptr) {
+                    self.violations.push(Violation::UnknownDeviceFree { ptr });
+                } else if !self.freed_while_imported(ptr) {
+                    self.release_block(ptr);
                 }
             }
             Job::Marker => self.report_stream_failure(seq, stream),
@@ -162,6 +167,7 @@ impl State {
             }
             Job::Collective(part) => self.run_collective(seq, stream, part),
             Job::P2p(p) => self.run_p2p(stream, p),
+            Job::Release { pid, ptr } => self.run_release(pid, ptr),
         }
     }
 }

@@ -76,6 +76,7 @@ impl Launch for SimDriver {
         name: &str,
     ) -> Result<FunctionHandle, DriverError> {
         let s = self.lock();
+        s.alive()?;
         match s.modules.get(&module.0) {
             // One kernel per module: the function handle is the module's.
             Some(emulation) if emulation.name() == name => Ok(FunctionHandle(module.0)),
@@ -87,6 +88,7 @@ impl Launch for SimDriver {
 
     unsafe fn module_unload(&mut self, module: ModuleHandle) -> Result<(), DriverError> {
         let mut s = self.lock();
+        s.alive()?;
         s.modules
             .remove(&module.0)
             .map(|_| ())

@@ -59,6 +59,19 @@ impl SimDevice {
 }
 
 impl State {
+    /// Releases the live block at `ptr` (a free that has run): its memory returns to its
+    /// device. `false` when no block starts there.
+    pub(super) fn release_block(&mut self, ptr: DevicePtr) -> bool {
+        let Some(block) = self.mem.remove(&ptr) else {
+            return false;
+        };
+        let device = self.touches.get(&ptr).map_or(0, |t| t.device);
+        self.device_used[device] -= block.len();
+        self.share.freed(ptr);
+        true
+    }
+
+    /// The bytes of device memory at `ptr..ptr+bytes`, inside one live block.
     pub(super) fn block_mut(&mut self, ptr: DevicePtr, bytes: usize) -> Option<&mut [u8]> {
         let (base, block) = self.mem.range_mut(..=ptr).next_back()?;
         let off = usize::try_from(ptr - *base).ok()?;
@@ -268,6 +281,8 @@ impl SimDriver {
             },
         );
         s.device_used[index] += bytes;
+        // The allocation is this driver's process's: it alone may export it (`share.rs`).
+        s.share.allocated(ptr, self.process.pid);
         Ok(ptr)
     }
 }

@@ -69,5 +69,7 @@ impl State {
                 self.violations.push(violation);
             }
         }
+        // An import used by its process after the process released it (`share.rs`).
+        self.check_released(job, base);
     }
 }

@@ -106,6 +106,11 @@ pub(super) struct State {
     pub(super) wakes: BTreeMap<u64, Vec<Wake>>,
     /// Wakes whose record has run, to be called once the lock is released ([`Locked`]).
     pub(super) woken: Vec<Wake>,
+    /// The simulated process whose driver holds the lock now, if a driver's call took it: a
+    /// killed process's calls fail as they enter (see `share.rs`).
+    pub(super) caller: Option<u32>,
+    /// The machine's processes, and what they export, import and open (see `share.rs`).
+    pub(super) share: super::share::ShareState,
 }
 
 // SAFETY: the raw host pointers in queued jobs are addresses the engine guarantees (through the
@@ -167,6 +172,8 @@ impl State {
             graphs: graph::GraphTable::default(),
             wakes: BTreeMap::new(),
             woken: Vec::new(),
+            caller: None,
+            share: Default::default(),
         }
     }
 }
@@ -177,30 +184,50 @@ impl State {
 pub(super) struct Locked<'a> {
     /// `Some` except while [`wait`](Self::wait) has handed the guard to the condition variable.
     guard: Option<MutexGuard<'a, State>>,
+    /// The simulated process whose driver took the lock, if one did: [`State::caller`] while
+    /// this holds the lock.
+    caller: Option<u32>,
 }
 
 impl<'a> Locked<'a> {
     /// Takes the device's lock, even one poisoned by a panic.
     pub(super) fn new(state: &'a Mutex<State>) -> Self {
+        Self::taken(state, None)
+    }
+
+    /// Takes the device's lock for a call of the driver of simulated process `pid`.
+    pub(super) fn of(state: &'a Mutex<State>, pid: u32) -> Self {
+        Self::taken(state, Some(pid))
+    }
+
+    /// Takes the device's lock, for `caller`'s call if any.
+    fn taken(state: &'a Mutex<State>, caller: Option<u32>) -> Self {
+        let mut guard = state.lock().unwrap_or_else(|e| e.into_inner());
+        guard.caller = caller;
         Locked {
-            guard: Some(state.lock().unwrap_or_else(|e| e.into_inner())),
+            guard: Some(guard),
+            caller,
         }
     }
 
     /// Releases the lock until `progress` is signalled, then takes it again.
     pub(super) fn wait(mut self, progress: &Condvar) -> Self {
-        let guard = self.guard.take().expect("a live lock holds its guard");
-        let guard = progress.wait(guard).unwrap_or_else(|e| e.into_inner());
+        let mut guard = self.guard.take().expect("a live lock holds its guard");
+        guard.caller = None;
+        let mut guard = progress.wait(guard).unwrap_or_else(|e| e.into_inner());
+        guard.caller = self.caller;
         self.guard = Some(guard);
         self
     }
 
     /// As [`wait`](Self::wait), for at most `within`.
     pub(super) fn wait_timeout(mut self, progress: &Condvar, within: std::time::Duration) -> Self {
-        let guard = self.guard.take().expect("a live lock holds its guard");
-        let (guard, _) = progress
+        let mut guard = self.guard.take().expect("a live lock holds its guard");
+        guard.caller = None;
+        let (mut guard, _) = progress
             .wait_timeout(guard, within)
             .unwrap_or_else(|e| e.into_inner());
+        guard.caller = self.caller;
         self.guard = Some(guard);
         self
     }
@@ -224,6 +251,7 @@ impl Drop for Locked<'_> {
         let Some(mut guard) = self.guard.take() else {
             return;
         };
+        guard.caller = None;
         if std::thread::panicking() {
             // Not while unwinding: the wakes stay for the next holder of the lock to call.
             return;

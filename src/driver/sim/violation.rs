@@ -138,6 +138,38 @@ pub enum Violation {
         /// Its length in bytes.
         bytes: usize,
     },
+    /// An exporter's free of a device allocation ran while another process still mapped it (an
+    /// import whose release had not run: CUDA requires every importer's release to complete
+    /// before the exporter's free). One per process that mapped it; the device keeps the memory
+    /// until the last of those imports is released, so the importer cannot touch freed memory.
+    FreedWhileImported {
+        /// The allocation's address.
+        ptr: u64,
+        /// Its length in bytes.
+        bytes: usize,
+        /// The simulated process that still mapped it.
+        pid: u32,
+    },
+    /// A job of a process used device memory it had imported after its release of the import
+    /// had run: the use was not ordered before the release.
+    ImportUsedAfterRelease {
+        /// The job.
+        job: u64,
+        /// What that job is, in words.
+        kind: &'static str,
+        /// The driver whose stream ran it.
+        driver: usize,
+        /// The lane of that stream.
+        lane: &'static str,
+        /// The allocation's address.
+        ptr: u64,
+    },
+    /// An inter-process event opened from another process was used (recorded, waited on,
+    /// queried) after its exporter had destroyed its own, which CUDA leaves undefined.
+    OpenedEventUsedAfterDestroy {
+        /// The opened event's handle.
+        event: u64,
+    },
 }
 
 impl fmt::Display for Violation {
@@ -203,6 +235,25 @@ impl fmt::Display for Violation {
                 f,
                 "registered range {ptr:#x} ({bytes} bytes) unregistered while a queued copy still \
                  names it"
+            ),
+            Violation::FreedWhileImported { ptr, bytes, pid } => write!(
+                f,
+                "device block {ptr:#x} ({bytes} bytes) freed while process {pid} still maps it"
+            ),
+            Violation::ImportUsedAfterRelease {
+                job,
+                kind,
+                driver,
+                lane,
+                ptr,
+            } => write!(
+                f,
+                "job #{job} ({kind} on the {lane} lane of driver {driver}) used imported block \
+                 {ptr:#x} after its release had run"
+            ),
+            Violation::OpenedEventUsedAfterDestroy { event } => write!(
+                f,
+                "opened inter-process event {event:#x} used after its exporter destroyed it"
             ),
         }
     }
@@ -304,6 +355,29 @@ mod tests {
                     bytes: 16,
                 },
                 "registered range 0x1000 (16 bytes) unregistered while a queued copy still names it",
+            ),
+            (
+                Violation::FreedWhileImported {
+                    ptr: 0x10,
+                    bytes: 16,
+                    pid: 0x4000_0001,
+                },
+                "device block 0x10 (16 bytes) freed while process 1073741825 still maps it",
+            ),
+            (
+                Violation::ImportUsedAfterRelease {
+                    job: 7,
+                    kind: "device-to-device copy",
+                    driver: 1,
+                    lane: "Compute",
+                    ptr: 0x10,
+                },
+                "job #7 (device-to-device copy on the Compute lane of driver 1) used imported \
+                 block 0x10 after its release had run",
+            ),
+            (
+                Violation::OpenedEventUsedAfterDestroy { event: 9 },
+                "opened inter-process event 0x9 used after its exporter destroyed it",
             ),
         ];
         for (violation, text) in cases {
