@@ -1373,6 +1373,49 @@ pub enum ShareError {
         /// The process id the handle names.
         pid: u32,
     },
+    /// The offer's element type is not the one asked for.
+    #[error("an offer of {offered:?} elements, where {expected:?} was asked for")]
+    ElementType {
+        /// The element type asked for.
+        expected: crate::dtype::DType,
+        /// The element type offered, when it is one this crate knows.
+        offered: Option<crate::dtype::DType>,
+    },
+    /// The offer's access is not the one asked for: a read-only share where an exclusive
+    /// hand-off was asked for, or the other way round.
+    #[error("an offer of {offered} access, where {expected} access was asked for")]
+    Access {
+        /// The access asked for: `read-only` or `exclusive`.
+        expected: &'static str,
+        /// The access offered.
+        offered: &'static str,
+    },
+    /// The offer names a device this engine's streams cannot reach (neither its own nor a
+    /// peer it accesses directly).
+    #[error("the offer's device (UUID {uuid:02x?}) is not one this engine reaches")]
+    Unreachable {
+        /// The UUID of the exporter's device.
+        uuid: [u8; 16],
+    },
+    /// The importer refused an offer (reported at the exporter's next boundary): nothing of it
+    /// was mapped there.
+    #[error("process {pid} refused the offer: {reason}")]
+    Refused {
+        /// The importer's process id.
+        pid: u32,
+        /// Why, as it said.
+        reason: String,
+    },
+    /// A tensor imported from another process, offered for sharing again: memory is shared by
+    /// the process that allocated it.
+    #[error("an imported tensor cannot be shared again")]
+    Reexport,
+    /// A reclaim or a hand-back that the importers have not released within its deadline.
+    #[error("{imports} import(s) not yet released")]
+    StillImported {
+        /// The imports still held.
+        imports: usize,
+    },
     /// This process's identity (its host's id, the boot's id, its start time) cannot be read.
     #[error("cannot name this {what}: {reason}")]
     Identity {

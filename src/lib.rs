@@ -179,6 +179,23 @@ pub mod checkpoint {
     };
 }
 
+/// Device tensors shared between processes on one host (Linux), with lifetimes that hold
+/// across them.
+///
+/// The exporting process binds a [`ShareListener`](share::ShareListener), accepts an
+/// [`Importer`](share::Importer) per importing process, and either offers a tensor read-only
+/// ([`CudaEngine::export_tensor`], then [`Importer::offer`](share::Importer::offer)) or lends
+/// it exclusively ([`Importer::lend`](share::Importer::lend)). The importing process connects a
+/// [`ShareLink`](share::ShareLink) and takes each offer as a [`ReadOnly`](share::ReadOnly)
+/// tensor (which cannot be written) or an exclusive [`DeviceTensor`] (whose drop hands it
+/// back). The exporter's memory is freed, or written again, only once every importer has
+/// released it or its process has ended; each side's streams wait for the other's writes on the
+/// device. See the guide's chapter [Sharing between processes](crate::guide::sharing).
+#[cfg(target_os = "linux")]
+pub mod share {
+    pub use crate::routes::share::{Exported, Importer, Lent, ReadOnly, ShareLink, ShareListener};
+}
+
 /// The simulated device (feature `sim`).
 ///
 /// Open an engine on a fresh one with [`CudaEngine::simulated`], or several engines on one with

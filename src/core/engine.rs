@@ -27,7 +27,7 @@ use super::order::{Order, Proven, Use};
 use super::parts::Parts;
 use super::retire::{EventPool, Poll, Resources, RetireQueue, RetirementStats};
 use crate::driver::{ContextHandle, DevicePtr, Driver, Lane, Waits, wakes};
-use crate::error::{DeviceId, Error, Result, UsageError};
+use crate::error::{DeviceId, DriverError, Error, Result, UsageError};
 use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -115,6 +115,30 @@ impl State {
     /// `ptr` came from this driver's `alloc`, is freed once (here), and no operation queued
     /// later names it.
     pub(crate) unsafe fn free_device(&mut self, waits: &dyn Waits, ptr: DevicePtr) {
+        // SAFETY: the caller's contract, for the driver's free.
+        unsafe {
+            // `free_ordered` orders every use of `ptr` before this free on `lane`.
+            self.free_ordered(waits, ptr, "cuMemFreeAsync", |driver, lane| {
+                driver.free(lane, ptr)
+            })
+        };
+    }
+
+    /// What [`free_device`](Self::free_device) does, with `release` (the driver call `call`) in
+    /// place of the driver's free: for memory another process exports, which this driver
+    /// releases by unmapping it. Returns the lane the release was queued on, or `None` when it
+    /// was not queued (the memory is left mapped and the failure recorded).
+    ///
+    /// # Safety
+    /// As [`free_device`](Self::free_device), for `release`'s memory; `release` queues the
+    /// release of `ptr` on the lane it is given.
+    pub(crate) unsafe fn free_ordered(
+        &mut self,
+        waits: &dyn Waits,
+        ptr: DevicePtr,
+        call: &'static str,
+        release: impl FnOnce(&mut dyn Driver, Lane) -> std::result::Result<(), DriverError>,
+    ) -> Option<Lane> {
         let uses = [Use::Write(ptr)];
         let lane = self.order.free_lane(ptr);
         if let Err(refused) = self.order.prepare(&mut *self.driver, lane, &uses) {
@@ -125,18 +149,21 @@ impl State {
                     what: "work before a device free",
                     source,
                 });
-                return;
+                return None;
             }
             self.order.settled(upto);
         }
-        // SAFETY: the caller's contract; every use of `ptr` on another lane is ordered before
-        // this free, by the waits just queued or by the host wait.
-        match unsafe { self.driver.free(lane, ptr) } {
-            Ok(()) => self.order.forget(ptr),
-            Err(source) => self.defer(Error::Driver {
-                call: "cuMemFreeAsync",
-                source,
-            }),
+        // Every use of `ptr` on another lane is ordered before the release, by the waits just
+        // queued or by the host wait.
+        match release(&mut *self.driver, lane) {
+            Ok(()) => {
+                self.order.forget(ptr);
+                Some(lane)
+            }
+            Err(source) => {
+                self.defer(Error::Driver { call, source });
+                None
+            }
         }
     }
 

@@ -29,6 +29,9 @@ pub struct DeviceTensor<T: Element> {
     owner: Arc<Shared>,
     /// Where the memory goes when the tensor is dropped, instead of the driver, if anywhere.
     recycle: Option<Arc<Recycler>>,
+    /// Who takes the memory when the tensor is dropped, when it is shared with other processes
+    /// (exported, or another process's and imported): instead of the driver's free.
+    home: Option<Arc<dyn Home>>,
     _element: PhantomData<T>,
 }
 
@@ -87,6 +90,18 @@ impl Recycler {
             .map(|blocks| blocks.into_iter().map(|(_, ptr)| ptr).collect())
             .unwrap_or_default()
     }
+}
+
+/// Where a tensor's memory goes when it is dropped, when other processes share it: memory this
+/// engine exported (freed only once every importer has unmapped it) or memory another process
+/// exported (released, and its exporter told, instead of freed).
+pub(crate) trait Home: Send + Sync + std::any::Any {
+    /// Takes the memory at `ptr`, of the engine `owner`, from a tensor being dropped. Never
+    /// frees it under work of this process or another that may still use it; what cannot be
+    /// proven done is leaked.
+    fn drop_memory(&self, owner: &Arc<Shared>, ptr: DevicePtr);
+    /// The home as `Any`, for the route that made it to know it again.
+    fn as_any(&self) -> &dyn std::any::Any;
 }
 
 impl<T: Element> std::fmt::Debug for DeviceTensor<T> {
@@ -161,8 +176,42 @@ impl<T: Element> DeviceTensor<T> {
             shape: shape.into(),
             owner: Arc::clone(&engine.shared),
             recycle: None,
+            home: None,
             _element: PhantomData,
         })
+    }
+
+    /// A tensor of `shape` over `ptr`, memory whose drop goes to `home`.
+    ///
+    /// # Safety
+    /// `ptr` is memory `owner`'s driver reaches, of at least `len` elements of `T`, valid `T`s
+    /// once the work `owner`'s streams wait for has run, and `home` is what releases it.
+    pub(crate) unsafe fn homed(
+        ptr: DevicePtr,
+        shape: &[usize],
+        len: usize,
+        owner: &Arc<Shared>,
+        home: Arc<dyn Home>,
+    ) -> Self {
+        DeviceTensor {
+            ptr,
+            len,
+            shape: shape.into(),
+            owner: Arc::clone(owner),
+            recycle: None,
+            home: Some(home),
+            _element: PhantomData,
+        }
+    }
+
+    /// Where the memory goes when the tensor is dropped, if not to the driver.
+    pub(crate) fn home(&self) -> Option<&Arc<dyn Home>> {
+        self.home.as_ref()
+    }
+
+    /// Sends the memory to `home` when the tensor is dropped.
+    pub(crate) fn set_home(&mut self, home: Arc<dyn Home>) {
+        self.home = Some(home);
     }
 
     /// The number of elements.
@@ -244,6 +293,7 @@ impl<T: Element> DeviceTensor<T> {
             shape,
             owner: Arc::clone(&self.owner),
             recycle: self.recycle.take(),
+            home: self.home.take(),
             _element: PhantomData,
         }
     }
@@ -294,6 +344,7 @@ impl<T: Element> DeviceTensor<T> {
             shape: shape.into(),
             owner: Arc::clone(owner),
             recycle: recycle.cloned(),
+            home: None,
             _element: PhantomData,
         }
     }
@@ -306,6 +357,8 @@ impl<T: Element> DeviceTensor<T> {
         self.len = 0;
         self.shape = Box::new([0]);
         self.recycle = None;
+        // Leaked memory goes nowhere: an exporter keeps memory whose import is leaked.
+        self.home = None;
     }
 
     pub(crate) fn raw_ptr(&self) -> DevicePtr {
@@ -331,6 +384,10 @@ impl<T: Element> DeviceTensor<T> {
 impl<T: Element> Drop for DeviceTensor<T> {
     fn drop(&mut self) {
         if self.ptr == 0 {
+            return;
+        }
+        if let Some(home) = self.home.take() {
+            home.drop_memory(&self.owner, self.ptr);
             return;
         }
         if let Some(recycle) = &self.recycle

@@ -17,6 +17,7 @@ pub(crate) mod checkpoint;
 pub mod peer;
 pub(crate) mod pending;
 mod scalar;
+#[cfg(target_os = "linux")]
 pub(crate) mod share;
 
 pub use blocking::{download_tensor, download_tensor_into, upload_tensor, upload_tensor_into};

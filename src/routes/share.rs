@@ -17,5 +17,11 @@
 //! beside an offer, each message checked as it is read; a handle of another host, another boot
 //! or a process that has exited is refused before anything is mapped.
 
-#[cfg(target_os = "linux")]
+mod export;
+mod import;
+#[cfg(test)]
+mod tests;
 pub(crate) mod wire;
+
+pub use export::{Exported, Importer, Lent, ShareListener};
+pub use import::{ReadOnly, ShareLink};

@@ -20,6 +20,8 @@ mod peer;
 mod pending;
 mod raw_scope;
 mod registered;
+#[cfg(target_os = "linux")]
+mod sharing;
 mod signal;
 mod staging;
 mod vendor;

@@ -31,6 +31,8 @@ mod collectives;
 mod multi_process;
 mod peer;
 mod peer_pending;
+#[cfg(target_os = "linux")]
+mod sharing;
 mod signals;
 mod two_gpus;
 // Work on the device: kernels, libraries, prepared graphs, raw scopes, CubeCL.

@@ -20,6 +20,7 @@
 // the tests reach them.
 #![cfg_attr(not(test), allow(dead_code))]
 
+use crate::driver::share::{Name, Origin};
 use crate::error::ShareError;
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
@@ -39,115 +40,19 @@ const MAX_DIMS: usize = 16;
 const OFFER: u8 = 1;
 const RELEASE: u8 = 2;
 const REFUSE: u8 = 3;
+const HELLO: u8 = 4;
+const UNMAP: u8 = 5;
+const UNMAPPED: u8 = 6;
+const GOODBYE: u8 = 7;
 
-/// The process that made a handle: its host, the host's boot, its pid and its start time.
+/// What an offer lets its importer do.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Origin {
-    pub(crate) host: [u8; 16],
-    pub(crate) boot: [u8; 16],
-    pub(crate) pid: u32,
-    /// The process's start, in clock ticks after the boot (`/proc/PID/stat`'s 22nd field).
-    pub(crate) start: u64,
-}
-
-/// Sixteen bytes from the 32 hexadecimal digits of `text` (dashes and whitespace skipped).
-fn id_bytes(text: &str) -> Option<[u8; 16]> {
-    let digits: Vec<u8> = text
-        .bytes()
-        .filter(|b| !b.is_ascii_whitespace() && *b != b'-')
-        .collect();
-    if digits.len() != 32 {
-        return None;
-    }
-    let mut id = [0u8; 16];
-    for (i, pair) in digits.chunks(2).enumerate() {
-        let pair = std::str::from_utf8(pair).ok()?;
-        id[i] = u8::from_str_radix(pair, 16).ok()?;
-    }
-    Some(id)
-}
-
-/// The 128-bit id in the first of `paths` that holds one.
-fn read_id(what: &'static str, paths: &[&str]) -> Result<[u8; 16], ShareError> {
-    for path in paths {
-        if let Some(id) = std::fs::read_to_string(path)
-            .ok()
-            .as_deref()
-            .and_then(id_bytes)
-        {
-            return Ok(id);
-        }
-    }
-    Err(ShareError::Identity {
-        what,
-        reason: format!("none of {paths:?} holds a 128-bit id"),
-    })
-}
-
-/// The host's id: its machine id, or, on a host without one (a minimal container), 128 bits
-/// of its name (two FNV-1a hashes), which tells hosts apart as far as their names do.
-fn host_id() -> Result<[u8; 16], ShareError> {
-    read_id("host", &["/etc/machine-id", "/var/lib/dbus/machine-id"]).or_else(|missing| {
-        let name = std::fs::read_to_string("/proc/sys/kernel/hostname").map_err(|_| missing)?;
-        let fnv = |seed: u64| {
-            name.trim().bytes().fold(seed, |h, b| {
-                (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
-            })
-        };
-        let mut id = [0u8; 16];
-        id[..8].copy_from_slice(&fnv(0xcbf2_9ce4_8422_2325).to_le_bytes());
-        id[8..].copy_from_slice(&fnv(0x8422_2325_cbf2_9ce4).to_le_bytes());
-        Ok(id)
-    })
-}
-
-/// The start time of process `pid`, if it is alive (`/proc/PID/stat`, the field after the
-/// command's closing parenthesis's nineteenth).
-fn start_of(pid: u32) -> Option<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // The command may hold spaces and parentheses: the fields start after the last `)`.
-    let rest = &stat[stat.rfind(')')? + 1..];
-    let field: Vec<&str> = rest.split_whitespace().collect();
-    // `rest` starts at field 3 (the state); the start time is field 22.
-    let start = field.get(22 - 3)?.parse().ok()?;
-    // A zombie has exited: its memory is gone, whatever its table entry says.
-    (field.first() != Some(&"Z")).then_some(start)
-}
-
-impl Origin {
-    /// This process.
-    ///
-    /// # Errors
-    /// [`ShareError::Identity`] when the host's or the boot's id cannot be read.
-    pub(crate) fn here() -> Result<Origin, ShareError> {
-        let pid = std::process::id();
-        Ok(Origin {
-            host: host_id()?,
-            boot: read_id("boot", &["/proc/sys/kernel/random/boot_id"])?,
-            pid,
-            start: start_of(pid).ok_or(ShareError::Identity {
-                what: "process",
-                reason: format!("/proc/{pid}/stat has no start time"),
-            })?,
-        })
-    }
-
-    /// Checks that the process this names is a live process of this host's current boot.
-    ///
-    /// # Errors
-    /// [`ShareError::OtherHost`], [`ShareError::OtherBoot`] or [`ShareError::ProcessGone`].
-    pub(crate) fn check(&self, here: &Origin) -> Result<(), ShareError> {
-        if self.host != here.host {
-            return Err(ShareError::OtherHost);
-        }
-        if self.boot != here.boot {
-            return Err(ShareError::OtherBoot);
-        }
-        if start_of(self.pid) != Some(self.start) {
-            return Err(ShareError::ProcessGone { pid: self.pid });
-        }
-        Ok(())
-    }
+pub(crate) enum Access {
+    /// Read it, beside the exporter and any other importer; the exporter writes it only after
+    /// every importer has released it.
+    Read,
+    /// Read and write it, alone: the exporter has handed its tensor over until it comes back.
+    Exclusive,
 }
 
 /// An exporter's offer of one tensor; the exporting pool's file descriptor travels with it.
@@ -160,23 +65,53 @@ pub(crate) struct Offer {
     pub(crate) device: [u8; 16],
     /// Its element type's code.
     pub(crate) dtype: u8,
+    /// What the importer may do with it.
+    pub(crate) access: Access,
     pub(crate) shape: Vec<u64>,
     pub(crate) bytes: u64,
     /// The allocation's export data (`CUmemPoolPtrExportData`).
-    pub(crate) pointer: [u8; 64],
+    pub(crate) pointer: Name,
     /// The inter-process event after the exporter's writes (`CUipcEventHandle`).
-    pub(crate) event: [u8; 64],
+    pub(crate) event: Name,
+}
+
+/// An importer's greeting.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Hello {
+    pub(crate) origin: Origin,
+    /// The UUID of the importer's device.
+    pub(crate) device: [u8; 16],
+    /// The importer's inter-process event (`CUipcEventHandle`).
+    pub(crate) event: Name,
 }
 
 /// A message of the sharing protocol.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) enum Message {
+    /// An importer's greeting, its first message: who it is, its device, and the event it
+    /// records after its last use of each import it releases.
+    Hello(Box<Hello>),
     /// An exporter's offer, with the pool's file descriptor beside it.
     Offer(Box<Offer>),
-    /// An importer's release of its import of tensor `id`.
+    /// An importer's release of its import of tensor `id`: its last use of it (and, for an
+    /// exclusive import, its writes) came before its greeting's event's latest record.
     Release { id: u64 },
-    /// A refusal of the other side's last message, and why.
-    Refuse { reason: String },
+    /// An importer's refusal of the offer of tensor `id`, and why: nothing of the offer is in
+    /// use; `mapped` says whether the importer still maps the tensor from an earlier offer.
+    Refuse {
+        id: u64,
+        mapped: bool,
+        reason: String,
+    },
+    /// An exporter's request that the importer unmap tensor `id` once no import of it is in
+    /// use: the exporter wants to free it.
+    Unmap { id: u64 },
+    /// An importer's word that it has unmapped tensor `id`, ordered before its greeting's
+    /// event's latest record: the exporter may free it.
+    Unmapped { id: u64 },
+    /// An importer's last message: it holds nothing (every mapping it had is unmapped, in the
+    /// messages before), and maps no offer that comes after.
+    Goodbye,
 }
 
 /// A body's reader, each field checked for length.
@@ -201,6 +136,15 @@ impl Body<'_> {
         self.take::<8>().map(u64::from_le_bytes)
     }
 
+    fn origin(&mut self) -> Result<Origin, ShareError> {
+        Ok(Origin {
+            host: self.take()?,
+            boot: self.take()?,
+            pid: u32::from_le_bytes(self.take()?),
+            start: self.u64()?,
+        })
+    }
+
     fn end(self) -> Result<(), ShareError> {
         if self.bytes.is_empty() {
             Ok(())
@@ -212,26 +156,44 @@ impl Body<'_> {
     }
 }
 
+/// Appends `origin`'s fields to `body`.
+fn put_origin(body: &mut Vec<u8>, origin: &Origin) {
+    body.extend_from_slice(&origin.host);
+    body.extend_from_slice(&origin.boot);
+    body.extend_from_slice(&origin.pid.to_le_bytes());
+    body.extend_from_slice(&origin.start.to_le_bytes());
+}
+
 impl Message {
     fn kind(&self) -> u8 {
         match self {
+            Message::Hello(_) => HELLO,
             Message::Offer(_) => OFFER,
             Message::Release { .. } => RELEASE,
             Message::Refuse { .. } => REFUSE,
+            Message::Unmap { .. } => UNMAP,
+            Message::Unmapped { .. } => UNMAPPED,
+            Message::Goodbye => GOODBYE,
         }
     }
 
     fn body(&self) -> Vec<u8> {
         let mut body = Vec::new();
         match self {
+            Message::Hello(h) => {
+                put_origin(&mut body, &h.origin);
+                body.extend_from_slice(&h.device);
+                body.extend_from_slice(&h.event);
+            }
             Message::Offer(o) => {
                 body.extend_from_slice(&o.id.to_le_bytes());
-                body.extend_from_slice(&o.origin.host);
-                body.extend_from_slice(&o.origin.boot);
-                body.extend_from_slice(&o.origin.pid.to_le_bytes());
-                body.extend_from_slice(&o.origin.start.to_le_bytes());
+                put_origin(&mut body, &o.origin);
                 body.extend_from_slice(&o.device);
                 body.push(o.dtype);
+                body.push(match o.access {
+                    Access::Read => 0,
+                    Access::Exclusive => 1,
+                });
                 body.push(o.shape.len() as u8);
                 for d in &o.shape {
                     body.extend_from_slice(&d.to_le_bytes());
@@ -241,7 +203,15 @@ impl Message {
                 body.extend_from_slice(&o.event);
             }
             Message::Release { id } => body.extend_from_slice(&id.to_le_bytes()),
-            Message::Refuse { reason } => body.extend_from_slice(reason.as_bytes()),
+            Message::Refuse { id, mapped, reason } => {
+                body.extend_from_slice(&id.to_le_bytes());
+                body.push(u8::from(*mapped));
+                body.extend_from_slice(reason.as_bytes());
+            }
+            Message::Unmap { id } | Message::Unmapped { id } => {
+                body.extend_from_slice(&id.to_le_bytes());
+            }
+            Message::Goodbye => {}
         }
         body
     }
@@ -254,14 +224,18 @@ impl Message {
                     kind: "an offer",
                 };
                 let id = b.u64()?;
-                let origin = Origin {
-                    host: b.take()?,
-                    boot: b.take()?,
-                    pid: u32::from_le_bytes(b.take()?),
-                    start: b.u64()?,
-                };
+                let origin = b.origin()?;
                 let device = b.take()?;
-                let [dtype, dims] = b.take()?;
+                let [dtype, access, dims] = b.take()?;
+                let access = match access {
+                    0 => Access::Read,
+                    1 => Access::Exclusive,
+                    other => {
+                        return Err(ShareError::Garbage {
+                            reason: format!("an offer of access {other} (0 or 1)"),
+                        });
+                    }
+                };
                 if usize::from(dims) > MAX_DIMS {
                     return Err(ShareError::Garbage {
                         reason: format!("an offer of {dims} dimensions (at most {MAX_DIMS})"),
@@ -273,6 +247,7 @@ impl Message {
                     origin,
                     device,
                     dtype,
+                    access,
                     shape,
                     bytes: b.u64()?,
                     pointer: b.take()?,
@@ -281,18 +256,66 @@ impl Message {
                 b.end()?;
                 Ok(Message::Offer(Box::new(offer)))
             }
-            RELEASE => {
+            HELLO => {
                 let mut b = Body {
                     bytes,
-                    kind: "a release",
+                    kind: "a greeting",
+                };
+                let hello = Hello {
+                    origin: b.origin()?,
+                    device: b.take()?,
+                    event: b.take()?,
+                };
+                b.end()?;
+                Ok(Message::Hello(Box::new(hello)))
+            }
+            RELEASE | UNMAP | UNMAPPED => {
+                let mut b = Body {
+                    bytes,
+                    kind: match kind {
+                        RELEASE => "a release",
+                        UNMAP => "an unmap request",
+                        _ => "an unmapping",
+                    },
                 };
                 let id = b.u64()?;
                 b.end()?;
-                Ok(Message::Release { id })
+                Ok(match kind {
+                    RELEASE => Message::Release { id },
+                    UNMAP => Message::Unmap { id },
+                    _ => Message::Unmapped { id },
+                })
             }
-            REFUSE => Ok(Message::Refuse {
-                reason: String::from_utf8_lossy(bytes).into_owned(),
-            }),
+            GOODBYE => {
+                Body {
+                    bytes,
+                    kind: "a goodbye",
+                }
+                .end()?;
+                Ok(Message::Goodbye)
+            }
+            REFUSE => {
+                let mut b = Body {
+                    bytes,
+                    kind: "a refusal",
+                };
+                let id = b.u64()?;
+                let [mapped] = b.take()?;
+                let mapped = match mapped {
+                    0 => false,
+                    1 => true,
+                    other => {
+                        return Err(ShareError::Garbage {
+                            reason: format!("a refusal whose mapped flag is {other}"),
+                        });
+                    }
+                };
+                Ok(Message::Refuse {
+                    id,
+                    mapped,
+                    reason: String::from_utf8_lossy(b.bytes).into_owned(),
+                })
+            }
             other => Err(ShareError::Garbage {
                 reason: format!("a message of kind {other}, which the protocol does not have"),
             }),
@@ -470,6 +493,7 @@ mod tests {
             origin,
             device: [3; 16],
             dtype: 2,
+            access: Access::Exclusive,
             shape: vec![4, 1024],
             bytes: 16384,
             pointer: [9; 64],
@@ -533,7 +557,7 @@ mod tests {
         other[MAGIC.len()] = 9;
         garbage(&other, "version 9");
         garbage(&frame(42, &[]), "kind 42");
-        let mut long = frame(REFUSE, &[]);
+        let mut long = frame(REFUSE, &[0; 9]);
         long[MAGIC.len() + 2..HEADER].copy_from_slice(&u32::MAX.to_le_bytes());
         garbage(&long, "at most");
         let cut = frame(RELEASE, &7u64.to_le_bytes());
@@ -545,65 +569,7 @@ mod tests {
         garbage(&frame(OFFER, &body), "without");
         garbage(&frame(OFFER, &body[..40]), "offer cut short");
         let mut dims = body.clone();
-        dims[8 + 16 + 16 + 4 + 8 + 16 + 1] = 200;
+        dims[8 + 16 + 16 + 4 + 8 + 16 + 2] = 200;
         garbage(&frame(OFFER, &dims), "200 dimensions");
-    }
-
-    #[test]
-    fn a_handle_of_another_host_boot_or_a_gone_process_is_refused() {
-        let here = Origin::here().unwrap();
-        assert!(here.check(&here).is_ok());
-        let other_host = Origin {
-            host: [0xaa; 16],
-            ..here
-        };
-        assert!(matches!(
-            other_host.check(&here),
-            Err(ShareError::OtherHost)
-        ));
-        let other_boot = Origin {
-            boot: [0xbb; 16],
-            ..here
-        };
-        assert!(matches!(
-            other_boot.check(&here),
-            Err(ShareError::OtherBoot)
-        ));
-        // A process that has exited, and a pid reused by a later process.
-        let mut child = std::process::Command::new("sleep")
-            .arg("30")
-            .spawn()
-            .unwrap();
-        let pid = child.id();
-        let alive = Origin {
-            pid,
-            start: start_of(pid).unwrap(),
-            ..here
-        };
-        assert!(alive.check(&here).is_ok());
-        child.kill().unwrap();
-        child.wait().unwrap();
-        assert!(matches!(
-            alive.check(&here),
-            Err(ShareError::ProcessGone { pid: p }) if p == pid
-        ));
-        let reused = Origin {
-            start: here.start + 1,
-            ..here
-        };
-        assert!(matches!(
-            reused.check(&here),
-            Err(ShareError::ProcessGone { .. })
-        ));
-    }
-
-    #[test]
-    fn ids_are_read_from_their_text_forms() {
-        let id = id_bytes("0123456789abcdef0123456789ABCDEF\n").unwrap();
-        assert_eq!(id[0], 0x01);
-        assert_eq!(id[15], 0xef);
-        assert_eq!(id_bytes("01234567-89ab-cdef-0123-456789abcdef"), Some(id));
-        assert_eq!(id_bytes("0123"), None);
-        assert_eq!(id_bytes("zz23456789abcdef0123456789abcdef"), None);
     }
 }

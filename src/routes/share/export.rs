@@ -1,0 +1,892 @@
+//! The exporting side: a listener that importer processes connect to, one [`Importer`] per
+//! connection, and the two states an exported tensor is in: [`Exported`] (shared read-only with
+//! any number of importers) and [`Lent`] (handed over exclusively to one).
+//!
+//! Every exported tensor has an [`Export`] entry, its home: the tensor keeps it after it comes
+//! back, so the same allocation offered again is the same export, which an importer that still
+//! maps it uses without mapping it again. The entry counts, connection by connection, the
+//! imports in use and the importers that map the memory. A connection's reader thread takes the
+//! importer's messages as they come: a release ends one import in use, and an unmapping ends
+//! the mapping; each makes the exporting engine's compute stream wait for the importer's event
+//! (recorded after its last use, or its unmapping) and records a write of the memory there, so
+//! the exporter's next use on any stream follows. A connection that ends while its importer holds
+//! anything (it closed it, or its process died) keeps what it holds until the driver says the
+//! process has ended: only then is no work of it left to touch the memory.
+//!
+//! The memory is written again only once no import of it is in use (a reclaim, a hand-back), and
+//! freed only once no importer maps it: a tensor dropped while importers map it asks each to
+//! unmap it, and its entry frees it after the last has.
+
+use super::wire::{self, Access, Message, Offer};
+use crate::core::engine::{CudaEngine, Shared};
+use crate::core::order::Use;
+use crate::driver::share::{Name, Origin};
+use crate::driver::{DevicePtr, EventHandle, Lane};
+use crate::error::{Error, Result, ShareError, SubmitError, UsageError};
+use crate::memory::element::Element;
+use crate::memory::tensor::{DeviceTensor, Home};
+use std::collections::HashMap;
+use std::os::fd::BorrowedFd;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
+use std::time::{Duration, Instant};
+
+/// How often a connection whose importer may have gone asks whether its process has ended.
+const PROCESS_POLL: Duration = Duration::from_millis(10);
+/// How long a connection's reader waits for a message before it asks whether the importer's
+/// process has ended (a killed process's socket may be held open by another).
+const IDLE_POLL: Duration = Duration::from_millis(100);
+/// How long an accepted connection may take to greet.
+const GREETING_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Numbers for exports and connections, unique in the process.
+static NEXT: AtomicU64 = AtomicU64::new(1);
+
+/// Locks `m`; every critical section here leaves its data whole, so a poisoned lock is usable.
+pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The code of an element type on the wire: its index in [`DType::ALL`](crate::DType::ALL).
+pub(super) fn dtype_code(dtype: crate::DType) -> u8 {
+    crate::DType::ALL
+        .iter()
+        .position(|&d| d == dtype)
+        .expect("every element type is in DType::ALL") as u8
+}
+
+/// One exported allocation: its imports in use and its mappings, connection by connection.
+struct Export {
+    id: u64,
+    ptr: DevicePtr,
+    engine: Arc<Shared>,
+    /// The allocation's export data.
+    pointer: Name,
+    inner: Mutex<Imports>,
+    changed: Condvar,
+}
+
+#[derive(Default)]
+struct Imports {
+    /// Imports in use, by connection.
+    held: HashMap<u64, usize>,
+    /// The connections whose importers map the memory.
+    mapped: HashMap<u64, Weak<Conn>>,
+    /// Set once the exporter's tensor is gone: the entry frees the memory once it is unmapped
+    /// everywhere.
+    abandoned: bool,
+    /// Set when an importer's last use could not be ordered before the exporter's next: the
+    /// memory is never written or freed again.
+    unprovable: Option<Error>,
+}
+
+impl Imports {
+    fn in_use(&self) -> usize {
+        self.held.values().sum()
+    }
+}
+
+/// The home of an exported tensor: its [`Export`] entry.
+struct ExportHome(Arc<Export>);
+
+impl Home for ExportHome {
+    fn drop_memory(&self, _owner: &Arc<Shared>, ptr: DevicePtr) {
+        let export = &self.0;
+        debug_assert_eq!(ptr, export.ptr);
+        let mapped: Vec<Arc<Conn>> = {
+            let mut inner = lock(&export.inner);
+            inner.abandoned = true;
+            inner.mapped.values().filter_map(Weak::upgrade).collect()
+        };
+        // Every importer that maps it is asked to unmap it; the last unmapping frees it. A
+        // request that cannot be sent leaves the memory with the importer until it closes.
+        for conn in &mapped {
+            let _ = conn.send(&Message::Unmap { id: export.id }, None);
+        }
+        export.settle();
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+impl Export {
+    /// The export entry of `tensor`: its own when it was exported before, else a new one, made
+    /// its home.
+    fn of<T: Element>(engine: &mut CudaEngine, tensor: &mut DeviceTensor<T>) -> Result<Arc<Self>> {
+        tensor.check_engine(engine)?;
+        if tensor.is_empty() {
+            return Err(Error::Usage(UsageError::ZeroLength {
+                what: "a shared tensor",
+            }));
+        }
+        if let Some(home) = tensor.home() {
+            return match home.as_any().downcast_ref::<ExportHome>() {
+                Some(ExportHome(export)) => Ok(Arc::clone(export)),
+                None => Err(Error::Share(ShareError::Reexport)),
+            };
+        }
+        let ptr = tensor.raw_ptr();
+        let pointer = {
+            let mut st = engine.enter()?;
+            // A pool's pointers can be exported only once the pool itself has been.
+            st.driver
+                .pool_descriptor()
+                .map_err(Error::driver("cuMemPoolExportToShareableHandle"))?;
+            st.driver
+                .export_pointer(ptr)
+                .map_err(Error::driver("cuMemPoolExportPointer"))?
+        };
+        let export = Arc::new(Export {
+            id: NEXT.fetch_add(1, Ordering::Relaxed),
+            ptr,
+            engine: Arc::clone(&engine.shared),
+            pointer,
+            inner: Mutex::new(Imports::default()),
+            changed: Condvar::new(),
+        });
+        tensor.set_home(Arc::new(ExportHome(Arc::clone(&export))));
+        Ok(export)
+    }
+
+    /// Frees the memory once the exporter's tensor is gone and no importer maps it (or leaks
+    /// it when an importer's use could not be ordered).
+    fn settle(&self) {
+        let free = {
+            let mut inner = lock(&self.inner);
+            let free = inner.abandoned
+                && inner.mapped.is_empty()
+                && inner.in_use() == 0
+                && inner.unprovable.is_none();
+            // Freed once: the flag is the memory's.
+            inner.abandoned &= !free;
+            free
+        };
+        self.changed.notify_all();
+        if !free {
+            return;
+        }
+        // Leaked (never freed) when the context cannot be entered.
+        if let Some(mut st) = self.engine.enter_for_drop() {
+            // SAFETY: the exporter's own allocation, whose tensor is gone: no operation queued
+            // later names it; every importer's last use and unmapping is ordered before this
+            // free by the waits `order_after` queued on the compute stream.
+            unsafe { st.free_device(&*self.engine.waits, self.ptr) };
+        }
+    }
+
+    /// Orders the exporting engine's next use of the memory after an importer's last one: its
+    /// compute stream waits for `done` (the importer's event, recorded after its last use or
+    /// its unmapping), and a write recorded there orders the other streams after that wait.
+    /// When the device refuses the wait, the host waits for the event instead; when that fails
+    /// too, the memory is never written or freed again.
+    fn order_after(&self, done: EventHandle) {
+        let refused = match self.engine.enter() {
+            Ok(mut st) => {
+                let st = &mut *st;
+                match st.driver.stream_wait(Lane::Compute, done) {
+                    Ok(()) => {
+                        st.order.mark(Lane::Compute, &[Use::Write(self.ptr)]);
+                        false
+                    }
+                    Err(source) => {
+                        st.defer(Error::Driver {
+                            call: "cuStreamWaitEvent",
+                            source,
+                        });
+                        true
+                    }
+                }
+            }
+            Err(error) => {
+                lock(&self.inner).unprovable = Some(error);
+                return;
+            }
+        };
+        if refused && let Err(source) = self.engine.waits.event_synchronize(done) {
+            lock(&self.inner).unprovable = Some(Error::DeviceFault {
+                what: "an importer's last use of a shared tensor",
+                source,
+            });
+        }
+    }
+
+    /// Waits until no import is in use, at most `within`: `Ok(())` then; else the count still
+    /// in use (`false`), or the failure that left an importer's use unordered (`true`).
+    fn wait_released(&self, within: Duration) -> Result<(), (Error, bool)> {
+        let deadline = Instant::now() + within;
+        let mut inner = lock(&self.inner);
+        loop {
+            if let Some(error) = inner.unprovable.take() {
+                return Err((error, true));
+            }
+            let imports = inner.in_use();
+            if imports == 0 {
+                return Ok(());
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err((Error::Share(ShareError::StillImported { imports }), false));
+            }
+            inner = self
+                .changed
+                .wait_timeout(inner, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+}
+
+/// What a connection's reader knows of its importer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Link {
+    /// Reading its messages.
+    Open,
+    /// Its socket ended (or it broke the protocol) while it may hold imports or mappings: they
+    /// are held until its process ends.
+    Closed,
+    /// Its socket ended and it holds nothing: it released and unmapped everything, or its
+    /// process ended.
+    Done,
+}
+
+/// One importer's connection, shared by its [`Importer`] handle and its reader thread.
+struct Conn {
+    id: u64,
+    origin: Origin,
+    engine: Arc<Shared>,
+    writer: Mutex<UnixStream>,
+    /// The exporter's event, recorded before each offer; its handle goes with every offer.
+    ready: EventHandle,
+    ready_name: Name,
+    /// The importer's event, opened here.
+    done: EventHandle,
+    /// The exports this connection's importer uses or maps, by export id.
+    exports: Mutex<HashMap<u64, Arc<Export>>>,
+    link: Mutex<Link>,
+    /// Signalled when `link` changes.
+    changed: Condvar,
+}
+
+/// What an importer's message ends.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Ends {
+    /// One import in use, released after its last use.
+    Use,
+    /// One import, refused before it was used; the mapping stays when `true`.
+    Refusal { mapped: bool },
+    /// The mapping, after the importer unmapped it.
+    Mapping,
+}
+
+impl Conn {
+    /// Applies a release, a refusal or an unmapping of export `id`; `false` when it names
+    /// nothing this connection holds (the importer broke the protocol).
+    fn end(self: &Arc<Self>, id: u64, ends: Ends) -> bool {
+        let Some(export) = lock(&self.exports).get(&id).cloned() else {
+            return false;
+        };
+        if matches!(ends, Ends::Use | Ends::Mapping) {
+            export.order_after(self.done);
+        }
+        {
+            // Under the connection's lock, so an offer made meanwhile is counted in both.
+            let mut exports = lock(&self.exports);
+            let mut inner = lock(&export.inner);
+            match ends {
+                Ends::Use | Ends::Refusal { .. } => {
+                    let Some(n) = inner.held.get_mut(&self.id) else {
+                        return false;
+                    };
+                    *n -= 1;
+                    if *n == 0 {
+                        inner.held.remove(&self.id);
+                    }
+                    if ends == (Ends::Refusal { mapped: false }) {
+                        inner.mapped.remove(&self.id);
+                    }
+                }
+                Ends::Mapping => {
+                    if inner.held.contains_key(&self.id) {
+                        return false;
+                    }
+                    inner.mapped.remove(&self.id);
+                }
+            }
+            if !inner.held.contains_key(&self.id) && !inner.mapped.contains_key(&self.id) {
+                exports.remove(&id);
+            }
+        }
+        export.settle();
+        true
+    }
+
+    /// The reader: the importer's messages until its socket ends, then the wait for its
+    /// process to end, when it still holds anything.
+    fn read(self: Arc<Self>, mut reader: UnixStream) {
+        let pid = self.origin.pid;
+        loop {
+            // A process that dies closes its socket; one whose socket another process holds
+            // open does not, so an idle socket is also a cue to ask the driver.
+            if !readable(&reader, IDLE_POLL) {
+                if self.ended() {
+                    break;
+                }
+                continue;
+            }
+            match wire::recv(&mut reader) {
+                Ok((Message::Release { id }, _)) if self.end(id, Ends::Use) => {}
+                Ok((Message::Unmapped { id }, _)) if self.end(id, Ends::Mapping) => {}
+                Ok((Message::Goodbye, _)) => {
+                    self.forget_all();
+                    break;
+                }
+                Ok((Message::Refuse { id, mapped, reason }, _))
+                    if self.end(id, Ends::Refusal { mapped }) =>
+                {
+                    self.engine
+                        .lock()
+                        .defer(Error::Share(ShareError::Refused { pid, reason }));
+                }
+                // A message an importer never sends, one that names nothing it holds, garbage,
+                // or the end: the connection is over, and what it holds is held until its
+                // process ends.
+                _ => break,
+            }
+        }
+        // Every message is taken and every wait queued: the importer may destroy its event.
+        let _ = lock(&self.writer).shutdown(std::net::Shutdown::Write);
+        self.set_link(Link::Closed);
+        while !lock(&self.exports).is_empty() && !self.ended() {
+            std::thread::sleep(PROCESS_POLL);
+        }
+        // Its process has ended (its work with it), or it holds nothing.
+        self.forget_all();
+        self.set_link(Link::Done);
+    }
+
+    /// Ends everything the importer held: it said goodbye (after its last release and
+    /// unmapping), or its process has ended.
+    fn forget_all(&self) {
+        let exports: Vec<_> = lock(&self.exports).drain().map(|(_, e)| e).collect();
+        for export in exports {
+            {
+                let mut inner = lock(&export.inner);
+                inner.held.remove(&self.id);
+                inner.mapped.remove(&self.id);
+            }
+            export.settle();
+        }
+    }
+
+    /// Whether the importer's process has ended, as the driver judges it.
+    fn ended(&self) -> bool {
+        self.engine.lock().driver.process_ended(&self.origin)
+    }
+
+    fn set_link(&self, link: Link) {
+        *lock(&self.link) = link;
+        self.changed.notify_all();
+    }
+
+    fn send(&self, message: &Message, fd: Option<BorrowedFd<'_>>) -> Result<()> {
+        wire::send(&mut lock(&self.writer), message, fd).map_err(Error::Share)
+    }
+}
+
+/// Whether `stream` has something to read (a message, or its end) within `within`.
+fn readable(stream: &UnixStream, within: Duration) -> bool {
+    use std::os::fd::AsRawFd;
+    let mut poll = libc::pollfd {
+        fd: stream.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    let millis = libc::c_int::try_from(within.as_millis()).unwrap_or(libc::c_int::MAX);
+    // SAFETY: one valid `pollfd`, for the duration of the call.
+    let ready = unsafe { libc::poll(&mut poll, 1, millis) };
+    // An interruption is retried at the next round; any other error reads as the end.
+    ready > 0
+        || (ready < 0 && std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted)
+}
+
+impl Drop for Conn {
+    fn drop(&mut self) {
+        // The last holder is the reader, which has seen the importer go, or the handle of a
+        // connection whose reader never started: no offer is still to be made, and the waits
+        // queued on `done` captured their record when queued.
+        if let Some(mut st) = self.engine.enter_for_drop() {
+            // SAFETY: `done` was opened on this engine and is closed once, here.
+            let _ = unsafe { st.driver.ipc_event_close(self.done) };
+            // SAFETY: `ready` is this connection's own event, destroyed once; an importer's
+            // waits on it captured their record when queued.
+            let _ = unsafe { st.driver.event_destroy(self.ready) };
+        }
+    }
+}
+
+/// The socket importer processes connect to, on the exporting side.
+///
+/// Binding makes a Unix socket at `path` (removed again when the listener is dropped); each
+/// [`accept`](Self::accept) takes one importer's connection. Callers with a channel of their
+/// own (a socket pair made before a fork, say) skip the listener: [`Importer::from_stream`].
+#[derive(Debug)]
+pub struct ShareListener {
+    listener: UnixListener,
+    path: PathBuf,
+}
+
+impl ShareListener {
+    /// Binds a Unix socket at `path`.
+    ///
+    /// # Errors
+    /// [`ShareError::Io`] when the socket cannot be made (the path exists, say).
+    pub fn bind(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref().to_path_buf();
+        let listener = UnixListener::bind(&path).map_err(|source| {
+            Error::Share(ShareError::Io {
+                operation: "bind",
+                source,
+            })
+        })?;
+        Ok(ShareListener { listener, path })
+    }
+
+    /// The socket's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Waits for the next importer to connect and greet, for `engine` to share with.
+    ///
+    /// # Errors
+    /// As [`Importer::from_stream`]; [`ShareError::Io`] when the accept fails.
+    pub fn accept(&self, engine: &mut CudaEngine) -> Result<Importer> {
+        let (stream, _) = self.listener.accept().map_err(|source| {
+            Error::Share(ShareError::Io {
+                operation: "accept",
+                source,
+            })
+        })?;
+        Importer::from_stream(engine, stream)
+    }
+}
+
+impl Drop for ShareListener {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// One importer process, as its exporter sees it: what [`offer`](Self::offer) and
+/// [`lend`](Self::lend) send tensors to.
+///
+/// Dropping the handle offers nothing more; the connection lives on while the importer uses or
+/// maps anything of this exporter's, and ends once it holds nothing or its process has ended.
+pub struct Importer {
+    conn: Arc<Conn>,
+}
+
+impl std::fmt::Debug for Importer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Importer")
+            .field("pid", &self.conn.origin.pid)
+            .field("link", &*lock(&self.conn.link))
+            .finish()
+    }
+}
+
+impl Importer {
+    /// Takes an importer's connection on `stream`, a channel the caller brought: reads its
+    /// greeting, checks that it is a live process of this host, and opens its event on
+    /// `engine`, which every tensor offered to it must belong to.
+    ///
+    /// # Errors
+    /// [`ShareError::Garbage`], [`ShareError::Closed`] or [`ShareError::Io`] when the greeting
+    /// does not come (within ten seconds) or is not the protocol; [`ShareError::OtherHost`],
+    /// [`ShareError::OtherBoot`] or [`ShareError::ProcessGone`] for a greeting of another host,
+    /// boot or an exited process; [`Error::Driver`] when the events cannot be made or opened.
+    pub fn from_stream(engine: &mut CudaEngine, mut stream: UnixStream) -> Result<Importer> {
+        let io = |operation| move |source| Error::Share(ShareError::Io { operation, source });
+        stream
+            .set_read_timeout(Some(GREETING_TIMEOUT))
+            .map_err(io("setsockopt"))?;
+        let hello = match wire::recv(&mut stream)? {
+            (Message::Hello(hello), _) => hello,
+            _ => {
+                return Err(Error::Share(ShareError::Garbage {
+                    reason: "a connection that did not open with a greeting".into(),
+                }));
+            }
+        };
+        stream.set_read_timeout(None).map_err(io("setsockopt"))?;
+        let reader = stream.try_clone().map_err(io("dup"))?;
+        let shared = Arc::clone(&engine.shared);
+        let (ready, ready_name, done) = {
+            let mut st = engine.enter()?;
+            let here = st.driver.process()?;
+            let ended = st.driver.process_ended(&hello.origin);
+            hello.origin.check(&here, ended)?;
+            let (ready, ready_name) = st
+                .driver
+                .ipc_event_create()
+                .map_err(Error::driver("cuIpcGetEventHandle"))?;
+            match st.driver.ipc_event_open(&hello.event) {
+                Ok(done) => (ready, ready_name, done),
+                Err(source) => {
+                    // SAFETY: made just above, never recorded or named elsewhere.
+                    let _ = unsafe { st.driver.event_destroy(ready) };
+                    return Err(Error::Driver {
+                        call: "cuIpcOpenEventHandle",
+                        source,
+                    });
+                }
+            }
+        };
+        let conn = Arc::new(Conn {
+            id: NEXT.fetch_add(1, Ordering::Relaxed),
+            origin: hello.origin,
+            engine: shared,
+            writer: Mutex::new(stream),
+            ready,
+            ready_name,
+            done,
+            exports: Mutex::new(HashMap::new()),
+            link: Mutex::new(Link::Open),
+            changed: Condvar::new(),
+        });
+        let reading = Arc::clone(&conn);
+        std::thread::Builder::new()
+            .name("cuferry-share".into())
+            .spawn(move || reading.read(reader))
+            .map_err(io("spawn"))?;
+        Ok(Importer { conn })
+    }
+
+    /// The importer's process id.
+    pub fn pid(&self) -> u32 {
+        self.conn.origin.pid
+    }
+
+    /// Whether the connection is over and the importer holds nothing of this exporter's: it
+    /// released and unmapped everything and closed its end, or its process ended (and the
+    /// driver tore its context down).
+    pub fn is_done(&self) -> bool {
+        *lock(&self.conn.link) == Link::Done
+    }
+
+    /// Waits at most `within` until [`is_done`](Self::is_done); returns whether it is.
+    pub fn wait_done(&self, within: Duration) -> bool {
+        let deadline = Instant::now() + within;
+        let mut link = lock(&self.conn.link);
+        while *link != Link::Done {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            link = self
+                .conn
+                .changed
+                .wait_timeout(link, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        true
+    }
+
+    /// Offers `tensor` to the importer, read-only: the importer's reads run after every write
+    /// queued on the exporting engine before this call (its streams wait for an event of this
+    /// engine's, on the device). The tensor stays readable here; it is written again only once
+    /// reclaimed ([`Exported::reclaim`]), after every importer released it.
+    ///
+    /// # Errors
+    /// [`UsageError::WrongEngine`] when `tensor` or this importer is not `engine`'s;
+    /// [`Error::Driver`] when the event cannot be recorded or the pool exported;
+    /// [`ShareError::Io`] when the socket refuses. Nothing is counted as imported then.
+    pub fn offer<T: Element>(&self, engine: &mut CudaEngine, tensor: &Exported<T>) -> Result<()> {
+        self.send_offer(engine, &tensor.tensor, &tensor.export, Access::Read)
+    }
+
+    /// Hands `tensor` over to the importer, exclusively: the importer reads and writes it
+    /// after every use queued on this engine before this call, and until it hands it back this
+    /// engine has no access ([`Lent::wait_back`] returns it, ordered after the importer's
+    /// writes). A tensor lent before (and come back) is the same export: an importer that still
+    /// maps it does not map it again.
+    ///
+    /// # Errors
+    /// [`UsageError::ZeroLength`] for an empty tensor, [`ShareError::Reexport`] for a tensor
+    /// imported from another process, and as [`export_tensor`](CudaEngine::export_tensor): the
+    /// tensor comes back in [`SubmitError::Rejected`] (nothing was sent); as
+    /// [`offer`](Self::offer) when sending fails: the tensor comes back in
+    /// [`SubmitError::Failed`].
+    // The refusal hands the tensor back by value, as `TrySendError<T>` does.
+    #[allow(clippy::result_large_err)]
+    pub fn lend<T: Element>(
+        &self,
+        engine: &mut CudaEngine,
+        mut tensor: DeviceTensor<T>,
+    ) -> Result<Lent<T>, SubmitError<DeviceTensor<T>>> {
+        let export = match Export::of(engine, &mut tensor) {
+            Ok(export) => export,
+            Err(error) => {
+                return Err(SubmitError::Rejected {
+                    input: tensor,
+                    error,
+                });
+            }
+        };
+        match self.send_offer(engine, &tensor, &export, Access::Exclusive) {
+            Ok(()) => Ok(Lent { tensor, export }),
+            Err(error) => Err(SubmitError::Failed {
+                input: tensor,
+                error,
+            }),
+        }
+    }
+
+    fn send_offer<T: Element>(
+        &self,
+        engine: &mut CudaEngine,
+        tensor: &DeviceTensor<T>,
+        export: &Arc<Export>,
+        access: Access,
+    ) -> Result<()> {
+        tensor.check_engine(engine)?;
+        engine
+            .shared
+            .check_owner(self.conn.engine.device, self.conn.engine.engine_id)?;
+        let conn = &self.conn;
+        if *lock(&conn.link) != Link::Open {
+            return Err(Error::Share(ShareError::Closed));
+        }
+        // Counted before the offer leaves, so its release can never come before its count.
+        let mapped_before = {
+            let mut exports = lock(&conn.exports);
+            exports.insert(export.id, Arc::clone(export));
+            let mut inner = lock(&export.inner);
+            *inner.held.entry(conn.id).or_default() += 1;
+            inner.mapped.insert(conn.id, Arc::downgrade(conn)).is_some()
+        };
+        let sent = (|| {
+            let (fd, origin, device) = {
+                let mut st = engine.enter()?;
+                let st = &mut *st;
+                // The compute stream joins the copy streams, so the event covers every use
+                // queued so far on all three.
+                st.order.join(&mut *st.driver, Lane::Compute)?;
+                st.driver
+                    .event_record(Lane::Compute, conn.ready)
+                    .map_err(Error::driver("cuEventRecord"))?;
+                let fd = st
+                    .driver
+                    .pool_descriptor()
+                    .map_err(Error::driver("cuMemPoolExportToShareableHandle"))?;
+                (fd, st.driver.process()?, st.driver.uuid())
+            };
+            let offer = Offer {
+                id: export.id,
+                origin,
+                device,
+                dtype: dtype_code(T::DTYPE),
+                access,
+                shape: tensor.shape().iter().map(|&d| d as u64).collect(),
+                bytes: tensor.byte_len() as u64,
+                pointer: export.pointer,
+                event: conn.ready_name,
+            };
+            // SAFETY: the driver keeps the descriptor open for as long as it lives, which is
+            // longer than this call (its engine is borrowed).
+            let fd = unsafe { BorrowedFd::borrow_raw(fd) };
+            conn.send(&Message::Offer(Box::new(offer)), Some(fd))
+        })();
+        if sent.is_err() {
+            // The importer never had it (a message cut short maps nothing there).
+            let mut exports = lock(&conn.exports);
+            let mut inner = lock(&export.inner);
+            if let Some(n) = inner.held.get_mut(&conn.id) {
+                *n -= 1;
+                if *n == 0 {
+                    inner.held.remove(&conn.id);
+                }
+            }
+            if !mapped_before {
+                inner.mapped.remove(&conn.id);
+            }
+            if !inner.held.contains_key(&conn.id) && !inner.mapped.contains_key(&conn.id) {
+                exports.remove(&export.id);
+            }
+            drop((inner, exports));
+            export.settle();
+        }
+        sent
+    }
+}
+
+/// A tensor shared read-only with importer processes ([`CudaEngine::export_tensor`]).
+///
+/// The exporting engine still reads it (it dereferences to the tensor), never writes it: a
+/// write needs the tensor back, [`reclaim`](Self::reclaim)ed once every importer has released
+/// its import, and ordered after their reads. Dropping it frees nothing under an importer: the
+/// memory is kept until no importer maps it (or its process has ended), then freed
+/// stream-ordered.
+pub struct Exported<T: Element> {
+    tensor: DeviceTensor<T>,
+    export: Arc<Export>,
+}
+
+impl<T: Element> std::fmt::Debug for Exported<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Exported")
+            .field("tensor", &self.tensor)
+            .field("imports", &self.imports())
+            .finish()
+    }
+}
+
+impl<T: Element> std::ops::Deref for Exported<T> {
+    type Target = DeviceTensor<T>;
+    fn deref(&self) -> &DeviceTensor<T> {
+        &self.tensor
+    }
+}
+
+/// Waits for `export`'s imports to end, for [`Exported::reclaim`] and [`Lent::wait_back`].
+#[allow(clippy::result_large_err)]
+fn back<T: Element, S>(
+    export: &Export,
+    within: Duration,
+    split: S,
+) -> Result<DeviceTensor<T>, SubmitError<S>>
+where
+    S: Into<DeviceTensor<T>>,
+{
+    match export.wait_released(within) {
+        Ok(()) => Ok(split.into()),
+        Err((error, false)) => Err(SubmitError::Rejected {
+            input: split,
+            error,
+        }),
+        Err((error, true)) => {
+            // The memory stays where it is for good: an importer's use was never ordered.
+            let mut tensor: DeviceTensor<T> = split.into();
+            tensor.leak_memory();
+            Err(SubmitError::Retained { error })
+        }
+    }
+}
+
+impl<T: Element> From<Exported<T>> for DeviceTensor<T> {
+    fn from(exported: Exported<T>) -> Self {
+        exported.tensor
+    }
+}
+
+impl<T: Element> Exported<T> {
+    /// The imports in use now.
+    pub fn imports(&self) -> usize {
+        lock(&self.export.inner).in_use()
+    }
+
+    /// The tensor back for writing, once every importer has released it, waiting at most
+    /// `within` on the host; every use on the exporting engine from now on runs after the
+    /// importers' last uses (on the device). Importers may still map it: it is freed, once
+    /// dropped, only after they have unmapped it.
+    ///
+    /// # Errors
+    /// [`SubmitError::Rejected`] with [`ShareError::StillImported`] when imports are still in
+    /// use at the deadline (the share comes back, still shared); [`SubmitError::Retained`] when
+    /// an importer's last use could not be ordered before this engine's (the memory is kept for
+    /// the engine's lifetime).
+    #[allow(clippy::result_large_err)]
+    pub fn reclaim(self, within: Duration) -> Result<DeviceTensor<T>, SubmitError<Self>> {
+        let export = Arc::clone(&self.export);
+        back(&export, within, self)
+    }
+
+    /// [`reclaim`](Self::reclaim) without waiting.
+    ///
+    /// # Errors
+    /// As [`reclaim`](Self::reclaim).
+    #[allow(clippy::result_large_err)]
+    pub fn try_reclaim(self) -> Result<DeviceTensor<T>, SubmitError<Self>> {
+        self.reclaim(Duration::ZERO)
+    }
+}
+
+/// A tensor handed over exclusively to one importer process ([`Importer::lend`]): this engine
+/// has no access until it comes back ([`wait_back`](Self::wait_back)).
+///
+/// Dropping it keeps the memory until the importer has handed it back and unmapped it (or its
+/// process has ended), then frees it stream-ordered.
+pub struct Lent<T: Element> {
+    tensor: DeviceTensor<T>,
+    export: Arc<Export>,
+}
+
+impl<T: Element> std::fmt::Debug for Lent<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Lent")
+            .field("back", &self.is_back())
+            .finish()
+    }
+}
+
+impl<T: Element> From<Lent<T>> for DeviceTensor<T> {
+    fn from(lent: Lent<T>) -> Self {
+        lent.tensor
+    }
+}
+
+impl<T: Element> Lent<T> {
+    /// Whether the importer has handed it back (or its process has ended).
+    pub fn is_back(&self) -> bool {
+        lock(&self.export.inner).in_use() == 0
+    }
+
+    /// The tensor back, once the importer has handed it back, waiting at most `within` on the
+    /// host: every use on this engine from now on runs after the importer's writes (on the
+    /// device). A tensor whose importer's process died comes back with whatever it wrote.
+    ///
+    /// # Errors
+    /// As [`Exported::reclaim`].
+    #[allow(clippy::result_large_err)]
+    pub fn wait_back(self, within: Duration) -> Result<DeviceTensor<T>, SubmitError<Self>> {
+        let export = Arc::clone(&self.export);
+        back(&export, within, self)
+    }
+
+    /// [`wait_back`](Self::wait_back) without waiting.
+    ///
+    /// # Errors
+    /// As [`Exported::reclaim`].
+    #[allow(clippy::result_large_err)]
+    pub fn try_back(self) -> Result<DeviceTensor<T>, SubmitError<Self>> {
+        self.wait_back(Duration::ZERO)
+    }
+}
+
+impl CudaEngine {
+    /// Makes `tensor` shareable read-only with importer processes ([`Importer::offer`]).
+    ///
+    /// # Errors
+    /// [`UsageError::WrongEngine`] when it is not this engine's, [`UsageError::ZeroLength`]
+    /// when it has no elements, [`ShareError::Reexport`] when it is another process's, imported
+    /// here, [`Error::Driver`] when the device cannot export it (a pool that is not
+    /// exportable): the tensor comes back in [`SubmitError::Rejected`].
+    #[allow(clippy::result_large_err)]
+    pub fn export_tensor<T: Element>(
+        &mut self,
+        mut tensor: DeviceTensor<T>,
+    ) -> Result<Exported<T>, SubmitError<DeviceTensor<T>>> {
+        match Export::of(self, &mut tensor) {
+            Ok(export) => Ok(Exported { tensor, export }),
+            Err(error) => Err(SubmitError::Rejected {
+                input: tensor,
+                error,
+            }),
+        }
+    }
+}

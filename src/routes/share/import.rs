@@ -1,0 +1,712 @@
+//! The importing side: a [`ShareLink`] to one exporter process, the read-only imports it
+//! yields ([`ReadOnly`]) and the exclusive ones (plain [`DeviceTensor`]s, whose drop hands them
+//! back).
+//!
+//! An imported tensor is a `DeviceTensor` of the importing engine whose memory is the
+//! exporter's. It carries its import as its home, so wherever it goes, dropping it releases the
+//! import: an event recorded after its last use (on every stream) and a release sent, never a
+//! free of the exporter's memory. The link keeps the mapping for the next offer of the same
+//! tensor (mapping costs far more than an offer), until the exporter asks for it back (it wants
+//! to free the memory) or the link goes: then the memory is unmapped stream-ordered, an event
+//! recorded after it, and the exporter told. A release that cannot be proven ordered is never
+//! sent: its exporter then keeps the memory until this process exits.
+
+use super::export::{dtype_code, lock};
+use super::wire::{self, Access, Hello, Message, Offer};
+use crate::core::engine::{CudaEngine, Shared, State};
+use crate::core::order::Use;
+use crate::driver::share::{Name, Origin};
+use crate::driver::{DevicePtr, EventHandle, Lane};
+use crate::error::{Error, Result, ShareError};
+use crate::memory::element::Element;
+use crate::memory::tensor::{DeviceTensor, Home, shape_len};
+use std::collections::{HashMap, HashSet};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, channel};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+/// How long a link that goes waits for its exporter to take its last messages.
+const LINGER: Duration = Duration::from_secs(10);
+
+/// An exporter's mapped allocation.
+struct Mapping {
+    ptr: DevicePtr,
+    /// Its export data, which every later offer of it must repeat.
+    pointer: Name,
+    /// Imports of it alive.
+    in_use: usize,
+    /// Whether the exporter asked for it back: unmapped once no import is in use.
+    unmap: bool,
+}
+
+#[derive(Default)]
+struct Mappings {
+    by_id: HashMap<u64, Mapping>,
+    /// Unmap requests for tensors whose offer has not been taken yet.
+    asked: HashSet<u64>,
+    /// Set once a release or an unmapping could not be proven ordered (the exporter was not
+    /// told): the link never says it holds nothing, so the exporter keeps its memory until
+    /// this process ends.
+    stuck: bool,
+}
+
+/// What the link, its reader and every import of it share: the socket, this side's event and
+/// the mappings.
+struct LinkShared {
+    engine: Arc<Shared>,
+    writer: Mutex<UnixStream>,
+    /// Set by the reader once the exporter's end is closed: the exporter has taken every
+    /// message, and queued every wait for `done` it will queue.
+    closed: Arc<(Mutex<bool>, std::sync::Condvar)>,
+    /// This importer's event, recorded after each release and unmapping.
+    done: EventHandle,
+    mapped: Mutex<Mappings>,
+}
+
+/// Records `done` on `lane` after the work queued there, or, when the device refuses, waits on
+/// the host for every lane instead; `false` when neither proves the work ordered (and the
+/// exporter must not be told).
+fn record_done(st: &mut State, engine: &Shared, lane: Lane, done: EventHandle) -> bool {
+    let Err(source) = st.driver.event_record(lane, done) else {
+        return true;
+    };
+    st.defer(Error::Driver {
+        call: "cuEventRecord",
+        source,
+    });
+    match engine.waits.stream_synchronize() {
+        Ok(()) => true,
+        Err(source) => {
+            st.defer(Error::DeviceFault {
+                what: "the last use of an imported tensor",
+                source,
+            });
+            false
+        }
+    }
+}
+
+/// Unmaps `ptr` after every use of it on `st`'s streams and records `done` after that; `false`
+/// when it stays mapped or the order cannot be proven (the exporter must not be told).
+fn unmap(st: &mut State, engine: &Shared, ptr: DevicePtr, done: EventHandle) -> bool {
+    // SAFETY: `ptr` is an import of this driver whose imports are all gone (the caller checked
+    // under the mappings' lock), released once (its mapping is removed with it);
+    // `free_ordered` orders every use before the release.
+    let lane = unsafe {
+        st.free_ordered(&*engine.waits, ptr, "cuMemFreeAsync", |driver, lane| {
+            driver.release_import(lane, ptr)
+        })
+    };
+    lane.is_some_and(|lane| record_done(st, engine, lane, done))
+}
+
+impl LinkShared {
+    fn send(&self, message: &Message) -> Result<()> {
+        match wire::send(&mut lock(&self.writer), message, None) {
+            Ok(()) => Ok(()),
+            // The exporter has gone: it holds nothing to release any more.
+            Err(ShareError::Io { source, .. })
+                if matches!(
+                    source.kind(),
+                    std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset
+                ) =>
+            {
+                Ok(())
+            }
+            Err(error) => Err(Error::Share(error)),
+        }
+    }
+
+    /// The exporter asks for tensor `id` back: unmapped now when no import of it is in use,
+    /// else when the last one is released.
+    fn unmap_asked(&self, id: u64) {
+        let Ok(mut st) = self.engine.enter() else {
+            // Left mapped; the link's drop unmaps it.
+            return;
+        };
+        let mut mapped = lock(&self.mapped);
+        let told = match mapped.by_id.get_mut(&id) {
+            Some(m) if m.in_use > 0 => {
+                m.unmap = true;
+                false
+            }
+            Some(m) => {
+                let ptr = m.ptr;
+                mapped.by_id.remove(&id);
+                let told = unmap(&mut st, &self.engine, ptr, self.done);
+                mapped.stuck |= !told;
+                told
+            }
+            None => {
+                mapped.asked.insert(id);
+                false
+            }
+        };
+        drop((mapped, st));
+        if told && let Err(error) = self.send(&Message::Unmapped { id }) {
+            self.engine.lock().defer(error);
+        }
+    }
+}
+
+impl Drop for LinkShared {
+    fn drop(&mut self) {
+        // No import is alive (each holds the link): every mapping is unmapped and the exporter
+        // told, then this side's event waited for (so the exporter's waits on it see it
+        // complete) and destroyed.
+        let Some(mut st) = self.engine.enter_for_drop() else {
+            return;
+        };
+        let (mappings, stuck) = {
+            let mut mapped = lock(&self.mapped);
+            (std::mem::take(&mut mapped.by_id), mapped.stuck)
+        };
+        let mut all_told = !stuck;
+        let mut told = Vec::new();
+        for (id, m) in mappings {
+            if unmap(&mut st, &self.engine, m.ptr, self.done) {
+                told.push(id);
+            } else {
+                all_told = false;
+            }
+        }
+        drop(st);
+        for id in told {
+            let _ = self.send(&Message::Unmapped { id });
+        }
+        // A goodbye says this process holds nothing: never sent while it may.
+        if all_told {
+            let _ = self.send(&Message::Goodbye);
+        }
+        // The exporter waits on the device for `done` as it takes each message: the event is
+        // destroyed only once it has closed its end (it has taken them all), or its process
+        // has gone; an exporter that does not answer in time leaves the event alive.
+        let _ = lock(&self.writer).shutdown(std::net::Shutdown::Write);
+        let (closed, changed) = &*self.closed;
+        let (closed, _) = changed
+            .wait_timeout_while(lock(closed), LINGER, |closed| !*closed)
+            .unwrap_or_else(|e| e.into_inner());
+        if *closed
+            && self.engine.waits.event_synchronize(self.done).is_ok()
+            && let Some(mut st) = self.engine.enter_for_drop()
+        {
+            // SAFETY: the link's own event, destroyed once, after its last record completed and
+            // after the exporter queued its last wait for it.
+            let _ = unsafe { st.driver.event_destroy(self.done) };
+        }
+        drop(closed);
+        let _ = lock(&self.writer).shutdown(std::net::Shutdown::Both);
+    }
+}
+
+/// One import's home: what a dropped imported tensor does instead of a free.
+struct Import {
+    link: Arc<LinkShared>,
+    id: u64,
+}
+
+impl Home for Import {
+    fn drop_memory(&self, owner: &Arc<Shared>, ptr: DevicePtr) {
+        let link = &self.link;
+        // Left in use (and the exporter never told) when the context cannot be entered: the
+        // exporter keeps its memory until this process exits.
+        let Some(mut st) = owner.enter_for_drop() else {
+            return;
+        };
+        let mut mapped = lock(&link.mapped);
+        let Some(m) = mapped.by_id.get_mut(&self.id) else {
+            return;
+        };
+        m.in_use -= 1;
+        let unmapping = m.in_use == 0 && m.unmap;
+        let told = if unmapping {
+            mapped.by_id.remove(&self.id);
+            unmap(&mut st, owner, ptr, link.done)
+        } else {
+            // The compute stream follows every use on the others, and the event covers it.
+            match st.order_uses(Lane::Compute, &[Use::Write(ptr)]) {
+                Ok(()) => record_done(&mut st, owner, Lane::Compute, link.done),
+                Err(refused) => {
+                    st.defer(refused);
+                    match owner.waits.stream_synchronize() {
+                        Ok(()) => true,
+                        Err(source) => {
+                            st.defer(Error::DeviceFault {
+                                what: "the last use of an imported tensor",
+                                source,
+                            });
+                            false
+                        }
+                    }
+                }
+            }
+        };
+        mapped.stuck |= !told;
+        drop((mapped, st));
+        if !told {
+            return;
+        }
+        let id = self.id;
+        let mut sent = link.send(&Message::Release { id });
+        if unmapping && sent.is_ok() {
+            sent = link.send(&Message::Unmapped { id });
+        }
+        if let Err(error) = sent {
+            owner.lock().defer(error);
+        }
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+/// A tensor another process shares read-only: this engine reads it (it dereferences to a
+/// [`DeviceTensor`]) and cannot write it. Dropping it releases the import.
+///
+/// ```compile_fail
+/// fn write(engine: &mut cuferry::CudaEngine, weights: &mut cuferry::share::ReadOnly<f32>) {
+///     engine.fill(&mut *weights, 0.0).unwrap(); // a read-only import cannot be written
+/// }
+/// ```
+pub struct ReadOnly<T: Element> {
+    tensor: DeviceTensor<T>,
+}
+
+impl<T: Element> std::fmt::Debug for ReadOnly<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("ReadOnly").field(&self.tensor).finish()
+    }
+}
+
+impl<T: Element> std::ops::Deref for ReadOnly<T> {
+    type Target = DeviceTensor<T>;
+    fn deref(&self) -> &DeviceTensor<T> {
+        &self.tensor
+    }
+}
+
+/// An offer as the reader hands it over, or why none comes.
+type Incoming = std::result::Result<(Box<Offer>, OwnedFd), ShareError>;
+
+/// The importing side's connection to one exporter process.
+///
+/// Offers arrive in the order the exporter made them; [`import_read`](Self::import_read) and
+/// [`import_exclusive`](Self::import_exclusive) take the next one. A thread of the link's own
+/// reads the socket, so an exporter's request to unmap memory it wants to free is answered at
+/// once. The link may be dropped while imports of it live: they keep what they need to release
+/// themselves, and the last one unmaps what the link mapped.
+pub struct ShareLink {
+    link: Arc<LinkShared>,
+    offers: Receiver<Incoming>,
+    timeout: Option<Duration>,
+    /// The exporter's pool, imported with its first offer.
+    pool: Option<u64>,
+    /// The exporter's process and device, from its first offer.
+    exporter: Option<(Origin, [u8; 16])>,
+    /// The exporter's event, opened, and its handle.
+    ready: Option<(EventHandle, Name)>,
+}
+
+impl std::fmt::Debug for ShareLink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShareLink")
+            .field("exporter_pid", &self.exporter_pid())
+            .finish()
+    }
+}
+
+/// The link's reader: offers to the link, unmap requests answered, until the socket ends.
+fn read(
+    reader: UnixStream,
+    link: Weak<LinkShared>,
+    offers: Sender<Incoming>,
+    closed: Arc<(Mutex<bool>, std::sync::Condvar)>,
+) {
+    read_until_end(reader, link, offers);
+    let (closed, changed) = &*closed;
+    *lock(closed) = true;
+    changed.notify_all();
+}
+
+fn read_until_end(mut reader: UnixStream, link: Weak<LinkShared>, offers: Sender<Incoming>) {
+    loop {
+        let next = match wire::recv(&mut reader) {
+            Ok((Message::Offer(offer), Some(fd))) => Ok((offer, fd)),
+            Ok((Message::Unmap { id }, _)) => {
+                // When the link is gone, its drop unmaps everything (and waits for the end).
+                if let Some(link) = link.upgrade() {
+                    link.unmap_asked(id);
+                }
+                continue;
+            }
+            Ok(_) => Err(ShareError::Garbage {
+                reason: "a message an exporter does not send".into(),
+            }),
+            Err(error) => Err(error),
+        };
+        let end = next.is_err();
+        if let Err(unsent) = offers.send(next)
+            && let Ok((offer, _fd)) = unsent.0
+            && let Some(link) = link.upgrade()
+        {
+            // The link is gone while imports of it live: no one takes the offer.
+            let mapped = lock(&link.mapped).by_id.contains_key(&offer.id);
+            let refusal = Message::Refuse {
+                id: offer.id,
+                mapped,
+                reason: "the link was dropped".into(),
+            };
+            let _ = link.send(&refusal);
+        }
+        if end {
+            return;
+        }
+    }
+}
+
+impl ShareLink {
+    /// Connects to the exporter listening at `path` ([`ShareListener`](super::ShareListener)),
+    /// for `engine` to import into.
+    ///
+    /// # Errors
+    /// [`ShareError::Io`] when the socket cannot be reached; as
+    /// [`from_stream`](Self::from_stream).
+    pub fn connect(engine: &mut CudaEngine, path: impl AsRef<Path>) -> Result<Self> {
+        let stream = UnixStream::connect(path).map_err(|source| {
+            Error::Share(ShareError::Io {
+                operation: "connect",
+                source,
+            })
+        })?;
+        Self::from_stream(engine, stream)
+    }
+
+    /// Greets the exporter on `stream`, a channel the caller brought: says who this process is,
+    /// its device, and the event it records after each release.
+    ///
+    /// # Errors
+    /// [`ShareError::Identity`] when this process cannot be named; [`Error::Driver`] when the
+    /// event cannot be made; [`ShareError::Io`] when the socket refuses.
+    pub fn from_stream(engine: &mut CudaEngine, stream: UnixStream) -> Result<Self> {
+        let io = |operation| move |source| Error::Share(ShareError::Io { operation, source });
+        let reader = stream.try_clone().map_err(io("dup"))?;
+        let (done, hello) = {
+            let mut st = engine.enter()?;
+            let origin = st.driver.process()?;
+            let device = st.driver.uuid();
+            let (done, event) = st
+                .driver
+                .ipc_event_create()
+                .map_err(Error::driver("cuIpcGetEventHandle"))?;
+            (
+                done,
+                Hello {
+                    origin,
+                    device,
+                    event,
+                },
+            )
+        };
+        // From here the link owns the event (its drop destroys it).
+        let closed = Arc::new((Mutex::new(false), std::sync::Condvar::new()));
+        let link = Arc::new(LinkShared {
+            engine: Arc::clone(&engine.shared),
+            writer: Mutex::new(stream),
+            closed: Arc::clone(&closed),
+            done,
+            mapped: Mutex::new(Mappings::default()),
+        });
+        wire::send(
+            &mut lock(&link.writer),
+            &Message::Hello(Box::new(hello)),
+            None,
+        )?;
+        let (tx, offers) = channel();
+        let weak = Arc::downgrade(&link);
+        std::thread::Builder::new()
+            .name("cuferry-share-link".into())
+            .spawn(move || read(reader, weak, tx, closed))
+            .map_err(io("spawn"))?;
+        Ok(ShareLink {
+            link,
+            offers,
+            timeout: None,
+            pool: None,
+            exporter: None,
+            ready: None,
+        })
+    }
+
+    /// The exporter's process id, once its first offer has come.
+    pub fn exporter_pid(&self) -> Option<u32> {
+        self.exporter.map(|(origin, _)| origin.pid)
+    }
+
+    /// How long [`import_read`](Self::import_read) and
+    /// [`import_exclusive`](Self::import_exclusive) wait for an offer (`None`: for ever, the
+    /// default).
+    pub fn set_timeout(&mut self, within: Option<Duration>) {
+        self.timeout = within;
+    }
+
+    /// Takes the next offer, a read-only share, into `engine`: its reads on every stream run
+    /// after the exporter's writes queued before the offer (the streams wait for the exporter's
+    /// event on the device; the host does not wait).
+    ///
+    /// # Errors
+    /// Each refusal is told to the exporter and maps nothing:
+    /// [`ShareError::Access`] for an exclusive hand-off; [`ShareError::ElementType`] for another
+    /// element type; [`ShareError::Garbage`] for an offer whose shape and size disagree, or of
+    /// another exporter than the link's first; [`ShareError::OtherHost`],
+    /// [`ShareError::OtherBoot`], [`ShareError::ProcessGone`] for a handle of another host, boot
+    /// or an exited process; [`ShareError::Unreachable`] for a device this engine cannot reach;
+    /// [`Error::Driver`] when the driver refuses the pool, the pointer or the event (a forged
+    /// handle). When no offer comes: [`ShareError::Io`] (of kind `TimedOut` past the
+    /// [timeout](Self::set_timeout)), [`ShareError::Closed`] or [`ShareError::Garbage`].
+    pub fn import_read<T: Element>(&mut self, engine: &mut CudaEngine) -> Result<ReadOnly<T>> {
+        let tensor = self.import(engine, Access::Read)?;
+        Ok(ReadOnly { tensor })
+    }
+
+    /// Takes the next offer, an exclusive hand-off, into `engine`, as a tensor of its own to
+    /// read and write: its uses run after the exporter's queued before the hand-off. Dropping
+    /// the tensor hands it back, after its writes.
+    ///
+    /// # Errors
+    /// As [`import_read`](Self::import_read), with [`ShareError::Access`] for a read-only share.
+    pub fn import_exclusive<T: Element>(
+        &mut self,
+        engine: &mut CudaEngine,
+    ) -> Result<DeviceTensor<T>> {
+        self.import(engine, Access::Exclusive)
+    }
+
+    fn next_offer(&self) -> Result<(Box<Offer>, OwnedFd)> {
+        let next = match self.timeout {
+            None => self.offers.recv().map_err(|_| ShareError::Closed),
+            Some(within) => self.offers.recv_timeout(within).map_err(|e| match e {
+                RecvTimeoutError::Timeout => ShareError::Io {
+                    operation: "read",
+                    source: std::io::ErrorKind::TimedOut.into(),
+                },
+                RecvTimeoutError::Disconnected => ShareError::Closed,
+            }),
+        };
+        Ok(next.and_then(|incoming| incoming)?)
+    }
+
+    fn import<T: Element>(
+        &mut self,
+        engine: &mut CudaEngine,
+        access: Access,
+    ) -> Result<DeviceTensor<T>> {
+        let (offer, fd) = self.next_offer()?;
+        let checked = self.check::<T>(engine, access, &offer, fd);
+        let mapped = checked
+            .map_err(|error| (error, false))
+            .and_then(|()| self.map::<T>(engine, &offer));
+        mapped.map_err(|(error, told)| {
+            if told {
+                // Mapped and released again: the release told the exporter.
+                return error;
+            }
+            // Nothing of the offer is in use: the exporter counts it as ended.
+            let refusal = Message::Refuse {
+                id: offer.id,
+                mapped: lock(&self.link.mapped).by_id.contains_key(&offer.id),
+                reason: error.to_string(),
+            };
+            let _ = self.link.send(&refusal);
+            error
+        })
+    }
+
+    /// Checks `offer` against what was asked for, and imports the exporter's pool and opens
+    /// its event when they are new.
+    fn check<T: Element>(
+        &mut self,
+        engine: &mut CudaEngine,
+        access: Access,
+        offer: &Offer,
+        fd: OwnedFd,
+    ) -> Result<()> {
+        let name = |a| match a {
+            Access::Read => "read-only",
+            Access::Exclusive => "exclusive",
+        };
+        if offer.access != access {
+            return Err(Error::Share(ShareError::Access {
+                expected: name(access),
+                offered: name(offer.access),
+            }));
+        }
+        if offer.dtype != dtype_code(T::DTYPE) {
+            return Err(Error::Share(ShareError::ElementType {
+                expected: T::DTYPE,
+                offered: crate::DType::ALL.get(usize::from(offer.dtype)).copied(),
+            }));
+        }
+        let garbage = |reason: String| Error::Share(ShareError::Garbage { reason });
+        let shape = shape_of(offer)?;
+        let len = shape_len(&shape)?;
+        if len == 0 || len.checked_mul(T::DTYPE.size_bytes()) != usize::try_from(offer.bytes).ok() {
+            return Err(garbage(format!(
+                "an offer of shape {shape:?} in {} bytes",
+                offer.bytes
+            )));
+        }
+        if let Some((origin, device)) = self.exporter
+            && (origin != offer.origin || device != offer.device)
+        {
+            return Err(garbage(
+                "an offer of another exporter than the link's first".into(),
+            ));
+        }
+        let mut st = engine.enter()?;
+        let here = st.driver.process()?;
+        let ended = st.driver.process_ended(&offer.origin);
+        offer.origin.check(&here, ended)?;
+        if !st
+            .driver
+            .reaches(&offer.device)
+            .map_err(Error::driver("cuDeviceCanAccessPeer"))?
+        {
+            return Err(Error::Share(ShareError::Unreachable { uuid: offer.device }));
+        }
+        if self.pool.is_none() {
+            let pool = st
+                .driver
+                .import_pool(fd.as_raw_fd(), &offer.device)
+                .map_err(Error::driver("cuMemPoolImportFromShareableHandle"))?;
+            self.pool = Some(pool);
+            self.exporter = Some((offer.origin, offer.device));
+        }
+        drop(fd);
+        if !matches!(self.ready, Some((_, name)) if name == offer.event) {
+            let event = st
+                .driver
+                .ipc_event_open(&offer.event)
+                .map_err(Error::driver("cuIpcOpenEventHandle"))?;
+            if let Some((old, _)) = self.ready.replace((event, offer.event)) {
+                // SAFETY: opened by this link, closed once; its waits captured their record.
+                let _ = unsafe { st.driver.ipc_event_close(old) };
+            }
+        }
+        Ok(())
+    }
+
+    /// Maps a checked offer (or takes its mapping, when the link still has it) and orders
+    /// every stream of `engine` after the exporter's writes. A failure says whether the import
+    /// was made and released again (its release told the exporter).
+    fn map<T: Element>(
+        &mut self,
+        engine: &mut CudaEngine,
+        offer: &Offer,
+    ) -> Result<DeviceTensor<T>, (Error, bool)> {
+        let untold = |error| (error, false);
+        let (Some((ready, _)), Some(pool)) = (self.ready, self.pool) else {
+            unreachable!("`check` imported the pool and opened the event");
+        };
+        let shape = shape_of(offer).map_err(untold)?;
+        let len = shape_len(&shape).map_err(untold)?;
+        let shared = Arc::clone(&engine.shared);
+        let mut st = shared.enter().map_err(untold)?;
+        let mut mapped = lock(&self.link.mapped);
+        let ptr = match mapped.by_id.get_mut(&offer.id) {
+            Some(m) if m.pointer == offer.pointer => {
+                m.in_use += 1;
+                m.ptr
+            }
+            Some(_) => {
+                return Err(untold(Error::Share(ShareError::Garbage {
+                    reason: "an offer that names a mapped tensor by other export data".into(),
+                })));
+            }
+            None => {
+                // SAFETY: the exporter keeps the allocation until this link's unmapping of it
+                // reaches it, and the mapping made here is unmapped exactly once (its entry
+                // goes with it).
+                let ptr = unsafe { st.driver.import_pointer(pool, &offer.pointer) }.map_err(
+                    |source| {
+                        untold(Error::Driver {
+                            call: "cuMemPoolImportPointer",
+                            source,
+                        })
+                    },
+                )?;
+                let unmap = mapped.asked.remove(&offer.id);
+                mapped.by_id.insert(
+                    offer.id,
+                    Mapping {
+                        ptr,
+                        pointer: offer.pointer,
+                        in_use: 1,
+                        unmap,
+                    },
+                );
+                ptr
+            }
+        };
+        drop(mapped);
+        let import = Arc::new(Import {
+            link: Arc::clone(&self.link),
+            id: offer.id,
+        });
+        // The tensor holds the import from here: dropped on any path below, it releases it.
+        // SAFETY: `ptr` maps `len` elements of `T` (the size was checked against the offer);
+        // the exporter wrote them before its event, which every stream waits for below before
+        // any use of the tensor.
+        let tensor = unsafe { DeviceTensor::homed(ptr, &shape, len, &shared, import) };
+        let refused = Lane::ALL
+            .into_iter()
+            .find_map(|lane| st.driver.stream_wait(lane, ready).err());
+        if let Some(source) = refused {
+            // The device would not wait: the host does, so the order still holds.
+            let waited = shared.waits.event_synchronize(ready);
+            st.defer(Error::Driver {
+                call: "cuStreamWaitEvent",
+                source,
+            });
+            if let Err(source) = waited {
+                drop(st);
+                drop(tensor);
+                let error = Error::DeviceFault {
+                    what: "an exporter's writes before an offer",
+                    source,
+                };
+                return Err((error, true));
+            }
+        }
+        drop(st);
+        Ok(tensor)
+    }
+}
+
+/// An offer's shape, in this host's sizes.
+fn shape_of(offer: &Offer) -> Result<Vec<usize>> {
+    offer
+        .shape
+        .iter()
+        .map(|&d| usize::try_from(d))
+        .collect::<Result<_, _>>()
+        .map_err(|_| {
+            Error::Share(ShareError::Garbage {
+                reason: "an offer whose shape overflows this host's sizes".into(),
+            })
+        })
+}
+
+impl Drop for ShareLink {
+    fn drop(&mut self) {
+        if let Some((event, _)) = self.ready.take()
+            && let Some(mut st) = self.link.engine.enter_for_drop()
+        {
+            // SAFETY: opened by this link, closed once; its waits captured their record.
+            let _ = unsafe { st.driver.ipc_event_close(event) };
+        }
+    }
+}
