@@ -29,6 +29,13 @@ pub mod across_processes {
     #![doc = include_str!("../docs/guide/across-processes.md")]
 }
 
+#[cfg(target_os = "linux")]
+pub mod sharing {
+    // Device tensors shared between processes: the mechanism, the two sides, the order across
+    // processes, the lifetimes, and what is refused.
+    #![doc = include_str!("../docs/guide/sharing.md")]
+}
+
 pub mod kernels {
     // The elementwise kernels: which element types each serves, and their semantics.
     #![doc = include_str!("../docs/guide/kernels.md")]

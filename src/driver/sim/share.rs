@@ -230,9 +230,9 @@ struct IpcName {
 
 /// An inter-process event a process opened: the exporter's event it shares records with, and
 /// the opening process.
-pub(super) struct Opened {
+struct Opened {
     /// The exporter's event.
-    pub(super) source: u64,
+    source: u64,
     /// The opening process.
     pid: u32,
 }
@@ -263,7 +263,7 @@ pub(super) struct ShareState {
     /// Exported inter-process events, by handle.
     names: HashMap<Name, IpcName>,
     /// Opened inter-process events, by the opener's handle.
-    pub(super) opened: BTreeMap<u64, Opened>,
+    opened: BTreeMap<u64, Opened>,
 }
 
 impl ShareState {
