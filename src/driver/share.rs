@@ -186,13 +186,21 @@ fn host_id() -> Result<[u8; 16], ShareError> {
 }
 
 impl Origin {
-    /// This process, as the operating system names it.
+    /// This process, as the operating system names it. Read once per process (a forked child,
+    /// with a pid of its own, reads it again): it names the same process for its whole life.
     ///
     /// # Errors
     /// [`ShareError::Identity`] when the host's or the boot's id cannot be read.
     pub(crate) fn here() -> Result<Origin, ShareError> {
+        static HERE: std::sync::Mutex<Option<Origin>> = std::sync::Mutex::new(None);
         let pid = std::process::id();
-        Ok(Origin {
+        let mut here = HERE.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(origin) = *here
+            && origin.pid == pid
+        {
+            return Ok(origin);
+        }
+        let origin = Origin {
             host: host_id()?,
             boot: read_id("boot", &["/proc/sys/kernel/random/boot_id"])?,
             pid,
@@ -200,7 +208,9 @@ impl Origin {
                 what: "process",
                 reason: format!("/proc/{pid}/stat has no start time"),
             })?,
-        })
+        };
+        *here = Some(origin);
+        Ok(origin)
     }
 
     /// Checks that this names a process of `here`'s host and boot that has not `ended`.

@@ -38,6 +38,8 @@ const PROCESS_POLL: Duration = Duration::from_millis(10);
 /// How long a connection's reader waits for a message before it asks whether the importer's
 /// process has ended (a killed process's socket may be held open by another).
 const IDLE_POLL: Duration = Duration::from_millis(100);
+/// How long a wait for a release or an offer asks again before it sleeps.
+pub(super) const SPIN: Duration = Duration::from_micros(100);
 /// How long an accepted connection may take to greet.
 const GREETING_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -218,6 +220,12 @@ impl Export {
     /// in use (`false`), or the failure that left an importer's use unordered (`true`).
     fn wait_released(&self, within: Duration) -> Result<(), (Error, bool)> {
         let deadline = Instant::now() + within;
+        // A release that comes within a few tens of microseconds (a hand-back queued at once)
+        // is met without a sleep and a wake.
+        let spin = Instant::now() + within.min(SPIN);
+        while lock(&self.inner).in_use() > 0 && Instant::now() < spin {
+            std::thread::yield_now();
+        }
         let mut inner = lock(&self.inner);
         loop {
             if let Some(error) = inner.unprovable.take() {
@@ -264,6 +272,9 @@ struct Conn {
     ready_name: Name,
     /// The importer's event, opened here.
     done: EventHandle,
+    /// Whether an offer with the pool's descriptor has reached the socket: later offers go
+    /// without it.
+    pool_sent: std::sync::atomic::AtomicBool,
     /// The exports this connection's importer uses or maps, by export id.
     exports: Mutex<HashMap<u64, Arc<Export>>>,
     link: Mutex<Link>,
@@ -554,6 +565,7 @@ impl Importer {
             ready,
             ready_name,
             done,
+            pool_sent: std::sync::atomic::AtomicBool::new(false),
             exports: Mutex::new(HashMap::new()),
             link: Mutex::new(Link::Open),
             changed: Condvar::new(),
@@ -700,7 +712,10 @@ impl Importer {
             // SAFETY: the driver keeps the descriptor open for as long as it lives, which is
             // longer than this call (its engine is borrowed).
             let fd = unsafe { BorrowedFd::borrow_raw(fd) };
-            conn.send(&Message::Offer(Box::new(offer)), Some(fd))
+            let first = !conn.pool_sent.load(Ordering::Acquire);
+            conn.send(&Message::Offer(Box::new(offer)), first.then_some(fd))?;
+            conn.pool_sent.store(true, Ordering::Release);
+            Ok(())
         })();
         if sent.is_err() {
             // The importer never had it (a message cut short maps nothing there).

@@ -11,7 +11,7 @@
 //! recorded after it, and the exporter told. A release that cannot be proven ordered is never
 //! sent: its exporter then keeps the memory until this process exits.
 
-use super::export::{dtype_code, lock};
+use super::export::{SPIN, dtype_code, lock};
 use super::wire::{self, Access, Hello, Message, Offer};
 use crate::core::engine::{CudaEngine, Shared, State};
 use crate::core::order::Use;
@@ -290,7 +290,7 @@ impl<T: Element> std::ops::Deref for ReadOnly<T> {
 }
 
 /// An offer as the reader hands it over, or why none comes.
-type Incoming = std::result::Result<(Box<Offer>, OwnedFd), ShareError>;
+type Incoming = std::result::Result<(Box<Offer>, Option<OwnedFd>), ShareError>;
 
 /// The importing side's connection to one exporter process.
 ///
@@ -335,7 +335,7 @@ fn read(
 fn read_until_end(mut reader: UnixStream, link: Weak<LinkShared>, offers: Sender<Incoming>) {
     loop {
         let next = match wire::recv(&mut reader) {
-            Ok((Message::Offer(offer), Some(fd))) => Ok((offer, fd)),
+            Ok((Message::Offer(offer), fd)) => Ok((offer, fd)),
             Ok((Message::Unmap { id }, _)) => {
                 // When the link is gone, its drop unmaps everything (and waits for the end).
                 if let Some(link) = link.upgrade() {
@@ -485,7 +485,18 @@ impl ShareLink {
         self.import(engine, Access::Exclusive)
     }
 
-    fn next_offer(&self) -> Result<(Box<Offer>, OwnedFd)> {
+    fn next_offer(&self) -> Result<(Box<Offer>, Option<OwnedFd>)> {
+        // An offer that comes within a few tens of microseconds is met without a sleep.
+        let spin = std::time::Instant::now() + SPIN;
+        while std::time::Instant::now() < spin {
+            match self.offers.try_recv() {
+                Ok(incoming) => return Ok(incoming?),
+                Err(std::sync::mpsc::TryRecvError::Empty) => std::thread::yield_now(),
+                Err(std::sync::mpsc::TryRecvError::Disconnected) => {
+                    return Err(Error::Share(ShareError::Closed));
+                }
+            }
+        }
         let next = match self.timeout {
             None => self.offers.recv().map_err(|_| ShareError::Closed),
             Some(within) => self.offers.recv_timeout(within).map_err(|e| match e {
@@ -532,7 +543,7 @@ impl ShareLink {
         engine: &mut CudaEngine,
         access: Access,
         offer: &Offer,
-        fd: OwnedFd,
+        fd: Option<OwnedFd>,
     ) -> Result<()> {
         let name = |a| match a {
             Access::Read => "read-only",
@@ -559,31 +570,39 @@ impl ShareLink {
                 offer.bytes
             )));
         }
-        if let Some((origin, device)) = self.exporter
-            && (origin != offer.origin || device != offer.device)
-        {
-            return Err(garbage(
-                "an offer of another exporter than the link's first".into(),
-            ));
-        }
         let mut st = engine.enter()?;
-        let here = st.driver.process()?;
-        let ended = st.driver.process_ended(&offer.origin);
-        offer.origin.check(&here, ended)?;
-        if !st
-            .driver
-            .reaches(&offer.device)
-            .map_err(Error::driver("cuDeviceCanAccessPeer"))?
-        {
-            return Err(Error::Share(ShareError::Unreachable { uuid: offer.device }));
-        }
-        if self.pool.is_none() {
-            let pool = st
-                .driver
-                .import_pool(fd.as_raw_fd(), &offer.device)
-                .map_err(Error::driver("cuMemPoolImportFromShareableHandle"))?;
-            self.pool = Some(pool);
-            self.exporter = Some((offer.origin, offer.device));
+        match self.exporter {
+            // The link's exporter, checked with its first offer; a later one can come only
+            // while it lives (its end of the socket closes with it).
+            Some((origin, device)) if origin == offer.origin && device == offer.device => {}
+            Some(_) => {
+                return Err(garbage(
+                    "an offer of another exporter than the link's first".into(),
+                ));
+            }
+            None => {
+                let here = st.driver.process()?;
+                let ended = st.driver.process_ended(&offer.origin);
+                offer.origin.check(&here, ended)?;
+                if !st
+                    .driver
+                    .reaches(&offer.device)
+                    .map_err(Error::driver("cuDeviceCanAccessPeer"))?
+                {
+                    return Err(Error::Share(ShareError::Unreachable { uuid: offer.device }));
+                }
+                let Some(fd) = &fd else {
+                    return Err(garbage(
+                        "a link's first offer without the pool's descriptor".into(),
+                    ));
+                };
+                let pool = st
+                    .driver
+                    .import_pool(fd.as_raw_fd(), &offer.device)
+                    .map_err(Error::driver("cuMemPoolImportFromShareableHandle"))?;
+                self.pool = Some(pool);
+                self.exporter = Some((offer.origin, offer.device));
+            }
         }
         drop(fd);
         if !matches!(self.ready, Some((_, name)) if name == offer.event) {

@@ -16,13 +16,14 @@ use std::os::unix::net::UnixStream;
 /// exporter sends arrives on `from_exporter`, and what the test sends on `to_importer` reaches
 /// the importer's link.
 struct Between {
-    sim: SimDevice,
-    exporter: CudaEngine,
-    importer: CudaEngine,
-    handle: Importer,
-    link: ShareLink,
+    // The test's ends go first when it is dropped, so each side sees the other's end at once.
     from_exporter: UnixStream,
     to_importer: UnixStream,
+    link: ShareLink,
+    handle: Importer,
+    importer: CudaEngine,
+    exporter: CudaEngine,
+    sim: SimDevice,
 }
 
 fn between() -> Between {
@@ -285,4 +286,23 @@ fn truncated_bytes_end_the_link_with_nothing_mapped() {
         share(&error, |s| matches!(s, ShareError::Closed)),
         "{error}"
     );
+}
+
+#[test]
+fn a_first_offer_without_the_pools_descriptor_is_refused() {
+    let mut b = between();
+    let (shared, offer, fd) = b.offer();
+    drop(fd);
+    wire::send(&mut b.to_importer, &Message::Offer(offer), None).unwrap();
+    let error = read(&mut b.link, &mut b.importer).unwrap_err();
+    assert!(
+        share(
+            &error,
+            |s| matches!(s, ShareError::Garbage { reason } if reason.contains("descriptor"))
+        ),
+        "{error}"
+    );
+    assert_eq!(b.sim.imports_live(), 0);
+    assert!(matches!(b.answer(), Message::Refuse { mapped: false, .. }));
+    shared.reclaim(std::time::Duration::from_secs(5)).unwrap();
 }
