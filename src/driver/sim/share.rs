@@ -936,8 +936,8 @@ mod tests {
     }
 
     /// The control buffer of a message that carries one descriptor: `CMSG_SPACE(sizeof(int))`.
-    // SAFETY: `CMSG_SPACE` is arithmetic on its argument (unsafe only by its C heritage).
     const CONTROL: usize =
+        // SAFETY: `CMSG_SPACE` is arithmetic on its argument (unsafe only by its C heritage).
         unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
 
     /// Sends `bytes` with `fd` beside them (`SCM_RIGHTS`) on `tx`.

@@ -77,6 +77,12 @@ fn record_done(st: &mut State, engine: &Shared, lane: Lane, done: EventHandle) -
         call: "cuEventRecord",
         source,
     });
+    host_proves(st, engine)
+}
+
+/// Waits on the host for every lane of `engine`, where the device would not order the work:
+/// `false` when the wait fails too (and the exporter must not be told).
+fn host_proves(st: &mut State, engine: &Shared) -> bool {
     match engine.waits.stream_synchronize() {
         Ok(()) => true,
         Err(source) => {
@@ -231,16 +237,7 @@ impl Home for Import {
                 Ok(()) => record_done(&mut st, owner, Lane::Compute, link.done),
                 Err(refused) => {
                     st.defer(refused);
-                    match owner.waits.stream_synchronize() {
-                        Ok(()) => true,
-                        Err(source) => {
-                            st.defer(Error::DeviceFault {
-                                what: "the last use of an imported tensor",
-                                source,
-                            });
-                            false
-                        }
-                    }
+                    host_proves(&mut st, owner)
                 }
             }
         };
