@@ -776,26 +776,32 @@ fn back<T: Element, S>(
     split: S,
 ) -> Result<DeviceTensor<T>, SubmitError<S>>
 where
-    S: Into<DeviceTensor<T>>,
+    S: Holds<T>,
 {
     match export.wait_released(within) {
-        Ok(()) => Ok(split.into()),
+        Ok(()) => Ok(split.into_tensor()),
         Err((error, false)) => Err(SubmitError::Rejected {
             input: split,
             error,
         }),
         Err((error, true)) => {
             // The memory stays where it is for good: an importer's use was never ordered.
-            let mut tensor: DeviceTensor<T> = split.into();
+            let mut tensor = split.into_tensor();
             tensor.leak_memory();
             Err(SubmitError::Retained { error })
         }
     }
 }
 
-impl<T: Element> From<Exported<T>> for DeviceTensor<T> {
-    fn from(exported: Exported<T>) -> Self {
-        exported.tensor
+/// A handle that holds an exported tensor: given up only through [`back`], once no import is in
+/// use (no conversion is public, so the tensor cannot be taken out early).
+trait Holds<T: Element> {
+    fn into_tensor(self) -> DeviceTensor<T>;
+}
+
+impl<T: Element> Holds<T> for Exported<T> {
+    fn into_tensor(self) -> DeviceTensor<T> {
+        self.tensor
     }
 }
 
@@ -849,9 +855,9 @@ impl<T: Element> std::fmt::Debug for Lent<T> {
     }
 }
 
-impl<T: Element> From<Lent<T>> for DeviceTensor<T> {
-    fn from(lent: Lent<T>) -> Self {
-        lent.tensor
+impl<T: Element> Holds<T> for Lent<T> {
+    fn into_tensor(self) -> DeviceTensor<T> {
+        self.tensor
     }
 }
 
