@@ -300,10 +300,8 @@ pub struct ShareLink {
     link: Arc<LinkShared>,
     offers: Receiver<Incoming>,
     timeout: Option<Duration>,
-    /// The exporter's pool, imported with its first offer.
-    pool: Option<u64>,
-    /// The exporter's process and device, from its first offer.
-    exporter: Option<(Origin, [u8; 16])>,
+    /// The exporter's process and device, from its first offer, and its pool, imported then.
+    exporter: Option<(Origin, [u8; 16], u64)>,
     /// The exporter's event, opened, and its handle.
     ready: Option<(EventHandle, Name)>,
 }
@@ -432,7 +430,6 @@ impl ShareLink {
             link,
             offers,
             timeout: None,
-            pool: None,
             exporter: None,
             ready: None,
         })
@@ -440,7 +437,7 @@ impl ShareLink {
 
     /// The exporter's process id, once its first offer has come.
     pub fn exporter_pid(&self) -> Option<u32> {
-        self.exporter.map(|(origin, _)| origin.pid)
+        self.exporter.map(|(origin, _, _)| origin.pid)
     }
 
     /// How long [`import_read`](Self::import_read) and
@@ -516,7 +513,7 @@ impl ShareLink {
         let checked = self.check::<T>(engine, access, &offer, fd);
         let mapped = checked
             .map_err(|error| (error, false))
-            .and_then(|()| self.map::<T>(engine, &offer));
+            .and_then(|(pool, ready)| self.map::<T>(engine, &offer, pool, ready));
         mapped.map_err(|(error, told)| {
             if told {
                 // Mapped and released again: the release told the exporter.
@@ -534,14 +531,14 @@ impl ShareLink {
     }
 
     /// Checks `offer` against what was asked for, and imports the exporter's pool and opens
-    /// its event when they are new.
+    /// its event when they are new: returns the pool and the event, for [`map`](Self::map).
     fn check<T: Element>(
         &mut self,
         engine: &mut CudaEngine,
         access: Access,
         offer: &Offer,
         fd: Option<OwnedFd>,
-    ) -> Result<()> {
+    ) -> Result<(u64, EventHandle)> {
         let name = |a| match a {
             Access::Read => "read-only",
             Access::Exclusive => "exclusive",
@@ -568,10 +565,12 @@ impl ShareLink {
             )));
         }
         let mut st = engine.enter()?;
-        match self.exporter {
+        let pool = match self.exporter {
             // The link's exporter, checked with its first offer; a later one can come only
             // while it lives (its end of the socket closes with it).
-            Some((origin, device)) if origin == offer.origin && device == offer.device => {}
+            Some((origin, device, pool)) if origin == offer.origin && device == offer.device => {
+                pool
+            }
             Some(_) => {
                 return Err(garbage(
                     "an offer of another exporter than the link's first".into(),
@@ -597,22 +596,26 @@ impl ShareLink {
                     .driver
                     .import_pool(fd.as_raw_fd(), &offer.device)
                     .map_err(Error::driver("cuMemPoolImportFromShareableHandle"))?;
-                self.pool = Some(pool);
-                self.exporter = Some((offer.origin, offer.device));
+                self.exporter = Some((offer.origin, offer.device, pool));
+                pool
             }
-        }
+        };
         drop(fd);
-        if !matches!(self.ready, Some((_, name)) if name == offer.event) {
-            let event = st
-                .driver
-                .ipc_event_open(&offer.event)
-                .map_err(Error::driver("cuIpcOpenEventHandle"))?;
-            if let Some((old, _)) = self.ready.replace((event, offer.event)) {
-                // SAFETY: opened by this link, closed once; its waits captured their record.
-                let _ = unsafe { st.driver.ipc_event_close(old) };
+        let ready = match self.ready {
+            Some((event, name)) if name == offer.event => event,
+            _ => {
+                let event = st
+                    .driver
+                    .ipc_event_open(&offer.event)
+                    .map_err(Error::driver("cuIpcOpenEventHandle"))?;
+                if let Some((old, _)) = self.ready.replace((event, offer.event)) {
+                    // SAFETY: opened by this link, closed once; its waits captured their record.
+                    let _ = unsafe { st.driver.ipc_event_close(old) };
+                }
+                event
             }
-        }
-        Ok(())
+        };
+        Ok((pool, ready))
     }
 
     /// Maps a checked offer (or takes its mapping, when the link still has it) and orders
@@ -622,11 +625,10 @@ impl ShareLink {
         &mut self,
         engine: &mut CudaEngine,
         offer: &Offer,
+        pool: u64,
+        ready: EventHandle,
     ) -> Result<DeviceTensor<T>, (Error, bool)> {
         let untold = |error| (error, false);
-        let (Some((ready, _)), Some(pool)) = (self.ready, self.pool) else {
-            unreachable!("`check` imported the pool and opened the event");
-        };
         let shape = shape_of(offer).map_err(untold)?;
         let len = shape_len(&shape).map_err(untold)?;
         let shared = Arc::clone(&engine.shared);
