@@ -1059,7 +1059,8 @@ pub enum CheckpointError {
     Io {
         /// The file.
         path: std::path::PathBuf,
-        /// What was asked of it: `read`, `create`, `write`, `flush` or `rename`.
+        /// What was asked of it: `open`, `stat`, `read`, `create`, `write`, `flush`, `rename`
+        /// or `flush the directory` (the path is then the directory's).
         operation: &'static str,
         /// The operating system's error.
         source: std::io::Error,
@@ -1197,6 +1198,21 @@ pub enum CheckpointError {
         /// Its length.
         bytes: usize,
     },
+    /// A file the checkpoint code reads whole (an index) is longer than the limit it is read
+    /// to: refused once that many bytes and one more are read, or at once where the file's
+    /// length says so.
+    #[error(
+        "{path}: {what} is longer than the limit of {limit} bytes",
+        path = path.display()
+    )]
+    TooLarge {
+        /// The file.
+        path: std::path::PathBuf,
+        /// What it is: `the index`.
+        what: &'static str,
+        /// The limit, in bytes.
+        limit: u64,
+    },
 }
 
 /// Why the bootstrap of a communicator across processes failed
@@ -1204,8 +1220,9 @@ pub enum CheckpointError {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum BootstrapError {
-    /// A launcher variable (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`) is
-    /// missing or not what it must be.
+    /// A launcher variable (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`,
+    /// `MASTER_ADDR`, `MASTER_PORT`) is missing or not what it must be (its value repeated cut
+    /// to 64 bytes).
     #[error("launcher variable {variable}{}: {reason}", .value.as_ref().map_or_else(String::new, |v| format!(" = {v:?}")))]
     Environment {
         /// The variable.
@@ -1244,7 +1261,9 @@ pub enum BootstrapError {
         address: String,
         /// The ranks that did not arrive.
         missing: Vec<usize>,
-        /// The connections refused meanwhile, each with its peer's address and why.
+        /// The connections refused meanwhile, each with its peer's address and why: at most
+        /// [`MAX_LISTED_REFUSALS`](crate::collective::bootstrap::MAX_LISTED_REFUSALS), then
+        /// one entry counting the rest.
         refused: Vec<String>,
     },
     /// A rank other than 0 could not reach rank 0, or had no answer from it, by its deadline.
@@ -1291,6 +1310,19 @@ pub enum BootstrapError {
     UniqueId {
         /// What is wrong with the bytes.
         reason: String,
+    },
+    /// A number or a length from a launcher variable or a setting past the bound the bootstrap
+    /// takes ([`MAX_WORLD`](crate::collective::bootstrap::MAX_WORLD),
+    /// [`MAX_JOB_BYTES`](crate::collective::bootstrap::MAX_JOB_BYTES), a host name's 253 bytes,
+    /// a local rank below the world's size): refused before it sizes anything.
+    #[error("{what} = {value}: past its bound, {limit}")]
+    Limit {
+        /// What was given: a launcher variable's name, or a setting's (`world`, `job`).
+        what: &'static str,
+        /// The value given (a long text by its length).
+        value: String,
+        /// The bound it is past, in words, with the number.
+        limit: String,
     },
 }
 
@@ -1423,5 +1455,62 @@ pub enum ShareError {
         what: &'static str,
         /// Why.
         reason: String,
+    },
+    /// A peer whose greeting (or, for an exporter, whose first offer) names another process
+    /// or user than the kernel reports at the socket's other end (`SO_PEERCRED`, and the
+    /// process's start time in `/proc`): nothing of it is believed, and nothing is mapped or
+    /// counted for it.
+    #[error(
+        "the peer says its {what} is {claimed}, where the kernel reports {kernel} for the \
+         socket's other end"
+    )]
+    PeerIdentity {
+        /// What disagrees: `pid`, `start time` or `user id`.
+        what: &'static str,
+        /// What the peer said.
+        claimed: u64,
+        /// What the kernel reports.
+        kernel: u64,
+    },
+    /// A peer of another user than this process's, which the listener (or link) was not told
+    /// to allow.
+    #[error("a peer of user {uid}, where only users {allowed:?} may share with this process")]
+    OtherUser {
+        /// The peer's user id, as the kernel reports it.
+        uid: u32,
+        /// The users allowed: this process's and any allowed besides.
+        allowed: Vec<u32>,
+    },
+    /// A greeting (or another message) that did not arrive whole within its limit: a peer that
+    /// trickles it is refused however slowly each byte comes.
+    #[error("{what} did not arrive whole within {within:?}")]
+    TimedOut {
+        /// What: `a greeting`, `a message`.
+        what: &'static str,
+        /// The limit, from the exchange's start.
+        within: std::time::Duration,
+    },
+    /// An offer that claims more memory than the allocation it names holds, as the importing
+    /// driver measures the mapping (`cuMemGetAddressRange`): its shape and element size, at its
+    /// offset in the allocation, do not fit. Nothing of it is in use; the exporter is told.
+    #[error(
+        "an offer of {offered} bytes at offset {offset} of an allocation of {allocation} bytes"
+    )]
+    PastAllocation {
+        /// The bytes the offer's shape and element type claim.
+        offered: u64,
+        /// Where the mapped address lies in its allocation.
+        offset: u64,
+        /// The allocation's true size, from the driver.
+        allocation: u64,
+    },
+    /// The peer passed a bound on what it may make this side hold (offers waiting to be taken,
+    /// descriptors): it is treated as hostile, and the link is closed.
+    #[error("the peer passed the bound of {limit} {what}: the link is closed")]
+    OverLimit {
+        /// What it made this side hold too many of.
+        what: &'static str,
+        /// The bound.
+        limit: usize,
     },
 }

@@ -26,6 +26,7 @@
 //! finite).
 
 pub(crate) mod copy_pool;
+pub(crate) mod deadline;
 
 #[cfg(not(cuferry_loom))]
 pub(crate) use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering, fence};

@@ -100,7 +100,10 @@ pub enum ReduceOp {
     Max,
     /// The smallest.
     Min,
-    /// The mean (the sum divided by the number of ranks).
+    /// The mean: the sum divided by the number of ranks. For integers, as NCCL computes it,
+    /// the sum wraps in the element type before the division (two ranks' `200u8` are
+    /// `400 mod 256 = 144`, halved `72`), and the quotient truncates toward zero; for floats
+    /// the sum rounds to the element type at each step.
     Avg,
 }
 
@@ -251,9 +254,10 @@ impl Communicator {
         Communicator::join_within(engine, id, rank, world, DEFAULT_JOIN_TIMEOUT)
     }
 
-    /// As [`join`](Self::join), waiting at most `timeout` for the world to form. The join is
-    /// non-blocking inside NCCL (2.14 and later; an older NCCL joins blocking, with no
-    /// deadline), so a rank that never comes ends the wait, not the process.
+    /// As [`join`](Self::join), waiting at most `timeout` for the world to form
+    /// (`Duration::MAX`: for ever). The join is non-blocking inside NCCL (2.14 and later; an
+    /// older NCCL joins blocking, with no deadline), so a rank that never comes ends the wait,
+    /// not the process.
     ///
     /// # Errors
     /// As [`join`](Self::join).
@@ -289,7 +293,8 @@ impl Communicator {
     /// communicator and fails with
     /// [`CollectiveError::TimedOut`](crate::error::CollectiveError::TimedOut). Collectives of
     /// [`new`](Self::new)'s communicators, whose ranks are all in this process, have no
-    /// deadline: no peer can vanish.
+    /// deadline: no peer can vanish. `Duration::MAX` (or any duration too large for a
+    /// deadline) is no deadline for joined ranks too.
     #[must_use]
     pub fn with_timeout(mut self, timeout: Duration) -> Communicator {
         self.timeout = timeout;
@@ -1115,7 +1120,8 @@ fn submit<T: CollectiveElement>(
             comms: Arc::clone(comms),
             plan,
             timeout,
-            deadline: submitted + timeout,
+            // `Duration::MAX` (or any sum past an `Instant`'s range) is no deadline.
+            deadline: crate::sync::deadline::Deadline::after_from(submitted, timeout),
         })),
         Some(error) => {
             // NCCL leaves a non-blocking communicator whose group failed in an error state for

@@ -2,6 +2,7 @@
 //! rendezvous between ranks on threads of their own, and the launcher's variables. Every wrong
 //! input is a typed error saying what was wrong.
 
+use cuferry::collective::bootstrap::{MAX_JOB_BYTES, MAX_UNGREETED, MAX_WORLD};
 use cuferry::collective::{Launch, Rendezvous, UniqueId};
 use cuferry::error::BootstrapError;
 use cuferry::sim::{SimConfig, SimOp};
@@ -393,4 +394,613 @@ fn a_join_whose_peer_never_comes_ends_by_its_deadline_and_the_engine_works_on() 
             .world(),
         1
     );
+}
+
+// ---- Hostile peers, strangers and settings (issue 36) ----
+
+/// The rendezvous protocol's mark (its last byte the version), and its message kinds.
+const MARK: &[u8; 8] = b"CFRDZV\x00\x01";
+const HELLO: u8 = 1;
+const WELCOME: u8 = 2;
+const REFUSE: u8 = 3;
+
+/// One rendezvous message: the mark, its kind, the length it claims, its body.
+fn message(kind: u8, claimed: u32, body: &[u8]) -> Vec<u8> {
+    let mut out = MARK.to_vec();
+    out.push(kind);
+    out.extend_from_slice(&claimed.to_le_bytes());
+    out.extend_from_slice(body);
+    out
+}
+
+/// A greeting's body: rank, world, job.
+fn hello_body(rank: u64, world: u64, job: &[u8]) -> Vec<u8> {
+    let mut out = rank.to_le_bytes().to_vec();
+    out.extend_from_slice(&world.to_le_bytes());
+    out.extend_from_slice(job);
+    out
+}
+
+/// A connection to rank 0 at `port`, once it listens.
+fn connect(port: u16) -> TcpStream {
+    let started = std::time::Instant::now();
+    loop {
+        if let Ok(s) = TcpStream::connect(("127.0.0.1", port)) {
+            return s;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "rank 0 never listened"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Writes `bytes` one at a time, `every` apart, until they end, `stop` is set or the peer
+/// closes.
+fn trickle(
+    stream: &mut TcpStream,
+    bytes: &[u8],
+    every: Duration,
+    stop: &std::sync::atomic::AtomicBool,
+) {
+    for b in bytes {
+        if stop.load(std::sync::atomic::Ordering::Relaxed) || stream.write_all(&[*b]).is_err() {
+            return;
+        }
+        std::thread::sleep(every);
+    }
+}
+
+#[test]
+fn a_stranger_that_trickles_holds_rank_zero_no_longer_than_its_deadline() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let port = free_port();
+    let timeout = Duration::from_millis(500);
+    let started = std::time::Instant::now();
+    let root = serve(port, 2, timeout);
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let mut stranger = connect(port);
+            // A well-formed greeting's start, then its body, a byte every 50 ms (10 s in all).
+            let bytes = message(HELLO, 200, &[b'x'; 200]);
+            trickle(&mut stranger, &bytes, Duration::from_millis(50), &stop);
+        });
+        let outcome = root.join().unwrap();
+        let held = started.elapsed();
+        stop.store(true, Ordering::Relaxed);
+        match outcome {
+            Err(Error::Bootstrap(BootstrapError::Missing { missing, .. })) => {
+                assert_eq!(missing, [1])
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(
+            held < timeout * 2,
+            "rank 0 was held {held:?} by a {timeout:?} deadline"
+        );
+    });
+}
+
+#[test]
+fn a_rank_zero_that_trickles_its_answer_holds_a_rank_no_longer_than_its_deadline() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let stop = AtomicBool::new(false);
+    let timeout = Duration::from_millis(500);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let (mut fake, _) = listener.accept().unwrap();
+            let mut hello = [0u8; 64];
+            let _ = fake.read(&mut hello);
+            // A well-formed answer with a good id, a byte every 50 ms (about 8 s in all).
+            let bytes = message(WELCOME, 142, &id().unwrap().to_bytes());
+            trickle(&mut fake, &bytes, Duration::from_millis(50), &stop);
+        });
+        let started = std::time::Instant::now();
+        let outcome = at(port, 1, 2).timeout(timeout).exchange(id);
+        let held = started.elapsed();
+        stop.store(true, Ordering::Relaxed);
+        match outcome {
+            Err(Error::Bootstrap(BootstrapError::NoRoot { .. })) => {}
+            other => panic!("{other:?} after {held:?}"),
+        }
+        assert!(
+            held < timeout * 2,
+            "the rank was held {held:?} by a {timeout:?} deadline"
+        );
+    });
+}
+
+#[test]
+fn strangers_holding_idle_connections_do_not_stop_a_world_from_forming() {
+    let port = free_port();
+    let world = 4;
+    let timeout = Duration::from_secs(5);
+    let started = std::time::Instant::now();
+    let root = serve(port, world, timeout);
+    // 150 connections that never say a word, opened before any real rank.
+    let mut strangers: Vec<TcpStream> = (0..150).map(|_| connect(port)).collect();
+    std::thread::sleep(Duration::from_millis(300));
+    // Rank 0 holds a bounded number of them: those past its bound are closed.
+    let closed = strangers
+        .iter_mut()
+        .map(closed_by_peer)
+        .filter(|&c| c)
+        .count();
+    assert!(
+        closed >= 150 - MAX_UNGREETED,
+        "rank 0 still holds {} idle connections",
+        150 - closed
+    );
+    let ids: Vec<UniqueId> = std::thread::scope(|s| {
+        let handles: Vec<_> = (1..world)
+            .map(|rank| s.spawn(move || at(port, rank, world).timeout(timeout).exchange(id)))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap().unwrap())
+            .collect()
+    });
+    let root = root.join().unwrap().unwrap();
+    assert!(ids.iter().all(|i| *i == root));
+    assert!(started.elapsed() < timeout, "{:?}", started.elapsed());
+    drop(strangers);
+}
+
+/// Whether the peer closed `stream` (after whatever it wrote), without waiting for more.
+fn closed_by_peer(stream: &mut TcpStream) -> bool {
+    stream
+        .set_read_timeout(Some(Duration::from_millis(1)))
+        .unwrap();
+    let mut buf = [0u8; 256];
+    loop {
+        match stream.read(&mut buf) {
+            Ok(0) => return true,
+            Ok(_) => continue,
+            Err(e) => return e.kind() == std::io::ErrorKind::ConnectionReset,
+        }
+    }
+}
+
+/// Rank 0's answer on `stream` until it closes: `(kind, body)`, or `None` for none.
+fn answer(stream: &mut TcpStream) -> Option<(u8, Vec<u8>)> {
+    stream
+        .set_read_timeout(Some(Duration::from_secs(3)))
+        .unwrap();
+    let mut all = Vec::new();
+    let _ = stream.read_to_end(&mut all);
+    if all.len() < 13 || &all[..8] != MARK {
+        return None;
+    }
+    let len = u32::from_le_bytes(all[9..13].try_into().unwrap()) as usize;
+    Some((all[8], all.get(13..13 + len)?.to_vec()))
+}
+
+#[test]
+fn every_field_of_a_greeting_is_checked_before_it_sizes_anything_and_the_world_still_forms() {
+    let port = free_port();
+    let root = serve(port, 3, Duration::from_secs(10));
+    let long = hello_body(1, 3, &[b'j'; 3984]);
+    let cases: Vec<(&str, Vec<u8>, &str)> = vec![
+        (
+            "not the protocol",
+            b"GET / HTTP/1.1\r\n\r\n".to_vec(),
+            "mark",
+        ),
+        (
+            "another version",
+            {
+                let mut m = message(HELLO, 20, &hello_body(1, 3, b"test"));
+                m[7] = 2;
+                m
+            },
+            "version 2",
+        ),
+        ("another kind", message(WELCOME, 4, b"abcd"), "kind 2"),
+        (
+            "a 4 GiB length",
+            message(HELLO, u32::MAX, &[]),
+            "4294967295 bytes",
+        ),
+        (
+            "a length past a greeting's",
+            message(HELLO, 4000, &long),
+            "4000 bytes",
+        ),
+        ("a body too short", message(HELLO, 8, &[0; 8]), "8 bytes"),
+        (
+            "the largest rank",
+            message(HELLO, 20, &hello_body(u64::MAX, 3, b"test")),
+            "rank 18446744073709551615",
+        ),
+        (
+            "rank 0",
+            message(HELLO, 20, &hello_body(0, 3, b"test")),
+            "rank 0",
+        ),
+        (
+            "the world's size as a rank",
+            message(HELLO, 20, &hello_body(3, 3, b"test")),
+            "rank 3",
+        ),
+        (
+            "the largest world",
+            message(HELLO, 20, &hello_body(1, u64::MAX, b"test")),
+            "a world of 18446744073709551615",
+        ),
+        (
+            "a job not UTF-8",
+            message(HELLO, 18, &hello_body(1, 3, b"\xff\xfe")),
+            "UTF-8",
+        ),
+        (
+            "another job",
+            message(HELLO, 21, &hello_body(1, 3, b"other")),
+            "job \"other\"",
+        ),
+    ];
+    for (what, bytes, why) in &cases {
+        let mut stranger = connect(port);
+        stranger.write_all(bytes).unwrap();
+        match answer(&mut stranger) {
+            Some((REFUSE, reason)) => {
+                let reason = String::from_utf8(reason).unwrap();
+                assert!(reason.contains(why), "{what}: {reason}");
+            }
+            other => panic!("{what}: {other:?} where a refusal belongs"),
+        }
+    }
+    let ids: Vec<UniqueId> = std::thread::scope(|s| {
+        let handles: Vec<_> = (1..3)
+            .map(|rank| s.spawn(move || at(port, rank, 3).exchange(id)))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap().unwrap())
+            .collect()
+    });
+    let root = root.join().unwrap().unwrap();
+    assert!(ids.iter().all(|i| *i == root));
+}
+
+/// A fake rank 0 at a fresh port that answers each connection with the next of `answers`
+/// (after reading the greeting), then closes it; `None` closes it unanswered and unread.
+fn fake_root(answers: Vec<Option<Vec<u8>>>) -> (u16, std::thread::JoinHandle<()>) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let handle = std::thread::spawn(move || {
+        for answer in answers {
+            let (mut s, _) = listener.accept().unwrap();
+            if let Some(answer) = answer {
+                let mut hello = [0u8; 64];
+                let _ = s.read(&mut hello);
+                let _ = s.write_all(&answer);
+            }
+        }
+    });
+    (port, handle)
+}
+
+#[test]
+fn every_field_of_rank_zeros_answer_is_checked_before_it_sizes_anything() {
+    let good = id().unwrap().to_bytes();
+    let mut other_mark = good.clone();
+    other_mark[0] ^= 1;
+    let mut other_format = good.clone();
+    other_format[8] = 9;
+    let garbage = |why: &'static str| move |e: &BootstrapError| matches!(e, BootstrapError::Garbage { reason, .. } if reason.contains(why));
+    type Check = Box<dyn Fn(&BootstrapError) -> bool>;
+    let cases: Vec<(&str, Vec<u8>, Check)> = vec![
+        (
+            "not the protocol",
+            b"SSH-2.0-OpenSSH_9.6\r\n".to_vec(),
+            Box::new(garbage("mark")),
+        ),
+        (
+            "another version",
+            {
+                let mut m = message(WELCOME, 142, &good);
+                m[7] = 2;
+                m
+            },
+            Box::new(garbage("version 2")),
+        ),
+        (
+            "another kind",
+            message(9, 0, &[]),
+            Box::new(garbage("kind 9")),
+        ),
+        (
+            "a greeting back",
+            message(HELLO, 20, &hello_body(1, 2, b"test")),
+            Box::new(garbage("kind 1")),
+        ),
+        (
+            "a 4 GiB id",
+            message(WELCOME, u32::MAX, &[]),
+            Box::new(garbage("4294967295 bytes")),
+        ),
+        (
+            "an id cut short",
+            message(WELCOME, 141, &good[..141]),
+            Box::new(garbage("141 bytes")),
+        ),
+        (
+            "an id too long",
+            message(WELCOME, 143, &[&good[..], &[0]].concat()),
+            Box::new(garbage("143 bytes")),
+        ),
+        (
+            "a reason past its bound",
+            message(REFUSE, 5000, &[b'r'; 5000]),
+            Box::new(garbage("5000 bytes")),
+        ),
+        (
+            "an id without its mark",
+            message(WELCOME, 142, &other_mark),
+            Box::new(
+                |e: &BootstrapError| matches!(e, BootstrapError::UniqueId { reason } if reason.contains("mark")),
+            ),
+        ),
+        (
+            "an id of another format",
+            message(WELCOME, 142, &other_format),
+            Box::new(
+                |e: &BootstrapError| matches!(e, BootstrapError::UniqueId { reason } if reason.contains("format version 9")),
+            ),
+        ),
+        (
+            "a reason of control bytes",
+            message(REFUSE, 8, b"\x1b[2J\xffok!"),
+            Box::new(|e: &BootstrapError| {
+                matches!(e, BootstrapError::Refused { reason, .. }
+                if reason.contains("ok!") && !reason.contains('\x1b'))
+            }),
+        ),
+        (
+            "an answer cut short",
+            message(WELCOME, 142, &good[..20]),
+            Box::new(|e: &BootstrapError| {
+                matches!(
+                    e,
+                    BootstrapError::NoRoot { .. } | BootstrapError::Garbage { .. }
+                )
+            }),
+        ),
+    ];
+    for (what, answer, check) in cases {
+        let (port, fake) = fake_root(vec![Some(answer)]);
+        match at(port, 1, 2).timeout(Duration::from_secs(2)).exchange(id) {
+            Err(Error::Bootstrap(e)) => assert!(check(&e), "{what}: {e:?}"),
+            other => panic!("{what}: {other:?}"),
+        }
+        fake.join().unwrap();
+    }
+}
+
+#[test]
+fn a_rank_whose_connection_is_closed_unanswered_connects_again() {
+    let good = id().unwrap();
+    let answer = message(WELCOME, 142, &good.to_bytes());
+    let (port, fake) = fake_root(vec![None, None, Some(answer)]);
+    let got = at(port, 1, 2)
+        .timeout(Duration::from_secs(5))
+        .exchange(id)
+        .unwrap();
+    assert_eq!(got, good);
+    fake.join().unwrap();
+}
+
+/// The launcher's variables `pairs` name, as `Launch::from_vars` reads them.
+fn launch(pairs: &[(&str, &str)]) -> cuferry::Result<Launch> {
+    let map: HashMap<String, String> = pairs
+        .iter()
+        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+        .collect();
+    Launch::from_vars(move |name| map.get(name).cloned())
+}
+
+#[test]
+fn every_launcher_variable_is_bounded_and_a_refusal_says_the_limit() {
+    let base = [
+        ("RANK", "1"),
+        ("WORLD_SIZE", "4"),
+        ("LOCAL_RANK", "1"),
+        ("MASTER_ADDR", "10.0.0.7"),
+        ("MASTER_PORT", "29500"),
+    ];
+    let with = |name: &str, value: &str| -> Vec<(String, String)> {
+        let mut v: Vec<(String, String)> = base
+            .iter()
+            .filter(|(k, _)| *k != name)
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect();
+        v.push((name.to_owned(), value.to_owned()));
+        v
+    };
+    let refused = |name: &str, value: &str| -> String {
+        let pairs = with(name, value);
+        let pairs: Vec<(&str, &str)> = pairs
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
+        match launch(&pairs) {
+            Err(Error::Bootstrap(e)) => e.to_string(),
+            other => panic!("{name}={value:?} gave {other:?}"),
+        }
+    };
+    let huge = "1000000000000000";
+    let max = MAX_WORLD.to_string();
+    let past = (MAX_WORLD + 1).to_string();
+    let long_host = "h".repeat(300);
+    let long_value = "9".repeat(10_000);
+    let cases: Vec<(&str, &str, &str)> = vec![
+        ("WORLD_SIZE", huge, &max),
+        ("WORLD_SIZE", &past, &max),
+        ("WORLD_SIZE", "0", "WORLD_SIZE"),
+        ("WORLD_SIZE", "-4", "WORLD_SIZE"),
+        ("WORLD_SIZE", &long_value, "WORLD_SIZE"),
+        ("RANK", huge, "rank 1000000000000000"),
+        ("RANK", "4", "rank 4"),
+        ("RANK", "-1", "RANK"),
+        ("LOCAL_RANK", "4", "LOCAL_RANK"),
+        ("LOCAL_RANK", huge, "LOCAL_RANK"),
+        ("LOCAL_RANK", "x", "LOCAL_RANK"),
+        ("LOCAL_WORLD_SIZE", "5", "LOCAL_WORLD_SIZE"),
+        ("LOCAL_WORLD_SIZE", "0", "LOCAL_WORLD_SIZE"),
+        ("LOCAL_WORLD_SIZE", "1", "LOCAL_RANK"),
+        ("MASTER_PORT", "0", "MASTER_PORT"),
+        ("MASTER_PORT", "65536", "MASTER_PORT"),
+        ("MASTER_ADDR", "", "MASTER_ADDR"),
+        ("MASTER_ADDR", "   ", "MASTER_ADDR"),
+        ("MASTER_ADDR", "a host", "MASTER_ADDR"),
+        ("MASTER_ADDR", "10.0.0.7:29500", "MASTER_ADDR"),
+        ("MASTER_ADDR", "ho\nst", "MASTER_ADDR"),
+        ("MASTER_ADDR", "-bad-.example", "MASTER_ADDR"),
+        ("MASTER_ADDR", "a..b", "MASTER_ADDR"),
+        ("MASTER_ADDR", &long_host, "253"),
+    ];
+    for (name, value, says) in cases {
+        let message = refused(name, value);
+        assert!(message.contains(says), "{name}={value:.40}: {message}");
+        assert!(
+            message.len() < 400,
+            "the value is echoed cut short: {} bytes",
+            message.len()
+        );
+    }
+    // The forms a launcher writes are read.
+    for (host, read) in [
+        ("10.0.0.7", "10.0.0.7"),
+        ("::1", "::1"),
+        ("[fe80::1]", "fe80::1"),
+        ("node-3.cluster.local", "node-3.cluster.local"),
+        (" localhost ", "localhost"),
+        ("gpu_07", "gpu_07"),
+    ] {
+        let pairs = with("MASTER_ADDR", host);
+        let pairs: Vec<(&str, &str)> = pairs
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
+        assert_eq!(launch(&pairs).unwrap().host, read, "{host:?}");
+    }
+    let pairs = with("LOCAL_WORLD_SIZE", "2");
+    let pairs: Vec<(&str, &str)> = pairs
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
+    assert_eq!(launch(&pairs).unwrap().local_rank, 1);
+    let pairs = with("WORLD_SIZE", &max);
+    let pairs: Vec<(&str, &str)> = pairs
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
+    assert_eq!(launch(&pairs).unwrap().world, MAX_WORLD);
+}
+
+#[test]
+fn a_rendezvous_refuses_a_world_or_a_job_past_its_bound_before_it_sizes_anything() {
+    let big = 1_000_000_000_000_000usize;
+    assert_eq!(MAX_WORLD, 262_144, "the documented bound");
+    for (rank, world) in [(0, big), (1, big), (0, MAX_WORLD + 1)] {
+        match Rendezvous::new(("127.0.0.1", 1), rank, world) {
+            Err(Error::Bootstrap(e)) => {
+                assert!(e.to_string().contains(&MAX_WORLD.to_string()), "{e}")
+            }
+            other => panic!("a world of {world}: {other:?}"),
+        }
+    }
+    let port = free_port();
+    for rank in [0, 1] {
+        match at(port, rank, 2)
+            .job("j".repeat(MAX_JOB_BYTES + 1))
+            .timeout(Duration::from_millis(200))
+            .exchange(id)
+        {
+            Err(Error::Bootstrap(e)) => {
+                assert!(e.to_string().contains(&MAX_JOB_BYTES.to_string()), "{e}")
+            }
+            other => panic!("rank {rank}: {other:?}"),
+        }
+    }
+    // A name at the bound is a name.
+    let job = "j".repeat(MAX_JOB_BYTES);
+    let ids: Vec<UniqueId> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..2)
+            .map(|rank| {
+                let job = job.clone();
+                s.spawn(move || at(port, rank, 2).job(job).exchange(id).unwrap())
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(ids[0], ids[1]);
+}
+
+#[test]
+fn a_rendezvous_a_join_and_collectives_with_no_deadline_complete() {
+    joined_with_no_deadline(Duration::MAX);
+}
+
+#[test]
+fn collectives_of_joined_ranks_with_no_deadline_complete() {
+    // The rendezvous with a deadline: only the join and the collectives have none.
+    joined_with_no_deadline(Duration::from_secs(10));
+}
+
+/// A world of two joined ranks, whose rendezvous waits `rendezvous`, whose join and
+/// collectives have no deadline: a wait and an `.await` of an all-reduce.
+fn joined_with_no_deadline(rendezvous: Duration) {
+    use cuferry::collective::{Communicator, ReduceOp, all_reduce};
+    use cuferry::sim::SimDevice;
+    use cuferry::{download_tensor, upload_tensor};
+    let world = 2;
+    let sim = SimDevice::new(SimConfig {
+        devices: world,
+        ..SimConfig::default()
+    });
+    let port = free_port();
+    let sums: Vec<(Vec<u32>, Vec<u32>)> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..world)
+            .map(|rank| {
+                let sim = sim.clone();
+                s.spawn(move || {
+                    let mut engine = CudaEngine::simulated_on_device(&sim, rank).unwrap();
+                    let id = at(port, rank, world)
+                        .timeout(rendezvous)
+                        .exchange(|| UniqueId::new(&engine))
+                        .unwrap();
+                    let comm =
+                        Communicator::join_within(&mut engine, &id, rank, world, Duration::MAX)
+                            .unwrap()
+                            .with_timeout(Duration::MAX);
+                    let t = upload_tensor(&mut engine, &[rank as u32 + 1; 8], &[8]).unwrap();
+                    let waited = all_reduce(&comm, &mut [&mut engine], vec![t], ReduceOp::Sum)
+                        .unwrap()
+                        .wait()
+                        .unwrap()
+                        .into_parts();
+                    let first = download_tensor(&mut engine, &waited[0]).unwrap();
+                    let pending =
+                        all_reduce(&comm, &mut [&mut engine], waited, ReduceOp::Sum).unwrap();
+                    let awaited = futures_lite::future::block_on(pending.into_future())
+                        .unwrap()
+                        .into_parts();
+                    let second = download_tensor(&mut engine, &awaited[0]).unwrap();
+                    engine.synchronize().unwrap();
+                    (first, second)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (first, second) in sums {
+        assert_eq!(first, [3; 8]);
+        assert_eq!(second, [6; 8]);
+    }
+    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
 }

@@ -1060,3 +1060,22 @@ fn a_send_and_a_receive_that_differ_are_refused_by_the_group_end_and_nothing_is_
     drop((comm, engines));
     nothing_left(&sim);
 }
+
+/// An integer mean wraps its sum in the element type before it divides, as NCCL's does (its
+/// sum is the element type's, then the quotient truncates toward zero): the docs of
+/// `ReduceOp::Avg` say so.
+#[test]
+fn an_integer_mean_wraps_its_sum_in_the_element_type_before_dividing() {
+    // u8: 200 + 200 = 400 wraps to 144, halved 72 (not 200).
+    assert_eq!(mean_over_ranks(&[vec![200u8, 3], vec![200, 4]]), [72, 3]);
+    // i8: 100 * 3 = 300 wraps to 44, a third 14; -100 * 3 wraps to -44, a third -14.
+    let ranks: Vec<Vec<i8>> = (0..3).map(|_| vec![100, -100]).collect();
+    assert_eq!(mean_over_ranks(&ranks), [14, -14]);
+    // i32: 2^31 - 1 twice wraps to -2, halved -1.
+    assert_eq!(mean_over_ranks(&[vec![i32::MAX], vec![i32::MAX]]), [-1]);
+    // u64: 2^64 - 1 twice wraps to 2^64 - 2, halved 2^63 - 1.
+    assert_eq!(
+        mean_over_ranks(&[vec![u64::MAX], vec![u64::MAX]]),
+        [u64::MAX / 2]
+    );
+}

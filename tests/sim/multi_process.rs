@@ -47,3 +47,13 @@ fn a_rank_that_fails_ends_its_peers_by_their_deadline() {
         }
     }
 }
+
+#[test]
+fn the_example_with_no_deadline_completes() {
+    // `Duration::MAX` is "no deadline" for the rendezvous, the join and every collective.
+    let outcomes = example::launch_simulated(2, 1000, Duration::MAX, None).unwrap();
+    for (rank, outcome) in outcomes.into_iter().enumerate() {
+        let report = outcome.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        assert_eq!((report.rank, report.world), (rank, 2));
+    }
+}

@@ -22,6 +22,7 @@ use crate::lifecycle::wake::FenceFuture;
 use crate::memory::element::Element;
 use crate::memory::tensor::DeviceTensor;
 use crate::routes::pending::flight::Flight;
+use crate::sync::deadline::Deadline;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -44,8 +45,9 @@ pub struct Ranks<T: Element> {
     pub(super) comms: Arc<Comms>,
     pub(super) plan: Arc<Plan>,
     pub(super) timeout: Duration,
-    /// When a wait on a watched communicator gives up.
-    pub(super) deadline: Instant,
+    /// When a wait on a watched communicator gives up (none for a timeout of
+    /// `Duration::MAX`).
+    pub(super) deadline: Deadline,
 }
 
 impl<T: Element> std::fmt::Debug for Ranks<T> {
@@ -86,7 +88,7 @@ impl<T: Element> RanksLanded<T> {
 struct Watch {
     comms: Arc<Comms>,
     timeout: Duration,
-    deadline: Instant,
+    deadline: Deadline,
 }
 
 impl Watch {
@@ -121,7 +123,7 @@ impl Watch {
     /// deadline passed: for work found not complete.
     fn check(&self) -> Result<()> {
         self.health()?;
-        if self.active() && Instant::now() >= self.deadline {
+        if self.active() && self.deadline.expired() {
             let (rank, world) = (self.comms.first_rank, self.comms.world);
             self.comms.seam.abort();
             return Err(CollectiveError::TimedOut {
@@ -134,11 +136,10 @@ impl Watch {
         Ok(())
     }
 
-    /// How long a wait may block before it checks again.
+    /// How long a wait may block before it checks again: at most [`WATCH_PERIOD`], zero once
+    /// the deadline has passed.
     fn slice(&self) -> Duration {
-        self.deadline
-            .saturating_duration_since(Instant::now())
-            .min(WATCH_PERIOD)
+        self.deadline.slice(WATCH_PERIOD).unwrap_or(Duration::ZERO)
     }
 
     /// Blocks until `fenced`'s work completes (`Ok`), or its wait reports a failure or the
@@ -300,7 +301,11 @@ impl<T: Element> RanksFuture<T> {
                         }
                         if self.watch.active() {
                             // No device wake comes for a peer that died: look again soon.
-                            timer::wake_at(Instant::now() + self.watch.slice(), cx.waker().clone());
+                            // At most `WATCH_PERIOD` from now: the sum is checked all the same.
+                            let at = Deadline::after(self.watch.slice())
+                                .instant()
+                                .unwrap_or_else(Instant::now);
+                            timer::wake_at(at, cx.waker().clone());
                         }
                         return Poll::Pending;
                     }
