@@ -65,6 +65,16 @@ pub(crate) trait Sharing {
     /// ended; a live one never does.
     fn process_ended(&self, origin: &Origin) -> bool;
 
+    /// Checks that `claimed`, a peer's word for who it is, names the process the kernel
+    /// reports at the socket's other end (`kernel_pid`, from `SO_PEERCRED`): on a real device,
+    /// the same pid, running with the start time `/proc` gives it ([`peer_is_process`]).
+    ///
+    /// # Errors
+    /// [`ShareError::PeerIdentity`] saying which field disagrees.
+    fn check_peer(&self, claimed: &Origin, kernel_pid: u32) -> Result<(), ShareError> {
+        peer_is_process(claimed, kernel_pid)
+    }
+
     /// This device's UUID, which an offer names the device by.
     fn uuid(&self) -> [u8; 16];
 
@@ -104,6 +114,12 @@ pub(crate) trait Sharing {
     /// is ordered before the release.
     unsafe fn release_import(&mut self, lane: Lane, ptr: DevicePtr) -> Result<(), DriverError>;
 
+    /// The allocation that holds `ptr`, an address this driver's context reaches (an
+    /// allocation of its own or a live import): its base and its size in bytes, as the driver
+    /// records it (`cuMemGetAddressRange`). What an importer checks an offer's claimed size
+    /// against: the size comes from the allocation, never from the exporter's word.
+    fn address_range(&self, ptr: DevicePtr) -> Result<(DevicePtr, usize), DriverError>;
+
     /// Creates an event that other processes can open, and its handle.
     fn ipc_event_create(&mut self) -> Result<(EventHandle, Name), DriverError>;
 
@@ -132,6 +148,30 @@ pub(crate) fn start_of(pid: u32) -> Option<u64> {
     // `rest` starts at field 3 (the state); the start time is field 22.
     let start = field.get(22 - 3)?.parse().ok()?;
     (field.first() != Some(&"Z")).then_some(start)
+}
+
+/// Checks that `claimed` names operating-system process `kernel_pid`: its pid, and the start
+/// time `/proc/PID/stat` gives it now (which tells a recycled pid apart).
+///
+/// # Errors
+/// [`ShareError::PeerIdentity`] for another pid, or another start time (0 for a process that
+/// has exited).
+pub(crate) fn peer_is_process(claimed: &Origin, kernel_pid: u32) -> Result<(), ShareError> {
+    if claimed.pid != kernel_pid {
+        return Err(ShareError::PeerIdentity {
+            what: "pid",
+            claimed: claimed.pid.into(),
+            kernel: kernel_pid.into(),
+        });
+    }
+    match start_of(kernel_pid) {
+        Some(start) if start == claimed.start => Ok(()),
+        other => Err(ShareError::PeerIdentity {
+            what: "start time",
+            claimed: claimed.start,
+            kernel: other.unwrap_or(0),
+        }),
+    }
 }
 
 /// Sixteen bytes from the 32 hexadecimal digits of `text` (dashes and whitespace skipped).

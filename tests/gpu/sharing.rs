@@ -10,6 +10,8 @@
 #[allow(dead_code)]
 #[path = "../../examples/shared_weights.rs"]
 mod example;
+#[path = "../sim/sharing_relay.rs"]
+mod relay;
 
 use cuferry::share::{ShareLink, ShareListener};
 use cuferry::{CudaEngine, DeviceTensor, download_tensor};
@@ -60,6 +62,24 @@ fn child() {
     };
     let path = PathBuf::from(std::env::var_os("CUFERRY_SHARE_SOCKET").unwrap());
     let mut engine = CudaEngine::open(0).unwrap();
+    if role == "liar" {
+        // A greeting that names the parent (the exporter itself), a live process, start
+        // time and all: only the kernel's word on the socket tells the lie.
+        let parent = std::os::unix::process::parent_id();
+        let mut link = ShareLink::connect_claiming(
+            &mut engine,
+            &path,
+            Some(parent),
+            Some(start_of(parent)),
+            None,
+        )
+        .unwrap();
+        println!("REPORT greeted {}", std::process::id());
+        // Held until the exporter has judged the greeting and closed its end.
+        link.set_timeout(Some(DEADLINE));
+        let _ = link.import_read::<f32>(&mut engine);
+        return;
+    }
     let mut link = ShareLink::connect(&mut engine, &path).unwrap();
     link.set_timeout(Some(DEADLINE));
     let (role, arg) = role.split_once(':').unwrap_or((role.as_str(), ""));
@@ -122,6 +142,31 @@ fn child() {
                 let read = engine.scale(&tensor, 1.0).unwrap();
                 drop((read, tensor));
             }
+        }
+        "relayed" => {
+            // The second offer comes rewritten by the relay, claiming far more than its
+            // allocation holds: refused, and the third (honest) still imports.
+            let first = link.import_read::<f32>(&mut engine).unwrap();
+            match link.import_read::<f32>(&mut engine) {
+                Err(cuferry::Error::Share(cuferry::error::ShareError::PastAllocation {
+                    offered,
+                    allocation,
+                    ..
+                })) => println!("REPORT refused {offered} {allocation}"),
+                Err(other) => println!("REPORT error {other}"),
+                // Never read: its download would read past the mapping.
+                Ok(tensor) => println!("REPORT imported {}", tensor.len()),
+            }
+            let honest = link.import_read::<f32>(&mut engine).unwrap();
+            let first_seen = download_tensor(&mut engine, &first).unwrap();
+            let honest_seen = download_tensor(&mut engine, &honest).unwrap();
+            println!(
+                "REPORT seen {} {}",
+                first_seen == [2.0; 4],
+                honest_seen == [2.0; 4]
+            );
+            drop((first, honest, link));
+            engine.synchronize().unwrap();
         }
         other => panic!("role {other:?}"),
     }
@@ -277,4 +322,87 @@ fn measure_sharing_between_two_processes() {
         rate(baseline),
         baseline.as_secs_f64() / per_step.as_secs_f64()
     );
+}
+
+/// The start time of process `pid` (`/proc/PID/stat`'s 22nd field).
+fn start_of(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let rest = &stat[stat.rfind(')').unwrap() + 1..];
+    rest.split_whitespace()
+        .nth(22 - 3)
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn an_importer_that_lies_about_its_pid_is_refused_by_the_kernels_word() {
+    let mut engine = CudaEngine::open(0).unwrap();
+    let path = socket("liar");
+    let listener = ShareListener::bind(&path).unwrap();
+    let (mut child, mut lines) = spawn("liar", &path);
+    let greeted = report(&mut lines);
+    let liar: u32 = greeted.strip_prefix("greeted ").unwrap().parse().unwrap();
+    match listener.accept(&mut engine) {
+        Err(cuferry::Error::Share(cuferry::error::ShareError::PeerIdentity {
+            what,
+            claimed,
+            kernel,
+        })) => {
+            assert_eq!(what, "pid");
+            assert_eq!(claimed, u64::from(std::process::id()));
+            assert_eq!(kernel, u64::from(liar));
+            println!("refused: the greeting named {claimed}, the kernel {kernel}");
+        }
+        other => panic!("the lying greeting was not refused: {other:?}"),
+    }
+    assert!(child.wait().unwrap().success());
+    // The exporter goes on.
+    let tensor = engine.full(&[1 << 20], 3.0f32).unwrap();
+    assert_eq!(download_tensor(&mut engine, &tensor).unwrap()[7], 3.0);
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn an_offer_rewritten_by_a_relay_past_its_allocation_is_refused_in_the_importer_process() {
+    // The importer process connects to a relay, which passes the exporter's first offer as it
+    // was and rewrites the second (of the same 16-byte tensor, whose mapping the importer
+    // keeps) to claim 4 MiB; the third comes through honest.
+    let mut engine = CudaEngine::open(0).unwrap();
+    let path = socket("relayed");
+    let _ = std::fs::remove_file(&path);
+    let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+    let (mut child, mut lines) = spawn("relayed", &path);
+    let (from_child, _) = listener.accept().unwrap();
+    let (relay_out, exporter_end) = std::os::unix::net::UnixStream::pair().unwrap();
+    let _relay = relay::relay(from_child, relay_out, |n, body| {
+        if n == 1 {
+            relay::claim(body, 1 << 20, 4 << 20);
+        }
+    });
+    let importer = cuferry::share::Importer::from_stream(&mut engine, exporter_end).unwrap();
+    let tensor = engine.full(&[4], 2.0f32).unwrap();
+    let shared = engine.export_tensor(tensor).unwrap();
+    for _ in 0..3 {
+        importer.offer(&mut engine, &shared).unwrap();
+    }
+    let refused = report(&mut lines);
+    let seen = report(&mut lines);
+    assert!(child.wait().unwrap().success());
+    let _ = std::fs::remove_file(&path);
+    println!("relayed offer: {refused}");
+    let mut words = refused.split(' ');
+    assert_eq!(words.next(), Some("refused"), "{refused}");
+    assert_eq!(words.next(), Some("4194304"), "{refused}");
+    let allocation: u64 = words.next().unwrap().parse().unwrap();
+    assert!(allocation < 4 << 20, "{refused}");
+    assert_eq!(seen, "seen true true");
+    assert!(importer.wait_done(DEADLINE));
+    let tensor = shared.reclaim(DEADLINE).unwrap();
+    // The importer's refusal is reported at the exporter's next boundary.
+    let _ = engine.flush();
+    assert_eq!(download_tensor(&mut engine, &tensor).unwrap(), [2.0; 4]);
+    drop(tensor);
+    let _ = engine.synchronize();
 }

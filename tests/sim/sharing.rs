@@ -412,3 +412,440 @@ fn a_fault_at_every_call_of_either_side_is_reported_and_frees_nothing_early() {
     println!("{points} fault points, {reported} reported as a failed step");
     assert!(reported * 2 >= points, "{reported} of {points} reported");
 }
+
+// Hostile peers (issue 36): identity from the kernel, whole-message deadlines, `Duration::MAX`.
+
+/// The start time of real process `pid` (`/proc/PID/stat`'s 22nd field).
+fn start_of(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let rest = &stat[stat.rfind(')').unwrap() + 1..];
+    rest.split_whitespace()
+        .nth(22 - 3)
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
+/// A live process that is not this one: a `sleep` child, killed when dropped.
+struct Bystander(std::process::Child);
+
+impl Bystander {
+    fn new() -> Self {
+        Bystander(
+            std::process::Command::new("sleep")
+                .arg("60")
+                .spawn()
+                .unwrap(),
+        )
+    }
+    fn pid(&self) -> u32 {
+        self.0.id()
+    }
+}
+
+impl Drop for Bystander {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// The identity refusal `result` holds: what disagreed, what was claimed, what the kernel said.
+fn identity_refusal<T: std::fmt::Debug>(result: Result<T, Error>) -> (&'static str, u64, u64) {
+    match result {
+        Err(Error::Share(ShareError::PeerIdentity {
+            what,
+            claimed,
+            kernel,
+        })) => (what, claimed, kernel),
+        other => panic!("expected a PeerIdentity refusal, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_greeting_that_names_another_live_process_is_refused() {
+    let sim = SimDevice::new(SimConfig::default());
+    let mut exporter = CudaEngine::simulated_on(&sim);
+    let path = socket("liar-pid");
+    let listener = ShareListener::bind(&path).unwrap();
+    let other = Bystander::new();
+    let mut engine = CudaEngine::simulated_on(&sim);
+    // The claim is a live process's, start time and all: only the kernel can tell the lie.
+    let link = ShareLink::connect_claiming(
+        &mut engine,
+        &path,
+        Some(other.pid()),
+        Some(start_of(other.pid())),
+        None,
+    )
+    .unwrap();
+    let (what, claimed, kernel) = identity_refusal(listener.accept(&mut exporter));
+    assert_eq!(what, "pid");
+    assert_eq!(claimed, u64::from(other.pid()));
+    assert_eq!(kernel, u64::from(std::process::id()));
+    drop(link);
+    no_violations(&sim);
+}
+
+#[test]
+fn a_greeting_with_a_wrong_start_time_or_user_is_refused() {
+    let sim = SimDevice::new(SimConfig::default());
+    let mut exporter = CudaEngine::simulated_on(&sim);
+    let path = socket("liar-uid");
+    let listener = ShareListener::bind(&path).unwrap();
+    let mut engine = CudaEngine::simulated_on(&sim);
+    // SAFETY: no preconditions.
+    let uid = unsafe { libc::geteuid() };
+    let link = ShareLink::connect_claiming(&mut engine, &path, None, None, Some(uid + 1)).unwrap();
+    let (what, claimed, kernel) = identity_refusal(listener.accept(&mut exporter));
+    assert_eq!(
+        (what, claimed, kernel),
+        ("user id", u64::from(uid + 1), u64::from(uid))
+    );
+    drop(link);
+    // This process's own pid, with a start time that is not its own (a recycled pid).
+    let own = std::process::id();
+    let link = ShareLink::connect_claiming(&mut engine, &path, Some(own), Some(1), None).unwrap();
+    let (what, claimed, kernel) = identity_refusal(listener.accept(&mut exporter));
+    assert_eq!((what, claimed, kernel), ("start time", 1, start_of(own)));
+    drop(link);
+    // The listener takes an honest importer after them.
+    let (thread, _go) = importer(&sim, &path, |_engine, _link, _go| ());
+    listener.accept(&mut exporter).unwrap();
+    thread.join().unwrap();
+}
+
+#[test]
+fn a_peer_of_another_user_is_refused_unless_the_listener_allows_it() {
+    // SAFETY: no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        println!("skipped: making a peer of another user needs root");
+        return;
+    }
+    use std::os::unix::fs::PermissionsExt;
+    const NOBODY: u32 = 65534;
+    let sim = SimDevice::new(SimConfig::default());
+    let mut exporter = CudaEngine::simulated_on(&sim);
+    for allow in [false, true] {
+        let path = socket("other-user");
+        let mut listener = ShareListener::bind(&path).unwrap();
+        if allow {
+            listener = listener.allow_uid(NOBODY);
+        }
+        // The caller lets the other user reach the socket.
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o666)).unwrap();
+        let child = connect_as(NOBODY, &path);
+        let accepted = listener.accept(&mut exporter);
+        let mut status = 0;
+        // SAFETY: `child` is this test's own child, waited for once.
+        unsafe { libc::waitpid(child, &mut status, 0) };
+        match accepted {
+            Err(Error::Share(ShareError::OtherUser { uid, allowed })) if !allow => {
+                assert_eq!((uid, allowed), (NOBODY, vec![0]));
+            }
+            // Allowed, it passes the user's check and is refused for its (forged) process.
+            Err(Error::Share(ShareError::PeerIdentity { what: "pid", .. })) if allow => {}
+            other => panic!("allowed {allow}: {other:?}"),
+        }
+    }
+}
+
+/// Forks a process that becomes user `uid`, connects to `path` and sends a greeting of zeros
+/// (its pid 0) naming `uid`, then lingers a moment; returns its pid.
+fn connect_as(uid: u32, path: &Path) -> libc::pid_t {
+    use std::os::unix::ffi::OsStrExt;
+    // Everything is made before the fork: the child makes only async-signal-safe calls.
+    let mut frame = b"CFSHARE".to_vec();
+    frame.push(2);
+    frame.push(4);
+    let body_len = 16 + 16 + 4 + 8 + 4 + 16 + 64;
+    frame.extend_from_slice(&(body_len as u32).to_le_bytes());
+    let mut body = vec![0u8; body_len];
+    body[44..48].copy_from_slice(&uid.to_le_bytes());
+    frame.extend_from_slice(&body);
+    // SAFETY: an all-zero address is valid; its path is set below.
+    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    for (to, &from) in addr.sun_path.iter_mut().zip(path.as_os_str().as_bytes()) {
+        *to = from as libc::c_char;
+    }
+    // SAFETY: the child makes only async-signal-safe calls on memory made before the fork,
+    // and ends with `_exit`.
+    unsafe {
+        let pid = libc::fork();
+        if pid == 0 {
+            if libc::setgid(uid) != 0 || libc::setuid(uid) != 0 {
+                libc::_exit(2);
+            }
+            let fd = libc::socket(libc::AF_UNIX, libc::SOCK_STREAM, 0);
+            let size = std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t;
+            if libc::connect(fd, (&addr as *const libc::sockaddr_un).cast(), size) != 0 {
+                libc::_exit(3);
+            }
+            libc::write(fd, frame.as_ptr().cast(), frame.len());
+            libc::sleep(1);
+            libc::_exit(0);
+        }
+        assert!(pid > 0, "fork failed");
+        pid
+    }
+}
+
+#[test]
+fn the_listening_socket_is_the_owners_alone_whatever_the_umask() {
+    use std::os::unix::fs::PermissionsExt;
+    for umask in [0o000, 0o022, 0o277] {
+        // SAFETY: `umask` has no preconditions; it is set back at once.
+        let before = unsafe { libc::umask(umask) };
+        let path = socket("mode");
+        let listener = ShareListener::bind(&path);
+        // SAFETY: as above.
+        unsafe { libc::umask(before) };
+        let listener = listener.unwrap();
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600, "umask {umask:o}: mode {mode:o}");
+        drop(listener);
+    }
+}
+
+#[test]
+fn a_greeting_trickled_byte_by_byte_times_out_as_a_whole() {
+    let sim = SimDevice::new(SimConfig::default());
+    let mut exporter = CudaEngine::simulated_on(&sim);
+    let path = socket("trickle");
+    let limit = Duration::from_millis(300);
+    let listener = ShareListener::bind(&path).unwrap().greeting_limit(limit);
+    let trickler = {
+        let path = path.clone();
+        std::thread::spawn(move || {
+            use std::io::Write;
+            let mut stream = std::os::unix::net::UnixStream::connect(&path).unwrap();
+            // A greeting's header and then its body, one byte every 50 ms, for 10 s at most.
+            let mut frame = b"CFSHARE\x02\x04".to_vec();
+            frame.extend_from_slice(&128u32.to_le_bytes());
+            frame.resize(frame.len() + 128, 0);
+            for byte in frame.iter().take(200) {
+                if stream.write_all(&[*byte]).is_err() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        })
+    };
+    let start = std::time::Instant::now();
+    let refused = listener.accept(&mut exporter);
+    let took = start.elapsed();
+    match refused {
+        Err(Error::Share(ShareError::TimedOut {
+            what: "a greeting",
+            within,
+        })) => assert_eq!(within, limit),
+        other => panic!("after {took:?}: {other:?}"),
+    }
+    assert!(took < limit * 2, "the greeting held the accept {took:?}");
+    trickler.join().unwrap();
+}
+
+#[test]
+fn an_offer_that_names_another_process_than_the_kernels_is_refused() {
+    use std::io::{Read, Write};
+    use std::os::unix::net::{UnixListener, UnixStream};
+    let sim = SimDevice::new(SimConfig::default());
+    let mut exporter = CudaEngine::simulated_on(&sim);
+    let real = socket("real-exporter");
+    let listener = ShareListener::bind(&real).unwrap();
+    // A relay between the importer and the exporter rewrites the offer's origin to name a
+    // live process that is not at the socket's other end.
+    let front = socket("relay");
+    let relay = UnixListener::bind(&front).unwrap();
+    let mut engine = CudaEngine::simulated_on(&sim);
+    let mut link = ShareLink::connect(&mut engine, &front).unwrap();
+    link.set_timeout(Some(DEADLINE));
+    let (mut to_importer, _) = relay.accept().unwrap();
+    let mut to_exporter = UnixStream::connect(&real).unwrap();
+    let frame = |from: &mut UnixStream| {
+        let mut header = [0u8; 13];
+        from.read_exact(&mut header).unwrap();
+        let len = u32::from_le_bytes(header[9..13].try_into().unwrap()) as usize;
+        let mut body = vec![0u8; len];
+        from.read_exact(&mut body).unwrap();
+        (header, body)
+    };
+    let (header, body) = frame(&mut to_importer);
+    to_exporter.write_all(&header).unwrap();
+    to_exporter.write_all(&body).unwrap();
+    let handle = listener.accept(&mut exporter).unwrap();
+    let tensor = exporter.full(&[16], 1.0f32).unwrap();
+    let shared = exporter.export_tensor(tensor).unwrap();
+    handle.offer(&mut exporter, &shared).unwrap();
+    let other = Bystander::new();
+    let (header, mut body) = frame(&mut to_exporter);
+    // The origin follows the offer's id: host, boot, pid, start.
+    body[8 + 32..8 + 36].copy_from_slice(&other.pid().to_le_bytes());
+    body[8 + 36..8 + 44].copy_from_slice(&start_of(other.pid()).to_le_bytes());
+    to_importer.write_all(&header).unwrap();
+    to_importer.write_all(&body).unwrap();
+    let (what, claimed, kernel) = identity_refusal(link.import_read::<f32>(&mut engine));
+    assert_eq!(what, "pid");
+    assert_eq!(claimed, u64::from(other.pid()));
+    assert_eq!(kernel, u64::from(std::process::id()));
+    // Nothing was mapped.
+    assert_eq!(sim.imports_live(), 0);
+    drop((link, to_importer, to_exporter));
+    let _ = std::fs::remove_file(&front);
+}
+
+#[test]
+fn duration_max_is_no_deadline_for_every_wait_of_a_share() {
+    let sim = SimDevice::new(SimConfig::default());
+    let mut exporter = CudaEngine::simulated_on(&sim);
+    // Nothing imported: the reclaim returns at once.
+    let tensor = exporter.full(&[16], 1.0f32).unwrap();
+    let shared = exporter.export_tensor(tensor).unwrap();
+    let tensor = shared.reclaim(Duration::MAX).unwrap();
+    let path = socket("max");
+    let listener = ShareListener::bind(&path)
+        .unwrap()
+        .greeting_limit(Duration::MAX);
+    let (thread, _go) = importer(&sim, &path, |mut engine, mut link, _go| {
+        link.set_timeout(Some(Duration::MAX));
+        let lent = link.import_exclusive::<f32>(&mut engine).unwrap();
+        drop(lent);
+    });
+    let handle = listener.accept(&mut exporter).unwrap();
+    let lent = handle.lend(&mut exporter, tensor).unwrap();
+    let tensor = lent.wait_back(Duration::MAX).unwrap();
+    thread.join().unwrap();
+    // The importer's link is gone: it holds nothing.
+    assert!(handle.wait_done(Duration::MAX));
+    drop(tensor);
+    exporter.synchronize().unwrap();
+    no_violations(&sim);
+}
+
+#[path = "sharing_relay.rs"]
+mod relay;
+
+#[test]
+fn an_offer_rewritten_by_a_relay_past_its_allocation_is_refused_and_the_link_goes_on() {
+    // A relay between the processes passes the first offer as it was and rewrites the second
+    // (of the same tensor, whose mapping the link keeps) from 16 bytes to 4096; the third
+    // comes through honest.
+    let sim = SimDevice::new(SimConfig::default());
+    let mut exporter = CudaEngine::simulated_on(&sim);
+    let (importer_end, relay_in) = std::os::unix::net::UnixStream::pair().unwrap();
+    let (relay_out, exporter_end) = std::os::unix::net::UnixStream::pair().unwrap();
+    let _relay = relay::relay(relay_in, relay_out, |n, body| {
+        if n == 1 {
+            relay::claim(body, 1024, 4096);
+        }
+    });
+    let machine = sim.clone();
+    let thread = std::thread::spawn(move || {
+        let mut engine = CudaEngine::simulated_on(&machine);
+        let mut link = ShareLink::from_stream(&mut engine, importer_end).unwrap();
+        link.set_timeout(Some(DEADLINE));
+        let first = link.import_read::<f32>(&mut engine).unwrap();
+        let rewritten = link.import_read::<f32>(&mut engine).map(|t| t.len());
+        let honest = link.import_read::<f32>(&mut engine).unwrap();
+        let seen = (
+            download_tensor(&mut engine, &first).unwrap(),
+            download_tensor(&mut engine, &honest).unwrap(),
+        );
+        drop((first, honest, link));
+        engine.synchronize().unwrap();
+        (rewritten, seen)
+    });
+    let handle = cuferry::share::Importer::from_stream(&mut exporter, exporter_end).unwrap();
+    let tensor = exporter.full(&[4], 2.0f32).unwrap();
+    let shared = exporter.export_tensor(tensor).unwrap();
+    for _ in 0..3 {
+        handle.offer(&mut exporter, &shared).unwrap();
+    }
+    let (rewritten, (first, honest)) = thread.join().unwrap();
+    match rewritten {
+        Err(Error::Share(ShareError::PastAllocation {
+            offered: 4096,
+            offset: 0,
+            allocation,
+        })) => assert!(allocation < 4096, "{allocation}"),
+        other => panic!("the rewritten offer: {other:?}"),
+    }
+    assert_eq!(first, [2.0; 4]);
+    assert_eq!(honest, [2.0; 4]);
+    assert!(handle.wait_done(DEADLINE));
+    let tensor = shared.reclaim(DEADLINE).unwrap();
+    drop(tensor);
+    exporter.synchronize().ok();
+    no_violations(&sim);
+}
+
+#[test]
+fn an_importer_past_the_protocol_is_closed_holding_nothing() {
+    use std::io::{Read, Write};
+    use std::os::unix::net::{UnixListener, UnixStream};
+    let sim = SimDevice::new(SimConfig::default());
+    let mut exporter = CudaEngine::simulated_on(&sim);
+    let release = |id: u64| {
+        let mut f = b"CFSHARE\x02\x02".to_vec();
+        f.extend_from_slice(&8u32.to_le_bytes());
+        f.extend_from_slice(&id.to_le_bytes());
+        f
+    };
+    // After a true greeting: a second greeting, a release, an unmapping and a refusal of
+    // tensors never offered, and a goodbye's body past its end.
+    let goodbye = {
+        let mut f = b"CFSHARE\x02\x07".to_vec();
+        f.extend_from_slice(&1u32.to_le_bytes());
+        f.push(0);
+        f
+    };
+    let mut unmapped = release(5);
+    unmapped[8] = 6;
+    let mut refusal = b"CFSHARE\x02\x03".to_vec();
+    refusal.extend_from_slice(&9u32.to_le_bytes());
+    refusal.extend_from_slice(&[0; 9]);
+    for abuse in 0..5 {
+        let real = socket("past");
+        let listener = ShareListener::bind(&real).unwrap();
+        let front = socket("past-relay");
+        let relay = UnixListener::bind(&front).unwrap();
+        let mut engine = CudaEngine::simulated_on(&sim);
+        let link = ShareLink::connect(&mut engine, &front).unwrap();
+        let (mut from_importer, _) = relay.accept().unwrap();
+        let mut header = [0u8; 13];
+        from_importer.read_exact(&mut header).unwrap();
+        let len = u32::from_le_bytes(header[9..13].try_into().unwrap()) as usize;
+        let mut hello = header.to_vec();
+        hello.resize(13 + len, 0);
+        from_importer.read_exact(&mut hello[13..]).unwrap();
+        let mut to_exporter = UnixStream::connect(&real).unwrap();
+        to_exporter.write_all(&hello).unwrap();
+        let handle = listener.accept(&mut exporter).unwrap();
+        let bytes = match abuse {
+            0 => hello.clone(),
+            1 => release(999),
+            2 => unmapped.clone(),
+            3 => refusal.clone(),
+            _ => goodbye.clone(),
+        };
+        to_exporter.write_all(&bytes).unwrap();
+        assert!(
+            handle.wait_done(DEADLINE),
+            "abuse {abuse}: the connection is closed"
+        );
+        let tensor = exporter.full(&[16], 1.0f32).unwrap();
+        let shared = exporter.export_tensor(tensor).unwrap();
+        assert!(
+            matches!(
+                handle.offer(&mut exporter, &shared),
+                Err(Error::Share(ShareError::Closed))
+            ),
+            "abuse {abuse}: nothing more is offered"
+        );
+        drop((from_importer, to_exporter, link));
+        shared.try_reclaim().unwrap();
+        let _ = std::fs::remove_file(&front);
+    }
+    no_violations(&sim);
+}

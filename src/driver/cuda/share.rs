@@ -146,6 +146,16 @@ impl Sharing for CudaDriver {
         DriverError::check(unsafe { sys::cuMemFreeAsync(ptr, self.lane(lane)) })
     }
 
+    fn address_range(&self, ptr: DevicePtr) -> Result<(DevicePtr, usize), DriverError> {
+        let mut base: sys::CUdeviceptr = 0;
+        let mut size: usize = 0;
+        // SAFETY: both out pointers are valid for one write; the driver checks `ptr` against
+        // the current context's mappings (the route calls this inside the engine's context) and
+        // refuses an address it does not map.
+        DriverError::check(unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) })?;
+        Ok((base, size))
+    }
+
     fn ipc_event_create(&mut self) -> Result<(EventHandle, Name), DriverError> {
         let mut ev = MaybeUninit::uninit();
         let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32

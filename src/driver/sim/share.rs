@@ -36,7 +36,7 @@ use super::{
     DevicePtr, Driver, DriverError, EventHandle, Job, Lane, Running, SimDevice, SimDriver,
     SimEvent, SimOp, State, StreamId, Violation, driver_lane,
 };
-use crate::driver::share::{NAME_BYTES, Name, Origin, Sharing, start_of};
+use crate::driver::share::{NAME_BYTES, Name, Origin, Sharing, peer_is_process, start_of};
 use crate::error::{DeviceId, DeviceKind, ShareError};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
@@ -656,6 +656,31 @@ impl Sharing for SimDriver {
             .is_none_or(|p| p.killed || p.start != origin.start)
     }
 
+    /// A simulated process runs inside this real one (the registry is this process's): the
+    /// kernel must name this process, and the start must be the simulated process's own. A
+    /// real process is judged as a real device judges it.
+    fn check_peer(&self, claimed: &Origin, kernel_pid: u32) -> Result<(), ShareError> {
+        if claimed.pid < FIRST_PID {
+            return peer_is_process(claimed, kernel_pid);
+        }
+        let host = std::process::id();
+        if kernel_pid != host {
+            return Err(ShareError::PeerIdentity {
+                what: "pid",
+                claimed: claimed.pid.into(),
+                kernel: kernel_pid.into(),
+            });
+        }
+        match registry(&PROCESSES).get(&claimed.pid) {
+            Some(p) if p.start == claimed.start => Ok(()),
+            other => Err(ShareError::PeerIdentity {
+                what: "start time",
+                claimed: claimed.start,
+                kernel: other.map_or(0, |p| p.start),
+            }),
+        }
+    }
+
     /// A mark, the machine's instance and the device's ordinal.
     fn uuid(&self) -> [u8; 16] {
         let id = self.device();
@@ -784,6 +809,28 @@ impl Sharing for SimDriver {
         }
         s.push(stream, Job::Release { pid, ptr });
         Ok(())
+    }
+
+    /// The live block that holds `ptr`, from the machine's allocation table, when this process
+    /// allocated it or maps it (an import whose release has not run); `CUDA_ERROR_INVALID_VALUE`
+    /// otherwise, as CUDA refuses an address its context does not map.
+    fn address_range(&self, ptr: DevicePtr) -> Result<(DevicePtr, usize), DriverError> {
+        let s = self.lock();
+        s.alive()?;
+        let Some((&base, block)) = s.mem.range(..=ptr).next_back() else {
+            return Err(DriverError::INVALID_VALUE);
+        };
+        let inside = usize::try_from(ptr - base).is_ok_and(|off| off < block.len());
+        let pid = self.process.pid;
+        let reached = s.share.owners.get(&base) == Some(&pid)
+            || s.share
+                .imports
+                .get(&(pid, base))
+                .is_some_and(|i| i.mapped > 0 && !s.share.released.contains(&(pid, base)));
+        if !inside || !reached {
+            return Err(DriverError::INVALID_VALUE);
+        }
+        Ok((base, block.len()))
     }
 
     fn ipc_event_create(&mut self) -> Result<(EventHandle, Name), DriverError> {
@@ -1023,6 +1070,33 @@ mod tests {
         d.stream_wait(Lane::Compute, event).unwrap();
         d.stream_wait(Lane::Download, event).unwrap();
         (ptr, event)
+    }
+
+    #[test]
+    fn an_address_range_comes_from_the_allocation_table_for_what_the_process_reaches() {
+        let (_dev, mut exporter, mut importer) = pair();
+        let e = export(&mut exporter, &[7u8; 48]);
+        // The exporter's own allocation, from its start and from inside it; not past its end.
+        assert_eq!(exporter.address_range(e.ptr), Ok((e.ptr, 48)));
+        assert_eq!(exporter.address_range(e.ptr + 20), Ok((e.ptr, 48)));
+        assert_eq!(
+            exporter.address_range(e.ptr + 48),
+            Err(DriverError::INVALID_VALUE)
+        );
+        // Another process's memory is not reached before it maps it, nor after its release.
+        assert_eq!(
+            importer.address_range(e.ptr),
+            Err(DriverError::INVALID_VALUE)
+        );
+        let (fd, offer) = carry(&exporter, &e);
+        let (ptr, event) = import(&mut importer, &fd, &offer);
+        assert_eq!(importer.address_range(ptr + 47), Ok((e.ptr, 48)));
+        // SAFETY: the opened event's waits were queued before; no later wait names it.
+        unsafe { importer.ipc_event_close(event) }.unwrap();
+        // SAFETY: imported above, released once; nothing queued later uses it.
+        unsafe { importer.release_import(Lane::Compute, ptr) }.unwrap();
+        importer.waits().stream_synchronize().unwrap();
+        assert_eq!(importer.address_range(ptr), Err(DriverError::INVALID_VALUE));
     }
 
     #[test]

@@ -25,6 +25,7 @@ use crate::driver::{DevicePtr, EventHandle, Lane};
 use crate::error::{Error, Result, ShareError, SubmitError, UsageError};
 use crate::memory::element::Element;
 use crate::memory::tensor::{DeviceTensor, Home};
+use crate::sync::deadline::Deadline;
 use std::collections::HashMap;
 use std::os::fd::BorrowedFd;
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -40,8 +41,27 @@ const PROCESS_POLL: Duration = Duration::from_millis(10);
 const IDLE_POLL: Duration = Duration::from_millis(100);
 /// How long a wait for a release or an offer asks again before it sleeps.
 pub(super) const SPIN: Duration = Duration::from_micros(100);
-/// How long an accepted connection may take to greet.
+/// How long an accepted connection may take to greet, whole, unless the listener says
+/// otherwise ([`ShareListener::greeting_limit`]).
 const GREETING_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Checks that the kernel's word for a peer's user, `uid`, is this process's effective user or
+/// one of `allowed`.
+///
+/// # Errors
+/// [`ShareError::OtherUser`] otherwise.
+pub(super) fn check_user(uid: u32, allowed: &[u32]) -> Result<(), ShareError> {
+    let own = wire::own_uid();
+    if uid == own || allowed.contains(&uid) {
+        return Ok(());
+    }
+    let mut users = vec![own];
+    users.extend(allowed.iter().copied().filter(|&u| u != own));
+    Err(ShareError::OtherUser {
+        uid,
+        allowed: users,
+    })
+}
 
 /// Numbers for exports and connections, unique in the process.
 static NEXT: AtomicU64 = AtomicU64::new(1);
@@ -219,11 +239,12 @@ impl Export {
     /// Waits until no import is in use, at most `within`: `Ok(())` then; else the count still
     /// in use (`false`), or the failure that left an importer's use unordered (`true`).
     fn wait_released(&self, within: Duration) -> Result<(), (Error, bool)> {
-        let deadline = Instant::now() + within;
+        let start = Instant::now();
+        let deadline = Deadline::after_from(start, within);
         // A release that comes within a few tens of microseconds (a hand-back queued at once)
         // is met without a sleep and a wake.
-        let spin = Instant::now() + within.min(SPIN);
-        while lock(&self.inner).in_use() > 0 && Instant::now() < spin {
+        let spin = Deadline::after_from(start, within.min(SPIN));
+        while lock(&self.inner).in_use() > 0 && !spin.expired() {
             std::thread::yield_now();
         }
         let mut inner = lock(&self.inner);
@@ -235,10 +256,11 @@ impl Export {
             if imports == 0 {
                 return Ok(());
             }
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
+            // An hour at a time when there is no deadline: a condition variable's wait is
+            // finite.
+            let Some(left) = deadline.slice(Duration::from_secs(3600)) else {
                 return Err((Error::Share(ShareError::StillImported { imports }), false));
-            }
+            };
             inner = self
                 .changed
                 .wait_timeout(inner, left)
@@ -441,29 +463,64 @@ impl Drop for Conn {
 
 /// The socket importer processes connect to, on the exporting side.
 ///
-/// Binding makes a Unix socket at `path` (removed again when the listener is dropped); each
-/// [`accept`](Self::accept) takes one importer's connection. Callers with a channel of their
-/// own (a socket pair made before a fork, say) skip the listener: [`Importer::from_stream`].
+/// Binding makes a Unix socket at `path` (removed again when the listener is dropped), of mode
+/// `0600` whatever the umask: only this user (and root) can connect. Each
+/// [`accept`](Self::accept) takes one importer's connection, and believes nothing its greeting
+/// says that the kernel does not confirm: the connecting process's pid and user come from the
+/// socket (`SO_PEERCRED`), its start time from `/proc`, and a greeting that names another is
+/// refused, as is a peer of another user unless [allowed](Self::allow_uid). Callers with a
+/// channel of their own (a socket pair made before a fork, say) skip the listener:
+/// [`Importer::from_stream`].
 #[derive(Debug)]
 pub struct ShareListener {
     listener: UnixListener,
     path: PathBuf,
+    /// Users besides this process's that may connect.
+    allowed: Vec<u32>,
+    /// How long an accepted connection has to greet, whole.
+    greeting: Duration,
 }
 
 impl ShareListener {
-    /// Binds a Unix socket at `path`.
+    /// Binds a Unix socket at `path`, of mode `0600` (the socket's own mode is set before it
+    /// is bound, and again after, so no umask widens or narrows it).
     ///
     /// # Errors
     /// [`ShareError::Io`] when the socket cannot be made (the path exists, say).
     pub fn bind(path: impl AsRef<Path>) -> Result<Self> {
+        use std::os::unix::fs::PermissionsExt;
         let path = path.as_ref().to_path_buf();
-        let listener = UnixListener::bind(&path).map_err(|source| {
-            Error::Share(ShareError::Io {
-                operation: "bind",
-                source,
-            })
-        })?;
-        Ok(ShareListener { listener, path })
+        let io = |operation| move |source| Error::Share(ShareError::Io { operation, source });
+        let listener = bind_private(&path).map_err(io("bind"))?;
+        // The socket exists from here: dropped on the error path below, it would leave the
+        // path behind, so the listener takes it at once.
+        let listener = ShareListener {
+            listener,
+            path,
+            allowed: Vec::new(),
+            greeting: GREETING_TIMEOUT,
+        };
+        std::fs::set_permissions(&listener.path, std::fs::Permissions::from_mode(0o600))
+            .map_err(io("chmod"))?;
+        Ok(listener)
+    }
+
+    /// Lets importers of user `uid` connect besides this process's own user (the only one by
+    /// default): the kernel's word for the connecting process's user (`SO_PEERCRED`) must be
+    /// one of them. The socket stays of mode `0600`: a caller that lets another user in also
+    /// gives it a way to reach the path (the socket's group and mode, say), at its own choice.
+    #[must_use]
+    pub fn allow_uid(mut self, uid: u32) -> Self {
+        self.allowed.push(uid);
+        self
+    }
+
+    /// How long an accepted connection has to greet, from the accept to the greeting's last
+    /// byte, however it trickles in (ten seconds by default; `Duration::MAX` waits for ever).
+    #[must_use]
+    pub fn greeting_limit(mut self, within: Duration) -> Self {
+        self.greeting = within;
+        self
     }
 
     /// The socket's path.
@@ -471,10 +528,14 @@ impl ShareListener {
         &self.path
     }
 
-    /// Waits for the next importer to connect and greet, for `engine` to share with.
+    /// Waits for the next importer to connect and greet, for `engine` to share with; the
+    /// greeting must come whole within the [greeting limit](Self::greeting_limit) of the
+    /// connection's accept.
     ///
     /// # Errors
-    /// As [`Importer::from_stream`]; [`ShareError::Io`] when the accept fails.
+    /// As [`Importer::from_stream`], with [`ShareError::TimedOut`] past the greeting limit;
+    /// [`ShareError::Io`] when the accept fails. A refused connection is closed; the listener
+    /// takes the next.
     pub fn accept(&self, engine: &mut CudaEngine) -> Result<Importer> {
         let (stream, _) = self.listener.accept().map_err(|source| {
             Error::Share(ShareError::Io {
@@ -482,8 +543,68 @@ impl ShareListener {
                 source,
             })
         })?;
-        Importer::from_stream(engine, stream)
+        let deadline = Deadline::after(self.greeting);
+        let peer = wire::peer(&stream)?;
+        Importer::greeted(
+            engine,
+            stream,
+            Some(peer),
+            &self.allowed,
+            deadline,
+            self.greeting,
+        )
     }
+}
+
+/// A listening Unix socket at `path` whose mode is `0600` from its making: the socket's own
+/// mode is set before the bind, which gives it that mode less the umask.
+fn bind_private(path: &Path) -> std::io::Result<UnixListener> {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    use std::os::unix::ffi::OsStrExt;
+    let bytes = path.as_os_str().as_bytes();
+    // SAFETY: an all-zero `sockaddr_un` is a valid empty address.
+    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    if bytes.len() >= addr.sun_path.len() || bytes.contains(&0) {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!(
+                "a socket path of {} bytes (at most {}, without NUL)",
+                bytes.len(),
+                addr.sun_path.len() - 1
+            ),
+        ));
+    }
+    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    for (to, &from) in addr.sun_path.iter_mut().zip(bytes) {
+        *to = from as libc::c_char;
+    }
+    let last = |ok: libc::c_int| {
+        if ok < 0 {
+            Err(std::io::Error::last_os_error())
+        } else {
+            Ok(ok)
+        }
+    };
+    // SAFETY: plain socket creation; the descriptor is owned at once.
+    let fd =
+        last(unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) })?;
+    // SAFETY: `fd` was just made, for this function alone.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: `fd` is open; `addr` is a valid address of the length given.
+    unsafe {
+        last(libc::fchmod(fd.as_raw_fd(), 0o600))?;
+        last(libc::bind(
+            fd.as_raw_fd(),
+            (&addr as *const libc::sockaddr_un).cast(),
+            std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t,
+        ))?;
+    }
+    // SAFETY: `fd` is a bound socket.
+    if let Err(error) = last(unsafe { libc::listen(fd.as_raw_fd(), 128) }) {
+        let _ = std::fs::remove_file(path);
+        return Err(error);
+    }
+    Ok(UnixListener::from(fd))
 }
 
 impl Drop for ShareListener {
@@ -512,32 +633,86 @@ impl std::fmt::Debug for Importer {
 
 impl Importer {
     /// Takes an importer's connection on `stream`, a channel the caller brought: reads its
-    /// greeting, checks that it is a live process of this host, and opens its event on
-    /// `engine`, which every tensor offered to it must belong to.
+    /// greeting (whole within ten seconds), checks that it names the process and the user the
+    /// kernel reports at the other end (`SO_PEERCRED`, and the start time in `/proc`), that the
+    /// user is this process's, and that it is a live process of this host, and opens its event
+    /// on `engine`, which every tensor offered to it must belong to.
+    ///
+    /// What is trusted: the kernel's word for the socket's other end. A channel this process
+    /// made itself (a socket pair, made before a fork) names this process at both ends, so the
+    /// kernel cannot say who holds the other: the caller vouches for it (it chose who got that
+    /// end), and only the greeting's own checks (host, boot, a live process) apply.
     ///
     /// # Errors
-    /// [`ShareError::Garbage`], [`ShareError::Closed`] or [`ShareError::Io`] when the greeting
-    /// does not come (within ten seconds) or is not the protocol; [`ShareError::OtherHost`],
-    /// [`ShareError::OtherBoot`] or [`ShareError::ProcessGone`] for a greeting of another host,
-    /// boot or an exited process; [`Error::Driver`] when the events cannot be made or opened.
-    pub fn from_stream(engine: &mut CudaEngine, mut stream: UnixStream) -> Result<Importer> {
+    /// [`ShareError::OtherUser`] for a peer of another user; [`ShareError::PeerIdentity`] for a
+    /// greeting whose pid, start time or user is not the kernel's; [`ShareError::TimedOut`]
+    /// when it does not come whole in time; [`ShareError::Garbage`], [`ShareError::Closed`]
+    /// or [`ShareError::Io`] when it is not the protocol or the socket fails (or is not a
+    /// connected Unix socket); [`ShareError::OtherHost`], [`ShareError::OtherBoot`] or
+    /// [`ShareError::ProcessGone`] for a greeting of another host, boot or an exited process;
+    /// [`Error::Driver`] when the events cannot be made or opened.
+    pub fn from_stream(engine: &mut CudaEngine, stream: UnixStream) -> Result<Importer> {
+        let deadline = Deadline::after(GREETING_TIMEOUT);
+        let peer = wire::peer(&stream)?;
+        let peer = (peer.pid != std::process::id()).then_some(peer);
+        Importer::greeted(engine, stream, peer, &[], deadline, GREETING_TIMEOUT)
+    }
+
+    /// Takes the connection on `stream`, whose other end the kernel says is `peer` (`None`:
+    /// this process, vouched for), of this user or one of `allowed`, greeting by `deadline`
+    /// (`limit` from the accept).
+    fn greeted(
+        engine: &mut CudaEngine,
+        mut stream: UnixStream,
+        peer: Option<wire::Peer>,
+        allowed: &[u32],
+        deadline: Deadline,
+        limit: Duration,
+    ) -> Result<Importer> {
         let io = |operation| move |source| Error::Share(ShareError::Io { operation, source });
-        stream
-            .set_read_timeout(Some(GREETING_TIMEOUT))
-            .map_err(io("setsockopt"))?;
-        let hello = match wire::recv(&mut stream)? {
-            (Message::Hello(hello), _) => hello,
-            _ => {
+        // A user not allowed is refused before a byte of its is read.
+        if let Some(peer) = peer {
+            check_user(peer.uid, allowed)?;
+        }
+        let hello = match wire::recv_by(&mut stream, deadline) {
+            Ok((Message::Hello(hello), _)) => hello,
+            Ok(_) => {
                 return Err(Error::Share(ShareError::Garbage {
                     reason: "a connection that did not open with a greeting".into(),
                 }));
             }
+            Err(ShareError::Io { source, .. }) if source.kind() == std::io::ErrorKind::TimedOut => {
+                return Err(Error::Share(ShareError::TimedOut {
+                    what: "a greeting",
+                    within: limit,
+                }));
+            }
+            Err(error) => return Err(Error::Share(error)),
         };
+        if let Some(peer) = peer
+            && hello.uid != peer.uid
+        {
+            return Err(Error::Share(ShareError::PeerIdentity {
+                what: "user id",
+                claimed: hello.uid.into(),
+                kernel: peer.uid.into(),
+            }));
+        }
         stream.set_read_timeout(None).map_err(io("setsockopt"))?;
+        // An importer that stops reading holds no send here for long: a write that finds no
+        // room for its limit fails (the message is not sent, as when the socket breaks).
+        stream
+            .set_write_timeout(Some(wire::MESSAGE_LIMIT))
+            .map_err(io("setsockopt"))?;
         let reader = stream.try_clone().map_err(io("dup"))?;
         let shared = Arc::clone(&engine.shared);
         let (ready, ready_name, done) = {
             let mut st = engine.enter()?;
+            // The greeting names the process the kernel reports, before anything else of it
+            // is believed.
+            if let Some(peer) = peer {
+                st.driver.check_peer(&hello.origin, peer.pid)?;
+            }
             let here = st.driver.process()?;
             let ended = st.driver.process_ended(&hello.origin);
             hello.origin.check(&here, ended)?;
@@ -591,14 +766,15 @@ impl Importer {
     }
 
     /// Waits at most `within` until [`is_done`](Self::is_done); returns whether it is.
+    /// `Duration::MAX` waits with no deadline.
     pub fn wait_done(&self, within: Duration) -> bool {
-        let deadline = Instant::now() + within;
+        let deadline = Deadline::after(within);
         let mut link = lock(&self.conn.link);
         while *link != Link::Done {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
+            // `Duration::MAX` is no deadline: an hour at a time.
+            let Some(left) = deadline.slice(Duration::from_secs(3600)) else {
                 return false;
-            }
+            };
             link = self
                 .conn
                 .changed
@@ -812,8 +988,8 @@ impl<T: Element> Exported<T> {
     }
 
     /// The tensor back for writing, once every importer has released it, waiting at most
-    /// `within` on the host; every use on the exporting engine from now on runs after the
-    /// importers' last uses (on the device). Importers may still map it: it is freed, once
+    /// `within` on the host (`Duration::MAX`: with no deadline); every use on the exporting
+    /// engine from now on runs after the importers' last uses (on the device). Importers may still map it: it is freed, once
     /// dropped, only after they have unmapped it.
     ///
     /// # Errors
@@ -868,8 +1044,9 @@ impl<T: Element> Lent<T> {
     }
 
     /// The tensor back, once the importer has handed it back, waiting at most `within` on the
-    /// host: every use on this engine from now on runs after the importer's writes (on the
-    /// device). A tensor whose importer's process died comes back with whatever it wrote.
+    /// host (`Duration::MAX`: with no deadline): every use on this engine from now on runs
+    /// after the importer's writes (on the device). A tensor whose importer's process died
+    /// comes back with whatever it wrote.
     ///
     /// # Errors
     /// As [`Exported::reclaim`].

@@ -31,9 +31,46 @@ use std::time::Duration;
 /// How long a link that goes waits for its exporter to take its last messages.
 const LINGER: Duration = Duration::from_secs(10);
 
+/// The most offers a link holds that [`ShareLink::import_read`] and
+/// [`ShareLink::import_exclusive`] have not taken yet (the one being taken included). An
+/// exporter that sends more is treated as hostile: the link stops reading it and every later
+/// import fails with [`ShareError::OverLimit`].
+pub(super) const MAX_WAITING_OFFERS: usize = 4096;
+
+/// The most pool descriptors a link holds at once: the one its exporter sends with its first
+/// offer. A second that comes while the link holds one (queued, or kept after a refusal until
+/// the pool is imported) closes the link as [`MAX_WAITING_OFFERS`] does; one that comes after
+/// the pool's import is closed at once.
+const MAX_DESCRIPTORS: usize = 1;
+
+/// The error of a link whose exporter passed a bound.
+fn over(what: &'static str, limit: usize) -> ShareError {
+    ShareError::OverLimit { what, limit }
+}
+
+/// A pool descriptor the link holds, counted (in [`Mappings::descriptors`]) while it lives.
+struct HeldFd {
+    fd: OwnedFd,
+    link: Weak<LinkShared>,
+}
+
+impl Drop for HeldFd {
+    fn drop(&mut self) {
+        // Never dropped under the mappings' lock.
+        if let Some(link) = self.link.upgrade() {
+            let mut mapped = lock(&link.mapped);
+            mapped.descriptors = mapped.descriptors.saturating_sub(1);
+        }
+    }
+}
+
 /// An exporter's mapped allocation.
 struct Mapping {
     ptr: DevicePtr,
+    /// Where `ptr` lies in the exporter's allocation, and the allocation's size, as the driver
+    /// measured the mapping: every offer of it must fit.
+    offset: u64,
+    allocation: u64,
     /// Its export data, which every later offer of it must repeat.
     pointer: Name,
     /// Imports of it alive.
@@ -45,8 +82,20 @@ struct Mapping {
 #[derive(Default)]
 struct Mappings {
     by_id: HashMap<u64, Mapping>,
-    /// Unmap requests for tensors whose offer has not been taken yet.
+    /// Unmap requests for tensors whose offer has not been taken yet: only ids in `queued`
+    /// (so at most [`MAX_WAITING_OFFERS`]); a request for anything else holds nothing.
     asked: HashSet<u64>,
+    /// Offers the reader has passed on and the link has not finished taking, by tensor.
+    queued: HashMap<u64, usize>,
+    /// All of them (at most [`MAX_WAITING_OFFERS`]).
+    waiting: usize,
+    /// Pool descriptors the link holds (queued with an offer, or kept for the pool's import):
+    /// at most [`MAX_DESCRIPTORS`].
+    descriptors: usize,
+    /// Set once the exporter's pool is imported: a descriptor after it is closed at once.
+    pool: bool,
+    /// The bound the exporter passed, once it has: the link reads it no more.
+    hostile: Option<(&'static str, usize)>,
     /// Set once a release or an unmapping could not be proven ordered (the exporter was not
     /// told): the link never says it holds nothing, so the exporter keeps its memory until
     /// this process ends.
@@ -110,6 +159,45 @@ fn unmap(st: &mut State, engine: &Shared, ptr: DevicePtr, done: EventHandle) -> 
 }
 
 impl LinkShared {
+    /// Counts an offer of tensor `id` that the reader passes on, with the descriptor that came
+    /// with it (closed at once after the pool's import); the bound it passes, if any.
+    fn admit(&self, id: u64, fd: Option<OwnedFd>) -> Result<Option<OwnedFd>, ShareError> {
+        let mut mapped = lock(&self.mapped);
+        if mapped.waiting >= MAX_WAITING_OFFERS {
+            return Err(over("offers waiting to be taken", MAX_WAITING_OFFERS));
+        }
+        let fd = match fd {
+            Some(_) if mapped.pool => None,
+            Some(_) if mapped.descriptors >= MAX_DESCRIPTORS => {
+                return Err(over("pool descriptors held", MAX_DESCRIPTORS));
+            }
+            Some(fd) => {
+                mapped.descriptors += 1;
+                Some(fd)
+            }
+            None => None,
+        };
+        mapped.waiting += 1;
+        *mapped.queued.entry(id).or_default() += 1;
+        Ok(fd)
+    }
+
+    /// An offer of tensor `id` is taken (imported or refused): an unmap request for it that
+    /// its import did not take is forgotten with the last one.
+    fn taken(&self, id: u64) {
+        let mut mapped = lock(&self.mapped);
+        mapped.waiting = mapped.waiting.saturating_sub(1);
+        if let Some(n) = mapped.queued.get_mut(&id) {
+            *n -= 1;
+            if *n == 0 {
+                mapped.queued.remove(&id);
+                if !mapped.by_id.contains_key(&id) {
+                    mapped.asked.remove(&id);
+                }
+            }
+        }
+    }
+
     fn send(&self, message: &Message) -> Result<()> {
         match wire::send(&mut lock(&self.writer), message, None) {
             Ok(()) => Ok(()),
@@ -134,6 +222,7 @@ impl LinkShared {
             return;
         };
         let mut mapped = lock(&self.mapped);
+        let queued = mapped.queued.contains_key(&id);
         let told = match mapped.by_id.get_mut(&id) {
             Some(m) if m.in_use > 0 => {
                 m.unmap = true;
@@ -146,10 +235,14 @@ impl LinkShared {
                 mapped.stuck |= !told;
                 told
             }
-            None => {
+            // An offer not taken yet: unmapped once it is mapped and released.
+            None if queued => {
                 mapped.asked.insert(id);
                 false
             }
+            // Nothing this link maps or will map (refused, or never offered): nothing to do,
+            // and nothing held.
+            None => false,
         };
         drop((mapped, st));
         if told && let Err(error) = self.send(&Message::Unmapped { id }) {
@@ -287,7 +380,7 @@ impl<T: Element> std::ops::Deref for ReadOnly<T> {
 }
 
 /// An offer as the reader hands it over, or why none comes.
-type Incoming = std::result::Result<(Box<Offer>, Option<OwnedFd>), ShareError>;
+type Incoming = std::result::Result<(Box<Offer>, Option<HeldFd>), ShareError>;
 
 /// The importing side's connection to one exporter process.
 ///
@@ -296,14 +389,28 @@ type Incoming = std::result::Result<(Box<Offer>, Option<OwnedFd>), ShareError>;
 /// reads the socket, so an exporter's request to unmap memory it wants to free is answered at
 /// once. The link may be dropped while imports of it live: they keep what they need to release
 /// themselves, and the last one unmaps what the link mapped.
+///
+/// What an exporter can make the link hold is bounded: at most 4096 offers waiting to be taken
+/// (the one being taken included) and one pool descriptor (a descriptor that comes after the
+/// pool's import is closed at once); an unmap request holds something only for an offer still
+/// waiting. An exporter past a bound is hostile: the link stops reading it, closes the socket,
+/// and every later import fails with [`ShareError::OverLimit`], naming the bound.
 pub struct ShareLink {
     link: Arc<LinkShared>,
     offers: Receiver<Incoming>,
     timeout: Option<Duration>,
     /// The exporter's process and device, from its first offer, and its pool, imported then.
     exporter: Option<(Origin, [u8; 16], u64)>,
+    /// Who the kernel says is at the socket's other end, which the first offer's origin must
+    /// name; `None` for a channel this process made itself (the caller vouches for it).
+    peer: Option<wire::Peer>,
+    /// The users besides this process's that may export to it ([`allow_uid`](Self::allow_uid)).
+    allowed: Vec<u32>,
     /// The exporter's event, opened, and its handle.
     ready: Option<(EventHandle, Name)>,
+    /// The pool's descriptor, kept from an offer refused before the pool was imported, for the
+    /// next offer's import (the exporter sends it once).
+    pending: Option<HeldFd>,
 }
 
 impl std::fmt::Debug for ShareLink {
@@ -330,7 +437,31 @@ fn read(
 fn read_until_end(mut reader: UnixStream, link: Weak<LinkShared>, offers: Sender<Incoming>) {
     loop {
         let next = match wire::recv(&mut reader) {
-            Ok((Message::Offer(offer), fd)) => Ok((offer, fd)),
+            Ok((Message::Offer(offer), fd)) => {
+                let Some(shared) = link.upgrade() else {
+                    // The link and its imports are gone: no one takes it.
+                    continue;
+                };
+                match shared.admit(offer.id, fd) {
+                    Ok(fd) => Ok((
+                        offer,
+                        fd.map(|fd| HeldFd {
+                            fd,
+                            link: Weak::clone(&link),
+                        }),
+                    )),
+                    Err(bound) => {
+                        // A hostile exporter: read no more of it, close the socket, and fail
+                        // every later import.
+                        if let ShareError::OverLimit { what, limit } = bound {
+                            lock(&shared.mapped).hostile = Some((what, limit));
+                        }
+                        let _ = reader.shutdown(std::net::Shutdown::Both);
+                        let _ = offers.send(Err(bound));
+                        return;
+                    }
+                }
+            }
             Ok((Message::Unmap { id }, _)) => {
                 // When the link is gone, its drop unmaps everything (and waits for the end).
                 if let Some(link) = link.upgrade() {
@@ -345,9 +476,11 @@ fn read_until_end(mut reader: UnixStream, link: Weak<LinkShared>, offers: Sender
         };
         let end = next.is_err();
         if let Err(unsent) = offers.send(next)
-            && let Ok((offer, _fd)) = unsent.0
+            && let Ok((offer, fd)) = unsent.0
             && let Some(link) = link.upgrade()
         {
+            drop(fd);
+            link.taken(offer.id);
             // The link is gone while imports of it live: no one takes the offer.
             let mapped = lock(&link.mapped).by_id.contains_key(&offer.id);
             let refusal = Message::Refuse {
@@ -377,16 +510,70 @@ impl ShareLink {
                 source,
             })
         })?;
-        Self::from_stream(engine, stream)
+        let peer = wire::peer(&stream)?;
+        Self::greet(engine, stream, Some(peer), |_| {})
+    }
+
+    /// A test's liar: [`connect`](Self::connect), with a greeting whose pid, start time or
+    /// user id is `forge`'s instead of this process's. Only the `sim` feature has it.
+    #[cfg(feature = "sim")]
+    #[doc(hidden)]
+    pub fn connect_claiming(
+        engine: &mut CudaEngine,
+        path: impl AsRef<Path>,
+        pid: Option<u32>,
+        start: Option<u64>,
+        uid: Option<u32>,
+    ) -> Result<Self> {
+        let stream = UnixStream::connect(path).map_err(|source| {
+            Error::Share(ShareError::Io {
+                operation: "connect",
+                source,
+            })
+        })?;
+        let peer = wire::peer(&stream)?;
+        Self::greet(engine, stream, Some(peer), |hello| {
+            hello.origin.pid = pid.unwrap_or(hello.origin.pid);
+            hello.origin.start = start.unwrap_or(hello.origin.start);
+            hello.uid = uid.unwrap_or(hello.uid);
+        })
+    }
+
+    /// Lets an exporter of user `uid` share with this link, besides this process's own user
+    /// (the default, and the only one otherwise): checked, with the exporter's process, against
+    /// the kernel's word (`SO_PEERCRED`) when its first offer comes.
+    pub fn allow_uid(&mut self, uid: u32) {
+        self.allowed.push(uid);
     }
 
     /// Greets the exporter on `stream`, a channel the caller brought: says who this process is,
     /// its device, and the event it records after each release.
     ///
+    /// What is trusted: the kernel names the process at the other end of a Unix socket
+    /// (`SO_PEERCRED`), and the exporter's first offer must name that process and a user this
+    /// link allows, as for [`connect`](Self::connect). A channel this process made itself (a
+    /// socket pair, made before a fork) names this process at both ends, so the kernel cannot
+    /// say who holds the other: the caller vouches for it (it chose who got that end), and only
+    /// the offers' own checks (host, boot, a live process) apply.
+    ///
     /// # Errors
     /// [`ShareError::Identity`] when this process cannot be named; [`Error::Driver`] when the
-    /// event cannot be made; [`ShareError::Io`] when the socket refuses.
+    /// event cannot be made; [`ShareError::Io`] when the socket refuses, or is not a connected
+    /// Unix socket the kernel names a peer for.
     pub fn from_stream(engine: &mut CudaEngine, stream: UnixStream) -> Result<Self> {
+        let peer = wire::peer(&stream)?;
+        let peer = (peer.pid != std::process::id()).then_some(peer);
+        Self::greet(engine, stream, peer, |_| {})
+    }
+
+    /// Greets the exporter on `stream`, whose other end the kernel says is `peer`, with the
+    /// greeting `forge` leaves.
+    fn greet(
+        engine: &mut CudaEngine,
+        stream: UnixStream,
+        peer: Option<wire::Peer>,
+        forge: impl FnOnce(&mut Hello),
+    ) -> Result<Self> {
         let io = |operation| move |source| Error::Share(ShareError::Io { operation, source });
         let reader = stream.try_clone().map_err(io("dup"))?;
         let (done, hello) = {
@@ -401,11 +588,14 @@ impl ShareLink {
                 done,
                 Hello {
                     origin,
+                    uid: wire::own_uid(),
                     device,
                     event,
                 },
             )
         };
+        let mut hello = hello;
+        forge(&mut hello);
         // From here the link owns the event (its drop destroys it).
         let closed = Arc::new((Mutex::new(false), std::sync::Condvar::new()));
         let link = Arc::new(LinkShared {
@@ -431,7 +621,10 @@ impl ShareLink {
             offers,
             timeout: None,
             exporter: None,
+            peer,
+            allowed: Vec::new(),
             ready: None,
+            pending: None,
         })
     }
 
@@ -454,13 +647,25 @@ impl ShareLink {
     /// # Errors
     /// Each refusal is told to the exporter and maps nothing:
     /// [`ShareError::Access`] for an exclusive hand-off; [`ShareError::ElementType`] for another
-    /// element type; [`ShareError::Garbage`] for an offer whose shape and size disagree, or of
-    /// another exporter than the link's first; [`ShareError::OtherHost`],
+    /// element type; [`ShareError::Garbage`] for an offer whose shape and size disagree, whose
+    /// shape is empty or overflows this host's sizes, that names a mapped tensor by other export
+    /// data, or of another exporter than the link's first (or without the pool's descriptor,
+    /// when no offer brought it yet); [`ShareError::PastAllocation`] for an offer whose size
+    /// does not fit the allocation it maps, as the driver measures the mapping (the size never
+    /// comes from the offer: a new mapping is released again, stream-ordered, and the exporter
+    /// told); [`ShareError::OtherUser`] or [`ShareError::PeerIdentity`] for a first offer
+    /// whose exporter is of a user not allowed ([`allow_uid`](Self::allow_uid)) or is not the
+    /// process the kernel reports at the socket's other end; [`ShareError::OtherHost`],
     /// [`ShareError::OtherBoot`], [`ShareError::ProcessGone`] for a handle of another host, boot
     /// or an exited process; [`ShareError::Unreachable`] for a device this engine cannot reach;
     /// [`Error::Driver`] when the driver refuses the pool, the pointer or the event (a forged
-    /// handle). When no offer comes: [`ShareError::Io`] (of kind `TimedOut` past the
-    /// [timeout](Self::set_timeout)), [`ShareError::Closed`] or [`ShareError::Garbage`].
+    /// handle), or cannot measure the mapping (`cuMemGetAddressRange`). A refusal leaves the
+    /// link as it was: the next offer is taken as if the refused one had not come (the pool's
+    /// descriptor, which comes once, is kept until the pool is imported). When no offer comes:
+    /// [`ShareError::Io`] (of kind `TimedOut` past the [timeout](Self::set_timeout)),
+    /// [`ShareError::Closed`] or [`ShareError::Garbage`] (a message that is not the protocol
+    /// ends the link); [`ShareError::OverLimit`] once the exporter has passed a bound (see
+    /// [`ShareLink`]), for this import and every later one.
     pub fn import_read<T: Element>(&mut self, engine: &mut CudaEngine) -> Result<ReadOnly<T>> {
         let tensor = self.import(engine, Access::Read)?;
         Ok(ReadOnly { tensor })
@@ -479,10 +684,16 @@ impl ShareLink {
         self.import(engine, Access::Exclusive)
     }
 
-    fn next_offer(&self) -> Result<(Box<Offer>, Option<OwnedFd>)> {
+    fn next_offer(&self) -> Result<(Box<Offer>, Option<HeldFd>)> {
+        let hostile = lock(&self.link.mapped).hostile;
+        if let Some((what, limit)) = hostile {
+            // Offers still queued are never taken: their descriptors close as they drop.
+            while self.offers.try_recv().is_ok() {}
+            return Err(Error::Share(over(what, limit)));
+        }
         // An offer that comes within a few tens of microseconds is met without a sleep.
-        let spin = std::time::Instant::now() + SPIN;
-        while std::time::Instant::now() < spin {
+        let spin = crate::sync::deadline::Deadline::after(SPIN);
+        while !spin.expired() {
             match self.offers.try_recv() {
                 Ok(incoming) => return Ok(incoming?),
                 Err(std::sync::mpsc::TryRecvError::Empty) => std::thread::yield_now(),
@@ -514,6 +725,7 @@ impl ShareLink {
         let mapped = checked
             .map_err(|error| (error, false))
             .and_then(|(pool, ready)| self.map::<T>(engine, &offer, pool, ready));
+        self.link.taken(offer.id);
         mapped.map_err(|(error, told)| {
             if told {
                 // Mapped and released again: the release told the exporter.
@@ -537,8 +749,15 @@ impl ShareLink {
         engine: &mut CudaEngine,
         access: Access,
         offer: &Offer,
-        fd: Option<OwnedFd>,
+        fd: Option<HeldFd>,
     ) -> Result<(u64, EventHandle)> {
+        // Kept until the pool is imported, whatever this offer's fate: the exporter sends it
+        // once, with its first offer. One that comes after the import is closed.
+        if let Some(fd) = fd
+            && self.exporter.is_none()
+        {
+            self.pending = Some(fd);
+        }
         let name = |a| match a {
             Access::Read => "read-only",
             Access::Exclusive => "exclusive",
@@ -556,8 +775,7 @@ impl ShareLink {
             }));
         }
         let garbage = |reason: String| Error::Share(ShareError::Garbage { reason });
-        let shape = shape_of(offer)?;
-        let len = shape_len(&shape)?;
+        let (shape, len) = shape_of(offer)?;
         if len == 0 || len.checked_mul(T::DTYPE.size_bytes()) != usize::try_from(offer.bytes).ok() {
             return Err(garbage(format!(
                 "an offer of shape {shape:?} in {} bytes",
@@ -577,6 +795,11 @@ impl ShareLink {
                 ));
             }
             None => {
+                // The exporter is who the kernel says is at the socket's other end.
+                if let Some(peer) = self.peer {
+                    super::export::check_user(peer.uid, &self.allowed)?;
+                    st.driver.check_peer(&offer.origin, peer.pid)?;
+                }
                 let here = st.driver.process()?;
                 let ended = st.driver.process_ended(&offer.origin);
                 offer.origin.check(&here, ended)?;
@@ -587,20 +810,25 @@ impl ShareLink {
                 {
                     return Err(Error::Share(ShareError::Unreachable { uuid: offer.device }));
                 }
-                let Some(fd) = &fd else {
+                let Some(fd) = &self.pending else {
                     return Err(garbage(
                         "a link's first offer without the pool's descriptor".into(),
                     ));
                 };
-                let pool = st
-                    .driver
-                    .import_pool(fd.as_raw_fd(), &offer.device)
-                    .map_err(Error::driver("cuMemPoolImportFromShareableHandle"))?;
+                let imported = st.driver.import_pool(fd.fd.as_raw_fd(), &offer.device);
+                // Imported or refused (a descriptor that names no pool), it has done its part;
+                // a later offer may bring another while none is imported.
+                let fd = self.pending.take();
+                let pool = imported.map_err(Error::driver("cuMemPoolImportFromShareableHandle"));
+                if pool.is_ok() {
+                    lock(&self.link.mapped).pool = true;
+                }
+                drop(fd);
+                let pool = pool?;
                 self.exporter = Some((offer.origin, offer.device, pool));
                 pool
             }
         };
-        drop(fd);
         let ready = match self.ready {
             Some((event, name)) if name == offer.event => event,
             _ => {
@@ -618,6 +846,32 @@ impl ShareLink {
         Ok((pool, ready))
     }
 
+    /// Refuses the offer of tensor `id`, just mapped at `ptr`, for `error`: the exporter is
+    /// told (the refusal says it is mapped), the mapping is released stream-ordered, and the
+    /// exporter told of that too once it is proven ordered (else the link never says it holds
+    /// nothing, and the exporter keeps the memory until this process ends).
+    fn refuse_mapped(
+        &self,
+        st: &mut State,
+        engine: &Shared,
+        id: u64,
+        ptr: DevicePtr,
+        error: &Error,
+    ) {
+        let refusal = Message::Refuse {
+            id,
+            mapped: true,
+            reason: error.to_string(),
+        };
+        let refused = self.link.send(&refusal).is_ok();
+        let told = unmap(st, engine, ptr, self.link.done);
+        if !told {
+            lock(&self.link.mapped).stuck = true;
+        } else if refused {
+            let _ = self.link.send(&Message::Unmapped { id });
+        }
+    }
+
     /// Maps a checked offer (or takes its mapping, when the link still has it) and orders
     /// every stream of `engine` after the exporter's writes. A failure says whether the import
     /// was made and released again (its release told the exporter).
@@ -629,13 +883,15 @@ impl ShareLink {
         ready: EventHandle,
     ) -> Result<DeviceTensor<T>, (Error, bool)> {
         let untold = |error| (error, false);
-        let shape = shape_of(offer).map_err(untold)?;
-        let len = shape_len(&shape).map_err(untold)?;
+        let (shape, len) = shape_of(offer).map_err(untold)?;
         let shared = Arc::clone(&engine.shared);
         let mut st = shared.enter().map_err(untold)?;
         let mut mapped = lock(&self.link.mapped);
         let ptr = match mapped.by_id.get_mut(&offer.id) {
             Some(m) if m.pointer == offer.pointer => {
+                // The mapping kept from an earlier offer: this one must fit it too (a relay may
+                // have rewritten it).
+                fits(offer.bytes, m.offset, m.allocation).map_err(untold)?;
                 m.in_use += 1;
                 m.ptr
             }
@@ -656,11 +912,31 @@ impl ShareLink {
                         })
                     },
                 )?;
+                // The true size, from the driver: the offer's own word is never trusted for it.
+                let measured = st
+                    .driver
+                    .address_range(ptr)
+                    .map_err(Error::driver("cuMemGetAddressRange"))
+                    .and_then(|(base, size)| {
+                        let offset = ptr.checked_sub(base).unwrap_or(u64::MAX);
+                        let size = size as u64;
+                        fits(offer.bytes, offset, size).map(|()| (offset, size))
+                    });
+                let (offset, allocation) = match measured {
+                    Ok(measured) => measured,
+                    Err(error) => {
+                        drop(mapped);
+                        self.refuse_mapped(&mut st, &shared, offer.id, ptr, &error);
+                        return Err((error, true));
+                    }
+                };
                 let unmap = mapped.asked.remove(&offer.id);
                 mapped.by_id.insert(
                     offer.id,
                     Mapping {
                         ptr,
+                        offset,
+                        allocation,
                         pointer: offer.pointer,
                         in_use: 1,
                         unmap,
@@ -675,7 +951,9 @@ impl ShareLink {
             id: offer.id,
         });
         // The tensor holds the import from here: dropped on any path below, it releases it.
-        // SAFETY: `ptr` maps `len` elements of `T` (the size was checked against the offer);
+        // SAFETY: `ptr` maps `len` elements of `T`: the offer's bytes are `len` elements of `T`
+        // (checked in `check`) and fit the allocation from `ptr` on, as the driver measured it
+        // (checked above, for a new mapping and a kept one alike);
         // the exporter wrote them before its event, which every stream waits for below before
         // any use of the tensor.
         let tensor = unsafe { DeviceTensor::homed(ptr, &shape, len, &shared, import) };
@@ -704,18 +982,54 @@ impl ShareLink {
     }
 }
 
-/// An offer's shape, in this host's sizes.
-fn shape_of(offer: &Offer) -> Result<Vec<usize>> {
-    offer
+/// An offer's shape, in this host's sizes, and its element count: an offer whose dimensions or
+/// count do not fit this host's sizes is [`ShareError::Garbage`].
+fn shape_of(offer: &Offer) -> Result<(Vec<usize>, usize)> {
+    let overflows = || {
+        Error::Share(ShareError::Garbage {
+            reason: format!(
+                "an offer whose shape {:?} overflows this host's sizes",
+                offer.shape
+            ),
+        })
+    };
+    let shape: Vec<usize> = offer
         .shape
         .iter()
         .map(|&d| usize::try_from(d))
         .collect::<Result<_, _>>()
-        .map_err(|_| {
-            Error::Share(ShareError::Garbage {
-                reason: "an offer whose shape overflows this host's sizes".into(),
-            })
-        })
+        .map_err(|_| overflows())?;
+    let len = shape_len(&shape).map_err(|_| overflows())?;
+    Ok((shape, len))
+}
+
+/// Checks that `bytes` at `offset` fit an allocation of `allocation` bytes.
+fn fits(bytes: u64, offset: u64, allocation: u64) -> Result<()> {
+    if offset
+        .checked_add(bytes)
+        .is_some_and(|end| end <= allocation)
+    {
+        Ok(())
+    } else {
+        Err(Error::Share(ShareError::PastAllocation {
+            offered: bytes,
+            offset,
+            allocation,
+        }))
+    }
+}
+
+#[cfg(test)]
+impl ShareLink {
+    /// Whether the link's reader has stopped reading its exporter.
+    pub(super) fn reader_ended(&self) -> bool {
+        *lock(&self.link.closed.0)
+    }
+
+    /// The unmap requests the link holds for offers it has not mapped.
+    pub(super) fn unmaps_held(&self) -> usize {
+        lock(&self.link.mapped).asked.len()
+    }
 }
 
 impl Drop for ShareLink {

@@ -97,9 +97,18 @@ fn refused(
         "the exporter is told"
     );
     if pipe_for_fd {
-        // Every read end is closed: the importer closed the one it received.
+        // Every read end is closed once the link goes: the importer keeps the descriptor it
+        // received only for the pool's import (which a refusal before it must not lose).
+        let Between {
+            link, to_importer, ..
+        } = b;
+        drop((to_importer, link));
         let err = write_end.write_all(b"x").unwrap_err();
         assert_eq!(err.kind(), std::io::ErrorKind::BrokenPipe);
+        let tensor = shared.reclaim(std::time::Duration::from_secs(5)).unwrap();
+        assert_eq!(download_tensor(&mut b.exporter, &tensor).unwrap(), [2.0; 4]);
+        assert!(b.sim.violations().is_empty(), "{:?}", b.sim.violations());
+        return;
     }
     let tensor = shared.reclaim(std::time::Duration::from_secs(5)).unwrap();
     assert_eq!(download_tensor(&mut b.exporter, &tensor).unwrap(), [2.0; 4]);
@@ -305,4 +314,585 @@ fn a_first_offer_without_the_pools_descriptor_is_refused() {
     assert_eq!(b.sim.imports_live(), 0);
     assert!(matches!(b.answer(), Message::Refuse { mapped: false, .. }));
     shared.reclaim(std::time::Duration::from_secs(5)).unwrap();
+}
+
+// ---- Issue 36: a share's size from the allocation, refusals that leave the link usable,
+// bounds on what an exporter can make the importer hold, and every field of an offer checked.
+
+/// How long a test waits for a side that should answer at once.
+const WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
+impl Between {
+    /// Sends `offer` to the importer, with `fd` beside it.
+    fn pass(&mut self, offer: Box<Offer>, fd: Option<&OwnedFd>) {
+        let fd = fd.map(AsFd::as_fd);
+        wire::send(&mut self.to_importer, &Message::Offer(offer), fd).unwrap();
+    }
+
+    /// The exporter's next offer of `shared`, as it sent it (with no descriptor: the first
+    /// offer carried it).
+    fn again(&mut self, shared: &super::Exported<f32>) -> Box<Offer> {
+        self.handle.offer(&mut self.exporter, shared).unwrap();
+        match wire::recv(&mut self.from_exporter).unwrap() {
+            (Message::Offer(offer), None) => offer,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// Passes every answer the importer sends within a moment back to the exporter.
+    fn drain(&mut self) -> Vec<Message> {
+        let wait = std::time::Duration::from_millis(200);
+        self.to_importer.set_read_timeout(Some(wait)).unwrap();
+        let mut answers = Vec::new();
+        while let Ok((answer, _)) = wire::recv(&mut self.to_importer) {
+            wire::send(&mut self.from_exporter, &answer, None).unwrap();
+            answers.push(answer);
+        }
+        self.to_importer.set_read_timeout(None).unwrap();
+        answers
+    }
+
+    /// Waits until the link's reader has stopped reading.
+    fn reader_ended(&self) -> bool {
+        let start = std::time::Instant::now();
+        while start.elapsed() < WAIT {
+            if self.link.reader_ended() {
+                return true;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        false
+    }
+}
+
+fn past(e: &Error, claimed: u64) -> bool {
+    share(e, |s| {
+        matches!(s, ShareError::PastAllocation { offered, offset: 0, allocation }
+            if *offered == claimed && *allocation < claimed)
+    })
+}
+
+#[test]
+fn a_relayed_second_offer_rewritten_past_its_allocation_is_refused() {
+    // The relay passes the first offer as it was, then rewrites the second of the same tensor
+    // (whose mapping the link keeps) from 16 bytes to 4096.
+    let mut b = between();
+    let (shared, offer, fd) = b.offer();
+    b.pass(offer, Some(&fd));
+    drop(fd);
+    let first = b.link.import_read::<f32>(&mut b.importer).unwrap();
+    let mut second = b.again(&shared);
+    second.shape = vec![1024];
+    second.bytes = 4096;
+    b.pass(second, None);
+    let error = read(&mut b.link, &mut b.importer).unwrap_err();
+    assert!(past(&error, 4096), "{error}");
+    assert!(
+        error.to_string().contains("4096") && error.to_string().contains("16"),
+        "{error}"
+    );
+    // The exporter is told; the first import still reads its 16 bytes.
+    let answers = b.drain();
+    assert!(
+        matches!(answers[..], [Message::Refuse { mapped: true, .. }]),
+        "{answers:?}"
+    );
+    assert_eq!(download_tensor(&mut b.importer, &first).unwrap(), [2.0; 4]);
+    // A later honest offer still imports.
+    let third = b.again(&shared);
+    b.pass(third, None);
+    let honest = b.link.import_read::<f32>(&mut b.importer).unwrap();
+    assert_eq!(download_tensor(&mut b.importer, &honest).unwrap(), [2.0; 4]);
+    drop((first, honest));
+    b.drain();
+    shared.reclaim(WAIT).unwrap();
+    assert!(b.sim.violations().is_empty(), "{:?}", b.sim.violations());
+}
+
+#[test]
+fn a_first_offer_past_its_allocation_is_unmapped_and_the_exporter_told() {
+    for exclusive in [false, true] {
+        let mut b = between();
+        let tensor = b.exporter.full(&[4], 2.0f32).unwrap();
+        let (lent, shared) = if exclusive {
+            (Some(b.handle.lend(&mut b.exporter, tensor).unwrap()), None)
+        } else {
+            let shared = b.exporter.export_tensor(tensor).unwrap();
+            b.handle.offer(&mut b.exporter, &shared).unwrap();
+            (None, Some(shared))
+        };
+        let (mut offer, fd) = match wire::recv(&mut b.from_exporter).unwrap() {
+            (Message::Offer(offer), Some(fd)) => (offer, fd),
+            other => panic!("{other:?}"),
+        };
+        offer.shape = vec![32, 32];
+        offer.bytes = 4096;
+        b.pass(offer, Some(&fd));
+        drop(fd);
+        let error = if exclusive {
+            b.link.import_exclusive::<f32>(&mut b.importer).map(drop)
+        } else {
+            read(&mut b.link, &mut b.importer)
+        }
+        .unwrap_err();
+        assert!(past(&error, 4096), "{error}");
+        b.importer.synchronize().unwrap();
+        assert_eq!(b.sim.imports_live(), 0, "unmapped");
+        let answers = b.drain();
+        assert!(
+            matches!(
+                answers[..],
+                [
+                    Message::Refuse { mapped: true, .. },
+                    Message::Unmapped { .. }
+                ]
+            ),
+            "{answers:?}"
+        );
+        // The exporter has its tensor back, whole.
+        let tensor = match (lent, shared) {
+            (Some(lent), _) => lent.wait_back(WAIT).unwrap(),
+            (_, Some(shared)) => shared.reclaim(WAIT).unwrap(),
+            _ => unreachable!(),
+        };
+        // The refusal is reported at the exporter's next boundary.
+        assert!(matches!(b.exporter.flush(), Err(Error::Deferred { .. })));
+        assert_eq!(download_tensor(&mut b.exporter, &tensor).unwrap(), [2.0; 4]);
+        b.exporter.synchronize().unwrap();
+        assert!(b.sim.violations().is_empty(), "{:?}", b.sim.violations());
+    }
+}
+
+/// Which descriptor travels with the spoiled offer.
+#[derive(Clone, Copy, PartialEq)]
+enum Fd {
+    /// The pool's, as the exporter sent it.
+    Real,
+    /// A pipe's, in its place (a forged one).
+    Pipe,
+    /// None.
+    Without,
+}
+
+/// One kind of refusal: how an offer is spoiled, and how the importer must refuse it.
+struct Case {
+    name: &'static str,
+    /// Whether an honest offer is taken first, so the spoiled one is a later offer.
+    later: bool,
+    spoil: fn(&mut Offer),
+    fd: Fd,
+    take: fn(&mut ShareLink, &mut CudaEngine) -> crate::Result<()>,
+    expect: fn(&Error) -> bool,
+}
+
+fn garbage_saying(e: &Error, says: &str) -> bool {
+    share(
+        e,
+        |s| matches!(s, ShareError::Garbage { reason } if reason.contains(says)),
+    )
+}
+
+/// The spoiled offer refused as `case` says, then an honest offer on the same link imported.
+fn refused_then_good(case: &Case) {
+    let name = case.name;
+    let mut b = between();
+    let (shared, mut offer, fd) = b.offer();
+    // The pool's descriptor, until the importer is given it.
+    let mut real = Some(fd);
+    let mut held = Vec::new();
+    if case.later {
+        b.pass(offer, real.take().as_ref());
+        held.push(b.link.import_read::<f32>(&mut b.importer).unwrap());
+        offer = b.again(&shared);
+    }
+    (case.spoil)(&mut offer);
+    let (pipe, _write_end) = std::io::pipe().unwrap();
+    let pipe = OwnedFd::from(pipe);
+    let sent = match case.fd {
+        Fd::Real => real.take(),
+        Fd::Pipe => Some(pipe),
+        Fd::Without => None,
+    };
+    b.pass(offer, sent.as_ref());
+    drop(sent);
+    let error = (case.take)(&mut b.link, &mut b.importer).unwrap_err();
+    assert!((case.expect)(&error), "{name}: {error}");
+    let answers = b.drain();
+    assert!(
+        matches!(answers.first(), Some(Message::Refuse { .. })),
+        "{name}: the exporter is told: {answers:?}"
+    );
+    // The link is still usable: the exporter's next offer imports (with the pool's descriptor
+    // where the importer never had it).
+    let good = b.again(&shared);
+    b.pass(good, real.as_ref());
+    let tensor = b
+        .link
+        .import_read::<f32>(&mut b.importer)
+        .unwrap_or_else(|e| panic!("{name}: the next offer after the refusal: {e}"));
+    assert_eq!(
+        download_tensor(&mut b.importer, &tensor).unwrap(),
+        [2.0; 4],
+        "{name}"
+    );
+    drop((tensor, held));
+    b.drain();
+    shared.reclaim(WAIT).unwrap();
+    assert!(
+        b.sim.violations().is_empty(),
+        "{name}: {:?}",
+        b.sim.violations()
+    );
+}
+
+#[test]
+fn a_refusal_of_every_kind_leaves_the_link_usable() {
+    let cases = [
+        Case {
+            name: "another element type",
+            later: false,
+            spoil: |_| {},
+            fd: Fd::Real,
+            take: |link, engine| link.import_read::<i32>(engine).map(drop),
+            expect: |e| share(e, |s| matches!(s, ShareError::ElementType { .. })),
+        },
+        Case {
+            name: "an element type this crate does not know",
+            later: false,
+            spoil: |o| o.dtype = 200,
+            fd: Fd::Real,
+            take: read,
+            expect: |e| {
+                share(e, |s| {
+                    matches!(s, ShareError::ElementType { offered: None, .. })
+                })
+            },
+        },
+        Case {
+            name: "another access",
+            later: false,
+            spoil: |_| {},
+            fd: Fd::Real,
+            take: |link, engine| link.import_exclusive::<f32>(engine).map(drop),
+            expect: |e| share(e, |s| matches!(s, ShareError::Access { .. })),
+        },
+        Case {
+            name: "a shape that disagrees with the byte count",
+            later: false,
+            spoil: |o| o.bytes += 4,
+            fd: Fd::Real,
+            take: read,
+            expect: |e| garbage_saying(e, "bytes"),
+        },
+        Case {
+            name: "an empty shape",
+            later: false,
+            spoil: |o| {
+                o.shape = vec![0, 4];
+                o.bytes = 0;
+            },
+            fd: Fd::Real,
+            take: read,
+            expect: |e| garbage_saying(e, "shape"),
+        },
+        Case {
+            name: "a shape whose element count overflows",
+            later: false,
+            spoil: |o| o.shape = vec![1 << 40, 1 << 40, 1 << 40],
+            fd: Fd::Real,
+            take: read,
+            expect: |e| garbage_saying(e, "overflow"),
+        },
+        Case {
+            name: "a size past the allocation",
+            later: false,
+            spoil: |o| {
+                o.shape = vec![1024];
+                o.bytes = 4096;
+            },
+            fd: Fd::Real,
+            take: read,
+            expect: |e| past(e, 4096),
+        },
+        Case {
+            name: "a size past the kept mapping",
+            later: true,
+            spoil: |o| {
+                o.shape = vec![2, 4];
+                o.bytes = 32;
+            },
+            fd: Fd::Without,
+            take: read,
+            expect: |e| past(e, 32),
+        },
+        Case {
+            name: "another host",
+            later: false,
+            spoil: |o| o.origin.host[0] ^= 1,
+            fd: Fd::Real,
+            take: read,
+            expect: |e| share(e, |s| matches!(s, ShareError::OtherHost)),
+        },
+        Case {
+            name: "another boot",
+            later: false,
+            spoil: |o| o.origin.boot[0] ^= 1,
+            fd: Fd::Real,
+            take: read,
+            expect: |e| share(e, |s| matches!(s, ShareError::OtherBoot)),
+        },
+        Case {
+            name: "a process that has exited",
+            later: false,
+            spoil: |o| o.origin.start ^= 1,
+            fd: Fd::Real,
+            take: read,
+            expect: |e| {
+                share(e, |s| {
+                    matches!(s, ShareError::ProcessGone { .. })
+                        || matches!(s, ShareError::Garbage { .. })
+                })
+            },
+        },
+        Case {
+            name: "a device the engine cannot reach",
+            later: false,
+            spoil: |o| o.device = [0x5a; 16],
+            fd: Fd::Real,
+            take: read,
+            expect: |e| share(e, |s| matches!(s, ShareError::Unreachable { .. })),
+        },
+        Case {
+            name: "a first offer without the pool's descriptor",
+            later: false,
+            spoil: |_| {},
+            fd: Fd::Without,
+            take: read,
+            expect: |e| garbage_saying(e, "descriptor"),
+        },
+        Case {
+            name: "a forged descriptor",
+            later: false,
+            spoil: |_| {},
+            fd: Fd::Pipe,
+            take: read,
+            expect: |e| {
+                matches!(
+                    e,
+                    Error::Driver {
+                        call: "cuMemPoolImportFromShareableHandle",
+                        ..
+                    }
+                )
+            },
+        },
+        Case {
+            name: "a forged event",
+            later: false,
+            spoil: |o| o.event = [0x33; 64],
+            fd: Fd::Real,
+            take: read,
+            expect: |e| {
+                matches!(
+                    e,
+                    Error::Driver {
+                        call: "cuIpcOpenEventHandle",
+                        ..
+                    }
+                )
+            },
+        },
+        Case {
+            name: "forged export data",
+            later: false,
+            spoil: |o| o.pointer = [0x44; 64],
+            fd: Fd::Real,
+            take: read,
+            expect: |e| {
+                matches!(
+                    e,
+                    Error::Driver {
+                        call: "cuMemPoolImportPointer",
+                        ..
+                    }
+                )
+            },
+        },
+        Case {
+            name: "a mapped tensor named by other export data",
+            later: true,
+            spoil: |o| o.pointer[40] ^= 1,
+            fd: Fd::Without,
+            take: read,
+            expect: |e| garbage_saying(e, "export data"),
+        },
+        Case {
+            name: "a later offer of another exporter",
+            later: true,
+            spoil: |o| o.origin.pid ^= 1,
+            fd: Fd::Without,
+            take: read,
+            expect: |e| garbage_saying(e, "another exporter"),
+        },
+        Case {
+            name: "a later offer of another device",
+            later: true,
+            spoil: |o| o.device[15] ^= 1,
+            fd: Fd::Without,
+            take: read,
+            expect: |e| garbage_saying(e, "another exporter"),
+        },
+        Case {
+            name: "a later offer with a forged event",
+            later: true,
+            spoil: |o| o.event = [0x33; 64],
+            fd: Fd::Without,
+            take: read,
+            expect: |e| {
+                matches!(
+                    e,
+                    Error::Driver {
+                        call: "cuIpcOpenEventHandle",
+                        ..
+                    }
+                )
+            },
+        },
+        Case {
+            name: "a later offer of another element type",
+            later: true,
+            spoil: |_| {},
+            fd: Fd::Without,
+            take: |link, engine| link.import_read::<u32>(engine).map(drop),
+            expect: |e| share(e, |s| matches!(s, ShareError::ElementType { .. })),
+        },
+    ];
+    let mut failed = Vec::new();
+    for case in &cases {
+        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            refused_then_good(case);
+        }));
+        if outcome.is_err() {
+            failed.push(case.name);
+        }
+    }
+    assert!(failed.is_empty(), "failed: {failed:?}");
+}
+
+#[test]
+fn offers_never_taken_past_the_bound_close_the_link() {
+    let mut b = between();
+    let (_shared, offer, fd) = b.offer();
+    b.pass(offer.clone(), Some(&fd));
+    for _ in 0..super::import::MAX_WAITING_OFFERS {
+        b.pass(offer.clone(), None);
+    }
+    assert!(
+        b.reader_ended(),
+        "the link still reads after {} offers waiting",
+        super::import::MAX_WAITING_OFFERS + 1
+    );
+    let error = read(&mut b.link, &mut b.importer).unwrap_err();
+    assert!(
+        share(&error, |s| matches!(
+            s,
+            ShareError::OverLimit { limit, .. } if *limit == super::import::MAX_WAITING_OFFERS
+        )),
+        "{error}"
+    );
+    // Every later import says so too, and nothing was mapped.
+    let again = read(&mut b.link, &mut b.importer).unwrap_err();
+    assert!(
+        share(&again, |s| matches!(s, ShareError::OverLimit { .. })),
+        "{again}"
+    );
+    assert_eq!(b.sim.imports_live(), 0);
+}
+
+#[test]
+fn a_second_descriptor_while_the_link_holds_one_closes_it_and_is_closed() {
+    let mut b = between();
+    let (_shared, offer, fd) = b.offer();
+    b.pass(offer.clone(), Some(&fd));
+    let (pipe, mut write_end) = std::io::pipe().unwrap();
+    let pipe = OwnedFd::from(pipe);
+    b.pass(offer, Some(&pipe));
+    drop(pipe);
+    assert!(b.reader_ended(), "the link still reads");
+    let error = read(&mut b.link, &mut b.importer).unwrap_err();
+    assert!(
+        share(
+            &error,
+            |s| matches!(s, ShareError::OverLimit { limit: 1, what } if what.contains("descriptor"))
+        ),
+        "{error}"
+    );
+    // The second descriptor is closed.
+    let err = write_end.write_all(b"x").unwrap_err();
+    assert_eq!(err.kind(), std::io::ErrorKind::BrokenPipe);
+    assert_eq!(b.sim.imports_live(), 0);
+}
+
+#[test]
+fn a_descriptor_after_the_pool_was_imported_is_closed_at_once() {
+    let mut b = between();
+    let (shared, offer, fd) = b.offer();
+    b.pass(offer, Some(&fd));
+    let first = b.link.import_read::<f32>(&mut b.importer).unwrap();
+    let (pipe, mut write_end) = std::io::pipe().unwrap();
+    let pipe = OwnedFd::from(pipe);
+    let second = b.again(&shared);
+    b.pass(second, Some(&pipe));
+    drop(pipe);
+    let tensor = b.link.import_read::<f32>(&mut b.importer).unwrap();
+    let err = write_end.write_all(b"x").unwrap_err();
+    assert_eq!(err.kind(), std::io::ErrorKind::BrokenPipe);
+    drop((first, tensor));
+    b.drain();
+    shared.reclaim(WAIT).unwrap();
+}
+
+#[test]
+fn unmap_requests_for_tensors_never_offered_hold_nothing() {
+    let mut b = between();
+    const REQUESTS: u64 = 100_000;
+    for id in 0..REQUESTS {
+        wire::send(&mut b.to_importer, &Message::Unmap { id: id + 1000 }, None).unwrap();
+    }
+    // The reader takes messages in order: once this offer is imported, every request was read.
+    let (shared, offer, fd) = b.offer();
+    b.pass(offer, Some(&fd));
+    let tensor = b.link.import_read::<f32>(&mut b.importer).unwrap();
+    let held = b.link.unmaps_held();
+    assert!(held == 0, "{held} unmap requests held of {REQUESTS}");
+    assert_eq!(download_tensor(&mut b.importer, &tensor).unwrap(), [2.0; 4]);
+    drop(tensor);
+    b.drain();
+    shared.reclaim(WAIT).unwrap();
+}
+
+#[test]
+fn an_unmap_request_for_an_offer_not_yet_taken_unmaps_it_once_released() {
+    let mut b = between();
+    let (shared, offer, fd) = b.offer();
+    let id = offer.id;
+    b.pass(offer, Some(&fd));
+    // The exporter asks for it back before the importer took the offer.
+    wire::send(&mut b.to_importer, &Message::Unmap { id }, None).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    assert_eq!(b.link.unmaps_held(), 1);
+    let tensor = b.link.import_read::<f32>(&mut b.importer).unwrap();
+    assert_eq!(b.link.unmaps_held(), 0);
+    drop(tensor);
+    b.importer.synchronize().unwrap();
+    assert_eq!(b.sim.imports_live(), 0, "unmapped once released");
+    let answers = b.drain();
+    assert!(
+        matches!(
+            answers[..],
+            [Message::Release { .. }, Message::Unmapped { .. }]
+        ),
+        "{answers:?}"
+    );
+    shared.reclaim(WAIT).unwrap();
 }

@@ -22,20 +22,30 @@
 
 use crate::driver::share::{Name, Origin};
 use crate::error::ShareError;
-use std::io::{Read, Write};
+use crate::sync::deadline::Deadline;
+use std::io::Write;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
 
 /// The protocol's mark, which opens every message.
 const MAGIC: &[u8; 7] = b"CFSHARE";
-/// The protocol's version, after the mark.
-const VERSION: u8 = 1;
+/// The protocol's version, after the mark (2: the greeting names its user).
+const VERSION: u8 = 2;
 /// The mark, the version, the kind and the body's length.
 const HEADER: usize = MAGIC.len() + 1 + 1 + 4;
 /// The longest body a reader takes.
 const MAX_BODY: usize = 64 * 1024;
 /// The most dimensions an offered tensor may have.
 const MAX_DIMS: usize = 16;
+/// The longest reason a refusal may give.
+pub(crate) const MAX_REASON: usize = 1024;
+/// How long a message may take to arrive whole once its first byte has (where its reader gives
+/// no earlier deadline): a peer that trickles one longer is refused, and its connection closed.
+pub(crate) const MESSAGE_LIMIT: std::time::Duration = std::time::Duration::from_secs(10);
+/// The most descriptors one read takes in: room for this many, so that a peer's extra ones
+/// are received (and closed) rather than cut off; past it, the kernel closes them
+/// (`MSG_CTRUNC`).
+const SEEN_FDS: usize = 16;
 
 const OFFER: u8 = 1;
 const RELEASE: u8 = 2;
@@ -80,6 +90,8 @@ pub(crate) struct Offer {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Hello {
     pub(crate) origin: Origin,
+    /// The importer's (effective) user id, which the kernel's word on the socket must repeat.
+    pub(crate) uid: u32,
     /// The UUID of the importer's device.
     pub(crate) device: [u8; 16],
     /// The importer's inter-process event (`CUipcEventHandle`).
@@ -183,6 +195,7 @@ impl Message {
         match self {
             Message::Hello(h) => {
                 put_origin(&mut body, &h.origin);
+                body.extend_from_slice(&h.uid.to_le_bytes());
                 body.extend_from_slice(&h.device);
                 body.extend_from_slice(&h.event);
             }
@@ -207,7 +220,12 @@ impl Message {
             Message::Refuse { id, mapped, reason } => {
                 body.extend_from_slice(&id.to_le_bytes());
                 body.push(u8::from(*mapped));
-                body.extend_from_slice(reason.as_bytes());
+                // At most `MAX_REASON` bytes, cut at a character's boundary.
+                let mut end = reason.len().min(MAX_REASON);
+                while !reason.is_char_boundary(end) {
+                    end -= 1;
+                }
+                body.extend_from_slice(&reason.as_bytes()[..end]);
             }
             Message::Unmap { id } | Message::Unmapped { id } => {
                 body.extend_from_slice(&id.to_le_bytes());
@@ -264,6 +282,7 @@ impl Message {
                 };
                 let hello = Hello {
                     origin: b.origin()?,
+                    uid: u32::from_le_bytes(b.take()?),
                     device: b.take()?,
                     event: b.take()?,
                 };
@@ -311,11 +330,20 @@ impl Message {
                         });
                     }
                 };
-                Ok(Message::Refuse {
-                    id,
-                    mapped,
-                    reason: String::from_utf8_lossy(b.bytes).into_owned(),
-                })
+                if b.bytes.len() > MAX_REASON {
+                    return Err(ShareError::Garbage {
+                        reason: format!(
+                            "a refusal whose reason is {} bytes (at most {MAX_REASON})",
+                            b.bytes.len()
+                        ),
+                    });
+                }
+                // Control characters (a terminal's escapes) never reach a log as they came.
+                let reason = String::from_utf8_lossy(b.bytes)
+                    .chars()
+                    .map(|c| if c.is_control() { '\u{fffd}' } else { c })
+                    .collect();
+                Ok(Message::Refuse { id, mapped, reason })
             }
             other => Err(ShareError::Garbage {
                 reason: format!("a message of kind {other}, which the protocol does not have"),
@@ -384,57 +412,230 @@ pub(crate) fn send(
 // SAFETY: `CMSG_SPACE` is arithmetic on its argument (unsafe only by its C heritage).
 const CONTROL: usize = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
 
-/// Receives one message from `stream`, with the file descriptor that came with it, if any.
-///
-/// # Errors
-/// [`ShareError::Io`] when the socket fails, [`ShareError::Closed`] when the peer closed it
-/// before a message began, and [`ShareError::Garbage`] for bytes that are not the protocol (a
-/// descriptor that came with them is closed).
-pub(crate) fn recv(stream: &mut UnixStream) -> Result<(Message, Option<OwnedFd>), ShareError> {
-    let mut header = [0u8; HEADER];
-    let mut control = [0u8; CONTROL];
-    let mut iov = libc::iovec {
-        iov_base: header.as_mut_ptr().cast(),
-        iov_len: header.len(),
-    };
-    // SAFETY: as in `send`.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control.as_mut_ptr().cast();
-    msg.msg_controllen = control.len() as _;
-    // SAFETY: `msg` and its buffers are valid for the call; `MSG_CMSG_CLOEXEC` keeps a received
-    // descriptor out of child processes.
-    let got = unsafe { libc::recvmsg(stream.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
-    let got = usize::try_from(got).map_err(|_| ShareError::Io {
-        operation: "recvmsg",
-        source: std::io::Error::last_os_error(),
-    })?;
-    // The descriptor, owned from here so that every refusal below closes it.
-    let mut fd = None;
-    // SAFETY: the kernel filled `msg`'s control buffer; the headers are walked as CMSG_* say.
-    unsafe {
-        let mut c = libc::CMSG_FIRSTHDR(&msg);
-        while !c.is_null() {
-            if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
-                let raw = std::ptr::read_unaligned(libc::CMSG_DATA(c).cast::<RawFd>());
-                // SAFETY: the kernel just installed `raw` in this process for us alone.
-                fd = Some(OwnedFd::from_raw_fd(raw));
+/// The control buffer of a read: room for [`SEEN_FDS`] descriptors.
+// SAFETY: as for `CONTROL`.
+const RECV_CONTROL: usize =
+    unsafe { libc::CMSG_SPACE((SEEN_FDS * std::mem::size_of::<RawFd>()) as u32) } as usize;
+
+/// The descriptors that came with a message's bytes, owned as they arrive (so that any refusal
+/// closes them all), and whether the kernel cut some off.
+#[derive(Default)]
+struct Received {
+    fds: Vec<OwnedFd>,
+    truncated: bool,
+}
+
+/// How an operation on the socket that passed its deadline reads.
+fn timed_out() -> std::io::Error {
+    std::io::ErrorKind::TimedOut.into()
+}
+
+/// Waits until `fd` is readable (a message, or its end) or `deadline` passes (`TimedOut`).
+fn wait_readable(fd: RawFd, deadline: Deadline) -> std::io::Result<()> {
+    loop {
+        let millis = match deadline.remaining() {
+            None => -1,
+            Some(left) if left.is_zero() => return Err(timed_out()),
+            // Rounded up, so a wait of under a millisecond does not spin.
+            Some(left) => {
+                libc::c_int::try_from(left.as_micros().div_ceil(1000)).unwrap_or(libc::c_int::MAX)
             }
-            c = libc::CMSG_NXTHDR(&msg, c);
+        };
+        let mut poll = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid `pollfd`, for the duration of the call.
+        let ready = unsafe { libc::poll(&mut poll, 1, millis) };
+        if ready > 0 {
+            return Ok(());
+        }
+        if ready < 0 {
+            let error = std::io::Error::last_os_error();
+            if error.kind() != std::io::ErrorKind::Interrupted {
+                return Err(error);
+            }
         }
     }
-    if msg.msg_flags & libc::MSG_CTRUNC != 0 {
-        return Err(ShareError::Garbage {
-            reason: "more descriptors than one message carries".into(),
-        });
+}
+
+/// Reads what has come into `buf` (at least one byte, or 0 at the end), waiting for it until
+/// `deadline`; every descriptor that comes with the bytes goes to `received`.
+fn read_some(
+    stream: &UnixStream,
+    buf: &mut [u8],
+    received: &mut Received,
+    deadline: Deadline,
+) -> std::io::Result<usize> {
+    loop {
+        let mut control = [0u64; RECV_CONTROL.div_ceil(8)];
+        let mut iov = libc::iovec {
+            iov_base: buf.as_mut_ptr().cast(),
+            iov_len: buf.len(),
+        };
+        // SAFETY: an all-zero `msghdr` is a valid empty header; its pointers are set below to
+        // buffers that outlive the call.
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = control.as_mut_ptr().cast();
+        msg.msg_controllen = RECV_CONTROL as _;
+        // SAFETY: `msg` and its buffers are valid for the call; `MSG_CMSG_CLOEXEC` keeps a
+        // received descriptor out of child processes; `MSG_DONTWAIT` leaves the wait to
+        // `wait_readable`, under the deadline.
+        let got = unsafe {
+            libc::recvmsg(
+                stream.as_raw_fd(),
+                &mut msg,
+                libc::MSG_CMSG_CLOEXEC | libc::MSG_DONTWAIT,
+            )
+        };
+        if got < 0 {
+            let error = std::io::Error::last_os_error();
+            match error.kind() {
+                std::io::ErrorKind::Interrupted => continue,
+                std::io::ErrorKind::WouldBlock => {
+                    wait_readable(stream.as_raw_fd(), deadline)?;
+                    continue;
+                }
+                _ => return Err(error),
+            }
+        }
+        // SAFETY: the kernel filled `msg`'s control buffer (at most `msg_controllen` bytes);
+        // the headers are walked as CMSG_* say, and each `SCM_RIGHTS` header's data holds
+        // `(cmsg_len - CMSG_LEN(0)) / sizeof(int)` descriptors, each installed in this process
+        // for us alone, so each is owned here exactly once.
+        unsafe {
+            let mut c = libc::CMSG_FIRSTHDR(&msg);
+            while !c.is_null() {
+                if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
+                    let data = libc::CMSG_DATA(c).cast::<RawFd>();
+                    let bytes = ((*c).cmsg_len as usize).saturating_sub(libc::CMSG_LEN(0) as usize);
+                    for i in 0..bytes / std::mem::size_of::<RawFd>() {
+                        let raw = std::ptr::read_unaligned(data.add(i));
+                        received.fds.push(OwnedFd::from_raw_fd(raw));
+                    }
+                }
+                c = libc::CMSG_NXTHDR(&msg, c);
+            }
+        }
+        received.truncated |= msg.msg_flags & libc::MSG_CTRUNC != 0;
+        return Ok(got as usize);
     }
+}
+
+/// Fills `buf` whole by `deadline`; `what` names it when the peer ends it early.
+fn read_whole(
+    stream: &UnixStream,
+    mut buf: &mut [u8],
+    received: &mut Received,
+    deadline: Deadline,
+    what: &str,
+) -> Result<(), ShareError> {
+    while !buf.is_empty() {
+        match read_some(stream, buf, received, deadline) {
+            Ok(0) => {
+                return Err(ShareError::Garbage {
+                    reason: format!("{what} cut short"),
+                });
+            }
+            Ok(n) => buf = &mut buf[n..],
+            Err(e) if e.kind() == std::io::ErrorKind::TimedOut => {
+                return Err(ShareError::Io {
+                    operation: "read",
+                    source: e,
+                });
+            }
+            Err(source) => {
+                return Err(ShareError::Io {
+                    operation: "recvmsg",
+                    source,
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Receives one message from `stream`, with the file descriptor that came with it, if any,
+/// as [`recv_by`] does: whole within the stream's read timeout of the call (for ever without
+/// one), and within [`MESSAGE_LIMIT`] of its first byte.
+///
+/// # Errors
+/// As [`recv_by`].
+pub(crate) fn recv(stream: &mut UnixStream) -> Result<(Message, Option<OwnedFd>), ShareError> {
+    let within = stream.read_timeout().map_err(|source| ShareError::Io {
+        operation: "getsockopt",
+        source,
+    })?;
+    recv_by(stream, within.map_or(Deadline::never(), Deadline::after))
+}
+
+/// Receives one message from `stream`, whole by `deadline` (its first byte included), and
+/// within [`MESSAGE_LIMIT`] of its first byte whatever the deadline: a peer that trickles it
+/// is refused however slowly each byte comes. The stream's own read timeout plays no part
+/// here.
+///
+/// Only an offer carries a descriptor, one at most: every descriptor that comes with any other
+/// message, beside an offer's first, or with control data the kernel cut short
+/// (`MSG_CTRUNC`) is closed, and the message refused.
+///
+/// # Errors
+/// [`ShareError::Io`] when the socket fails, of kind `TimedOut` when the message is not whole
+/// by its deadline; [`ShareError::Closed`] when the peer closed it before a message began, and
+/// [`ShareError::Garbage`] for bytes that are not the protocol (the descriptors that came with
+/// them are closed).
+pub(crate) fn recv_by(
+    stream: &mut UnixStream,
+    deadline: Deadline,
+) -> Result<(Message, Option<OwnedFd>), ShareError> {
+    let stream = &*stream;
+    let mut header = [0u8; HEADER];
+    // The descriptors, owned from here so that every refusal below closes them.
+    let mut received = Received::default();
+    let got = match read_some(stream, &mut header, &mut received, deadline) {
+        Ok(got) => got,
+        Err(source) => {
+            let operation = if source.kind() == std::io::ErrorKind::TimedOut {
+                "read"
+            } else {
+                "recvmsg"
+            };
+            return Err(ShareError::Io { operation, source });
+        }
+    };
+    let check_fds = |received: &Received, may: usize| {
+        if received.truncated {
+            return Err(ShareError::Garbage {
+                reason: format!(
+                    "more descriptors than one read takes ({SEEN_FDS}) beside a message"
+                ),
+            });
+        }
+        if received.fds.len() > may {
+            return Err(ShareError::Garbage {
+                reason: format!(
+                    "{} descriptors with a message that may carry {may}",
+                    received.fds.len()
+                ),
+            });
+        }
+        Ok(())
+    };
     if got == 0 {
+        check_fds(&received, 0)?;
         return Err(ShareError::Closed);
     }
-    stream
-        .read_exact(&mut header[got..])
-        .map_err(|e| cut_short(e, "a message's header"))?;
+    // The rest of the message comes within its limit of the first byte.
+    let whole = deadline.min(Deadline::after(MESSAGE_LIMIT));
+    read_whole(
+        stream,
+        &mut header[got..],
+        &mut received,
+        whole,
+        "a message's header",
+    )?;
     if &header[..MAGIC.len()] != MAGIC {
         return Err(ShareError::Garbage {
             reason: "bytes that do not open with the protocol's mark".into(),
@@ -457,36 +658,72 @@ pub(crate) fn recv(stream: &mut UnixStream) -> Result<(Message, Option<OwnedFd>)
         });
     }
     let mut body = vec![0u8; len];
-    stream
-        .read_exact(&mut body)
-        .map_err(|e| cut_short(e, "a message's body"))?;
+    read_whole(stream, &mut body, &mut received, whole, "a message's body")?;
     let message = Message::parse(kind, &body)?;
     // Only an offer carries a descriptor (the first on a connection: the pool's).
-    if fd.is_some() && !matches!(message, Message::Offer(_)) {
-        return Err(ShareError::Garbage {
-            reason: "a descriptor with a message other than an offer".into(),
-        });
-    }
-    Ok((message, fd))
+    check_fds(&received, usize::from(matches!(message, Message::Offer(_))))?;
+    Ok((message, received.fds.pop()))
 }
 
-/// A read that ended early, as the route's error.
-fn cut_short(error: std::io::Error, what: &str) -> ShareError {
-    if error.kind() == std::io::ErrorKind::UnexpectedEof {
-        ShareError::Garbage {
-            reason: format!("{what} cut short"),
-        }
-    } else {
-        ShareError::Io {
-            operation: "read",
-            source: error,
-        }
+/// The process at the other end of `stream`, as the kernel reports it (`SO_PEERCRED`): the
+/// process that connected it (or listened, for a connecting side; or made the pair, for a
+/// socket pair), as of then.
+///
+/// # Errors
+/// [`ShareError::Io`] when the kernel does not say.
+pub(crate) fn peer(stream: &UnixStream) -> Result<Peer, ShareError> {
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: `cred` is a `ucred` the call fills, `len` its size; the descriptor is the
+    // stream's, open for the call.
+    let ok = unsafe {
+        libc::getsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    if ok != 0 {
+        return Err(ShareError::Io {
+            operation: "getsockopt(SO_PEERCRED)",
+            source: std::io::Error::last_os_error(),
+        });
     }
+    match u32::try_from(cred.pid) {
+        Ok(pid) if pid != 0 => Ok(Peer { pid, uid: cred.uid }),
+        // A socket the kernel names no process for (not a connected Unix socket).
+        _ => Err(ShareError::Io {
+            operation: "getsockopt(SO_PEERCRED)",
+            source: std::io::ErrorKind::NotConnected.into(),
+        }),
+    }
+}
+
+/// This process's effective user id, which its greeting names.
+pub(crate) fn own_uid() -> u32 {
+    // SAFETY: `geteuid` has no preconditions and cannot fail.
+    unsafe { libc::geteuid() }
+}
+
+/// The process at a socket's other end, as the kernel reports it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Peer {
+    /// Its process id.
+    pub(crate) pid: u32,
+    /// Its effective user id.
+    pub(crate) uid: u32,
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::io::Read;
     use std::os::fd::AsFd;
 
     fn offer(origin: Origin) -> Offer {
@@ -571,5 +808,172 @@ mod tests {
         let mut dims = body.clone();
         dims[8 + 16 + 16 + 4 + 8 + 16 + 2] = 200;
         garbage(&frame(OFFER, &dims), "200 dimensions");
+    }
+
+    /// How many of this process's descriptors name the pipe whose write end is `write_end`
+    /// (its read ends and the write end itself).
+    fn open_on_pipe(write_end: &std::io::PipeWriter) -> usize {
+        // `pipe:[INODE]`, which every end of the pipe reads as.
+        let name = std::fs::read_link(format!("/proc/self/fd/{}", write_end.as_raw_fd())).unwrap();
+        std::fs::read_dir("/proc/self/fd")
+            .unwrap()
+            .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+            .filter(|target| *target == name)
+            .count()
+    }
+
+    /// Sends `bytes` with `fds` beside them, in one `SCM_RIGHTS` header per group.
+    fn send_raw(stream: &UnixStream, bytes: &[u8], groups: &[&[RawFd]]) {
+        let mut control = vec![0u64; 1024];
+        let mut iov = libc::iovec {
+            iov_base: bytes.as_ptr() as *mut _,
+            iov_len: bytes.len(),
+        };
+        // SAFETY: as in `send`; the control buffer has room for every group (checked below).
+        unsafe {
+            let mut msg: libc::msghdr = std::mem::zeroed();
+            msg.msg_iov = &mut iov;
+            msg.msg_iovlen = 1;
+            msg.msg_control = control.as_mut_ptr().cast();
+            let space: usize = groups
+                .iter()
+                .map(|g| libc::CMSG_SPACE((g.len() * 4) as u32) as usize)
+                .sum();
+            assert!(space <= control.len() * 8);
+            msg.msg_controllen = space as _;
+            let mut header = libc::CMSG_FIRSTHDR(&msg);
+            for group in groups {
+                (*header).cmsg_level = libc::SOL_SOCKET;
+                (*header).cmsg_type = libc::SCM_RIGHTS;
+                (*header).cmsg_len = libc::CMSG_LEN((group.len() * 4) as u32) as _;
+                let data = libc::CMSG_DATA(header).cast::<RawFd>();
+                for (i, fd) in group.iter().enumerate() {
+                    std::ptr::write_unaligned(data.add(i), *fd);
+                }
+                header = libc::CMSG_NXTHDR(&msg, header);
+            }
+            assert_eq!(
+                libc::sendmsg(stream.as_raw_fd(), &msg, 0),
+                bytes.len() as isize
+            );
+        }
+    }
+
+    #[test]
+    fn every_descriptor_beyond_what_a_message_carries_is_closed() {
+        let release = frame(RELEASE, &7u64.to_le_bytes());
+        let offer = frame(
+            OFFER,
+            &Message::Offer(Box::new(offer(Origin::here().unwrap()))).body(),
+        );
+        // (the message, how many descriptors in each header, whether it is taken)
+        let cases: [(&[u8], &[usize], bool); 7] = [
+            (&release, &[1], false),
+            (&release, &[2], false),
+            (&offer, &[1], true),
+            (&offer, &[2], false),
+            (&offer, &[1, 1], false),
+            (&offer, &[3, 2], false),
+            // More than a read takes in: the kernel cuts the control data short.
+            (&offer, &[100], false),
+        ];
+        for (bytes, groups, taken) in cases {
+            let (read_end, write_end) = std::io::pipe().unwrap();
+            let raw = read_end.as_raw_fd();
+            let fds: Vec<Vec<RawFd>> = groups.iter().map(|&n| vec![raw; n]).collect();
+            let groups_ref: Vec<&[RawFd]> = fds.iter().map(Vec::as_slice).collect();
+            let (mut a, mut b) = UnixStream::pair().unwrap();
+            send_raw(&a, bytes, &groups_ref);
+            drop(read_end);
+            // Only the copies in flight, and the write end.
+            let got = recv(&mut b);
+            assert_eq!(got.is_ok(), taken, "{groups:?}: {:?}", got.as_ref().err());
+            if let Err(ShareError::Garbage { reason }) = &got {
+                assert!(reason.contains("descriptor"), "{reason}");
+            }
+            let kept = got.ok().and_then(|(_, fd)| fd);
+            assert_eq!(
+                open_on_pipe(&write_end),
+                1 + usize::from(kept.is_some()),
+                "{groups:?}: a descriptor left open"
+            );
+            drop(kept);
+            // The link is still whole after a refusal of its descriptors: nothing more comes.
+            drop(a.shutdown(std::net::Shutdown::Write));
+            assert!(matches!(recv(&mut b), Err(ShareError::Closed)));
+            let _ = &mut a;
+        }
+    }
+
+    #[test]
+    fn a_message_trickled_byte_by_byte_times_out_as_a_whole() {
+        let (a, mut b) = UnixStream::pair().unwrap();
+        let trickler = std::thread::spawn(move || {
+            let mut a = a;
+            for byte in frame(RELEASE, &7u64.to_le_bytes()) {
+                if a.write_all(&[byte]).is_err() {
+                    return;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(50));
+            }
+        });
+        let limit = std::time::Duration::from_millis(300);
+        let start = std::time::Instant::now();
+        match recv_by(&mut b, Deadline::after(limit)) {
+            Err(ShareError::Io { source, .. }) => {
+                assert_eq!(source.kind(), std::io::ErrorKind::TimedOut);
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(start.elapsed() < limit * 2, "{:?}", start.elapsed());
+        drop(b);
+        trickler.join().unwrap();
+    }
+
+    #[test]
+    fn a_refusals_reason_is_bounded_and_shown_without_control_characters() {
+        let long = Message::Refuse {
+            id: 1,
+            mapped: false,
+            reason: "é".repeat(MAX_REASON),
+        };
+        let (mut a, mut b) = UnixStream::pair().unwrap();
+        send(&mut a, &long, None).unwrap();
+        match recv(&mut b).unwrap().0 {
+            Message::Refuse { reason, .. } => assert!(reason.len() <= MAX_REASON),
+            other => panic!("{other:?}"),
+        }
+        let mut body = 1u64.to_le_bytes().to_vec();
+        body.push(0);
+        body.extend(std::iter::repeat_n(b'x', MAX_REASON + 1));
+        garbage(&frame(REFUSE, &body), "at most 1024");
+        let mut body = 1u64.to_le_bytes().to_vec();
+        body.push(0);
+        body.extend_from_slice(b"\x1b[2Jgone");
+        match read_back(&frame(REFUSE, &body)).unwrap().0 {
+            Message::Refuse { reason, .. } => assert_eq!(reason, "\u{fffd}[2Jgone"),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn every_field_of_an_offer_is_checked_as_it_is_parsed() {
+        let body = Message::Offer(Box::new(offer(Origin::here().unwrap()))).body();
+        // The access: 0 or 1.
+        let mut access = body.clone();
+        access[8 + 44 + 16 + 1] = 2;
+        garbage(&frame(OFFER, &access), "access 2");
+        // The rank: at most `MAX_DIMS`.
+        let mut rank = body.clone();
+        rank[8 + 44 + 16 + 2] = (MAX_DIMS + 1) as u8;
+        garbage(&frame(OFFER, &rank), "at most 16");
+        // Cut at every byte (every field, the shape's dimensions, the export data and the
+        // event's handle): cut short; a byte past the end: refused.
+        for cut in 0..body.len() {
+            garbage(&frame(OFFER, &body[..cut]), "offer cut short");
+        }
+        let mut long = body.clone();
+        long.push(0);
+        garbage(&frame(OFFER, &long), "past the end of an offer");
     }
 }
