@@ -537,3 +537,480 @@ fn a_write_that_fails_at_any_step_is_reported_and_the_engine_writes_on() {
     assert!(sim.violations().is_empty(), "{:?}", sim.violations());
     assert_eq!(engine.staging_stats().leased, 0, "every slot came back");
 }
+
+// ---- Hostile files and settings (issue 36, items 8 to 12) ----
+
+/// The error of `result`, which must be an [`Error::Usage`] `InvalidSetting` naming `setting`.
+fn refused_setting<T: std::fmt::Debug>(result: Result<T, Error>, setting: &str) -> String {
+    match result {
+        Err(Error::Usage(e @ cuferry::error::UsageError::InvalidSetting { .. })) => {
+            let text = e.to_string();
+            assert!(text.contains(setting), "{text}");
+            text
+        }
+        other => panic!("{setting}: {other:?}"),
+    }
+}
+
+/// Every load and save setting at `usize::MAX`, `1 << 62` and zero is a typed refusal naming
+/// the setting and its limit, before anything is allocated: never an abort.
+#[test]
+fn every_staging_setting_out_of_range_is_refused_with_its_limit() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("layers.safetensors");
+    let (file, _) = layers(3, 5_000);
+    std::fs::write(&path, &file).unwrap();
+    let mut engine = small_slots(4096);
+    let sim = engine.sim().unwrap();
+    for huge in [usize::MAX, 1 << 62, (1 << 40) + 1] {
+        let text = refused_setting(
+            checkpoint::load_with(&mut engine, &path, LoadOptions::new().staging_bytes(huge)),
+            "staging_bytes",
+        );
+        assert!(text.contains("1 TiB"), "{text}");
+        refused_setting(
+            checkpoint::load_with(&mut engine, &path, LoadOptions::new().readers(huge)),
+            "readers",
+        );
+    }
+    refused_setting(
+        checkpoint::load_with(&mut engine, &path, LoadOptions::new().staging_bytes(0)),
+        "staging_bytes",
+    );
+    let loaded = checkpoint::load(&mut engine, &path).unwrap();
+    let named: Vec<(&str, &Tensor)> = loaded.iter().collect();
+    let out = dir.path().join("out.safetensors");
+    for huge in [usize::MAX, 1 << 62, (1 << 40) + 1] {
+        let options = SaveOptions::new().staging_bytes(huge);
+        let text = refused_setting(
+            checkpoint::save_with(&mut engine, &out, &named, options),
+            "staging_bytes",
+        );
+        assert!(text.contains("1 TiB"), "{text}");
+        refused_setting(
+            checkpoint::save_with(&mut engine, &out, &named, SaveOptions::new().writers(huge)),
+            "writers",
+        );
+    }
+    assert!(!out.exists(), "a refused save made a file");
+    // The slot size and count are the engine's staging settings: refused there.
+    for bad in [usize::MAX, 1 << 62, 0] {
+        let mut config = engine.staging_config();
+        config.chunk_bytes = bad;
+        assert!(
+            engine.set_staging_config(config).is_err(),
+            "chunk_bytes {bad}"
+        );
+        let mut config = engine.staging_config();
+        config.ring_depth = bad;
+        assert!(
+            engine.set_staging_config(config).is_err(),
+            "ring_depth {bad}"
+        );
+    }
+    // The largest accepted staging still loads (as many slots as the file needs are made).
+    let options = LoadOptions::new().staging_bytes(1 << 40);
+    assert_eq!(
+        checkpoint::load_with(&mut engine, &path, options)
+            .unwrap()
+            .len(),
+        3
+    );
+    let options = SaveOptions::new().staging_bytes(1 << 40);
+    checkpoint::save_with(&mut engine, &out, &named, options).unwrap();
+    assert_eq!(std::fs::read(&out).unwrap(), file);
+    drop(named);
+    drop(loaded);
+    engine.synchronize().unwrap();
+    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+}
+
+/// An index file is read through a bounded reader: a sparse 256 MiB file and a link to
+/// `/dev/zero` are typed errors with the limit in them, at once.
+#[test]
+fn an_index_past_its_limit_is_refused_without_being_read_whole() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut engine = CudaEngine::simulated(SimConfig::default());
+    let sparse = dir.path().join("sparse.safetensors.index.json");
+    std::fs::File::create(&sparse)
+        .unwrap()
+        .set_len(256 << 20)
+        .unwrap();
+    let zero = dir.path().join("zero.safetensors.index.json");
+    std::os::unix::fs::symlink("/dev/zero", &zero).unwrap();
+    for index in [&sparse, &zero] {
+        let began = std::time::Instant::now();
+        let err = checkpoint::load(&mut engine, index).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::Checkpoint(CheckpointError::TooLarge {
+                    limit: 100_000_000,
+                    ..
+                })
+            ),
+            "{}: {err}",
+            index.display()
+        );
+        assert!(err.to_string().contains("100000000"), "{err}");
+        assert!(
+            began.elapsed() < std::time::Duration::from_secs(10),
+            "{:?}",
+            began.elapsed()
+        );
+    }
+}
+
+/// A sharded set of 100,000 tensors plans in linear time: under a second even unoptimised.
+#[test]
+fn a_sharded_set_of_100_000_tensors_plans_within_a_second() {
+    const TENSORS: usize = 100_000;
+    const SHARDS: usize = 4;
+    let dir = tempfile::tempdir().unwrap();
+    let names: Vec<String> = (0..TENSORS)
+        .map(|i| format!("model.layers.{i}.w"))
+        .collect();
+    let mut weight_map = String::from("{\"weight_map\":{");
+    for s in 0..SHARDS {
+        let shard = format!("model-{s:05}.safetensors");
+        let data = vec![0u8; TENSORS / SHARDS];
+        let mine = &names[s * TENSORS / SHARDS..(s + 1) * TENSORS / SHARDS];
+        let views: Vec<(&str, safetensors::tensor::TensorView<'_>)> = mine
+            .iter()
+            .enumerate()
+            .map(|(i, n)| {
+                let byte = &data[i..i + 1];
+                let view =
+                    safetensors::tensor::TensorView::new(safetensors::Dtype::U8, vec![1], byte);
+                (n.as_str(), view.unwrap())
+            })
+            .collect();
+        let bytes = safetensors::serialize(views, None::<HashMap<String, String>>).unwrap();
+        std::fs::write(dir.path().join(&shard), bytes).unwrap();
+        for n in mine {
+            weight_map.push_str(&format!("\"{n}\":\"{shard}\","));
+        }
+    }
+    weight_map.pop();
+    weight_map.push_str("}}");
+    let index = dir.path().join("model.safetensors.index.json");
+    std::fs::write(&index, weight_map).unwrap();
+    let mut engine = CudaEngine::simulated(SimConfig::default());
+    // Every tensor planned (each shard's header read and checked against the index), none
+    // loaded: the time is the plan's. The best of three runs, so that the tests the binary runs
+    // beside this one (on CI's two cores) do not decide it: quadratic planning took 43 s here.
+    let mut best = std::time::Duration::MAX;
+    for _ in 0..3 {
+        let mut asked = 0;
+        let began = std::time::Instant::now();
+        let options = LoadOptions::new().select(|_| {
+            asked += 1;
+            false
+        });
+        let loaded = checkpoint::load_with(&mut engine, &index, options).unwrap();
+        best = best.min(began.elapsed());
+        assert!(loaded.is_empty());
+        assert_eq!(asked, TENSORS);
+    }
+    eprintln!("planned {TENSORS} tensors in {best:?} (the best of three)");
+    assert!(
+        best < std::time::Duration::from_secs(1),
+        "planned in {best:?} at best"
+    );
+}
+
+/// The temporary files a save may leave in `dir`: none but `keep`.
+fn others(dir: &std::path::Path, keep: &[&str]) -> Vec<String> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| !keep.contains(&n.as_str()))
+        .collect()
+}
+
+/// A save writes a temporary file of its own (`create_new`, a unique name): a link planted at
+/// the old `<name>.partial` is not followed, and a user's file of that name survives.
+#[test]
+fn a_save_never_writes_through_a_planted_link_or_over_a_users_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("m.safetensors");
+    let partial = dir.path().join("m.safetensors.partial");
+    let victim = dir.path().join("victim");
+    std::fs::write(&victim, b"someone else's").unwrap();
+    std::os::unix::fs::symlink(&victim, &partial).unwrap();
+    let mut engine = CudaEngine::simulated(SimConfig::default());
+    let t = Tensor::from(upload_tensor(&mut engine, &[1.0f32, 2.0], &[2]).unwrap());
+    checkpoint::save(&mut engine, &path, &[("t", &t)]).unwrap();
+    assert_eq!(std::fs::read(&victim).unwrap(), b"someone else's");
+    assert!(
+        std::fs::symlink_metadata(&partial)
+            .unwrap()
+            .file_type()
+            .is_symlink(),
+        "the planted link was moved"
+    );
+    assert!(
+        std::fs::symlink_metadata(&path)
+            .unwrap()
+            .file_type()
+            .is_file(),
+        "the checkpoint is a link"
+    );
+    assert_eq!(checkpoint::load(&mut engine, &path).unwrap().len(), 1);
+    // A user's own file of that name.
+    std::fs::remove_file(&partial).unwrap();
+    std::fs::write(&partial, b"mine").unwrap();
+    checkpoint::save(&mut engine, &path, &[("u", &t)]).unwrap();
+    assert_eq!(std::fs::read(&partial).unwrap(), b"mine");
+    assert!(
+        checkpoint::load(&mut engine, &path)
+            .unwrap()
+            .get("u")
+            .is_some()
+    );
+    let left = others(
+        dir.path(),
+        &["m.safetensors", "m.safetensors.partial", "victim"],
+    );
+    assert!(left.is_empty(), "temporaries left: {left:?}");
+}
+
+/// Two threads saving different tensors to one path, many rounds at once: after each round
+/// the file is exactly one of the two saves (byte for byte, and loaded), never a mix, and no
+/// temporary is left.
+#[test]
+fn two_saves_of_one_path_at_once_end_with_one_whole_file() {
+    const ROUNDS: usize = 30;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("m.safetensors");
+    // One layout, other bytes: a mix would load without error.
+    let data = |k: u8| -> Vec<u8> { (0..64 * 1024).map(|i| (i as u8) ^ (k * 0x5a + 1)).collect() };
+    let expected: Vec<Vec<u8>> = (0..2u8)
+        .map(|k| {
+            let d = data(k);
+            let view =
+                safetensors::tensor::TensorView::new(safetensors::Dtype::U8, vec![d.len()], &d)
+                    .unwrap();
+            safetensors::serialize(vec![("t", view)], None::<HashMap<String, String>>).unwrap()
+        })
+        .collect();
+    let barrier = std::sync::Barrier::new(3);
+    let mut mixes = Vec::new();
+    let mut oks = 0;
+    std::thread::scope(|scope| {
+        let savers: Vec<_> = (0..2u8)
+            .map(|k| {
+                let (path, barrier, data) = (&path, &barrier, &data);
+                scope.spawn(move || {
+                    let mut engine = small_slots(4096);
+                    let d = data(k);
+                    let t = Tensor::from(upload_tensor(&mut engine, &d, &[d.len()]).unwrap());
+                    let mut outcomes = Vec::new();
+                    for _ in 0..ROUNDS {
+                        barrier.wait();
+                        let options = SaveOptions::new().writers(4).staging_bytes(4 * 4096);
+                        outcomes.push(checkpoint::save_with(
+                            &mut engine,
+                            path,
+                            &[("t", &t)],
+                            options,
+                        ));
+                        barrier.wait();
+                    }
+                    outcomes
+                })
+            })
+            .collect();
+        // The checker never panics between the barriers (the savers would wait for ever).
+        let mut engine = CudaEngine::simulated(SimConfig::default());
+        for round in 0..ROUNDS {
+            barrier.wait();
+            barrier.wait();
+            let written = std::fs::read(&path).unwrap_or_default();
+            let loaded = checkpoint::load(&mut engine, &path)
+                .and_then(|c| download_tensor(&mut engine, c.get("t").unwrap().bytes()));
+            let whole = expected.contains(&written)
+                && loaded
+                    .as_ref()
+                    .is_ok_and(|b| *b == data(0) || *b == data(1));
+            if !whole {
+                mixes.push(format!(
+                    "round {round}: {} bytes, loaded {:?}",
+                    written.len(),
+                    loaded.err()
+                ));
+            }
+        }
+        for saver in savers {
+            for outcome in saver.join().unwrap() {
+                match outcome {
+                    Ok(()) => oks += 1,
+                    Err(Error::Checkpoint(_)) => {}
+                    Err(other) => mixes.push(format!("{other}")),
+                }
+            }
+        }
+    });
+    assert!(mixes.is_empty(), "{mixes:#?}");
+    assert!(oks >= ROUNDS, "{oks} saves of {}", 2 * ROUNDS);
+    let left = others(dir.path(), &["m.safetensors"]);
+    assert!(left.is_empty(), "temporaries left: {left:?}");
+}
+
+/// A tensor named `__metadata__` is refused by the save (the load would refuse the file), and
+/// names the format allows round-trip.
+#[test]
+fn a_save_refuses_a_name_the_load_would_refuse_and_keeps_every_other() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("m.safetensors");
+    let mut engine = CudaEngine::simulated(SimConfig::default());
+    let t = Tensor::from(upload_tensor(&mut engine, &[3u8, 4], &[2]).unwrap());
+    let err = checkpoint::save(&mut engine, &path, &[("a", &t), ("__metadata__", &t)]).unwrap_err();
+    assert!(
+        matches!(&err, Error::Checkpoint(CheckpointError::Header { tensor: Some(n), .. }) if n == "__metadata__"),
+        "{err}"
+    );
+    assert!(others(dir.path(), &[]).is_empty(), "a file was made");
+    let odd = [
+        "",
+        "a\"b\\c",
+        "\u{0}\n",
+        "ü/../x",
+        "__metadata",
+        " __metadata__",
+    ];
+    let named: Vec<(&str, &Tensor)> = odd.iter().map(|n| (*n, &t)).collect();
+    checkpoint::save(&mut engine, &path, &named).unwrap();
+    let loaded = checkpoint::load(&mut engine, &path).unwrap();
+    for n in odd {
+        assert!(loaded.get(n).is_some(), "{n:?}");
+    }
+}
+
+/// A reader that answers `Interrupted` on every other call, the length probes included.
+struct Interrupting<'a> {
+    bytes: &'a [u8],
+    calls: std::sync::atomic::AtomicUsize,
+}
+
+impl checkpoint::ReadAt for Interrupting<'_> {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<usize> {
+        let n = self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        if n.is_multiple_of(2) {
+            return Err(std::io::ErrorKind::Interrupted.into());
+        }
+        self.bytes.read_at(buf, offset)
+    }
+}
+
+/// Every read of a load retries `Interrupted`: the header's, the chunks' and the final length
+/// probe's.
+#[test]
+fn a_reader_interrupted_on_every_other_call_loads_the_same_bytes() {
+    let (file, tensors) = layers(5, 9_000);
+    let mut engine = small_slots(4096);
+    let reader = Interrupting {
+        bytes: &file,
+        calls: std::sync::atomic::AtomicUsize::new(0),
+    };
+    let options = LoadOptions::new().readers(3).staging_bytes(4 * 4096);
+    let loaded = checkpoint::load_from(
+        &mut engine,
+        std::path::Path::new("interrupted.safetensors"),
+        &reader,
+        file.len() as u64,
+        options,
+    )
+    .unwrap();
+    for (name, data) in &tensors {
+        let back = download_tensor(&mut engine, loaded.get(name).unwrap().bytes()).unwrap();
+        assert_eq!(&back, data, "{name}");
+    }
+    // And a file range read through it.
+    let mut t = engine.alloc_tensor::<u8>(&[5000]).unwrap();
+    checkpoint::read_into(&mut engine, std::path::Path::new("r"), &reader, 100, &mut t).unwrap();
+    assert_eq!(download_tensor(&mut engine, &t).unwrap(), &file[100..5100]);
+}
+
+/// Looking a name up in a checkpoint of many tensors is not a scan: 20,000 lookups and
+/// removals of a 20,000-tensor checkpoint take well under a second.
+#[test]
+fn name_lookups_in_a_large_checkpoint_are_not_scans() {
+    const TENSORS: usize = 20_000;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("many.safetensors");
+    let names: Vec<String> = (0..TENSORS).map(|i| format!("t{i}")).collect();
+    let empty: [u8; 0] = [];
+    let views: Vec<(&str, safetensors::tensor::TensorView<'_>)> = names
+        .iter()
+        .map(|n| {
+            let view =
+                safetensors::tensor::TensorView::new(safetensors::Dtype::U8, vec![0], &empty);
+            (n.as_str(), view.unwrap())
+        })
+        .collect();
+    std::fs::write(
+        &path,
+        safetensors::serialize(views, None::<HashMap<String, String>>).unwrap(),
+    )
+    .unwrap();
+    let mut engine = CudaEngine::simulated(SimConfig::default());
+    let mut loaded = checkpoint::load(&mut engine, &path).unwrap();
+    assert_eq!(loaded.len(), TENSORS);
+    let began = std::time::Instant::now();
+    for n in names.iter().rev() {
+        assert!(loaded.get(n).is_some());
+    }
+    for n in names.iter().rev() {
+        assert!(loaded.remove(n).is_some(), "{n}");
+    }
+    let took = began.elapsed();
+    assert!(loaded.is_empty());
+    assert!(took < std::time::Duration::from_millis(500), "{took:?}");
+}
+
+/// The index's JSON is held to what the header's is: a field given twice, a name given twice,
+/// a shard that is not a string or not beside the index, text that is not UTF-8, are typed
+/// refusals naming the index.
+#[test]
+fn an_index_that_repeats_a_key_or_is_not_an_index_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let (file, _) = layers(1, 16);
+    std::fs::write(dir.path().join("s.safetensors"), &file).unwrap();
+    let index = dir.path().join("m.safetensors.index.json");
+    let mut engine = CudaEngine::simulated(SimConfig::default());
+    let cases: [(&[u8], &str); 8] = [
+        (
+            br#"{"weight_map":{"layer.00":"s.safetensors"},"weight_map":{"layer.00":"s.safetensors"}}"#,
+            "duplicate field",
+        ),
+        (
+            br#"{"weight_map":{"layer.00":"s.safetensors","layer.00":"s.safetensors"}}"#,
+            "twice",
+        ),
+        (br#"{"weight_map":{"layer.00":7}}"#, "not an index"),
+        (br#"{"weight_map":["layer.00"]}"#, "not an index"),
+        (br#"{"metadata":{}}"#, "not an index"),
+        (br#"{"weight_map":{"layer.00":"../s.safetensors"}}"#, "beside"),
+        (b"{\"weight_map\":{\"layer.00\":\"s.safetensors\xff\"}}", "UTF-8"),
+        (br#"{"weight_map":{"layer.00":"s.safetensors"}} trailing"#, "not an index"),
+    ];
+    for (json, want) in cases {
+        std::fs::write(&index, json).unwrap();
+        let err = checkpoint::load(&mut engine, &index).unwrap_err();
+        let text = err.to_string();
+        assert!(
+            text.contains(want) && text.contains("m.safetensors.index.json"),
+            "{}: {text}",
+            String::from_utf8_lossy(json)
+        );
+    }
+    // Escapes in a name or a shard are read as the text they spell.
+    std::fs::write(
+        &index,
+        br#"{"weight_map":{"layer.\u0030\u0030":"s.safe\u0074ensors"}}"#,
+    )
+    .unwrap();
+    let loaded = checkpoint::load(&mut engine, &index).unwrap();
+    assert!(loaded.get("layer.00").is_some());
+}

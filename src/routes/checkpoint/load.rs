@@ -380,7 +380,9 @@ fn pipeline(
         let mut free = vec![first];
         let mut made = 1;
         let mut reading = 0;
-        let mut flying: VecDeque<StagingLease<Unproven>> = VecDeque::with_capacity(slots);
+        // Sized by what the file needs, never by the setting alone.
+        let mut flying: VecDeque<StagingLease<Unproven>> =
+            VecDeque::with_capacity(slots.min(chunks.len()));
         let mut next = 0;
         let mut failure: Option<Error> = None;
         let mut panicked = None;
@@ -483,7 +485,8 @@ fn readers_gone(path: &Path) -> Error {
 }
 
 /// The file's length now, as the reader sees it: a read of one byte at `len - 1` and one at
-/// `len` tell a file that shrank or grew from one that did not.
+/// `len` tell a file that shrank or grew from one that did not. Each read is retried while it
+/// is `Interrupted`.
 fn file_len(path: &Path, file: &dyn ReadAt, len: u64) -> Result<u64, CheckpointError> {
     let mut probe = [0u8; 1];
     let io = |source| CheckpointError::Io {
@@ -491,10 +494,11 @@ fn file_len(path: &Path, file: &dyn ReadAt, len: u64) -> Result<u64, CheckpointE
         operation: "read",
         source,
     };
-    if len > 0 && file.read_at(&mut probe, len - 1).map_err(io)? == 0 {
+    let mut read = |at| super::retry(|| file.read_at(&mut probe, at)).map_err(io);
+    if len > 0 && read(len - 1)? == 0 {
         return Ok(len - 1);
     }
-    Ok(len + file.read_at(&mut probe, len).map_err(io)? as u64)
+    Ok(len + read(len)? as u64)
 }
 
 /// Reads `chunk` into `slot`, in `split` parts read at once (one on this thread, the others on

@@ -168,6 +168,25 @@ pub const DEFAULT_READERS: usize = 32;
 /// The writer threads a save runs, unless its options say otherwise.
 pub const DEFAULT_WRITERS: usize = 16;
 
+/// The most pinned staging a load or a save may be set to hold: 1 TiB (more than any host
+/// can pin), so that no setting sizes a table past what memory can hold.
+pub(crate) const MAX_STAGING_BYTES: usize = 1 << 40;
+
+/// The most reader or writer threads a load or a save may be set to run.
+pub(crate) const MAX_THREADS: usize = 256;
+
+/// Runs `op` again for as long as the operating system answers `Interrupted` (a signal came
+/// during the call): every open, stat, read, write, flush and rename of the checkpoint code
+/// goes through it or through a loop of its own that does the same.
+pub(crate) fn retry<T>(mut op: impl FnMut() -> std::io::Result<T>) -> std::io::Result<T> {
+    loop {
+        match op() {
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            done => return done,
+        }
+    }
+}
+
 /// How a load or a save stages its bytes: at most `bytes` of pinned slots (the engine's
 /// chunk size each, at least two), `threads` file threads, and for a load, direct reads.
 #[derive(Clone, Copy, Debug)]
@@ -207,10 +226,14 @@ impl Staging {
             }
             .into())
         };
-        if self.bytes == 0 {
-            return bad("staging_bytes", 0, "must be above zero");
+        if self.bytes == 0 || self.bytes > MAX_STAGING_BYTES {
+            return bad(
+                "staging_bytes",
+                self.bytes,
+                "must be between 1 and 1 TiB (1 << 40)",
+            );
         }
-        if self.threads == 0 || self.threads > 256 {
+        if self.threads == 0 || self.threads > MAX_THREADS {
             return bad(threads, self.threads, "must be between 1 and 256");
         }
         Ok(self)
@@ -267,7 +290,8 @@ impl<'a> LoadOptions<'a> {
     /// The most pinned staging memory the load holds: slots of the engine's
     /// [`chunk_bytes`](crate::staging::StagingConfig::chunk_bytes), as many as fit (two at
     /// least). Default [`DEFAULT_STAGING_BYTES`]. The slots are the engine's, kept once made, so
-    /// a second load does not pay for them again. Zero is refused when the load starts.
+    /// a second load does not pay for them again. 1 byte to 1 TiB (`1 << 40`); zero or more is
+    /// refused when the load starts.
     pub fn staging_bytes(mut self, bytes: usize) -> Self {
         self.staging.bytes = bytes;
         self
@@ -294,24 +318,43 @@ impl<'a> LoadOptions<'a> {
 
 /// The tensors of a checkpoint, by name, in the order of their bytes in the file (the shards'
 /// in the order the index first names them).
+///
+/// A name is looked up through a hash of the names, not a scan: [`get`](Self::get),
+/// [`remove`](Self::remove) and [`take`](Self::take) cost the same in a checkpoint of any size.
 #[derive(Debug, Default)]
 pub struct Checkpoint {
-    tensors: Vec<(String, Tensor)>,
-    /// The file each tensor came from, for errors.
-    files: Vec<Arc<Path>>,
+    /// In file order; a tensor taken out leaves its place empty.
+    tensors: Vec<Option<Held>>,
+    /// Each name's place in `tensors`.
+    by_name: std::collections::HashMap<String, usize>,
+}
+
+/// A tensor a checkpoint holds: its name, the tensor, and the file it came from (for errors).
+#[derive(Debug)]
+struct Held {
+    name: String,
+    tensor: Tensor,
+    file: Arc<Path>,
 }
 
 impl Checkpoint {
+    /// The place of the tensor named `name`, while the checkpoint holds it.
+    fn place(&self, name: &str) -> Option<usize> {
+        let &at = self.by_name.get(name)?;
+        self.tensors[at].is_some().then_some(at)
+    }
+
     /// The tensor named `name`.
     pub fn get(&self, name: &str) -> Option<&Tensor> {
-        self.tensors.iter().find(|(n, _)| n == name).map(|(_, t)| t)
+        let at = self.place(name)?;
+        self.tensors[at].as_ref().map(|h| &h.tensor)
     }
 
     /// Takes the tensor named `name` out of the checkpoint.
     pub fn remove(&mut self, name: &str) -> Option<Tensor> {
-        let at = self.tensors.iter().position(|(n, _)| n == name)?;
-        self.files.remove(at);
-        Some(self.tensors.remove(at).1)
+        let at = self.place(name)?;
+        self.by_name.remove(name);
+        self.tensors[at].take().map(|h| h.tensor)
     }
 
     /// Takes the tensor named `name` out of the checkpoint as a `DeviceTensor<T>`, when `T` is
@@ -322,24 +365,24 @@ impl Checkpoint {
     /// [`CheckpointError::ElementType`], naming the file, the tensor and both element types,
     /// when it holds another type. Either way the checkpoint is unchanged.
     pub fn take<T: Element>(&mut self, name: &str) -> Result<DeviceTensor<T>> {
-        let Some(at) = self.tensors.iter().position(|(n, _)| n == name) else {
+        let Some(at) = self.place(name) else {
             return Err(CheckpointError::NoTensor {
                 tensor: name.to_owned(),
             }
             .into());
         };
-        let holds = self.tensors[at].1.dtype();
+        let held = self.tensors[at].as_ref().expect("placed");
+        let holds = held.tensor.dtype();
         if holds != T::DTYPE {
             return Err(CheckpointError::ElementType {
-                path: self.files[at].to_path_buf(),
+                path: held.file.to_path_buf(),
                 tensor: name.to_owned(),
                 asked: T::DTYPE,
                 holds,
             }
             .into());
         }
-        self.files.remove(at);
-        let (_, tensor) = self.tensors.remove(at);
+        let tensor = self.remove(name).expect("placed");
         Ok(tensor
             .into_typed::<T>()
             .expect("the element type was checked"))
@@ -347,22 +390,25 @@ impl Checkpoint {
 
     /// The names, in file order.
     pub fn names(&self) -> impl Iterator<Item = &str> {
-        self.tensors.iter().map(|(n, _)| n.as_str())
+        self.iter().map(|(n, _)| n)
     }
 
     /// The tensors with their names, in file order.
     pub fn iter(&self) -> impl Iterator<Item = (&str, &Tensor)> {
-        self.tensors.iter().map(|(n, t)| (n.as_str(), t))
+        self.tensors
+            .iter()
+            .flatten()
+            .map(|h| (h.name.as_str(), &h.tensor))
     }
 
     /// How many tensors it holds.
     pub fn len(&self) -> usize {
-        self.tensors.len()
+        self.by_name.len()
     }
 
     /// Whether it holds none.
     pub fn is_empty(&self) -> bool {
-        self.tensors.is_empty()
+        self.by_name.is_empty()
     }
 }
 
@@ -371,7 +417,13 @@ impl IntoIterator for Checkpoint {
     type IntoIter = std::vec::IntoIter<(String, Tensor)>;
 
     fn into_iter(self) -> Self::IntoIter {
-        self.tensors.into_iter()
+        let held: Vec<_> = self
+            .tensors
+            .into_iter()
+            .flatten()
+            .map(|h| (h.name, h.tensor))
+            .collect();
+        held.into_iter()
     }
 }
 
@@ -456,10 +508,16 @@ impl Checkpoint {
     /// The tensors handed out by a load, put back in file order.
     fn ordered(mut tensors: Vec<Placed>) -> Checkpoint {
         tensors.sort_unstable_by_key(|(i, ..)| *i);
-        let mut checkpoint = Checkpoint::default();
+        let mut checkpoint = Checkpoint {
+            tensors: Vec::with_capacity(tensors.len()),
+            by_name: std::collections::HashMap::with_capacity(tensors.len()),
+        };
         for (_, file, name, tensor) in tensors {
-            checkpoint.tensors.push((name, tensor));
-            checkpoint.files.push(file);
+            // A load hands out each name once (a file or an index naming one twice is refused);
+            // were one to come twice, the first would be the one found.
+            let at = checkpoint.tensors.len();
+            checkpoint.by_name.entry(name.clone()).or_insert(at);
+            checkpoint.tensors.push(Some(Held { name, tensor, file }));
         }
         checkpoint
     }
@@ -550,11 +608,13 @@ pub(crate) fn open_direct(path: &Path) -> Option<std::fs::File> {
     #[cfg(target_os = "linux")]
     {
         use std::os::unix::fs::OpenOptionsExt;
-        std::fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_DIRECT)
-            .open(path)
-            .ok()
+        retry(|| {
+            std::fs::OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_DIRECT | libc::O_NONBLOCK)
+                .open(path)
+        })
+        .ok()
     }
     #[cfg(not(target_os = "linux"))]
     {
@@ -563,9 +623,18 @@ pub(crate) fn open_direct(path: &Path) -> Option<std::fs::File> {
     }
 }
 
-/// Opens `path` for reading.
+/// Opens `path` for reading, without waiting: a FIFO or a device planted under the name
+/// cannot hold the open (or a read) for ever (`O_NONBLOCK`, which changes nothing for a
+/// regular file).
 fn open(path: &Path) -> Result<std::fs::File> {
-    std::fs::File::open(path).map_err(|source| {
+    use std::os::unix::fs::OpenOptionsExt;
+    retry(|| {
+        std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(path)
+    })
+    .map_err(|source| {
         CheckpointError::Io {
             path: path.to_owned(),
             operation: "open",
@@ -577,8 +646,7 @@ fn open(path: &Path) -> Result<std::fs::File> {
 
 /// The length of the open file `path`.
 fn file_len(path: &Path, file: &std::fs::File) -> Result<u64> {
-    Ok(file
-        .metadata()
+    Ok(retry(|| file.metadata())
         .map_err(|source| CheckpointError::Io {
             path: path.to_owned(),
             operation: "stat",
@@ -625,13 +693,19 @@ pub fn load_from(
 /// The bytes travel device → pinned staging → file: each chunk's download queued into a
 /// staging slot of the engine's chunk size ([`DEFAULT_STAGING_BYTES`] of them in all), and
 /// once proven written at its place by one of [`DEFAULT_WRITERS`] writer threads while the
-/// next downloads are in flight. The file is written as `<name>.partial` beside `path`, flushed
-/// to the storage and renamed only when complete.
+/// next downloads are in flight. The file is written under a temporary name of its own beside
+/// `path` (`.<name>.<pid>.<n>.<stamp>.cuferry-partial`, made with `O_EXCL`, so no file or link
+/// already there is written through or replaced), flushed to the storage, renamed over `path`
+/// only when complete, and the directory flushed. Two saves of one path at once each write
+/// their own temporary file: `path` ends as the whole file of one of them.
 ///
 /// # Errors
 /// [`Error::Checkpoint`](crate::Error::Checkpoint) when the file cannot be created, written,
-/// flushed or renamed, or for a name given twice; the engine's error when a download or its
-/// proof fails. Either way nothing is left under `path` and the partial file is removed.
+/// flushed or renamed, for a name given twice, or for a tensor named `__metadata__` (the
+/// format's name for its free-form metadata, which a load would refuse as a tensor); the
+/// engine's error when a download or its proof fails. Either way nothing is left under `path`
+/// (but where the directory cannot be flushed after the rename: the whole file is then under
+/// `path`, its name perhaps not yet on the storage) and the temporary file is removed.
 pub fn save(
     engine: &mut CudaEngine,
     path: impl AsRef<Path>,
@@ -678,7 +752,7 @@ impl<'a> SaveOptions<'a> {
     }
 
     /// The most pinned staging memory the save holds, as
-    /// [`LoadOptions::staging_bytes`].
+    /// [`LoadOptions::staging_bytes`] (1 byte to 1 TiB, others refused when the save starts).
     pub fn staging_bytes(mut self, bytes: usize) -> Self {
         self.staging.bytes = bytes;
         self
@@ -711,4 +785,45 @@ pub fn save_with(
         staging,
         &mut *options.progress,
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retry_runs_an_interrupted_call_again_and_passes_every_other_answer_on() {
+        let mut calls = 0;
+        let got = retry(|| {
+            calls += 1;
+            if calls < 4 {
+                Err(std::io::ErrorKind::Interrupted.into())
+            } else {
+                Ok(calls)
+            }
+        });
+        assert_eq!(got.unwrap(), 4);
+        let mut calls = 0;
+        let got: std::io::Result<()> = retry(|| {
+            calls += 1;
+            Err(std::io::ErrorKind::WouldBlock.into())
+        });
+        assert_eq!(got.unwrap_err().kind(), std::io::ErrorKind::WouldBlock);
+        assert_eq!(calls, 1, "another error is not retried");
+    }
+
+    #[test]
+    fn a_fifo_planted_as_a_checkpoint_does_not_hold_the_open() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("m.safetensors");
+        let made = std::process::Command::new("mkfifo").arg(&fifo).status();
+        assert!(made.unwrap().success(), "mkfifo");
+        let (mut engine, _sim) = load::tests::engine();
+        let err = load(&mut engine, &fifo).unwrap_err();
+        assert!(matches!(err, crate::Error::Checkpoint(_)), "{err}");
+        let index = dir.path().join("m.safetensors.index.json");
+        std::fs::rename(&fifo, &index).unwrap();
+        let err = load(&mut engine, &index).unwrap_err();
+        assert!(matches!(err, crate::Error::Checkpoint(_)), "{err}");
+    }
 }

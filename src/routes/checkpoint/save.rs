@@ -6,9 +6,12 @@
 //! byte for byte the file `safetensors::serialize` writes for the same tensors. The bytes move
 //! through staging leases, as a load's do: a window of `ring_depth` leases, each downloading a
 //! chunk, then, once its copy is proven, written at its place in the file by a positioned write.
-//! The file is written as `<name>.partial` beside the final name, flushed to the storage, and
-//! renamed only when every byte is there, so a failure never leaves a truncated checkpoint under
-//! the final name (the partial file is removed).
+//! The file is written under a temporary name of its own beside the final name (made with
+//! `create_new`, `O_EXCL`: no file or link already there is followed, truncated or replaced),
+//! flushed to the storage, and renamed over the final name only when every byte is there, then
+//! the directory is flushed; so a failure never leaves a truncated checkpoint under the final
+//! name (the temporary file is removed on every error), and two saves of one path at once each
+//! write their own file, one of which ends under the name whole.
 
 use super::load::Tensor;
 use super::{Done, Job, Progress, Staging, Tally, WriteAt, file_threads, header};
@@ -19,6 +22,7 @@ use crate::memory::tensor::DeviceTensor;
 use std::collections::VecDeque;
 use std::fs::File;
 use std::path::{Path, PathBuf};
+
 use std::sync::{Mutex, mpsc};
 
 /// The header bytes (padded) and each tensor's place, for `tensors` in the format's order.
@@ -65,11 +69,79 @@ fn layout(
     Ok((out, starts.into_iter().map(|s| s + data_start).collect()))
 }
 
-/// The partial file's name: `<file name>.partial` beside `path`.
-fn partial(path: &Path) -> PathBuf {
-    let mut name = path.file_name().unwrap_or_default().to_os_string();
-    name.push(".partial");
-    path.with_file_name(name)
+/// The temporary files made so far by this process, for their names.
+static TEMPORARIES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// The longest part of the final name a temporary name repeats, in bytes (a file name may be
+/// 255 bytes; the rest of the temporary name takes at most 70).
+const NAME_PART: usize = 128;
+
+/// A name for a temporary file beside `path` that no other save (of this process or another)
+/// picks: `.<file name>.<pid>.<n>.<stamp>.cuferry-partial`, `n` counting this process's
+/// temporaries and `stamp` the clock's nanoseconds.
+fn temporary_name(path: &Path) -> PathBuf {
+    let name = path.file_name().unwrap_or_default().to_string_lossy();
+    let mut end = name.len().min(NAME_PART);
+    while !name.is_char_boundary(end) {
+        end -= 1;
+    }
+    let n = TEMPORARIES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let stamp = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    let pid = std::process::id();
+    path.with_file_name(format!(
+        ".{}.{pid}.{n}.{stamp:08x}.cuferry-partial",
+        &name[..end]
+    ))
+}
+
+/// Creates a temporary file beside `path`, under a name of its own, with `O_EXCL` (a file or a
+/// link already under the name is neither followed nor truncated: another name is tried).
+fn create_temporary(path: &Path) -> Result<(File, PathBuf), CheckpointError> {
+    if path.file_name().is_none() {
+        return Err(CheckpointError::Io {
+            path: path.to_owned(),
+            operation: "create",
+            source: std::io::Error::new(std::io::ErrorKind::InvalidInput, "the path names no file"),
+        });
+    }
+    let mut tries = 0;
+    loop {
+        let name = temporary_name(path);
+        let made = super::retry(|| {
+            std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(&name)
+        });
+        match made {
+            Ok(file) => return Ok((file, name)),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && tries < 16 => tries += 1,
+            Err(source) => {
+                return Err(CheckpointError::Io {
+                    path: name,
+                    operation: "create",
+                    source,
+                });
+            }
+        }
+    }
+}
+
+/// Flushes the directory that holds `path`, so that a rename into it reaches the storage.
+fn sync_directory(path: &Path) -> Result<(), CheckpointError> {
+    let dir = match path.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir,
+        _ => Path::new("."),
+    };
+    super::retry(|| File::open(dir))
+        .and_then(|d| super::retry(|| d.sync_all()))
+        .map_err(|source| CheckpointError::Io {
+            path: dir.to_owned(),
+            operation: "flush the directory",
+            source,
+        })
 }
 
 /// Writes `tensors` (names with their tensors, of `engine`) to the safetensors file `path`.
@@ -85,8 +157,19 @@ pub(crate) fn save(
     staging: Staging,
     progress: &mut dyn FnMut(Progress),
 ) -> Result<()> {
-    let mut names = std::collections::HashSet::new();
+    let mut names = std::collections::HashSet::with_capacity(tensors.len());
     for (name, _) in tensors {
+        if *name == header::METADATA_KEY {
+            return Err(CheckpointError::Header {
+                path: path.to_owned(),
+                tensor: Some((*name).to_owned()),
+                reason: format!(
+                    "{} is the format's name for its metadata, not a tensor's",
+                    header::METADATA_KEY
+                ),
+            }
+            .into());
+        }
         if !names.insert(*name) {
             return Err(CheckpointError::Header {
                 path: path.to_owned(),
@@ -99,32 +182,42 @@ pub(crate) fn save(
     let mut ordered: Vec<(String, &Tensor)> =
         tensors.iter().map(|(n, t)| ((*n).to_owned(), *t)).collect();
     let (head, starts) = layout(path, &mut ordered)?;
-    let temporary = partial(path);
-    let io = |operation: &'static str| {
-        let path = temporary.clone();
-        move |source| CheckpointError::Io {
-            path,
-            operation,
-            source,
+    let (file, temporary) = create_temporary(path)?;
+    let io = |operation: &'static str, path: &Path| {
+        let path = path.to_owned();
+        move |source| {
+            Error::from(CheckpointError::Io {
+                path,
+                operation,
+                source,
+            })
         }
     };
-    let file = File::create(&temporary).map_err(io("create"))?;
     let total = ordered.iter().map(|(_, t)| t.bytes().len() as u64).sum();
     let mut tally = Tally::new(total, progress);
-    let written = write_all(
-        engine, &file, &temporary, &head, &ordered, &starts, staging, &mut tally,
-    )
-    .and_then(|()| file.sync_all().map_err(io("flush")).map_err(Error::from));
+    // A panic of the download (the engine's) or of a writer removes the temporary file too.
+    let written = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        write_all(
+            engine, &file, &temporary, &head, &ordered, &starts, staging, &mut tally,
+        )
+        .and_then(|()| super::retry(|| file.sync_all()).map_err(io("flush", &temporary)))
+    }));
     drop(file);
-    let renamed = written.and_then(|()| {
-        std::fs::rename(&temporary, path)
-            .map_err(io("rename"))
-            .map_err(Error::from)
-    });
+    let renamed = match written {
+        Ok(written) => written.and_then(|()| {
+            super::retry(|| std::fs::rename(&temporary, path)).map_err(io("rename", &temporary))
+        }),
+        Err(panic) => {
+            let _ = std::fs::remove_file(&temporary);
+            std::panic::resume_unwind(panic);
+        }
+    };
     if renamed.is_err() {
         let _ = std::fs::remove_file(&temporary);
+        return renamed;
     }
-    renamed
+    // The file is whole under its name; the directory's flush makes the name durable.
+    Ok(sync_directory(path)?)
 }
 
 /// One chunk of the save: bytes `at..at + len` of item `item`, to file offset `offset`.
