@@ -113,6 +113,9 @@ pub enum SimOp {
     PoolImportFromShareableHandle,
     /// The import of an allocation of an imported pool (`cuMemPoolImportPointer`).
     PoolImportPointer,
+    /// The measure of the allocation that holds an address (`cuMemGetAddressRange`), as an
+    /// importer measures a fresh mapping against the offer's size.
+    GetAddressRange,
     /// The stream-ordered release of an imported allocation (`cuMemFreeAsync` on an imported
     /// pointer).
     ImportFreeAsync,

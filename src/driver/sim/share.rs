@@ -815,8 +815,8 @@ impl Sharing for SimDriver {
     /// allocated it or maps it (an import whose release has not run); `CUDA_ERROR_INVALID_VALUE`
     /// otherwise, as CUDA refuses an address its context does not map.
     fn address_range(&self, ptr: DevicePtr) -> Result<(DevicePtr, usize), DriverError> {
-        let s = self.lock();
-        s.alive()?;
+        let mut s = self.lock();
+        s.enter(SimOp::GetAddressRange)?;
         let Some((&base, block)) = s.mem.range(..=ptr).next_back() else {
             return Err(DriverError::INVALID_VALUE);
         };
@@ -1582,6 +1582,9 @@ mod tests {
             assert_eq!(importer.import_pointer(pool, &offer.pointer), Err(fault));
             importer.import_pointer(pool, &offer.pointer).unwrap();
         }
+        dev.fail_nth(SimOp::GetAddressRange, 1, fault);
+        assert_eq!(importer.address_range(e.ptr), Err(fault));
+        assert_eq!(importer.address_range(e.ptr), Ok((e.ptr, 16)));
         dev.fail_nth(SimOp::ImportFreeAsync, 1, fault);
         // SAFETY: the first is refused (the import stays mapped); the second releases it.
         unsafe {
@@ -1604,6 +1607,7 @@ mod tests {
             (SimOp::PoolExportPointer, 2),
             (SimOp::PoolImportFromShareableHandle, 2),
             (SimOp::PoolImportPointer, 2),
+            (SimOp::GetAddressRange, 2),
             (SimOp::ImportFreeAsync, 2),
             (SimOp::IpcGetEventHandle, 2),
             (SimOp::IpcOpenEventHandle, 2),

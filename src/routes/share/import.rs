@@ -13,7 +13,7 @@
 
 use super::export::{SPIN, dtype_code, lock};
 use super::wire::{self, Access, Hello, Message, Offer};
-use crate::core::engine::{CudaEngine, Shared, State};
+use crate::core::engine::{CudaEngine, Entered, Shared, State};
 use crate::core::order::Use;
 use crate::driver::share::{Name, Origin};
 use crate::driver::{DevicePtr, EventHandle, Lane};
@@ -100,13 +100,26 @@ struct Mappings {
     /// told): the link never says it holds nothing, so the exporter keeps its memory until
     /// this process ends.
     stuck: bool,
+    /// Mappings made (or being made) and neither recorded in `by_id` nor released yet: one
+    /// that a driver panic left counted is leaked, so the link never says it holds nothing.
+    unrecorded: usize,
+}
+
+/// The link's end of the socket for writing. A message that did not leave whole (the
+/// exporter stopped reading for [`wire::MESSAGE_LIMIT`], the write timeout the link sets) cuts
+/// it: the socket's writing side is shut, so no later message runs on from a partial one's
+/// bytes, and nothing is written after. The exporter reads a message cut short, and keeps what
+/// this link holds until this process ends.
+struct Writer {
+    stream: UnixStream,
+    cut: bool,
 }
 
 /// What the link, its reader and every import of it share: the socket, this side's event and
 /// the mappings.
 struct LinkShared {
     engine: Arc<Shared>,
-    writer: Mutex<UnixStream>,
+    writer: Mutex<Writer>,
     /// Set by the reader once the exporter's end is closed: the exporter has taken every
     /// message, and queued every wait for `done` it will queue.
     closed: Arc<(Mutex<bool>, std::sync::Condvar)>,
@@ -198,9 +211,20 @@ impl LinkShared {
         }
     }
 
+    /// Sends `message` to the exporter, waiting at most [`wire::MESSAGE_LIMIT`] for it to
+    /// make room. Nothing is sent once the writer is cut ([`Writer`]): what the exporter was
+    /// not told it keeps until this process ends.
+    ///
+    /// # Errors
+    /// [`ShareError::TimedOut`] when the exporter does not take the message within the limit
+    /// (the writer is cut); [`ShareError::Io`] when the socket refuses it otherwise (cut too).
     fn send(&self, message: &Message) -> Result<()> {
-        match wire::send(&mut lock(&self.writer), message, None) {
-            Ok(()) => Ok(()),
+        let mut writer = lock(&self.writer);
+        if writer.cut {
+            return Ok(());
+        }
+        let error = match wire::send(&mut writer.stream, message, None) {
+            Ok(()) => return Ok(()),
             // The exporter has gone: it holds nothing to release any more.
             Err(ShareError::Io { source, .. })
                 if matches!(
@@ -208,10 +232,26 @@ impl LinkShared {
                     std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset
                 ) =>
             {
-                Ok(())
+                return Ok(());
             }
-            Err(error) => Err(Error::Share(error)),
-        }
+            // The socket's write timeout (`EAGAIN` once `SO_SNDTIMEO` passes).
+            Err(ShareError::Io { source, .. })
+                if matches!(
+                    source.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                ShareError::TimedOut {
+                    what: "a message to the exporter (it stopped reading)",
+                    within: wire::MESSAGE_LIMIT,
+                }
+            }
+            Err(error) => error,
+        };
+        // Part of the message may have left: nothing may follow it.
+        writer.cut = true;
+        let _ = writer.stream.shutdown(std::net::Shutdown::Write);
+        Err(Error::Share(error))
     }
 
     /// The exporter asks for tensor `id` back: unmapped now when no import of it is in use,
@@ -261,7 +301,10 @@ impl Drop for LinkShared {
         };
         let (mappings, stuck) = {
             let mut mapped = lock(&self.mapped);
-            (std::mem::take(&mut mapped.by_id), mapped.stuck)
+            (
+                std::mem::take(&mut mapped.by_id),
+                mapped.stuck || mapped.unrecorded > 0,
+            )
         };
         let mut all_told = !stuck;
         let mut told = Vec::new();
@@ -283,7 +326,9 @@ impl Drop for LinkShared {
         // The exporter waits on the device for `done` as it takes each message: the event is
         // destroyed only once it has closed its end (it has taken them all), or its process
         // has gone; an exporter that does not answer in time leaves the event alive.
-        let _ = lock(&self.writer).shutdown(std::net::Shutdown::Write);
+        let _ = lock(&self.writer)
+            .stream
+            .shutdown(std::net::Shutdown::Write);
         let (closed, changed) = &*self.closed;
         let (closed, _) = changed
             .wait_timeout_while(lock(closed), LINGER, |closed| !*closed)
@@ -297,7 +342,7 @@ impl Drop for LinkShared {
             let _ = unsafe { st.driver.event_destroy(self.done) };
         }
         drop(closed);
-        let _ = lock(&self.writer).shutdown(std::net::Shutdown::Both);
+        let _ = lock(&self.writer).stream.shutdown(std::net::Shutdown::Both);
     }
 }
 
@@ -395,6 +440,13 @@ type Incoming = std::result::Result<(Box<Offer>, Option<HeldFd>), ShareError>;
 /// pool's import is closed at once); an unmap request holds something only for an offer still
 /// waiting. An exporter past a bound is hostile: the link stops reading it, closes the socket,
 /// and every later import fails with [`ShareError::OverLimit`], naming the bound.
+///
+/// What the link writes to its exporter (releases, unmappings, refusals) waits at most 10 s
+/// for the exporter to make room (the socket's write timeout, as on the exporter's side). An
+/// exporter that stops reading longer is cut off: the send fails with
+/// [`ShareError::TimedOut`] (reported at the engine's next boundary where a drop sent it),
+/// the link writes nothing more, and the exporter keeps what it was not told of until this
+/// process ends.
 pub struct ShareLink {
     link: Arc<LinkShared>,
     offers: Receiver<Incoming>,
@@ -556,6 +608,8 @@ impl ShareLink {
     /// say who holds the other: the caller vouches for it (it chose who got that end), and only
     /// the offers' own checks (host, boot, a live process) apply.
     ///
+    /// The link sets the socket's write timeout (10 s; see [`ShareLink`]).
+    ///
     /// # Errors
     /// [`ShareError::Identity`] when this process cannot be named; [`Error::Driver`] when the
     /// event cannot be made; [`ShareError::Io`] when the socket refuses, or is not a connected
@@ -575,6 +629,11 @@ impl ShareLink {
         forge: impl FnOnce(&mut Hello),
     ) -> Result<Self> {
         let io = |operation| move |source| Error::Share(ShareError::Io { operation, source });
+        // An exporter that stops reading holds no send of this link for long: a write that
+        // finds no room within the limit fails, and cuts the link's writing (see `Writer`).
+        stream
+            .set_write_timeout(Some(wire::MESSAGE_LIMIT))
+            .map_err(io("setsockopt"))?;
         let reader = stream.try_clone().map_err(io("dup"))?;
         let (done, hello) = {
             let mut st = engine.enter()?;
@@ -600,13 +659,13 @@ impl ShareLink {
         let closed = Arc::new((Mutex::new(false), std::sync::Condvar::new()));
         let link = Arc::new(LinkShared {
             engine: Arc::clone(&engine.shared),
-            writer: Mutex::new(stream),
+            writer: Mutex::new(Writer { stream, cut: false }),
             closed: Arc::clone(&closed),
             done,
             mapped: Mutex::new(Mappings::default()),
         });
         wire::send(
-            &mut lock(&link.writer),
+            &mut lock(&link.writer).stream,
             &Message::Hello(Box::new(hello)),
             None,
         )?;
@@ -659,7 +718,8 @@ impl ShareLink {
     /// [`ShareError::OtherBoot`], [`ShareError::ProcessGone`] for a handle of another host, boot
     /// or an exited process; [`ShareError::Unreachable`] for a device this engine cannot reach;
     /// [`Error::Driver`] when the driver refuses the pool, the pointer or the event (a forged
-    /// handle), or cannot measure the mapping (`cuMemGetAddressRange`). A refusal leaves the
+    /// handle), or cannot measure the mapping (`cuMemGetAddressRange`: the mapping is never
+    /// used, and is released as for [`ShareError::PastAllocation`]). A refusal leaves the
     /// link as it was: the next offer is taken as if the refused one had not come (the pool's
     /// descriptor, which comes once, is kept until the pool is imported). When no offer comes:
     /// [`ShareError::Io`] (of kind `TimedOut` past the [timeout](Self::set_timeout)),
@@ -846,28 +906,33 @@ impl ShareLink {
         Ok((pool, ready))
     }
 
-    /// Refuses the offer of tensor `id`, just mapped at `ptr`, for `error`: the exporter is
-    /// told (the refusal says it is mapped), the mapping is released stream-ordered, and the
-    /// exporter told of that too once it is proven ordered (else the link never says it holds
+    /// Refuses the offer of tensor `id`, just mapped at `ptr`, for `error`: the mapping is
+    /// released stream-ordered (never used), then the exporter is told, with the engine left
+    /// (a send may wait for the exporter): the refusal says it is mapped, and an unmapping
+    /// follows once the release is proven ordered (else the link never says it holds
     /// nothing, and the exporter keeps the memory until this process ends).
     fn refuse_mapped(
         &self,
-        st: &mut State,
+        mut st: Entered<'_>,
         engine: &Shared,
         id: u64,
         ptr: DevicePtr,
         error: &Error,
     ) {
+        let told = unmap(&mut st, engine, ptr, self.link.done);
+        {
+            let mut mapped = lock(&self.link.mapped);
+            mapped.stuck |= !told;
+            // Released (or its release queued), or left stuck: no longer unrecorded.
+            mapped.unrecorded -= 1;
+        }
+        drop(st);
         let refusal = Message::Refuse {
             id,
             mapped: true,
             reason: error.to_string(),
         };
-        let refused = self.link.send(&refusal).is_ok();
-        let told = unmap(st, engine, ptr, self.link.done);
-        if !told {
-            lock(&self.link.mapped).stuck = true;
-        } else if refused {
+        if self.link.send(&refusal).is_ok() && told {
             let _ = self.link.send(&Message::Unmapped { id });
         }
     }
@@ -901,17 +966,21 @@ impl ShareLink {
                 })));
             }
             None => {
+                // A driver panic from here until the mapping is recorded or released leaks
+                // it, counted: the link then never says it holds nothing.
+                mapped.unrecorded += 1;
                 // SAFETY: the exporter keeps the allocation until this link's unmapping of it
                 // reaches it, and the mapping made here is unmapped exactly once (its entry
                 // goes with it).
-                let ptr = unsafe { st.driver.import_pointer(pool, &offer.pointer) }.map_err(
-                    |source| {
+                let ptr =
+                    unsafe { st.driver.import_pointer(pool, &offer.pointer) }.map_err(|source| {
+                        mapped.unrecorded -= 1;
                         untold(Error::Driver {
                             call: "cuMemPoolImportPointer",
                             source,
                         })
-                    },
-                )?;
+                    });
+                let ptr = ptr?;
                 // The true size, from the driver: the offer's own word is never trusted for it.
                 let measured = st
                     .driver
@@ -926,11 +995,12 @@ impl ShareLink {
                     Ok(measured) => measured,
                     Err(error) => {
                         drop(mapped);
-                        self.refuse_mapped(&mut st, &shared, offer.id, ptr, &error);
+                        self.refuse_mapped(st, &shared, offer.id, ptr, &error);
                         return Err((error, true));
                     }
                 };
                 let unmap = mapped.asked.remove(&offer.id);
+                mapped.unrecorded -= 1;
                 mapped.by_id.insert(
                     offer.id,
                     Mapping {
@@ -1029,6 +1099,28 @@ impl ShareLink {
     /// The unmap requests the link holds for offers it has not mapped.
     pub(super) fn unmaps_held(&self) -> usize {
         lock(&self.link.mapped).asked.len()
+    }
+
+    /// The write timeout of the link's socket.
+    pub(super) fn write_limit(&self) -> Option<Duration> {
+        lock(&self.link.writer)
+            .stream
+            .write_timeout()
+            .ok()
+            .flatten()
+    }
+
+    /// Shortens the write timeout of the link's socket, for a test that cannot wait the limit.
+    pub(super) fn set_write_limit(&self, limit: Duration) {
+        lock(&self.link.writer)
+            .stream
+            .set_write_timeout(Some(limit))
+            .unwrap();
+    }
+
+    /// Sends `message` as the link sends its own.
+    pub(super) fn send_as_link(&self, message: &Message) -> crate::Result<()> {
+        self.link.send(message)
     }
 }
 

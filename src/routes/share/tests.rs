@@ -896,3 +896,210 @@ fn an_unmap_request_for_an_offer_not_yet_taken_unmaps_it_once_released() {
     );
     shared.reclaim(WAIT).unwrap();
 }
+
+// ---- The driver's refusal to measure a fresh mapping (`cuMemGetAddressRange`), and a driver
+// panic there.
+
+#[test]
+fn a_mapping_the_driver_will_not_measure_is_unmapped_and_the_exporter_told() {
+    use crate::error::DriverError;
+    for exclusive in [false, true] {
+        let mut b = between();
+        let tensor = b.exporter.full(&[4], 2.0f32).unwrap();
+        let (lent, shared) = if exclusive {
+            (Some(b.handle.lend(&mut b.exporter, tensor).unwrap()), None)
+        } else {
+            let shared = b.exporter.export_tensor(tensor).unwrap();
+            b.handle.offer(&mut b.exporter, &shared).unwrap();
+            (None, Some(shared))
+        };
+        let (offer, fd) = match wire::recv(&mut b.from_exporter).unwrap() {
+            (Message::Offer(offer), Some(fd)) => (offer, fd),
+            other => panic!("{other:?}"),
+        };
+        b.pass(offer, Some(&fd));
+        drop(fd);
+        b.sim
+            .fail_nth(SimOp::GetAddressRange, 1, DriverError::UNKNOWN);
+        let imported = if exclusive {
+            b.link.import_exclusive::<f32>(&mut b.importer).map(drop)
+        } else {
+            read(&mut b.link, &mut b.importer)
+        };
+        let error = imported.unwrap_err();
+        assert!(
+            matches!(
+                error,
+                Error::Driver {
+                    call: "cuMemGetAddressRange",
+                    source: DriverError::UNKNOWN,
+                }
+            ),
+            "{error}"
+        );
+        assert_eq!(b.sim.calls(SimOp::PoolImportPointer), 1, "it was mapped");
+        assert_eq!(b.sim.calls(SimOp::GetAddressRange), 1);
+        // The mapping is released, stream-ordered, and never used.
+        b.importer.synchronize().unwrap();
+        assert_eq!(
+            b.sim.imports_live(),
+            0,
+            "the unmeasured mapping is released"
+        );
+        // The exporter is told it was mapped, then that it is unmapped.
+        let answers = b.drain();
+        assert!(
+            matches!(
+                answers[..],
+                [
+                    Message::Refuse { mapped: true, .. },
+                    Message::Unmapped { .. }
+                ]
+            ),
+            "{answers:?}"
+        );
+        // Its counts come down: the tensor comes back whole, and the link goes on.
+        let tensor = match (lent, shared) {
+            (Some(lent), _) => lent.wait_back(WAIT).unwrap(),
+            (_, Some(shared)) => {
+                assert_eq!(shared.imports(), 0, "the exporter still counts the import");
+                let again = b.again(&shared);
+                b.pass(again, None);
+                let honest = b.link.import_read::<f32>(&mut b.importer).unwrap();
+                assert_eq!(download_tensor(&mut b.importer, &honest).unwrap(), [2.0; 4]);
+                drop(honest);
+                b.drain();
+                shared.reclaim(WAIT).unwrap()
+            }
+            _ => unreachable!(),
+        };
+        assert!(matches!(b.exporter.flush(), Err(Error::Deferred { .. })));
+        assert_eq!(download_tensor(&mut b.exporter, &tensor).unwrap(), [2.0; 4]);
+        drop(tensor);
+        b.exporter.synchronize().unwrap();
+        assert!(b.sim.violations().is_empty(), "{:?}", b.sim.violations());
+    }
+}
+
+#[test]
+fn a_driver_panic_mapping_or_measuring_leaks_the_mapping_and_the_link_never_says_it_holds_nothing()
+{
+    // A panic before the measure takes effect, and after it or the mapping did.
+    // (What, the call, whether the panic comes after the call took effect.)
+    let cases = [
+        ("before the measure", SimOp::GetAddressRange, false),
+        ("after the measure", SimOp::GetAddressRange, true),
+        ("after the mapping", SimOp::PoolImportPointer, true),
+    ];
+    for (name, op, after) in cases {
+        let mut b = between();
+        let (shared, offer, fd) = b.offer();
+        b.pass(offer, Some(&fd));
+        drop(fd);
+        if after {
+            b.sim.panic_after_nth(op, 1);
+        } else {
+            b.sim.panic_nth(op, 1);
+        }
+        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let _ = read(&mut b.link, &mut b.importer);
+        }));
+        assert!(outcome.is_err(), "{name}: the driver's panic goes through");
+        b.sim.clear_faults();
+        // The mapping is leaked, never released; the exporter is told nothing.
+        assert_eq!(
+            b.sim.imports_live(),
+            1,
+            "{name}: a panic released the mapping"
+        );
+        // The link goes: it must not say it holds nothing (a goodbye), so the exporter keeps
+        // its memory while this process lives.
+        let Between {
+            link,
+            mut to_importer,
+            mut from_exporter,
+            handle,
+            mut exporter,
+            importer,
+            sim,
+        } = b;
+        let dropped = std::thread::spawn(move || drop(link));
+        to_importer
+            .set_read_timeout(Some(std::time::Duration::from_millis(500)))
+            .unwrap();
+        let mut answers = Vec::new();
+        while let Ok((answer, _)) = wire::recv(&mut to_importer) {
+            wire::send(&mut from_exporter, &answer, None).unwrap();
+            answers.push(answer);
+        }
+        assert!(
+            !answers.iter().any(|m| matches!(m, Message::Goodbye)),
+            "{name}: {answers:?}"
+        );
+        drop((to_importer, from_exporter));
+        dropped.join().unwrap();
+        let kept = shared.reclaim(std::time::Duration::from_millis(200));
+        assert!(
+            kept.is_err(),
+            "{name}: the exporter has its tensor back under a mapping"
+        );
+        drop((kept, handle));
+        exporter.synchronize().ok();
+        assert!(
+            sim.violations().is_empty(),
+            "{name}: {:?}",
+            sim.violations()
+        );
+        drop((exporter, importer));
+    }
+}
+
+#[test]
+fn an_exporter_that_stops_reading_holds_an_importers_send_only_for_the_limit() {
+    let mut b = between();
+    // The link's socket has the exporter side's write timeout.
+    assert_eq!(b.link.write_limit(), Some(wire::MESSAGE_LIMIT));
+    // The test's end reads nothing: the importer's messages fill the socket, and the send
+    // that finds no room fails at the limit (shortened here) with a typed error.
+    let limit = std::time::Duration::from_millis(100);
+    b.link.set_write_limit(limit);
+    let mut sent = 0u64;
+    let error = loop {
+        let start = std::time::Instant::now();
+        match b.link.send_as_link(&Message::Release { id: sent }) {
+            Ok(()) => sent += 1,
+            Err(error) => {
+                let waited = start.elapsed();
+                assert!(waited >= limit / 2 && waited < WAIT, "{waited:?}");
+                break error;
+            }
+        }
+        assert!(sent < 1_000_000, "the socket never filled");
+    };
+    assert!(
+        share(&error, |s| matches!(
+            s,
+            ShareError::TimedOut { within, .. } if *within == wire::MESSAGE_LIMIT
+        )),
+        "{error}"
+    );
+    // The writer is cut: a later send writes nothing and waits for nothing.
+    let start = std::time::Instant::now();
+    b.link.send_as_link(&Message::Release { id: sent }).unwrap();
+    assert!(start.elapsed() < limit, "a send after the cut waited");
+    // The exporter's end reads every whole message, in order, then the end: nothing runs on
+    // from a partial one.
+    let mut got = 0u64;
+    let end = loop {
+        match wire::recv(&mut b.to_importer) {
+            Ok((Message::Release { id }, None)) => {
+                assert_eq!(id, got);
+                got += 1;
+            }
+            Ok(other) => panic!("{other:?}"),
+            Err(end) => break end,
+        }
+    };
+    assert_eq!(got, sent, "{end}");
+    assert!(matches!(end, ShareError::Closed), "{end}");
+}
