@@ -79,7 +79,10 @@ mod tests {
         assert_eq!(d, Deadline::never());
         assert_eq!(d.remaining(), None);
         assert!(!d.expired());
-        assert_eq!(d.slice(Duration::from_millis(5)), Some(Duration::from_millis(5)));
+        assert_eq!(
+            d.slice(Duration::from_millis(5)),
+            Some(Duration::from_millis(5))
+        );
     }
 
     #[test]
