@@ -556,6 +556,16 @@ impl ShareLink {
     /// [`ShareError::Io`] when the socket cannot be reached; as
     /// [`from_stream`](Self::from_stream).
     pub fn connect(engine: &mut CudaEngine, path: impl AsRef<Path>) -> Result<Self> {
+        Self::connect_greeting(engine, path.as_ref(), |_| {})
+    }
+
+    /// Connects to the exporter at `path` and greets it, the greeting first passed to `forge`
+    /// (which changes nothing but in a test's liar).
+    fn connect_greeting(
+        engine: &mut CudaEngine,
+        path: &Path,
+        forge: impl FnOnce(&mut Hello),
+    ) -> Result<Self> {
         let stream = UnixStream::connect(path).map_err(|source| {
             Error::Share(ShareError::Io {
                 operation: "connect",
@@ -563,7 +573,7 @@ impl ShareLink {
             })
         })?;
         let peer = wire::peer(&stream)?;
-        Self::greet(engine, stream, Some(peer), |_| {})
+        Self::greet(engine, stream, Some(peer), forge)
     }
 
     /// A test's liar: [`connect`](Self::connect), with a greeting whose pid, start time or
@@ -577,14 +587,7 @@ impl ShareLink {
         start: Option<u64>,
         uid: Option<u32>,
     ) -> Result<Self> {
-        let stream = UnixStream::connect(path).map_err(|source| {
-            Error::Share(ShareError::Io {
-                operation: "connect",
-                source,
-            })
-        })?;
-        let peer = wire::peer(&stream)?;
-        Self::greet(engine, stream, Some(peer), |hello| {
+        Self::connect_greeting(engine, path.as_ref(), |hello| {
             hello.origin.pid = pid.unwrap_or(hello.origin.pid);
             hello.origin.start = start.unwrap_or(hello.origin.start);
             hello.uid = uid.unwrap_or(hello.uid);

@@ -438,17 +438,7 @@ fn a_first_offer_past_its_allocation_is_unmapped_and_the_exporter_told() {
         assert!(past(&error, 4096), "{error}");
         b.importer.synchronize().unwrap();
         assert_eq!(b.sim.imports_live(), 0, "unmapped");
-        let answers = b.drain();
-        assert!(
-            matches!(
-                answers[..],
-                [
-                    Message::Refuse { mapped: true, .. },
-                    Message::Unmapped { .. }
-                ]
-            ),
-            "{answers:?}"
-        );
+        told_mapped_then_unmapped(&b.drain());
         // The exporter has its tensor back, whole.
         let tensor = match (lent, shared) {
             (Some(lent), _) => lent.wait_back(WAIT).unwrap(),
@@ -947,17 +937,7 @@ fn a_mapping_the_driver_will_not_measure_is_unmapped_and_the_exporter_told() {
             "the unmeasured mapping is released"
         );
         // The exporter is told it was mapped, then that it is unmapped.
-        let answers = b.drain();
-        assert!(
-            matches!(
-                answers[..],
-                [
-                    Message::Refuse { mapped: true, .. },
-                    Message::Unmapped { .. }
-                ]
-            ),
-            "{answers:?}"
-        );
+        told_mapped_then_unmapped(&b.drain());
         // Its counts come down: the tensor comes back whole, and the link goes on.
         let tensor = match (lent, shared) {
             (Some(lent), _) => lent.wait_back(WAIT).unwrap(),
@@ -1102,4 +1082,19 @@ fn an_exporter_that_stops_reading_holds_an_importers_send_only_for_the_limit() {
     };
     assert_eq!(got, sent, "{end}");
     assert!(matches!(end, ShareError::Closed), "{end}");
+}
+
+/// Asserts that the exporter was told of a refused offer's mapping, then of its unmapping, and
+/// of nothing else.
+fn told_mapped_then_unmapped(answers: &[Message]) {
+    assert!(
+        matches!(
+            answers,
+            [
+                Message::Refuse { mapped: true, .. },
+                Message::Unmapped { .. }
+            ]
+        ),
+        "{answers:?}"
+    );
 }
