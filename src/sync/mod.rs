@@ -1,7 +1,8 @@
 //! The crate's host concurrency, below every level: the synchronization primitives of its
 //! hand-written concurrency, from `std` in every ordinary build and from
 //! [`loom`](https://docs.rs/loom) when built with `--cfg cuferry_loom`, and the process's
-//! host-copy threads built on them ([`copy_pool`]).
+//! host-copy threads built on them ([`copy_pool`]), and the one [`deadline`] that bounds a whole
+//! exchange with a peer.
 //!
 //! The module exists so that what runs on host threads, and knows nothing of the device, the
 //! engine or memory, sits apart from the levels that use it. It depends only on the errors.

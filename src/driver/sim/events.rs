@@ -294,9 +294,9 @@ impl Waits for SimWaits {
         let Some(seq) = s.event(event)?.recorded else {
             return Ok(true);
         };
-        let deadline = std::time::Instant::now() + within;
-        let mut s =
-            self.wait_for_until(s, |s| s.is_done(seq), |s| s.run_until(seq), Some(deadline));
+        // A `within` too large for an instant waits for ever, as the device's default does.
+        let deadline = std::time::Instant::now().checked_add(within);
+        let mut s = self.wait_for_until(s, |s| s.is_done(seq), |s| s.run_until(seq), deadline);
         if !s.is_done(seq) {
             return Ok(false);
         }
