@@ -34,8 +34,9 @@
 //! - Several engines, several GPUs: a [`Signal`](engine::Signal) orders one engine's work after
 //!   another's on the device ([`CudaEngine::signal`], [`CudaEngine::wait_signal`]); [`peer`]
 //!   copies a tensor to another engine, device to device; a
-//!   [`Communicator`](collective::Communicator) runs NCCL's all-reduce and broadcast over one
-//!   engine per GPU ([`collective`]).
+//!   [`Communicator`](collective::Communicator) runs NCCL's collectives (all-reduce, broadcast,
+//!   reduce, all-gather, reduce-scatter, send and receive) over one engine per GPU, or one rank
+//!   per process joined across processes and hosts ([`collective`]).
 //!
 //! Every route runs against a deterministic simulated device (feature `sim`, module `sim`) with
 //! fault injection, so lifecycle code is tested without a GPU.

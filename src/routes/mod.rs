@@ -4,7 +4,9 @@
 //! [`download_tensor_into`]) take ordinary host memory and return when the host memory may be
 //! reused. Pending routes ([`upload_pending`], [`download_pending`]) take page-locked buffers
 //! (pinned or registered) by value and return an operation in flight ([`pending`]), which can
-//! also be awaited. Peer routes ([`peer`]) move a tensor of one engine to another.
+//! also be awaited. Peer routes ([`peer`]) move a tensor of one engine to another. Checkpoint
+//! files (`checkpoint`, feature `safetensors`) move named tensors between files and engines, and
+//! sharing (`share`, Linux) lends an engine's tensors to other processes of the host.
 //!
 //! The level exists so a route is only a composition: it moves values the memory level defines
 //! (tensors, pinned buffers, staging slots) under the proofs the lifecycle level defines
