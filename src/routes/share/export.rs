@@ -585,9 +585,9 @@ fn bind_private(path: &Path) -> std::io::Result<UnixListener> {
             Ok(ok)
         }
     };
+    let flags = libc::SOCK_STREAM | libc::SOCK_CLOEXEC;
     // SAFETY: plain socket creation; the descriptor is owned at once.
-    let fd =
-        last(unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) })?;
+    let fd = last(unsafe { libc::socket(libc::AF_UNIX, flags, 0) })?;
     // SAFETY: `fd` was just made, for this function alone.
     let fd = unsafe { OwnedFd::from_raw_fd(fd) };
     // SAFETY: `fd` is open; `addr` is a valid address of the length given.

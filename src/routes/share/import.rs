@@ -975,15 +975,14 @@ impl ShareLink {
                 // SAFETY: the exporter keeps the allocation until this link's unmapping of it
                 // reaches it, and the mapping made here is unmapped exactly once (its entry
                 // goes with it).
-                let ptr =
-                    unsafe { st.driver.import_pointer(pool, &offer.pointer) }.map_err(|source| {
-                        mapped.unrecorded -= 1;
-                        untold(Error::Driver {
-                            call: "cuMemPoolImportPointer",
-                            source,
-                        })
-                    });
-                let ptr = ptr?;
+                let imported = unsafe { st.driver.import_pointer(pool, &offer.pointer) };
+                let ptr = imported.map_err(|source| {
+                    mapped.unrecorded -= 1;
+                    untold(Error::Driver {
+                        call: "cuMemPoolImportPointer",
+                        source,
+                    })
+                })?;
                 // The true size, from the driver: the offer's own word is never trusted for it.
                 let measured = st
                     .driver

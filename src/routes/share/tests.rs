@@ -666,15 +666,7 @@ fn a_refusal_of_every_kind_leaves_the_link_usable() {
             spoil: |_| {},
             fd: Fd::Pipe,
             take: read,
-            expect: |e| {
-                matches!(
-                    e,
-                    Error::Driver {
-                        call: "cuMemPoolImportFromShareableHandle",
-                        ..
-                    }
-                )
-            },
+            expect: |e| driver_refused(e, "cuMemPoolImportFromShareableHandle"),
         },
         Case {
             name: "a forged event",
@@ -682,15 +674,7 @@ fn a_refusal_of_every_kind_leaves_the_link_usable() {
             spoil: |o| o.event = [0x33; 64],
             fd: Fd::Real,
             take: read,
-            expect: |e| {
-                matches!(
-                    e,
-                    Error::Driver {
-                        call: "cuIpcOpenEventHandle",
-                        ..
-                    }
-                )
-            },
+            expect: |e| driver_refused(e, "cuIpcOpenEventHandle"),
         },
         Case {
             name: "forged export data",
@@ -698,15 +682,7 @@ fn a_refusal_of_every_kind_leaves_the_link_usable() {
             spoil: |o| o.pointer = [0x44; 64],
             fd: Fd::Real,
             take: read,
-            expect: |e| {
-                matches!(
-                    e,
-                    Error::Driver {
-                        call: "cuMemPoolImportPointer",
-                        ..
-                    }
-                )
-            },
+            expect: |e| driver_refused(e, "cuMemPoolImportPointer"),
         },
         Case {
             name: "a mapped tensor named by other export data",
@@ -738,15 +714,7 @@ fn a_refusal_of_every_kind_leaves_the_link_usable() {
             spoil: |o| o.event = [0x33; 64],
             fd: Fd::Without,
             take: read,
-            expect: |e| {
-                matches!(
-                    e,
-                    Error::Driver {
-                        call: "cuIpcOpenEventHandle",
-                        ..
-                    }
-                )
-            },
+            expect: |e| driver_refused(e, "cuIpcOpenEventHandle"),
         },
         Case {
             name: "a later offer of another element type",
@@ -1097,4 +1065,9 @@ fn told_mapped_then_unmapped(answers: &[Message]) {
         ),
         "{answers:?}"
     );
+}
+
+/// Whether `error` is the driver's refusal of `call`.
+fn driver_refused(error: &Error, call: &str) -> bool {
+    matches!(error, Error::Driver { call: c, .. } if *c == call)
 }

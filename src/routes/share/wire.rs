@@ -412,10 +412,12 @@ pub(crate) fn send(
 // SAFETY: `CMSG_SPACE` is arithmetic on its argument (unsafe only by its C heritage).
 const CONTROL: usize = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
 
+/// The bytes of [`SEEN_FDS`] descriptors.
+const SEEN_FD_BYTES: u32 = (SEEN_FDS * std::mem::size_of::<RawFd>()) as u32;
+
 /// The control buffer of a read: room for [`SEEN_FDS`] descriptors.
 // SAFETY: as for `CONTROL`.
-const RECV_CONTROL: usize =
-    unsafe { libc::CMSG_SPACE((SEEN_FDS * std::mem::size_of::<RawFd>()) as u32) } as usize;
+const RECV_CONTROL: usize = unsafe { libc::CMSG_SPACE(SEEN_FD_BYTES) } as usize;
 
 /// The descriptors that came with a message's bytes, owned as they arrive (so that any refusal
 /// closes them all), and whether the kernel cut some off.
