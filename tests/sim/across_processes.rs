@@ -589,8 +589,14 @@ fn a_fault_at_every_step_of_every_collective_ends_every_rank_with_a_typed_error(
         assert!(outcomes.iter().all(Result::is_ok), "{outcomes:?}");
         assert!(calls > 0, "{op:?} is a step of the route");
         for n in 1..=calls {
+            let (sim, outcomes, reached) = faulted_world(op, n);
+            if reached < n {
+                // A watch's extra health query (one per slice a wait outlasts) is a step of
+                // that schedule only: this one made fewer, so the fault never fired.
+                assert!(outcomes.iter().all(Result::is_ok), "{op:?} #{n}: {outcomes:?}");
+                continue;
+            }
             points += 1;
-            let (sim, outcomes, _) = faulted_world(op, n);
             assert!(
                 outcomes.iter().any(Result::is_err),
                 "{op:?} #{n}: the fault was reported"
