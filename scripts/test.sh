@@ -12,8 +12,8 @@ cargo clippy --lib --no-default-features -- -D warnings
 RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --all-features
 cargo test --all-features
 
-# The loom models (`loom_models` in src/sync/copy_pool.rs, src/routes/blocking.rs and
-# src/lifecycle/wake.rs; see src/sync/mod.rs): the copy threads' hand-off, the blocking routes'
+# The loom models (`loom_models` in src/sync/copy_pool.rs, src/routes/host/blocking.rs and
+# src/lifecycle/fence_future.rs; see src/sync/mod.rs): the copy threads' hand-off, the blocking routes'
 # claims and part publication, and the wake slot between a poll and the device's call, under every
 # interleaving loom explores. The cfg changes every crate's build, so they get a
 # target directory of their own (nothing above is rebuilt), and release, since loom runs each

@@ -94,11 +94,11 @@ mod sync;
 pub use crate::core::engine::CudaEngine;
 pub use dtype::DType;
 pub use error::{Error, Result, SubmitError};
+pub use lifecycle::pending::Pending;
 pub use memory::element::Element;
 pub use memory::pinned::PinnedHostBuffer;
 pub use memory::registered::RegisteredBuffer;
 pub use memory::tensor::DeviceTensor;
-pub use routes::pending::Pending;
 pub use routes::{
     download_pending, download_tensor, download_tensor_into, upload_pending, upload_tensor,
     upload_tensor_into,
@@ -107,8 +107,9 @@ pub use routes::{
 /// `f16` and `bf16`, re-exported from the `half` crate.
 pub use half::{bf16, f16};
 
+pub use routes::collective;
 pub use routes::peer;
-pub use work::{collective, graph, libs};
+pub use work::{graph, libs};
 
 /// What the engine reports about itself and its device: the device's identity, the
 /// retirement queue's and the pinned pool's statistics, and the [`Signal`](engine::Signal) that
@@ -131,10 +132,11 @@ pub mod engine {
 /// to the engine that carries the work, `into_parts` once [`Returned`](crate::pending::Returned), and `resubmit` with the
 /// same event. [The guide](crate::guide::lifecycles) tells the story.
 pub mod pending {
-    pub use crate::memory::host::HostBuffer;
-    pub use crate::routes::pending::{
-        Download, InFlight, Operation, PendingFuture, Returned, State, TryWait, Upload,
+    pub use crate::lifecycle::pending::{
+        InFlight, Operation, PendingFuture, Returned, State, TryWait,
     };
+    pub use crate::memory::host::HostBuffer;
+    pub use crate::routes::host::pending::{Download, Upload};
 }
 
 /// Pinned staging for the blocking routes: the ring's configuration and statistics, the copy

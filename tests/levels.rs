@@ -8,8 +8,14 @@
 //! | 2 | core | `core/` |
 //! | 3 | memory | `memory/` |
 //! | 4 | lifecycle | `lifecycle/` |
-//! | 5 | routes | `routes/` |
-//! | 6 | work | `work/` |
+//! | 5 | work | `work/` |
+//! | 6 | routes | `routes/` |
+//!
+//! The lifecycle holds the proofs and the one typestate over them, `Pending` (in
+//! `lifecycle/pending/`); work is compute on one engine (kernels, libraries, graphs, raw and
+//! CubeCL scopes); everything that crosses an engine's edge is a route, at the top: to the host,
+//! a peer, other ranks (collectives), other processes (sharing) and files (checkpoints). So a
+//! library's verdict read back in `work/` goes through the lifecycle's scalar band, never a route.
 //!
 //! Below them all sit `error.rs`, `dtype.rs` and `sync/` (the errors, the element tag they name,
 //! and the host concurrency: the synchronization primitives that a loom build swaps for loom's,
@@ -43,7 +49,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
 /// The levels, lowest first. A level's rank is its index plus one; the base is rank 0.
-const LEVELS: [&str; 6] = ["driver", "core", "memory", "lifecycle", "routes", "work"];
+const LEVELS: [&str; 6] = ["driver", "core", "memory", "lifecycle", "work", "routes"];
 
 /// The files below every level.
 const BASE: [&str; 5] = [
@@ -96,25 +102,34 @@ fn the_checker_sees_the_real_edges() {
         ("memory/pressure.rs", "memory/ring.rs"),
         ("lifecycle/fence.rs", "core/retire.rs"),
         ("lifecycle/lease.rs", "memory/ring.rs"),
-        ("routes/blocking.rs", "lifecycle/lease.rs"),
-        ("routes/blocking.rs", "routes/scalar.rs"),
-        ("routes/blocking.rs", "sync/copy_pool.rs"),
+        ("routes/host/blocking.rs", "lifecycle/lease.rs"),
+        ("routes/host/blocking.rs", "lifecycle/scalar.rs"),
+        ("routes/host/blocking.rs", "sync/copy_pool.rs"),
         ("memory/ring.rs", "sync/copy_pool.rs"),
         ("sync/copy_pool.rs", "sync/mod.rs"),
         ("sync/copy_pool.rs", "error.rs"),
-        ("work/collective/bootstrap.rs", "sync/deadline.rs"),
+        ("routes/collective/bootstrap.rs", "sync/deadline.rs"),
         ("routes/share/wire.rs", "sync/deadline.rs"),
-        ("routes/scalar.rs", "lifecycle/lease.rs"),
-        ("routes/scalar.rs", "lifecycle/fence.rs"),
-        ("routes/blocking.rs", "memory/ring.rs"),
+        ("lifecycle/scalar.rs", "lifecycle/lease.rs"),
+        ("lifecycle/scalar.rs", "lifecycle/fence.rs"),
+        ("routes/host/blocking.rs", "memory/ring.rs"),
+        ("lifecycle/pending/mod.rs", "lifecycle/fence.rs"),
+        ("lifecycle/pending/mod.rs", "lifecycle/fence_future.rs"),
+        ("routes/host/pending.rs", "lifecycle/pending/mod.rs"),
+        ("routes/collective/mod.rs", "lifecycle/pending/mod.rs"),
+        ("routes/collective/ranks.rs", "lifecycle/pending/mod.rs"),
+        ("routes/peer/pending.rs", "lifecycle/pending/mod.rs"),
         ("work/kernels/mod.rs", "work/kernels/cache.rs"),
         ("work/kernels/cache.rs", "work/kernels/emulate.rs"),
         ("work/kernels/emulate.rs", "driver/launch.rs"),
         ("work/libs/blas.rs", "driver/libs.rs"),
-        ("work/libs/solver.rs", "routes/mod.rs"),
-        ("driver/sim/launch.rs", "driver/sim.rs"),
+        ("work/libs/solver.rs", "lifecycle/scalar.rs"),
+        ("driver/sim/launch.rs", "driver/sim/mod.rs"),
         ("lib.rs", "core/retire.rs"),
-        ("driver/sim/state.rs", "driver/wakes.rs"),
+        ("lib.rs", "lifecycle/pending/mod.rs"),
+        ("lib.rs", "routes/collective/mod.rs"),
+        ("lib.rs", "routes/share/mod.rs"),
+        ("driver/sim/state.rs", "driver/callbacks.rs"),
     ] {
         assert!(
             tree.targets(from).contains(to),
@@ -122,6 +137,31 @@ fn the_checker_sees_the_real_edges() {
             tree.targets(from)
         );
     }
+}
+
+/// One module style: a module with children is `foo/mod.rs`, never `foo.rs` beside a `foo/`.
+#[test]
+fn a_module_with_children_is_a_folder_with_mod_rs() {
+    fn walk(dir: &Path, found: &mut Vec<String>) {
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                if path.with_extension("rs").exists() {
+                    found.push(path.display().to_string());
+                }
+                if !path.join("mod.rs").exists() {
+                    found.push(format!("{} (no mod.rs)", path.display()));
+                }
+                walk(&path, found);
+            }
+        }
+    }
+    let mut found = Vec::new();
+    walk(
+        &Path::new(env!("CARGO_MANIFEST_DIR")).join("src"),
+        &mut found,
+    );
+    assert!(found.is_empty(), "modules of the other style: {found:?}");
 }
 
 // ---------------------------------------------------------------------------------------------

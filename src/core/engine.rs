@@ -26,7 +26,7 @@
 use super::order::{Order, Proven, Use};
 use super::parts::Parts;
 use super::retire::{EventPool, Poll, Resources, RetireQueue, RetirementStats};
-use crate::driver::{ContextHandle, DevicePtr, Driver, Lane, Waits, wakes};
+use crate::driver::{ContextHandle, DevicePtr, Driver, Lane, Waits, callbacks};
 use crate::error::{DeviceId, DriverError, Error, Result, UsageError};
 use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -267,10 +267,10 @@ impl Drop for Locked<'_> {
         };
         let released = std::mem::take(&mut guard.released);
         drop(guard);
-        wakes::engine_lock_released();
+        callbacks::engine_lock_released();
         drop(released);
         // The device's wakes that came due under the lock run now, with no lock held.
-        wakes::run_deferred();
+        callbacks::run_deferred();
     }
 }
 
@@ -314,7 +314,7 @@ impl Shared {
         // call is atomic, and unproven resources are leaked, not released, on unwind), so a
         // poisoned lock is still usable.
         let guard = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        wakes::engine_lock_taken();
+        callbacks::engine_lock_taken();
         Locked { guard: Some(guard) }
     }
 
@@ -323,13 +323,13 @@ impl Shared {
     /// where nothing may be released: the drop is reported at the next boundary), and the
     /// caller then leaks instead.
     pub(crate) fn lock_for_drop(&self) -> Option<Locked<'_>> {
-        if wakes::in_wake() {
+        if callbacks::in_wake() {
             self.report_in_wake(Error::Usage(UsageError::InDeviceCallback {
                 what: "a value of the engine was dropped, and leaked,",
             }));
             return None;
         }
-        if wakes::engine_locks_held() > 0 {
+        if callbacks::engine_locks_held() > 0 {
             // Outside an unwind this is a bug: a value dropped under the lock would leak.
             debug_assert!(
                 std::thread::panicking(),
@@ -354,7 +354,7 @@ impl Shared {
     /// [`UsageError::InDeviceCallback`](crate::error::UsageError::InDeviceCallback) inside a wake, where the driver refuses every call (nothing
     /// is locked then); the driver's refusal to make the context current.
     pub(crate) fn enter(&self) -> Result<Entered<'_>> {
-        if wakes::in_wake() {
+        if callbacks::in_wake() {
             return Err(Error::Usage(UsageError::InDeviceCallback {
                 what: "an engine call",
             }));

@@ -24,6 +24,7 @@
 //! events to other processes and imports theirs. Nothing above this module calls CUDA, a
 //! vendor library or NCCL, or asks which of the two implementations it runs on.
 
+pub(crate) mod callbacks;
 pub(crate) mod collective;
 pub(crate) mod cuda;
 pub(crate) mod graph;
@@ -32,7 +33,6 @@ pub(crate) mod libs;
 pub(crate) mod share;
 #[cfg(any(test, feature = "sim"))]
 pub(crate) mod sim;
-pub(crate) mod wakes;
 
 use crate::error::{DeviceId, DriverError};
 use std::sync::Arc;
@@ -309,7 +309,7 @@ pub(crate) trait Driver:
     /// that queued work is done: the device itself calls back. The call may come at once (on
     /// the calling thread, once it holds no engine lock) when the work is already complete, and
     /// is not delayed by work queued on the stream after the record. Every driver hands its
-    /// wakes to [`wakes::call`], so a wake never runs under an engine's lock and always runs
+    /// wakes to [`callbacks::call`], so a wake never runs under an engine's lock and always runs
     /// marked as the device's callback. `wake` should only signal. It says
     /// nothing about the outcome: whoever is woken asks the event ([`Waits::event_query`]),
     /// which tells completion from failure.

@@ -20,7 +20,7 @@
 
 use crate::core::engine::{Shared, State};
 use crate::core::retire::Record;
-use crate::driver::{EventHandle, Lane, Wake, wakes};
+use crate::driver::{EventHandle, Lane, Wake, callbacks};
 use crate::error::{DriverError, Error, Result, UsageError};
 use std::mem::ManuallyDrop;
 use std::sync::Arc;
@@ -298,9 +298,9 @@ impl<R: Send + 'static> Fenced<R> {
     }
 }
 
-/// Refuses `what` inside a wake, where the driver refuses every call (see `driver::wakes`).
+/// Refuses `what` inside a wake, where the driver refuses every call (see `driver::callbacks`).
 fn in_wake_refused(what: &'static str) -> Result<()> {
-    if wakes::in_wake() {
+    if callbacks::in_wake() {
         return Err(Error::Usage(UsageError::InDeviceCallback { what }));
     }
     Ok(())

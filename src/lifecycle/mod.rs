@@ -3,7 +3,13 @@
 //!
 //! - [`fence`]: the one proof of completion, `Fenced<R>`, and the two other outcomes of trying to
 //!   make one (proven at once, or untracked and retained).
-//! - [`wake`]: a future over a fence, woken by the device once the work has completed or failed.
+//! - [`fence_future`]: a future over a fence, woken by the device once the work has completed or
+//!   failed.
+//! - [`pending`]: `Pending<Op, S>`, the one typestate of everything the device finishes later
+//!   (host transfers, peer copies, collectives), its future and its waits, generic over how an
+//!   operation proves its completion.
+//! - [`scalar`]: a transfer of at most 16 bytes proven by a synchronize, the readback the levels
+//!   above need for a verdict (a solver's status) and the blocking routes' smallest band.
 //! - [`lease`]: the `StagingLease<Proven/Unproven>` typestate over the staging ring's
 //!   slots, public for hand-built chunked pipelines.
 //! - [`signal`]: the same proof handed to another engine, whose streams wait for it on the
@@ -23,7 +29,9 @@
 //! memory level and the errors.
 
 pub(crate) mod fence;
+pub(crate) mod fence_future;
 pub(crate) mod lease;
+pub(crate) mod pending;
+pub(crate) mod scalar;
 pub(crate) mod signal;
 pub(crate) mod timer;
-pub(crate) mod wake;

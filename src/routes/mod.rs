@@ -1,26 +1,31 @@
-//! The routes level: the ways data moves between host and device, and between engines.
+//! The routes level: everything that crosses an engine's edge.
 //!
-//! Blocking routes ([`upload_tensor`], [`upload_tensor_into`], [`download_tensor`],
-//! [`download_tensor_into`]) take ordinary host memory and return when the host memory may be
-//! reused. Pending routes ([`upload_pending`], [`download_pending`]) take page-locked buffers
-//! (pinned or registered) by value and return an operation in flight ([`pending`]), which can
-//! also be awaited. Peer routes ([`peer`]) move a tensor of one engine to another. Checkpoint
-//! files (`checkpoint`, feature `safetensors`) move named tensors between files and engines, and
-//! sharing (`share`, Linux) lends an engine's tensors to other processes of the host.
+//! - [`host`]: blocking routes ([`upload_tensor`], [`upload_tensor_into`], [`download_tensor`],
+//!   [`download_tensor_into`]) over ordinary host memory, which return when the host memory may
+//!   be reused, and pending routes ([`upload_pending`], [`download_pending`]) over page-locked
+//!   buffers (pinned or registered) taken by value, which return an operation in flight
+//!   ([`Pending`](crate::Pending)) that can also be awaited.
+//! - [`peer`]: a tensor of one engine to another, device to device.
+//! - [`collective`]: NCCL's collectives over one engine per GPU, or one rank per process joined
+//!   across processes and hosts, each a `Pending` operation.
+//! - `share` (Linux): an engine's tensors lent to other processes of the host.
+//! - `checkpoint` (feature `safetensors`): named tensors between files and engines.
 //!
 //! The level exists so a route is only a composition: it moves values the memory level defines
 //! (tensors, pinned buffers, staging slots) under the proofs the lifecycle level defines
-//! (fences, leases), and adds no proof of its own. It may depend on everything below it (the
-//! seam, the core, memory, lifecycle) and on the errors; nothing below it depends on a route.
+//! (fences, leases, `Pending`), and adds no proof of its own. It sits at the top and may depend
+//! on every level below it (the seam, the core, memory, lifecycle, and the work level's compute)
+//! and on the errors; nothing below it depends on a route.
 
-pub(crate) mod blocking;
 #[cfg(feature = "safetensors")]
 pub(crate) mod checkpoint;
+pub mod collective;
+pub(crate) mod host;
 pub mod peer;
-pub(crate) mod pending;
-mod scalar;
 #[cfg(target_os = "linux")]
 pub(crate) mod share;
 
-pub use blocking::{download_tensor, download_tensor_into, upload_tensor, upload_tensor_into};
-pub use pending::{download_pending, upload_pending};
+pub use host::blocking::{
+    download_tensor, download_tensor_into, upload_tensor, upload_tensor_into,
+};
+pub use host::pending::{download_pending, upload_pending};

@@ -8,7 +8,7 @@
 //! engine or memory, sits apart from the levels that use it. It depends only on the errors.
 //!
 //! The copy threads' hand-off ([`copy_pool`]) and the blocking routes' index hand-out and
-//! part publication (`routes::blocking`) are lock-free protocols written by hand. Their tests
+//! part publication (`routes::host::blocking`) are lock-free protocols written by hand. Their tests
 //! with real threads only sample the schedules the machine happens to produce; loom runs a model
 //! under every interleaving (and every value a weak memory order lets a load see) and fails on a
 //! data race, a lost wake-up or a deadlock. For that, the protocols use these names instead of

@@ -15,7 +15,7 @@
 //! would leave a future pending forever, so only the stream callback fits. The status itself is
 //! ignored: whoever is woken asks the event, which reports the failure.
 //!
-//! A wake only signals (see the seam and `driver::wakes`). Should it still call the engine or
+//! A wake only signals (see the seam and `driver::callbacks`). Should it still call the engine or
 //! drop one of its values (an executor that drops a task's future when woken after its own
 //! shutdown), it runs on the driver's callback thread, where CUDA refuses every call
 //! (`CUDA_ERROR_NOT_PERMITTED`): the engine refuses such calls itself with
@@ -66,7 +66,7 @@ unsafe extern "C" fn call_back(_stream: sys::CUstream, _status: sys::CUresult, d
     let Callback { wake, pending } = *callback;
     // The driver's callback thread holds no engine lock: the wake runs now, marked as the
     // device's callback, and a panic inside it never unwinds into the driver.
-    crate::driver::wakes::call(vec![wake]);
+    crate::driver::callbacks::call(vec![wake]);
     pending.fetch_sub(1, Ordering::AcqRel);
 }
 

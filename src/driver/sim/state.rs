@@ -259,8 +259,8 @@ impl Drop for Locked<'_> {
         let woken = std::mem::take(&mut guard.woken);
         let panic = guard.panic_on_release.take();
         drop(guard);
-        // Now, or once this thread holds no engine lock (see `driver::wakes`).
-        crate::driver::wakes::call(woken);
+        // Now, or once this thread holds no engine lock (see `driver::callbacks`).
+        crate::driver::callbacks::call(woken);
         if let Some(message) = panic {
             // A call armed by `panic_after_nth`: it has taken effect, and now panics.
             panic!("{message}");

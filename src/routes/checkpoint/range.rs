@@ -19,9 +19,10 @@ use super::{DEFAULT_READERS, DEFAULT_WRITERS, ReadAt, Staging, Tally, WriteAt};
 use crate::core::engine::CudaEngine;
 use crate::dtype::DType;
 use crate::error::{CheckpointError, Error, Result, SubmitError, UsageError};
+use crate::lifecycle::pending::{Pending, Returned};
 use crate::memory::pinned::PinnedHostBuffer;
 use crate::memory::tensor::DeviceTensor;
-use crate::routes::pending::{Download, Pending, Returned, Upload, upload_pending};
+use crate::routes::host::pending::{Download, Upload, upload_pending};
 use std::path::Path;
 
 /// The one tensor of a range read.

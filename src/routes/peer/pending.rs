@@ -16,7 +16,7 @@
 //! both tensors once the event proves the copy complete; `mem::forget` leaks them; a wait that
 //! fails retains them for that engine's lifetime.
 
-// A refused submission hands both tensors back by value (see `routes::pending`).
+// A refused submission hands both tensors back by value (see `lifecycle::pending`).
 #![allow(clippy::result_large_err)]
 
 use crate::core::engine::CudaEngine;
@@ -24,10 +24,10 @@ use crate::core::order::Use;
 use crate::driver::Lane;
 use crate::error::{Error, SetupError, SubmitError, UsageError};
 use crate::lifecycle::fence::{Fenced, Fencing, IdleEvent, fence};
+use crate::lifecycle::pending::{InFlight, Operation, Pending, Returned, sealed};
 use crate::lifecycle::signal::Signal;
 use crate::memory::element::Element;
 use crate::memory::tensor::DeviceTensor;
-use crate::routes::pending::{InFlight, Operation, Pending, Returned, sealed};
 use std::marker::PhantomData;
 use std::mem::ManuallyDrop;
 

@@ -12,8 +12,8 @@ use crate::core::order::Use;
 use crate::driver::Lane;
 use crate::driver::libs::{Library, Spd};
 use crate::error::{Error, LibraryError, Result, UsageError};
+use crate::lifecycle::scalar::{ScalarHost, scalar_transfer};
 use crate::memory::tensor::DeviceTensor;
-use crate::routes::download_tensor;
 
 /// The outcome of a queued cuSOLVER routine, still on the device: cuSOLVER's `info` values.
 ///
@@ -35,7 +35,13 @@ impl SolverStatus {
     /// positive definite (the solution is then meaningless); [`LibraryError::InvalidParameter`](crate::error::LibraryError::InvalidParameter)
     /// when cuSOLVER reports an invalid parameter; whatever the download reports.
     pub fn check(self, engine: &mut CudaEngine) -> Result<()> {
-        let info = download_tensor(engine, &self.info)?;
+        // Two `i32`s: the scalar band's one synchronized copy, as a blocking download of them.
+        let mut bytes = [0u8; 8];
+        scalar_transfer(engine, &self.info, ScalarHost::Download(&mut bytes))?;
+        let info = [
+            i32::from_ne_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]),
+            i32::from_ne_bytes([bytes[4], bytes[5], bytes[6], bytes[7]]),
+        ];
         for (step, &value) in info.iter().enumerate() {
             if value > 0 && step == 0 {
                 return Err(Error::Library(LibraryError::NotPositiveDefinite {

@@ -29,7 +29,7 @@
 //!   the device refused), the poll resolves through a blocking wait on the polling thread,
 //!   which is rare and short (a teardown waited for the streams; should that wait have failed,
 //!   this one reports the failure too).
-//! - Wakes come as the device's callback (`driver::wakes`): the device's side only marks the
+//! - Wakes come as the device's callback (`driver::callbacks`): the device's side only marks the
 //!   slot fired and wakes the stored waker, and never runs with an engine lock held.
 //! - Exactly the rules of [`Fenced::wait_parts`]: a failure retains the resources for the
 //!   engine's lifetime and returns the typed error.

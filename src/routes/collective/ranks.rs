@@ -17,11 +17,11 @@
 use super::{Comms, Plan};
 use crate::error::{CollectiveError, Error, Result};
 use crate::lifecycle::fence::{Fenced, IdleEvent};
+use crate::lifecycle::fence_future::FenceFuture;
+use crate::lifecycle::pending::flight::Flight;
 use crate::lifecycle::timer;
-use crate::lifecycle::wake::FenceFuture;
 use crate::memory::element::Element;
 use crate::memory::tensor::DeviceTensor;
-use crate::routes::pending::flight::Flight;
 use crate::sync::deadline::Deadline;
 use std::sync::Arc;
 use std::task::{Context, Poll};

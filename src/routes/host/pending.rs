@@ -17,10 +17,10 @@
 // error is large by design and travels only on the refusal path.
 #![allow(clippy::result_large_err)]
 
-use super::{InFlight, Operation, Pending, Returned, sealed};
 use crate::core::engine::CudaEngine;
 use crate::error::{Error, SubmitError, UsageError};
 use crate::lifecycle::fence::{Fenced, Fencing, IdleEvent, fence};
+use crate::lifecycle::pending::{InFlight, Operation, Pending, Returned, sealed};
 use crate::memory::element::Element;
 use crate::memory::host::HostBuffer;
 use crate::memory::pinned::PinnedHostBuffer;

@@ -18,10 +18,10 @@ use crate::memory::tensor::DeviceTensor;
 use std::mem::ManuallyDrop;
 
 /// The most bytes the scalar slot holds, and so the most a scalar transfer moves.
-pub(super) const SCALAR_BYTES: usize = 16;
+pub(crate) const SCALAR_BYTES: usize = 16;
 
 /// The host side of a [`scalar_transfer`], which also gives its direction.
-pub(super) enum ScalarHost<'a> {
+pub(crate) enum ScalarHost<'a> {
     /// Host to device, from these bytes.
     Upload(&'a [u8]),
     /// Device to host, into these bytes.
@@ -50,7 +50,7 @@ impl ScalarHost<'_> {
 /// is empty, longer than 16 bytes or than the tensor; [`Error::Driver`] when the slot or the copy
 /// is refused (nothing queued); [`Error::DeviceFault`] when the synchronize fails (the slot is
 /// retained).
-pub(super) fn scalar_transfer<T: Element>(
+pub(crate) fn scalar_transfer<T: Element>(
     engine: &mut CudaEngine,
     tensor: &DeviceTensor<T>,
     host: ScalarHost<'_>,

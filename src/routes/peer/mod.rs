@@ -25,7 +25,7 @@ use crate::driver::{ContextHandle, DevicePtr, Lane};
 use crate::error::{DeviceId, DriverError, Error, Result, SetupError, UsageError};
 use crate::memory::element::Element;
 use crate::memory::tensor::DeviceTensor;
-use crate::routes::blocking::{download_tensor, upload_tensor};
+use crate::routes::host::blocking::{download_tensor, upload_tensor};
 use std::mem::ManuallyDrop;
 use std::sync::Mutex;
 

@@ -7,7 +7,7 @@
 //!
 //! Three size bands, all through pinned staging (the device only reaches full speed from
 //! page-locked memory, and the caller's memory is pageable):
-//! - **16 bytes or less:** the engine's pinned scalar slot (`routes::scalar`): one tiny copy,
+//! - **16 bytes or less:** the engine's pinned scalar slot (`lifecycle::scalar`): one tiny copy,
 //!   proven by a stream synchronize (the caller waits at once, so an event would add a record for
 //!   the same proof).
 //! - **Up to `cutoff_bytes`:** one staged copy through one ring slot.
@@ -24,12 +24,12 @@
 //! on uploads) into the retirement queue, so nothing is freed while DMA may still touch it, and
 //! the route returns the error.
 
-use super::scalar::{SCALAR_BYTES, ScalarHost, scalar_transfer};
 use crate::core::engine::CudaEngine;
 use crate::driver::Lane;
 use crate::dtype::DType;
 use crate::error::{Error, Result, StagingError, SubmitError, UsageError};
 use crate::lifecycle::lease::{KeepAlive, Mark, Proven, StagingLease, Unproven, released};
+use crate::lifecycle::scalar::{SCALAR_BYTES, ScalarHost, scalar_transfer};
 use crate::memory::element::{Element, as_bytes, byte_len};
 use crate::memory::ring::StagingRing;
 use crate::memory::stream_copy::copy_streaming;

@@ -20,7 +20,7 @@
 //!   operation allows, `resubmit` queues the same work again with the same event, allocating
 //!   nothing.
 //!
-//! The operations are the types `Op` names ([`Operation`], sealed): [`Upload`] and [`Download`]
+//! The operations are the types `Op` names ([`Operation`], sealed): [`Upload`](crate::pending::Upload) and [`Download`](crate::pending::Download)
 //! (the host routes [`upload_pending`](crate::upload_pending) and
 //! [`download_pending`](crate::download_pending)), [`PeerCopy`](crate::peer::PeerCopy)
 //! ([`peer::copy_pending`](crate::peer::copy_pending)) and
@@ -35,15 +35,13 @@
 
 use crate::error::Result;
 use crate::lifecycle::fence::{Fenced, IdleEvent};
-use crate::lifecycle::wake::FenceFuture;
+use crate::lifecycle::fence_future::FenceFuture;
 use std::fmt;
 use std::task::{Context, Poll};
 
 mod future;
-mod transfer;
 
 pub use future::PendingFuture;
-pub use transfer::{Download, Upload, download_pending, upload_pending};
 
 pub(crate) mod sealed {
     /// Only the crate's operations and states.
@@ -101,7 +99,7 @@ impl<R: Send + Sync + 'static> Flight for Fenced<R> {
 }
 
 /// An operation the device finishes later: what a [`Pending`] owns and how it is proven
-/// complete. Sealed: [`Upload`], [`Download`], [`PeerCopy`](crate::peer::PeerCopy) and
+/// complete. Sealed: [`Upload`](crate::pending::Upload), [`Download`](crate::pending::Download), [`PeerCopy`](crate::peer::PeerCopy) and
 /// [`Collective`](crate::collective::Collective).
 pub trait Operation: sealed::Sealed + Sized + 'static {
     /// What the operation owns and gives back: by [`Pending::into_parts`] once returned, and by

@@ -40,7 +40,7 @@
 //! guide's chapter [Running across processes](crate::guide::across_processes) is that path,
 //! start to finish.
 
-// A refused call hands its tensors back by value (see `routes::pending`).
+// A refused call hands its tensors back by value (see `lifecycle::pending`).
 #![allow(clippy::result_large_err)]
 
 pub mod bootstrap;
@@ -55,9 +55,9 @@ use crate::driver::collective::{
 use crate::error::SubmitError;
 use crate::error::{DeviceId, Error, Result, SetupError, UsageError};
 use crate::lifecycle::fence::{Fencing, IdleEvent, fence};
+use crate::lifecycle::pending::{self, InFlight, Operation, Pending, Returned};
 use crate::memory::element::Element;
 use crate::memory::tensor::DeviceTensor;
-use crate::routes::pending::{self, InFlight, Operation, Pending, Returned};
 pub use bootstrap::{DEFAULT_RENDEZVOUS_TIMEOUT, Launch, Rendezvous, UniqueId};
 
 /// How long [`Communicator::join`] waits for every rank of its world: as long as a
