@@ -20,7 +20,8 @@
 //! Below them all sit `error.rs`, `dtype.rs` and `sync/` (the errors, the element tag they name,
 //! and the host concurrency: the synchronization primitives that a loom build swaps for loom's,
 //! in `sync/mod.rs`, the process's host-copy threads built on them, in `sync/copy_pool.rs`, and
-//! the one deadline of a whole exchange with a peer, in `sync/deadline.rs`),
+//! the one deadline of a whole exchange with a peer, in `sync/deadline.rs`, and the lock guard
+//! that releases its lock before its holder's leftovers run, in `sync/unlock_first.rs`),
 //! which every level may use and which use nothing else. `lib.rs` (the root, which declares and
 //! re-exports everything) and `guide.rs` (documentation) are not levels.
 //!
@@ -52,12 +53,13 @@ use std::path::Path;
 const LEVELS: [&str; 6] = ["driver", "core", "memory", "lifecycle", "work", "routes"];
 
 /// The files below every level.
-const BASE: [&str; 5] = [
+const BASE: [&str; 6] = [
     "error.rs",
     "dtype.rs",
     "sync/mod.rs",
     "sync/copy_pool.rs",
     "sync/deadline.rs",
+    "sync/unlock_first.rs",
 ];
 
 /// The files at the top that are not levels.

@@ -28,9 +28,10 @@ use super::parts::Parts;
 use super::retire::{EventPool, Poll, Resources, RetireQueue, RetirementStats};
 use crate::driver::{ContextHandle, DevicePtr, Driver, Lane, Waits, callbacks};
 use crate::error::{DeviceId, DriverError, Error, Result, UsageError};
+use crate::sync::unlock_first::{UnlockFirst, Unlocking};
 use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 
 static NEXT_ENGINE: AtomicU64 = AtomicU64::new(1);
 
@@ -243,30 +244,16 @@ impl State {
 
 /// The engine's state, locked. Dropping it releases the lock first, then drops the resources
 /// released meanwhile, so their drops (which take the lock) never run under it, on unwind too.
-pub(crate) struct Locked<'a> {
-    guard: Option<MutexGuard<'a, State>>,
-}
+pub(crate) type Locked<'a> = UnlockFirst<'a, State>;
 
-impl Deref for Locked<'_> {
-    type Target = State;
-    fn deref(&self) -> &State {
-        self.guard.as_ref().expect("a live lock holds its guard")
+impl Unlocking for State {
+    type Then = Vec<Resources>;
+
+    fn on_unlock(&mut self, _unwinding: bool) -> Vec<Resources> {
+        std::mem::take(&mut self.released)
     }
-}
 
-impl DerefMut for Locked<'_> {
-    fn deref_mut(&mut self) -> &mut State {
-        self.guard.as_mut().expect("a live lock holds its guard")
-    }
-}
-
-impl Drop for Locked<'_> {
-    fn drop(&mut self) {
-        let Some(mut guard) = self.guard.take() else {
-            return;
-        };
-        let released = std::mem::take(&mut guard.released);
-        drop(guard);
+    fn after_unlock(released: Vec<Resources>) {
         callbacks::engine_lock_released();
         drop(released);
         // The device's wakes that came due under the lock run now, with no lock held.
@@ -310,12 +297,9 @@ impl Drop for Entered<'_> {
 impl Shared {
     /// Locks the state.
     pub(crate) fn lock(&self) -> Locked<'_> {
-        // A panic while the lock was held leaves no half-made driver state behind (every driver
-        // call is atomic, and unproven resources are leaked, not released, on unwind), so a
-        // poisoned lock is still usable.
-        let guard = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let locked = UnlockFirst::lock(&self.state);
         callbacks::engine_lock_taken();
-        Locked { guard: Some(guard) }
+        locked
     }
 
     /// Locks the state for a drop path: `None` when this thread already holds an engine lock

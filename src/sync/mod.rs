@@ -1,8 +1,9 @@
 //! The crate's host concurrency, below every level: the synchronization primitives of its
 //! hand-written concurrency, from `std` in every ordinary build and from
 //! [`loom`](https://docs.rs/loom) when built with `--cfg cuferry_loom`, and the process's
-//! host-copy threads built on them ([`copy_pool`]), and the one [`deadline`] that bounds a whole
-//! exchange with a peer.
+//! host-copy threads built on them ([`copy_pool`]), the one [`deadline`] that bounds a whole
+//! exchange with a peer, and the lock guard that releases its lock before what its holder left
+//! behind runs ([`unlock_first`]).
 //!
 //! The module exists so that what runs on host threads, and knows nothing of the device, the
 //! engine or memory, sits apart from the levels that use it. It depends only on the errors.
@@ -28,6 +29,7 @@
 
 pub(crate) mod copy_pool;
 pub(crate) mod deadline;
+pub(crate) mod unlock_first;
 
 #[cfg(not(cuferry_loom))]
 pub(crate) use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering, fence};

@@ -12,10 +12,10 @@ use super::{
     DevicePtr, DriverError, Emulation, Job, NEXT_CONTEXT, Running, Schedule, SimConfig, SimEvent,
     SimOp, StreamId, Touch, Violation, Wake,
 };
+use crate::sync::unlock_first::{UnlockFirst, Unlocking};
 use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex};
 
 static NEXT_INSTANCE: AtomicU64 = AtomicU64::new(1);
 
@@ -181,15 +181,9 @@ impl State {
 /// The device's state, locked. Dropping it releases the lock and then calls the wakes whose
 /// records ran meanwhile, so a wake never runs under the device's lock (it may take other
 /// locks, or register another wake).
-pub(super) struct Locked<'a> {
-    /// `Some` except while [`wait`](Self::wait) has handed the guard to the condition variable.
-    guard: Option<MutexGuard<'a, State>>,
-    /// The simulated process whose driver took the lock, if one did: [`State::caller`] while
-    /// this holds the lock.
-    caller: Option<u32>,
-}
+pub(super) type Locked<'a> = UnlockFirst<'a, State>;
 
-impl<'a> Locked<'a> {
+impl<'a> UnlockFirst<'a, State> {
     /// Takes the device's lock, even one poisoned by a panic.
     pub(super) fn new(state: &'a Mutex<State>) -> Self {
         Self::taken(state, None)
@@ -200,65 +194,55 @@ impl<'a> Locked<'a> {
         Self::taken(state, Some(pid))
     }
 
-    /// Takes the device's lock, for `caller`'s call if any.
+    /// Takes the device's lock, for `caller`'s call if any: [`State::caller`] while this holds
+    /// the lock.
     fn taken(state: &'a Mutex<State>, caller: Option<u32>) -> Self {
-        let mut guard = state.lock().unwrap_or_else(|e| e.into_inner());
-        guard.caller = caller;
-        Locked {
-            guard: Some(guard),
-            caller,
-        }
+        let mut locked = UnlockFirst::lock(state);
+        locked.caller = caller;
+        locked
     }
 
     /// Releases the lock until `progress` is signalled, then takes it again.
-    pub(super) fn wait(mut self, progress: &Condvar) -> Self {
-        let mut guard = self.guard.take().expect("a live lock holds its guard");
-        guard.caller = None;
-        let mut guard = progress.wait(guard).unwrap_or_else(|e| e.into_inner());
-        guard.caller = self.caller;
-        self.guard = Some(guard);
-        self
+    pub(super) fn wait(self, progress: &Condvar) -> Self {
+        self.relock(|mut guard| {
+            let caller = guard.caller.take();
+            let mut guard = progress.wait(guard).unwrap_or_else(|e| e.into_inner());
+            guard.caller = caller;
+            guard
+        })
     }
 
     /// As [`wait`](Self::wait), for at most `within`.
-    pub(super) fn wait_timeout(mut self, progress: &Condvar, within: std::time::Duration) -> Self {
-        let mut guard = self.guard.take().expect("a live lock holds its guard");
-        guard.caller = None;
-        let (mut guard, _) = progress
-            .wait_timeout(guard, within)
-            .unwrap_or_else(|e| e.into_inner());
-        guard.caller = self.caller;
-        self.guard = Some(guard);
-        self
+    pub(super) fn wait_timeout(self, progress: &Condvar, within: std::time::Duration) -> Self {
+        self.relock(|mut guard| {
+            let caller = guard.caller.take();
+            let (mut guard, _) = progress
+                .wait_timeout(guard, within)
+                .unwrap_or_else(|e| e.into_inner());
+            guard.caller = caller;
+            guard
+        })
     }
 }
 
-impl Deref for Locked<'_> {
-    type Target = State;
-    fn deref(&self) -> &State {
-        self.guard.as_ref().expect("a live lock holds its guard")
-    }
-}
+impl Unlocking for State {
+    /// The wakes that came due, and the panic a call armed by `panic_after_nth` owes.
+    type Then = Option<(Vec<Wake>, Option<String>)>;
 
-impl DerefMut for Locked<'_> {
-    fn deref_mut(&mut self) -> &mut State {
-        self.guard.as_mut().expect("a live lock holds its guard")
-    }
-}
-
-impl Drop for Locked<'_> {
-    fn drop(&mut self) {
-        let Some(mut guard) = self.guard.take() else {
-            return;
-        };
-        guard.caller = None;
-        if std::thread::panicking() {
+    fn on_unlock(&mut self, unwinding: bool) -> Self::Then {
+        self.caller = None;
+        if unwinding {
             // Not while unwinding: the wakes stay for the next holder of the lock to call.
-            return;
+            return None;
         }
-        let woken = std::mem::take(&mut guard.woken);
-        let panic = guard.panic_on_release.take();
-        drop(guard);
+        Some((
+            std::mem::take(&mut self.woken),
+            self.panic_on_release.take(),
+        ))
+    }
+
+    fn after_unlock(then: Self::Then) {
+        let Some((woken, panic)) = then else { return };
         // Now, or once this thread holds no engine lock (see `driver::callbacks`).
         crate::driver::callbacks::call(woken);
         if let Some(message) = panic {
