@@ -4,13 +4,20 @@
 # the hand-written concurrency, the minimum supported Rust version, and the package.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cargo fmt --all --check
-cargo clippy --all-targets --all-features -- -D warnings
+# Each step prints how long it took, and the total at the end, so a slow step shows in CI's log.
+step() {
+  local start=$SECONDS
+  "$@"
+  echo "test.sh: $((SECONDS - start)) s for: $*" >&2
+}
+trap 'echo "test.sh: $SECONDS s in all" >&2' EXIT
+step cargo fmt --all --check
+step cargo clippy --all-targets --all-features -- -D warnings
 # The library as a dependent builds it, without features: code only one feature uses must not
 # warn there.
-cargo clippy --lib --no-default-features -- -D warnings
-RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --all-features
-cargo test --all-features
+step cargo clippy --lib --no-default-features -- -D warnings
+RUSTDOCFLAGS="-D warnings" step cargo doc --no-deps --all-features
+step cargo test --all-features
 
 # The loom models (`loom_models` in src/sync/copy_pool.rs, src/routes/host/blocking.rs and
 # src/lifecycle/fence_future.rs; see src/sync/mod.rs): the copy threads' hand-off, the blocking routes'
@@ -20,7 +27,7 @@ cargo test --all-features
 # model thousands of times. From a cold target directory this took 2 min 8 s here (2 cores):
 # 1 min 41 s to build, 27 s to run the models (up to 3.5 min to build while other builds ran
 # beside it); a small part of CI's 90 minutes.
-RUSTFLAGS="--cfg cuferry_loom" CARGO_TARGET_DIR=target/loom cargo test --release --lib loom
+RUSTFLAGS="--cfg cuferry_loom" CARGO_TARGET_DIR=target/loom step cargo test --release --lib loom
 
 # MSRV: Cargo.toml's `rust-version` is a claim only if something builds with it. Check every
 # target with exactly that release (1.95 means 1.95.0). A missing toolchain is an error, not a
@@ -35,7 +42,7 @@ toolchain=$msrv
 [[ $toolchain =~ ^[0-9]+\.[0-9]+$ ]] && toolchain=$toolchain.0
 installed=$(rustup toolchain list 2>/dev/null || true)
 if grep -q "^$toolchain-" <<<"$installed"; then
-  cargo "+$toolchain" check --locked --all-targets --all-features
+  step cargo "+$toolchain" check --locked --all-targets --all-features
 elif [[ ${CUFERRY_SKIP_MSRV:-} == 1 ]]; then
   echo "warning: SKIPPED the MSRV check: toolchain $toolchain (rust-version $msrv) is not installed" >&2
 else
@@ -50,5 +57,5 @@ fi
 # locked dependencies. The verifying build takes about 10 s here (2 cores) after the steps above,
 # which leave the dependencies built, and under 2 minutes from a cold target directory: well
 # inside CI's 90-minute budget, so CI verifies rather than only listing.
-bash scripts/check-package.sh
-cargo package --locked --allow-dirty
+step bash scripts/check-package.sh
+step cargo package --locked --allow-dirty
