@@ -593,7 +593,10 @@ fn a_fault_at_every_step_of_every_collective_ends_every_rank_with_a_typed_error(
             if reached < n {
                 // A watch's extra health query (one per slice a wait outlasts) is a step of
                 // that schedule only: this one made fewer, so the fault never fired.
-                assert!(outcomes.iter().all(Result::is_ok), "{op:?} #{n}: {outcomes:?}");
+                assert!(
+                    outcomes.iter().all(Result::is_ok),
+                    "{op:?} #{n}: {outcomes:?}"
+                );
                 continue;
             }
             points += 1;
