@@ -41,7 +41,9 @@ impl<'a, S: Unlocking> UnlockFirst<'a, S> {
     }
 
     /// Hands the bare guard to `wait` (a condition variable's wait, which releases and takes
-    /// the lock again) and keeps what it returns. Nothing left behind runs meanwhile.
+    /// the lock again) and keeps what it returns. Nothing left behind runs meanwhile. (The
+    /// simulated device waits on its lock this way; the engine never does.)
+    #[cfg(any(test, feature = "sim"))]
     pub(crate) fn relock(
         mut self,
         wait: impl FnOnce(MutexGuard<'a, S>) -> MutexGuard<'a, S>,
