@@ -13,7 +13,7 @@ mod raw;
 
 use cudarc::driver::sys;
 use cuferry::{
-    collective::{Communicator, ReduceOp, all_reduce},
+    collective::{Communicator, ReduceOp},
     upload_tensor,
 };
 use raw::{check, context, event, stream};
@@ -84,7 +84,10 @@ fn main() {
         ];
         let ours = median(|| {
             let taken = std::mem::take(&mut tensors);
-            tensors = all_reduce(&comm, &mut [&mut a, &mut b], taken, ReduceOp::Sum)
+            tensors = comm
+                .group()
+                .all_reduce(taken, ReduceOp::Sum)
+                .submit(&mut [&mut a, &mut b])
                 .unwrap()
                 .wait()
                 .unwrap()

@@ -518,7 +518,7 @@ impl CrateLoop {
             Some(buffer) => buffer,
             None => {
                 let oldest = downloads.pop_front().expect("a download in flight");
-                oldest.wait().unwrap().into_parts().0
+                oldest.wait().unwrap().into_parts().1
             }
         };
         downloads.push_back(download_pending(engine, result, buffer).unwrap());
@@ -549,7 +549,7 @@ impl CrateLoop {
         }
         for download in downloads {
             self.idle_results
-                .push(download.wait().unwrap().into_parts().0);
+                .push(download.wait().unwrap().into_parts().1);
         }
     }
 }
@@ -807,7 +807,7 @@ fn ordering_cost(c: &mut Criterion, engine: &mut CudaEngine) {
                 let start = Instant::now();
                 let in_flight = download_pending(engine, written, buffer).unwrap();
                 total += start.elapsed();
-                landing = Some(in_flight.wait().unwrap().into_parts().0);
+                landing = Some(in_flight.wait().unwrap().into_parts().1);
             }
             after_kernel.push(total, iters)
         })
@@ -822,7 +822,7 @@ fn ordering_cost(c: &mut Criterion, engine: &mut CudaEngine) {
                 let start = Instant::now();
                 let in_flight = download_pending(engine, tensor, buffer).unwrap();
                 total += start.elapsed();
-                let (buffer, tensor) = in_flight.wait().unwrap().into_parts();
+                let (tensor, buffer) = in_flight.wait().unwrap().into_parts();
                 (resident, landing) = (Some(tensor), Some(buffer));
             }
             idle_source.push(total, iters)

@@ -867,14 +867,18 @@ const REGISTERED_SIZES: [(usize, &str); 3] = [
 /// Queues a returned transfer again: `Pending::resubmit` of an upload or a download.
 type Resubmit<D> = fn(Pending<D, Returned>, &mut CudaEngine) -> Pending<D>;
 
+/// A registered transfer's parts in one order, whatever order its direction hands them back in.
+type RegisteredParts = (RegisteredBuffer<f32>, DeviceTensor<f32>);
+
 /// Resubmit-and-wait of a returned transfer over a registered buffer, under `cuferry_registered`;
 /// gives back the transfer's parts and the median time.
-fn bench_registered<D: Operation<Parts = (RegisteredBuffer<f32>, DeviceTensor<f32>)>>(
+fn bench_registered<D: Operation>(
     group: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
     engine: &mut CudaEngine,
     label: &str,
     transfer: Pending<D, Returned>,
     resubmit: Resubmit<D>,
+    parts: fn(D::Parts) -> RegisteredParts,
 ) -> (RegisteredBuffer<f32>, DeviceTensor<f32>, Duration) {
     let samples = Samples::default();
     let mut transfer = Some(transfer);
@@ -886,7 +890,7 @@ fn bench_registered<D: Operation<Parts = (RegisteredBuffer<f32>, DeviceTensor<f3
             })
         })
     });
-    let (buffer, tensor) = transfer.unwrap().into_parts();
+    let (buffer, tensor) = parts(transfer.unwrap().into_parts());
     (buffer, tensor, samples.median())
 }
 
@@ -915,14 +919,25 @@ fn registered(c: &mut Criterion) {
             let tensor = engine.alloc_tensor::<f32>(&[n]).unwrap();
             let (_buffer, mut tensor, registered) = if upload {
                 let first = upload_pending(engine, buffer, tensor).unwrap();
-                bench_registered(&mut group, engine, label, first.wait().unwrap(), |r, e| {
-                    r.resubmit(e).unwrap()
-                })
+                bench_registered(
+                    &mut group,
+                    engine,
+                    label,
+                    first.wait().unwrap(),
+                    |r, e| r.resubmit(e).unwrap(),
+                    |parts| parts,
+                )
             } else {
+                // A download's parts come back source first: the tensor, then the buffer.
                 let first = download_pending(engine, tensor, buffer).unwrap();
-                bench_registered(&mut group, engine, label, first.wait().unwrap(), |r, e| {
-                    r.resubmit(e).unwrap()
-                })
+                bench_registered(
+                    &mut group,
+                    engine,
+                    label,
+                    first.wait().unwrap(),
+                    |r, e| r.resubmit(e).unwrap(),
+                    |(tensor, buffer)| (buffer, tensor),
+                )
             };
             let staged = Samples::default();
             if upload {

@@ -112,7 +112,7 @@ fn one_at_a_time(
     let mut slot = slots.pop().ok_or("no slot")?;
     for k in 0..BATCHES {
         let (upload, download) = submit(engine, slot, k)?;
-        let (result, _) = download.wait()?.into_parts();
+        let (_, result) = download.wait()?.into_parts();
         let (source, _) = upload.wait()?.into_parts();
         if !pattern.check(result.as_slice(), k) {
             return Err(format!("batch {k}: wrong result (one at a time)").into());
@@ -135,7 +135,7 @@ async fn finish(
     // engine's one stream.
     let (upload, download) = tokio::try_join!(upload.into_future(), download.into_future())?;
     let (source, _) = upload.into_parts();
-    let (result, _) = download.into_parts();
+    let (_, result) = download.into_parts();
     let (ok, result) =
         tokio::task::spawn_blocking(move || (pattern.check(result.as_slice(), k), result)).await?;
     if !ok {

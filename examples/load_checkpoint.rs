@@ -18,7 +18,7 @@
 //! back, so at the storage's rate); `--simulated` runs on the simulated device (feature `sim`), for
 //! machines without a GPU: the rates there say nothing about a GPU.
 
-use cuferry::checkpoint::{self, LoadOptions, Progress, SaveOptions, Tensor};
+use cuferry::checkpoint::{self, LoadOptions, Progress, SaveOptions};
 use cuferry::{CudaEngine, download_tensor};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::collections::HashMap;
@@ -147,23 +147,29 @@ fn load_and_check(
         let tensor = loaded
             .get(name)
             .ok_or_else(|| format!("{name} is missing from the load"))?;
-        let back = download_tensor(engine, tensor.bytes())?;
+        // The typed view: bf16, of the file's shape.
+        assert_eq!(
+            (tensor.dtype(), tensor.shape()),
+            (cuferry::DType::BF16, &[bytes.len() / 2][..])
+        );
+        let typed = tensor.as_typed::<cuferry::bf16>().ok_or("a bf16 tensor")?;
+        let back: Vec<u8> = download_tensor(engine, typed)?
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
         if &back != bytes {
             let at = back.iter().zip(bytes).position(|(a, b)| a != b);
             return Err(format!("{name} differs from the file at byte {at:?}").into());
         }
-        // The typed view: bf16, of the file's shape.
-        let typed = loaded.get(name).map(|t| (t.dtype(), t.shape().to_vec()));
-        assert_eq!(typed, Some((cuferry::DType::BF16, vec![bytes.len() / 2])));
     }
     println!("every tensor equals the bytes written");
 
     let again = dir.join("again.safetensors");
-    let named: Vec<(&str, &Tensor)> = loaded.iter().collect();
+    let named = loaded.named();
     let progress = bar("save", data);
     let options = SaveOptions::new().progress(|p: Progress| progress.set_position(p.done));
     let start = Instant::now();
-    checkpoint::save_with(engine, &again, &named, options)?;
+    checkpoint::save_with(engine, &named, &again, options)?;
     let secs = start.elapsed().as_secs_f64();
     progress.finish();
     if std::fs::read(&again)? != std::fs::read(&path)? {

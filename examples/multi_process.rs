@@ -21,9 +21,7 @@
 //! what a dead peer does: the others end by their deadline (`--timeout`, in seconds, default
 //! 60) with a typed error.
 
-use cuferry::collective::{
-    Communicator, Launch, ReduceOp, UniqueId, all_gather, all_reduce, bootstrap,
-};
+use cuferry::collective::{Communicator, DEFAULT_BOOTSTRAP_TIMEOUT, Launch, ReduceOp, UniqueId};
 use cuferry::{CudaEngine, download_tensor, upload_tensor};
 use std::process::{Child, Command, ExitCode};
 use std::time::{Duration, Instant};
@@ -83,15 +81,17 @@ pub(crate) fn rank(
 ) -> Result<Report, BoxError> {
     let started = Instant::now();
     let (me, world) = (launch.rank, launch.world);
-    let id = launch
-        .rendezvous()?
-        .timeout(timeout)
-        .exchange(|| UniqueId::new(engine))?;
-    let comm = Communicator::join_within(engine, &id, me, world, timeout)?.with_timeout(timeout);
+    // One deadline for the job: the rendezvous, the join and every collective inherit it.
+    let launch = launch.clone().with_timeout(timeout);
+    let id = launch.rendezvous()?.exchange(|| UniqueId::new(engine))?;
+    let comm = launch.join(engine, &id)?;
 
     // All-reduce: rank r contributes r + 1 everywhere, so every element sums to w(w+1)/2.
     let mine = upload_tensor(engine, &vec![(me + 1) as f32; n], &[n])?;
-    let summed = all_reduce(&comm, &mut [&mut *engine], vec![mine], ReduceOp::Sum)?
+    let summed = comm
+        .group()
+        .all_reduce(vec![mine], ReduceOp::Sum)
+        .submit(&mut [&mut *engine])?
         .wait()?
         .into_parts();
     let want = (world * (world + 1) / 2) as f32;
@@ -109,7 +109,10 @@ pub(crate) fn rank(
     let slice: Vec<f32> = (0..n).map(|i| (me * n + i) as f32).collect();
     let input = upload_tensor(engine, &slice, &[n])?;
     let output = upload_tensor(engine, &vec![-1.0f32; world * n], &[world * n])?;
-    let gathered = all_gather(&comm, &mut [&mut *engine], vec![input], vec![output])?
+    let gathered = comm
+        .group()
+        .all_gather(vec![input], vec![output])
+        .submit(&mut [&mut *engine])?
         .wait()?
         .into_parts();
     let got = download_tensor(engine, &gathered[1])?;
@@ -121,9 +124,10 @@ pub(crate) fn rank(
     // group (a send and a receive outside one group could wait for each other for ever).
     let (next, previous) = ((me + 1) % world, (me + world - 1) % world);
     let theirs = upload_tensor(engine, &vec![-1.0f32; n], &[n])?;
-    let mut ring = comm.group();
-    ring.send(0, gathered.into_iter().next().expect("the input"), next)
-        .recv(0, theirs, previous);
+    let ring = comm
+        .group()
+        .send(0, gathered.into_iter().next().expect("the input"), next)
+        .recv(previous, 0, theirs);
     let parts = ring.submit(&mut [&mut *engine])?.wait()?.into_parts();
     let got = download_tensor(engine, &parts[1])?;
     if let Some(bad) = (0..n).find(|&i| got[i] != (previous * n + i) as f32) {
@@ -283,7 +287,7 @@ fn launcher() -> Result<(), BoxError> {
                         eprintln!("rank {rank}: error: {e}");
                         let own = !matches!(
                             e.downcast_ref::<cuferry::Error>(),
-                            Some(cuferry::Error::Collective(_))
+                            Some(cuferry::Error::Peer(_))
                         );
                         if failed
                             .as_ref()
@@ -309,7 +313,7 @@ fn launcher() -> Result<(), BoxError> {
     println!(
         "launching {world} rank(s), NCCL {:?}, rendezvous on loopback (default timeout {:?})",
         Communicator::nccl_version()?,
-        bootstrap::DEFAULT_RENDEZVOUS_TIMEOUT.min(options.timeout)
+        DEFAULT_BOOTSTRAP_TIMEOUT.min(options.timeout)
     );
     launch_processes(world, &options)?;
     println!("every rank checked its results");

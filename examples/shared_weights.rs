@@ -19,8 +19,9 @@
 //! machine (a simulated machine lives in one process), through the same socket and the same
 //! calls.
 
+use cuferry::pending::{Operation, TryWait};
 use cuferry::share::{Exported, Importer, ShareLink, ShareListener};
-use cuferry::{CudaEngine, DeviceTensor, download_tensor};
+use cuferry::{CudaEngine, DeviceTensor, Pending, download_tensor};
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
@@ -133,11 +134,11 @@ pub(crate) fn producer(
         }
         // Every consumer released the first tensor: hand it to one of them to update.
         let first = weights.remove(0);
-        let first = first.reclaim(DEADLINE).map_err(|e| e.to_string())?;
+        let first = back(first.reclaim())?;
         let lent = importers[step % plan.consumers]
             .lend(engine, first)
             .map_err(|e| e.to_string())?;
-        let first = lent.wait_back(DEADLINE).map_err(|e| e.to_string())?;
+        let first = back(lent)?;
         let host = download_tensor(engine, &first)?;
         if host.iter().any(|&x| x != value(0, step + 1)) {
             return Err(format!("the hand-off at step {step} did not double the tensor").into());
@@ -145,6 +146,18 @@ pub(crate) fn producer(
         weights.insert(0, engine.export_tensor(first).map_err(|e| e.to_string())?);
     }
     Ok(())
+}
+
+/// The tensor of a loan or a reclaim, once its importers have handed it back or released it,
+/// within [`DEADLINE`].
+fn back<Op>(pending: Pending<Op>) -> Result<DeviceTensor<f32>, BoxError>
+where
+    Op: Operation<Parts = DeviceTensor<f32>>,
+{
+    match pending.wait_for(DEADLINE)? {
+        TryWait::Returned(back) => Ok(back.into_parts()),
+        TryWait::InFlight(op) => Err(format!("{op:?}: not back within {DEADLINE:?}").into()),
+    }
 }
 
 fn options() -> Result<(Plan, bool), BoxError> {

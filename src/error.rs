@@ -1,18 +1,27 @@
-//! Errors the engine and its routes report, nested by whose problem they are.
+//! Errors the engine and its routes report, on one axis: whose problem it is, and so what the
+//! caller can do about it.
 //!
-//! [`Error`] is what every operation returns. A driver call that failed at once
-//! ([`Error::Driver`]), queued work that failed on the device ([`Error::DeviceFault`]) and
-//! failures found later ([`Error::Deferred`]) are its own variants; the rest is one enum per
-//! domain, each wrapped by one variant of [`Error`] and converted into it by `?`:
+//! [`Error`] is what every operation returns, whatever the feature (a transfer, a kernel, a
+//! checkpoint, a collective, a share). The device's own failures are its variants: a driver call
+//! that failed at once ([`Error::Driver`]), queued work that failed on the device
+//! ([`Error::DeviceFault`]) and failures found later ([`Error::Deferred`]). The rest is one enum
+//! per fault, each wrapped by one variant of [`Error`] and converted into it by `?`:
 //!
-//! - [`UsageError`]: what the caller passed (another engine's value, mismatched lengths or
-//!   shapes, an unsupported element type, an out-of-range setting or argument, a call from a
-//!   device callback);
-//! - [`SetupError`]: the machine (no driver, no such device, a missing library, devices that
-//!   cannot reach each other);
+//! - [`UsageError`]: what the caller passed (another engine's value, mismatched lengths, shapes
+//!   or element types, an out-of-range setting, rank or argument, a name a checkpoint lacks, a
+//!   call from a device callback): fix the call;
+//! - [`SetupError`]: the machine or its launcher (no driver, no such device, a missing library,
+//!   devices that cannot reach each other, a launcher variable, a handle of another host):
+//!   fix the setup;
 //! - [`LibraryError`]: a vendor library's status, NVRTC, the solver's verdict, CubeCL;
 //! - [`ProgramError`]: tracing, compiling and feeding prepared programs;
-//! - [`StagingError`]: the engine's staging ring.
+//! - [`StagingError`]: the engine's staging ring;
+//! - [`IoError`]: the operating system, on a file or a socket: perhaps retry;
+//! - [`MalformedError`]: a file, a peer or a launcher said what is not so (a bad header, bytes
+//!   that are not the protocol, a claim past what the driver or the kernel measures): distrust
+//!   the source;
+//! - [`PeerError`]: another process or rank did not do its part (refused, closed, exited, did
+//!   not arrive, answer or release in time): the job, not this call, is at fault.
 //!
 //! Every failure names what was wrong and the values involved, in typed fields, so a caller can
 //! act on it without reading the source or parsing a message; strings are kept only for text
@@ -20,6 +29,7 @@
 //! failures keep the CUDA result code and the call that produced it. Every enum is
 //! `#[non_exhaustive]`: new failure modes are added without breaking matches.
 
+use crate::device::DeviceId;
 use crate::dtype::DType;
 use std::fmt;
 
@@ -209,55 +219,16 @@ static RESULT_NAMES: [(u32, &str); 105] = [
     (999, "CUDA_ERROR_UNKNOWN"),
 ];
 
-/// Which device an engine drives: the kind and its ordinal.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct DeviceId {
-    pub(crate) kind: DeviceKind,
-    pub(crate) ordinal: usize,
-    /// Distinguishes simulated devices; zero for real ones (a real ordinal names one device).
-    pub(crate) instance: u64,
-}
-
-impl DeviceId {
-    /// The kind of device.
-    pub fn kind(&self) -> DeviceKind {
-        self.kind
-    }
-
-    /// The device ordinal.
-    pub fn ordinal(&self) -> usize {
-        self.ordinal
-    }
-}
-
-impl fmt::Display for DeviceId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self.kind {
-            DeviceKind::Cuda => write!(f, "CUDA device {}", self.ordinal),
-            DeviceKind::Simulated => {
-                write!(f, "simulated device {} (#{})", self.ordinal, self.instance)
-            }
-        }
-    }
-}
-
-/// The two implementations behind the device seam.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum DeviceKind {
-    /// A real GPU through the CUDA driver.
-    Cuda,
-    /// The deterministic simulated device (feature `sim`).
-    Simulated,
-}
-
 /// Everything an engine operation can report: a driver call that failed at once, queued work
-/// that failed on the device, failures found later, or one of the domains' errors.
+/// that failed on the device, failures found later, or one of the faults' errors.
 ///
-/// The domains say whose problem it is: [`Usage`](Error::Usage) what the caller passed,
-/// [`Setup`](Error::Setup) the machine, [`Library`](Error::Library) a vendor library or another
-/// runtime, [`Program`](Error::Program) a traced or prepared program, [`Staging`](Error::Staging)
-/// the engine's staging ring. A domain's error converts into this one with `?` (`From`), and its
-/// message is the domain's own.
+/// The variants say whose problem it is, whatever the feature: [`Usage`](Error::Usage) what the
+/// caller passed, [`Setup`](Error::Setup) the machine, [`Library`](Error::Library) a vendor
+/// library or another runtime, [`Program`](Error::Program) a traced or prepared program,
+/// [`Staging`](Error::Staging) the engine's staging ring, [`Io`](Error::Io) the operating
+/// system, [`Malformed`](Error::Malformed) a file or a peer that said what is not so,
+/// [`Peer`](Error::Peer) another process that did not do its part. Each fault's enum converts
+/// into this one with `?` (`From`), and its message is the fault's own.
 ///
 /// ```
 /// use cuferry::error::UsageError;
@@ -317,23 +288,20 @@ pub enum Error {
     /// The engine's staging ring refused a lease or a chunk.
     #[error(transparent)]
     Staging(#[from] StagingError),
-    /// A checkpoint file is not what it must be, or cannot be read or written (feature
-    /// `safetensors`).
-    #[cfg(feature = "safetensors")]
+    /// The operating system failed an operation on a file or a socket: a checkpoint's, the
+    /// rendezvous's, a sharing link's.
     #[error(transparent)]
-    Checkpoint(#[from] CheckpointError),
-    /// The bootstrap of a communicator across processes failed: the launcher's variables, the
-    /// rendezvous, or a unique id's bytes.
+    Io(#[from] IoError),
+    /// What a file, a peer or a launcher sent is not so: bytes that are not the format or the
+    /// protocol, a length past its bound or past what it describes, an identity the kernel
+    /// contradicts. Nothing it claims was believed: nothing was allocated, mapped or counted for
+    /// it.
     #[error(transparent)]
-    Bootstrap(#[from] BootstrapError),
-    /// A collective across processes did not complete: its deadline passed, its communicator
-    /// failed, or it was aborted.
+    Malformed(#[from] MalformedError),
+    /// Another process or rank did not do its part: it refused, closed, exited, or did not
+    /// arrive, answer or release by the deadline.
     #[error(transparent)]
-    Collective(#[from] CollectiveError),
-    /// Sharing a tensor between processes failed: the socket, or a handle that is not of this
-    /// host, this boot or a live process.
-    #[error(transparent)]
-    Share(#[from] ShareError),
+    Peer(#[from] PeerError),
 }
 
 impl Error {
@@ -355,9 +323,12 @@ pub enum UsageError {
     /// would race with its pending work. Returned by every operation that takes an engine's
     /// values.
     #[error(
-        "the value belongs to engine #{found} on {found_device}, not to engine #{expected} on {expected_device} (each engine has its own streams)"
+        "{what} belongs to engine #{found} on {found_device}, not to engine #{expected} on {expected_device} (each engine has its own streams)"
     )]
     WrongEngine {
+        /// Which value, where the operation names it (for example `download_pending (device to
+        /// host): the tensor`); `the value` otherwise.
+        what: &'static str,
         /// The engine the operation ran on.
         expected: u64,
         /// That engine's device.
@@ -396,6 +367,20 @@ pub enum UsageError {
         /// (`upload_tensor`, `reshape`).
         shape: Option<Vec<usize>>,
     },
+    /// A tensor whose element type is known at run time ([`AnyTensor`](crate::AnyTensor): a
+    /// checkpoint's tensor, a prepared program's output) was asked for as another element type:
+    /// [`into_typed`](crate::AnyTensor::into_typed).
+    #[error("{operation}: the tensor of shape {shape:?} holds {holds}, not the {asked} asked for")]
+    ElementTypeMismatch {
+        /// The operation.
+        operation: &'static str,
+        /// The element type asked for.
+        asked: DType,
+        /// The element type the tensor holds.
+        holds: DType,
+        /// The tensor's shape.
+        shape: Vec<usize>,
+    },
     /// The operands of an operation that needs equal shapes (the elementwise kernels) have
     /// different shapes.
     #[error("{operation}: operand shapes {expected:?} and {found:?} differ")]
@@ -406,6 +391,23 @@ pub enum UsageError {
         expected: Vec<usize>,
         /// The shape of the operand that differs.
         found: Vec<usize>,
+    },
+    /// The operands of an elementwise operation do not broadcast (NumPy's rule: shapes aligned at
+    /// their trailing dimensions, each pair equal or one of them 1).
+    #[error(
+        "{operation}: shapes {left:?} and {right:?} do not broadcast: dimension {dim} (counted from the left of the longer shape) is {} against {}; aligned from the trailing dimension, each pair must be equal or 1",
+        broadcast_extent(left, right, *dim).0,
+        broadcast_extent(left, right, *dim).1
+    )]
+    NotBroadcastable {
+        /// The operation, for example `add`.
+        operation: &'static str,
+        /// The first operand's shape.
+        left: Vec<usize>,
+        /// The second operand's shape.
+        right: Vec<usize>,
+        /// The dimension that disagrees, an index into the longer shape.
+        dim: usize,
     },
     /// A byte size is larger than memory can be addressed (`isize::MAX` bytes): a tensor, pinned
     /// buffer or transfer too large for its element type.
@@ -683,6 +685,71 @@ pub enum UsageError {
         /// The world's ranks.
         world: usize,
     },
+    /// A checkpoint's tensor asked for as an element type other than its own
+    /// ([`Checkpoint::take`](crate::checkpoint::Checkpoint::take)); the tensor stays in the
+    /// checkpoint.
+    #[error(
+        "{path}: tensor '{tensor}' holds {holds}, not the {asked} asked for",
+        path = path.display()
+    )]
+    StoredElementType {
+        /// The file the tensor came from.
+        path: std::path::PathBuf,
+        /// The tensor.
+        tensor: String,
+        /// The element type asked for.
+        asked: crate::dtype::DType,
+        /// The element type the tensor holds.
+        holds: crate::dtype::DType,
+    },
+    /// A tensor asked of a checkpoint that holds none of that name.
+    #[error("the checkpoint holds no tensor named '{tensor}'")]
+    NoTensor {
+        /// The name asked for.
+        tensor: String,
+    },
+    /// A rank at or above the world size, or a world of no ranks.
+    #[error("rank {rank} is not a rank of a world of {world}")]
+    NotARank {
+        /// The rank.
+        rank: usize,
+        /// The world size.
+        world: usize,
+    },
+    /// A number or a length from a launcher variable or a setting past the bound the bootstrap
+    /// takes ([`MAX_WORLD`](crate::collective::MAX_WORLD),
+    /// [`MAX_JOB_BYTES`](crate::collective::MAX_JOB_BYTES), a host name's 253 bytes,
+    /// a local rank below the world's size): refused before it sizes anything.
+    #[error("{what} = {value}: past its bound, {limit}")]
+    PastBound {
+        /// What was given: a launcher variable's name, or a setting's (`world`, `job`).
+        what: &'static str,
+        /// The value given (a long text by its length).
+        value: String,
+        /// The bound it is past, in words, with the number.
+        limit: String,
+    },
+    /// The offer's element type is not the one asked for.
+    #[error("an offer of {offered:?} elements, where {expected:?} was asked for")]
+    OfferElementType {
+        /// The element type asked for.
+        expected: crate::dtype::DType,
+        /// The element type offered, when it is one this crate knows.
+        offered: Option<crate::dtype::DType>,
+    },
+    /// The offer's access is not the one asked for: a read-only share where an exclusive
+    /// hand-off was asked for, or the other way round.
+    #[error("an offer of {offered} access, where {expected} access was asked for")]
+    OfferAccess {
+        /// The access asked for: `read-only` or `exclusive`.
+        expected: &'static str,
+        /// The access offered.
+        offered: &'static str,
+    },
+    /// A tensor imported from another process, offered for sharing again: memory is shared by
+    /// the process that allocated it.
+    #[error("an imported tensor cannot be shared again")]
+    Reexport,
 }
 
 /// The machine cannot do what was asked: it has no driver, no such device, not the library an
@@ -730,6 +797,39 @@ pub enum SetupError {
         to: DeviceId,
         /// Why not.
         reason: &'static str,
+    },
+    /// A launcher variable (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`,
+    /// `MASTER_ADDR`, `MASTER_PORT`) is missing or not what it must be (its value repeated cut
+    /// to 64 bytes).
+    #[error("launcher variable {variable}{}: {reason}", .value.as_ref().map_or_else(String::new, |v| format!(" = {v:?}")))]
+    Environment {
+        /// The variable.
+        variable: &'static str,
+        /// Its value, where it is set.
+        value: Option<String>,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+    /// A handle made on another host: device memory is shared only between processes of one.
+    #[error("a handle of another host")]
+    OtherHost,
+    /// A handle made before this host last booted.
+    #[error("a handle of another boot of this host")]
+    OtherBoot,
+    /// The offer names a device this engine's streams cannot reach (neither its own nor a
+    /// peer it accesses directly).
+    #[error("the offer's device (UUID {uuid:02x?}) is not one this engine reaches")]
+    UnreachableDevice {
+        /// The UUID of the exporter's device.
+        uuid: [u8; 16],
+    },
+    /// This process's identity (its host's id, the boot's id, its start time) cannot be read.
+    #[error("cannot name this {what}: {reason}")]
+    Identity {
+        /// What: `host`, `boot` or `process`.
+        what: &'static str,
+        /// Why.
+        reason: String,
     },
 }
 
@@ -968,6 +1068,23 @@ impl<P> SubmitError<P> {
             SubmitError::Retained { .. } => None,
         }
     }
+
+    /// The same outcome with the input, if it came back, passed through `f`: for code that
+    /// handles the refusals of several routes as one (a download's `(tensor, buffer)` and an
+    /// upload's `(buffer, tensor)`, say).
+    pub fn map_input<Q>(self, f: impl FnOnce(P) -> Q) -> SubmitError<Q> {
+        match self {
+            SubmitError::Rejected { input, error } => SubmitError::Rejected {
+                input: f(input),
+                error,
+            },
+            SubmitError::Failed { input, error } => SubmitError::Failed {
+                input: f(input),
+                error,
+            },
+            SubmitError::Retained { error } => SubmitError::Retained { error },
+        }
+    }
 }
 
 // Not derived: the input need not be `Debug` (a buffer's bytes say nothing useful), and the error
@@ -1047,16 +1164,14 @@ mod tests {
     }
 }
 
-/// What is wrong with a checkpoint file (feature `safetensors`), named by its path, and by its
-/// tensor where one is at fault. Found before anything is allocated for a bad header; a load
-/// or save that fails part way leaves nothing behind (see [`crate::checkpoint`]).
-#[cfg(feature = "safetensors")]
+/// The operating system failed an operation on a file or a socket: each variant names the
+/// file, the address or the socket, the operation, and the operating system's error.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
-pub enum CheckpointError {
+pub enum IoError {
     /// The operating system refused an operation on the file.
     #[error("{path}: {operation} failed: {source}", path = path.display())]
-    Io {
+    File {
         /// The file.
         path: std::path::PathBuf,
         /// What was asked of it: `open`, `stat`, `read`, `create`, `write`, `flush`, `rename`
@@ -1065,6 +1180,33 @@ pub enum CheckpointError {
         /// The operating system's error.
         source: std::io::Error,
     },
+    /// A socket operation of the rendezvous failed.
+    #[error("rendezvous at {address}: {operation} failed: {source}")]
+    Rendezvous {
+        /// The rendezvous address.
+        address: String,
+        /// The operation: `bind`, `connect`, `accept`, `read`, `write`.
+        operation: &'static str,
+        /// The operating system's error.
+        source: std::io::Error,
+    },
+    /// A socket operation failed.
+    #[error("sharing socket: {operation} failed: {source}")]
+    Socket {
+        /// The operation: `read`, `write`, `sendmsg`, `recvmsg`, `connect`, `bind`.
+        operation: &'static str,
+        /// The operating system's error.
+        source: std::io::Error,
+    },
+}
+
+/// What a file, a peer or a launcher sent is not so: a checkpoint whose header or length is not
+/// what the format allows, bytes on a socket that are not the protocol, a claim past what the
+/// driver or the kernel measures. Found before anything is allocated, mapped or counted for it:
+/// nothing of what it claims is in use.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum MalformedError {
     /// A read came back short of what the file's length promised (the file shrank, or the
     /// storage under it failed quietly).
     #[error("{path}: a read at byte {offset} came back {missing} byte(s) short", path = path.display())]
@@ -1162,29 +1304,6 @@ pub enum CheckpointError {
         /// The data the file holds after its header.
         file_holds: u64,
     },
-    /// A checkpoint's tensor asked for as an element type other than its own
-    /// ([`Checkpoint::take`](crate::checkpoint::Checkpoint::take)); the tensor stays in the
-    /// checkpoint.
-    #[error(
-        "{path}: tensor '{tensor}' holds {holds}, not the {asked} asked for",
-        path = path.display()
-    )]
-    ElementType {
-        /// The file the tensor came from.
-        path: std::path::PathBuf,
-        /// The tensor.
-        tensor: String,
-        /// The element type asked for.
-        asked: crate::dtype::DType,
-        /// The element type the tensor holds.
-        holds: crate::dtype::DType,
-    },
-    /// A tensor asked of a checkpoint that holds none of that name.
-    #[error("the checkpoint holds no tensor named '{tensor}'")]
-    NoTensor {
-        /// The name asked for.
-        tensor: String,
-    },
     /// A byte range asked of a file that ends past the largest file offset.
     #[error(
         "{path}: {bytes} byte(s) at offset {offset} pass the largest file offset",
@@ -1213,96 +1332,13 @@ pub enum CheckpointError {
         /// The limit, in bytes.
         limit: u64,
     },
-}
-
-/// Why the bootstrap of a communicator across processes failed
-/// ([`collective::bootstrap`](crate::collective::bootstrap)).
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum BootstrapError {
-    /// A launcher variable (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`,
-    /// `MASTER_ADDR`, `MASTER_PORT`) is missing or not what it must be (its value repeated cut
-    /// to 64 bytes).
-    #[error("launcher variable {variable}{}: {reason}", .value.as_ref().map_or_else(String::new, |v| format!(" = {v:?}")))]
-    Environment {
-        /// The variable.
-        variable: &'static str,
-        /// Its value, where it is set.
-        value: Option<String>,
-        /// What is wrong with it.
-        reason: &'static str,
-    },
-    /// A rank at or above the world size, or a world of no ranks.
-    #[error("rank {rank} is not a rank of a world of {world}")]
-    Rank {
-        /// The rank.
-        rank: usize,
-        /// The world size.
-        world: usize,
-    },
-    /// A socket operation of the rendezvous failed.
-    #[error("rendezvous at {address}: {operation} failed: {source}")]
-    Io {
-        /// The rendezvous address.
-        address: String,
-        /// The operation: `bind`, `connect`, `accept`, `read`, `write`.
-        operation: &'static str,
-        /// The operating system's error.
-        source: std::io::Error,
-    },
-    /// Rank 0 waited its deadline and these ranks did not arrive (connections it refused are
-    /// listed, each with why).
-    #[error(
-        "rendezvous at {address}: rank(s) {missing:?} never arrived by the deadline{}",
-        if refused.is_empty() { String::new() } else { format!("; refused: {}", refused.join("; ")) }
-    )]
-    Missing {
-        /// The rendezvous address.
-        address: String,
-        /// The ranks that did not arrive.
-        missing: Vec<usize>,
-        /// The connections refused meanwhile, each with its peer's address and why: at most
-        /// [`MAX_LISTED_REFUSALS`](crate::collective::bootstrap::MAX_LISTED_REFUSALS), then
-        /// one entry counting the rest.
-        refused: Vec<String>,
-    },
-    /// A rank other than 0 could not reach rank 0, or had no answer from it, by its deadline.
-    #[error("rendezvous at {address}: no answer from rank 0 by the deadline{}", .last.as_ref().map_or_else(String::new, |e| format!(" (last: {e})")))]
-    NoRoot {
-        /// The rendezvous address.
-        address: String,
-        /// The last failure seen, if any.
-        last: Option<String>,
-    },
-    /// Rank 0 refused this rank: the reason is what rank 0 found wrong with its greeting.
-    #[error("rendezvous at {address}: rank 0 refused rank {rank}: {reason}")]
-    Refused {
-        /// The rendezvous address.
-        address: String,
-        /// This rank.
-        rank: usize,
-        /// Why: a world of another size, a rank out of range or already taken, a peer of
-        /// another job or protocol.
-        reason: String,
-    },
     /// Bytes from rank 0's address that are not the rendezvous protocol.
     #[error("rendezvous at {address}: the answer is not the rendezvous protocol: {reason}")]
-    Garbage {
+    Rendezvous {
         /// The rendezvous address.
         address: String,
         /// What was wrong.
         reason: String,
-    },
-    /// A rank's join waited its deadline and the world did not form: a rank never came. The
-    /// communicator begun was aborted; the engine is usable.
-    #[error("rank {rank} of a world of {world}: not every rank joined within {waited:?}")]
-    Unjoined {
-        /// This rank.
-        rank: usize,
-        /// The world's size.
-        world: usize,
-        /// How long it waited.
-        waited: std::time::Duration,
     },
     /// Bytes that are not a unique id of this crate's format, or one made by another version
     /// of the collective library.
@@ -1311,149 +1347,11 @@ pub enum BootstrapError {
         /// What is wrong with the bytes.
         reason: String,
     },
-    /// A number or a length from a launcher variable or a setting past the bound the bootstrap
-    /// takes ([`MAX_WORLD`](crate::collective::bootstrap::MAX_WORLD),
-    /// [`MAX_JOB_BYTES`](crate::collective::bootstrap::MAX_JOB_BYTES), a host name's 253 bytes,
-    /// a local rank below the world's size): refused before it sizes anything.
-    #[error("{what} = {value}: past its bound, {limit}")]
-    Limit {
-        /// What was given: a launcher variable's name, or a setting's (`world`, `job`).
-        what: &'static str,
-        /// The value given (a long text by its length).
-        value: String,
-        /// The bound it is past, in words, with the number.
-        limit: String,
-    },
-}
-
-/// Why a collective over ranks in other processes did not complete
-/// ([`collective`](crate::collective)). Each comes after the communicator was aborted: its
-/// queued parts end, the engine stays usable, and the tensors the collective lent are released
-/// once their engines prove the parts ended (or kept for the engine's lifetime where they
-/// cannot).
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum CollectiveError {
-    /// The communicator's deadline passed before this rank's part completed: a peer died, hung,
-    /// or never queued its part.
-    #[error(
-        "rank {rank} of a world of {world}: the collective did not complete within {timeout:?} \
-         (a peer died, hangs or never queued its part); the communicator was aborted"
-    )]
-    TimedOut {
-        /// This rank.
-        rank: usize,
-        /// The world's size.
-        world: usize,
-        /// The communicator's deadline.
-        timeout: std::time::Duration,
-    },
-    /// The collective library found the communicator failed (a peer's connection lost, a
-    /// remote error): `reason` is its report.
-    #[error("rank {rank} of a world of {world}: the communicator failed: {reason}; it was aborted")]
-    Failed {
-        /// This rank.
-        rank: usize,
-        /// The world's size.
-        world: usize,
-        /// The library's report.
-        reason: String,
-    },
-    /// The communicator was aborted before (by a deadline, a failure or
-    /// [`Communicator::abort`](crate::collective::Communicator::abort)): nothing more runs on
-    /// it.
-    #[error("rank {rank} of a world of {world}: the communicator was aborted")]
-    Aborted {
-        /// This rank.
-        rank: usize,
-        /// The world's size.
-        world: usize,
-    },
-}
-
-/// Why sharing a tensor between processes failed.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum ShareError {
-    /// A socket operation failed.
-    #[error("sharing socket: {operation} failed: {source}")]
-    Io {
-        /// The operation: `read`, `write`, `sendmsg`, `recvmsg`, `connect`, `bind`.
-        operation: &'static str,
-        /// The operating system's error.
-        source: std::io::Error,
-    },
-    /// The peer closed the socket before a message began.
-    #[error("sharing socket: the peer closed it")]
-    Closed,
     /// Bytes that are not the sharing protocol: `reason` says what was wrong. Nothing they name
     /// was mapped, and a descriptor that came with them was closed.
     #[error("sharing socket: not the sharing protocol: {reason}")]
-    Garbage {
+    Sharing {
         /// What was wrong.
-        reason: String,
-    },
-    /// A handle made on another host: device memory is shared only between processes of one.
-    #[error("a handle of another host")]
-    OtherHost,
-    /// A handle made before this host last booted.
-    #[error("a handle of another boot of this host")]
-    OtherBoot,
-    /// A handle of a process that has exited (or whose pid now names a later process).
-    #[error("a handle of process {pid}, which has exited")]
-    ProcessGone {
-        /// The process id the handle names.
-        pid: u32,
-    },
-    /// The offer's element type is not the one asked for.
-    #[error("an offer of {offered:?} elements, where {expected:?} was asked for")]
-    ElementType {
-        /// The element type asked for.
-        expected: crate::dtype::DType,
-        /// The element type offered, when it is one this crate knows.
-        offered: Option<crate::dtype::DType>,
-    },
-    /// The offer's access is not the one asked for: a read-only share where an exclusive
-    /// hand-off was asked for, or the other way round.
-    #[error("an offer of {offered} access, where {expected} access was asked for")]
-    Access {
-        /// The access asked for: `read-only` or `exclusive`.
-        expected: &'static str,
-        /// The access offered.
-        offered: &'static str,
-    },
-    /// The offer names a device this engine's streams cannot reach (neither its own nor a
-    /// peer it accesses directly).
-    #[error("the offer's device (UUID {uuid:02x?}) is not one this engine reaches")]
-    Unreachable {
-        /// The UUID of the exporter's device.
-        uuid: [u8; 16],
-    },
-    /// The importer refused an offer (reported at the exporter's next boundary): nothing of it
-    /// was mapped there.
-    #[error("process {pid} refused the offer: {reason}")]
-    Refused {
-        /// The importer's process id.
-        pid: u32,
-        /// Why, as it said.
-        reason: String,
-    },
-    /// A tensor imported from another process, offered for sharing again: memory is shared by
-    /// the process that allocated it.
-    #[error("an imported tensor cannot be shared again")]
-    Reexport,
-    /// A reclaim or a hand-back that the importers have not released within its deadline.
-    #[error("{imports} import(s) not yet released")]
-    StillImported {
-        /// The imports still held.
-        imports: usize,
-    },
-    /// This process's identity (its host's id, the boot's id, its start time) cannot be read.
-    #[error("cannot name this {what}: {reason}")]
-    Identity {
-        /// What: `host`, `boot` or `process`.
-        what: &'static str,
-        /// Why.
         reason: String,
     },
     /// A peer whose greeting (or, for an exporter, whose first offer) names another process
@@ -1471,24 +1369,6 @@ pub enum ShareError {
         claimed: u64,
         /// What the kernel reports.
         kernel: u64,
-    },
-    /// A peer of another user than this process's, which the listener (or link) was not told
-    /// to allow.
-    #[error("a peer of user {uid}, where only users {allowed:?} may share with this process")]
-    OtherUser {
-        /// The peer's user id, as the kernel reports it.
-        uid: u32,
-        /// The users allowed: this process's and any allowed besides.
-        allowed: Vec<u32>,
-    },
-    /// A greeting (or another message) that did not arrive whole within its limit: a peer that
-    /// trickles it is refused however slowly each byte comes.
-    #[error("{what} did not arrive whole within {within:?}")]
-    TimedOut {
-        /// What: `a greeting`, `a message`.
-        what: &'static str,
-        /// The limit, from the exchange's start.
-        within: std::time::Duration,
     },
     /// An offer that claims more memory than the allocation it names holds, as the importing
     /// driver measures the mapping (`cuMemGetAddressRange`): its shape and element size, at its
@@ -1513,4 +1393,154 @@ pub enum ShareError {
         /// The bound.
         limit: usize,
     },
+}
+
+/// Another process or rank did not do its part: rank 0 refused this rank or never answered,
+/// ranks did not arrive or join, a collective's peer hung or its communicator failed, a
+/// sharing peer closed, exited, refused an offer, or did not release an import in time. A
+/// collective's comes after its communicator was aborted: its queued parts end, the engine stays
+/// usable, and the tensors the collective lent are released once their engines prove the parts
+/// ended (or kept for the engine's lifetime where they cannot).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PeerError {
+    /// Rank 0 waited its deadline and these ranks did not arrive (connections it refused are
+    /// listed, each with why).
+    #[error(
+        "rendezvous at {address}: rank(s) {missing:?} never arrived by the deadline{}",
+        if refused.is_empty() { String::new() } else { format!("; refused: {}", refused.join("; ")) }
+    )]
+    Missing {
+        /// The rendezvous address.
+        address: String,
+        /// The ranks that did not arrive.
+        missing: Vec<usize>,
+        /// The connections refused meanwhile, each with its peer's address and why: at most
+        /// [`MAX_LISTED_REFUSALS`](crate::collective::MAX_LISTED_REFUSALS), then
+        /// one entry counting the rest.
+        refused: Vec<String>,
+    },
+    /// A rank other than 0 could not reach rank 0, or had no answer from it, by its deadline.
+    #[error("rendezvous at {address}: no answer from rank 0 by the deadline{}", .last.as_ref().map_or_else(String::new, |e| format!(" (last: {e})")))]
+    NoRoot {
+        /// The rendezvous address.
+        address: String,
+        /// The last failure seen, if any.
+        last: Option<String>,
+    },
+    /// Rank 0 refused this rank: the reason is what rank 0 found wrong with its greeting.
+    #[error("rendezvous at {address}: rank 0 refused rank {rank}: {reason}")]
+    RankRefused {
+        /// The rendezvous address.
+        address: String,
+        /// This rank.
+        rank: usize,
+        /// Why: a world of another size, a rank out of range or already taken, a peer of
+        /// another job or protocol.
+        reason: String,
+    },
+    /// A rank's join waited its deadline and the world did not form: a rank never came. The
+    /// communicator begun was aborted; the engine is usable.
+    #[error(
+        "rank {rank} of a world of {world}: {} within {waited:?}",
+        match missing {
+            Some(missing) => format!("rank(s) {missing:?} never joined"),
+            None => "not every rank joined (the collective library does not say which)".into(),
+        }
+    )]
+    Unjoined {
+        /// This rank.
+        rank: usize,
+        /// The world's size.
+        world: usize,
+        /// How long it waited.
+        waited: std::time::Duration,
+        /// The ranks that had not joined when it gave up, in order, where the collective
+        /// library can tell (the simulated device can; NCCL cannot: `None`).
+        missing: Option<Vec<usize>>,
+    },
+    /// The communicator's deadline passed before this rank's part completed: a peer died, hung,
+    /// or never queued its part.
+    #[error(
+        "rank {rank} of a world of {world}: the collective did not complete within {timeout:?} \
+         (a peer died, hangs or never queued its part); the communicator was aborted"
+    )]
+    CollectiveTimedOut {
+        /// This rank.
+        rank: usize,
+        /// The world's size.
+        world: usize,
+        /// The communicator's deadline.
+        timeout: std::time::Duration,
+    },
+    /// The collective library found the communicator failed (a peer's connection lost, a
+    /// remote error): `reason` is its report.
+    #[error("rank {rank} of a world of {world}: the communicator failed: {reason}; it was aborted")]
+    CommunicatorFailed {
+        /// This rank.
+        rank: usize,
+        /// The world's size.
+        world: usize,
+        /// The library's report.
+        reason: String,
+    },
+    /// The communicator was aborted before (by a deadline, a failure or
+    /// [`Communicator::abort`](crate::collective::Communicator::abort)): nothing more runs on
+    /// it.
+    #[error("rank {rank} of a world of {world}: the communicator was aborted")]
+    Aborted {
+        /// This rank.
+        rank: usize,
+        /// The world's size.
+        world: usize,
+    },
+    /// The peer closed the socket before a message began.
+    #[error("sharing socket: the peer closed it")]
+    Closed,
+    /// A handle of a process that has exited (or whose pid now names a later process).
+    #[error("a handle of process {pid}, which has exited")]
+    ProcessGone {
+        /// The process id the handle names.
+        pid: u32,
+    },
+    /// The importer refused an offer (reported at the exporter's next boundary): nothing of it
+    /// was mapped there.
+    #[error("process {pid} refused the offer: {reason}")]
+    OfferRefused {
+        /// The importer's process id.
+        pid: u32,
+        /// Why, as it said.
+        reason: String,
+    },
+    /// A peer of another user than this process's, which the listener (or link) was not told
+    /// to allow.
+    #[error("a peer of user {uid}, where only users {allowed:?} may share with this process")]
+    OtherUser {
+        /// The peer's user id, as the kernel reports it.
+        uid: u32,
+        /// The users allowed: this process's and any allowed besides.
+        allowed: Vec<u32>,
+    },
+    /// A greeting (or another message) that did not arrive whole within its limit: a peer that
+    /// trickles it is refused however slowly each byte comes.
+    #[error("{what} did not arrive whole within {within:?}")]
+    TimedOut {
+        /// What: `a greeting`, `a message`.
+        what: &'static str,
+        /// The limit, from the exchange's start.
+        within: std::time::Duration,
+    },
+}
+
+/// The extents of `left` and `right` at dimension `dim` of the longer shape, right-aligned (1
+/// where a shape is too short to have it), for [`UsageError::NotBroadcastable`]'s message.
+fn broadcast_extent(left: &[usize], right: &[usize], dim: usize) -> (usize, usize) {
+    let rank = left.len().max(right.len());
+    let at = |s: &[usize]| {
+        (dim + s.len())
+            .checked_sub(rank)
+            .and_then(|i| s.get(i).copied())
+            .unwrap_or(1)
+    };
+    (at(left), at(right))
 }

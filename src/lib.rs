@@ -43,7 +43,7 @@
 //!
 //! The [`guide`] explains the engine, its routes and the rules they keep, chapter by chapter;
 //! [its API chapter](guide::api) states the rule every item follows (what is a method, what is a
-//! free function, which module holds what) and lists what moved since 0.1.
+//! free function, which module holds what) and lists every item renamed as the layout changed.
 //!
 //! ```
 //! # fn main() -> Result<(), cuferry::Error> {
@@ -61,7 +61,7 @@
 //! ```
 
 // The levels, lowest first; a module never imports a level above its own (`tests/levels.rs`
-// checks it). `error`, `dtype` and `sync` sit below them all.
+// checks it). `device`, `error`, `dtype`, `fd_passing` and `sync` sit below them all.
 //
 // The seam: the one trait that names device operations, and its two implementations.
 mod driver;
@@ -76,14 +76,19 @@ mod memory;
 // The proofs that the device is done with memory: fences, wakes, staging leases, signals.
 mod lifecycle;
 
-// The host/device routes.
+// Everything that crosses an engine's edge: host, peer, collective, share and checkpoint routes.
 mod routes;
 
 // What runs on the device: kernels, libraries, CubeCL, raw scopes.
 mod work;
 
+// The name of the device an engine drives (public at `engine::DeviceId`).
+mod device;
 mod dtype;
 pub mod error;
+// Descriptors beside bytes on a Unix socket (`SCM_RIGHTS`), for the share route and the
+// simulator alike.
+mod fd_passing;
 pub mod guide;
 // The host concurrency: the atomics, threads and cells of the hand-written concurrency (`std`'s,
 // or loom's when the loom models are built), and the process's host-copy threads.
@@ -95,6 +100,7 @@ pub use crate::core::engine::CudaEngine;
 pub use dtype::DType;
 pub use error::{Error, Result, SubmitError};
 pub use lifecycle::pending::Pending;
+pub use memory::any_tensor::AnyTensor;
 pub use memory::element::Element;
 pub use memory::pinned::PinnedHostBuffer;
 pub use memory::registered::RegisteredBuffer;
@@ -116,7 +122,7 @@ pub use work::{graph, libs};
 /// orders one engine's work after another's.
 pub mod engine {
     pub use crate::core::retire::RetirementStats;
-    pub use crate::error::{DeviceId, DeviceKind};
+    pub use crate::device::{DeviceId, DeviceKind};
     pub use crate::lifecycle::signal::Signal;
     pub use crate::memory::pool::PinnedPoolStats;
 }
@@ -126,8 +132,10 @@ pub mod engine {
 ///
 /// Everything the device finishes later is a `Pending<Op, S>`: host transfers (`upload_pending`,
 /// `download_pending`), peer copies (`peer::copy_pending`) and collectives
-/// (`collective::all_reduce`, `collective::broadcast`). Each has the same verbs: `is_ready`
-/// (never waits), `wait`, `try_wait` (hands the value back if not done), `.await`
+/// (`comm.group().all_reduce(..).submit(..)`, and every other collective), and what sharing
+/// between processes hands back later (`share::Loan`, `share::Reclaim`, `share::Departure`,
+/// proven by the importers rather than by an event). Each has the same verbs: `is_ready`
+/// (never waits), `wait`, `try_wait` (hands the value back if not done), `wait_for` (bounded), `.await`
 /// ([`PendingFuture`](crate::pending::PendingFuture)), detach on drop, `mem::forget` a sound leak, the device side lent shared
 /// to the engine that carries the work, `into_parts` once [`Returned`](crate::pending::Returned), and `resubmit` with the
 /// same event. [The guide](crate::guide::lifecycles) tells the story.
@@ -172,12 +180,12 @@ pub mod raw {
 
 /// Checkpoint files in the safetensors format (feature `safetensors`): [`load`](checkpoint::load)
 /// named device tensors from a file and [`save`](checkpoint::save) them to one, through pinned
-/// staging, every bad file a typed [`CheckpointError`](crate::error::CheckpointError).
+/// staging, every bad file a typed [`MalformedError`](crate::error::MalformedError) naming it.
 #[cfg(feature = "safetensors")]
 pub mod checkpoint {
     pub use crate::routes::checkpoint::{
         Checkpoint, DEFAULT_READERS, DEFAULT_STAGING_BYTES, DEFAULT_WRITERS, LoadOptions, Progress,
-        ReadAt, SaveOptions, Tensor, WriteAt, load, load_each, load_from, load_with, read_into,
+        ReadAt, SaveOptions, SaveTensor, WriteAt, load, load_each, load_from, load_with, read_into,
         read_pending, save, save_with, write_from, write_returned,
     };
 }
@@ -196,7 +204,9 @@ pub mod checkpoint {
 /// device. See the guide's chapter [Sharing between processes](crate::guide::sharing).
 #[cfg(target_os = "linux")]
 pub mod share {
-    pub use crate::routes::share::{Exported, Importer, Lent, ReadOnly, ShareLink, ShareListener};
+    pub use crate::routes::share::{
+        Departure, Exported, Importer, Loan, ReadOnly, Reclaim, ShareLink, ShareListener,
+    };
 }
 
 /// The simulated device (feature `sim`).

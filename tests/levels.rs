@@ -53,9 +53,11 @@ use std::path::Path;
 const LEVELS: [&str; 6] = ["driver", "core", "memory", "lifecycle", "work", "routes"];
 
 /// The files below every level.
-const BASE: [&str; 6] = [
+const BASE: [&str; 8] = [
+    "device.rs",
     "error.rs",
     "dtype.rs",
+    "fd_passing.rs",
     "sync/mod.rs",
     "sync/copy_pool.rs",
     "sync/deadline.rs",

@@ -8,13 +8,14 @@
 //!
 //! The staged routes hand their host copies to the process's copy threads, whose number is fixed
 //! for the process: the sweep runs in child processes of this test binary, one with two copy
-//! threads and one with four, so the parallel paths are swept whatever the machine.
+//! threads and one with four, so the parallel paths are swept whatever the machine. The two
+//! children run at once.
 
 use cuferry::graph::{GraphCompiler, Input, TracedTensor};
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{
     CudaEngine, DType, Error, PinnedHostBuffer, RegisteredBuffer,
-    collective::{Communicator, ReduceOp, all_reduce},
+    collective::{Communicator, ReduceOp},
     download_pending, download_tensor, download_tensor_into, peer,
     staging::StagingConfig,
     upload_pending, upload_tensor,
@@ -172,7 +173,10 @@ fn workload(a: &mut CudaEngine, b: &mut CudaEngine, wrong: &Wrong) -> Result<(),
     let comm = Communicator::new(&mut [&mut *a, &mut *b])?;
     let ta = upload_tensor(a, &distinct(300, 10), &[300])?;
     let tb = upload_tensor(b, &distinct(300, 11), &[300])?;
-    let reduced = all_reduce(&comm, &mut [&mut *a, &mut *b], vec![ta, tb], ReduceOp::Max)?
+    let reduced = comm
+        .group()
+        .all_reduce(vec![ta, tb], ReduceOp::Max)
+        .submit(&mut [&mut *a, &mut *b])?
         .wait()?
         .into_parts();
     let want: Vec<u32> = distinct(300, 10)
@@ -200,34 +204,39 @@ fn workload(a: &mut CudaEngine, b: &mut CudaEngine, wrong: &Wrong) -> Result<(),
 /// once), and file ranges both ways, with three readers and writers on three slots.
 #[cfg(feature = "safetensors")]
 fn checkpoints(a: &mut CudaEngine, wrong: &Wrong) -> Result<(), Error> {
-    use cuferry::checkpoint::{self, LoadOptions, SaveOptions, Tensor};
+    use cuferry::AnyTensor;
+    use cuferry::checkpoint::{self, LoadOptions, SaveOptions};
     let dir = std::env::temp_dir().join(format!("cuferry-panic-sweep-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("model.safetensors");
     let large = distinct(400_000, 12); // 1.5 MiB: two slots
     let tensors = [
-        Tensor::from(upload_tensor(a, &large, &[400_000])?),
-        Tensor::from(upload_tensor(a, &distinct(3000, 13), &[3000])?),
-        Tensor::from(upload_tensor(a, &[7u8; 7], &[7])?),
+        AnyTensor::from(upload_tensor(a, &large, &[400_000])?),
+        AnyTensor::from(upload_tensor(a, &distinct(3000, 13), &[3000])?),
+        AnyTensor::from(upload_tensor(a, &[7u8; 7], &[7])?),
     ];
-    let named = [
+    let named: [(&str, &dyn checkpoint::SaveTensor); 3] = [
         ("large", &tensors[0]),
         ("small", &tensors[1]),
         ("tiny", &tensors[2]),
     ];
     let options = SaveOptions::new().writers(3).staging_bytes(3 << 20);
-    checkpoint::save_with(a, &path, &named, options)?;
+    checkpoint::save_with(a, &named, &path, options)?;
     drop(tensors);
     let mut copies = Vec::new();
     let options = LoadOptions::new().readers(3).staging_bytes(3 << 20);
     checkpoint::load_each(a, &path, options, |a, name, tensor| {
-        copies.push((name, a.copy_tensor(tensor.bytes())?));
+        let copy = match tensor.as_typed::<u32>() {
+            Some(t) => AnyTensor::from(a.copy_tensor(t)?),
+            None => AnyTensor::from(a.copy_tensor(tensor.as_typed::<u8>().expect("u32 or u8"))?),
+        };
+        copies.push((name, copy));
         Ok(())
     })?;
     let (_, large_copy) = copies.iter().find(|(n, _)| n == "large").expect("loaded");
-    let back = download_tensor(a, large_copy)?;
+    let back = download_tensor(a, large_copy.as_typed::<u32>().expect("a u32 tensor"))?;
+    expect(wrong, "checkpoint::load_each", &back, &large);
     let want: Vec<u8> = large.iter().flat_map(|v| v.to_le_bytes()).collect();
-    expect(wrong, "checkpoint::load_each", &back, &want);
     let file = std::fs::File::open(&path).unwrap();
     let mut range = a.alloc_tensor::<u8>(&[want.len()])?;
     // The large tensor's bytes come first, right after the header (the format's order).
@@ -416,18 +425,23 @@ fn a_panic_at_every_driver_call_leaks_never_releases_with_two_and_four_copy_thre
     }
     let me = std::env::current_exe().unwrap();
     let name = "a_panic_at_every_driver_call_leaks_never_releases_with_two_and_four_copy_threads";
+    // Both children at once: each sweep is one thread of runs, so on two cores the two take
+    // the time of one.
     let children: Vec<_> = [2, 4]
         .into_iter()
         .map(|threads| {
             let child = Command::new(&me)
                 .args(["--exact", name, "--nocapture", "--test-threads=1"])
                 .env(CHILD, threads.to_string())
-                .output()
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
                 .unwrap();
             (threads, child)
         })
         .collect();
     for (threads, child) in children {
+        let child = child.wait_with_output().unwrap();
         let out = String::from_utf8_lossy(&child.stdout);
         let err = String::from_utf8_lossy(&child.stderr);
         assert!(

@@ -26,8 +26,9 @@
 use super::order::{Order, Proven, Use};
 use super::parts::Parts;
 use super::retire::{EventPool, Poll, Resources, RetireQueue, RetirementStats};
+use crate::device::DeviceId;
 use crate::driver::{ContextHandle, DevicePtr, Driver, Lane, Waits, callbacks};
-use crate::error::{DeviceId, DriverError, Error, Result, UsageError};
+use crate::error::{DriverError, Error, Result, UsageError};
 use crate::sync::unlock_first::{UnlockFirst, Unlocking};
 use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -396,6 +397,7 @@ impl Shared {
     pub(crate) fn check_owner(&self, device: DeviceId, engine_id: u64) -> Result<()> {
         if engine_id != self.engine_id {
             return Err(Error::Usage(UsageError::WrongEngine {
+                what: "the value",
                 expected: self.engine_id,
                 expected_device: self.device,
                 found: engine_id,
@@ -424,6 +426,61 @@ impl Shared {
 /// Dropping the engine waits for its streams, releases what it retained, and never panics or
 /// reports. If that final wait fails, everything the device may still touch is leaked rather
 /// than freed.
+///
+/// # Methods by topic
+///
+/// Every method of the engine, wherever its code lives (each level implements the methods over
+/// its own state); `tests/engine_methods.rs` checks that the table and the code agree.
+///
+/// | topic | method | what it is for |
+/// | --- | --- | --- |
+/// | Open and devices | [`open`](CudaEngine::open) | opens CUDA device `ordinal` (its primary context and the engine's three streams) |
+/// |  | [`device_count`](CudaEngine::device_count) | how many CUDA devices this machine has |
+/// |  | [`device`](CudaEngine::device) | the device this engine drives |
+/// |  | [`device_name`](CudaEngine::device_name) | the device's name, as the driver reports it |
+/// |  | [`id`](CudaEngine::id) | a number unique to this engine in the process |
+/// | Order: boundaries, barriers, signals | [`flush`](CudaEngine::flush) | a submission boundary: reports queued failures without waiting |
+/// |  | [`synchronize`](CudaEngine::synchronize) | the host barrier: waits for everything queued, then reports |
+/// |  | [`signal`](CudaEngine::signal) | a [`Signal`](crate::engine::Signal) after everything queued so far, for another engine or stream to wait on |
+/// |  | [`wait_signal`](CudaEngine::wait_signal) | makes this engine's later work wait, on the device, for a signal |
+/// |  | [`stream_waits`](CudaEngine::stream_waits) | how many cross-stream waits the order has queued (a counter) |
+/// |  | [`events_created`](CudaEngine::events_created) | how many events the engine has created (a counter) |
+/// |  | [`retirement_stats`](CudaEngine::retirement_stats) | the retirement queue's counters |
+/// | Memory and staging | [`alloc_tensor`](CudaEngine::alloc_tensor) | a device tensor of a shape, contents unspecified until written |
+/// |  | [`pinned_pool_budget`](CudaEngine::pinned_pool_budget) | the pinned pool's idle-byte budget |
+/// |  | [`set_pinned_pool_budget`](CudaEngine::set_pinned_pool_budget) | sets that budget and trims the pool to it |
+/// |  | [`pinned_pool_stats`](CudaEngine::pinned_pool_stats) | the pinned pool's counters |
+/// |  | [`staging_lease`](CudaEngine::staging_lease) | leases a staging slot, for a chunked pipeline built by hand |
+/// |  | [`staging_config`](CudaEngine::staging_config) | the staging ring's settings |
+/// |  | [`set_staging_config`](CudaEngine::set_staging_config) | changes the staging ring's settings |
+/// |  | [`staging_stats`](CudaEngine::staging_stats) | the staging ring's counters |
+/// | Transfers (host routes are the free functions [`upload_tensor`](crate::upload_tensor), [`download_tensor`](crate::download_tensor) and their pending forms; peers in [`peer`](crate::peer), ranks in [`collective`](crate::collective)) | [`copy_tensor`](CudaEngine::copy_tensor) | a device-to-device copy into a new tensor |
+/// |  | [`copy_into`](CudaEngine::copy_into) | a device-to-device copy into an existing tensor |
+/// | Compute: elementwise | [`add`](CudaEngine::add) | `a + b`, broadcasting |
+/// |  | [`sub`](CudaEngine::sub) | `a - b`, broadcasting |
+/// |  | [`mul`](CudaEngine::mul) | `a * b`, broadcasting |
+/// |  | [`div`](CudaEngine::div) | `a / b` for float types, broadcasting |
+/// |  | [`neg`](CudaEngine::neg) | `-a` |
+/// |  | [`scale`](CudaEngine::scale) | `a * factor` |
+/// |  | [`cast`](CudaEngine::cast) | every element converted with Rust's `as` |
+/// |  | [`fill`](CudaEngine::fill) | writes one value into every element |
+/// |  | [`full`](CudaEngine::full) | a new tensor with one value in every element |
+/// |  | [`cached_kernels`](CudaEngine::cached_kernels) | how many elementwise kernels the engine has compiled |
+/// | Compute: libraries | [`matmul`](CudaEngine::matmul) | the row-major product `a · b` (cuBLAS) |
+/// |  | [`matmul_t`](CudaEngine::matmul_t) | `op(a) · op(b)`, each read as stored or transposed |
+/// |  | [`linear`](CudaEngine::linear) | PyTorch's `x · wᵀ + bias` |
+/// |  | [`gemm`](CudaEngine::gemm) | cuBLAS `gemm` in place, column-major, with alpha and beta |
+/// |  | [`contract`](CudaEngine::contract) | a cuTENSOR contraction in Einstein notation |
+/// |  | [`cholesky_solve`](CudaEngine::cholesky_solve) | solves `A·X = B` for a symmetric positive definite `A` (cuSOLVER) |
+/// | Raw scopes and vendor handles | [`with_raw`](CudaEngine::with_raw) | runs a closure with the raw context, stream and pointers |
+/// |  | [`with_cubecl`](CudaEngine::with_cubecl) | runs a closure with a CubeCL client on this device (feature `cubecl`) |
+/// | Prepared graphs | [`prepare`](CudaEngine::prepare) | compiles a [`Program`](crate::graph::Program)'s kernels and captures its graphs |
+/// |  | [`run`](CudaEngine::run) | runs a prepared program on new inputs |
+/// | Sharing between processes | [`export_tensor`](CudaEngine::export_tensor) | makes a tensor shareable read-only with importer processes |
+/// | Simulator (feature `sim`) | [`simulated`](CudaEngine::simulated) | opens an engine on a fresh simulated device |
+/// |  | [`simulated_on`](CudaEngine::simulated_on) | opens another engine on an existing simulated device |
+/// |  | [`simulated_on_device`](CudaEngine::simulated_on_device) | opens an engine on one device of a simulated machine |
+/// |  | [`sim`](CudaEngine::sim) | the simulated device behind this engine: its clock, faults and accounting |
 pub struct CudaEngine {
     pub(crate) shared: Arc<Shared>,
     /// The simulated machine the engine was opened on, if it was (its test handle).

@@ -30,8 +30,9 @@
 //! stream reports.
 
 use super::DevicePtr;
+use crate::device::DeviceId;
 use crate::dtype::DType;
-use crate::error::{DeviceId, Error};
+use crate::error::Error;
 
 /// What one call of a collective does with its rank's buffers. `count` is the count NCCL's call
 /// takes (see [`extents`](Self::extents) for what each buffer holds).
@@ -145,7 +146,7 @@ pub(crate) trait Communicators: Send + Sync {
     /// start and its end), by its drop, as NCCL requires of every group it opened.
     /// The group's end waits at most `timeout` for the library to queue its parts (a
     /// non-blocking communicator connecting to a peer), then fails with
-    /// [`CollectiveError::TimedOut`](crate::error::CollectiveError::TimedOut) after aborting
+    /// [`PeerError::CollectiveTimedOut`](crate::error::PeerError::CollectiveTimedOut) after aborting
     /// the communicators.
     fn group(&self, timeout: std::time::Duration) -> Result<Box<dyn Group + '_>, Error>;
 
@@ -159,12 +160,12 @@ pub(crate) trait Communicators: Send + Sync {
     ///
     /// # Errors
     /// The library's error for a communicator that failed;
-    /// [`CollectiveError::Aborted`](crate::error::CollectiveError::Aborted) once aborted.
+    /// [`PeerError::Aborted`](crate::error::PeerError::Aborted) once aborted.
     fn health(&self) -> Result<(), Error>;
 
     /// Aborts the communicators (`ncclCommAbort`), once: every part queued on them ends on its
     /// stream without its partners, leaving its buffers as they are, and every later group is
-    /// refused ([`CollectiveError::Aborted`](crate::error::CollectiveError::Aborted)). Safe to
+    /// refused ([`PeerError::Aborted`](crate::error::PeerError::Aborted)). Safe to
     /// call from any thread, with or without work queued; the second call does nothing.
     fn abort(&self);
 }
@@ -208,9 +209,9 @@ pub(crate) trait Collectives {
     ///
     /// # Errors
     /// As [`unique_id`](Self::unique_id);
-    /// [`BootstrapError::UniqueId`](crate::error::BootstrapError::UniqueId) for an id of
+    /// [`MalformedError::UniqueId`](crate::error::MalformedError::UniqueId) for an id of
     /// another library version than this driver's;
-    /// [`BootstrapError::Unjoined`](crate::error::BootstrapError::Unjoined) when the world did
+    /// [`PeerError::Unjoined`](crate::error::PeerError::Unjoined) when the world did
     /// not form in time; the library's error for an id it cannot use.
     fn join(
         &self,
@@ -233,7 +234,7 @@ pub(crate) trait Collectives {
 /// The refusal of an id made by the collective library of version `made`, by one of version
 /// `here`.
 pub(crate) fn other_library(made: u32, here: u32) -> Error {
-    crate::error::BootstrapError::UniqueId {
+    crate::error::MalformedError::UniqueId {
         reason: format!("made by collective library version {made}, where this process has {here}"),
     }
     .into()

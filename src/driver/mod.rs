@@ -34,7 +34,8 @@ pub(crate) mod share;
 #[cfg(any(test, feature = "sim"))]
 pub(crate) mod sim;
 
-use crate::error::{DeviceId, DriverError};
+use crate::device::DeviceId;
+use crate::error::DriverError;
 use std::sync::Arc;
 
 /// A device address.
@@ -44,7 +45,7 @@ pub(crate) type DevicePtr = u64;
 /// CUDA devices can (through events), and the devices of one simulated machine, which share its
 /// clock; nothing else can.
 pub(crate) fn reachable(from: DeviceId, to: DeviceId) -> Result<(), &'static str> {
-    use crate::error::DeviceKind;
+    use crate::device::DeviceKind;
     match (from.kind, to.kind) {
         (DeviceKind::Cuda, DeviceKind::Cuda) => Ok(()),
         (DeviceKind::Simulated, DeviceKind::Simulated) if from.instance == to.instance => Ok(()),

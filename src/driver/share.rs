@@ -26,7 +26,7 @@
 //! records a violation when an exporter's free runs while an importer still maps the memory.
 
 use super::{DevicePtr, EventHandle, Lane};
-use crate::error::{DriverError, ShareError};
+use crate::error::{DriverError, Error, MalformedError, PeerError, SetupError};
 use std::os::fd::RawFd;
 
 /// The bytes of an allocation's export data (`CUmemPoolPtrExportData`) or of an inter-process
@@ -56,9 +56,9 @@ pub(crate) trait Sharing {
     /// The process that holds this driver's context.
     ///
     /// # Errors
-    /// [`ShareError::Identity`] when the host's, the boot's or the process's identity cannot be
+    /// [`SetupError::Identity`] when the host's, the boot's or the process's identity cannot be
     /// read.
-    fn process(&self) -> Result<Origin, ShareError>;
+    fn process(&self) -> Result<Origin, Error>;
 
     /// Whether the process `origin` names has ended and its contexts have been torn down, so no
     /// work of its can touch memory any more. A process of another host or boot counts as
@@ -70,8 +70,8 @@ pub(crate) trait Sharing {
     /// the same pid, running with the start time `/proc` gives it ([`peer_is_process`]).
     ///
     /// # Errors
-    /// [`ShareError::PeerIdentity`] saying which field disagrees.
-    fn check_peer(&self, claimed: &Origin, kernel_pid: u32) -> Result<(), ShareError> {
+    /// [`MalformedError::PeerIdentity`] saying which field disagrees.
+    fn check_peer(&self, claimed: &Origin, kernel_pid: u32) -> Result<(), Error> {
         peer_is_process(claimed, kernel_pid)
     }
 
@@ -154,23 +154,25 @@ pub(crate) fn start_of(pid: u32) -> Option<u64> {
 /// time `/proc/PID/stat` gives it now (which tells a recycled pid apart).
 ///
 /// # Errors
-/// [`ShareError::PeerIdentity`] for another pid, or another start time (0 for a process that
+/// [`MalformedError::PeerIdentity`] for another pid, or another start time (0 for a process that
 /// has exited).
-pub(crate) fn peer_is_process(claimed: &Origin, kernel_pid: u32) -> Result<(), ShareError> {
+pub(crate) fn peer_is_process(claimed: &Origin, kernel_pid: u32) -> Result<(), Error> {
     if claimed.pid != kernel_pid {
-        return Err(ShareError::PeerIdentity {
+        return Err(MalformedError::PeerIdentity {
             what: "pid",
             claimed: claimed.pid.into(),
             kernel: kernel_pid.into(),
-        });
+        }
+        .into());
     }
     match start_of(kernel_pid) {
         Some(start) if start == claimed.start => Ok(()),
-        other => Err(ShareError::PeerIdentity {
+        other => Err(MalformedError::PeerIdentity {
             what: "start time",
             claimed: claimed.start,
             kernel: other.unwrap_or(0),
-        }),
+        }
+        .into()),
     }
 }
 
@@ -192,7 +194,7 @@ fn id_bytes(text: &str) -> Option<[u8; 16]> {
 }
 
 /// The 128-bit id in the first of `paths` that holds one.
-fn read_id(what: &'static str, paths: &[&str]) -> Result<[u8; 16], ShareError> {
+fn read_id(what: &'static str, paths: &[&str]) -> Result<[u8; 16], Error> {
     for path in paths {
         if let Some(id) = std::fs::read_to_string(path)
             .ok()
@@ -202,15 +204,16 @@ fn read_id(what: &'static str, paths: &[&str]) -> Result<[u8; 16], ShareError> {
             return Ok(id);
         }
     }
-    Err(ShareError::Identity {
+    Err(SetupError::Identity {
         what,
         reason: format!("none of {paths:?} holds a 128-bit id"),
-    })
+    }
+    .into())
 }
 
 /// The host's id: its machine id, or, on a host without one (a minimal container), 128 bits
 /// of its name (two FNV-1a hashes), which tells hosts apart as far as their names do.
-fn host_id() -> Result<[u8; 16], ShareError> {
+fn host_id() -> Result<[u8; 16], Error> {
     read_id("host", &["/etc/machine-id", "/var/lib/dbus/machine-id"]).or_else(|missing| {
         let name = std::fs::read_to_string("/proc/sys/kernel/hostname").map_err(|_| missing)?;
         let fnv = |seed: u64| {
@@ -230,8 +233,8 @@ impl Origin {
     /// with a pid of its own, reads it again): it names the same process for its whole life.
     ///
     /// # Errors
-    /// [`ShareError::Identity`] when the host's or the boot's id cannot be read.
-    pub(crate) fn here() -> Result<Origin, ShareError> {
+    /// [`SetupError::Identity`] when the host's or the boot's id cannot be read.
+    pub(crate) fn here() -> Result<Origin, Error> {
         static HERE: std::sync::Mutex<Option<Origin>> = std::sync::Mutex::new(None);
         let pid = std::process::id();
         let mut here = HERE.lock().unwrap_or_else(|e| e.into_inner());
@@ -244,7 +247,7 @@ impl Origin {
             host: host_id()?,
             boot: read_id("boot", &["/proc/sys/kernel/random/boot_id"])?,
             pid,
-            start: start_of(pid).ok_or(ShareError::Identity {
+            start: start_of(pid).ok_or(SetupError::Identity {
                 what: "process",
                 reason: format!("/proc/{pid}/stat has no start time"),
             })?,
@@ -256,16 +259,16 @@ impl Origin {
     /// Checks that this names a process of `here`'s host and boot that has not `ended`.
     ///
     /// # Errors
-    /// [`ShareError::OtherHost`], [`ShareError::OtherBoot`] or [`ShareError::ProcessGone`].
-    pub(crate) fn check(&self, here: &Origin, ended: bool) -> Result<(), ShareError> {
+    /// [`SetupError::OtherHost`], [`SetupError::OtherBoot`] or [`PeerError::ProcessGone`].
+    pub(crate) fn check(&self, here: &Origin, ended: bool) -> Result<(), Error> {
         if self.host != here.host {
-            return Err(ShareError::OtherHost);
+            return Err(SetupError::OtherHost.into());
         }
         if self.boot != here.boot {
-            return Err(ShareError::OtherBoot);
+            return Err(SetupError::OtherBoot.into());
         }
         if ended {
-            return Err(ShareError::ProcessGone { pid: self.pid });
+            return Err(PeerError::ProcessGone { pid: self.pid }.into());
         }
         Ok(())
     }
@@ -276,7 +279,7 @@ mod tests {
     use super::*;
 
     /// `origin` checked as a real device's driver judges it.
-    fn check(origin: &Origin, here: &Origin) -> Result<(), ShareError> {
+    fn check(origin: &Origin, here: &Origin) -> Result<(), Error> {
         origin.check(here, start_of(origin.pid) != Some(origin.start))
     }
 
@@ -290,7 +293,7 @@ mod tests {
         };
         assert!(matches!(
             check(&other_host, &here),
-            Err(ShareError::OtherHost)
+            Err(Error::Setup(SetupError::OtherHost))
         ));
         let other_boot = Origin {
             boot: [0xbb; 16],
@@ -298,7 +301,7 @@ mod tests {
         };
         assert!(matches!(
             check(&other_boot, &here),
-            Err(ShareError::OtherBoot)
+            Err(Error::Setup(SetupError::OtherBoot))
         ));
         // A process that has exited, and a pid reused by a later process.
         let mut child = std::process::Command::new("sleep")
@@ -316,7 +319,7 @@ mod tests {
         child.wait().unwrap();
         assert!(matches!(
             check(&alive, &here),
-            Err(ShareError::ProcessGone { pid: p }) if p == pid
+            Err(Error::Peer(PeerError::ProcessGone { pid: p })) if p == pid
         ));
         let reused = Origin {
             start: here.start + 1,
@@ -324,7 +327,7 @@ mod tests {
         };
         assert!(matches!(
             check(&reused, &here),
-            Err(ShareError::ProcessGone { .. })
+            Err(Error::Peer(PeerError::ProcessGone { .. }))
         ));
     }
 

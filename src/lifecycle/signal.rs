@@ -13,8 +13,9 @@
 
 use super::fence::{Fenced, Fencing, fence};
 use crate::core::engine::CudaEngine;
+use crate::device::DeviceId;
 use crate::driver::Lane;
-use crate::error::{DeviceId, Error, Result, SetupError};
+use crate::error::{Error, Result, SetupError};
 use std::mem::ManuallyDrop;
 
 /// A point in one engine's work that other engines' streams can wait for on the device.

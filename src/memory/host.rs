@@ -16,7 +16,7 @@ use crate::memory::element::Element;
 use std::fmt;
 
 pub(crate) mod sealed {
-    use crate::error::DeviceId;
+    use crate::device::DeviceId;
 
     /// What the transfer routes read off a host buffer. Implemented inside the crate only.
     pub trait HostMemory {

@@ -3,6 +3,8 @@
 //!
 //! - [`element`]: the sealed `Element` trait, the element types a tensor can hold.
 //! - [`tensor`]: `DeviceTensor<T>`, a shaped, stream-ordered device allocation.
+//! - [`any_tensor`]: `AnyTensor`, a `DeviceTensor<T>` whose element type is known at run time (a
+//!   checkpoint's tensor, a prepared program's new output).
 //! - [`pinned`]: `PinnedHostBuffer<T>`, page-locked host memory handed to transfers by value.
 //! - [`registered`]: `RegisteredBuffer<T>`, the caller's `Vec<T>` page-locked in place, handed
 //!   to transfers by value the same way.
@@ -22,6 +24,7 @@
 //! part trait. The host-copy threads the blocking routes split their host copies
 //! across are process state and know nothing of memory: they live in `sync::copy_pool`.
 
+pub(crate) mod any_tensor;
 pub(crate) mod element;
 pub(crate) mod host;
 pub(crate) mod pinned;

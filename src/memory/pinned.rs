@@ -16,8 +16,9 @@ use super::host::{HostBuffer, sealed::HostMemory};
 use super::pool::{Block, GRANULE, PinnedPool, PinnedPoolStats};
 use super::pressure::Memory;
 use crate::core::engine::{CudaEngine, Shared, State};
+use crate::device::DeviceId;
 use crate::driver::Waits;
-use crate::error::{DeviceId, DriverError, Error, Result, UsageError};
+use crate::error::{DriverError, Error, Result, UsageError};
 use std::marker::PhantomData;
 use std::sync::Arc;
 

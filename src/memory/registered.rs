@@ -67,7 +67,8 @@ use super::element::Element;
 use super::host::{HostBuffer, sealed::HostMemory};
 use super::pressure::Memory;
 use crate::core::engine::{CudaEngine, Shared};
-use crate::error::{DeviceId, Error, Result, SubmitError, UsageError};
+use crate::device::DeviceId;
+use crate::error::{Error, Result, SubmitError, UsageError};
 use std::sync::Arc;
 
 /// The parts of the registered `Vec`.
@@ -115,7 +116,7 @@ impl<T> Parts<T> {
 /// let tensor = engine.alloc_tensor::<f32>(&[1024])?;
 /// let (mut buffer, tensor) = upload_pending(&mut engine, buffer, tensor)?.wait()?.into_parts();
 /// buffer.as_mut_slice().fill(0.0);
-/// let (buffer, _tensor) = download_pending(&mut engine, tensor, buffer)?.wait()?.into_parts();
+/// let (_tensor, buffer) = download_pending(&mut engine, tensor, buffer)?.wait()?.into_parts();
 /// let back = buffer.into_vec()?;
 /// assert_eq!(back.as_ptr(), start, "the same allocation");
 /// assert_eq!(back[3], 3.5);

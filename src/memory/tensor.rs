@@ -11,9 +11,10 @@ use super::element::{Element, byte_len};
 use super::pressure::Memory;
 use crate::core::engine::{CudaEngine, Shared, State};
 use crate::core::order::Use;
+use crate::device::DeviceId;
 use crate::driver::{DevicePtr, Lane};
 use crate::dtype::DType;
-use crate::error::{DeviceId, Error, Result, SubmitError, UsageError};
+use crate::error::{Error, Result, SubmitError, UsageError};
 use std::marker::PhantomData;
 use std::sync::Arc;
 use std::sync::Mutex;
@@ -296,12 +297,6 @@ impl<T: Element> DeviceTensor<T> {
             home: self.home.take(),
             _element: PhantomData,
         }
-    }
-
-    /// The same memory as a flat tensor of its bytes (every bit pattern is a valid `u8`).
-    pub(crate) fn into_bytes(self) -> DeviceTensor<u8> {
-        let bytes = self.len * T::DTYPE.size_bytes();
-        self.retype(bytes, Box::new([bytes]))
     }
 }
 

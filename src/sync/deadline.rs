@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 /// The instant an exchange must end by, or none.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Deadline(Option<Instant>);
+pub struct Deadline(Option<Instant>);
 
 impl Deadline {
     /// The deadline `within` from now; a `within` too large for an `Instant` (`Duration::MAX`

@@ -1,141 +1,24 @@
 //! Checkpoint files on the GPU.
 //!
-//! - A file the format's own serializer wrote loads bit for bit (whole, handed over tensor by
-//!   tensor with work queued on each at once, and with direct reads) and saves back byte for
-//!   byte; file ranges go to and from tensors, blocking and pending.
+//! - A file the format's own serializer wrote loads bit for bit and saves back byte for byte:
+//!   the body in `tests/bodies/checkpoint.rs`, which the simulator binary runs too.
 //! - The measurement behind `docs/records/checkpoints.md`: an 8 GiB file of 64 bf16 tensors,
 //!   loaded warm and cold and saved, each beside the limit it is judged against, measured in
 //!   the same run (reads into pinned memory, buffered and `O_DIRECT`; writes from pinned
 //!   memory), with the peak pinned and resident memory.
 
+use crate::bodies::checkpoint::{Scratch, tensors, write_with_the_formats_serializer};
 use crate::engine;
-use cuferry::checkpoint::{self, LoadOptions, SaveOptions, Tensor};
-use cuferry::{CudaEngine, PinnedHostBuffer, download_tensor};
-use std::collections::HashMap;
+
+// Written once in `tests/bodies/checkpoint.rs`, run here on device 0 and by the simulator binary.
+crate::bodies!(gpu; checkpoint::{a_checkpoint_loads_bit_for_bit_and_saves_back_byte_for_byte});
+use cuferry::checkpoint::{self, LoadOptions, SaveOptions};
+use cuferry::{CudaEngine, PinnedHostBuffer};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Instant;
 
 const GIB: f64 = (1u64 << 30) as f64;
-
-/// A directory for the test's files, removed when dropped.
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new(what: &str) -> Scratch {
-        let dir = std::env::temp_dir().join(format!("cuferry-gpu-{what}-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        Scratch(dir)
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-/// `count` bf16 tensors of `bytes` bytes, distinct bytes per tensor.
-fn tensors(count: u8, bytes: usize) -> Vec<(String, Vec<u8>)> {
-    (0..count)
-        .map(|i| {
-            let data = (0..bytes)
-                .map(|j| (j as u8).wrapping_mul(31).wrapping_add(i) ^ (j >> 20) as u8)
-                .collect();
-            (format!("layer.{i:02}.weight"), data)
-        })
-        .collect()
-}
-
-/// Writes `tensors` to `path` with the format's own serializer.
-fn write_with_the_formats_serializer(path: &Path, tensors: &[(String, Vec<u8>)]) {
-    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
-        .iter()
-        .map(|(n, b)| {
-            let view = safetensors::tensor::TensorView::new(
-                safetensors::Dtype::BF16,
-                vec![b.len() / 2],
-                b,
-            );
-            (n.clone(), view.unwrap())
-        })
-        .collect();
-    safetensors::serialize_to_file(views, None::<HashMap<String, String>>, path).unwrap();
-}
-
-#[test]
-#[ignore = "needs a CUDA device"]
-fn a_checkpoint_loads_bit_for_bit_and_saves_back_byte_for_byte() {
-    let dir = Scratch::new("checkpoint");
-    let path = dir.0.join("model.safetensors");
-    // 16 bf16 tensors of 16 MiB + 12 bytes: 256 MiB, most tensors off a block boundary.
-    let tensors = tensors(16, (16 << 20) + 12);
-    write_with_the_formats_serializer(&path, &tensors);
-    let file = std::fs::read(&path).unwrap();
-    let mut engine = engine();
-    let check = |engine: &mut CudaEngine, loaded: &checkpoint::Checkpoint, what: &str| {
-        for (name, bytes) in &tensors {
-            let t = loaded.get(name).unwrap();
-            let back = download_tensor(engine, t.bytes()).unwrap();
-            assert!(&back == bytes, "{what}: {name}");
-        }
-    };
-    let loaded = checkpoint::load(&mut engine, &path).unwrap();
-    check(&mut engine, &loaded, "load");
-    for direct in [true, false] {
-        let options = LoadOptions::new().direct_io(direct).readers(8);
-        let again = checkpoint::load_with(&mut engine, &path, options).unwrap();
-        check(
-            &mut engine,
-            &again,
-            if direct { "direct" } else { "8 readers" },
-        );
-    }
-    // Handed over tensor by tensor, each copied on the device at once.
-    let mut copies = Vec::new();
-    checkpoint::load_each(&mut engine, &path, LoadOptions::new(), |engine, name, t| {
-        copies.push((name, engine.copy_tensor(t.bytes())?));
-        Ok(())
-    })
-    .unwrap();
-    assert_eq!(copies.len(), tensors.len());
-    for (name, copy) in &copies {
-        let (_, bytes) = tensors.iter().find(|(n, _)| n == name).unwrap();
-        assert!(
-            &download_tensor(&mut engine, copy).unwrap() == bytes,
-            "handoff: {name}"
-        );
-    }
-    drop(copies);
-    // Saved back, the file is the serializer's.
-    let out = dir.0.join("again.safetensors");
-    let named: Vec<(&str, &Tensor)> = loaded.iter().collect();
-    checkpoint::save(&mut engine, &out, &named).unwrap();
-    assert!(
-        std::fs::read(&out).unwrap() == file,
-        "the saved file is the serializer's"
-    );
-    // File ranges: blocking, then pending.
-    let f = std::fs::File::open(&path).unwrap();
-    let mut range = engine.alloc_tensor::<u8>(&[(40 << 20) + 3]).unwrap();
-    checkpoint::read_into(&mut engine, &path, &f, 1001, &mut range).unwrap();
-    let want = &file[1001..1001 + range.len()];
-    assert!(download_tensor(&mut engine, &range).unwrap() == want);
-    let blob = dir.0.join("blob");
-    let w = std::fs::File::create(&blob).unwrap();
-    checkpoint::write_from(&mut engine, &range, &blob, &w, 5).unwrap();
-    assert!(std::fs::read(&blob).unwrap()[5..] == *want);
-    let buffer = PinnedHostBuffer::<u8>::new(&mut engine, range.len()).unwrap();
-    let pending = checkpoint::read_pending(&mut engine, &path, &f, 77, buffer, range).unwrap();
-    let (buffer, range) = pending.wait().unwrap().into_parts();
-    let want = &file[77..77 + range.len()];
-    assert!(download_tensor(&mut engine, &range).unwrap() == want);
-    let down = cuferry::download_pending(&mut engine, range, buffer).unwrap();
-    let returned = down.wait().unwrap();
-    checkpoint::write_returned(&blob, &w, 0, &returned).unwrap();
-    assert!(std::fs::read(&blob).unwrap()[..returned.buffer().len()] == *want);
-    engine.synchronize().unwrap();
-}
 
 /// `threads` threads reading all of `file` (`len` bytes) in 16 MiB pieces, each into a pinned
 /// region of its own (pieces of 4 KiB blocks, so an `O_DIRECT` file reads them too); the rate
@@ -352,7 +235,7 @@ fn measure_an_8_gib_checkpoint_against_the_storage_limits() {
         let mut host = vec![0u8; 128 << 20];
         for (name, t) in loaded.iter() {
             let i: usize = name["layer.".len()..]["00".len() - 2..2].parse().unwrap();
-            let back = download_tensor(&mut engine, t.bytes()).unwrap();
+            let back = crate::support::any_tensor::any_bytes(&mut engine, t).unwrap();
             let at = (len - (64u64 << 27)) + (i as u64) * (128 << 20);
             f.read_exact_at(&mut host, at).unwrap();
             assert!(back == host, "{name}");
@@ -398,13 +281,13 @@ fn measure_an_8_gib_checkpoint_against_the_storage_limits() {
     // Save: the loaded tensors to a new file (flushed), beside 16 threads writing the same
     // number of bytes from pinned memory (flushed).
     let loaded = checkpoint::load(&mut engine, &path).unwrap();
-    let named: Vec<(&str, &Tensor)> = loaded.iter().collect();
+    let named = loaded.named();
     let out = dir.0.join("saved.safetensors");
     let limit = write_rate(&mut engine, &dir.0.join("limit.bin"), len);
     println!("limit: 16 threads writing from pinned memory, then sync_all: {limit:.2} GiB/s");
     let _ = peak_resident_mib();
     let start = Instant::now();
-    checkpoint::save_with(&mut engine, &out, &named, SaveOptions::new()).unwrap();
+    checkpoint::save_with(&mut engine, &named, &out, SaveOptions::new()).unwrap();
     let s = total / start.elapsed().as_secs_f64() / GIB;
     let peak = peak_resident_mib();
     println!(

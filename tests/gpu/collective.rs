@@ -4,10 +4,10 @@
 //! with fewer GPUs or without NCCL it says so and checks the refusal.
 
 use crate::reference::{Reference, Rng, assert_same, reduce_pair, small_values};
-use cuferry::error::{SetupError, UsageError};
+use cuferry::error::{PeerError, SetupError, UsageError};
 use cuferry::{
     CudaEngine, Error, SubmitError,
-    collective::{CollectiveElement, Communicator, ReduceOp, all_reduce, broadcast},
+    collective::{CollectiveElement, Communicator, ReduceOp},
     download_tensor, upload_tensor,
 };
 
@@ -54,7 +54,11 @@ fn check_type<T: CollectiveElement + Reference>(
         for op in [ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Max, ReduceOp::Min] {
             let ta = upload_tensor(a, &x, &[n]).unwrap();
             let tb = upload_tensor(b, &y, &[n]).unwrap();
-            let pending = all_reduce(comm, &mut [a, b], vec![ta, tb], op).unwrap();
+            let pending = comm
+                .group()
+                .all_reduce(vec![ta, tb], op)
+                .submit(&mut [a, b])
+                .unwrap();
             // Rank 1's tensor, read by its engine after the collective with no host wait.
             let early = download_tensor(b, pending.tensor(1).unwrap()).unwrap();
             let back = pending.wait().unwrap().into_parts();
@@ -79,7 +83,10 @@ fn check_type<T: CollectiveElement + Reference>(
         for root in 0..2 {
             let ta = upload_tensor(a, &x, &[n]).unwrap();
             let tb = upload_tensor(b, &y, &[n]).unwrap();
-            let back = broadcast(comm, &mut [a, b], vec![ta, tb], root)
+            let back = comm
+                .group()
+                .broadcast(vec![ta, tb], root)
+                .submit(&mut [a, b])
                 .unwrap()
                 .wait()
                 .unwrap()
@@ -112,7 +119,10 @@ fn all_reduce_and_broadcast_for_every_element_type() {
     // The mean, where it is exact.
     let ta = upload_tensor(&mut a, &[2.0f32, 4.0], &[2]).unwrap();
     let tb = upload_tensor(&mut b, &[4.0f32, 8.0], &[2]).unwrap();
-    let back = all_reduce(&comm, &mut [&mut a, &mut b], vec![ta, tb], ReduceOp::Avg)
+    let back = comm
+        .group()
+        .all_reduce(vec![ta, tb], ReduceOp::Avg)
+        .submit(&mut [&mut a, &mut b])
         .unwrap()
         .wait()
         .unwrap()
@@ -140,8 +150,11 @@ fn a_collective_follows_queued_kernels_and_detaches_on_drop() {
             ya = a.add(&ya, &xa).unwrap();
             yb = b.add(&yb, &xb).unwrap();
         }
-        let pending =
-            all_reduce(&comm, &mut [&mut a, &mut b], vec![ya, yb], ReduceOp::Sum).unwrap();
+        let pending = comm
+            .group()
+            .all_reduce(vec![ya, yb], ReduceOp::Sum)
+            .submit(&mut [&mut a, &mut b])
+            .unwrap();
         let za = a.scale(pending.tensor(0).unwrap(), 1.0).unwrap();
         drop(pending); // each tensor detaches into its own engine's queue
         let got = download_tensor(&mut a, &za).unwrap();
@@ -160,12 +173,19 @@ fn a_collective_follows_queued_kernels_and_detaches_on_drop() {
     // Refusals hand the tensors back.
     let ta = upload_tensor(&mut a, &[1u32, 2], &[2]).unwrap();
     let tb = upload_tensor(&mut b, &[1u32, 2, 3], &[3]).unwrap();
-    let refused =
-        all_reduce(&comm, &mut [&mut a, &mut b], vec![ta, tb], ReduceOp::Sum).unwrap_err();
+    let refused = comm
+        .group()
+        .all_reduce(vec![ta, tb], ReduceOp::Sum)
+        .submit(&mut [&mut a, &mut b])
+        .unwrap_err();
     assert!(matches!(refused, SubmitError::Rejected { .. }), "{refused}");
     let back = refused.into_input().unwrap();
     assert_eq!(download_tensor(&mut b, &back[1]).unwrap(), [1, 2, 3]);
-    let refused = broadcast(&comm, &mut [&mut b, &mut a], back, 0).unwrap_err();
+    let refused = comm
+        .group()
+        .broadcast(back, 0)
+        .submit(&mut [&mut b, &mut a])
+        .unwrap_err();
     assert!(
         matches!(
             refused.error(),
@@ -209,13 +229,19 @@ fn a_world_of_one_joins_through_the_bootstrap_and_reduces() {
     assert_eq!((comm.rank(), comm.world(), comm.ranks()), (0, 1, 1));
     let data: Vec<f32> = (0..1 << 20).map(|i| i as f32).collect();
     let t = upload_tensor(&mut engine, &data, &[data.len()]).unwrap();
-    let summed = all_reduce(&comm, &mut [&mut engine], vec![t], ReduceOp::Sum)
+    let summed = comm
+        .group()
+        .all_reduce(vec![t], ReduceOp::Sum)
+        .submit(&mut [&mut engine])
         .unwrap()
         .wait()
         .unwrap()
         .into_parts();
     assert!(download_tensor(&mut engine, &summed[0]).unwrap() == data);
-    let sent = broadcast(&comm, &mut [&mut engine], summed, 0)
+    let sent = comm
+        .group()
+        .broadcast(summed, 0)
+        .submit(&mut [&mut engine])
         .unwrap()
         .wait()
         .unwrap()
@@ -231,7 +257,7 @@ fn a_world_of_one_joins_through_the_bootstrap_and_reduces() {
 #[ignore = "needs a CUDA device"]
 fn a_join_whose_peer_never_comes_is_aborted_by_its_deadline() {
     use cuferry::collective::UniqueId;
-    use cuferry::error::BootstrapError;
+    use cuferry::error::Error;
     use std::time::{Duration, Instant};
     let mut engine = CudaEngine::open(0).unwrap();
     let id = match UniqueId::new(&engine) {
@@ -243,8 +269,11 @@ fn a_join_whose_peer_never_comes_is_aborted_by_its_deadline() {
         Err(e) => panic!("{e}"),
     };
     let start = Instant::now();
-    match Communicator::join_within(&mut engine, &id, 0, 2, Duration::from_secs(3)) {
-        Err(Error::Bootstrap(BootstrapError::Unjoined { waited, .. })) => {
+    let launch = cuferry::collective::Launch::new(0, 2)
+        .unwrap()
+        .with_timeout(Duration::from_secs(3));
+    match launch.join(&mut engine, &id) {
+        Err(Error::Peer(PeerError::Unjoined { waited, .. })) => {
             println!("the lone rank's join was aborted after {waited:?}");
         }
         other => panic!("{other:?}"),
@@ -259,7 +288,10 @@ fn a_join_whose_peer_never_comes_is_aborted_by_its_deadline() {
     assert_eq!(download_tensor(&mut engine, &t).unwrap(), data);
     let alone = UniqueId::new(&engine).unwrap();
     let comm = Communicator::join(&mut engine, &alone, 0, 1).unwrap();
-    let summed = all_reduce(&comm, &mut [&mut engine], vec![t], ReduceOp::Max)
+    let summed = comm
+        .group()
+        .all_reduce(vec![t], ReduceOp::Max)
+        .submit(&mut [&mut engine])
         .unwrap()
         .wait()
         .unwrap()
@@ -286,7 +318,6 @@ fn alone(engine: &mut CudaEngine) -> Option<Communicator> {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn every_collective_runs_on_a_joined_world_of_one() {
-    use cuferry::collective::{all_gather, reduce, reduce_scatter};
     let mut engine = CudaEngine::open(0).unwrap();
     let Some(comm) = alone(&mut engine) else {
         return;
@@ -295,29 +326,37 @@ fn every_collective_runs_on_a_joined_world_of_one() {
     let data: Vec<i64> = (0..n as i64).map(|i| i * 3 - 7).collect();
     let up = |engine: &mut CudaEngine, v: &[i64]| upload_tensor(engine, v, &[v.len()]).unwrap();
     let t = up(&mut engine, &data);
-    let reduced = reduce(&comm, &mut [&mut engine], vec![t], ReduceOp::Min, 0)
+    let reduced = comm
+        .group()
+        .reduce(vec![t], ReduceOp::Min, 0)
+        .submit(&mut [&mut engine])
         .unwrap()
         .wait()
         .unwrap()
         .into_parts();
     assert!(download_tensor(&mut engine, &reduced[0]).unwrap() == data);
     let (i, o) = (up(&mut engine, &data), up(&mut engine, &vec![0; n]));
-    let gathered = all_gather(&comm, &mut [&mut engine], vec![i], vec![o])
+    let gathered = comm
+        .group()
+        .all_gather(vec![i], vec![o])
+        .submit(&mut [&mut engine])
         .unwrap()
         .wait()
         .unwrap()
         .into_parts();
     assert!(download_tensor(&mut engine, &gathered[1]).unwrap() == data);
     let (i, o) = (up(&mut engine, &data), up(&mut engine, &vec![0; n]));
-    let scattered = reduce_scatter(&comm, &mut [&mut engine], vec![i], vec![o], ReduceOp::Sum)
+    let scattered = comm
+        .group()
+        .reduce_scatter(vec![i], vec![o], ReduceOp::Sum)
+        .submit(&mut [&mut engine])
         .unwrap()
         .wait()
         .unwrap()
         .into_parts();
     assert!(download_tensor(&mut engine, &scattered[1]).unwrap() == data);
     let (mine, theirs) = (up(&mut engine, &data), up(&mut engine, &vec![0; n]));
-    let mut ring = comm.group();
-    ring.send(0, mine, 0).recv(0, theirs, 0);
+    let ring = comm.group().send(0, mine, 0).recv(0, 0, theirs);
     let ring = ring
         .submit(&mut [&mut engine])
         .unwrap()
@@ -326,7 +365,11 @@ fn every_collective_runs_on_a_joined_world_of_one() {
         .into_parts();
     assert!(download_tensor(&mut engine, &ring[1]).unwrap() == data);
     let t = up(&mut engine, &data);
-    let pending = all_reduce(&comm, &mut [&mut engine], vec![t], ReduceOp::Sum).unwrap();
+    let pending = comm
+        .group()
+        .all_reduce(vec![t], ReduceOp::Sum)
+        .submit(&mut [&mut engine])
+        .unwrap();
     let awaited = futures_lite::future::block_on(pending.into_future())
         .unwrap()
         .into_parts();
@@ -342,14 +385,13 @@ fn every_collective_runs_on_a_joined_world_of_one() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn a_send_without_its_receive_is_refused_by_nccl_and_nothing_is_lost() {
-    use cuferry::error::{CollectiveError, LibraryError};
+    use cuferry::error::{Error, LibraryError};
     let mut engine = CudaEngine::open(0).unwrap();
     let Some(comm) = alone(&mut engine) else {
         return;
     };
     let t = upload_tensor(&mut engine, &vec![1.0f32; 1 << 20], &[1 << 20]).unwrap();
-    let mut lonely = comm.group();
-    lonely.send(0, t, 0);
+    let lonely = comm.group().send(0, t, 0);
     match lonely.submit(&mut [&mut engine]) {
         Err(SubmitError::Retained {
             error: Error::Library(LibraryError::Vendor { call, name, .. }),
@@ -361,15 +403,22 @@ fn a_send_without_its_receive_is_refused_by_nccl_and_nothing_is_lost() {
     assert_eq!((stats.pending, stats.retained), (0, 0), "{stats:?}");
     let data: Vec<u32> = (0..4096).collect();
     let t = upload_tensor(&mut engine, &data, &[4096]).unwrap();
-    let t = match all_reduce(&comm, &mut [&mut engine], vec![t], ReduceOp::Sum) {
+    let t = match comm
+        .group()
+        .all_reduce(vec![t], ReduceOp::Sum)
+        .submit(&mut [&mut engine])
+    {
         Err(SubmitError::Failed {
             input,
-            error: Error::Collective(CollectiveError::Aborted { .. }),
+            error: Error::Peer(PeerError::Aborted { .. }),
         }) => input,
         other => panic!("{other:?}"),
     };
     let comm = alone(&mut engine).unwrap();
-    let summed = all_reduce(&comm, &mut [&mut engine], t, ReduceOp::Sum)
+    let summed = comm
+        .group()
+        .all_reduce(t, ReduceOp::Sum)
+        .submit(&mut [&mut engine])
         .unwrap()
         .wait()
         .unwrap()

@@ -4,33 +4,19 @@ use crate::common::{ForeignContext, current_context, distinct_f32, open};
 use cuferry::error::{SetupError, UsageError};
 use cuferry::{CudaEngine, Error, download_tensor, upload_tensor};
 
-#[test]
-#[ignore = "needs a CUDA device"]
-fn open_flush_synchronize_and_drop() {
-    let mut engine = open();
-    assert!(!engine.device_name().is_empty());
-    let x = upload_tensor(&mut engine, &distinct_f32(1 << 16), &[256, 256]).unwrap();
-    let _y = engine.copy_tensor(&x).unwrap();
-    engine.flush().unwrap();
-    engine.synchronize().unwrap();
-    drop(engine);
-    // A tensor that outlives its engine is still freed on its device.
-    drop(x);
-}
-
-#[test]
-#[ignore = "needs a CUDA device"]
-fn device_to_device_copy_round_trips_distinct_values() {
-    let mut engine = open();
-    for n in [0usize, 1, 2, 1000, (1 << 20) + 3] {
-        let data = distinct_f32(n);
-        let x = upload_tensor(&mut engine, &data, &[n]).unwrap();
-        let y = engine.copy_tensor(&x).unwrap();
-        drop(x);
-        assert_eq!(download_tensor(&mut engine, &y).unwrap(), data, "n = {n}");
-    }
-    engine.synchronize().unwrap();
-}
+// Written once in `tests/bodies/engine.rs`, run here on device 0 and by the simulator binary.
+crate::bodies!(gpu; engine::{
+    a_device_to_device_copy_round_trips,
+    a_copy_into_a_shorter_tensor_is_refused,
+    a_shape_that_does_not_match_the_data_is_refused,
+    tensors_of_another_engine_are_refused,
+    open_flush_synchronize_and_drop,
+    device_to_device_copy_round_trips_distinct_values,
+    with_raw_refuses_another_engines_tensor,
+    zero_and_one_element_tensors_round_trip,
+    bool_tensors_are_decoded_and_refused_by_download_into,
+    reshape_keeps_the_element_count,
+});
 
 #[test]
 #[ignore = "needs a CUDA device"]

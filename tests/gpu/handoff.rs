@@ -7,6 +7,9 @@ use cuferry::{
     CudaEngine, DType, Element, PinnedHostBuffer, download_pending, download_tensor, upload_pending,
 };
 
+// Written once in `tests/bodies/handoff.rs`, run here on device 0 and by the simulator binary.
+crate::bodies!(gpu; handoff::{another_engine_refuses_an_in_flight_tensor});
+
 /// Upload, device copy of the in-flight destination, pending download of the copy: the host
 /// waits once, on the download.
 fn chain<T: Reference + Element>(engine: &mut CudaEngine, rng: &mut Rng, n: usize) {

@@ -2,60 +2,22 @@
 //! operation serves, and every cast.
 
 use crate::engine;
-use crate::reference::{Reference, Rng, check_casts_from, check_ops};
-use cuferry::{download_tensor, upload_tensor};
+use cuferry::download_tensor;
 
-fn ops_for<T: Reference>(seed: u64) {
-    let mut engine = engine();
-    let mut rng = Rng::new(seed);
-    for n in [1, 2, 255, 256, 257, 100_003] {
-        check_ops::<T>(&mut engine, &mut rng, n);
-    }
-    engine.synchronize().unwrap();
-}
+// Written once in `tests/bodies/kernels.rs`, run here on device 0 and by the simulator binary.
+crate::bodies!(gpu; kernels::{
+    every_operation_matches_the_host_reference_for_every_element,
+    every_cast_matches_the_host_reference,
+    a_chain_of_dependent_adds_runs_without_a_host_wait_and_in_order,
+    kernels_compile_once_per_engine_and_operation,
+    empty_tensors_queue_nothing,
+    mismatched_shapes_are_refused_before_anything_is_queued,
+    unsupported_elements_are_typed_errors_naming_operation_and_type,
+    another_engines_tensor_is_refused,
+});
 
-#[test]
-#[ignore = "needs a CUDA device"]
-fn every_operation_matches_the_host_reference_for_every_element() {
-    let mut seed = 1000;
-    crate::for_each_element!(T => {
-        seed += 1;
-        ops_for::<T>(seed);
-    });
-}
-
-#[test]
-#[ignore = "needs a CUDA device"]
-fn every_cast_matches_the_host_reference() {
-    let mut engine = engine();
-    let mut rng = Rng::new(2000);
-    crate::for_each_element!(T => {
-        for n in [1, 4099] {
-            check_casts_from::<T>(&mut engine, &mut rng, n);
-        }
-    });
-    engine.synchronize().unwrap();
-}
-
-#[test]
-#[ignore = "needs a CUDA device"]
-fn a_chain_of_dependent_adds_runs_without_a_host_wait_and_in_order() {
-    let mut engine = engine();
-    let mut rng = Rng::new(3000);
-    let n = 1 << 20;
-    let host: Vec<f32> = (0..n).map(|_| (rng.unit() * 4.0) as f32).collect();
-    let seed = upload_tensor(&mut engine, &host, &[n]).unwrap();
-    let mut state = engine.add(&seed, &seed).unwrap();
-    for _ in 0..9 {
-        state = engine.add(&state, &state).unwrap();
-    }
-    engine.flush().unwrap();
-    let got = download_tensor(&mut engine, &state).unwrap();
-    let want: Vec<f32> = host.iter().map(|x| x * 1024.0).collect();
-    assert_eq!(got, want);
-    assert_eq!(engine.cached_kernels(), 1);
-}
-
+// GPU only: a launch past one grid's 2^28 elements is a CUDA grid limit, and 256 MiB tensors
+// would take the simulator's host arithmetic long in a debug build.
 #[test]
 #[ignore = "needs a CUDA device"]
 fn a_launch_larger_than_one_grid_covers_every_element() {

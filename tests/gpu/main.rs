@@ -1,21 +1,28 @@
 //! GPU tests, in one integration target so one binary carries them all. Every test needs a CUDA
 //! device and is `#[ignore = "needs a CUDA device"]`: run them on a GPU machine with
-//! `cargo test --release --test gpu -- --ignored --test-threads=1`. Each opens device 0.
+//! `cargo test --release --test gpu -- --ignored --test-threads=1`. Each opens device 0. The tests
+//! written once in `tests/bodies/` run here (through `bodies!`) and on the simulated device in
+//! `tests/sim/`, under the same names.
 
 mod awaiting;
+mod broadcast;
 #[cfg(feature = "safetensors")]
 mod checkpoint;
 mod collective;
 mod common;
 #[path = "../support/mod.rs"]
 mod reference;
+// The bodies name the shared helpers `crate::support`, as the simulator binary does.
+use reference as support;
 
 #[cfg(feature = "cubecl")]
 mod cubecl;
 mod duplex;
 mod engine;
+mod graphs;
 mod handoff;
 mod kernels;
+mod lifecycle;
 mod peer;
 mod pending;
 mod raw_scope;
@@ -24,7 +31,15 @@ mod registered;
 mod sharing;
 mod signal;
 mod staging;
+mod transfers;
 mod vendor;
+
+// The bodies run on both devices (`tests/bodies/`): here on device 0, each ignored unless asked
+// for. The staged routes run with four copy threads, as on the simulator.
+#[path = "../bodies/mod.rs"]
+mod bodies;
+#[path = "../support/copy_threads.rs"]
+mod copy_threads;
 
 /// Opens device 0, or fails the test with the reason.
 pub fn engine() -> cuferry::CudaEngine {

@@ -13,6 +13,7 @@ mod example;
 #[path = "../sim/sharing_relay.rs"]
 mod relay;
 
+use cuferry::pending::TryWait;
 use cuferry::share::{ShareLink, ShareListener};
 use cuferry::{CudaEngine, DeviceTensor, download_tensor};
 use std::io::{BufRead, BufReader, Lines};
@@ -21,6 +22,22 @@ use std::process::{Child, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 
 const DEADLINE: Duration = Duration::from_secs(60);
+
+/// Whether a bounded wait found the operation done.
+fn returned<Op: cuferry::pending::Operation>(found: TryWait<Op>) -> bool {
+    matches!(found, TryWait::Returned(_))
+}
+
+/// The tensor a bounded wait for a loan or a reclaim found back (it must have).
+fn back<Op>(found: TryWait<Op>) -> DeviceTensor<f32>
+where
+    Op: cuferry::pending::Operation<Parts = DeviceTensor<f32>>,
+{
+    match found {
+        TryWait::Returned(back) => back.into_parts(),
+        TryWait::InFlight(op) => panic!("still in flight: {op:?}"),
+    }
+}
 
 fn socket(name: &str) -> PathBuf {
     std::env::temp_dir().join(format!("cuferry-gpu-{name}-{}.sock", std::process::id()))
@@ -73,15 +90,16 @@ fn child() {
             Some(start_of(parent)),
             None,
         )
-        .unwrap();
+        .unwrap()
+        .with_timeout(DEADLINE);
         println!("REPORT greeted {}", std::process::id());
         // Held until the exporter has judged the greeting and closed its end.
-        link.set_timeout(Some(DEADLINE));
         let _ = link.import_read::<f32>(&mut engine);
         return;
     }
-    let mut link = ShareLink::connect(&mut engine, &path).unwrap();
-    link.set_timeout(Some(DEADLINE));
+    let mut link = ShareLink::connect(&mut engine, &path)
+        .unwrap()
+        .with_timeout(DEADLINE);
     let (role, arg) = role.split_once(':').unwrap_or((role.as_str(), ""));
     match role {
         "consumer" => {
@@ -148,11 +166,13 @@ fn child() {
             // allocation holds: refused, and the third (honest) still imports.
             let first = link.import_read::<f32>(&mut engine).unwrap();
             match link.import_read::<f32>(&mut engine) {
-                Err(cuferry::Error::Share(cuferry::error::ShareError::PastAllocation {
-                    offered,
-                    allocation,
-                    ..
-                })) => println!("REPORT refused {offered} {allocation}"),
+                Err(cuferry::Error::Malformed(
+                    cuferry::error::MalformedError::PastAllocation {
+                        offered,
+                        allocation,
+                        ..
+                    },
+                )) => println!("REPORT refused {offered} {allocation}"),
                 Err(other) => println!("REPORT error {other}"),
                 // Never read: its download would read past the mapping.
                 Ok(tensor) => println!("REPORT imported {}", tensor.len()),
@@ -202,7 +222,7 @@ fn the_shared_weights_example_runs_with_two_consumer_processes() {
         assert!(child.wait().unwrap().success());
     }
     for importer in &importers {
-        assert!(importer.wait_done(DEADLINE));
+        assert!(returned(importer.departure().wait_for(DEADLINE).unwrap()));
     }
     engine.synchronize().unwrap();
     println!(
@@ -223,18 +243,18 @@ fn an_importer_killed_with_kernels_reading_counts_as_released_once_it_has_exited
     let tensor = engine.full(&[64 << 20], 1.0f32).unwrap();
     let lent = importer.lend(&mut engine, tensor).unwrap();
     assert_eq!(report(&mut lines), "ready");
-    let lent = match lent.wait_back(Duration::from_millis(200)) {
-        Err(cuferry::SubmitError::Rejected { input, .. }) => input,
+    let lent = match lent.wait_for(Duration::from_millis(200)).unwrap() {
+        TryWait::InFlight(lent) => lent,
         other => panic!("back while the importer holds it: {other:?}"),
     };
     let killed = Instant::now();
     child.kill().unwrap();
     child.wait().unwrap();
     assert!(
-        importer.wait_done(DEADLINE),
+        returned(importer.departure().wait_for(DEADLINE).unwrap()),
         "the exporter saw the process end"
     );
-    let mut tensor = lent.wait_back(DEADLINE).unwrap();
+    let mut tensor = back(lent.wait_for(DEADLINE).unwrap());
     println!("back {:.1?} after the kill", killed.elapsed());
     engine.fill(&mut tensor, 5.0).unwrap();
     let host = download_tensor(&mut engine, &tensor).unwrap();
@@ -295,7 +315,7 @@ fn measure_sharing_between_two_processes() {
         for step in 0..steps {
             engine.fill(&mut tensor, step as f32).unwrap();
             let lent = importer.lend(&mut engine, tensor).unwrap();
-            tensor = lent.wait_back(DEADLINE).unwrap();
+            tensor = back(lent.wait_for(DEADLINE).unwrap());
         }
         engine.synchronize().unwrap();
         (start.elapsed() / steps as u32, tensor)
@@ -345,7 +365,7 @@ fn an_importer_that_lies_about_its_pid_is_refused_by_the_kernels_word() {
     let greeted = report(&mut lines);
     let liar: u32 = greeted.strip_prefix("greeted ").unwrap().parse().unwrap();
     match listener.accept(&mut engine) {
-        Err(cuferry::Error::Share(cuferry::error::ShareError::PeerIdentity {
+        Err(cuferry::Error::Malformed(cuferry::error::MalformedError::PeerIdentity {
             what,
             claimed,
             kernel,
@@ -398,8 +418,8 @@ fn an_offer_rewritten_by_a_relay_past_its_allocation_is_refused_in_the_importer_
     let allocation: u64 = words.next().unwrap().parse().unwrap();
     assert!(allocation < 4 << 20, "{refused}");
     assert_eq!(seen, "seen true true");
-    assert!(importer.wait_done(DEADLINE));
-    let tensor = shared.reclaim(DEADLINE).unwrap();
+    assert!(returned(importer.departure().wait_for(DEADLINE).unwrap()));
+    let tensor = back(shared.reclaim().wait_for(DEADLINE).unwrap());
     // The importer's refusal is reported at the exporter's next boundary.
     let _ = engine.flush();
     assert_eq!(download_tensor(&mut engine, &tensor).unwrap(), [2.0; 4]);

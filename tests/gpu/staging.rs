@@ -7,6 +7,9 @@ use cuferry::{
     upload_tensor_into,
 };
 
+// Written once in `tests/bodies/staging.rs`, run here on device 0 and by the simulator binary.
+crate::bodies!(gpu; staging::{staging_settings_are_validated});
+
 fn sizes(engine: &CudaEngine, size: usize) -> Vec<usize> {
     let c = engine.staging_config();
     let e = |bytes: usize| bytes / size;

@@ -1,6 +1,6 @@
 //! The engine's one order over its three streams, checked on the simulated device against a
 //! reference that runs everything in program order on one stream (the model is
-//! `tests/common/duplex.rs`).
+//! `tests/support/duplex.rs`).
 //!
 //! Random interleavings of pending and blocking uploads and downloads, kernels (on resident
 //! tensors and on in-flight destinations and sources), device copies, fills, raw scopes, waits,

@@ -827,7 +827,11 @@ impl<B: Host> Xfer<B> {
     fn into_parts(self) -> (Buf, DeviceTensor<f32>) {
         let (b, t) = match self {
             Xfer::UpReturned(r) => r.into_parts(),
-            Xfer::DownReturned(r) => r.into_parts(),
+            // A download's parts come back source first.
+            Xfer::DownReturned(r) => {
+                let (t, b) = r.into_parts();
+                (b, t)
+            }
             _ => panic!("not returned"),
         };
         (b.buf(), t)

@@ -1513,7 +1513,11 @@ impl Sut {
                 let (x, handle) = self.transfers.swap_remove(i);
                 let (buffer, tensor) = match handle {
                     Xfer::UpBack(r) => r.into_parts(),
-                    Xfer::DownBack(r) => r.into_parts(),
+                    // A download's parts come back source first.
+                    Xfer::DownBack(r) => {
+                        let (tensor, buffer) = r.into_parts();
+                        (buffer, tensor)
+                    }
                     _ => unreachable!("picked a returned transfer"),
                 };
                 let t = &m.transfers[x];
@@ -1751,7 +1755,10 @@ impl Sut {
             if upload {
                 upload_pending(engine, b, t).map(Xfer::Up)
             } else {
-                download_pending(engine, t, b).map(Xfer::Down)
+                // A download's refusal hands back its input source first: put as an upload's.
+                download_pending(engine, t, b)
+                    .map(Xfer::Down)
+                    .map_err(|e| e.map_input(|(t, b)| (b, t)))
             }
         });
         let sub = Submission {
@@ -1783,7 +1790,10 @@ impl Sut {
             let engine = s.engine();
             match handle {
                 Xfer::UpBack(r) => r.resubmit(engine).map(Xfer::Up),
-                Xfer::DownBack(r) => r.resubmit(engine).map(Xfer::Down),
+                Xfer::DownBack(r) => r
+                    .resubmit(engine)
+                    .map(Xfer::Down)
+                    .map_err(|e| e.map_input(|(t, b)| (b, t))),
                 _ => unreachable!("picked a returned transfer"),
             }
         });

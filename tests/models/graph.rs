@@ -580,8 +580,8 @@ fn fused_matches_eager(engine: &mut CudaEngine) {
         }
         // Out through f16 and back: two roundings the fused kernel must keep.
         let t = t.cast(DType::F16).cast(d);
-        let h = engine.cast::<f16, T>(&e).unwrap();
-        let e = engine.cast::<T, f16>(&h).unwrap();
+        let h = engine.cast::<f16>(&e).unwrap();
+        let e = engine.cast::<T>(&h).unwrap();
         let program = GraphCompiler::new()
             .compile_with_input_specs(&[&t], &[(&x, d, &[n]), (&y, d, &[n])])
             .unwrap();

@@ -80,8 +80,8 @@ proptest! {
                 }
                 Step::RoundTrip(a) => {
                     let a = pick(a);
-                    let wide = engine.cast::<f64, _>(&pool[a]).unwrap();
-                    let back = engine.cast::<i32, _>(&wide).unwrap();
+                    let wide = engine.cast::<f64>(&pool[a]).unwrap();
+                    let back = engine.cast::<i32>(&wide).unwrap();
                     drop(wide); // freed behind the cast that reads it
                     (model[a].clone(), back)
                 }

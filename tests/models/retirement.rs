@@ -822,7 +822,10 @@ fn settle(submitted: Result<SutSlot, Refused>) -> (SutSlot, Outcome) {
 fn submit(engine: &mut CudaEngine, dir: Dir, buffer: Buffer, tensor: Tensor) -> (SutSlot, Outcome) {
     settle(match dir {
         Dir::Up => upload_pending(engine, buffer, tensor).map(in_flight_slot),
-        Dir::Down => download_pending(engine, tensor, buffer).map(in_flight_slot),
+        // A download's refusal hands back its input source first: put as an upload's.
+        Dir::Down => download_pending(engine, tensor, buffer)
+            .map(in_flight_slot)
+            .map_err(|e| e.map_input(|(t, b)| (b, t))),
     })
 }
 
@@ -926,9 +929,10 @@ impl StateMachineTest for RetirementTest {
                         SutSlot::UpReturned(r) => {
                             r.resubmit(&mut sut.engine).map(SutSlot::UpInFlight)
                         }
-                        SutSlot::DownReturned(r) => {
-                            r.resubmit(&mut sut.engine).map(SutSlot::DownInFlight)
-                        }
+                        SutSlot::DownReturned(r) => r
+                            .resubmit(&mut sut.engine)
+                            .map(SutSlot::DownInFlight)
+                            .map_err(|e| e.map_input(|(t, b)| (b, t))),
                         _ => panic!("slot {slot} is not returned"),
                     },
                 );
@@ -985,7 +989,11 @@ impl StateMachineTest for RetirementTest {
                 let (buffer, tensor) = match std::mem::replace(&mut sut.slots[slot], SutSlot::Gone)
                 {
                     SutSlot::UpReturned(r) => r.into_parts(),
-                    SutSlot::DownReturned(r) => r.into_parts(),
+                    // A download's parts come back source first.
+                    SutSlot::DownReturned(r) => {
+                        let (tensor, buffer) = r.into_parts();
+                        (buffer, tensor)
+                    }
                     _ => panic!("slot {slot} is not returned"),
                 };
                 sut.slots[slot] = SutSlot::Idle(buffer, tensor);

@@ -6,11 +6,8 @@
 //! error, nothing freed under queued work and every engine usable after; and a fault at every
 //! step of a rank's collective.
 
-use cuferry::collective::{
-    Communicator, Launch, ReduceOp, UniqueId, all_gather, all_reduce, broadcast, recv, reduce,
-    reduce_scatter, send,
-};
-use cuferry::error::{CollectiveError, DriverError, UsageError};
+use cuferry::collective::{Communicator, Launch, ReduceOp, UniqueId};
+use cuferry::error::{DriverError, PeerError, UsageError};
 use cuferry::pending::TryWait;
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{CudaEngine, DeviceTensor, Error, SubmitError, download_tensor, upload_tensor};
@@ -144,59 +141,75 @@ fn every_collective_runs_across_ranks_that_joined_one_by_one() {
             }};
         }
         let t = up(engine, &values(rank, n, 0));
-        run!(all_reduce(
-            &comm,
-            &mut [&mut *engine],
-            vec![t],
-            ReduceOp::Sum
-        ));
+        run!(
+            comm.group()
+                .all_reduce(vec![t], ReduceOp::Sum)
+                .submit(&mut [&mut *engine])
+        );
         let t = up(engine, &values(rank, n, 1));
-        run!(broadcast(&comm, &mut [&mut *engine], vec![t], 1));
+        run!(
+            comm.group()
+                .broadcast(vec![t], 1)
+                .submit(&mut [&mut *engine])
+        );
         let t = up(engine, &values(rank, n, 2));
-        run!(reduce(
-            &comm,
-            &mut [&mut *engine],
-            vec![t],
-            ReduceOp::Min,
-            2
-        ));
+        run!(
+            comm.group()
+                .reduce(vec![t], ReduceOp::Min, 2)
+                .submit(&mut [&mut *engine])
+        );
         let (i, o) = (
             up(engine, &values(rank, n, 3)),
             up(engine, &vec![0; world * n]),
         );
-        run!(all_gather(&comm, &mut [&mut *engine], vec![i], vec![o]));
+        run!(
+            comm.group()
+                .all_gather(vec![i], vec![o])
+                .submit(&mut [&mut *engine])
+        );
         let (i, o) = (
             up(engine, &values(rank, world * n, 4)),
             up(engine, &vec![0; n]),
         );
-        run!(reduce_scatter(
-            &comm,
-            &mut [&mut *engine],
-            vec![i],
-            vec![o],
-            ReduceOp::Max
-        ));
+        run!(
+            comm.group()
+                .reduce_scatter(vec![i], vec![o], ReduceOp::Max)
+                .submit(&mut [&mut *engine])
+        );
         // A ring, grouped: each rank sends to the next and receives the previous one's.
         let (mine, theirs) = (up(engine, &values(rank, n, 5)), up(engine, &vec![0; n]));
-        let mut ring = comm.group();
-        ring.send(0, mine, (rank + 1) % world)
-            .recv(0, theirs, (rank + world - 1) % world);
+        let ring = comm.group().send(0, mine, (rank + 1) % world).recv(
+            (rank + world - 1) % world,
+            0,
+            theirs,
+        );
         run!(ring.submit(&mut [&mut *engine]));
         // A send alone, from rank 0 to rank 2; rank 1 takes no part.
         match rank {
             0 => {
                 let t = up(engine, &values(0, n, 6));
-                drop(send(&comm, engine, t, 2).unwrap().wait().unwrap());
+                drop(
+                    comm.group()
+                        .send(0, t, 2)
+                        .submit(&mut [&mut *engine])
+                        .unwrap()
+                        .wait()
+                        .unwrap(),
+                );
             }
             2 => {
                 let t = up(engine, &vec![0; n]);
-                run!(recv(&comm, engine, t, 0));
+                run!(comm.group().recv(0, 0, t).submit(&mut [&mut *engine]));
             }
             _ => {}
         }
         // Awaited, on a runtime-free executor.
         let t = up(engine, &values(rank, n, 7));
-        let pending = all_reduce(&comm, &mut [&mut *engine], vec![t], ReduceOp::Max).unwrap();
+        let pending = comm
+            .group()
+            .all_reduce(vec![t], ReduceOp::Max)
+            .submit(&mut [&mut *engine])
+            .unwrap();
         let parts = futures_lite::future::block_on(pending.into_future())
             .unwrap()
             .into_parts();
@@ -262,7 +275,7 @@ fn every_collective_runs_across_ranks_that_joined_one_by_one() {
 
 /// Whether `error` is rank `rank`'s deadline passed in a world of `world`.
 fn timed_out(error: &Error, rank: usize, world: usize) -> bool {
-    matches!(error, Error::Collective(CollectiveError::TimedOut { rank: r, world: w, .. })
+    matches!(error, Error::Peer(PeerError::CollectiveTimedOut { rank: r, world: w, .. })
         if (*r, *w) == (rank, world))
 }
 
@@ -272,10 +285,14 @@ fn timed_out(error: &Error, rank: usize, world: usize) -> bool {
 fn works_on_after_the_abort(engine: &mut CudaEngine, comm: &Communicator) {
     let t = up(engine, &[1, 2, 3]);
     assert_eq!(down(engine, &t), [1, 2, 3]);
-    match all_reduce(comm, &mut [&mut *engine], vec![t], ReduceOp::Sum) {
+    match comm
+        .group()
+        .all_reduce(vec![t], ReduceOp::Sum)
+        .submit(&mut [&mut *engine])
+    {
         Err(SubmitError::Failed {
             input,
-            error: Error::Collective(CollectiveError::Aborted { .. }),
+            error: Error::Peer(PeerError::Aborted { .. }),
         }) => assert_eq!(down(engine, &input[0]), [1, 2, 3]),
         other => panic!("{other:?}"),
     }
@@ -300,7 +317,11 @@ fn a_rank_that_never_queues_its_part_fails_its_peers_by_their_deadline() {
         }
         let t = up(engine, &values(rank, 64, 0));
         let started = Instant::now();
-        let pending = all_reduce(&comm, &mut [&mut *engine], vec![t], ReduceOp::Sum).unwrap();
+        let pending = comm
+            .group()
+            .all_reduce(vec![t], ReduceOp::Sum)
+            .submit(&mut [&mut *engine])
+            .unwrap();
         let error = pending.wait().unwrap_err();
         assert!(timed_out(&error, rank, world), "{error:?}");
         let waited = started.elapsed();
@@ -323,7 +344,10 @@ fn a_rank_that_stops_in_the_middle_of_a_collective_fails_its_peers_by_their_dead
         let comm = comm.with_timeout(deadline);
         // One collective together.
         let t = up(engine, &values(rank, 16, 0));
-        let summed = all_reduce(&comm, &mut [&mut *engine], vec![t], ReduceOp::Sum)
+        let summed = comm
+            .group()
+            .all_reduce(vec![t], ReduceOp::Sum)
+            .submit(&mut [&mut *engine])
             .unwrap()
             .wait()
             .unwrap();
@@ -359,10 +383,7 @@ fn a_rank_that_stops_in_the_middle_of_a_collective_fails_its_peers_by_their_dead
         };
         if rank == 2 {
             assert!(
-                matches!(
-                    error,
-                    Error::Collective(CollectiveError::Aborted { rank: 2, world: 3 })
-                ),
+                matches!(error, Error::Peer(PeerError::Aborted { rank: 2, world: 3 })),
                 "{error:?}"
             );
         } else {
@@ -387,7 +408,11 @@ fn wrong_lengths_on_one_rank_are_refused_there_and_its_peers_end_by_their_deadli
         // Rank 1's output is one element short: NCCL would write past it.
         let out = if rank == 1 { world * n - 1 } else { world * n };
         let (i, o) = (up(engine, &values(rank, n, 0)), up(engine, &vec![0; out]));
-        match all_gather(&comm, &mut [&mut *engine], vec![i], vec![o]) {
+        match comm
+            .group()
+            .all_gather(vec![i], vec![o])
+            .submit(&mut [&mut *engine])
+        {
             Err(SubmitError::Rejected { input, error }) => {
                 assert_eq!(rank, 1);
                 assert!(
@@ -431,7 +456,10 @@ fn counts_that_differ_across_ranks_fail_every_rank_and_touch_nothing() {
         // Rank 1 reduces three elements where rank 0 reduces four: NCCL does not check (its
         // ranks hang or corrupt); the simulated kernels end with an error.
         let t = up(engine, &values(rank, 4 - rank, 0));
-        let error = all_reduce(&comm, &mut [&mut *engine], vec![t], ReduceOp::Sum)
+        let error = comm
+            .group()
+            .all_reduce(vec![t], ReduceOp::Sum)
+            .submit(&mut [&mut *engine])
             .unwrap()
             .wait()
             .unwrap_err();
@@ -474,18 +502,25 @@ fn every_collective(
         download_tensor(engine, &t).map(|got| assert_eq!(got, want, "rank {rank}: {what}"))
     };
     let t = upload(engine, &values(rank, n, 0))?;
-    let out = last(all_reduce(
-        comm,
-        &mut [&mut *engine],
-        vec![t],
-        ReduceOp::Sum,
-    ))?;
+    let out = last(
+        comm.group()
+            .all_reduce(vec![t], ReduceOp::Sum)
+            .submit(&mut [&mut *engine]),
+    )?;
     check(engine, out, pair(0, |a, b| a + b), "all-reduce")?;
     let t = upload(engine, &values(rank, n, 1))?;
-    let out = last(broadcast(comm, &mut [&mut *engine], vec![t], 1))?;
+    let out = last(
+        comm.group()
+            .broadcast(vec![t], 1)
+            .submit(&mut [&mut *engine]),
+    )?;
     check(engine, out, values(1, n, 1), "broadcast")?;
     let t = upload(engine, &values(rank, n, 2))?;
-    let out = last(reduce(comm, &mut [&mut *engine], vec![t], ReduceOp::Max, 0))?;
+    let out = last(
+        comm.group()
+            .reduce(vec![t], ReduceOp::Max, 0)
+            .submit(&mut [&mut *engine]),
+    )?;
     let want = if rank == 0 {
         pair(2, i64::max)
     } else {
@@ -496,7 +531,11 @@ fn every_collective(
         upload(engine, &values(rank, n, 3))?,
         upload(engine, &[0; 16])?,
     );
-    let out = last(all_gather(comm, &mut [&mut *engine], vec![i], vec![o]))?;
+    let out = last(
+        comm.group()
+            .all_gather(vec![i], vec![o])
+            .submit(&mut [&mut *engine]),
+    )?;
     check(
         engine,
         out,
@@ -507,13 +546,11 @@ fn every_collective(
         upload(engine, &values(rank, 2 * n, 4))?,
         upload(engine, &[0; 8])?,
     );
-    let out = last(reduce_scatter(
-        comm,
-        &mut [&mut *engine],
-        vec![i],
-        vec![o],
-        ReduceOp::Sum,
-    ))?;
+    let out = last(
+        comm.group()
+            .reduce_scatter(vec![i], vec![o], ReduceOp::Sum)
+            .submit(&mut [&mut *engine]),
+    )?;
     let want = (rank * n..(rank + 1) * n)
         .map(|i| values(0, 2 * n, 4)[i] + values(1, 2 * n, 4)[i])
         .collect();
@@ -522,16 +559,15 @@ fn every_collective(
         upload(engine, &values(rank, n, 5))?,
         upload(engine, &[0; 8])?,
     );
-    let mut ring = comm.group();
-    ring.send(0, mine, peer).recv(0, theirs, peer);
+    let ring = comm.group().send(0, mine, peer).recv(peer, 0, theirs);
     let out = last(ring.submit(&mut [&mut *engine]))?;
     check(engine, out, values(peer, n, 5), "grouped exchange")?;
     if rank == 0 {
         let t = upload(engine, &values(0, n, 6))?;
-        last(send(comm, engine, t, 1))?;
+        last(comm.group().send(0, t, 1).submit(&mut [&mut *engine]))?;
     } else {
         let t = upload(engine, &[0; 8])?;
-        let out = last(recv(comm, engine, t, 0))?;
+        let out = last(comm.group().recv(0, 0, t).submit(&mut [&mut *engine]))?;
         check(engine, out, values(0, n, 6), "receive")?;
     }
     Ok(())
@@ -608,7 +644,7 @@ fn a_fault_at_every_step_of_every_collective_ends_every_rank_with_a_typed_error(
                 match outcome {
                     Ok(()) => {}
                     Err(
-                        Error::Collective(_)
+                        Error::Peer(_)
                         | Error::Library(_)
                         | Error::DeviceFault { .. }
                         | Error::Driver { .. }
@@ -640,7 +676,11 @@ fn a_refused_group_leaves_a_joined_communicator_aborted_and_a_new_one_works() {
     ranks(&sim, 1, |_, engine, comm| {
         let t = up(engine, &[1, 2, 3]);
         sim.fail_nth(SimOp::GroupEnd, 1, DriverError::UNKNOWN);
-        match all_reduce(&comm, &mut [&mut *engine], vec![t], ReduceOp::Sum) {
+        match comm
+            .group()
+            .all_reduce(vec![t], ReduceOp::Sum)
+            .submit(&mut [&mut *engine])
+        {
             Err(SubmitError::Retained {
                 error: Error::Library(_),
             }) => {}
@@ -648,10 +688,14 @@ fn a_refused_group_leaves_a_joined_communicator_aborted_and_a_new_one_works() {
         }
         // NCCL leaves such a communicator unusable: it was aborted.
         let t = up(engine, &[4, 5, 6]);
-        let t = match all_reduce(&comm, &mut [&mut *engine], vec![t], ReduceOp::Sum) {
+        let t = match comm
+            .group()
+            .all_reduce(vec![t], ReduceOp::Sum)
+            .submit(&mut [&mut *engine])
+        {
             Err(SubmitError::Failed {
                 input,
-                error: Error::Collective(CollectiveError::Aborted { rank: 0, world: 1 }),
+                error: Error::Peer(PeerError::Aborted { rank: 0, world: 1 }),
             }) => input,
             other => panic!("{other:?}"),
         };
@@ -660,7 +704,10 @@ fn a_refused_group_leaves_a_joined_communicator_aborted_and_a_new_one_works() {
         assert_eq!((stats.pending, stats.retained), (0, 0), "{stats:?}");
         let id = UniqueId::new(engine).unwrap();
         let again = Communicator::join(engine, &id, 0, 1).unwrap();
-        let summed = all_reduce(&again, &mut [&mut *engine], t, ReduceOp::Sum)
+        let summed = again
+            .group()
+            .all_reduce(t, ReduceOp::Sum)
+            .submit(&mut [&mut *engine])
             .unwrap()
             .wait()
             .unwrap()
@@ -681,18 +728,106 @@ fn receives_queued_before_their_sends_on_both_ranks_end_by_the_deadline() {
         // Each rank waits to receive before it sends, in groups of their own: a deadlock on any
         // device, which the deadline ends on both ranks.
         let into = up(engine, &[0; 4]);
-        let received = recv(&comm, engine, into, peer).unwrap();
+        let received = comm
+            .group()
+            .recv(peer, 0, into)
+            .submit(&mut [&mut *engine])
+            .unwrap();
         let mine = up(engine, &values(rank, 4, 0));
-        let sent = send(&comm, engine, mine, peer).unwrap();
+        let sent = comm
+            .group()
+            .send(0, mine, peer)
+            .submit(&mut [&mut *engine])
+            .unwrap();
         let error = received.wait().unwrap_err();
         assert!(timed_out(&error, rank, world), "{error:?}");
         let error = sent.wait().unwrap_err();
         assert!(
-            matches!(error, Error::Collective(CollectiveError::Aborted { .. })),
+            matches!(error, Error::Peer(PeerError::Aborted { .. })),
             "{error:?}"
         );
         works_on_after_the_abort(engine, &comm);
     });
     assert!(sim.violations().is_empty(), "{:?}", sim.violations());
     assert_eq!(sim.device_live().0, 0, "every tensor released");
+}
+
+// ---- One deadline for a job (issue 37, item 10) ----
+
+#[test]
+fn a_join_with_a_missing_rank_names_the_ranks_that_never_joined() {
+    use cuferry::error::Error;
+    // A world of three where only rank 1 comes: its join ends by the launch's deadline and
+    // says that ranks 0 and 2 never joined, as the rendezvous says who never arrived.
+    let sim = machine(3);
+    let mut engine = CudaEngine::simulated_on_device(&sim, 1).unwrap();
+    let id = UniqueId::new(&engine).unwrap();
+    let launch = Launch::new(1, 3)
+        .unwrap()
+        .with_timeout(Duration::from_millis(200));
+    match launch.join(&mut engine, &id) {
+        Err(error @ Error::Peer(PeerError::Unjoined { .. })) => {
+            let Error::Peer(PeerError::Unjoined {
+                rank,
+                world,
+                missing,
+                ..
+            }) = &error
+            else {
+                unreachable!()
+            };
+            assert_eq!((*rank, *world), (1, 3));
+            assert_eq!(missing.as_deref(), Some(&[0, 2][..]), "{error}");
+            assert!(error.to_string().contains("[0, 2]"), "{error}");
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn a_launch_deadline_is_inherited_by_the_rendezvous_the_join_and_the_collectives() {
+    use cuferry::collective::{DEFAULT_BOOTSTRAP_TIMEOUT, DEFAULT_COLLECTIVE_TIMEOUT};
+    use cuferry::error::Error;
+    let deadline = Duration::from_millis(250);
+    let vars: HashMap<&str, String> = HashMap::from([
+        ("RANK", "0".to_owned()),
+        ("WORLD_SIZE", "2".to_owned()),
+        ("MASTER_PORT", free_port().to_string()),
+    ]);
+    let launch = Launch::from_vars(|v| vars.get(v).cloned())
+        .unwrap()
+        .with_timeout(deadline);
+    assert_eq!(launch.timeout(), Some(deadline));
+    // The rendezvous.
+    assert_eq!(launch.rendezvous().unwrap().timeout(), deadline);
+    // The join: its peer never comes, and it ends by the launch's deadline, not the default.
+    let mut engine = CudaEngine::simulated(SimConfig::default());
+    let id = UniqueId::new(&engine).unwrap();
+    let started = Instant::now();
+    match launch.join(&mut engine, &id) {
+        Err(Error::Peer(PeerError::Unjoined { waited, .. })) => {
+            assert!(waited >= deadline, "{waited:?}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(started.elapsed() < Duration::from_secs(5));
+    // The collectives of the communicator it joins, unless told otherwise.
+    let alone = Launch::new(0, 1).unwrap().with_timeout(deadline);
+    let id = UniqueId::new(&engine).unwrap();
+    let comm = alone.join(&mut engine, &id).unwrap();
+    assert_eq!(comm.timeout(), deadline);
+    assert_eq!(
+        comm.clone().with_timeout(Duration::MAX).timeout(),
+        Duration::MAX
+    );
+    // A launch told no deadline keeps each step's default.
+    let plain = Launch::new(0, 1).unwrap();
+    assert_eq!(plain.timeout(), None);
+    assert_eq!(
+        plain.rendezvous().unwrap().timeout(),
+        DEFAULT_BOOTSTRAP_TIMEOUT
+    );
+    let id = UniqueId::new(&engine).unwrap();
+    let comm = plain.join(&mut engine, &id).unwrap();
+    assert_eq!(comm.timeout(), DEFAULT_COLLECTIVE_TIMEOUT);
 }

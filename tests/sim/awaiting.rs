@@ -17,6 +17,15 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
+// Written once in `tests/bodies/awaiting.rs`, run here on the simulated device and by the GPU
+// suite on device 0.
+crate::bodies!(sim; awaiting::{
+    uploads_and_downloads_awaited_on_a_current_thread_runtime,
+    uploads_and_downloads_awaited_on_a_multi_thread_runtime,
+    many_transfers_awaited_at_once_all_complete,
+    transfers_over_registered_buffers_are_awaited_and_hand_their_vec_back,
+});
+
 fn engine() -> (CudaEngine, SimDevice) {
     let mut engine = CudaEngine::simulated(SimConfig::default());
     // Every buffer released goes back to the device at once, so `is_pinned_live` tells
@@ -102,6 +111,7 @@ fn eventually(what: &str, done: impl Fn() -> bool) {
     }
 }
 
+// Simulator-only: holds the device clock and counts the wake registrations.
 #[test]
 fn awaited_transfers_are_woken_in_device_clock_order_once_each() {
     let (mut engine, sim) = engine();
@@ -158,6 +168,7 @@ fn awaited_transfers_are_woken_in_device_clock_order_once_each() {
     assert!(sim.violations().is_empty(), "{:?}", sim.violations());
 }
 
+// Simulator-only: holds the device clock and counts the wake registrations.
 #[test]
 fn a_later_poll_moves_the_wake_to_the_new_waker() {
     let (mut engine, sim) = engine();
@@ -182,6 +193,7 @@ fn a_later_poll_moves_the_wake_to_the_new_waker() {
     drop(held_clock);
 }
 
+// Simulator-only: runs the clock before the poll and counts registrations.
 #[test]
 fn a_copy_done_before_the_first_poll_resolves_without_a_registration() {
     let (mut engine, sim) = engine();
@@ -197,6 +209,7 @@ fn a_copy_done_before_the_first_poll_resolves_without_a_registration() {
     assert_eq!(probe.wakes(), 0);
 }
 
+// Simulator-only: the clock is advanced from a test thread; counts host waits.
 #[test]
 fn a_minimal_executor_is_woken_from_the_thread_that_runs_the_device() {
     let (mut engine, sim) = engine();
@@ -218,6 +231,7 @@ fn a_minimal_executor_is_woken_from_the_thread_that_runs_the_device() {
     drop(held_clock);
 }
 
+// Simulator-only: counts the driver calls (allocations, registrations, host waits).
 #[test]
 fn tokio_current_thread_awaits_transfers_in_sequence_and_resubmits_without_allocating() {
     let (mut engine, sim) = engine();
@@ -255,6 +269,7 @@ fn tokio_current_thread_awaits_transfers_in_sequence_and_resubmits_without_alloc
     assert!(sim.violations().is_empty());
 }
 
+// Simulator-only: the clock is advanced from a test thread.
 #[test]
 fn tokio_current_thread_is_woken_by_a_device_clock_on_another_thread() {
     let (mut engine, sim) = engine();
@@ -286,6 +301,7 @@ fn tokio_current_thread_is_woken_by_a_device_clock_on_another_thread() {
     drop(held_clock);
 }
 
+// Simulator-only: holds the device clock to order the completions.
 #[test]
 fn tokio_multi_thread_tasks_complete_in_device_clock_order() {
     let (mut engine, sim) = engine();
@@ -341,6 +357,7 @@ enum DropAt {
     AfterTheWakeBeforeRepolling,
 }
 
+// Simulator-only: holds the device clock and reads which buffers are live.
 #[test]
 fn a_dropped_future_detaches_its_transfer_until_the_device_proves_it_complete() {
     for at in [
@@ -407,6 +424,7 @@ fn a_dropped_future_detaches_its_transfer_until_the_device_proves_it_complete() 
     }
 }
 
+// Simulator-only: holds the device clock and reads which buffers are live.
 #[test]
 fn a_forgotten_future_never_releases() {
     let (mut engine, sim) = engine();
@@ -422,6 +440,7 @@ fn a_forgotten_future_never_releases() {
     assert!(sim.violations().is_empty());
 }
 
+// Simulator-only: holds the device clock so the timer wins.
 #[tokio::test(flavor = "current_thread")]
 async fn a_timer_that_wins_a_select_leaves_the_transfer_to_the_engine() {
     let (mut engine, sim) = engine();
@@ -458,6 +477,7 @@ async fn a_timer_that_wins_a_select_leaves_the_transfer_to_the_engine() {
     }
 }
 
+// Simulator-only: injects a failed event.
 #[test]
 fn a_failed_event_resolves_to_the_device_fault_and_retains_everything() {
     for held in [true, false] {
@@ -511,6 +531,7 @@ fn a_failed_event_resolves_to_the_device_fault_and_retains_everything() {
     }
 }
 
+// Simulator-only: injects a refused wake registration.
 #[test]
 fn a_refused_registration_falls_back_to_a_wait_on_the_polling_thread() {
     for held in [true, false] {
@@ -548,6 +569,7 @@ fn a_refused_registration_falls_back_to_a_wait_on_the_polling_thread() {
     }
 }
 
+// Simulator-only: injects a failed event query.
 #[test]
 fn a_failed_event_query_resolves_to_a_fault_at_the_first_or_a_later_poll() {
     for first in [true, false] {
@@ -588,6 +610,7 @@ fn a_failed_event_query_resolves_to_a_fault_at_the_first_or_a_later_poll() {
     }
 }
 
+// Simulator-only: injects a fault at every step.
 /// Every fault of the shared fault table that can strike an awaited transfer after its
 /// submission: each resolves to a typed error or to correct data, and what is retained is what
 /// the engine says it retained.
@@ -639,6 +662,7 @@ fn faults_at_every_step_of_an_await_are_typed_and_lose_nothing() {
     }
 }
 
+// Simulator-only: injects a failed teardown wait and counts registrations.
 /// After the engine is dropped nothing registers a wake: its teardown waited for the stream, so
 /// the first query answers; and should that wait have failed, the await waits for the event
 /// itself.
@@ -674,42 +698,6 @@ fn an_await_after_the_engine_was_dropped_resolves_without_a_registration() {
     }
 }
 
-#[test]
-fn transfers_over_registered_buffers_are_awaited_and_hand_their_vec_back() {
-    let (mut engine, sim) = engine();
-    sim.hold_clock(true);
-    let data = distinct(4096, 7);
-    let source = cuferry::RegisteredBuffer::register(&mut engine, data.clone()).unwrap();
-    let destination = engine.alloc_tensor::<u32>(&[4096]).unwrap();
-    let upload = upload_pending(&mut engine, source, destination).unwrap();
-    // Work on the in-flight destination, then a download into a second registered buffer.
-    let copy = engine.copy_tensor(upload.tensor()).unwrap();
-    let target = cuferry::RegisteredBuffer::register(&mut engine, vec![0u32; 4096]).unwrap();
-    let download = download_pending(&mut engine, copy, target).unwrap();
-    let advancer = {
-        let sim = sim.clone();
-        std::thread::spawn(move || {
-            while sim.queued() > 0 {
-                std::thread::sleep(Duration::from_millis(1));
-                sim.advance(1);
-            }
-        })
-    };
-    let (upload, download) = futures_lite::future::block_on(async {
-        let download = download.await;
-        let upload = upload.await;
-        (upload, download)
-    });
-    advancer.join().unwrap();
-    sim.hold_clock(false);
-    let (target, _) = download.unwrap().into_parts();
-    assert_eq!(target.into_vec().unwrap(), data);
-    let (source, _) = upload.unwrap().into_parts();
-    assert_eq!(source.into_vec().unwrap(), data);
-    assert_eq!(sim.registered_live().0, 0);
-    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
-}
-
 /// What a waker does with the engine when woken: polls another transfer's future inline (an
 /// executor that polls from its wake), and drops a tensor it was given.
 struct Meddler {
@@ -737,6 +725,7 @@ impl std::task::Wake for Meddler {
     }
 }
 
+// Simulator-only: the free clock runs the wake inside the registering call, so the wake surely runs.
 /// A wake runs with no engine lock held, marked as the device's callback on both drivers: a waker
 /// that calls into the engine gets a typed refusal (no deadlock), and a value it drops is
 /// reported at the next boundary, never lost silently.

@@ -2,9 +2,8 @@
 //! rendezvous between ranks on threads of their own, and the launcher's variables. Every wrong
 //! input is a typed error saying what was wrong.
 
-use cuferry::collective::bootstrap::{MAX_JOB_BYTES, MAX_UNGREETED, MAX_WORLD};
-use cuferry::collective::{Launch, Rendezvous, UniqueId};
-use cuferry::error::BootstrapError;
+use cuferry::collective::{Launch, MAX_JOB_BYTES, MAX_UNGREETED, MAX_WORLD, Rendezvous, UniqueId};
+use cuferry::error::{MalformedError, PeerError, UsageError};
 use cuferry::sim::{SimConfig, SimOp};
 use cuferry::{CudaEngine, Error};
 use std::collections::HashMap;
@@ -26,7 +25,7 @@ fn at(port: u16, rank: usize, world: usize) -> Rendezvous {
     Rendezvous::new(("127.0.0.1", port), rank, world)
         .unwrap()
         .job("test")
-        .timeout(Duration::from_secs(10))
+        .with_timeout(Duration::from_secs(10))
 }
 
 /// A fresh id of the simulated machine.
@@ -57,7 +56,7 @@ fn an_id_travels_as_bytes_and_bad_bytes_are_refused() {
     let bytes = a.to_bytes();
     assert_eq!(UniqueId::from_bytes(&bytes).unwrap(), a);
     let bad = |bytes: &[u8]| match UniqueId::from_bytes(bytes) {
-        Err(Error::Bootstrap(BootstrapError::UniqueId { reason })) => reason,
+        Err(Error::Malformed(MalformedError::UniqueId { reason })) => reason,
         other => panic!("{other:?}"),
     };
     assert!(bad(&bytes[..100]).contains("100 bytes"));
@@ -82,7 +81,7 @@ fn serve(
     world: usize,
     timeout: Duration,
 ) -> std::thread::JoinHandle<cuferry::Result<UniqueId>> {
-    std::thread::spawn(move || at(port, 0, world).timeout(timeout).exchange(id))
+    std::thread::spawn(move || at(port, 0, world).with_timeout(timeout).exchange(id))
 }
 
 #[test]
@@ -90,7 +89,7 @@ fn a_wrong_world_or_job_is_refused_with_the_reason_and_rank_zero_lists_it() {
     let port = free_port();
     let root = serve(port, 3, Duration::from_secs(2));
     let refused = |r: cuferry::Result<UniqueId>| match r {
-        Err(Error::Bootstrap(BootstrapError::Refused { reason, .. })) => reason,
+        Err(Error::Peer(PeerError::RankRefused { reason, .. })) => reason,
         other => panic!("{other:?}"),
     };
     let wrong_world = refused(at(port, 1, 4).exchange(id));
@@ -100,10 +99,10 @@ fn a_wrong_world_or_job_is_refused_with_the_reason_and_rank_zero_lists_it() {
     // A rank out of its world is refused before any socket is opened.
     assert!(matches!(
         Rendezvous::new(("127.0.0.1", port), 3, 3),
-        Err(Error::Bootstrap(BootstrapError::Rank { rank: 3, world: 3 }))
+        Err(Error::Usage(UsageError::NotARank { rank: 3, world: 3 }))
     ));
     match root.join().unwrap() {
-        Err(Error::Bootstrap(BootstrapError::Missing {
+        Err(Error::Peer(PeerError::Missing {
             missing, refused, ..
         })) => {
             assert_eq!(missing, [1, 2]);
@@ -122,7 +121,7 @@ fn a_rank_taken_twice_is_refused_and_the_world_still_forms() {
         // The first rank 1 waits for the id; a second one is refused.
         std::thread::sleep(Duration::from_millis(300));
         match at(port, 1, 3).exchange(id) {
-            Err(Error::Bootstrap(BootstrapError::Refused { reason, .. })) => {
+            Err(Error::Peer(PeerError::RankRefused { reason, .. })) => {
                 assert!(reason.contains("arrived already"), "{reason}")
             }
             other => panic!("{other:?}"),
@@ -161,7 +160,7 @@ fn garbage_on_the_socket_is_refused_both_ways() {
         s.write_all(b"SSH-2.0-OpenSSH_9.6\r\n").unwrap();
     });
     match at(port, 1, 2).exchange(id) {
-        Err(Error::Bootstrap(BootstrapError::Garbage { reason, .. })) => {
+        Err(Error::Malformed(MalformedError::Rendezvous { reason, .. })) => {
             assert!(reason.contains("rendezvous mark"), "{reason}")
         }
         other => panic!("{other:?}"),
@@ -174,19 +173,19 @@ fn a_rank_that_never_arrives_or_a_rank_zero_that_never_listens_ends_by_the_deadl
     let port = free_port();
     let started = std::time::Instant::now();
     match at(port, 0, 3)
-        .timeout(Duration::from_millis(300))
+        .with_timeout(Duration::from_millis(300))
         .exchange(id)
     {
-        Err(Error::Bootstrap(BootstrapError::Missing { missing, .. })) => {
+        Err(Error::Peer(PeerError::Missing { missing, .. })) => {
             assert_eq!(missing, [1, 2]);
         }
         other => panic!("{other:?}"),
     }
     match at(port, 2, 3)
-        .timeout(Duration::from_millis(300))
+        .with_timeout(Duration::from_millis(300))
         .exchange(id)
     {
-        Err(Error::Bootstrap(BootstrapError::NoRoot { last, .. })) => {
+        Err(Error::Peer(PeerError::NoRoot { last, .. })) => {
             assert!(last.is_some(), "the refused connections are said");
         }
         other => panic!("{other:?}"),
@@ -227,7 +226,7 @@ fn the_launcher_variables_name_the_rank_and_the_rendezvous() {
     let rendezvous = launch.rendezvous().unwrap();
     assert_eq!((rendezvous.rank(), rendezvous.world()), (0, 1));
     let env_error = |pairs: &[(&str, &str)]| match Launch::from_vars(vars(pairs)) {
-        Err(Error::Bootstrap(e)) => e.to_string(),
+        Err(e) => e.to_string(),
         other => panic!("{other:?}"),
     };
     assert!(env_error(&[("WORLD_SIZE", "2"), ("MASTER_PORT", "1")]).contains("RANK: not set"));
@@ -259,7 +258,7 @@ fn the_launcher_variables_name_the_rank_and_the_rendezvous() {
 
 #[test]
 fn ranks_on_threads_of_their_own_join_through_the_rendezvous_and_reduce_together() {
-    use cuferry::collective::{Communicator, ReduceOp, all_reduce, broadcast};
+    use cuferry::collective::{Communicator, ReduceOp};
     use cuferry::sim::SimDevice;
     use cuferry::{download_tensor, upload_tensor};
     let world = 3;
@@ -281,13 +280,19 @@ fn ranks_on_threads_of_their_own_join_through_the_rendezvous_and_reduce_together
                     assert_eq!((comm.rank(), comm.world(), comm.ranks()), (rank, world, 1));
                     let mine: Vec<f32> = (0..1000).map(|i| (i * (rank + 1)) as f32).collect();
                     let t = upload_tensor(&mut engine, &mine, &[1000]).unwrap();
-                    let summed = all_reduce(&comm, &mut [&mut engine], vec![t], ReduceOp::Sum)
+                    let summed = comm
+                        .group()
+                        .all_reduce(vec![t], ReduceOp::Sum)
+                        .submit(&mut [&mut engine])
                         .unwrap()
                         .wait()
                         .unwrap()
                         .into_parts();
                     let sum = download_tensor(&mut engine, &summed[0]).unwrap();
-                    let from_two = broadcast(&comm, &mut [&mut engine], summed, 2)
+                    let from_two = comm
+                        .group()
+                        .broadcast(summed, 2)
+                        .submit(&mut [&mut engine])
                         .unwrap()
                         .wait()
                         .unwrap()
@@ -315,13 +320,13 @@ fn a_join_refuses_a_rank_out_of_range_and_an_id_of_another_version() {
     let id = UniqueId::new(&engine).unwrap();
     assert!(matches!(
         Communicator::join(&mut engine, &id, 1, 1),
-        Err(Error::Bootstrap(BootstrapError::Rank { rank: 1, world: 1 }))
+        Err(Error::Usage(UsageError::NotARank { rank: 1, world: 1 }))
     ));
     let mut bytes = id.to_bytes();
     bytes[10] = 7; // made by "another library"
     let other = UniqueId::from_bytes(&bytes).unwrap();
     match Communicator::join(&mut engine, &other, 0, 1) {
-        Err(Error::Bootstrap(BootstrapError::UniqueId { reason })) => {
+        Err(Error::Malformed(MalformedError::UniqueId { reason })) => {
             assert!(reason.contains("version 7"), "{reason}")
         }
         other => panic!("{other:?}"),
@@ -372,11 +377,15 @@ fn a_join_whose_peer_never_comes_ends_by_its_deadline_and_the_engine_works_on() 
     let mut engine = CudaEngine::simulated(SimConfig::default());
     let id = UniqueId::new(&engine).unwrap();
     let started = std::time::Instant::now();
-    match Communicator::join_within(&mut engine, &id, 0, 2, Duration::from_millis(200)) {
-        Err(Error::Bootstrap(BootstrapError::Unjoined {
+    let launch = Launch::new(0, 2)
+        .unwrap()
+        .with_timeout(Duration::from_millis(200));
+    match launch.join(&mut engine, &id) {
+        Err(Error::Peer(PeerError::Unjoined {
             rank,
             world,
             waited,
+            ..
         })) => {
             assert_eq!((rank, world), (0, 2));
             assert!(waited >= Duration::from_millis(200), "{waited:?}");
@@ -471,7 +480,7 @@ fn a_stranger_that_trickles_holds_rank_zero_no_longer_than_its_deadline() {
         let held = started.elapsed();
         stop.store(true, Ordering::Relaxed);
         match outcome {
-            Err(Error::Bootstrap(BootstrapError::Missing { missing, .. })) => {
+            Err(Error::Peer(PeerError::Missing { missing, .. })) => {
                 assert_eq!(missing, [1])
             }
             other => panic!("{other:?}"),
@@ -500,11 +509,11 @@ fn a_rank_zero_that_trickles_its_answer_holds_a_rank_no_longer_than_its_deadline
             trickle(&mut fake, &bytes, Duration::from_millis(50), &stop);
         });
         let started = std::time::Instant::now();
-        let outcome = at(port, 1, 2).timeout(timeout).exchange(id);
+        let outcome = at(port, 1, 2).with_timeout(timeout).exchange(id);
         let held = started.elapsed();
         stop.store(true, Ordering::Relaxed);
         match outcome {
-            Err(Error::Bootstrap(BootstrapError::NoRoot { .. })) => {}
+            Err(Error::Peer(PeerError::NoRoot { .. })) => {}
             other => panic!("{other:?} after {held:?}"),
         }
         assert!(
@@ -537,7 +546,7 @@ fn strangers_holding_idle_connections_do_not_stop_a_world_from_forming() {
     );
     let ids: Vec<UniqueId> = std::thread::scope(|s| {
         let handles: Vec<_> = (1..world)
-            .map(|rank| s.spawn(move || at(port, rank, world).timeout(timeout).exchange(id)))
+            .map(|rank| s.spawn(move || at(port, rank, world).with_timeout(timeout).exchange(id)))
             .collect();
         handles
             .into_iter()
@@ -691,8 +700,8 @@ fn every_field_of_rank_zeros_answer_is_checked_before_it_sizes_anything() {
     other_mark[0] ^= 1;
     let mut other_format = good.clone();
     other_format[8] = 9;
-    let garbage = |why: &'static str| move |e: &BootstrapError| matches!(e, BootstrapError::Garbage { reason, .. } if reason.contains(why));
-    type Check = Box<dyn Fn(&BootstrapError) -> bool>;
+    let garbage = |why: &'static str| move |e: &Error| matches!(e, Error::Malformed(MalformedError::Rendezvous { reason, .. }) if reason.contains(why));
+    type Check = Box<dyn Fn(&Error) -> bool>;
     let cases: Vec<(&str, Vec<u8>, Check)> = vec![
         (
             "not the protocol",
@@ -742,39 +751,43 @@ fn every_field_of_rank_zeros_answer_is_checked_before_it_sizes_anything() {
             "an id without its mark",
             message(WELCOME, 142, &other_mark),
             Box::new(
-                |e: &BootstrapError| matches!(e, BootstrapError::UniqueId { reason } if reason.contains("mark")),
+                |e: &Error| matches!(e, Error::Malformed(MalformedError::UniqueId { reason }) if reason.contains("mark")),
             ),
         ),
         (
             "an id of another format",
             message(WELCOME, 142, &other_format),
             Box::new(
-                |e: &BootstrapError| matches!(e, BootstrapError::UniqueId { reason } if reason.contains("format version 9")),
+                |e: &Error| matches!(e, Error::Malformed(MalformedError::UniqueId { reason }) if reason.contains("format version 9")),
             ),
         ),
         (
             "a reason of control bytes",
             message(REFUSE, 8, b"\x1b[2J\xffok!"),
-            Box::new(|e: &BootstrapError| {
-                matches!(e, BootstrapError::Refused { reason, .. }
+            Box::new(|e: &Error| {
+                matches!(e, Error::Peer(PeerError::RankRefused { reason, .. })
                 if reason.contains("ok!") && !reason.contains('\x1b'))
             }),
         ),
         (
             "an answer cut short",
             message(WELCOME, 142, &good[..20]),
-            Box::new(|e: &BootstrapError| {
+            Box::new(|e: &Error| {
                 matches!(
                     e,
-                    BootstrapError::NoRoot { .. } | BootstrapError::Garbage { .. }
+                    Error::Peer(PeerError::NoRoot { .. })
+                        | Error::Malformed(MalformedError::Rendezvous { .. })
                 )
             }),
         ),
     ];
     for (what, answer, check) in cases {
         let (port, fake) = fake_root(vec![Some(answer)]);
-        match at(port, 1, 2).timeout(Duration::from_secs(2)).exchange(id) {
-            Err(Error::Bootstrap(e)) => assert!(check(&e), "{what}: {e:?}"),
+        match at(port, 1, 2)
+            .with_timeout(Duration::from_secs(2))
+            .exchange(id)
+        {
+            Err(e) => assert!(check(&e), "{what}: {e:?}"),
             other => panic!("{what}: {other:?}"),
         }
         fake.join().unwrap();
@@ -787,7 +800,7 @@ fn a_rank_whose_connection_is_closed_unanswered_connects_again() {
     let answer = message(WELCOME, 142, &good.to_bytes());
     let (port, fake) = fake_root(vec![None, None, Some(answer)]);
     let got = at(port, 1, 2)
-        .timeout(Duration::from_secs(5))
+        .with_timeout(Duration::from_secs(5))
         .exchange(id)
         .unwrap();
     assert_eq!(got, good);
@@ -828,7 +841,7 @@ fn every_launcher_variable_is_bounded_and_a_refusal_says_the_limit() {
             .map(|(k, v)| (k.as_str(), v.as_str()))
             .collect();
         match launch(&pairs) {
-            Err(Error::Bootstrap(e)) => e.to_string(),
+            Err(e) => e.to_string(),
             other => panic!("{name}={value:?} gave {other:?}"),
         }
     };
@@ -908,7 +921,7 @@ fn a_rendezvous_refuses_a_world_or_a_job_past_its_bound_before_it_sizes_anything
     assert_eq!(MAX_WORLD, 262_144, "the documented bound");
     for (rank, world) in [(0, big), (1, big), (0, MAX_WORLD + 1)] {
         match Rendezvous::new(("127.0.0.1", 1), rank, world) {
-            Err(Error::Bootstrap(e)) => {
+            Err(e) => {
                 assert!(e.to_string().contains(&MAX_WORLD.to_string()), "{e}")
             }
             other => panic!("a world of {world}: {other:?}"),
@@ -918,10 +931,10 @@ fn a_rendezvous_refuses_a_world_or_a_job_past_its_bound_before_it_sizes_anything
     for rank in [0, 1] {
         match at(port, rank, 2)
             .job("j".repeat(MAX_JOB_BYTES + 1))
-            .timeout(Duration::from_millis(200))
+            .with_timeout(Duration::from_millis(200))
             .exchange(id)
         {
-            Err(Error::Bootstrap(e)) => {
+            Err(e) => {
                 assert!(e.to_string().contains(&MAX_JOB_BYTES.to_string()), "{e}")
             }
             other => panic!("rank {rank}: {other:?}"),
@@ -955,7 +968,7 @@ fn collectives_of_joined_ranks_with_no_deadline_complete() {
 /// A world of two joined ranks, whose rendezvous waits `rendezvous`, whose join and
 /// collectives have no deadline: a wait and an `.await` of an all-reduce.
 fn joined_with_no_deadline(rendezvous: Duration) {
-    use cuferry::collective::{Communicator, ReduceOp, all_reduce};
+    use cuferry::collective::{Launch, ReduceOp};
     use cuferry::sim::SimDevice;
     use cuferry::{download_tensor, upload_tensor};
     let world = 2;
@@ -971,22 +984,30 @@ fn joined_with_no_deadline(rendezvous: Duration) {
                 s.spawn(move || {
                     let mut engine = CudaEngine::simulated_on_device(&sim, rank).unwrap();
                     let id = at(port, rank, world)
-                        .timeout(rendezvous)
+                        .with_timeout(rendezvous)
                         .exchange(|| UniqueId::new(&engine))
                         .unwrap();
-                    let comm =
-                        Communicator::join_within(&mut engine, &id, rank, world, Duration::MAX)
-                            .unwrap()
-                            .with_timeout(Duration::MAX);
+                    let comm = Launch::new(rank, world)
+                        .unwrap()
+                        .with_timeout(Duration::MAX)
+                        .join(&mut engine, &id)
+                        .unwrap()
+                        .with_timeout(Duration::MAX);
                     let t = upload_tensor(&mut engine, &[rank as u32 + 1; 8], &[8]).unwrap();
-                    let waited = all_reduce(&comm, &mut [&mut engine], vec![t], ReduceOp::Sum)
+                    let waited = comm
+                        .group()
+                        .all_reduce(vec![t], ReduceOp::Sum)
+                        .submit(&mut [&mut engine])
                         .unwrap()
                         .wait()
                         .unwrap()
                         .into_parts();
                     let first = download_tensor(&mut engine, &waited[0]).unwrap();
-                    let pending =
-                        all_reduce(&comm, &mut [&mut engine], waited, ReduceOp::Sum).unwrap();
+                    let pending = comm
+                        .group()
+                        .all_reduce(waited, ReduceOp::Sum)
+                        .submit(&mut [&mut engine])
+                        .unwrap();
                     let awaited = futures_lite::future::block_on(pending.into_future())
                         .unwrap()
                         .into_parts();

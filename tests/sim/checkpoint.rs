@@ -3,11 +3,16 @@
 //! selection reads only what it selects; a bad file is a typed error naming it, and the engine
 //! works on.
 
-use cuferry::checkpoint::{self, LoadOptions, Progress, SaveOptions, Tensor};
-use cuferry::error::CheckpointError;
+use cuferry::AnyTensor;
+use cuferry::checkpoint::{self, LoadOptions, Progress, SaveOptions, SaveTensor};
+use cuferry::error::{IoError, MalformedError, UsageError};
 use cuferry::sim::SimConfig;
 use cuferry::{CudaEngine, Error, bf16, download_tensor, upload_tensor};
 use std::collections::HashMap;
+
+// Written once in `tests/bodies/checkpoint.rs`, run here on the simulated device and by the GPU
+// suite on device 0.
+crate::bodies!(sim; checkpoint::{a_checkpoint_loads_bit_for_bit_and_saves_back_byte_for_byte});
 
 /// `(name, dtype, shape, bytes)` of a small model, written by the format's serializer.
 fn model() -> Vec<u8> {
@@ -55,17 +60,17 @@ fn a_file_the_format_wrote_loads_typed_and_saves_back_the_same_bytes() {
     );
     // Saved again (the typed tensor converted back), the file is the serializer's, byte for byte.
     let bias = loaded.get("layer.bias").unwrap();
-    let weight = Tensor::from(weight);
+    let weight = AnyTensor::from(weight);
     let again = dir.path().join("again.safetensors");
-    let steps = Tensor::from(upload_tensor(&mut engine, &[7u64], &[1]).unwrap());
+    let steps = AnyTensor::from(upload_tensor(&mut engine, &[7u64], &[1]).unwrap());
     checkpoint::save(
         &mut engine,
-        &again,
         &[
             ("steps", &steps),
             ("layer.weight", &weight),
             ("layer.bias", bias),
         ],
+        &again,
     )
     .unwrap();
     assert_eq!(std::fs::read(&again).unwrap(), model());
@@ -96,7 +101,7 @@ fn a_bad_file_is_a_typed_error_naming_it_and_the_engine_works_on() {
     let mut engine = CudaEngine::simulated(SimConfig::default());
     let err = checkpoint::load(&mut engine, &path).unwrap_err();
     assert!(
-        matches!(err, Error::Checkpoint(CheckpointError::DataLength { .. })),
+        matches!(err, Error::Malformed(MalformedError::DataLength { .. })),
         "{err}"
     );
     assert!(err.to_string().contains("broken.safetensors"), "{err}");
@@ -104,7 +109,7 @@ fn a_bad_file_is_a_typed_error_naming_it_and_the_engine_works_on() {
     assert!(
         matches!(
             missing,
-            Error::Checkpoint(CheckpointError::Io {
+            Error::Io(IoError::File {
                 operation: "open",
                 ..
             })
@@ -136,12 +141,12 @@ fn progress_climbs_to_the_total_of_the_bytes_moved() {
     assert!(seen.windows(2).all(|w| w[0].done < w[1].done), "{seen:?}");
     assert_eq!(seen.last(), Some(&Progress { done: total, total }));
     let mut saved: Vec<Progress> = Vec::new();
-    let named: Vec<(&str, &Tensor)> = loaded.iter().collect();
+    let named = loaded.named();
     let out = dir.path().join("out.safetensors");
     checkpoint::save_with(
         &mut engine,
-        &out,
         &named,
+        &out,
         SaveOptions::new().progress(|p| saved.push(p)),
     )
     .unwrap();
@@ -175,7 +180,7 @@ fn a_sharded_checkpoint_loads_through_its_index() {
     let loaded = checkpoint::load(&mut engine, &index).unwrap();
     assert_eq!(loaded.names().collect::<Vec<_>>(), ["a", "b"]);
     assert_eq!(
-        download_tensor(&mut engine, loaded.get("b").unwrap().bytes()).unwrap(),
+        crate::support::any_tensor::any_bytes(&mut engine, loaded.get("b").unwrap()).unwrap(),
         b
     );
     // A shard that is not there.
@@ -186,7 +191,7 @@ fn a_sharded_checkpoint_loads_through_its_index() {
     .unwrap();
     let err = checkpoint::load(&mut engine, &index).unwrap_err();
     assert!(
-        matches!(err, Error::Checkpoint(CheckpointError::MissingShard { .. })),
+        matches!(err, Error::Malformed(MalformedError::MissingShard { .. })),
         "{err}"
     );
     // A shard without the tensor the index places there.
@@ -259,7 +264,7 @@ fn each_tensor_is_handed_over_once_its_copies_are_queued_and_work_on_it_follows_
     let mut seen_at = Vec::new();
     checkpoint::load_each(&mut engine, &path, options, |engine, name, tensor| {
         seen_at.push(done.get());
-        let copy = engine.copy_tensor(tensor.bytes())?;
+        let copy = crate::support::any_tensor::copy_any(engine, &tensor)?;
         copies.push((name, copy));
         Ok(())
     })
@@ -273,7 +278,11 @@ fn each_tensor_is_handed_over_once_its_copies_are_queued_and_work_on_it_follows_
     );
     for (name, copy) in &copies {
         let (_, data) = tensors.iter().find(|(n, _)| n == name).unwrap();
-        assert_eq!(&download_tensor(&mut engine, copy).unwrap(), data, "{name}");
+        assert_eq!(
+            &crate::support::any_tensor::any_bytes(&mut engine, copy).unwrap(),
+            data,
+            "{name}"
+        );
     }
     engine.synchronize().unwrap();
     assert!(sim.violations().is_empty(), "{:?}", sim.violations());
@@ -310,7 +319,7 @@ fn direct_and_split_reads_load_the_same_bytes_at_every_alignment() {
         let loaded = checkpoint::load_with(&mut engine, &path, options).unwrap();
         for (name, data) in &tensors {
             let t = loaded.get(name).unwrap();
-            let back = download_tensor(&mut engine, t.bytes()).unwrap();
+            let back = crate::support::any_tensor::any_bytes(&mut engine, t).unwrap();
             assert!(
                 &back == data,
                 "{name} (direct: {direct}, {readers} readers)"
@@ -352,7 +361,7 @@ fn staging_stays_within_its_setting_and_bad_settings_are_refused() {
         made,
         "a slot was made again"
     );
-    let named: Vec<(&str, &Tensor)> = loaded.iter().collect();
+    let named = loaded.named();
     let out = dir.path().join("out.safetensors");
     // The save stages through slots the loads made: no pinned memory is added.
     let before = sim.pinned_live().1;
@@ -361,7 +370,7 @@ fn staging_stays_within_its_setting_and_bad_settings_are_refused() {
         .writers(2)
         .staging_bytes(2 * 4096)
         .progress(|_| peak.set(peak.get().max(sim.pinned_live().1)));
-    checkpoint::save_with(&mut engine, &out, &named, options).unwrap();
+    checkpoint::save_with(&mut engine, &named, &out, options).unwrap();
     assert_eq!(std::fs::read(&out).unwrap(), file);
     assert_eq!(peak.get(), before, "pinned bytes during the save");
     for bad in [
@@ -378,7 +387,7 @@ fn staging_stays_within_its_setting_and_bad_settings_are_refused() {
             "{err}"
         );
     }
-    let err = checkpoint::save_with(&mut engine, &out, &named, SaveOptions::new().writers(0));
+    let err = checkpoint::save_with(&mut engine, &named, &out, SaveOptions::new().writers(0));
     assert!(matches!(
         err,
         Err(Error::Usage(
@@ -411,7 +420,7 @@ fn file_ranges_go_to_and_from_tensors_blocking_and_pending() {
     // A range past the end of the file is a short read naming it.
     let err = checkpoint::read_into(&mut engine, &path, &file, 90_000, &mut tensor).unwrap_err();
     assert!(
-        matches!(err, Error::Checkpoint(CheckpointError::ShortRead { .. })),
+        matches!(err, Error::Malformed(MalformedError::ShortRead { .. })),
         "{err}"
     );
     // Pending: read into a pinned buffer handed over, the upload in flight; then back down and
@@ -425,7 +434,7 @@ fn file_ranges_go_to_and_from_tensors_blocking_and_pending() {
     checkpoint::write_returned(&out_path, &out, 0, &returned).unwrap();
     assert!(std::fs::read(&out_path).unwrap()[..30_001] == blob[5..30_006]);
     // A refusal hands both back: a buffer of another length, or a read past the end.
-    let (buffer, tensor) = returned.into_parts();
+    let (tensor, buffer) = returned.into_parts();
     let short = PinnedHostBuffer::<u8>::new(&mut engine, 10).unwrap();
     match checkpoint::read_pending(&mut engine, &path, &file, 0, short, tensor) {
         Err(cuferry::SubmitError::Rejected { input, .. }) => {
@@ -434,7 +443,7 @@ fn file_ranges_go_to_and_from_tensors_blocking_and_pending() {
                 Err(cuferry::SubmitError::Failed { input, error }) => {
                     assert!(matches!(
                         error,
-                        Error::Checkpoint(CheckpointError::ShortRead { .. })
+                        Error::Malformed(MalformedError::ShortRead { .. })
                     ));
                     assert_eq!(input.1.len(), 30_001);
                 }
@@ -456,7 +465,7 @@ fn a_tensor_asked_for_as_another_element_type_is_a_typed_error_naming_file_and_t
     let mut loaded = checkpoint::load(&mut engine, &path).unwrap();
     let err = loaded.take::<f64>("layer.weight").unwrap_err();
     match &err {
-        Error::Checkpoint(CheckpointError::ElementType {
+        Error::Usage(UsageError::StoredElementType {
             path: file,
             tensor,
             asked,
@@ -475,7 +484,7 @@ fn a_tensor_asked_for_as_another_element_type_is_a_typed_error_naming_file_and_t
     assert_eq!(loaded.len(), 3, "the tensor stays");
     assert!(matches!(
         loaded.take::<f32>("no.such"),
-        Err(Error::Checkpoint(CheckpointError::NoTensor { .. }))
+        Err(Error::Usage(UsageError::NoTensor { .. }))
     ));
     let weight = loaded.take::<f32>("layer.weight").unwrap();
     assert_eq!(download_tensor(&mut engine, &weight).unwrap()[5], 2.5);
@@ -525,7 +534,7 @@ fn a_write_that_fails_at_any_step_is_reported_and_the_engine_writes_on() {
         for zero in [false, true] {
             let w = writer(fail_at, zero);
             match checkpoint::write_from(&mut engine, &tensor, &path, &w, 0) {
-                Err(Error::Checkpoint(CheckpointError::Io { .. })) => {}
+                Err(Error::Io(IoError::File { .. })) => {}
                 other => panic!("write {fail_at} (zero: {zero}): {other:?}"),
             }
             let w = writer(0, false);
@@ -578,17 +587,17 @@ fn every_staging_setting_out_of_range_is_refused_with_its_limit() {
         "staging_bytes",
     );
     let loaded = checkpoint::load(&mut engine, &path).unwrap();
-    let named: Vec<(&str, &Tensor)> = loaded.iter().collect();
+    let named = loaded.named();
     let out = dir.path().join("out.safetensors");
     for huge in [usize::MAX, 1 << 62, (1 << 40) + 1] {
         let options = SaveOptions::new().staging_bytes(huge);
         let text = refused_setting(
-            checkpoint::save_with(&mut engine, &out, &named, options),
+            checkpoint::save_with(&mut engine, &named, &out, options),
             "staging_bytes",
         );
         assert!(text.contains("1 TiB"), "{text}");
         refused_setting(
-            checkpoint::save_with(&mut engine, &out, &named, SaveOptions::new().writers(huge)),
+            checkpoint::save_with(&mut engine, &named, &out, SaveOptions::new().writers(huge)),
             "writers",
         );
     }
@@ -617,7 +626,7 @@ fn every_staging_setting_out_of_range_is_refused_with_its_limit() {
         3
     );
     let options = SaveOptions::new().staging_bytes(1 << 40);
-    checkpoint::save_with(&mut engine, &out, &named, options).unwrap();
+    checkpoint::save_with(&mut engine, &named, &out, options).unwrap();
     assert_eq!(std::fs::read(&out).unwrap(), file);
     drop(named);
     drop(loaded);
@@ -644,7 +653,7 @@ fn an_index_past_its_limit_is_refused_without_being_read_whole() {
         assert!(
             matches!(
                 err,
-                Error::Checkpoint(CheckpointError::TooLarge {
+                Error::Malformed(MalformedError::TooLarge {
                     limit: 100_000_000,
                     ..
                 })
@@ -739,8 +748,8 @@ fn a_save_never_writes_through_a_planted_link_or_over_a_users_file() {
     std::fs::write(&victim, b"someone else's").unwrap();
     std::os::unix::fs::symlink(&victim, &partial).unwrap();
     let mut engine = CudaEngine::simulated(SimConfig::default());
-    let t = Tensor::from(upload_tensor(&mut engine, &[1.0f32, 2.0], &[2]).unwrap());
-    checkpoint::save(&mut engine, &path, &[("t", &t)]).unwrap();
+    let t = AnyTensor::from(upload_tensor(&mut engine, &[1.0f32, 2.0], &[2]).unwrap());
+    checkpoint::save(&mut engine, &[("t", &t)], &path).unwrap();
     assert_eq!(std::fs::read(&victim).unwrap(), b"someone else's");
     assert!(
         std::fs::symlink_metadata(&partial)
@@ -760,7 +769,7 @@ fn a_save_never_writes_through_a_planted_link_or_over_a_users_file() {
     // A user's own file of that name.
     std::fs::remove_file(&partial).unwrap();
     std::fs::write(&partial, b"mine").unwrap();
-    checkpoint::save(&mut engine, &path, &[("u", &t)]).unwrap();
+    checkpoint::save(&mut engine, &[("u", &t)], &path).unwrap();
     assert_eq!(std::fs::read(&partial).unwrap(), b"mine");
     assert!(
         checkpoint::load(&mut engine, &path)
@@ -804,15 +813,15 @@ fn two_saves_of_one_path_at_once_end_with_one_whole_file() {
                 scope.spawn(move || {
                     let mut engine = small_slots(4096);
                     let d = data(k);
-                    let t = Tensor::from(upload_tensor(&mut engine, &d, &[d.len()]).unwrap());
+                    let t = AnyTensor::from(upload_tensor(&mut engine, &d, &[d.len()]).unwrap());
                     let mut outcomes = Vec::new();
                     for _ in 0..ROUNDS {
                         barrier.wait();
                         let options = SaveOptions::new().writers(4).staging_bytes(4 * 4096);
                         outcomes.push(checkpoint::save_with(
                             &mut engine,
-                            path,
                             &[("t", &t)],
+                            path,
                             options,
                         ));
                         barrier.wait();
@@ -827,8 +836,9 @@ fn two_saves_of_one_path_at_once_end_with_one_whole_file() {
             barrier.wait();
             barrier.wait();
             let written = std::fs::read(&path).unwrap_or_default();
-            let loaded = checkpoint::load(&mut engine, &path)
-                .and_then(|c| download_tensor(&mut engine, c.get("t").unwrap().bytes()));
+            let loaded = checkpoint::load(&mut engine, &path).and_then(|c| {
+                crate::support::any_tensor::any_bytes(&mut engine, c.get("t").unwrap())
+            });
             let whole = expected.contains(&written)
                 && loaded
                     .as_ref()
@@ -845,7 +855,7 @@ fn two_saves_of_one_path_at_once_end_with_one_whole_file() {
             for outcome in saver.join().unwrap() {
                 match outcome {
                     Ok(()) => oks += 1,
-                    Err(Error::Checkpoint(_)) => {}
+                    Err(Error::Io(_) | Error::Malformed(_)) => {}
                     Err(other) => mixes.push(format!("{other}")),
                 }
             }
@@ -864,10 +874,10 @@ fn a_save_refuses_a_name_the_load_would_refuse_and_keeps_every_other() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("m.safetensors");
     let mut engine = CudaEngine::simulated(SimConfig::default());
-    let t = Tensor::from(upload_tensor(&mut engine, &[3u8, 4], &[2]).unwrap());
-    let err = checkpoint::save(&mut engine, &path, &[("a", &t), ("__metadata__", &t)]).unwrap_err();
+    let t = AnyTensor::from(upload_tensor(&mut engine, &[3u8, 4], &[2]).unwrap());
+    let err = checkpoint::save(&mut engine, &[("a", &t), ("__metadata__", &t)], &path).unwrap_err();
     assert!(
-        matches!(&err, Error::Checkpoint(CheckpointError::Header { tensor: Some(n), .. }) if n == "__metadata__"),
+        matches!(&err, Error::Malformed(MalformedError::Header { tensor: Some(n), .. }) if n == "__metadata__"),
         "{err}"
     );
     assert!(others(dir.path(), &[]).is_empty(), "a file was made");
@@ -879,8 +889,8 @@ fn a_save_refuses_a_name_the_load_would_refuse_and_keeps_every_other() {
         "__metadata",
         " __metadata__",
     ];
-    let named: Vec<(&str, &Tensor)> = odd.iter().map(|n| (*n, &t)).collect();
-    checkpoint::save(&mut engine, &path, &named).unwrap();
+    let named: Vec<(&str, &dyn SaveTensor)> = odd.iter().map(|n| (*n, &t as _)).collect();
+    checkpoint::save(&mut engine, &named, &path).unwrap();
     let loaded = checkpoint::load(&mut engine, &path).unwrap();
     for n in odd {
         assert!(loaded.get(n).is_some(), "{n:?}");
@@ -923,7 +933,8 @@ fn a_reader_interrupted_on_every_other_call_loads_the_same_bytes() {
     )
     .unwrap();
     for (name, data) in &tensors {
-        let back = download_tensor(&mut engine, loaded.get(name).unwrap().bytes()).unwrap();
+        let back =
+            crate::support::any_tensor::any_bytes(&mut engine, loaded.get(name).unwrap()).unwrap();
         assert_eq!(&back, data, "{name}");
     }
     // And a file range read through it.
@@ -1013,4 +1024,95 @@ fn an_index_that_repeats_a_key_or_is_not_an_index_is_refused() {
     .unwrap();
     let loaded = checkpoint::load(&mut engine, &index).unwrap();
     assert!(loaded.get("layer.00").is_some());
+}
+
+/// `save` takes the tensors borrowed, of any element types at once, source first: the tensors,
+/// then the file. They stay the caller's, and the file is the format's serializer's.
+#[test]
+fn a_save_takes_borrowed_tensors_of_mixed_element_types_source_first() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("model.safetensors");
+    let mut engine = CudaEngine::simulated(SimConfig::default());
+    let weights: Vec<f32> = (0..32u32 * 24).map(|i| i as f32 * 0.5).collect();
+    let weight = upload_tensor(&mut engine, &weights, &[32, 24]).unwrap();
+    let biases: Vec<bf16> = (0..24u16).map(|i| bf16::from_f32(f32::from(i))).collect();
+    let bias = upload_tensor(&mut engine, &biases, &[24]).unwrap();
+    let steps = upload_tensor(&mut engine, &[7u64], &[1]).unwrap();
+    checkpoint::save(
+        &mut engine,
+        &[
+            ("layer.weight", &weight),
+            ("layer.bias", &bias),
+            ("steps", &steps),
+        ],
+        &path,
+    )
+    .unwrap();
+    assert_eq!(std::fs::read(&path).unwrap(), model());
+    // Borrowed, not taken: the tensors are still the caller's.
+    assert_eq!(download_tensor(&mut engine, &weight).unwrap(), weights);
+    assert_eq!(download_tensor(&mut engine, &bias).unwrap(), biases);
+    // A checkpoint's own tensors save the same way, beside typed ones.
+    let mut loaded = checkpoint::load(&mut engine, &path).unwrap();
+    let again = dir.path().join("again.safetensors");
+    let typed = loaded.take::<f32>("layer.weight").unwrap();
+    let named: Vec<(&str, &dyn checkpoint::SaveTensor)> = vec![
+        ("layer.weight", &typed),
+        ("layer.bias", loaded.get("layer.bias").unwrap()),
+        ("steps", &steps),
+    ];
+    checkpoint::save_with(&mut engine, &named, &again, SaveOptions::new()).unwrap();
+    assert_eq!(std::fs::read(&again).unwrap(), model());
+}
+
+/// `into_typed` refuses another element type with an error that `?` carries, into a
+/// `Box<dyn Error>` or a `cuferry::Error`, saying what was asked and what the tensor is; the
+/// tensor comes back in it.
+#[test]
+fn into_typed_refuses_another_type_with_an_error_question_mark_carries() {
+    use cuferry::SubmitError;
+    let mut engine = CudaEngine::simulated(SimConfig::default());
+    let tensor = AnyTensor::from(upload_tensor(&mut engine, &[1.0f32; 6], &[2, 3]).unwrap());
+    let err = tensor.into_typed::<u32>().unwrap_err();
+    let message = err.to_string();
+    assert!(message.contains("u32"), "{message}");
+    assert!(message.contains("f32"), "{message}");
+    assert!(message.contains("[2, 3]"), "{message}");
+    match &err {
+        SubmitError::Rejected {
+            error:
+                Error::Usage(cuferry::error::UsageError::ElementTypeMismatch {
+                    operation: "into_typed",
+                    asked: cuferry::DType::U32,
+                    holds: cuferry::DType::F32,
+                    shape,
+                }),
+            ..
+        } => assert_eq!(shape, &[2, 3]),
+        other => panic!("expected an element type refusal, got {other:?}"),
+    }
+    let tensor = err.into_input().expect("the tensor comes back");
+    assert_eq!(tensor.shape(), [2, 3]);
+
+    fn boxed(t: AnyTensor) -> Result<cuferry::DeviceTensor<u32>, Box<dyn std::error::Error>> {
+        Ok(t.into_typed::<u32>()?)
+    }
+    fn crate_error(t: AnyTensor) -> cuferry::Result<cuferry::DeviceTensor<f32>> {
+        Ok(t.into_typed::<f32>()?)
+    }
+    let message = boxed(tensor).unwrap_err().to_string();
+    assert!(
+        message.contains("u32") && message.contains("f32"),
+        "{message}"
+    );
+    let tensor = AnyTensor::from(upload_tensor(&mut engine, &[2.0f32; 6], &[2, 3]).unwrap());
+    let typed = crate_error(tensor).unwrap();
+    assert_eq!(download_tensor(&mut engine, &typed).unwrap(), [2.0f32; 6]);
+    let tensor = AnyTensor::from(upload_tensor(&mut engine, &[3u32; 2], &[2]).unwrap());
+    assert!(matches!(
+        crate_error(tensor),
+        Err(Error::Usage(
+            cuferry::error::UsageError::ElementTypeMismatch { .. }
+        ))
+    ));
 }

@@ -9,7 +9,7 @@ use cuferry::error::{LibraryError, SetupError, UsageError};
 use cuferry::sim::{Schedule, SimConfig, SimDevice, SimOp};
 use cuferry::{
     CudaEngine, DeviceTensor, Error, SubmitError,
-    collective::{CollectiveElement, Communicator, ReduceOp, all_reduce, broadcast},
+    collective::{CollectiveElement, Communicator, ReduceOp},
     download_tensor,
     error::DriverError,
     upload_tensor, upload_tensor_into,
@@ -66,7 +66,11 @@ fn check_type<T: Reference + CollectiveElement>(devices: usize, seed: u64) {
             .collect();
         for op in [ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Max, ReduceOp::Min] {
             let tensors = busy_tensors(&mut engines, &values);
-            let pending = all_reduce(&comm, &mut all(&mut engines), tensors, op).unwrap();
+            let pending = comm
+                .group()
+                .all_reduce(tensors, op)
+                .submit(&mut all(&mut engines))
+                .unwrap();
             let want: Vec<T> = (0..n)
                 .map(|i| {
                     values[1..]
@@ -87,7 +91,10 @@ fn check_type<T: Reference + CollectiveElement>(devices: usize, seed: u64) {
         }
         for root in 0..devices {
             let tensors = busy_tensors(&mut engines, &values);
-            let back = broadcast(&comm, &mut all(&mut engines), tensors, root)
+            let back = comm
+                .group()
+                .broadcast(tensors, root)
+                .submit(&mut all(&mut engines))
                 .unwrap()
                 .wait()
                 .unwrap()
@@ -127,7 +134,10 @@ fn the_mean_divides_the_sum_by_the_ranks() {
         upload_tensor(&mut engines[0], &[2.0f32, 4.0], &[2]).unwrap(),
         upload_tensor(&mut engines[1], &[4.0f32, 8.0], &[2]).unwrap(),
     ];
-    let back = all_reduce(&comm, &mut all(&mut engines), tensors, ReduceOp::Avg)
+    let back = comm
+        .group()
+        .all_reduce(tensors, ReduceOp::Avg)
+        .submit(&mut all(&mut engines))
         .unwrap()
         .wait()
         .unwrap()
@@ -153,7 +163,10 @@ fn mean_over_ranks<T: Reference + CollectiveElement>(values: &[Vec<T>]) -> Vec<T
         .zip(values)
         .map(|(e, v)| upload_tensor(e, v, &[v.len()]).unwrap())
         .collect();
-    let back = all_reduce(&comm, &mut all(&mut engines), tensors, ReduceOp::Avg)
+    let back = comm
+        .group()
+        .all_reduce(tensors, ReduceOp::Avg)
+        .submit(&mut all(&mut engines))
         .unwrap()
         .wait()
         .unwrap()
@@ -258,7 +271,10 @@ fn refusals_hand_the_tensors_back_with_nothing_queued() {
     // Lengths that differ.
     let t = tensors(&mut engines, [3, 4]);
     let back = expect(
-        all_reduce(&comm, &mut all(&mut engines), t, ReduceOp::Sum).unwrap_err(),
+        comm.group()
+            .all_reduce(t, ReduceOp::Sum)
+            .submit(&mut all(&mut engines))
+            .unwrap_err(),
         |e| matches!(e, Error::Usage(UsageError::LengthMismatch { .. })),
     );
     assert_eq!(download_tensor(&mut engines[1], &back[1]).unwrap(), [7; 4]);
@@ -266,24 +282,36 @@ fn refusals_hand_the_tensors_back_with_nothing_queued() {
     let t = tensors(&mut engines, [3, 3]);
     let (left, right) = engines.split_at_mut(1);
     let back = expect(
-        broadcast(&comm, &mut [&mut right[0], &mut left[0]], t, 0).unwrap_err(),
+        comm.group()
+            .broadcast(t, 0)
+            .submit(&mut [&mut right[0], &mut left[0]])
+            .unwrap_err(),
         |e| matches!(e, Error::Usage(UsageError::WrongEngine { .. })),
     );
     // A root past the last rank; too few tensors; nothing to reduce.
     let back = expect(
-        broadcast(&comm, &mut all(&mut engines), back, 2).unwrap_err(),
+        comm.group()
+            .broadcast(back, 2)
+            .submit(&mut all(&mut engines))
+            .unwrap_err(),
         |e| matches!(e, Error::Usage(UsageError::RootOutOfRange { .. })),
     );
     let mut back = back;
     let kept = back.pop().unwrap();
     let back = expect(
-        all_reduce(&comm, &mut all(&mut engines), back, ReduceOp::Sum).unwrap_err(),
+        comm.group()
+            .all_reduce(back, ReduceOp::Sum)
+            .submit(&mut all(&mut engines))
+            .unwrap_err(),
         |e| matches!(e, Error::Usage(UsageError::RankCount { .. })),
     );
     drop((back, kept));
     let t = tensors(&mut engines, [0, 0]);
     expect(
-        all_reduce(&comm, &mut all(&mut engines), t, ReduceOp::Sum).unwrap_err(),
+        comm.group()
+            .all_reduce(t, ReduceOp::Sum)
+            .submit(&mut all(&mut engines))
+            .unwrap_err(),
         |e| matches!(e, Error::Usage(UsageError::ZeroLength { .. })),
     );
     assert_eq!(calls(), before, "nothing was queued");
@@ -297,7 +325,12 @@ fn dropped_in_flight_each_tensor_detaches_into_its_engine() {
     let tensors = busy_tensors(&mut engines, &values);
     let live = sim.device_live().0;
     sim.hold_clock(true);
-    drop(all_reduce(&comm, &mut all(&mut engines), tensors, ReduceOp::Sum).unwrap());
+    drop(
+        comm.group()
+            .all_reduce(tensors, ReduceOp::Sum)
+            .submit(&mut all(&mut engines))
+            .unwrap(),
+    );
     for engine in &engines {
         assert_eq!(engine.retirement_stats().pending, 1);
     }
@@ -326,7 +359,12 @@ fn forgotten_in_flight_nothing_is_released() {
     let (sim, mut engines) = machine(2, 9);
     let comm = Communicator::new(&mut all(&mut engines)).unwrap();
     let tensors = busy_tensors(&mut engines, &[vec![1u64; 10], vec![2u64; 10]]);
-    std::mem::forget(all_reduce(&comm, &mut all(&mut engines), tensors, ReduceOp::Max).unwrap());
+    std::mem::forget(
+        comm.group()
+            .all_reduce(tensors, ReduceOp::Max)
+            .submit(&mut all(&mut engines))
+            .unwrap(),
+    );
     for engine in &mut engines {
         engine.synchronize().unwrap();
     }
@@ -348,7 +386,10 @@ fn a_failed_wait_retains_the_failing_ranks_tensor() {
     }
     // The first event recorded next is rank 0's.
     sim.fail_event(1, DriverError::LAUNCH_FAILED);
-    let err = all_reduce(&comm, &mut all(&mut engines), tensors, ReduceOp::Sum)
+    let err = comm
+        .group()
+        .all_reduce(tensors, ReduceOp::Sum)
+        .submit(&mut all(&mut engines))
         .unwrap()
         .wait()
         .unwrap_err();
@@ -395,7 +436,11 @@ fn faulted(arm: impl FnOnce(&SimDevice)) -> bool {
     arm(&sim);
     let mut failed = false;
     let mut kept = Vec::new();
-    match all_reduce(&comm, &mut all(&mut engines), tensors, ReduceOp::Sum) {
+    match comm
+        .group()
+        .all_reduce(tensors, ReduceOp::Sum)
+        .submit(&mut all(&mut engines))
+    {
         Ok(pending) => match pending.wait() {
             Ok(back) => {
                 let back = back.into_parts();
@@ -452,7 +497,9 @@ fn a_fault_at_every_call_of_the_route_is_reported_and_loses_nothing() {
         let tensors = busy_tensors(&mut engines, &[vec![3u32; 500], vec![4u32; 500]]);
         let before: Vec<u64> = OPS.iter().map(|&(op, _)| sim.calls(op)).collect();
         drop(
-            all_reduce(&comm, &mut all(&mut engines), tensors, ReduceOp::Sum)
+            comm.group()
+                .all_reduce(tensors, ReduceOp::Sum)
+                .submit(&mut all(&mut engines))
                 .unwrap()
                 .wait()
                 .unwrap()
@@ -495,7 +542,11 @@ fn a_part_refused_inside_the_group_retains_the_launched_ranks_tensor() {
     let comm = Communicator::new(&mut all(&mut engines)).unwrap();
     let tensors = busy_tensors(&mut engines, &[vec![1u32; 100], vec![2u32; 100]]);
     sim.fail_nth(SimOp::Collective, 2, DriverError::INVALID_VALUE);
-    let refused = all_reduce(&comm, &mut all(&mut engines), tensors, ReduceOp::Sum).unwrap_err();
+    let refused = comm
+        .group()
+        .all_reduce(tensors, ReduceOp::Sum)
+        .submit(&mut all(&mut engines))
+        .unwrap_err();
     assert!(
         matches!(
             &refused,
@@ -528,7 +579,10 @@ fn a_part_refused_inside_the_group_retains_the_launched_ranks_tensor() {
     assert_eq!(engines[1].retirement_stats().retained, 0);
     // Both engines work on, and so does the communicator.
     let again = busy_tensors(&mut engines, &[vec![5u32; 100], vec![6u32; 100]]);
-    let back = all_reduce(&comm, &mut all(&mut engines), again, ReduceOp::Sum)
+    let back = comm
+        .group()
+        .all_reduce(again, ReduceOp::Sum)
+        .submit(&mut all(&mut engines))
         .unwrap()
         .wait()
         .unwrap()
@@ -556,7 +610,11 @@ fn a_refused_group_end_launches_nothing_and_retains_nothing() {
     let tensors = busy_tensors(&mut engines, &values);
     let (groups, parts) = (sim.calls(SimOp::GroupEnd), sim.calls(SimOp::Collective));
     sim.fail_nth(SimOp::GroupEnd, 1, DriverError::UNKNOWN);
-    let refused = all_reduce(&comm, &mut all(&mut engines), tensors, ReduceOp::Max).unwrap_err();
+    let refused = comm
+        .group()
+        .all_reduce(tensors, ReduceOp::Max)
+        .submit(&mut all(&mut engines))
+        .unwrap_err();
     assert!(matches!(refused, SubmitError::Retained { .. }), "{refused}");
     assert_eq!(
         sim.calls(SimOp::Collective) - parts,
@@ -580,7 +638,11 @@ fn a_refused_group_start_hands_the_tensors_back() {
     let comm = Communicator::new(&mut all(&mut engines)).unwrap();
     let tensors = busy_tensors(&mut engines, &[vec![3i64; 8], vec![4i64; 8]]);
     sim.fail_nth(SimOp::GroupStart, 1, DriverError::UNKNOWN);
-    let refused = broadcast(&comm, &mut all(&mut engines), tensors, 1).unwrap_err();
+    let refused = comm
+        .group()
+        .broadcast(tensors, 1)
+        .submit(&mut all(&mut engines))
+        .unwrap_err();
     assert!(matches!(refused, SubmitError::Failed { .. }), "{refused}");
     let back = refused.into_input().expect("handed back");
     assert_eq!(download_tensor(&mut engines[0], &back[0]).unwrap(), [3; 8]);
@@ -606,7 +668,11 @@ fn try_wait_hands_the_collective_back_until_every_rank_is_done() {
     let comm = Communicator::new(&mut all(&mut engines)).unwrap();
     let tensors = busy_tensors(&mut engines, &[vec![1u32; 64], vec![2; 64], vec![3; 64]]);
     sim.hold_clock(true);
-    let mut summed = all_reduce(&comm, &mut all(&mut engines), tensors, ReduceOp::Sum).unwrap();
+    let mut summed = comm
+        .group()
+        .all_reduce(tensors, ReduceOp::Sum)
+        .submit(&mut all(&mut engines))
+        .unwrap();
     assert!(!summed.is_ready().unwrap());
     let summed = match summed.try_wait().unwrap() {
         TryWait::InFlight(summed) => summed,
@@ -637,7 +703,11 @@ fn an_awaited_collective_is_woken_by_the_devices() {
     let comm = Communicator::new(&mut all(&mut engines)).unwrap();
     let tensors = busy_tensors(&mut engines, &[vec![1.5f64; 100], vec![2.5; 100]]);
     sim.hold_clock(true);
-    let summed = all_reduce(&comm, &mut all(&mut engines), tensors, ReduceOp::Sum).unwrap();
+    let summed = comm
+        .group()
+        .all_reduce(tensors, ReduceOp::Sum)
+        .submit(&mut all(&mut engines))
+        .unwrap();
     let mut future = summed.into_future();
     let wakes = Arc::new(Wakes::default());
     let waker = Waker::from(Arc::clone(&wakes));
@@ -680,7 +750,11 @@ fn an_awaited_collective_dropped_before_it_resolves_detaches_into_each_engine() 
     let tensors = busy_tensors(&mut engines, &[vec![1u8; 10], vec![2; 10]]);
     let live = sim.device_live().0;
     sim.hold_clock(true);
-    let summed = all_reduce(&comm, &mut all(&mut engines), tensors, ReduceOp::Max).unwrap();
+    let summed = comm
+        .group()
+        .all_reduce(tensors, ReduceOp::Max)
+        .submit(&mut all(&mut engines))
+        .unwrap();
     let mut future = summed.into_future();
     let waker = Waker::from(Arc::new(Wakes::default()));
     assert!(
@@ -712,7 +786,10 @@ fn a_resubmitted_collective_runs_again_on_the_same_tensors_and_events() {
     let (sim, mut engines) = machine(2, 14);
     let comm = Communicator::new(&mut all(&mut engines)).unwrap();
     let tensors = busy_tensors(&mut engines, &[vec![1i64; 32], vec![2; 32]]);
-    let once = all_reduce(&comm, &mut all(&mut engines), tensors, ReduceOp::Sum)
+    let once = comm
+        .group()
+        .all_reduce(tensors, ReduceOp::Sum)
+        .submit(&mut all(&mut engines))
         .unwrap()
         .wait()
         .unwrap();
@@ -739,7 +816,10 @@ fn a_resubmitted_collective_runs_again_on_the_same_tensors_and_events() {
         );
     }
     // A broadcast keeps its root.
-    let mut from1 = broadcast(&comm, &mut all(&mut engines), tensors, 1)
+    let mut from1 = comm
+        .group()
+        .broadcast(tensors, 1)
+        .submit(&mut all(&mut engines))
         .unwrap()
         .wait()
         .unwrap();
@@ -756,7 +836,10 @@ fn a_resubmitted_collective_runs_again_on_the_same_tensors_and_events() {
         vec![9; 32]
     );
     // Resubmitted with the engines in another order than the ranks: refused, all back.
-    let returned = broadcast(&comm, &mut all(&mut engines), again, 0)
+    let returned = comm
+        .group()
+        .broadcast(again, 0)
+        .submit(&mut all(&mut engines))
         .unwrap()
         .wait()
         .unwrap();
@@ -800,7 +883,6 @@ fn downloaded<T: Reference + CollectiveElement>(
 
 #[test]
 fn reduce_all_gather_and_reduce_scatter_on_three_devices_match_the_reference() {
-    use cuferry::collective::{all_gather, reduce, reduce_scatter};
     for seed in 0..4 {
         let (sim, mut engines) = machine(3, seed);
         let comm = Communicator::new(&mut all(&mut engines)).unwrap();
@@ -810,7 +892,10 @@ fn reduce_all_gather_and_reduce_scatter_on_three_devices_match_the_reference() {
             .collect();
         // A reduction into rank 1 only, queued behind a copy on every engine.
         let t = busy_tensors(&mut engines, &values);
-        let reduced = reduce(&comm, &mut all(&mut engines), t, ReduceOp::Max, 1)
+        let reduced = comm
+            .group()
+            .reduce(t, ReduceOp::Max, 1)
+            .submit(&mut all(&mut engines))
             .unwrap()
             .wait()
             .unwrap()
@@ -826,7 +911,10 @@ fn reduce_all_gather_and_reduce_scatter_on_three_devices_match_the_reference() {
         let heads: Vec<Vec<i64>> = values.iter().map(|v| v[..n].to_vec()).collect();
         let inputs = busy_tensors(&mut engines, &heads);
         let outputs = uploaded(&mut engines, &vec![vec![-1i64; 3 * n]; 3]);
-        let gathered_parts = all_gather(&comm, &mut all(&mut engines), inputs, outputs)
+        let gathered_parts = comm
+            .group()
+            .all_gather(inputs, outputs)
+            .submit(&mut all(&mut engines))
             .unwrap()
             .wait()
             .unwrap()
@@ -842,17 +930,14 @@ fn reduce_all_gather_and_reduce_scatter_on_three_devices_match_the_reference() {
         // The sum, rank `r` keeping the `r`-th slice.
         let inputs = busy_tensors(&mut engines, &values);
         let outputs = uploaded(&mut engines, &vec![vec![0i64; n]; 3]);
-        let parts = reduce_scatter(
-            &comm,
-            &mut all(&mut engines),
-            inputs,
-            outputs,
-            ReduceOp::Sum,
-        )
-        .unwrap()
-        .wait()
-        .unwrap()
-        .into_parts();
+        let parts = comm
+            .group()
+            .reduce_scatter(inputs, outputs, ReduceOp::Sum)
+            .submit(&mut all(&mut engines))
+            .unwrap()
+            .wait()
+            .unwrap()
+            .into_parts();
         for (rank, got) in downloaded(&mut engines, &parts[3..]).iter().enumerate() {
             let want: Vec<i64> = (rank * n..(rank + 1) * n)
                 .map(|i| values.iter().map(|v| v[i]).sum())
@@ -875,12 +960,11 @@ fn a_group_runs_a_reduction_and_a_ring_of_sends_as_one_operation_and_again() {
     );
     let mine = uploaded(&mut engines, &[vec![0.0f32; 8], vec![1.0; 8], vec![2.0; 8]]);
     let theirs = uploaded(&mut engines, &vec![vec![-1.0f32; 8]; 3]);
-    let mut group = comm.group::<f32>();
-    group.all_reduce(grads, ReduceOp::Avg);
+    let mut group = comm.group::<f32>().all_reduce(grads, ReduceOp::Avg);
     for (rank, (mine, theirs)) in mine.into_iter().zip(theirs).enumerate() {
-        group
+        group = group
             .send(rank, mine, (rank + 1) % 3)
-            .recv(rank, theirs, (rank + 2) % 3);
+            .recv((rank + 2) % 3, rank, theirs);
     }
     assert_eq!(group.len(), 7);
     let pending = group.submit(&mut all(&mut engines)).unwrap();
@@ -927,7 +1011,6 @@ fn a_group_runs_a_reduction_and_a_ring_of_sends_as_one_operation_and_again() {
 
 #[test]
 fn the_calls_check_lengths_roots_and_peers_and_hand_every_tensor_back() {
-    use cuferry::collective::{all_gather, recv, reduce, reduce_scatter, send};
     let (sim, mut engines) = machine(2, 12);
     let comm = Communicator::new(&mut all(&mut engines)).unwrap();
     let calls = || sim.calls(SimOp::Collective) + sim.calls(SimOp::GroupStart);
@@ -952,7 +1035,10 @@ fn the_calls_check_lengths_roots_and_peers_and_hand_every_tensor_back() {
         let mut t = make(&mut engines, &[4, 4, 8, 7]);
         let outputs = t.split_off(2);
         let back = refused(
-            all_gather(&comm, &mut all(&mut engines), t, outputs).unwrap_err(),
+            comm.group()
+                .all_gather(t, outputs)
+                .submit(&mut all(&mut engines))
+                .unwrap_err(),
             |e| {
                 matches!(e, Error::Usage(UsageError::LengthMismatch { expected: 8, found: 7, what, .. })
                 if what.starts_with("all_gather"))
@@ -963,7 +1049,10 @@ fn the_calls_check_lengths_roots_and_peers_and_hand_every_tensor_back() {
         let mut t = make(&mut engines, &[6, 5, 3, 3]);
         let outputs = t.split_off(2);
         let back = refused(
-            reduce_scatter(&comm, &mut all(&mut engines), t, outputs, ReduceOp::Sum).unwrap_err(),
+            comm.group()
+                .reduce_scatter(t, outputs, ReduceOp::Sum)
+                .submit(&mut all(&mut engines))
+                .unwrap_err(),
             |e| {
                 matches!(
                     e,
@@ -979,7 +1068,10 @@ fn the_calls_check_lengths_roots_and_peers_and_hand_every_tensor_back() {
         // A reduction's root and a send's peer past the world.
         let t = make(&mut engines, &[3, 3]);
         let t = refused(
-            reduce(&comm, &mut all(&mut engines), t, ReduceOp::Sum, 2).unwrap_err(),
+            comm.group()
+                .reduce(t, ReduceOp::Sum, 2)
+                .submit(&mut all(&mut engines))
+                .unwrap_err(),
             |e| {
                 matches!(
                     e,
@@ -988,10 +1080,10 @@ fn the_calls_check_lengths_roots_and_peers_and_hand_every_tensor_back() {
             },
         );
         let mut t = t.into_iter();
-        let mut group = comm.group();
-        group
+        let group = comm
+            .group()
             .send(0, t.next().unwrap(), 2)
-            .recv(1, t.next().unwrap(), 0);
+            .recv(0, 1, t.next().unwrap());
         let back = refused(group.submit(&mut all(&mut engines)).unwrap_err(), |e| {
             matches!(
                 e,
@@ -1001,8 +1093,8 @@ fn the_calls_check_lengths_roots_and_peers_and_hand_every_tensor_back() {
         assert_eq!(lens(&back), [3, 3]);
         // A call given one tensor for two ranks: every call's tensors come back.
         let mut t = make(&mut engines, &[2, 2, 2]).into_iter();
-        let mut group = comm.group();
-        group
+        let group = comm
+            .group()
             .all_reduce(vec![t.next().unwrap(), t.next().unwrap()], ReduceOp::Sum)
             .broadcast(vec![t.next().unwrap()], 0);
         let back = refused(group.submit(&mut all(&mut engines)).unwrap_err(), |e| {
@@ -1024,11 +1116,18 @@ fn the_calls_check_lengths_roots_and_peers_and_hand_every_tensor_back() {
             |e| matches!(e, Error::Usage(UsageError::ZeroLength { .. })),
         );
         let t = make(&mut engines, &[3]).pop().unwrap();
-        let t = refused(send(&comm, &mut engines[0], t, 1).unwrap_err(), |e| {
-            matches!(e, Error::Usage(UsageError::RankCount { .. }))
-        });
+        let t = refused(
+            comm.group()
+                .send(0, t, 1)
+                .submit(&mut [&mut engines[0]])
+                .unwrap_err(),
+            |e| matches!(e, Error::Usage(UsageError::RankCount { .. })),
+        );
         refused(
-            recv(&comm, &mut engines[0], t.into_iter().next().unwrap(), 1).unwrap_err(),
+            comm.group()
+                .recv(1, 0, t.into_iter().next().unwrap())
+                .submit(&mut [&mut engines[0]])
+                .unwrap_err(),
             |e| matches!(e, Error::Usage(UsageError::RankCount { .. })),
         );
     }
@@ -1043,8 +1142,7 @@ fn a_send_and_a_receive_that_differ_are_refused_by_the_group_end_and_nothing_is_
     let comm = Communicator::new(&mut all(&mut engines)).unwrap();
     let a = upload_tensor(&mut engines[0], &[1u32; 4], &[4]).unwrap();
     let b = upload_tensor(&mut engines[1], &[2u32; 3], &[3]).unwrap();
-    let mut group = comm.group();
-    group.send(0, a, 1).recv(1, b, 0);
+    let group = comm.group().send(0, a, 1).recv(0, 1, b);
     match group.submit(&mut all(&mut engines)) {
         Err(SubmitError::Retained {
             error: Error::Library(LibraryError::Vendor { call, .. }),

@@ -6,6 +6,7 @@ use cuferry::error::SetupError;
 use cuferry::sim::SimConfig;
 use cuferry::{CudaEngine, Error};
 
+// Simulator-only: the simulated device has no CubeCL runtime, so the refusal is its own (the GPU suite runs CubeCL kernels in `tests/gpu/cubecl.rs`).
 #[test]
 fn with_cubecl_on_the_simulated_device_is_unavailable() {
     let mut engine = CudaEngine::simulated(SimConfig::default());

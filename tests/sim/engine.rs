@@ -3,10 +3,22 @@
 use crate::support::{distinct_f32 as distinct, sim_engine as engine};
 use cuferry::error::{SetupError, UsageError};
 use cuferry::sim::{SimDevice, SimOp, set_thread_context, thread_context};
-use cuferry::{
-    CudaEngine, DType, Error, download_tensor, download_tensor_into, error::DriverError,
-    upload_tensor,
-};
+use cuferry::{CudaEngine, Error, download_tensor, error::DriverError, upload_tensor};
+
+// Written once in `tests/bodies/engine.rs`, run here on the simulated device and by the GPU suite
+// on device 0.
+crate::bodies!(sim; engine::{
+    a_device_to_device_copy_round_trips,
+    a_copy_into_a_shorter_tensor_is_refused,
+    a_shape_that_does_not_match_the_data_is_refused,
+    tensors_of_another_engine_are_refused,
+    open_flush_synchronize_and_drop,
+    device_to_device_copy_round_trips_distinct_values,
+    with_raw_refuses_another_engines_tensor,
+    zero_and_one_element_tensors_round_trip,
+    bool_tensors_are_decoded_and_refused_by_download_into,
+    reshape_keeps_the_element_count,
+});
 
 #[test]
 fn flush_does_not_wait_and_synchronize_does() {
@@ -19,65 +31,6 @@ fn flush_does_not_wait_and_synchronize_does() {
     assert_eq!(sim.queued(), queued, "flush is not a host barrier");
     engine.synchronize().unwrap();
     assert_eq!(sim.queued(), 0, "synchronize is");
-}
-
-#[test]
-fn a_device_to_device_copy_round_trips() {
-    let (mut engine, _sim) = engine();
-    let data = distinct(1000);
-    let x = upload_tensor(&mut engine, &data, &[10, 100]).unwrap();
-    let y = engine.copy_tensor(&x).unwrap();
-    assert_eq!(y.shape(), &[10, 100]);
-    assert_eq!(y.dtype(), DType::F32);
-    drop(x);
-    assert_eq!(download_tensor(&mut engine, &y).unwrap(), data);
-}
-
-#[test]
-fn a_copy_into_a_shorter_tensor_is_refused() {
-    let (mut engine, _sim) = engine();
-    let x = upload_tensor(&mut engine, &distinct(8), &[8]).unwrap();
-    let mut y = engine.alloc_tensor::<f32>(&[7]).unwrap();
-    assert!(matches!(
-        engine.copy_into(&x, &mut y),
-        Err(Error::Usage(UsageError::LengthMismatch {
-            found: 8,
-            expected: 7,
-            ..
-        }))
-    ));
-}
-
-#[test]
-fn a_shape_that_does_not_match_the_data_is_refused() {
-    let (mut engine, _sim) = engine();
-    let err = upload_tensor(&mut engine, &distinct(6), &[2, 4]).unwrap_err();
-    assert!(matches!(
-        err,
-        Error::Usage(UsageError::LengthMismatch {
-            expected: 8,
-            found: 6,
-            ..
-        })
-    ));
-    assert!(err.to_string().contains("[2, 4]"), "{err}");
-}
-
-#[test]
-fn tensors_of_another_engine_are_refused() {
-    let (mut a, _) = engine();
-    let (mut b, _) = engine();
-    let x = upload_tensor(&mut a, &distinct(4), &[4]).unwrap();
-    assert!(matches!(
-        download_tensor(&mut b, &x),
-        Err(Error::Usage(UsageError::WrongEngine { .. }))
-    ));
-    let sim = a.sim().unwrap();
-    let mut c = CudaEngine::simulated_on(&sim);
-    assert!(matches!(
-        download_tensor(&mut c, &x),
-        Err(Error::Usage(UsageError::WrongEngine { .. }))
-    ));
 }
 
 #[test]
@@ -166,18 +119,6 @@ fn with_raw_is_not_a_host_barrier() {
 }
 
 #[test]
-fn with_raw_refuses_another_engines_tensor() {
-    let (mut a, _) = engine();
-    let (mut b, _) = engine();
-    let x = upload_tensor(&mut a, &distinct(4), &[4]).unwrap();
-    let r = b.with_raw(|raw| raw.device_ptr(&x).map(|p| p.bytes()));
-    assert!(matches!(
-        r,
-        Err(Error::Usage(UsageError::WrongEngine { .. }))
-    ));
-}
-
-#[test]
 fn flush_reports_a_failed_free_recorded_at_drop() {
     let (mut engine, sim) = engine();
     let x = upload_tensor(&mut engine, &distinct(4), &[4]).unwrap();
@@ -238,84 +179,6 @@ fn a_failed_download_wait_leaks_rather_than_frees() {
     let err = download_tensor(&mut engine, &x).unwrap_err();
     assert!(matches!(err, Error::DeviceFault { .. }), "{err}");
     assert!(sim.violations().is_empty());
-}
-
-#[test]
-fn zero_and_one_element_tensors_round_trip() {
-    let (mut engine, _) = engine();
-    let empty = upload_tensor::<f64>(&mut engine, &[], &[0]).unwrap();
-    assert!(empty.is_empty());
-    assert_eq!(
-        download_tensor(&mut engine, &empty).unwrap(),
-        Vec::<f64>::new()
-    );
-    let one = upload_tensor(&mut engine, &[7.5f64], &[]).unwrap();
-    assert_eq!(one.len(), 1);
-    assert_eq!(download_tensor(&mut engine, &one).unwrap(), [7.5]);
-}
-
-#[test]
-fn bool_tensors_are_decoded_and_refused_by_download_into() {
-    let (mut engine, _) = engine();
-    let data: Vec<bool> = (0..33).map(|i| i % 3 == 0).collect();
-    let t = upload_tensor(&mut engine, &data, &[33]).unwrap();
-    assert_eq!(download_tensor(&mut engine, &t).unwrap(), data);
-    let mut mine = Vec::with_capacity(7);
-    mine.push(true);
-    let err = download_tensor_into(&mut engine, &t, mine).unwrap_err();
-    assert!(matches!(
-        err.error(),
-        Error::Usage(UsageError::UnsupportedElement {
-            dtype: DType::Bool,
-            ..
-        })
-    ));
-    let mine = err.into_input().expect("handed back");
-    assert_eq!(
-        (mine.as_slice(), mine.capacity()),
-        (&[true][..], 7),
-        "handed back untouched"
-    );
-}
-
-#[test]
-fn reshape_keeps_the_element_count() {
-    let (mut engine, _) = engine();
-    let t = upload_tensor(&mut engine, &distinct(12), &[3, 4]).unwrap();
-    let t = t.reshape(&[2, 6]).unwrap();
-    assert_eq!(t.shape(), &[2, 6]);
-    let refused = t.reshape(&[5]).unwrap_err();
-    assert!(matches!(
-        refused.error(),
-        Error::Usage(UsageError::LengthMismatch { .. })
-    ));
-    let t = refused.into_input().expect("handed back");
-    assert_eq!(t.shape(), &[2, 6], "handed back unchanged");
-    // A zero dimension holds no elements, whatever the others are: a mismatch.
-    let refused = t.reshape(&[usize::MAX, 2, 0, 3]).unwrap_err();
-    assert!(
-        matches!(
-            refused.error(),
-            Error::Usage(UsageError::LengthMismatch { expected: 0, .. })
-        ),
-        "{refused}"
-    );
-    // A product past usize is the shape's overflow.
-    let refused = refused
-        .into_input()
-        .expect("handed back")
-        .reshape(&[usize::MAX, 2, 3])
-        .unwrap_err();
-    assert!(
-        matches!(refused.error(), Error::Usage(UsageError::ShapeOverflow { shape }) if shape == &[usize::MAX, 2, 3]),
-        "{refused}"
-    );
-    assert_eq!(
-        download_tensor(&mut engine, &refused.into_input().expect("handed back"))
-            .unwrap()
-            .len(),
-        12
-    );
 }
 
 #[test]

@@ -3,22 +3,23 @@
 
 use cuferry::error::{ProgramError, UsageError};
 use cuferry::graph::{GraphCompiler, Input, OutputKind, Program, TracedTensor};
-use cuferry::sim::{SimConfig, SimDevice, SimOp};
+use cuferry::sim::{SimConfig, SimOp};
 use cuferry::{CudaEngine, DType, Error, download_tensor, upload_tensor};
 
 static_assertions::assert_impl_all!(Program: Send, Sync, Clone);
 static_assertions::assert_impl_all!(TracedTensor: Send, Sync, Clone);
 static_assertions::assert_impl_all!(cuferry::graph::Prepared: Send);
 
-fn square_plus(len: usize) -> (TracedTensor, Program) {
-    let x = TracedTensor::input_symbolic_shape(DType::F32, 1);
-    let y = (&(&x * &x).unwrap() + &x).unwrap();
-    let program = GraphCompiler::new()
-        .compile_with_input_specs(&[&y], &[(&x, DType::F32, &[len])])
-        .unwrap();
-    (x, program)
-}
+// Written once in `tests/bodies/graphs.rs`, run here on the simulated device and by the GPU
+// suite on device 0.
+crate::bodies!(sim; graphs::{
+    a_second_program_with_the_same_group_compiles_nothing,
+    runs_rebind_only_what_moved_and_reuse_dropped_outputs,
+    bad_inputs_and_other_engines_are_refused_and_nothing_runs,
+    products_of_inputs_run_between_graph_launches,
+});
 
+// Simulator-only: no device at all (tracing runs on the host); run once, here.
 #[test]
 fn tracing_refuses_mismatched_types_and_ranks() {
     let x = TracedTensor::input_symbolic_shape(DType::F32, 1);
@@ -34,12 +35,15 @@ fn tracing_refuses_mismatched_types_and_ranks() {
         }))
     ));
     assert!(matches!(
-        &x - &m,
+        &x - &i,
         Err(Error::Program(ProgramError::Trace {
             operation: "sub",
             ..
         }))
     ));
+    // Ranks that differ broadcast (a `[N]` row onto `[B, N]`): their shapes are checked when
+    // the program is compiled (tests/sim/broadcast.rs).
+    assert_eq!((&x - &m).unwrap().rank(), 2);
     assert!(matches!(
         x.scale(1i32),
         Err(Error::Program(ProgramError::Trace {
@@ -89,6 +93,7 @@ fn tracing_refuses_mismatched_types_and_ranks() {
     );
 }
 
+// Simulator-only: no device at all (compiling runs on the host); run once, here.
 #[test]
 fn compilation_refuses_bad_specifications_and_shapes() {
     let x = TracedTensor::input_symbolic_shape(DType::F32, 1);
@@ -113,10 +118,17 @@ fn compilation_refuses_bad_specifications_and_shapes() {
     spec(c.compile_with_input_specs(&[&x], &[(&x, DType::F64, &[4])]));
     spec(c.compile_with_input_specs(&[&x], &[(&x, DType::F32, &[2, 2])]));
     spec(c.compile_with_input_specs(&[&x], &[(&x, DType::F32, &[4]), (&x, DType::F32, &[4])]));
-    // Elementwise shapes differ.
+    // Elementwise shapes that do not broadcast: the eager operations' error, naming both.
+    let refused = c
+        .compile_with_input_specs(&[&y], &[(&x, DType::F32, &[4]), (&z, DType::F32, &[5])])
+        .unwrap_err();
     assert!(
-        spec(c.compile_with_input_specs(&[&y], &[(&x, DType::F32, &[4]), (&z, DType::F32, &[5])]))
-            .contains("differ")
+        matches!(
+            &refused,
+            Error::Usage(UsageError::NotBroadcastable { operation: "add", left, right, dim: 0 })
+                if left == &[4] && right == &[5]
+        ),
+        "{refused:?}"
     );
     // Inner dimensions of a product, element count of a reshape.
     let a = TracedTensor::input_symbolic_shape(DType::F64, 2);
@@ -141,6 +153,7 @@ fn compilation_refuses_bad_specifications_and_shapes() {
     assert_eq!((ok.stats().matmuls, ok.stats().fused_kernels), (0, 1));
 }
 
+// Simulator-only: no device at all (compiling runs on the host); run once, here.
 #[test]
 fn common_subexpressions_merge_and_elementwise_runs_fuse() {
     let x = TracedTensor::input_symbolic_shape(DType::F32, 1);
@@ -182,113 +195,7 @@ fn common_subexpressions_merge_and_elementwise_runs_fuse() {
     assert_eq!(p.output_kind(0), Some(&OutputKind::New));
 }
 
-#[test]
-fn a_second_program_with_the_same_group_compiles_nothing() {
-    let mut engine = CudaEngine::simulated(SimConfig::default());
-    let sim = engine.sim().unwrap();
-    let (_, first) = square_plus(16);
-    let _a = engine.prepare(&first).unwrap();
-    let (kernels, loads) = (engine.cached_kernels(), sim.calls(SimOp::ModuleLoad));
-    // Traced again from scratch, for another length: the same canonical expression.
-    let (_, second) = square_plus(1000);
-    let _b = engine.prepare(&second).unwrap();
-    assert_eq!(engine.cached_kernels(), kernels);
-    assert_eq!(sim.calls(SimOp::ModuleLoad), loads);
-}
-
-#[test]
-fn runs_rebind_only_what_moved_and_reuse_dropped_outputs() {
-    let mut engine = CudaEngine::simulated(SimConfig::default());
-    let sim = engine.sim().unwrap();
-    let (_, program) = square_plus(4);
-    let mut prepared = engine.prepare(&program).unwrap();
-    let x1 = upload_tensor(&mut engine, &[1.0f32, 2.0, 3.0, 4.0], &[4]).unwrap();
-    let x2 = upload_tensor(&mut engine, &[5.0f32, 6.0, 7.0, 8.0], &[4]).unwrap();
-    let out = engine.run(&mut prepared, &[Input::from(&x1)]).unwrap();
-    assert_eq!(
-        download_tensor(&mut engine, out[0].as_tensor::<f32>().unwrap()).unwrap(),
-        [2.0, 6.0, 12.0, 20.0]
-    );
-    assert_eq!(prepared.stats().parameter_updates, 1);
-    drop(out);
-    // Same input, the dropped output's memory again: nothing to update, nothing allocated.
-    let allocs = sim.calls(SimOp::Alloc);
-    let out = engine.run(&mut prepared, &[Input::from(&x1)]).unwrap();
-    assert_eq!(prepared.stats().parameter_updates, 1);
-    assert_eq!(sim.calls(SimOp::Alloc), allocs);
-    // A kept output forces a new one; a moved input one update.
-    let kept = engine.run(&mut prepared, &[Input::from(&x2)]).unwrap();
-    assert_eq!(sim.calls(SimOp::Alloc), allocs + 1);
-    assert_eq!(prepared.stats().parameter_updates, 2);
-    assert_eq!(
-        download_tensor(&mut engine, kept[0].as_tensor::<f32>().unwrap()).unwrap(),
-        [30.0, 42.0, 56.0, 72.0]
-    );
-    assert_eq!(
-        download_tensor(&mut engine, out[0].as_tensor::<f32>().unwrap()).unwrap(),
-        [2.0, 6.0, 12.0, 20.0]
-    );
-    assert_eq!(prepared.stats().graph_launches, 3);
-    assert_eq!(sim.graph_launches(), 3);
-    drop((out, kept));
-    drop((prepared, x1, x2));
-    engine.synchronize().unwrap();
-    engine.synchronize().unwrap();
-    assert_eq!(sim.device_live(), (0, 0));
-    assert_eq!(sim.graphs_live(), 0);
-}
-
-#[test]
-fn bad_inputs_and_other_engines_are_refused_and_nothing_runs() {
-    let device = SimDevice::new(SimConfig::default());
-    let mut engine = CudaEngine::simulated_on(&device);
-    let mut other = CudaEngine::simulated_on(&device);
-    let (_, program) = square_plus(4);
-    let mut prepared = engine.prepare(&program).unwrap();
-    let good = upload_tensor(&mut engine, &[1.0f32; 4], &[4]).unwrap();
-    let long = upload_tensor(&mut engine, &[1.0f32; 5], &[5]).unwrap();
-    let wide = upload_tensor(&mut engine, &[1.0f64; 4], &[4]).unwrap();
-    let foreign = upload_tensor(&mut other, &[1.0f32; 4], &[4]).unwrap();
-    engine.synchronize().unwrap();
-    let (queued, allocs) = (device.queued(), device.calls(SimOp::Alloc));
-    assert!(matches!(
-        engine.run(&mut prepared, &[Input::from(&long)]),
-        Err(Error::Program(ProgramError::Input { index: 0, .. }))
-    ));
-    assert!(matches!(
-        engine.run(&mut prepared, &[Input::from(&wide)]),
-        Err(Error::Program(ProgramError::Input { index: 0, .. }))
-    ));
-    assert!(matches!(
-        engine.run(&mut prepared, &[]),
-        Err(Error::Program(ProgramError::Input { .. }))
-    ));
-    assert!(matches!(
-        engine.run(&mut prepared, &[Input::from(&good), Input::from(&good)]),
-        Err(Error::Program(ProgramError::Input { .. }))
-    ));
-    assert!(matches!(
-        engine.run(&mut prepared, &[Input::from(&foreign)]),
-        Err(Error::Usage(UsageError::WrongEngine { .. }))
-    ));
-    assert!(matches!(
-        other.run(&mut prepared, &[Input::from(&foreign)]),
-        Err(Error::Usage(UsageError::WrongEngine { .. }))
-    ));
-    assert_eq!(
-        (device.queued(), device.calls(SimOp::Alloc)),
-        (queued, allocs)
-    );
-    assert_eq!(prepared.stats().runs, 0);
-    assert_eq!(device.graph_launches(), 0);
-    // And the program still runs.
-    let out = engine.run(&mut prepared, &[Input::from(&good)]).unwrap();
-    assert_eq!(
-        download_tensor(&mut engine, out[0].as_tensor::<f32>().unwrap()).unwrap(),
-        [2.0; 4]
-    );
-}
-
+// Simulator-only: holds the device clock and reads the live memory and graphs.
 #[test]
 fn a_dropped_program_keeps_its_memory_until_its_last_run_is_proven_complete() {
     let mut engine = CudaEngine::simulated(SimConfig::default());
@@ -329,32 +236,6 @@ fn a_dropped_program_keeps_its_memory_until_its_last_run_is_proven_complete() {
     assert!(sim.violations().is_empty(), "{:?}", sim.violations());
 }
 
-#[test]
-fn products_of_inputs_run_between_graph_launches() {
-    let mut engine = CudaEngine::simulated(SimConfig::default());
-    let a = TracedTensor::input_symbolic_shape(DType::F64, 2);
-    let b = TracedTensor::input_symbolic_shape(DType::F64, 2);
-    let y = a.matmul(&b).unwrap().scale(3.0f64).unwrap();
-    let program = GraphCompiler::new()
-        .compile_with_input_specs(
-            &[&y],
-            &[(&a, DType::F64, &[2, 3]), (&b, DType::F64, &[3, 2])],
-        )
-        .unwrap();
-    let mut prepared = engine.prepare(&program).unwrap();
-    let at = upload_tensor(&mut engine, &[1.0f64, 2.0, 3.0, 4.0, 5.0, 6.0], &[2, 3]).unwrap();
-    let bt = upload_tensor(&mut engine, &[1.0f64, 0.0, 0.0, 1.0, 1.0, 1.0], &[3, 2]).unwrap();
-    let out = engine
-        .run(&mut prepared, &[Input::from(&at), Input::from(&bt)])
-        .unwrap();
-    assert_eq!(
-        download_tensor(&mut engine, out[0].as_tensor::<f64>().unwrap()).unwrap(),
-        [12.0, 15.0, 30.0, 33.0]
-    );
-    let s = prepared.stats();
-    assert_eq!((s.eager_calls, s.graph_launches, s.graphs), (1, 1, 1));
-}
-
 /// Asserts `r` is [`UsageError::SizeOverflow`](crate::error::UsageError::SizeOverflow) naming `count` elements of `element_bytes` bytes.
 fn assert_size_overflow(r: Result<Program, Error>, count: usize, element_bytes: usize) {
     match r {
@@ -370,6 +251,7 @@ fn assert_size_overflow(r: Result<Program, Error>, count: usize, element_bytes: 
     }
 }
 
+// Simulator-only: no device at all (compiling runs on the host); run once, here.
 /// An input whose element count fits in usize but whose bytes do not (2^61 `f64`s) is refused
 /// when compiled, whether its values stay in kernels or pass through an intermediate.
 #[test]
@@ -391,6 +273,7 @@ fn an_input_past_the_addressable_limit_is_refused_when_compiled() {
     }
 }
 
+// Simulator-only: no device at all (compiling runs on the host); run once, here.
 /// A product of two addressable inputs whose result is not ([2^31, 1] times [1, 2^31] `f64`s)
 /// is refused when compiled; one whose element count overflows usize names its shape.
 #[test]
@@ -420,6 +303,7 @@ fn a_product_past_the_addressable_limit_is_refused_when_compiled() {
     }
 }
 
+// Simulator-only: no device at all (compiling runs on the host); run once, here.
 /// Intermediates that are each addressable but not together, being live at once, are refused
 /// when compiled: four, then two, of 2^62 bytes, each read by a product after the one kernel
 /// that writes them all.
@@ -479,6 +363,7 @@ fn scale_square_scale_reference(m: &[f32], n: usize) -> Vec<f32> {
     out
 }
 
+// Simulator-only: injects a driver panic inside the capture.
 /// A panic inside a driver call during `prepare`'s capture (at every launch in turn, and at the
 /// capture's end) leaves the engine's stream not capturing: it synchronizes, round-trips a
 /// tensor, prepares and runs the program right, and its teardown releases everything.

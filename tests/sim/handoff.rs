@@ -6,13 +6,16 @@
 
 use crate::support::sim_engine as engine;
 use crate::support::{Reference, Rng, random_vec};
-use cuferry::error::UsageError;
 use cuferry::graph::{GraphCompiler, Input, TracedTensor};
 use cuferry::sim::{SimDevice, SimOp};
 use cuferry::{
     DType, Element, Error, PinnedHostBuffer, SubmitError, download_pending, download_tensor,
     error::DriverError, upload_pending, upload_tensor,
 };
+
+// Written once in `tests/bodies/handoff.rs`, run here on the simulated device and by the GPU
+// suite on device 0.
+crate::bodies!(sim; handoff::{another_engine_refuses_an_in_flight_tensor});
 
 /// Host waits the device has seen so far.
 fn host_waits(sim: &SimDevice) -> u64 {
@@ -151,38 +154,6 @@ fn the_source_of_an_in_flight_download_is_readable_alongside_the_copy() {
 }
 
 #[test]
-fn another_engine_refuses_an_in_flight_tensor() {
-    let (mut engine, _sim) = engine();
-    let (mut other, other_sim) = self::engine();
-    let source = PinnedHostBuffer::from_slice(&mut engine, &[1.0f32, 2.0]).unwrap();
-    let destination = engine.alloc_tensor::<f32>(&[2]).unwrap();
-    let upload = upload_pending(&mut engine, source, destination).unwrap();
-    let queued = other_sim.queued();
-    assert!(matches!(
-        other.copy_tensor(upload.tensor()),
-        Err(Error::Usage(UsageError::WrongEngine { .. }))
-    ));
-    assert!(matches!(
-        other.add(upload.tensor(), upload.tensor()),
-        Err(Error::Usage(UsageError::WrongEngine { .. }))
-    ));
-    assert!(matches!(
-        download_tensor(&mut other, upload.tensor()),
-        Err(Error::Usage(UsageError::WrongEngine { .. }))
-    ));
-    assert_eq!(
-        other_sim.queued(),
-        queued,
-        "the other engine queued nothing"
-    );
-    let upload = upload.wait().unwrap();
-    assert_eq!(
-        download_tensor(&mut engine, upload.tensor()).unwrap(),
-        [1.0, 2.0]
-    );
-}
-
-#[test]
 fn a_failed_kernel_in_the_middle_leaves_the_transfers_intact() {
     let (mut engine, sim) = engine();
     sim.hold_clock(true);
@@ -225,7 +196,7 @@ fn a_refused_download_in_the_middle_returns_its_package_and_the_upload_still_lan
         other => panic!("expected a failed submission, got {other:?}"),
     };
     // Resubmitted as it came back, the chain completes.
-    let download = download_pending(&mut engine, package.1, package.0).unwrap();
+    let download = download_pending(&mut engine, package.0, package.1).unwrap();
     sim.hold_clock(false);
     assert_eq!(download.wait().unwrap().buffer().as_slice(), &data[..]);
     drop(upload.wait().unwrap());

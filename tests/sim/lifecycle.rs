@@ -2,16 +2,22 @@
 //! the simulated device.
 
 use crate::support::{distinct_u32 as distinct, sim_engine as engine};
-use cuferry::error::{StagingError, UsageError};
+use cuferry::error::UsageError;
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{
     CudaEngine, Error, PinnedHostBuffer, SubmitError, download_pending, download_tensor,
-    download_tensor_into, error::DriverError, libs::GemmConfig, staging::StagingConfig,
-    upload_pending, upload_tensor,
+    download_tensor_into, error::DriverError, libs::GemmConfig, upload_pending, upload_tensor,
 };
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::mpsc;
 use std::time::Duration;
+
+// Written once in `tests/bodies/lifecycle.rs`, run here on the simulated device and by the GPU
+// suite on device 0.
+crate::bodies!(sim; lifecycle::{
+    held_and_forgotten_leases_never_starve_the_blocking_routes,
+    errors_name_the_values_and_the_shape_check_is_order_independent,
+});
 
 /// A staging chunk whose event record fails and whose fallback stream synchronize fails too
 /// cannot be proven: the lease comes back `Untracked`, which can only be retired, and the slot's
@@ -173,32 +179,6 @@ fn device_memory_of_detached_transfers_comes_back_without_a_synchronize() {
     assert!(sim.violations().is_empty());
 }
 
-/// Leases a caller holds, or forgets, draw on their own budget: the blocking routes go on.
-#[test]
-fn held_and_forgotten_leases_never_starve_the_blocking_routes() {
-    let (mut engine, _sim) = engine();
-    let mut config = StagingConfig::default();
-    config.chunk_bytes = 4096;
-    config.cutoff_bytes = 1024;
-    config.ring_depth = 2;
-    engine.set_staging_config(config).unwrap();
-    let held = engine.staging_lease().unwrap();
-    std::mem::forget(engine.staging_lease().unwrap());
-    assert!(matches!(
-        engine.staging_lease(),
-        Err(Error::Staging(StagingError::Exhausted { depth: 2 }))
-    ));
-    let data = distinct(10_000); // ten chunks
-    for _ in 0..3 {
-        let t = upload_tensor(&mut engine, &data, &[data.len()]).unwrap();
-        assert_eq!(download_tensor(&mut engine, &t).unwrap(), data);
-        engine.synchronize().unwrap();
-    }
-    held.release();
-    let again = engine.staging_lease().unwrap();
-    again.release();
-}
-
 /// Two engines whose values must not cross: on one simulated device, and on two.
 fn pairs() -> Vec<(CudaEngine, CudaEngine)> {
     let a = CudaEngine::simulated(SimConfig::default());
@@ -276,7 +256,7 @@ fn values_of_another_engine_are_refused_and_change_nothing() {
         wrong_engine(b.div(&x, &own), &a, &b);
         wrong_engine(b.neg(&x), &a, &b);
         wrong_engine(b.scale(&x, 2.0), &a, &b);
-        wrong_engine(b.cast::<f64, f32>(&x), &a, &b);
+        wrong_engine(b.cast::<f64>(&x), &a, &b);
         wrong_engine(b.fill(&mut y, 0.0), &a, &b);
         wrong_engine(b.matmul(&x, &own), &a, &b);
         wrong_engine(
@@ -532,67 +512,6 @@ fn a_zero_length_chunk_is_refused_and_queues_nothing() {
     lease.release();
     assert_eq!(sim.queued(), queued, "nothing was queued");
     assert_eq!(sim.calls(SimOp::CopyHtoD) + sim.calls(SimOp::CopyDtoH), 0);
-}
-
-/// Error messages state the values and the limit they broke; the shape check does not depend on
-/// the order of the dimensions.
-#[test]
-fn errors_name_the_values_and_the_shape_check_is_order_independent() {
-    let (mut engine, _sim) = engine();
-    let t = engine.alloc_tensor::<u8>(&[16]).unwrap();
-    let lease = engine.staging_lease().unwrap();
-    let capacity = lease.capacity();
-    let big = engine.alloc_tensor::<u8>(&[capacity + 8]).unwrap();
-    let lease = match lease.begin_download(&mut engine, &big, 0, capacity + 8) {
-        Err(SubmitError::Rejected {
-            input: lease,
-            error,
-        }) => {
-            let message = error.to_string();
-            assert!(
-                message.contains(&format!("{}", capacity + 8))
-                    && message.contains(&format!("{capacity}")),
-                "{message}"
-            );
-            lease
-        }
-        other => panic!("expected a refusal, got {other:?}"),
-    };
-    match lease.begin_download(&mut engine, &t, usize::MAX, 1) {
-        Err(SubmitError::Rejected {
-            input: lease,
-            error,
-        }) => {
-            let message = error.to_string();
-            assert!(message.contains(&usize::MAX.to_string()), "{message}");
-            assert!(message.contains("16 element"), "{message}");
-            lease.release();
-        }
-        other => panic!("expected a refusal, got {other:?}"),
-    }
-    // Zero dimensions make an empty tensor whatever the other dimensions are, in any order.
-    for shape in [[0, usize::MAX, 2], [usize::MAX, 2, 0], [2, 0, usize::MAX]] {
-        let t = engine.alloc_tensor::<u8>(&shape).unwrap();
-        assert!(t.is_empty(), "{shape:?}");
-    }
-    // Without a zero, an overflowing product is refused in any order, naming the shape.
-    for shape in [[usize::MAX, 2, 3], [3, 2, usize::MAX], [2, usize::MAX, 3]] {
-        match engine.alloc_tensor::<u8>(&shape) {
-            Err(e @ Error::Usage(UsageError::ShapeOverflow { .. })) => {
-                assert!(e.to_string().contains(&format!("{shape:?}")), "{e}")
-            }
-            other => panic!("{shape:?}: expected ShapeOverflow, got {other:?}"),
-        }
-    }
-    // A byte size past the addressable limit names the count and the element size.
-    match engine.alloc_tensor::<u64>(&[usize::MAX / 4]) {
-        Err(e @ Error::Usage(UsageError::SizeOverflow { .. })) => {
-            let message = e.to_string();
-            assert!(message.contains(&(usize::MAX / 4).to_string()), "{message}");
-            assert!(message.contains("8 byte"), "{message}");
-        }
-        other => panic!("expected SizeOverflow, got {other:?}"),
-    }
 }
 
 /// The simulator's own arithmetic never panics, and an allocation it cannot back is the

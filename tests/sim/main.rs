@@ -1,10 +1,16 @@
 //! The simulated-device tests, in one binary with a module per feature: every route, lifecycle
 //! and subsystem against the deterministic simulated device (feature `sim`), so CI checks what
 //! the GPU runs without a GPU. The staged routes run with four copy threads (`support::
-//! copy_threads`), so their parallel paths run on any machine.
+//! copy_threads`), so their parallel paths run on any machine. The tests written once in
+//! `tests/bodies/` run here (through `bodies!`) and on CUDA device 0 in the GPU suite
+//! (`tests/gpu/`), under the same names; what stays here needs the simulator (its fault
+//! injection, its clock, its queue or its record of violations).
 
 #[path = "../support/copy_threads.rs"]
 mod copy_threads;
+// The bodies run on both devices (`tests/bodies/`): here on the simulated device.
+#[path = "../bodies/mod.rs"]
+mod bodies;
 #[macro_use]
 #[path = "../support/mod.rs"]
 mod support;
@@ -36,6 +42,7 @@ mod sharing;
 mod signals;
 mod two_gpus;
 // Work on the device: kernels, libraries, prepared graphs, raw scopes, CubeCL.
+mod broadcast;
 mod cubecl;
 mod graphs;
 mod kernels;

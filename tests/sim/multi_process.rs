@@ -7,7 +7,7 @@
 mod example;
 
 use cuferry::Error;
-use cuferry::error::CollectiveError;
+use cuferry::error::PeerError;
 use std::time::Duration;
 
 #[test]
@@ -40,7 +40,7 @@ fn a_rank_that_fails_ends_its_peers_by_their_deadline() {
             assert!(
                 matches!(
                     error.downcast_ref::<Error>(),
-                    Some(Error::Collective(CollectiveError::TimedOut { .. }))
+                    Some(Error::Peer(PeerError::CollectiveTimedOut { .. }))
                 ),
                 "rank {rank}: {error}"
             );

@@ -3,9 +3,7 @@
 //! under interleaved streams; refusals where there is no link; a fault at every driver call of the
 //! route reported, with nothing freed under the copy and nothing leaked.
 
-use crate::support::{
-    Reference, Rng, assert_same, engines_on as engines, random_vec, sim_machine as machine,
-};
+use crate::support::{engines_on as engines, sim_machine as machine};
 use cuferry::error::{SetupError, UsageError};
 use cuferry::sim::{Schedule, SimConfig, SimDevice, SimOp};
 use cuferry::{
@@ -13,36 +11,14 @@ use cuferry::{
     upload_tensor,
 };
 
-fn round_trip<T: Reference>(a: &mut CudaEngine, b: &mut CudaEngine, rng: &mut Rng) {
-    let size = std::mem::size_of::<T>();
-    for n in [0, 1, 16 / size, 16 / size + 1, (1 << 20) / size + 3] {
-        let data = random_vec::<T>(rng, n);
-        let x = upload_tensor(a, &data, &[n]).unwrap();
-        let there = peer::copy(a, &x, b).unwrap();
-        assert_eq!(there.shape(), &[n]);
-        let what = format!("{} n={n}", T::DTYPE);
-        assert_same(&what, &download_tensor(b, &there).unwrap(), &data);
-        // And back, into a tensor the first engine already has.
-        let mut back = a.alloc_tensor::<T>(&[n]).unwrap();
-        peer::copy_into(b, &there, a, &mut back).unwrap();
-        assert_same(&what, &download_tensor(a, &back).unwrap(), &data);
-    }
-}
+// Written once in `tests/bodies/peer.rs`, run here on a simulated machine of three devices and by
+// the GPU suite (with the pending peer route's bodies, which `peer_pending.rs` names too).
+crate::bodies!(sim; peer::{
+    every_element_type_crosses_between_engines,
+    peer_copies_in_each_direction_at_once,
+});
 
-#[test]
-fn every_element_type_crosses_between_devices_and_within_one() {
-    let sim = machine(3);
-    let mut rng = Rng::new(41);
-    for (a, b) in [(0, 1), (2, 0), (1, 1)] {
-        let (mut x, mut y) = engines(&sim, a, b);
-        for_each_element!(T => {
-            round_trip::<T>(&mut x, &mut y, &mut rng);
-        });
-    }
-    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
-    assert_eq!(sim.device_live().0, 0);
-}
-
+// Simulator-only: counts the peer-access driver calls.
 #[test]
 fn peer_access_is_enabled_once_per_pair_and_reported() {
     let sim = machine(2);
@@ -68,6 +44,7 @@ fn peer_access_is_enabled_once_per_pair_and_reported() {
     assert_eq!(sim.calls(SimOp::PeerEnable), 5);
 }
 
+// Simulator-only: removes the peer link (`set_peer_link`).
 #[test]
 fn without_a_link_the_copy_is_refused_and_the_staged_copy_is_taken_by_name() {
     let sim = machine(2);
@@ -123,6 +100,7 @@ fn without_a_link_the_copy_is_refused_and_the_staged_copy_is_taken_by_name() {
     drop((other, short, unlinked, c));
 }
 
+// Simulator-only: removes the peer link after first use.
 /// A link removed after the pair's first copy: the next copy on each route is refused as
 /// unreachable (not as the driver's refusal), the pair is asked again from then on (refused
 /// with nothing queued), and once the link is back the copies run again.
@@ -173,6 +151,7 @@ fn a_link_removed_after_first_use_is_unreachable_and_asked_again() {
     assert!(sim.violations().is_empty(), "{:?}", sim.violations());
 }
 
+// Simulator-only: runs every interleaving of the streams under the race checker.
 /// Under interleaved streams: a kernel writes the source, the copy takes it, a later fill
 /// overwrites the source, and a kernel on the other engine reads the copy. The copy holds the
 /// kernel's values, the fill never reaches it, and the race checker finds nothing.
@@ -290,6 +269,7 @@ fn faulted_copy(busy: bool, into: bool, arm: impl FnOnce(&SimDevice)) -> bool {
     failed
 }
 
+// Simulator-only: injects a fault at every driver call.
 #[test]
 fn a_fault_at_every_call_of_the_route_is_reported_and_loses_nothing() {
     let mut runs = 0;
@@ -341,6 +321,7 @@ fn a_fault_at_every_call_of_the_route_is_reported_and_loses_nothing() {
     assert!(runs >= 24, "only {runs} runs");
 }
 
+// Simulator-only: injects a driver panic.
 /// A driver panic at any of the proving calls of a peer route (after the copy is queued) unwinds
 /// without freeing either side under the copy: the new destination of `peer::copy` and the
 /// existing one of `peer::copy_into` are leaked, and a pending copy's tensors never reach a free.

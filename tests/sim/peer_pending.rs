@@ -4,9 +4,7 @@
 //! the destination engine's queue, `mem::forget`, a failed wait that retains both tensors,
 //! resubmission, `.await`, and a fault at every driver call of the route.
 
-use crate::support::{
-    Reference, Rng, assert_same, engines_on as engines, random_vec, sim_machine as machine,
-};
+use crate::support::{engines_on as engines, sim_machine as machine};
 use cuferry::error::{SetupError, UsageError};
 use cuferry::sim::{Schedule, SimDevice, SimOp};
 use cuferry::{
@@ -14,42 +12,16 @@ use cuferry::{
     error::DriverError, peer, pending::TryWait, upload_pending, upload_tensor,
 };
 
-fn round_trip<T: Reference>(a: &mut CudaEngine, b: &mut CudaEngine, rng: &mut Rng) {
-    let size = std::mem::size_of::<T>();
-    for n in [1, 16 / size, 16 / size + 1, (1 << 20) / size + 3] {
-        let data = random_vec::<T>(rng, n);
-        let x = upload_tensor(a, &data, &[n]).unwrap();
-        let landing = b.alloc_tensor::<T>(&[n]).unwrap();
-        let copy = peer::copy_pending(a, x, b, landing).unwrap();
-        let what = format!("{} n={n}", T::DTYPE);
-        // Handed to the destination engine in flight: its download (on another of its streams)
-        // runs after the copy.
-        assert_same(
-            &what,
-            &download_tensor(b, copy.destination()).unwrap(),
-            &data,
-        );
-        let (x, there) = copy.wait().unwrap().into_parts();
-        assert_same(&what, &download_tensor(a, &x).unwrap(), &data);
-        assert_same(&what, &download_tensor(b, &there).unwrap(), &data);
-    }
-}
+// Written once in `tests/bodies/peer.rs`, run here on a simulated machine of three devices and by
+// the GPU suite on the machine's devices.
+crate::bodies!(sim; peer::{
+    every_element_type_crosses_pending_between_engines,
+    a_pending_copy_follows_the_sources_queued_kernels_and_precedes_the_destinations,
+    resubmission_copies_again_with_nothing_allocated,
+    awaited_on_any_executor,
+});
 
-#[test]
-fn every_element_type_crosses_in_flight_between_devices_and_within_one() {
-    let sim = machine(3);
-    sim.set_schedule(Schedule::Interleaved { seed: 3 });
-    let mut rng = Rng::new(43);
-    for (a, b) in [(0, 1), (2, 0), (1, 1)] {
-        let (mut x, mut y) = engines(&sim, a, b);
-        for_each_element!(T => {
-            round_trip::<T>(&mut x, &mut y, &mut rng);
-        });
-    }
-    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
-    assert_eq!(sim.device_live().0, 0);
-}
-
+// Simulator-only: runs 32 interleavings of the streams under the race checker.
 #[test]
 fn the_copy_follows_the_source_engines_queued_writes_and_precedes_the_destinations_next_work() {
     for seed in 0..32 {
@@ -98,6 +70,7 @@ fn ptrs<T: cuferry::Element>(
     (x.len(), x.device(), y.len(), y.device())
 }
 
+// Simulator-only: removes the peer link and counts the copies queued.
 #[test]
 fn refusals_hand_both_tensors_back_untouched_with_nothing_queued() {
     let sim = machine(2);
@@ -167,6 +140,7 @@ fn refusals_hand_both_tensors_back_untouched_with_nothing_queued() {
     assert_eq!(sim.device_live().0, 0);
 }
 
+// Simulator-only: holds the device clock.
 #[test]
 fn in_flight_until_the_device_runs_it() {
     let sim = machine(2);
@@ -194,6 +168,7 @@ fn in_flight_until_the_device_runs_it() {
     assert!(sim.violations().is_empty(), "{:?}", sim.violations());
 }
 
+// Simulator-only: holds the device clock and reads the live allocations.
 #[test]
 fn dropped_in_flight_it_detaches_into_the_destination_engines_queue() {
     let sim = machine(2);
@@ -228,6 +203,7 @@ fn dropped_in_flight_it_detaches_into_the_destination_engines_queue() {
     assert_eq!(sim.device_live().0, 0);
 }
 
+// Simulator-only: reads the leaked allocations.
 #[test]
 fn forgotten_in_flight_it_is_never_released() {
     let sim = machine(2);
@@ -242,6 +218,7 @@ fn forgotten_in_flight_it_is_never_released() {
     assert_eq!(sim.device_live().0, 2, "both tensors leaked in place");
 }
 
+// Simulator-only: injects a failed event.
 #[test]
 fn a_failed_wait_retains_both_tensors_and_says_why() {
     let sim = machine(2);
@@ -275,70 +252,6 @@ fn a_failed_wait_retains_both_tensors_and_says_why() {
         "retained for good, even at teardown"
     );
     assert!(sim.violations().is_empty(), "{:?}", sim.violations());
-}
-
-#[test]
-fn resubmission_copies_again_with_nothing_allocated() {
-    let sim = machine(2);
-    let (mut a, mut b) = engines(&sim, 0, 1);
-    let x = upload_tensor(&mut a, &[1i32; 256], &[256]).unwrap();
-    let landing = b.alloc_tensor::<i32>(&[256]).unwrap();
-    let mut copy = peer::copy_pending(&mut a, x, &mut b, landing)
-        .unwrap()
-        .wait()
-        .unwrap();
-    for step in 2..6 {
-        // The source changes hands to be rewritten, then the pair is copied anew.
-        let (mut x, mut landing) = copy.into_parts();
-        a.fill(&mut x, step).unwrap();
-        b.fill(&mut landing, 0).unwrap();
-        copy = peer::copy_pending(&mut a, x, &mut b, landing)
-            .unwrap()
-            .wait()
-            .unwrap();
-        assert_eq!(
-            download_tensor(&mut b, copy.destination()).unwrap(),
-            [step; 256]
-        );
-        // The same copy again: no allocation, no new event.
-        let (allocs, events) = (sim.calls(SimOp::Alloc), sim.calls(SimOp::EventCreate));
-        copy = copy.resubmit(&mut a, &mut b).unwrap().wait().unwrap();
-        assert_eq!(sim.calls(SimOp::Alloc), allocs, "no allocation");
-        assert_eq!(sim.calls(SimOp::EventCreate), events, "the event is reused");
-        assert_eq!(
-            download_tensor(&mut b, copy.destination()).unwrap(),
-            [step; 256]
-        );
-    }
-    drop((copy, a, b));
-    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
-    assert_eq!(sim.device_live().0, 0);
-}
-
-#[test]
-fn awaited_on_any_executor() {
-    let sim = machine(2);
-    let (mut a, mut b) = engines(&sim, 0, 1);
-    let x = upload_tensor(&mut a, &[4u8; 33], &[33]).unwrap();
-    let landing = b.alloc_tensor::<u8>(&[33]).unwrap();
-    let copy = peer::copy_pending(&mut a, x, &mut b, landing).unwrap();
-    let returned = futures_lite::future::block_on(async { copy.await }).unwrap();
-    assert_eq!(
-        download_tensor(&mut b, returned.destination()).unwrap(),
-        [4; 33]
-    );
-    let landing = b.alloc_tensor::<u8>(&[33]).unwrap();
-    let (x, _) = returned.into_parts();
-    // A future dropped before it resolves detaches like the handle.
-    sim.hold_clock(true);
-    let copy = peer::copy_pending(&mut a, x, &mut b, landing).unwrap();
-    drop(std::future::IntoFuture::into_future(copy));
-    assert_eq!(b.retirement_stats().pending, 1);
-    sim.hold_clock(false);
-    b.synchronize().unwrap();
-    drop((a, b));
-    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
-    assert_eq!(sim.device_live().0, 0);
 }
 
 /// The route's driver calls, and the failure each is given in the sweep.
@@ -426,6 +339,7 @@ fn faulted_copy(busy: bool, arm: impl FnOnce(&SimDevice)) -> bool {
     failed
 }
 
+// Simulator-only: injects a fault at every driver call.
 #[test]
 fn a_fault_at_every_call_of_the_route_is_reported_and_loses_nothing() {
     let mut runs = 0;

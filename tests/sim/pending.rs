@@ -5,9 +5,23 @@ use cuferry::error::UsageError;
 use cuferry::sim::{SimConfig, SimOp};
 use cuferry::{
     CudaEngine, Error, PinnedHostBuffer, SubmitError, download_pending, download_tensor,
-    download_tensor_into, error::DriverError, pending::TryWait, upload_pending, upload_tensor,
+    error::DriverError, pending::TryWait, upload_pending, upload_tensor,
 };
 
+// Written once in `tests/bodies/pending.rs`, run here on the simulated device and by the GPU
+// suite on device 0.
+crate::bodies!(sim; pending::{
+    a_64_mib_pending_download_is_seen_in_flight_then_correct,
+    a_64_mib_pending_upload_is_seen_in_flight_then_correct,
+    two_transfers_in_flight_complete_independently,
+    rejected_packages_come_back_untouched,
+    pinned_bytes_round_trip_for_every_element,
+    download_tensor_into_reuses_its_capacity,
+    download_tensor_into_reuses_capacity,
+    an_engine_dropped_while_handles_are_in_flight,
+});
+
+// Simulator-only: counts the pinned allocations.
 #[test]
 fn a_zero_length_pinned_buffer_is_a_typed_error() {
     let (mut engine, _) = engine();
@@ -17,6 +31,7 @@ fn a_zero_length_pinned_buffer_is_a_typed_error() {
     ));
 }
 
+// Simulator-only: counts the pinned allocations.
 #[test]
 fn a_warm_pool_reuses_pinned_memory() {
     let (mut engine, sim) = engine();
@@ -33,6 +48,7 @@ fn a_warm_pool_reuses_pinned_memory() {
     );
 }
 
+// Simulator-only: reads the live pinned memory.
 #[test]
 fn the_pool_trims_to_its_budget() {
     let (mut engine, sim) = engine();
@@ -49,6 +65,7 @@ fn the_pool_trims_to_its_budget() {
     assert_eq!(sim.pinned_live(), (0, 0));
 }
 
+// Simulator-only: reads the pool reuse of pinned bytes.
 /// A `bool` buffer drawn from a pooled block whose last user left other bytes starts all
 /// `false`. Its bytes are never read as `bool` here (reading a byte other than 0 or 1 as `bool`
 /// is undefined behaviour, so such a test could only fail by luck): the buffer is uploaded
@@ -78,6 +95,7 @@ fn a_bool_buffer_over_reused_bytes_holds_only_zero_bytes() {
     assert_eq!(sim.peek(addr, 64).unwrap(), [0u8; 64]);
 }
 
+// Simulator-only: steps the device clock.
 #[test]
 fn a_pending_upload_is_in_flight_until_the_device_advances() {
     let (mut engine, sim) = engine();
@@ -100,6 +118,7 @@ fn a_pending_upload_is_in_flight_until_the_device_advances() {
     assert_eq!(download_tensor(&mut engine, &tensor).unwrap(), data);
 }
 
+// Simulator-only: steps the device clock.
 #[test]
 fn a_pending_download_delivers_only_after_it_returns() {
     let (mut engine, sim) = engine();
@@ -119,6 +138,7 @@ fn a_pending_download_delivers_only_after_it_returns() {
     assert_eq!(returned.tensor().shape(), &[64, 64]);
 }
 
+// Simulator-only: counts the allocations.
 #[test]
 fn resubmission_allocates_nothing() {
     let (mut engine, sim) = engine();
@@ -148,62 +168,7 @@ fn resubmission_allocates_nothing() {
     assert_eq!(sim.calls(SimOp::EventCreate), events);
 }
 
-#[test]
-fn rejected_packages_come_back_untouched() {
-    let (mut engine, sim) = engine();
-    let data = distinct(10);
-    let buffer = PinnedHostBuffer::from_slice(&mut engine, &data).unwrap();
-    let dest = engine.alloc_tensor::<u32>(&[11]).unwrap();
-    let queued = sim.queued();
-    let err = upload_pending(&mut engine, buffer, dest).unwrap_err();
-    assert_eq!(sim.queued(), queued, "nothing was queued");
-    let SubmitError::Rejected {
-        input: package,
-        error,
-    } = err
-    else {
-        panic!("expected a rejection");
-    };
-    assert!(
-        matches!(
-            error,
-            Error::Usage(UsageError::LengthMismatch {
-                found: 10,
-                expected: 11,
-                ..
-            })
-        ),
-        "{error}"
-    );
-    assert_eq!(package.0.as_slice(), &data[..]);
-    assert_eq!(package.1.len(), 11);
-
-    // Another engine's tensor.
-    let mut other = CudaEngine::simulated(SimConfig::default());
-    let foreign = other.alloc_tensor::<u32>(&[10]).unwrap();
-    let err = download_pending(&mut engine, foreign, package.0).unwrap_err();
-    assert!(matches!(
-        err,
-        SubmitError::Rejected {
-            error: Error::Usage(UsageError::WrongEngine { .. }),
-            ..
-        }
-    ));
-    let package = err.into_input().unwrap();
-    assert_eq!(package.0.as_slice(), &data[..]);
-
-    // bool downloads expose raw bytes: refused.
-    let flags = upload_tensor(&mut engine, &[true, false], &[2]).unwrap();
-    let bbuf = PinnedHostBuffer::<bool>::new(&mut engine, 2).unwrap();
-    assert!(matches!(
-        download_pending(&mut engine, flags, bbuf),
-        Err(SubmitError::Rejected {
-            error: Error::Usage(UsageError::UnsupportedElement { .. }),
-            ..
-        })
-    ));
-}
-
+// Simulator-only: injects a failed enqueue.
 #[test]
 fn a_failed_enqueue_returns_the_package() {
     let (mut engine, sim) = engine();
@@ -222,6 +187,7 @@ fn a_failed_enqueue_returns_the_package() {
     }
 }
 
+// Simulator-only: holds the device clock and reads the live pinned memory.
 #[test]
 fn dropping_an_in_flight_handle_detaches_it_until_its_event_proves_completion() {
     let (mut engine, sim) = engine();
@@ -246,6 +212,7 @@ fn dropping_an_in_flight_handle_detaches_it_until_its_event_proves_completion() 
     assert!(sim.violations().is_empty());
 }
 
+// Simulator-only: reads the leaked pinned memory.
 #[test]
 fn forgetting_an_in_flight_handle_never_releases() {
     let (mut engine, sim) = engine();
@@ -260,6 +227,7 @@ fn forgetting_an_in_flight_handle_never_releases() {
     assert!(sim.violations().is_empty());
 }
 
+// Simulator-only: injects a failed event.
 #[test]
 fn a_failed_wait_retains_everything_and_says_why() {
     let (mut engine, sim) = engine();
@@ -292,6 +260,7 @@ fn a_failed_wait_retains_everything_and_says_why() {
     assert_eq!(live, 1, "the device value is retained too");
 }
 
+// Simulator-only: injects a failed event.
 #[test]
 fn a_detached_record_whose_event_fails_is_never_released() {
     let (mut engine, sim) = engine();
@@ -322,6 +291,7 @@ fn a_detached_record_whose_event_fails_is_never_released() {
     assert!(sim.is_pinned_live(ptr));
 }
 
+// Simulator-only: steps the device clock.
 #[test]
 fn two_transfers_complete_independently() {
     let (mut engine, sim) = engine();
@@ -350,6 +320,7 @@ fn two_transfers_complete_independently() {
     );
 }
 
+// Simulator-only: holds the device clock over the teardown.
 #[test]
 fn an_engine_dropped_with_transfers_in_flight_resolves_them() {
     let (mut engine, sim) = engine();
@@ -375,19 +346,199 @@ fn an_engine_dropped_with_transfers_in_flight_resolves_them() {
     assert!(sim.violations().is_empty());
 }
 
+// Simulator-only: counts what was queued.
+/// Every refusal of a pending transfer names the route and its direction, and a length
+/// mismatch gives the tensor's shape; each hands both values back, source first.
 #[test]
-fn download_tensor_into_reuses_capacity() {
+fn a_refused_pending_transfer_names_its_route_direction_and_shape() {
+    let (mut engine, sim) = engine();
+    let queued = sim.queued();
+    // A download's buffer two elements short of its tensor.
+    let tensor = upload_tensor(&mut engine, &distinct(8), &[2, 4]).unwrap();
+    let short = PinnedHostBuffer::<u32>::new(&mut engine, 6).unwrap();
+    let (tensor, short) = match download_pending(&mut engine, tensor, short) {
+        Err(SubmitError::Rejected {
+            input: (tensor, buffer),
+            error,
+        }) => {
+            let message = error.to_string();
+            match error {
+                Error::Usage(UsageError::LengthMismatch {
+                    what,
+                    expected: 8,
+                    found: 6,
+                    shape: Some(shape),
+                }) => {
+                    assert_eq!(
+                        what,
+                        "download_pending (device to host): buffer for the tensor"
+                    );
+                    assert_eq!(shape, [2, 4]);
+                }
+                other => panic!("expected a length mismatch, got {other:?}"),
+            }
+            assert!(
+                message.starts_with("download_pending (device to host)"),
+                "{message}"
+            );
+            assert!(message.contains("[2, 4]"), "{message}");
+            (tensor, buffer)
+        }
+        other => panic!("expected a refusal, got {other:?}"),
+    };
+    assert_eq!(download_tensor(&mut engine, &tensor).unwrap(), distinct(8));
+    assert_eq!(short.len(), 6);
+    // An upload's: the same, the other way.
+    let (short, tensor) = match upload_pending(&mut engine, short, tensor) {
+        Err(SubmitError::Rejected { input, error }) => {
+            let message = error.to_string();
+            assert!(
+                message.starts_with("upload_pending (host to device): buffer for the tensor"),
+                "{message}"
+            );
+            assert!(
+                matches!(
+                    error,
+                    Error::Usage(UsageError::LengthMismatch { shape: Some(ref s), .. }) if s == &[2, 4]
+                ),
+                "{error:?}"
+            );
+            input
+        }
+        other => panic!("expected a refusal, got {other:?}"),
+    };
+    // Both handed back as they were.
+    assert_eq!((short.len(), tensor.shape()), (6, &[2, 4][..]));
+    // A tensor of another engine, and a buffer of another engine: which one, named.
+    let mut other = CudaEngine::simulated(SimConfig::default());
+    let foreign = other.alloc_tensor::<u32>(&[6]).unwrap();
+    let (foreign, short) = match download_pending(&mut engine, foreign, short) {
+        Err(SubmitError::Rejected {
+            input,
+            error: Error::Usage(UsageError::WrongEngine { what, .. }),
+        }) => {
+            assert_eq!(what, "download_pending (device to host): the tensor");
+            input
+        }
+        other => panic!("expected a wrong engine, got {other:?}"),
+    };
+    let err = upload_pending(&mut other, short, foreign).unwrap_err();
+    let message = err.error().to_string();
+    assert!(
+        message.starts_with("upload_pending (host to device): the buffer belongs to engine"),
+        "{message}"
+    );
+    let (short, foreign) = err.into_input().unwrap();
+    drop(foreign);
+    // An empty tensor.
+    let empty = engine.alloc_tensor::<u32>(&[0]).unwrap();
+    match upload_pending(&mut engine, short, empty) {
+        Err(SubmitError::Rejected {
+            error: Error::Usage(UsageError::ZeroLength { what }),
+            ..
+        }) => assert_eq!(what, "upload_pending (host to device): the tensor"),
+        other => panic!("expected a zero length, got {other:?}"),
+    }
+    // bool downloads: refused, the route and direction named.
+    let flags = upload_tensor(&mut engine, &[true, false], &[2]).unwrap();
+    let bbuf = PinnedHostBuffer::<bool>::new(&mut engine, 2).unwrap();
+    match download_pending(&mut engine, flags, bbuf) {
+        Err(SubmitError::Rejected {
+            input: (flags, bbuf),
+            error: Error::Usage(UsageError::UnsupportedElement { operation, .. }),
+        }) => {
+            assert_eq!(operation, "download_pending (device to host)");
+            assert_eq!((flags.len(), bbuf.len()), (2, 2));
+        }
+        other => panic!("expected an unsupported element, got {other:?}"),
+    }
+    assert_eq!(sim.queued(), queued + 1, "nothing queued but the upload");
+}
+
+// Simulator-only: reads the device addresses.
+/// A download hands its parts back in the order it took them, source first: the tensor, then
+/// the buffer, from `into_parts` as from a refusal.
+#[test]
+fn a_download_hands_back_its_parts_source_first() {
     let (mut engine, _) = engine();
-    let data = distinct(1000);
-    let t = upload_tensor(&mut engine, &data, &[1000]).unwrap();
-    let mut out = Vec::with_capacity(4096);
-    out.extend_from_slice(&[7u32; 17]);
-    let ptr = out.as_ptr();
-    let out = download_tensor_into(&mut engine, &t, out).unwrap();
-    assert_eq!(out, data);
-    assert_eq!(out.as_ptr(), ptr, "no reallocation");
-    let small = upload_tensor(&mut engine, &distinct(3), &[3]).unwrap();
-    let out = download_tensor_into(&mut engine, &small, out).unwrap();
-    assert_eq!(out, distinct(3));
-    assert_eq!(out.as_ptr(), ptr);
+    let tensor = upload_tensor(&mut engine, &distinct(5), &[5]).unwrap();
+    let buffer = PinnedHostBuffer::<u32>::new(&mut engine, 5).unwrap();
+    let download = download_pending(&mut engine, tensor, buffer).unwrap();
+    let (tensor, buffer) = download.wait().unwrap().into_parts();
+    assert_eq!(buffer.as_slice(), distinct(5));
+    assert_eq!(tensor.shape(), [5]);
+    let download = download_pending(&mut engine, tensor, buffer).unwrap();
+    let returned = download.wait().unwrap();
+    let (tensor, buffer) = returned
+        .resubmit(&mut engine)
+        .unwrap()
+        .wait()
+        .unwrap()
+        .into_parts();
+    assert_eq!((tensor.len(), buffer.as_slice()), (5, &distinct(5)[..]));
+}
+
+// Simulator-only: the device's clock is held to keep the work in flight.
+#[test]
+fn wait_for_hands_an_unfinished_transfer_back_and_returns_a_finished_one() {
+    let sim = cuferry::sim::SimDevice::new(SimConfig::default());
+    let mut engine = CudaEngine::simulated_on(&sim);
+    let source = PinnedHostBuffer::from_slice(&mut engine, &[1.0f32, 2.0, 3.0]).unwrap();
+    let destination = engine.alloc_tensor::<f32>(&[3]).unwrap();
+    // The device runs nothing while its clock is held: the upload cannot complete.
+    sim.hold_clock(true);
+    let upload = upload_pending(&mut engine, source, destination).unwrap();
+    let start = std::time::Instant::now();
+    let upload = match upload
+        .wait_for(std::time::Duration::from_millis(30))
+        .unwrap()
+    {
+        TryWait::InFlight(upload) => upload,
+        TryWait::Returned(_) => panic!("returned while the device's clock was held"),
+    };
+    assert!(start.elapsed() >= std::time::Duration::from_millis(30));
+    sim.hold_clock(false);
+    let returned = match upload.wait_for(std::time::Duration::from_secs(20)).unwrap() {
+        TryWait::Returned(returned) => returned,
+        TryWait::InFlight(_) => panic!("still in flight with the clock running"),
+    };
+    let (buffer, tensor) = returned.into_parts();
+    assert_eq!(buffer.as_slice(), [1.0, 2.0, 3.0]);
+    assert_eq!(
+        download_tensor(&mut engine, &tensor).unwrap(),
+        [1.0, 2.0, 3.0]
+    );
+}
+
+// Simulator-only: the device's clock is held to keep the work in flight.
+#[test]
+fn wait_for_a_peer_copy_times_out_hands_back_and_duration_max_is_no_bound() {
+    let sim = cuferry::sim::SimDevice::new(SimConfig::default());
+    let mut a = CudaEngine::simulated_on(&sim);
+    let mut b = CudaEngine::simulated_on(&sim);
+    let source = a.full(&[64], 4.0f32).unwrap();
+    let destination = b.full(&[64], 0.0f32).unwrap();
+    a.synchronize().unwrap();
+    b.synchronize().unwrap();
+    sim.hold_clock(true);
+    let copy = cuferry::peer::copy_pending(&mut a, source, &mut b, destination).unwrap();
+    let copy = match copy.wait_for(std::time::Duration::ZERO).unwrap() {
+        TryWait::InFlight(copy) => copy,
+        TryWait::Returned(_) => panic!("returned while the device's clock was held"),
+    };
+    let copy = match copy.wait_for(std::time::Duration::from_millis(20)).unwrap() {
+        TryWait::InFlight(copy) => copy,
+        TryWait::Returned(_) => panic!("returned while the device's clock was held"),
+    };
+    sim.hold_clock(false);
+    // No bound, and no panic on an instant too large to represent.
+    let returned = match copy.wait_for(std::time::Duration::MAX).unwrap() {
+        TryWait::Returned(returned) => returned,
+        TryWait::InFlight(_) => panic!("a wait with no bound hands nothing back"),
+    };
+    let (_source, destination) = returned.into_parts();
+    assert_eq!(
+        download_tensor(&mut b, &destination).unwrap(),
+        vec![4.0; 64]
+    );
 }

@@ -5,6 +5,7 @@ use cuferry::error::UsageError;
 use cuferry::sim::{SimConfig, SimDevice, SimOp, set_thread_context, thread_context};
 use cuferry::{CudaEngine, Error, download_tensor, upload_tensor};
 
+// Simulator-only: sets and reads the simulated thread context (the GPU suite checks the CUDA context in `tests/gpu/engine.rs`).
 #[test]
 fn with_raw_restores_the_callers_context_on_return_err_and_unwind() {
     let mut engine = CudaEngine::simulated(SimConfig::default());
@@ -38,6 +39,7 @@ fn with_raw_restores_the_callers_context_on_return_err_and_unwind() {
     assert_eq!(thread_context(), None, "no context before, none after");
 }
 
+// Simulator-only: counts the host waits and reads the queue.
 #[test]
 fn entering_a_raw_scope_between_kernels_is_not_a_host_barrier() {
     let mut engine = CudaEngine::simulated(SimConfig::default());

@@ -1,16 +1,27 @@
 //! Registered buffers (a `Vec` page-locked in place) and the pending transfers over them, on the
-//! simulated device: round trips for every element type, when the copies touch the caller's
-//! memory, detach-on-drop, `mem::forget`, and a fault at every driver call of the lifecycle.
+//! simulated device: when the copies touch the caller's memory, detach-on-drop, `mem::forget`,
+//! and a fault at every driver call of the lifecycle. The round trips and refusals both devices
+//! show are in `tests/bodies/registered.rs`.
 
-use crate::support::{
-    Fault, Reference, Rng, assert_same, distinct_u32 as distinct, random_vec, sim_engine,
-};
-use cuferry::error::UsageError;
+use crate::support::{Fault, distinct_u32 as distinct, sim_engine};
 use cuferry::sim::{SimConfig, SimOp};
 use cuferry::{
     CudaEngine, Element, Error, RegisteredBuffer, SubmitError, download_pending, download_tensor,
     error::DriverError, pending::TryWait, upload_pending, upload_tensor,
 };
+
+// Written once in `tests/bodies/registered.rs`, run here on the simulated device and by the GPU
+// suite on device 0.
+crate::bodies!(sim; registered::{
+    register_and_into_vec_give_back_the_same_vec,
+    round_trips_for_every_element_type_at_every_size,
+    resubmission_registers_nothing_more,
+    an_empty_vec_is_refused_and_comes_back,
+    rejected_submissions_give_the_buffer_back,
+    registered_vecs_round_trip_and_come_back_as_the_same_allocation,
+    a_dropped_in_flight_transfer_releases_its_registered_buffer_after_the_copy,
+    two_small_vecs_registered_at_once,
+});
 
 /// The device address of a tensor, for reading it with `SimDevice::peek`.
 fn device_addr<T: Element>(_engine: &mut CudaEngine, tensor: &cuferry::DeviceTensor<T>) -> u64 {
@@ -21,39 +32,7 @@ fn as_bytes(words: &[u32]) -> Vec<u8> {
     words.iter().flat_map(|w| w.to_ne_bytes()).collect()
 }
 
-#[test]
-fn register_and_into_vec_give_back_the_same_vec() {
-    let (mut engine, sim) = sim_engine();
-    let mut data = Vec::with_capacity(1000);
-    data.extend(distinct(777));
-    let (ptr, capacity) = (data.as_ptr(), data.capacity());
-    let mut buffer = RegisteredBuffer::register(&mut engine, data).unwrap();
-    assert_eq!((buffer.len(), buffer.byte_len()), (777, 777 * 4));
-    assert!(!buffer.is_empty());
-    assert_eq!(sim.registered_live(), (1, 777 * 4), "only the elements");
-    assert!(sim.is_registered(ptr.cast()));
-    assert_eq!(buffer.as_slice(), distinct(777));
-    buffer.as_mut_slice()[5] = 5;
-    let back = buffer.into_vec().unwrap();
-    assert_eq!(
-        (back.as_ptr(), back.len(), back.capacity()),
-        (ptr, 777, capacity)
-    );
-    let mut expected = distinct(777);
-    expected[5] = 5;
-    assert_eq!(back, expected);
-    assert_eq!(sim.registered_live(), (0, 0));
-    assert_eq!(
-        (
-            sim.calls(SimOp::HostRegister),
-            sim.calls(SimOp::HostUnregister)
-        ),
-        (1, 1)
-    );
-    assert_eq!(sim.pinned_live(), (0, 0), "no pinned memory was involved");
-    assert!(sim.violations().is_empty());
-}
-
+// Simulator-only: reads what the device has registered.
 #[test]
 fn a_dropped_buffer_is_unregistered() {
     let (mut engine, sim) = sim_engine();
@@ -64,6 +43,7 @@ fn a_dropped_buffer_is_unregistered() {
     engine.synchronize().unwrap();
 }
 
+// Simulator-only: reads what the device has registered after the engine is gone.
 #[test]
 fn a_buffer_outliving_its_engine_is_unregistered_when_dropped() {
     let (mut engine, sim) = sim_engine();
@@ -80,71 +60,7 @@ fn a_buffer_outliving_its_engine_is_unregistered_when_dropped() {
     assert!(sim.violations().is_empty());
 }
 
-/// One upload and one download through registered buffers of `n` elements of `T`, data checked.
-fn round_trip<T: Reference>(engine: &mut CudaEngine, rng: &mut Rng, n: usize) {
-    let what = format!("{} n={n}", T::DTYPE.name());
-    let data = random_vec::<T>(rng, n);
-    let source = RegisteredBuffer::register(engine, data.clone()).unwrap();
-    let dest = engine.alloc_tensor::<T>(&[n]).unwrap();
-    let (source, tensor) = upload_pending(engine, source, dest)
-        .unwrap()
-        .wait()
-        .unwrap()
-        .into_parts();
-    assert_same(
-        &format!("upload {what}"),
-        &download_tensor(engine, &tensor).unwrap(),
-        &data,
-    );
-    assert_same(
-        &format!("source {what}"),
-        &source.into_vec().unwrap(),
-        &data,
-    );
-
-    let other = random_vec::<T>(rng, n);
-    let value = upload_tensor(engine, &other, &[n]).unwrap();
-    let target = RegisteredBuffer::register(engine, data.clone()).unwrap();
-    let submitted = download_pending(engine, value, target);
-    if !T::DTYPE.any_bit_pattern() {
-        // As for pinned buffers: raw device bytes need not be valid `bool`s.
-        match submitted {
-            Err(SubmitError::Rejected {
-                input: package,
-                error: Error::Usage(UsageError::UnsupportedElement { .. }),
-            }) => assert_same(
-                &format!("refused download {what}"),
-                &package.0.into_vec().unwrap(),
-                &data,
-            ),
-            other => panic!("{what}: expected UnsupportedElement, got {other:?}"),
-        }
-        return;
-    }
-    let (target, _) = submitted.unwrap().wait().unwrap().into_parts();
-    assert_same(&format!("download {what}"), target.as_slice(), &other);
-    assert_same(
-        &format!("download {what}"),
-        &target.into_vec().unwrap(),
-        &other,
-    );
-}
-
-#[test]
-fn round_trips_for_every_element_type_at_every_size() {
-    let (mut engine, sim) = sim_engine();
-    let mut rng = Rng::new(12);
-    for_each_element!(T => {
-        let size = T::DTYPE.size_bytes();
-        for bytes in [1usize, 16, 17, (3 << 20) + 5] {
-            round_trip::<T>(&mut engine, &mut rng, bytes.div_ceil(size));
-        }
-    });
-    engine.synchronize().unwrap();
-    assert_eq!(sim.registered_live(), (0, 0));
-    assert!(sim.violations().is_empty());
-}
-
+// Simulator-only: holds the device clock between the call and the copy.
 /// An upload reads the caller's memory when the device runs the copy: bytes written there after
 /// the call (through a pointer the test kept, as only unsafe code could) are the bytes that land.
 #[test]
@@ -172,6 +88,7 @@ fn an_upload_reads_the_callers_memory_when_the_copy_runs() {
     assert!(sim.violations().is_empty());
 }
 
+// Simulator-only: holds the device clock between the call and the copy.
 /// A download writes the caller's memory when the device runs the copy, not at the call.
 #[test]
 fn a_download_writes_the_callers_memory_when_the_copy_runs() {
@@ -202,42 +119,7 @@ fn a_download_writes_the_callers_memory_when_the_copy_runs() {
     assert_eq!(returned.buffer().as_slice(), distinct(64));
 }
 
-#[test]
-fn resubmission_registers_nothing_more() {
-    let (mut engine, sim) = sim_engine();
-    let buffer = RegisteredBuffer::register(&mut engine, distinct(256)).unwrap();
-    let dest = engine.alloc_tensor::<u32>(&[256]).unwrap();
-    let mut returned = upload_pending(&mut engine, buffer, dest)
-        .unwrap()
-        .wait()
-        .unwrap();
-    download_tensor(&mut engine, returned.tensor()).unwrap();
-    let calls = [
-        SimOp::HostRegister,
-        SimOp::HostAlloc,
-        SimOp::Alloc,
-        SimOp::EventCreate,
-    ]
-    .map(|op| sim.calls(op));
-    for round in 0..4u32 {
-        let data: Vec<u32> = (0..256).map(|i| i * 3 + round + 1).collect();
-        returned.buffer_mut().as_mut_slice().copy_from_slice(&data);
-        returned = returned.resubmit(&mut engine).unwrap().wait().unwrap();
-        assert_eq!(
-            download_tensor(&mut engine, returned.tensor()).unwrap(),
-            data
-        );
-    }
-    let after = [
-        SimOp::HostRegister,
-        SimOp::HostAlloc,
-        SimOp::Alloc,
-        SimOp::EventCreate,
-    ]
-    .map(|op| sim.calls(op));
-    assert_eq!(after, calls);
-}
-
+// Simulator-only: holds the device clock and reads what is registered.
 #[test]
 fn dropping_an_in_flight_transfer_unregisters_only_after_its_event() {
     for upload in [true, false] {
@@ -274,6 +156,7 @@ fn dropping_an_in_flight_transfer_unregisters_only_after_its_event() {
     }
 }
 
+// Simulator-only: reads what the device has registered after the engine is gone.
 #[test]
 fn an_engine_dropped_with_a_detached_transfer_unregisters_after_its_wait() {
     let (mut engine, sim) = sim_engine();
@@ -287,6 +170,7 @@ fn an_engine_dropped_with_a_detached_transfer_unregisters_after_its_wait() {
     assert!(sim.violations().is_empty());
 }
 
+// Simulator-only: reads the leaked registration.
 #[test]
 fn forgetting_a_buffer_leaks_its_registration() {
     let (mut engine, sim) = sim_engine();
@@ -298,6 +182,7 @@ fn forgetting_a_buffer_leaks_its_registration() {
     assert!(sim.violations().is_empty());
 }
 
+// Simulator-only: reads the leaked registration.
 #[test]
 fn forgetting_an_in_flight_transfer_never_unregisters() {
     let (mut engine, sim) = sim_engine();
@@ -312,21 +197,7 @@ fn forgetting_an_in_flight_transfer_never_unregisters() {
     assert!(sim.violations().is_empty());
 }
 
-#[test]
-fn an_empty_vec_is_refused_and_comes_back() {
-    let (mut engine, sim) = sim_engine();
-    let empty: Vec<f32> = Vec::with_capacity(12);
-    let ptr = empty.as_ptr();
-    let refused = RegisteredBuffer::register(&mut engine, empty).unwrap_err();
-    assert!(
-        matches!(refused.error(), Error::Usage(UsageError::ZeroLength { .. })),
-        "{refused}"
-    );
-    let back = refused.into_input().expect("handed back");
-    assert_eq!((back.as_ptr(), back.capacity()), (ptr, 12));
-    assert_eq!(sim.calls(SimOp::HostRegister), 0);
-}
-
+// Simulator-only: injects a refused registration.
 #[test]
 fn a_refused_registration_gives_the_vec_back() {
     let (mut engine, sim) = sim_engine();
@@ -369,6 +240,7 @@ fn a_refused_registration_gives_the_vec_back() {
     drop(buffer);
 }
 
+// Simulator-only: injects a refused unregistration.
 #[test]
 fn a_refused_unregistration_in_into_vec_retains_the_memory() {
     let (mut engine, sim) = sim_engine();
@@ -389,6 +261,7 @@ fn a_refused_unregistration_in_into_vec_retains_the_memory() {
     assert!(sim.is_registered(ptr), "never unregistered, never freed");
 }
 
+// Simulator-only: injects a refused unregistration.
 #[test]
 fn a_refused_unregistration_in_drop_leaks_and_is_reported_at_the_next_boundary() {
     let (mut engine, sim) = sim_engine();
@@ -413,6 +286,7 @@ fn a_refused_unregistration_in_drop_leaks_and_is_reported_at_the_next_boundary()
     engine.flush().expect("reported once");
 }
 
+// Simulator-only: injects a refused unregistration.
 #[test]
 fn a_refused_unregistration_of_a_released_transfer_is_reported_by_that_boundary() {
     let (mut engine, sim) = sim_engine();
@@ -439,6 +313,7 @@ fn a_refused_unregistration_of_a_released_transfer_is_reported_by_that_boundary(
     assert!(sim.violations().is_empty());
 }
 
+// Simulator-only: injects a failed enqueue or event record.
 #[test]
 fn a_failed_enqueue_or_event_record_hands_the_buffer_back() {
     for (op, upload) in [
@@ -454,7 +329,10 @@ fn a_failed_enqueue_or_event_record_hands_the_buffer_back() {
         let submitted = if upload {
             upload_pending(&mut engine, buffer, value).map(drop)
         } else {
-            download_pending(&mut engine, value, buffer).map(drop)
+            // Source first: the tensor, then the buffer, put as an upload's.
+            download_pending(&mut engine, value, buffer)
+                .map(drop)
+                .map_err(|e| e.map_input(|(tensor, buffer)| (buffer, tensor)))
         };
         let (package, error) = match submitted {
             Err(SubmitError::Failed {
@@ -486,6 +364,7 @@ fn a_failed_enqueue_or_event_record_hands_the_buffer_back() {
     }
 }
 
+// Simulator-only: injects an untrackable copy.
 #[test]
 fn an_unprovable_copy_retains_the_registered_memory_for_good() {
     // The event reports a failure: the wait fails and everything is retained.
@@ -527,40 +406,6 @@ fn an_unprovable_copy_retains_the_registered_memory_for_good() {
     drop(engine);
     assert_eq!(sim.registered_live(), (1, 64));
     assert!(sim.violations().is_empty());
-}
-
-#[test]
-fn rejected_submissions_give_the_buffer_back() {
-    let (mut engine, sim) = sim_engine();
-    let buffer = RegisteredBuffer::register(&mut engine, distinct(10)).unwrap();
-    let dest = engine.alloc_tensor::<u32>(&[11]).unwrap();
-    let queued = sim.queued();
-    let package = match upload_pending(&mut engine, buffer, dest) {
-        Err(SubmitError::Rejected {
-            input: package,
-            error:
-                Error::Usage(UsageError::LengthMismatch {
-                    found: 10,
-                    expected: 11,
-                    ..
-                }),
-        }) => package,
-        other => panic!("expected a length mismatch, got {other:?}"),
-    };
-    assert_eq!(sim.queued(), queued, "nothing was queued");
-    assert_eq!(package.0.as_slice(), distinct(10));
-
-    // A buffer of another engine.
-    let mut other = CudaEngine::simulated(SimConfig::default());
-    let foreign = other.alloc_tensor::<u32>(&[10]).unwrap();
-    let err = upload_pending(&mut other, package.0, foreign).unwrap_err();
-    assert!(
-        matches!(err.error(), Error::Usage(UsageError::WrongEngine { .. })),
-        "{}",
-        err.error()
-    );
-    let back = err.into_input().unwrap().0.into_vec().unwrap();
-    assert_eq!(back, distinct(10));
 }
 
 /// Where the registered memory ended up after one lifecycle under a fault.
@@ -617,10 +462,11 @@ fn lifecycle(engine: &mut CudaEngine, value: cuferry::DeviceTensor<u32>) -> (End
     }
     let download = match download_pending(engine, value, buffer) {
         Ok(download) => download,
-        Err(err) => return settle(err),
+        // Source first: the tensor, then the buffer, put as an upload's for `settle`.
+        Err(err) => return settle(err.map_input(|(tensor, buffer)| (buffer, tensor))),
     };
     let buffer = match download.wait() {
-        Ok(returned) => returned.into_parts().0,
+        Ok(returned) => returned.into_parts().1,
         Err(error) => return (End::Retained, Some(error)),
     };
     match buffer.into_vec() {
@@ -629,6 +475,7 @@ fn lifecycle(engine: &mut CudaEngine, value: cuferry::DeviceTensor<u32>) -> (End
     }
 }
 
+// Simulator-only: injects a fault at every driver call.
 /// A fault at every driver call of the lifecycle in turn: every failure is typed and names the
 /// injected error, a `Vec` that comes back holds either its own data or the downloaded data,
 /// memory whose completion cannot be proven (or whose unregistration failed) stays registered,

@@ -6,7 +6,8 @@
 //! device records a violation for any free under a mapping, any use after an unmapping and any
 //! unordered access, so each test ends by asking it.
 
-use cuferry::error::{DriverError, ShareError};
+use cuferry::error::{DriverError, MalformedError, PeerError};
+use cuferry::pending::TryWait;
 use cuferry::share::{ShareLink, ShareListener};
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{CudaEngine, DeviceTensor, Error, SubmitError, download_tensor};
@@ -42,11 +43,28 @@ fn importer<R: Send + 'static>(
     let (go, wait) = channel();
     let thread = std::thread::spawn(move || {
         let mut engine = CudaEngine::simulated_on(&sim);
-        let mut link = ShareLink::connect(&mut engine, &path).unwrap();
-        link.set_timeout(Some(DEADLINE));
+        let link = ShareLink::connect(&mut engine, &path)
+            .unwrap()
+            .with_timeout(DEADLINE);
         body(engine, link, &wait)
     });
     (thread, go)
+}
+
+/// Whether a bounded wait found the operation done.
+fn returned<Op: cuferry::pending::Operation>(found: TryWait<Op>) -> bool {
+    matches!(found, TryWait::Returned(_))
+}
+
+/// The tensor a bounded wait for a loan or a reclaim found back (it must have).
+fn back<Op>(found: TryWait<Op>) -> DeviceTensor<f32>
+where
+    Op: cuferry::pending::Operation<Parts = DeviceTensor<f32>>,
+{
+    match found {
+        TryWait::Returned(back) => back.into_parts(),
+        TryWait::InFlight(op) => panic!("still in flight: {op:?}"),
+    }
 }
 
 fn no_violations(sim: &SimDevice) {
@@ -100,19 +118,21 @@ fn a_read_only_share_reaches_every_importer_after_the_exporters_writes() {
     for handle in &handles {
         handle.offer(&mut exporter, &shared).unwrap();
     }
-    // Still in use by both: the share comes back, saying so.
-    let shared = match shared.reclaim(Duration::from_millis(50)) {
-        Err(SubmitError::Rejected {
-            input,
-            error: Error::Share(ShareError::StillImported { imports: 2 }),
-        }) => input,
+    // Still in use by both: the reclaim comes back in flight, saying so.
+    let reclaim = match shared
+        .reclaim()
+        .wait_for(Duration::from_millis(50))
+        .unwrap()
+    {
+        TryWait::InFlight(reclaim) => reclaim,
         other => panic!("{other:?}"),
     };
+    assert_eq!(reclaim.imports(), 2);
     for (thread, go) in threads {
         go.send(()).unwrap();
         assert_eq!(thread.join().unwrap(), vec![6.0; 1000]);
     }
-    let mut tensor = shared.reclaim(DEADLINE).unwrap();
+    let mut tensor = back(reclaim.wait_for(DEADLINE).unwrap());
     exporter.fill(&mut tensor, 7.0).unwrap();
     assert_eq!(
         download_tensor(&mut exporter, &tensor).unwrap(),
@@ -120,7 +140,7 @@ fn a_read_only_share_reaches_every_importer_after_the_exporters_writes() {
     );
     drop(tensor);
     for handle in &handles {
-        assert!(handle.wait_done(DEADLINE));
+        assert!(returned(handle.departure().wait_for(DEADLINE).unwrap()));
     }
     drop(ones);
     freed_down_to(&sim, &mut exporter, baseline);
@@ -146,7 +166,7 @@ fn an_exclusive_hand_off_moves_write_access_and_back_mapping_once() {
     let mut tensor = exporter.full(&[256], 1.0f32).unwrap();
     for round in 0..ROUNDS {
         let lent = handle.lend(&mut exporter, tensor).unwrap();
-        tensor = lent.wait_back(DEADLINE).unwrap();
+        tensor = back(lent.wait_for(DEADLINE).unwrap());
         let expected = (2u32 << round) as f32;
         assert_eq!(
             download_tensor(&mut exporter, &tensor).unwrap(),
@@ -156,7 +176,7 @@ fn an_exclusive_hand_off_moves_write_access_and_back_mapping_once() {
     thread.join().unwrap();
     // The importer mapped the allocation once, and unmapped it when its link went.
     assert_eq!(sim.calls(SimOp::PoolImportPointer), 1);
-    assert!(handle.wait_done(DEADLINE));
+    assert!(returned(handle.departure().wait_for(DEADLINE).unwrap()));
     drop(tensor);
     exporter.synchronize().unwrap();
     no_violations(&sim);
@@ -216,7 +236,9 @@ fn every_order_of_releases_and_of_the_exporters_drop_frees_after_the_last() {
                 let (thread, go) = threads[who].take().unwrap();
                 go.send(()).unwrap();
                 assert_eq!(thread.join().unwrap(), vec![9; 64]);
-                assert!(handles[who].wait_done(DEADLINE));
+                assert!(returned(
+                    handles[who].departure().wait_for(DEADLINE).unwrap()
+                ));
             }
             drop(shared);
             freed_down_to(&sim, &mut exporter, baseline);
@@ -243,8 +265,8 @@ fn an_importer_killed_with_imports_in_use_counts_as_released_once_its_process_en
     let handle = listener.accept(&mut exporter).unwrap();
     let tensor = exporter.full(&[4096], 1.0f32).unwrap();
     let lent = handle.lend(&mut exporter, tensor).unwrap();
-    let lent = match lent.wait_back(Duration::from_millis(100)) {
-        Err(SubmitError::Rejected { input, .. }) => input,
+    let lent = match lent.wait_for(Duration::from_millis(100)).unwrap() {
+        TryWait::InFlight(lent) => lent,
         other => panic!("{other:?}"),
     };
     sim.kill_process(handle.pid());
@@ -252,10 +274,10 @@ fn an_importer_killed_with_imports_in_use_counts_as_released_once_its_process_en
     let _ = thread.join();
     sim.hold_clock(false);
     assert!(
-        handle.wait_done(DEADLINE),
+        returned(handle.departure().wait_for(DEADLINE).unwrap()),
         "the exporter saw the process end"
     );
-    let mut tensor = lent.wait_back(DEADLINE).unwrap();
+    let mut tensor = back(lent.wait_for(DEADLINE).unwrap());
     exporter.fill(&mut tensor, 5.0).unwrap();
     assert_eq!(
         download_tensor(&mut exporter, &tensor).unwrap(),
@@ -284,14 +306,19 @@ fn an_importer_that_lives_on_holds_what_it_leaked_until_its_process_ends() {
     go.send(()).unwrap();
     thread.join().unwrap();
     // The importer's process lives (its driver is leaked with the import): nothing comes back.
-    assert!(!handle.wait_done(Duration::from_millis(300)));
-    let shared = match shared.try_reclaim() {
-        Err(SubmitError::Rejected { input, .. }) => input,
+    assert!(!returned(
+        handle
+            .departure()
+            .wait_for(Duration::from_millis(300))
+            .unwrap()
+    ));
+    let reclaim = match shared.reclaim().try_wait().unwrap() {
+        TryWait::InFlight(reclaim) => reclaim,
         other => panic!("{other:?}"),
     };
     sim.kill_process(handle.pid());
-    assert!(handle.wait_done(DEADLINE));
-    let tensor = shared.reclaim(DEADLINE).unwrap();
+    assert!(returned(handle.departure().wait_for(DEADLINE).unwrap()));
+    let tensor = back(reclaim.wait_for(DEADLINE).unwrap());
     drop(tensor);
     exporter.synchronize().unwrap();
     no_violations(&sim);
@@ -308,8 +335,8 @@ fn share_once(fault: Option<(SimOp, u64)>) -> (bool, SimDevice) {
     if let Some((op, n)) = fault {
         sim.fail_nth(op, n, DriverError::LAUNCH_FAILED);
     }
-    let (thread, go) = importer(&sim, &path, |mut engine, mut link, go| {
-        link.set_timeout(Some(FAULT_DEADLINE));
+    let (thread, go) = importer(&sim, &path, |mut engine, link, go| {
+        let mut link = link.with_timeout(FAULT_DEADLINE);
         let mut all = true;
         match link.import_read::<f32>(&mut engine) {
             Ok(weights) => {
@@ -341,11 +368,11 @@ fn share_once(fault: Option<(SimOp, u64)>) -> (bool, SimDevice) {
         Ok(shared) => {
             all &= handle.offer(&mut exporter, &shared).is_ok();
             let _ = go.send(());
-            match shared.reclaim(FAULT_DEADLINE) {
-                Ok(tensor) => Some(tensor),
-                Err(SubmitError::Rejected { input, .. }) => {
+            match shared.reclaim().wait_for(FAULT_DEADLINE) {
+                Ok(TryWait::Returned(back)) => Some(back.into_parts()),
+                Ok(TryWait::InFlight(reclaim)) => {
                     all = false;
-                    drop(input);
+                    drop(reclaim);
                     None
                 }
                 Err(_) => {
@@ -363,18 +390,21 @@ fn share_once(fault: Option<(SimOp, u64)>) -> (bool, SimDevice) {
     };
     if let Some(tensor) = tensor {
         match handle.lend(&mut exporter, tensor) {
-            Ok(lent) => match lent.wait_back(FAULT_DEADLINE) {
-                Ok(back) => {
-                    let seen = download_tensor(&mut exporter, &back);
+            Ok(lent) => match lent.wait_for(FAULT_DEADLINE) {
+                Ok(TryWait::Returned(back)) => {
+                    let seen = download_tensor(&mut exporter, back.tensor());
                     all &= seen.is_ok_and(|v| v == [4.0; 8]);
                 }
-                Err(_) => all = false,
+                Ok(TryWait::InFlight(_)) | Err(_) => all = false,
             },
             Err(_) => all = false,
         }
     }
     all &= thread.join().unwrap_or(false);
-    all &= handle.wait_done(FAULT_DEADLINE);
+    all &= handle
+        .departure()
+        .wait_for(FAULT_DEADLINE)
+        .is_ok_and(returned);
     all &= exporter.synchronize().is_ok();
     (all, sim)
 }
@@ -459,7 +489,7 @@ impl Drop for Bystander {
 /// The identity refusal `result` holds: what disagreed, what was claimed, what the kernel said.
 fn identity_refusal<T: std::fmt::Debug>(result: Result<T, Error>) -> (&'static str, u64, u64) {
     match result {
-        Err(Error::Share(ShareError::PeerIdentity {
+        Err(Error::Malformed(MalformedError::PeerIdentity {
             what,
             claimed,
             kernel,
@@ -546,11 +576,11 @@ fn a_peer_of_another_user_is_refused_unless_the_listener_allows_it() {
         // SAFETY: `child` is this test's own child, waited for once.
         unsafe { libc::waitpid(child, &mut status, 0) };
         match accepted {
-            Err(Error::Share(ShareError::OtherUser { uid, allowed })) if !allow => {
+            Err(Error::Peer(PeerError::OtherUser { uid, allowed })) if !allow => {
                 assert_eq!((uid, allowed), (NOBODY, vec![0]));
             }
             // Allowed, it passes the user's check and is refused for its (forged) process.
-            Err(Error::Share(ShareError::PeerIdentity { what: "pid", .. })) if allow => {}
+            Err(Error::Malformed(MalformedError::PeerIdentity { what: "pid", .. })) if allow => {}
             other => panic!("allowed {allow}: {other:?}"),
         }
     }
@@ -620,7 +650,7 @@ fn a_greeting_trickled_byte_by_byte_times_out_as_a_whole() {
     let mut exporter = CudaEngine::simulated_on(&sim);
     let path = socket("trickle");
     let limit = Duration::from_millis(300);
-    let listener = ShareListener::bind(&path).unwrap().greeting_limit(limit);
+    let listener = ShareListener::bind(&path).unwrap().with_timeout(limit);
     let trickler = {
         let path = path.clone();
         std::thread::spawn(move || {
@@ -642,7 +672,7 @@ fn a_greeting_trickled_byte_by_byte_times_out_as_a_whole() {
     let refused = listener.accept(&mut exporter);
     let took = start.elapsed();
     match refused {
-        Err(Error::Share(ShareError::TimedOut {
+        Err(Error::Peer(PeerError::TimedOut {
             what: "a greeting",
             within,
         })) => assert_eq!(within, limit),
@@ -665,8 +695,9 @@ fn an_offer_that_names_another_process_than_the_kernels_is_refused() {
     let front = socket("relay");
     let relay = UnixListener::bind(&front).unwrap();
     let mut engine = CudaEngine::simulated_on(&sim);
-    let mut link = ShareLink::connect(&mut engine, &front).unwrap();
-    link.set_timeout(Some(DEADLINE));
+    let mut link = ShareLink::connect(&mut engine, &front)
+        .unwrap()
+        .with_timeout(DEADLINE);
     let (mut to_importer, _) = relay.accept().unwrap();
     let mut to_exporter = UnixStream::connect(&real).unwrap();
     let frame = |from: &mut UnixStream| {
@@ -708,22 +739,24 @@ fn duration_max_is_no_deadline_for_every_wait_of_a_share() {
     // Nothing imported: the reclaim returns at once.
     let tensor = exporter.full(&[16], 1.0f32).unwrap();
     let shared = exporter.export_tensor(tensor).unwrap();
-    let tensor = shared.reclaim(Duration::MAX).unwrap();
+    let tensor = back(shared.reclaim().wait_for(Duration::MAX).unwrap());
     let path = socket("max");
     let listener = ShareListener::bind(&path)
         .unwrap()
-        .greeting_limit(Duration::MAX);
-    let (thread, _go) = importer(&sim, &path, |mut engine, mut link, _go| {
-        link.set_timeout(Some(Duration::MAX));
+        .with_timeout(Duration::MAX);
+    let (thread, _go) = importer(&sim, &path, |mut engine, link, _go| {
+        let mut link = link.with_timeout(Duration::MAX);
         let lent = link.import_exclusive::<f32>(&mut engine).unwrap();
         drop(lent);
     });
     let handle = listener.accept(&mut exporter).unwrap();
     let lent = handle.lend(&mut exporter, tensor).unwrap();
-    let tensor = lent.wait_back(Duration::MAX).unwrap();
+    let tensor = back(lent.wait_for(Duration::MAX).unwrap());
     thread.join().unwrap();
     // The importer's link is gone: it holds nothing.
-    assert!(handle.wait_done(Duration::MAX));
+    assert!(returned(
+        handle.departure().wait_for(Duration::MAX).unwrap()
+    ));
     drop(tensor);
     exporter.synchronize().unwrap();
     no_violations(&sim);
@@ -749,8 +782,9 @@ fn an_offer_rewritten_by_a_relay_past_its_allocation_is_refused_and_the_link_goe
     let machine = sim.clone();
     let thread = std::thread::spawn(move || {
         let mut engine = CudaEngine::simulated_on(&machine);
-        let mut link = ShareLink::from_stream(&mut engine, importer_end).unwrap();
-        link.set_timeout(Some(DEADLINE));
+        let mut link = ShareLink::from_stream(&mut engine, importer_end)
+            .unwrap()
+            .with_timeout(DEADLINE);
         let first = link.import_read::<f32>(&mut engine).unwrap();
         let rewritten = link.import_read::<f32>(&mut engine).map(|t| t.len());
         let honest = link.import_read::<f32>(&mut engine).unwrap();
@@ -770,7 +804,7 @@ fn an_offer_rewritten_by_a_relay_past_its_allocation_is_refused_and_the_link_goe
     }
     let (rewritten, (first, honest)) = thread.join().unwrap();
     match rewritten {
-        Err(Error::Share(ShareError::PastAllocation {
+        Err(Error::Malformed(MalformedError::PastAllocation {
             offered: 4096,
             offset: 0,
             allocation,
@@ -779,8 +813,8 @@ fn an_offer_rewritten_by_a_relay_past_its_allocation_is_refused_and_the_link_goe
     }
     assert_eq!(first, [2.0; 4]);
     assert_eq!(honest, [2.0; 4]);
-    assert!(handle.wait_done(DEADLINE));
-    let tensor = shared.reclaim(DEADLINE).unwrap();
+    assert!(returned(handle.departure().wait_for(DEADLINE).unwrap()));
+    let tensor = back(shared.reclaim().wait_for(DEADLINE).unwrap());
     drop(tensor);
     exporter.synchronize().ok();
     no_violations(&sim);
@@ -837,7 +871,7 @@ fn an_importer_past_the_protocol_is_closed_holding_nothing() {
         };
         to_exporter.write_all(&bytes).unwrap();
         assert!(
-            handle.wait_done(DEADLINE),
+            returned(handle.departure().wait_for(DEADLINE).unwrap()),
             "abuse {abuse}: the connection is closed"
         );
         let tensor = exporter.full(&[16], 1.0f32).unwrap();
@@ -845,13 +879,216 @@ fn an_importer_past_the_protocol_is_closed_holding_nothing() {
         assert!(
             matches!(
                 handle.offer(&mut exporter, &shared),
-                Err(Error::Share(ShareError::Closed))
+                Err(Error::Peer(PeerError::Closed))
             ),
             "abuse {abuse}: nothing more is offered"
         );
         drop((from_importer, to_exporter, link));
-        shared.try_reclaim().unwrap();
+        assert!(returned(shared.reclaim().try_wait().unwrap()));
         let _ = std::fs::remove_file(&front);
     }
     no_violations(&sim);
+}
+
+#[test]
+fn a_loan_is_waited_for_with_the_verbs_of_every_pending_operation() {
+    use cuferry::Pending;
+    use cuferry::share::Loan;
+    let sim = SimDevice::new(SimConfig::default());
+    let mut exporter = CudaEngine::simulated_on(&sim);
+    let path = socket("loan-verbs");
+    let listener = ShareListener::bind(&path).unwrap();
+    let (thread, go) = importer(&sim, &path, |mut engine, mut link, go| {
+        let mut tensor: DeviceTensor<f32> = link.import_exclusive(&mut engine).unwrap();
+        engine.fill(&mut tensor, 8.0).unwrap();
+        go.recv().unwrap();
+        drop(tensor);
+    });
+    let handle = listener.accept(&mut exporter).unwrap();
+    let tensor = exporter.full(&[32], 1.0f32).unwrap();
+    let mut loan: Pending<Loan<f32>> = handle.lend(&mut exporter, tensor).unwrap();
+    assert!(!loan.is_ready().unwrap());
+    let loan = match loan.try_wait().unwrap() {
+        TryWait::InFlight(loan) => loan,
+        TryWait::Returned(_) => panic!("back before the importer handed it back"),
+    };
+    let start = std::time::Instant::now();
+    let loan = match loan.wait_for(Duration::from_millis(50)).unwrap() {
+        TryWait::InFlight(loan) => loan,
+        TryWait::Returned(_) => panic!("back before the importer handed it back"),
+    };
+    assert!(start.elapsed() >= Duration::from_millis(50));
+    go.send(()).unwrap();
+    thread.join().unwrap();
+    let back = futures_lite::future::block_on(async { loan.await }).unwrap();
+    let tensor = back.into_parts();
+    assert_eq!(
+        download_tensor(&mut exporter, &tensor).unwrap(),
+        vec![8.0; 32]
+    );
+    assert!(returned(handle.departure().wait_for(DEADLINE).unwrap()));
+    drop(tensor);
+    exporter.synchronize().unwrap();
+    no_violations(&sim);
+}
+
+#[test]
+fn an_awaited_loan_is_woken_by_the_hand_back_not_by_polling() {
+    use std::future::{Future, IntoFuture};
+    use std::sync::Arc;
+    use std::task::{Context, Poll, Wake, Waker};
+    struct Woken(std::sync::Mutex<Sender<()>>);
+    impl Wake for Woken {
+        fn wake(self: Arc<Self>) {
+            let _ = self.0.lock().unwrap().send(());
+        }
+    }
+    let sim = SimDevice::new(SimConfig::default());
+    let mut exporter = CudaEngine::simulated_on(&sim);
+    let path = socket("loan-wake");
+    let listener = ShareListener::bind(&path).unwrap();
+    let (thread, go) = importer(&sim, &path, |mut engine, mut link, go| {
+        let mut tensor: DeviceTensor<f32> = link.import_exclusive(&mut engine).unwrap();
+        engine.fill(&mut tensor, 6.0).unwrap();
+        go.recv().unwrap();
+        drop(tensor);
+    });
+    let handle = listener.accept(&mut exporter).unwrap();
+    let tensor = exporter.full(&[8], 1.0f32).unwrap();
+    let loan = handle.lend(&mut exporter, tensor).unwrap();
+    let (tx, woken) = channel();
+    let waker = Waker::from(Arc::new(Woken(std::sync::Mutex::new(tx))));
+    let mut cx = Context::from_waker(&waker);
+    let mut future = loan.into_future();
+    assert!(std::pin::Pin::new(&mut future).poll(&mut cx).is_pending());
+    // Nothing wakes the task while the importer holds the tensor.
+    assert!(woken.recv_timeout(Duration::from_millis(50)).is_err());
+    go.send(()).unwrap();
+    // The connection's reader wakes it when the hand-back comes, with no poll in between.
+    woken.recv_timeout(DEADLINE).unwrap();
+    let tensor = match std::pin::Pin::new(&mut future).poll(&mut cx) {
+        Poll::Ready(back) => back.unwrap().into_parts(),
+        Poll::Pending => panic!("woken before the hand-back was counted"),
+    };
+    thread.join().unwrap();
+    assert_eq!(
+        download_tensor(&mut exporter, &tensor).unwrap(),
+        vec![6.0; 8]
+    );
+    drop(tensor);
+    exporter.synchronize().unwrap();
+    no_violations(&sim);
+}
+
+#[test]
+fn a_reclaim_stays_readable_in_flight_and_returns_after_the_last_release() {
+    let sim = SimDevice::new(SimConfig::default());
+    let mut exporter = CudaEngine::simulated_on(&sim);
+    let path = socket("reclaim-verbs");
+    let listener = ShareListener::bind(&path).unwrap();
+    let (thread, go) = importer(&sim, &path, |mut engine, mut link, go| {
+        let weights = link.import_read::<f32>(&mut engine).unwrap();
+        let seen = download_tensor(&mut engine, &weights).unwrap();
+        go.recv().unwrap();
+        drop(weights);
+        seen
+    });
+    let handle = listener.accept(&mut exporter).unwrap();
+    let tensor = exporter.full(&[16], 3.0f32).unwrap();
+    let shared = exporter.export_tensor(tensor).unwrap();
+    handle.offer(&mut exporter, &shared).unwrap();
+    let mut reclaim = shared.reclaim();
+    assert!(!reclaim.is_ready().unwrap());
+    let reclaim = match reclaim.wait_for(Duration::from_millis(50)).unwrap() {
+        TryWait::InFlight(reclaim) => reclaim,
+        TryWait::Returned(_) => panic!("returned while an import is in use"),
+    };
+    assert_eq!(reclaim.imports(), 1);
+    // Still readable here while the importer reads it.
+    assert_eq!(
+        download_tensor(&mut exporter, reclaim.tensor()).unwrap(),
+        vec![3.0; 16]
+    );
+    go.send(()).unwrap();
+    assert_eq!(thread.join().unwrap(), vec![3.0; 16]);
+    let mut tensor = reclaim.wait().unwrap().into_parts();
+    exporter.fill(&mut tensor, 4.0).unwrap();
+    assert_eq!(
+        download_tensor(&mut exporter, &tensor).unwrap(),
+        vec![4.0; 16]
+    );
+    let mut departure = handle.departure();
+    let departed = futures_lite::future::block_on(async {
+        let _ = departure.is_ready();
+        departure.await
+    });
+    departed.unwrap().into_parts();
+    drop(tensor);
+    exporter.synchronize().unwrap();
+    no_violations(&sim);
+}
+
+#[test]
+fn an_importers_departure_times_out_while_it_holds_a_share() {
+    let sim = SimDevice::new(SimConfig::default());
+    let mut exporter = CudaEngine::simulated_on(&sim);
+    let path = socket("departure");
+    let listener = ShareListener::bind(&path).unwrap();
+    let (thread, go) = importer(&sim, &path, |mut engine, mut link, go| {
+        let weights = link.import_read::<f32>(&mut engine).unwrap();
+        go.recv().unwrap();
+        drop((weights, link));
+    });
+    let handle = listener.accept(&mut exporter).unwrap();
+    let tensor = exporter.full(&[8], 1.0f32).unwrap();
+    let shared = exporter.export_tensor(tensor).unwrap();
+    handle.offer(&mut exporter, &shared).unwrap();
+    let mut departure = handle.departure();
+    assert!(!departure.is_ready().unwrap());
+    let departure = match departure.try_wait().unwrap() {
+        TryWait::InFlight(departure) => departure,
+        TryWait::Returned(_) => panic!("departed while holding a share"),
+    };
+    let departure = match departure.wait_for(Duration::from_millis(50)).unwrap() {
+        TryWait::InFlight(departure) => departure,
+        TryWait::Returned(_) => panic!("departed while holding a share"),
+    };
+    go.send(()).unwrap();
+    thread.join().unwrap();
+    assert!(returned(departure.wait_for(DEADLINE).unwrap()));
+    assert!(returned(shared.reclaim().try_wait().unwrap()));
+    exporter.synchronize().unwrap();
+    no_violations(&sim);
+}
+
+#[test]
+fn a_links_timeout_is_set_builder_style_and_bounds_the_wait_for_an_offer() {
+    let sim = SimDevice::new(SimConfig::default());
+    let mut exporter = CudaEngine::simulated_on(&sim);
+    let path = socket("link-timeout");
+    let listener = ShareListener::bind(&path)
+        .unwrap()
+        .with_timeout(Duration::from_secs(20));
+    let thread = {
+        let (sim, path) = (sim.clone(), path.clone());
+        std::thread::spawn(move || {
+            let mut engine = CudaEngine::simulated_on(&sim);
+            let mut link = ShareLink::connect(&mut engine, &path)
+                .unwrap()
+                .with_timeout(Duration::from_millis(50));
+            let start = std::time::Instant::now();
+            let none = link.import_read::<f32>(&mut engine);
+            (none.map(|t| t.len()), start.elapsed())
+        })
+    };
+    let handle = listener.accept(&mut exporter).unwrap();
+    let (none, took) = thread.join().unwrap();
+    match none {
+        Err(Error::Io(cuferry::error::IoError::Socket { source, .. })) => {
+            assert_eq!(source.kind(), std::io::ErrorKind::TimedOut)
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(took >= Duration::from_millis(50), "{took:?}");
+    assert!(returned(handle.departure().wait_for(DEADLINE).unwrap()));
 }

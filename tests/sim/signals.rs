@@ -10,6 +10,13 @@ use cuferry::{
     pending::Upload, upload_pending,
 };
 
+// Written once in `tests/bodies/signal.rs`, run here on the simulated device and by the GPU suite
+// on device 0.
+crate::bodies!(sim; signal::{
+    a_wait_for_a_signal_orders_another_engines_streams_on_the_device,
+    signals_outlive_their_engine_and_leak_nothing,
+});
+
 fn data(n: usize, salt: f32) -> Vec<f32> {
     (0..n).map(|i| i as f32 * 0.5 + salt).collect()
 }
@@ -70,6 +77,7 @@ fn ran_early(
     }
     early
 }
+// Simulator-only: steps the held clock through interleaved streams.
 #[test]
 fn work_after_a_wait_runs_after_the_signalled_work_of_another_engine() {
     for seed in 0..64 {
@@ -85,6 +93,7 @@ fn work_after_a_wait_runs_after_the_signalled_work_of_another_engine() {
     );
 }
 
+// Simulator-only: holds the clock and counts the stream waits queued.
 #[test]
 fn the_wait_is_on_the_device_not_the_host() {
     let sim = SimDevice::new(SimConfig::default());
@@ -110,6 +119,7 @@ fn the_wait_is_on_the_device_not_the_host() {
     assert_eq!(sim.calls(SimOp::StreamWait), waits);
 }
 
+// Simulator-only: injects a refused stream wait.
 #[test]
 fn a_refused_wait_falls_back_to_the_host_and_is_reported() {
     let sim = SimDevice::new(SimConfig::default());
@@ -142,6 +152,7 @@ fn a_refused_wait_falls_back_to_the_host_and_is_reported() {
     drop(pending.wait().unwrap());
 }
 
+// Simulator-only: two separate simulated devices.
 #[test]
 fn separate_simulated_devices_cannot_wait_for_each_other() {
     let mut a = CudaEngine::simulated(SimConfig::default());
@@ -161,6 +172,7 @@ fn separate_simulated_devices_cannot_wait_for_each_other() {
     drop(signal);
 }
 
+// Simulator-only: injects a failed event.
 #[test]
 fn a_signal_of_failed_work_reports_the_failure() {
     let sim = SimDevice::new(SimConfig::default());
@@ -192,28 +204,6 @@ fn a_signal_of_failed_work_reports_the_failure() {
     assert!(matches!(known.wait(), Err(Error::DeviceFault { .. })));
     assert!(matches!(unknown.wait(), Err(Error::DeviceFault { .. })));
     sim.clear_faults();
-}
-
-#[test]
-fn signals_outlive_their_engine_and_leak_nothing() {
-    let sim = SimDevice::new(SimConfig::default());
-    let mut a = CudaEngine::simulated_on(&sim);
-    let mut b = CudaEngine::simulated_on(&sim);
-    let pending = upload(&mut a, 16, 1.0);
-    let kept = a.signal().unwrap();
-    let dropped = a.signal().unwrap();
-    let forgotten = a.signal().unwrap();
-    drop(dropped); // detached: its event returns once complete
-    std::mem::forget(forgotten); // leaks its event, nothing else
-    drop(pending.wait().unwrap());
-    drop(a); // teardown completes everything a queued
-    b.wait_signal(&kept).unwrap();
-    assert!(kept.is_ready().unwrap());
-    drop(kept);
-    drop(b);
-    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
-    assert_eq!(sim.device_live().0, 0);
-    assert_eq!(sim.pinned_live().0, 0);
 }
 
 /// As [`b_finished_first`], but engine A is dropped after its signal and its teardown wait
@@ -259,6 +249,7 @@ fn b_ran_ahead_of_a_failed_teardown(seed: u64) -> bool {
     early
 }
 
+// Simulator-only: injects a failed teardown wait.
 #[test]
 fn a_failed_teardown_proves_nothing_to_a_waiting_engine() {
     let early: Vec<u64> = (0..64)

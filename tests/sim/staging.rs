@@ -1,7 +1,7 @@
 //! The blocking routes' staging pipeline on the simulated device: correctness at every size
 //! boundary for every element type, fault injection at every step, and concurrency.
 
-use cuferry::error::{StagingError, UsageError};
+use cuferry::error::StagingError;
 use cuferry::sim::{SimConfig, SimDevice, SimOp};
 use cuferry::{
     CudaEngine, Element, Error, bf16, download_tensor, download_tensor_into, error::DriverError,
@@ -11,6 +11,10 @@ use cuferry::{
 const CHUNK: usize = 4096;
 const CUTOFF: usize = 1024;
 const DEPTH: usize = 3;
+
+// Written once in `tests/bodies/staging.rs`, run here on the simulated device and by the GPU
+// suite on device 0.
+crate::bodies!(sim; staging::{staging_settings_are_validated});
 
 fn engine() -> (CudaEngine, SimDevice) {
     let mut engine = CudaEngine::simulated(SimConfig::default());
@@ -96,29 +100,6 @@ fn an_upload_is_read_when_the_route_returns() {
     let t = upload_tensor(&mut engine, &data, &[data.len()]).unwrap();
     assert_eq!(sim.queued(), 0);
     assert_eq!(download_tensor(&mut engine, &t).unwrap(), data);
-}
-
-#[test]
-fn staging_settings_are_validated() {
-    let (mut engine, _) = engine();
-    let mut config = engine.staging_config();
-    config.ring_depth = 0;
-    assert!(matches!(
-        engine.set_staging_config(config),
-        Err(Error::Usage(UsageError::InvalidSetting {
-            setting: "ring_depth",
-            ..
-        }))
-    ));
-    let mut config = engine.staging_config();
-    config.cutoff_bytes = config.chunk_bytes + 1;
-    assert!(matches!(
-        engine.set_staging_config(config),
-        Err(Error::Usage(UsageError::InvalidSetting {
-            setting: "cutoff_bytes",
-            ..
-        }))
-    ));
 }
 
 /// Five chunks through a ring of three: the n-th call of each step, for the first, a middle and

@@ -1,7 +1,8 @@
 //! Blocking transfers whose chunks all fit in the staging ring at once, on the simulated device:
 //! the host copies of the whole transfer run as one parallel region and each chunk is queued (or
 //! copied out) as soon as it is ready. Correct bytes for every band boundary around the ring's
-//! depth, and a driver fault at every call of both directions loses nothing.
+//! depth (a body shared with the GPU suite, `tests/bodies/transfers.rs`), and a driver fault at
+//! every call of both directions loses nothing.
 //!
 //! The process's copy pool is set to four threads before anything uses it, so the parallel path
 //! runs whatever the machine's core count.
@@ -12,6 +13,10 @@ use cuferry::{
     CudaEngine, Error, download_tensor, download_tensor_into, error::DriverError,
     staging::StagingConfig, upload_tensor, upload_tensor_into,
 };
+
+// Written once in `tests/bodies/transfers.rs`, run here on the simulated device and by the GPU
+// suite on device 0.
+crate::bodies!(sim; transfers::{every_direction_moves_the_right_bytes_around_the_ring_depth});
 
 const CHUNK: usize = 1 << 20;
 const DEPTH: usize = 4;
@@ -28,54 +33,6 @@ fn engine() -> (CudaEngine, SimDevice) {
     engine.set_staging_config(config).unwrap();
     let sim = engine.sim().unwrap();
     (engine, sim)
-}
-
-/// Element counts (of 4-byte elements) from two chunks to exactly the ring's depth, with
-/// remainders, and one past it (the chunk-by-chunk pipeline).
-fn sizes() -> Vec<usize> {
-    let e = CHUNK / 4;
-    vec![
-        2 * e,
-        2 * e + 1,
-        3 * e + e / 2 + 1,
-        4 * e - 1,
-        4 * e,
-        4 * e + 1,
-    ]
-}
-
-#[test]
-fn every_direction_moves_the_right_bytes_around_the_ring_depth() {
-    let (mut engine, sim) = engine();
-    assert_eq!(cuferry::staging::copy_threads(), 4);
-    let mut rng = Rng::new(11);
-    for n in sizes() {
-        let data = random_vec::<u32>(&mut rng, n);
-        let fresh = upload_tensor(&mut engine, &data, &[n]).unwrap();
-        assert_eq!(download_tensor(&mut engine, &fresh).unwrap(), data, "n={n}");
-        let mut kept = engine.alloc_tensor::<u32>(&[n]).unwrap();
-        let again = random_vec::<u32>(&mut rng, n);
-        upload_tensor_into(&mut engine, &mut kept, &again).unwrap();
-        let out = download_tensor_into(&mut engine, &kept, Vec::new()).unwrap();
-        assert_eq!(out, again, "n={n}");
-        // bool: decoded byte by byte on the way down.
-        let flags: Vec<bool> = (0..n).map(|i| i % 3 == 0).collect();
-        let t = upload_tensor(&mut engine, &flags, &[n]).unwrap();
-        assert_eq!(download_tensor(&mut engine, &t).unwrap(), flags, "n={n}");
-        // f64: two chunks' worth of bytes per 4-byte count.
-        let wide = random_vec::<f64>(&mut rng, n);
-        let t = upload_tensor(&mut engine, &wide, &[n]).unwrap();
-        let back = download_tensor(&mut engine, &t).unwrap();
-        assert!(
-            back.iter()
-                .zip(&wide)
-                .all(|(a, b)| a.to_bits() == b.to_bits()),
-            "n={n}"
-        );
-    }
-    engine.synchronize().unwrap();
-    assert_eq!(engine.staging_stats().leased, 0);
-    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
 }
 
 /// One transfer of `n` `u32`s with `fault` armed: it fails, nothing is freed early or leaked,

@@ -1,5 +1,5 @@
 //! The model of the engine's one order over its three streams, shared by the simulated-device
-//! test (`tests/model_duplex.rs`) and the GPU test (`tests/gpu/duplex.rs`): operations on a few
+//! test (`tests/models/duplex.rs`) and the GPU test (`tests/gpu/duplex.rs`): operations on a few
 //! tensor slots, beside a reference that runs everything in program order on one stream.
 //!
 //! Random interleavings of pending and blocking uploads and downloads, kernels (on resident
@@ -297,7 +297,7 @@ impl Run {
                     Err(e) => {
                         let error = e.to_string();
                         if let Some(package) = e.into_input() {
-                            self.slots[slot] = Slot::Idle(package.1);
+                            self.slots[slot] = Slot::Idle(package.0);
                         }
                         self.failed("pending download", &error, &[slot]);
                     }
@@ -422,7 +422,7 @@ impl Run {
                 },
                 Slot::Down(p, expected) => match p.wait() {
                     Ok(r) => {
-                        let (buffer, tensor) = r.into_parts();
+                        let (tensor, buffer) = r.into_parts();
                         let known = self.model[slot].as_ref().map(|_| expected);
                         self.check("pending download", buffer.as_slice(), &known);
                         self.slots[slot] = Slot::Idle(tensor);

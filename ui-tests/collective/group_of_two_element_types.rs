@@ -10,7 +10,8 @@ fn main() {
     let comm = Communicator::new(&mut [&mut gpu0]).unwrap();
     let grads = upload_tensor(&mut gpu0, &[1.0f32, 2.0], &[2]).unwrap();
     let steps = upload_tensor(&mut gpu0, &[7i32], &[1]).unwrap();
-    let mut group = comm.group();
-    group.all_reduce(vec![grads], ReduceOp::Sum);
-    group.all_reduce(vec![steps], ReduceOp::Sum);
+    let _group = comm
+        .group()
+        .all_reduce(vec![grads], ReduceOp::Sum)
+        .all_reduce(vec![steps], ReduceOp::Sum);
 }

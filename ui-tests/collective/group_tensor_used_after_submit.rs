@@ -11,8 +11,7 @@ fn main() {
     let comm = Communicator::new(&mut [&mut gpu0, &mut gpu1]).unwrap();
     let a = upload_tensor(&mut gpu0, &[1.0f32, 2.0], &[2]).unwrap();
     let b = upload_tensor(&mut gpu1, &[3.0f32, 4.0], &[2]).unwrap();
-    let mut group = comm.group();
-    group.all_reduce(vec![a, b], ReduceOp::Sum);
+    let group = comm.group().all_reduce(vec![a, b], ReduceOp::Sum);
     let _pending = group.submit(&mut [&mut gpu0, &mut gpu1]).unwrap();
     let _early = download_tensor(&mut gpu0, &a);
 }

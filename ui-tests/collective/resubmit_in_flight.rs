@@ -1,6 +1,6 @@
 // Only a returned collective can be queued again: resubmitting one in flight would let two
 // collectives touch the same tensors.
-use cuferry::collective::{all_reduce, Communicator, ReduceOp};
+use cuferry::collective::{Communicator, ReduceOp};
 use cuferry::sim::{SimConfig, SimDevice};
 use cuferry::{upload_tensor, CudaEngine};
 
@@ -11,6 +11,6 @@ fn main() {
     let comm = Communicator::new(&mut [&mut gpu0, &mut gpu1]).unwrap();
     let a = upload_tensor(&mut gpu0, &[1.0f32, 2.0], &[2]).unwrap();
     let b = upload_tensor(&mut gpu1, &[3.0f32, 4.0], &[2]).unwrap();
-    let summed = all_reduce(&comm, &mut [&mut gpu0, &mut gpu1], vec![a, b], ReduceOp::Sum).unwrap();
+    let summed = comm.group().all_reduce(vec![a, b], ReduceOp::Sum).submit(&mut [&mut gpu0, &mut gpu1]).unwrap();
     let _again = summed.resubmit(&mut [&mut gpu0, &mut gpu1]);
 }

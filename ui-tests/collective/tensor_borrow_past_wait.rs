@@ -1,6 +1,6 @@
 // A rank's tensor lent by a collective in flight cannot outlive the wait, which consumes the
 // value the borrow comes from.
-use cuferry::collective::{all_reduce, Communicator, ReduceOp};
+use cuferry::collective::{Communicator, ReduceOp};
 use cuferry::sim::{SimConfig, SimDevice};
 use cuferry::{upload_tensor, CudaEngine};
 
@@ -11,7 +11,7 @@ fn main() {
     let comm = Communicator::new(&mut [&mut gpu0, &mut gpu1]).unwrap();
     let a = upload_tensor(&mut gpu0, &[1.0f32, 2.0], &[2]).unwrap();
     let b = upload_tensor(&mut gpu1, &[3.0f32, 4.0], &[2]).unwrap();
-    let summed = all_reduce(&comm, &mut [&mut gpu0, &mut gpu1], vec![a, b], ReduceOp::Sum).unwrap();
+    let summed = comm.group().all_reduce(vec![a, b], ReduceOp::Sum).submit(&mut [&mut gpu0, &mut gpu1]).unwrap();
     let on_rank1 = summed.tensor(1).unwrap();
     let returned = summed.wait().unwrap();
     let _doubled = gpu1.add(on_rank1, on_rank1).unwrap();

@@ -1,5 +1,5 @@
 // `wait` consumes the collective in flight: there is nothing left to wait on a second time.
-use cuferry::collective::{all_reduce, Communicator, ReduceOp};
+use cuferry::collective::{Communicator, ReduceOp};
 use cuferry::sim::{SimConfig, SimDevice};
 use cuferry::{upload_tensor, CudaEngine};
 
@@ -10,7 +10,7 @@ fn main() {
     let comm = Communicator::new(&mut [&mut gpu0, &mut gpu1]).unwrap();
     let a = upload_tensor(&mut gpu0, &[1.0f32, 2.0], &[2]).unwrap();
     let b = upload_tensor(&mut gpu1, &[3.0f32, 4.0], &[2]).unwrap();
-    let summed = all_reduce(&comm, &mut [&mut gpu0, &mut gpu1], vec![a, b], ReduceOp::Sum).unwrap();
+    let summed = comm.group().all_reduce(vec![a, b], ReduceOp::Sum).submit(&mut [&mut gpu0, &mut gpu1]).unwrap();
     let _first = summed.wait();
     let _second = summed.wait();
 }

@@ -19,7 +19,8 @@ pub(crate) use nccl::nccl_version;
 pub(crate) use launch::{compile_check, nvrtc_present};
 
 use super::{ContextHandle, DevicePtr, Driver, EventHandle, Lane, Waits, Wake};
-use crate::error::{DeviceId, DeviceKind, DriverError, Error, SetupError};
+use crate::device::{DeviceId, DeviceKind};
+use crate::error::{DriverError, Error, SetupError};
 use cudarc::driver::{result, sys};
 use std::ffi::c_void;
 use std::mem::MaybeUninit;

@@ -9,13 +9,12 @@
 //! installed, and it panics where it finds nothing.
 
 use super::CudaDriver;
+use crate::device::DeviceId;
 use crate::driver::collective::{
     CollectiveKind, Collectives, Communicators, Group, Part, Reduction, UNIQUE_ID_BYTES,
 };
 use crate::dtype::DType;
-use crate::error::{
-    CollectiveError, DeviceId, Error, LibraryError, Result, SetupError, UsageError,
-};
+use crate::error::{Error, LibraryError, PeerError, Result, SetupError, UsageError};
 use std::ffi::{CStr, c_char, c_int, c_void};
 use std::sync::{OnceLock, PoisonError, RwLock, RwLockReadGuard};
 use std::time::{Duration, Instant};
@@ -413,7 +412,7 @@ impl NcclComms {
     }
 
     fn aborted(&self) -> Error {
-        CollectiveError::Aborted {
+        PeerError::Aborted {
             rank: self.rank,
             world: self.world,
         }
@@ -424,7 +423,7 @@ impl NcclComms {
     /// NCCL is still queuing the parts (connecting to a peer, for a first send): it waits until
     /// each communicator's state has settled, so that what is recorded on the streams after the
     /// end follows the parts, or until `timeout` has passed, when it reports
-    /// [`CollectiveError::TimedOut`] (the caller aborts).
+    /// [`PeerError::CollectiveTimedOut`] (the caller aborts).
     fn group_end(&self, comms: &[Comm], timeout: Duration) -> Result<()> {
         let nccl = self.nccl;
         // SAFETY: no arguments; called once per `group_start` (`NcclGroup` closes once).
@@ -449,7 +448,7 @@ impl NcclComms {
                     break;
                 }
                 if start.elapsed() >= timeout {
-                    return Err(CollectiveError::TimedOut {
+                    return Err(PeerError::CollectiveTimedOut {
                         rank: self.rank,
                         world: self.world,
                         timeout,
@@ -541,7 +540,7 @@ impl NcclGroup<'_> {
         drop(comms);
         if matches!(
             ended,
-            Err(Error::Collective(CollectiveError::TimedOut { .. }))
+            Err(Error::Peer(PeerError::CollectiveTimedOut { .. }))
         ) {
             // The parts were never all queued: the abort ends those that were.
             self.owner.abort();
@@ -668,10 +667,12 @@ impl Collectives for CudaDriver {
                         let _ = unsafe { (nb.abort)(comm) };
                         return match outcome {
                             Err(error) => Err(error),
-                            _ => Err(crate::error::BootstrapError::Unjoined {
+                            // NCCL does not say which ranks never came.
+                            _ => Err(crate::error::PeerError::Unjoined {
                                 rank,
                                 world,
                                 waited: start.elapsed(),
+                                missing: None,
                             }
                             .into()),
                         };

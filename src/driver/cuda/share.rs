@@ -4,7 +4,7 @@
 use super::CudaDriver;
 use crate::driver::share::{Name, Origin, Sharing, start_of};
 use crate::driver::{DevicePtr, EventHandle, Lane};
-use crate::error::{DriverError, ShareError};
+use crate::error::{DriverError, Error};
 use cudarc::driver::sys;
 use std::ffi::c_void;
 use std::mem::MaybeUninit;
@@ -21,7 +21,7 @@ pub(super) fn uuid_of(device: sys::CUdevice) -> Result<[u8; 16], DriverError> {
 }
 
 impl Sharing for CudaDriver {
-    fn process(&self) -> Result<Origin, ShareError> {
+    fn process(&self) -> Result<Origin, Error> {
         Origin::here()
     }
 

@@ -24,12 +24,13 @@
 
 use super::{DevicePtr, DriverError, Job, Running, SimDevice, SimDriver, SimOp, driver_lane};
 use super::{State, StreamId, Violation};
+use crate::device::{DeviceId, DeviceKind};
 use crate::driver::Lane;
 use crate::driver::collective::{
     CollectiveKind, Collectives, Communicators, Group, Reduction, UNIQUE_ID_BYTES,
 };
 use crate::dtype::DType;
-use crate::error::{CollectiveError, DeviceId, DeviceKind, Error, LibraryError};
+use crate::error::{Error, LibraryError, PeerError};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
@@ -143,7 +144,7 @@ struct SimGroup<'a> {
 impl SimComms {
     fn aborted_error(&self) -> Error {
         let (rank, world) = self.world();
-        CollectiveError::Aborted { rank, world }.into()
+        PeerError::Aborted { rank, world }.into()
     }
 
     /// This world rank of the first rank held here, and the world's size.
@@ -251,14 +252,18 @@ impl Collectives for SimDriver {
                     break;
                 }
                 if start.elapsed() > timeout {
-                    // Aborted: this rank leaves the world it began to join.
+                    // Aborted: this rank leaves the world it began to join, and says which
+                    // ranks had not come.
+                    let mut missing = Vec::new();
                     if let Some((_, joined)) = s.joins.get_mut(&key) {
+                        missing = (0..world).filter(|r| !joined.contains(r)).collect();
                         joined.retain(|&r| r != rank);
                     }
-                    return Err(crate::error::BootstrapError::Unjoined {
+                    return Err(crate::error::PeerError::Unjoined {
                         rank,
                         world,
                         waited: start.elapsed(),
+                        missing: Some(missing),
                     }
                     .into());
                 }

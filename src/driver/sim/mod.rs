@@ -108,7 +108,8 @@ pub use violation::Violation;
 // What the concern files share, named here so that each reaches it as `super::…`.
 use super::launch::Emulation;
 use super::{ContextHandle, DevicePtr, Driver, EventHandle, Lane, Waits, Wake};
-use crate::error::{DeviceId, DeviceKind, DriverError};
+use crate::device::{DeviceId, DeviceKind};
+use crate::error::DriverError;
 use clock::{StreamId, lane_of};
 use events::{SimEvent, SimWaits};
 use jobs::Job;

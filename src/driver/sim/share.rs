@@ -36,8 +36,9 @@ use super::{
     DevicePtr, Driver, DriverError, EventHandle, Job, Lane, Running, SimDevice, SimDriver,
     SimEvent, SimOp, State, StreamId, Violation, driver_lane,
 };
+use crate::device::{DeviceId, DeviceKind};
 use crate::driver::share::{NAME_BYTES, Name, Origin, Sharing, peer_is_process, start_of};
-use crate::error::{DeviceId, DeviceKind, ShareError};
+use crate::error::{Error, MalformedError};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -629,7 +630,7 @@ impl SimDevice {
 
 impl Sharing for SimDriver {
     /// This host's and boot's identity, with the simulated process's pid and start.
-    fn process(&self) -> Result<Origin, ShareError> {
+    fn process(&self) -> Result<Origin, Error> {
         Ok(Origin {
             pid: self.process.pid,
             start: self.process.start,
@@ -659,25 +660,27 @@ impl Sharing for SimDriver {
     /// A simulated process runs inside this real one (the registry is this process's): the
     /// kernel must name this process, and the start must be the simulated process's own. A
     /// real process is judged as a real device judges it.
-    fn check_peer(&self, claimed: &Origin, kernel_pid: u32) -> Result<(), ShareError> {
+    fn check_peer(&self, claimed: &Origin, kernel_pid: u32) -> Result<(), Error> {
         if claimed.pid < FIRST_PID {
             return peer_is_process(claimed, kernel_pid);
         }
         let host = std::process::id();
         if kernel_pid != host {
-            return Err(ShareError::PeerIdentity {
+            return Err(MalformedError::PeerIdentity {
                 what: "pid",
                 claimed: claimed.pid.into(),
                 kernel: kernel_pid.into(),
-            });
+            }
+            .into());
         }
         match registry(&PROCESSES).get(&claimed.pid) {
             Some(p) if p.start == claimed.start => Ok(()),
-            other => Err(ShareError::PeerIdentity {
+            other => Err(MalformedError::PeerIdentity {
                 what: "start time",
                 claimed: claimed.start,
                 kernel: other.map_or(0, |p| p.start),
-            }),
+            }
+            .into()),
         }
     }
 
@@ -982,65 +985,20 @@ mod tests {
         event: Name,
     }
 
-    /// The control buffer of a message that carries one descriptor: `CMSG_SPACE(sizeof(int))`.
-    const CONTROL: usize =
-        // SAFETY: `CMSG_SPACE` is arithmetic on its argument (unsafe only by its C heritage).
-        unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
-
     /// Sends `bytes` with `fd` beside them (`SCM_RIGHTS`) on `tx`.
     fn send_with(tx: &UnixStream, bytes: &[u8], fd: RawFd) {
-        let mut bytes = bytes.to_vec();
-        let mut control = [0u8; CONTROL];
-        let mut iov = libc::iovec {
-            iov_base: bytes.as_mut_ptr().cast(),
-            iov_len: bytes.len(),
-        };
-        // SAFETY: an all-zero `msghdr` is a valid empty header; its pointers are set below to
-        // buffers that outlive the call.
-        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-        msg.msg_iov = &mut iov;
-        msg.msg_iovlen = 1;
-        msg.msg_control = control.as_mut_ptr().cast();
-        msg.msg_controllen = control.len() as _;
-        // SAFETY: the control buffer has room for one header carrying one descriptor.
-        unsafe {
-            let header = libc::CMSG_FIRSTHDR(&msg);
-            (*header).cmsg_level = libc::SOL_SOCKET;
-            (*header).cmsg_type = libc::SCM_RIGHTS;
-            (*header).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as _;
-            std::ptr::write_unaligned(libc::CMSG_DATA(header).cast::<RawFd>(), fd);
-        }
-        // SAFETY: `msg` and the buffers it points to are valid for the call.
-        let sent = unsafe { libc::sendmsg(tx.as_raw_fd(), &msg, 0) };
-        assert_eq!(usize::try_from(sent).ok(), Some(bytes.len()));
+        let sent = crate::fd_passing::send_with_fds(tx.as_raw_fd(), bytes, &[&[fd]], 0);
+        assert_eq!(sent.unwrap(), bytes.len());
     }
 
     /// Receives `len` bytes and the descriptor beside them on `rx`.
     fn recv_with(rx: &UnixStream, len: usize) -> (Vec<u8>, OwnedFd) {
         let mut bytes = vec![0u8; len];
-        let mut control = [0u8; CONTROL];
-        let mut iov = libc::iovec {
-            iov_base: bytes.as_mut_ptr().cast(),
-            iov_len: bytes.len(),
-        };
-        // SAFETY: as in `send_with`.
-        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-        msg.msg_iov = &mut iov;
-        msg.msg_iovlen = 1;
-        msg.msg_control = control.as_mut_ptr().cast();
-        msg.msg_controllen = control.len() as _;
-        // SAFETY: `msg` and its buffers are valid for the call.
-        let got = unsafe { libc::recvmsg(rx.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
-        assert_eq!(usize::try_from(got).ok(), Some(len));
-        // SAFETY: the kernel filled the control buffer with one header carrying a descriptor
-        // it installed in this process for us alone.
-        let fd = unsafe {
-            let header = libc::CMSG_FIRSTHDR(&msg);
-            assert!(!header.is_null() && (*header).cmsg_type == libc::SCM_RIGHTS);
-            OwnedFd::from_raw_fd(std::ptr::read_unaligned(
-                libc::CMSG_DATA(header).cast::<RawFd>(),
-            ))
-        };
+        let got = crate::fd_passing::recv_with_fds(rx.as_raw_fd(), &mut bytes, 1, 0).unwrap();
+        assert_eq!(got.bytes, len);
+        let mut fds = got.fds.into_iter();
+        let fd = fds.next().expect("a descriptor beside the bytes");
+        assert!(fds.next().is_none() && !got.truncated);
         (bytes, fd)
     }
 

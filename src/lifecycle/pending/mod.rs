@@ -12,6 +12,8 @@
 //!   [`Returned`];
 //! - [`try_wait`](Pending::try_wait) returns it in state [`Returned`] if it is done, or hands the
 //!   [`InFlight`] value back ([`TryWait`]);
+//! - [`wait_for`](Pending::wait_for) waits at most a `Duration` (`Duration::MAX`: no bound) and
+//!   answers as [`try_wait`](Pending::try_wait) does;
 //! - `.await` on any executor ([`PendingFuture`]), woken by the device, never by polling;
 //! - dropping it in flight detaches it into the carrying engine's retirement queue, which
 //!   releases what it owns once the event proves the work complete; `mem::forget` leaks it,
@@ -24,8 +26,12 @@
 //! (the host routes [`upload_pending`](crate::upload_pending) and
 //! [`download_pending`](crate::download_pending)), [`PeerCopy`](crate::peer::PeerCopy)
 //! ([`peer::copy_pending`](crate::peer::copy_pending)) and
-//! [`Collective`](crate::collective::Collective) ([`collective::all_reduce`](crate::collective::all_reduce),
-//! [`collective::broadcast`](crate::collective::broadcast)). A submission that does not go in
+//! [`Collective`](crate::collective::Collective)
+//! ([`CollectiveGroup::submit`](crate::collective::CollectiveGroup::submit)), and on Linux what
+//! sharing between processes hands back later: `share::Loan` (`Importer::lend`),
+//! `share::Reclaim` (`Exported::reclaim`) and `share::Departure` (`Importer::departure`), whose
+//! completion the importers prove (a release counted by the connection's reader) rather than an
+//! event, and which own no device work to detach on drop. A submission that does not go in
 //! flight is a [`SubmitError`](crate::SubmitError), which hands back what it can.
 //!
 //! The module exists so that the lifecycle is written once: each operation says only what it
@@ -36,8 +42,10 @@
 use crate::error::Result;
 use crate::lifecycle::fence::{Fenced, IdleEvent};
 use crate::lifecycle::fence_future::FenceFuture;
+use crate::sync::deadline::Deadline;
 use std::fmt;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 mod future;
 
@@ -50,6 +58,7 @@ pub(crate) mod sealed {
 
 pub(crate) mod flight {
     use crate::error::Result;
+    use crate::sync::deadline::Deadline;
     use std::task::{Context, Poll};
 
     /// How an operation's completion is proven: one fence, or one per rank.
@@ -64,6 +73,10 @@ pub(crate) mod flight {
         fn wait(self) -> Result<Self::Done>;
         /// The proof if the work has completed, or `self` back. Never waits.
         fn try_wait(self) -> Result<std::result::Result<Self::Done, Self>>;
+        /// Waits for the work until `deadline` (never [`Deadline::never`]: that is
+        /// [`wait`](Self::wait)), outside every engine lock: the proof, or `self` back once
+        /// the deadline has passed.
+        fn wait_until(self, deadline: Deadline) -> Result<std::result::Result<Self::Done, Self>>;
         /// Starts an `.await`.
         fn poller(self) -> Self::Poller;
         /// Polls an `.await`; not called again once it has resolved.
@@ -89,6 +102,15 @@ impl<R: Send + Sync + 'static> Flight for Fenced<R> {
         Fenced::try_wait(self)
     }
 
+    fn wait_until(self, deadline: Deadline) -> Result<std::result::Result<(R, IdleEvent), Self>> {
+        // One bounded event wait: its `Ok(true)` makes the query below answer done.
+        let left = deadline.remaining().unwrap_or(Duration::MAX);
+        if !left.is_zero() && !self.wait_within(left)? {
+            return Ok(Err(self));
+        }
+        Fenced::try_wait(self)
+    }
+
     fn poller(self) -> FenceFuture<R> {
         FenceFuture::new(self)
     }
@@ -99,8 +121,9 @@ impl<R: Send + Sync + 'static> Flight for Fenced<R> {
 }
 
 /// An operation the device finishes later: what a [`Pending`] owns and how it is proven
-/// complete. Sealed: [`Upload`](crate::pending::Upload), [`Download`](crate::pending::Download), [`PeerCopy`](crate::peer::PeerCopy) and
-/// [`Collective`](crate::collective::Collective).
+/// complete. Sealed: [`Upload`](crate::pending::Upload), [`Download`](crate::pending::Download), [`PeerCopy`](crate::peer::PeerCopy),
+/// [`Collective`](crate::collective::Collective), and (Linux) `share::Loan`, `share::Reclaim`
+/// and `share::Departure`.
 pub trait Operation: sealed::Sealed + Sized + 'static {
     /// What the operation owns and gives back: by [`Pending::into_parts`] once returned, and by
     /// a refused submission ([`SubmitError`](crate::SubmitError)).
@@ -232,6 +255,27 @@ impl<Op: Operation> Pending<Op, InFlight> {
     /// As [`wait`](Self::wait).
     pub fn try_wait(self) -> Result<TryWait<Op>> {
         Ok(match self.hold.try_wait()? {
+            Ok(done) => TryWait::Returned(Pending {
+                hold: Op::land(done),
+            }),
+            Err(hold) => TryWait::InFlight(Pending { hold }),
+        })
+    }
+
+    /// Waits at most about `within` for the work: the operation in state [`Returned`] if it
+    /// completes in time, else the [`InFlight`] value back ([`TryWait`], as
+    /// [`try_wait`](Self::try_wait)). The wait holds no engine lock. `Duration::ZERO` is
+    /// [`try_wait`](Self::try_wait); a `within` too large for an instant (`Duration::MAX`
+    /// among them) is no bound, [`wait`](Self::wait).
+    ///
+    /// # Errors
+    /// As [`wait`](Self::wait).
+    pub fn wait_for(self, within: Duration) -> Result<TryWait<Op>> {
+        let deadline = Deadline::after(within);
+        if deadline == Deadline::never() {
+            return self.wait().map(TryWait::Returned);
+        }
+        Ok(match self.hold.wait_until(deadline)? {
             Ok(done) => TryWait::Returned(Pending {
                 hold: Op::land(done),
             }),

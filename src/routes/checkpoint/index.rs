@@ -9,7 +9,7 @@
 use super::header::{Entries, Entry};
 use super::load as pipeline;
 use super::{Shard, file_len, open, open_direct, retry};
-use crate::error::{CheckpointError, Result};
+use crate::error::{IoError, MalformedError, Result};
 use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
@@ -61,7 +61,7 @@ impl<'de: 'a, 'a> serde::Deserialize<'de> for Text<'a> {
 /// bytes, or at once where the file's length says so).
 fn read_index(path: &Path) -> Result<Vec<u8>> {
     use std::io::Read;
-    let too_large = || CheckpointError::TooLarge {
+    let too_large = || MalformedError::TooLarge {
         path: path.to_owned(),
         what: "the index",
         limit: MAX_INDEX,
@@ -75,7 +75,7 @@ fn read_index(path: &Path) -> Result<Vec<u8>> {
     (&file)
         .take(MAX_INDEX + 1)
         .read_to_end(&mut bytes)
-        .map_err(|source| CheckpointError::Io {
+        .map_err(|source| IoError::File {
             path: path.to_owned(),
             operation: "read",
             source,
@@ -96,7 +96,7 @@ pub(super) fn plan(
     select: &mut dyn FnMut(&str) -> bool,
     direct: bool,
 ) -> Result<Vec<Shard>> {
-    let bad = |tensor: Option<String>, reason: String| CheckpointError::Header {
+    let bad = |tensor: Option<String>, reason: String| MalformedError::Header {
         path: path.to_owned(),
         tensor,
         reason,
@@ -140,7 +140,7 @@ pub(super) fn plan(
     let read = |at: usize| -> Result<Read> {
         let (shard, count) = shards[at];
         let shard_path = dir.join(shard);
-        let missing = || CheckpointError::MissingShard {
+        let missing = || MalformedError::MissingShard {
             index: path.to_owned(),
             shard: shard_path.clone(),
         };
@@ -149,7 +149,7 @@ pub(super) fn plan(
             Ok(_) => return Err(missing().into()),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(missing().into()),
             Err(source) => {
-                return Err(CheckpointError::Io {
+                return Err(IoError::File {
                     path: shard_path,
                     operation: "stat",
                     source,
@@ -174,7 +174,7 @@ pub(super) fn plan(
                 .find(|(n, _)| shard_of[n.as_str()] == at && !present.contains(n.as_str()))
                 .map(|(n, _)| n.clone())
                 .unwrap_or_default();
-            return Err(CheckpointError::Header {
+            return Err(MalformedError::Header {
                 path: shard_path,
                 tensor: Some(absent),
                 reason: format!(

@@ -16,78 +16,13 @@ use super::{Done, Job, Staging, file_threads};
 use super::{ReadAt, Tally};
 use crate::core::engine::CudaEngine;
 use crate::dtype::DType;
-use crate::error::{CheckpointError, Error, Result};
+use crate::error::{Error, IoError, MalformedError, Result};
 use crate::lifecycle::lease::{Proven, Scatter, StagingLease, Unproven, released};
-use crate::memory::element::Element;
+use crate::memory::any_tensor::AnyTensor;
 use crate::memory::tensor::DeviceTensor;
 use std::collections::VecDeque;
 use std::path::Path;
 use std::sync::{Mutex, mpsc};
-
-/// A device tensor whose element type is known at run time, as a checkpoint holds it: its
-/// bytes on the device, their element type and the tensor's shape.
-///
-/// [`into_typed`](Self::into_typed) gives the `DeviceTensor<T>` of its element type (checked);
-/// `Tensor::from` makes one of any `DeviceTensor<T>`, for [`save`](crate::checkpoint::save).
-#[derive(Debug)]
-pub struct Tensor {
-    bytes: DeviceTensor<u8>,
-    dtype: DType,
-    shape: Vec<usize>,
-}
-
-impl Tensor {
-    /// The tensor `entry` names, in `bytes`.
-    fn new(bytes: DeviceTensor<u8>, entry: &Entry) -> Tensor {
-        Tensor {
-            bytes,
-            dtype: entry.dtype,
-            shape: entry.shape.clone(),
-        }
-    }
-
-    /// The element type.
-    pub fn dtype(&self) -> DType {
-        self.dtype
-    }
-
-    /// The shape.
-    pub fn shape(&self) -> &[usize] {
-        &self.shape
-    }
-
-    /// The tensor's bytes, as the file held them.
-    pub fn bytes(&self) -> &DeviceTensor<u8> {
-        &self.bytes
-    }
-
-    /// The tensor as a `DeviceTensor<T>`, when `T` is its element type; the tensor back
-    /// otherwise, unchanged.
-    ///
-    /// # Errors
-    /// The tensor itself, when `T` is not its element type.
-    pub fn into_typed<T: Element>(self) -> std::result::Result<DeviceTensor<T>, Tensor> {
-        if T::DTYPE != self.dtype {
-            return Err(self);
-        }
-        let Tensor { bytes, shape, .. } = self;
-        // SAFETY: the bytes are a tensor of `T` (checked above) as the file held it, and the
-        // load refused a `bool` tensor holding a byte other than 0 or 1 before copying it.
-        let typed = unsafe { bytes.reinterpret::<T>(&shape) };
-        Ok(typed.expect("the shape fills the bytes (checked by the header, or by `from`)"))
-    }
-}
-
-impl<T: Element> From<DeviceTensor<T>> for Tensor {
-    fn from(tensor: DeviceTensor<T>) -> Tensor {
-        let shape = tensor.shape().to_vec();
-        Tensor {
-            bytes: tensor.into_bytes(),
-            dtype: T::DTYPE,
-            shape,
-        }
-    }
-}
 
 /// Where a piece of a chunk goes: `len` bytes at byte `from` of the slot into tensor
 /// `tensor` at byte `at`.
@@ -201,7 +136,7 @@ pub(crate) trait Targets {
 
 /// What a loaded tensor is handed to: its index in the plan, and the tensor, as soon as every
 /// copy into it is queued (later work on the engine is ordered after those copies).
-pub(crate) type Each<'e> = dyn FnMut(&mut CudaEngine, usize, Tensor) -> Result<()> + 'e;
+pub(crate) type Each<'e> = dyn FnMut(&mut CudaEngine, usize, AnyTensor) -> Result<()> + 'e;
 
 /// A load's targets: tensors it allocated, each handed to `each` once its copies are queued.
 struct Loaded<'a, 'e> {
@@ -221,7 +156,14 @@ impl Targets for Loaded<'_, '_> {
         let bytes = self.tensors[i]
             .take()
             .expect("each tensor is handed out once");
-        (self.each)(engine, i, Tensor::new(bytes, &self.entries[i]))
+        let entry = &self.entries[i];
+        // SAFETY: every copy into the bytes is queued, of the file's bytes for this tensor, and
+        // the reader refused a `bool` tensor holding a byte other than 0 or 1 before its copy
+        // was queued: once those copies complete the bytes are valid values of its type. Later
+        // work on the engine is ordered after them.
+        let tensor = unsafe { AnyTensor::from_bytes(bytes, entry.dtype, &entry.shape) };
+        let tensor = tensor.expect("the header checked that the shape fills the tensor's bytes");
+        (self.each)(engine, i, tensor)
     }
 }
 
@@ -230,7 +172,7 @@ impl Targets for Loaded<'_, '_> {
 /// its copies are queued. Returns once every copy is proven complete.
 ///
 /// # Errors
-/// [`Error::Checkpoint`] for a failed or short read, a `bool` tensor holding a byte other than
+/// [`Error::Io`] for a failed read; [`Error::Malformed`] for a short read, a `bool` tensor holding a byte other than
 /// 0 or 1, or a file whose length changed; the engine's error when it cannot allocate, copy or
 /// prove a copy; `each`'s error. The tensors not yet handed out are dropped (freed after their
 /// copies); the slots come back once their copies are proven.
@@ -254,7 +196,7 @@ pub(crate) fn load(
     upload(engine, source, tensors, staging, tally, &mut loaded)?;
     let current = file_len(source.path, source.file, source.len)?;
     if current != source.len {
-        return Err(CheckpointError::LengthChanged {
+        return Err(MalformedError::LengthChanged {
             path: source.path.to_owned(),
             before: source.len,
             after: current,
@@ -446,10 +388,7 @@ fn pipeline(
             if failure.is_some() {
                 continue; // draining: the slot goes back to the ring
             }
-            if let Err(error) = read
-                .map_err(Error::from)
-                .and_then(|()| run.land(&chunks[i], lease, &mut flying))
-            {
+            if let Err(error) = read.and_then(|()| run.land(&chunks[i], lease, &mut flying)) {
                 failure = Some(error);
             }
         }
@@ -476,7 +415,7 @@ fn pipeline(
 /// The error of a load whose reader threads ended early: one panicked, and its panic goes on
 /// to the caller once the load has let go of its slots.
 fn readers_gone(path: &Path) -> Error {
-    CheckpointError::Io {
+    IoError::File {
         path: path.to_owned(),
         operation: "read",
         source: std::io::Error::other("a reader thread panicked"),
@@ -487,9 +426,9 @@ fn readers_gone(path: &Path) -> Error {
 /// The file's length now, as the reader sees it: a read of one byte at `len - 1` and one at
 /// `len` tell a file that shrank or grew from one that did not. Each read is retried while it
 /// is `Interrupted`.
-fn file_len(path: &Path, file: &dyn ReadAt, len: u64) -> Result<u64, CheckpointError> {
+fn file_len(path: &Path, file: &dyn ReadAt, len: u64) -> Result<u64, Error> {
     let mut probe = [0u8; 1];
-    let io = |source| CheckpointError::Io {
+    let io = |source| IoError::File {
         path: path.to_owned(),
         operation: "read",
         source,
@@ -509,7 +448,7 @@ fn read_chunk(
     chunk: &Chunk,
     slot: &mut [u8],
     split: usize,
-) -> Result<(), CheckpointError> {
+) -> Result<(), Error> {
     // The slot's bytes `..want` hold the file's from `base`; a direct read covers whole blocks.
     let base = chunk.start - chunk.skew as u64;
     let want = chunk.skew + (chunk.end - chunk.start) as usize;
@@ -549,11 +488,12 @@ fn read_chunk(
                 .iter()
                 .any(|&b| b > 1)
         {
-            return Err(CheckpointError::Header {
+            return Err(MalformedError::Header {
                 path: source.path.to_owned(),
                 tensor: Some(t.name.clone()),
                 reason: "a bool element is neither 0 nor 1".into(),
-            });
+            }
+            .into());
         }
     }
     Ok(())
@@ -563,12 +503,7 @@ fn read_chunk(
 /// asks for all of `buf`, whole blocks, and may end early at the end of the file). A direct read
 /// that the file system or the buffer's memory refuses (`EINVAL`) is finished through the page
 /// cache.
-fn read_part(
-    source: Source<'_>,
-    offset: u64,
-    buf: &mut [u8],
-    need: usize,
-) -> Result<(), CheckpointError> {
+fn read_part(source: Source<'_>, offset: u64, buf: &mut [u8], need: usize) -> Result<(), Error> {
     let Some(direct) = source.direct else {
         return header::read_exact_at(source.path, source.file, offset, &mut buf[..need]);
     };
@@ -576,11 +511,12 @@ fn read_part(
     while got < need {
         match std::os::unix::fs::FileExt::read_at(direct, &mut buf[got..], offset + got as u64) {
             Ok(0) => {
-                return Err(CheckpointError::ShortRead {
+                return Err(MalformedError::ShortRead {
                     path: source.path.to_owned(),
                     offset: offset + got as u64,
                     missing: need - got,
-                });
+                }
+                .into());
             }
             Ok(n) => got += n,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
@@ -589,11 +525,12 @@ fn read_part(
                 return header::read_exact_at(source.path, source.file, offset + got as u64, rest);
             }
             Err(error) => {
-                return Err(CheckpointError::Io {
+                return Err(IoError::File {
                     path: source.path.to_owned(),
                     operation: "read",
                     source: error,
-                });
+                }
+                .into());
             }
         }
     }
@@ -605,10 +542,27 @@ pub(super) mod tests {
     use super::*;
     use crate::driver::sim::{SimConfig, SimDevice, SimOp};
     use crate::error::DriverError;
+    use crate::memory::element::Element;
     use crate::memory::ring::StagingConfig;
     use crate::routes::download_tensor;
     use std::collections::HashMap;
     use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// `tensor`'s bytes, as the file held them, downloaded.
+    pub(in crate::routes::checkpoint) fn any_bytes(
+        engine: &mut CudaEngine,
+        tensor: &AnyTensor,
+    ) -> Vec<u8> {
+        struct Bytes<'a>(&'a mut CudaEngine);
+        impl crate::memory::any_tensor::Visit for Bytes<'_> {
+            type Out = Vec<u8>;
+            fn visit<T: Element>(self, tensor: &DeviceTensor<T>) -> Vec<u8> {
+                let data = download_tensor(self.0, tensor).unwrap();
+                crate::memory::element::as_bytes(&data).to_vec()
+            }
+        }
+        tensor.visit(Bytes(engine))
+    }
 
     /// A tensor as the tests expect it back: name, element type, shape, bytes.
     pub(in crate::routes::checkpoint) type Expected = (String, DType, Vec<usize>, Vec<u8>);
@@ -703,7 +657,7 @@ pub(super) mod tests {
         engine: &mut CudaEngine,
         file: &dyn ReadAt,
         len: u64,
-    ) -> Result<Vec<(String, Tensor)>> {
+    ) -> Result<Vec<(String, AnyTensor)>> {
         load_all_with(engine, file, len, staging())
     }
 
@@ -713,7 +667,7 @@ pub(super) mod tests {
         file: &dyn ReadAt,
         len: u64,
         staging: Staging,
-    ) -> Result<Vec<(String, Tensor)>> {
+    ) -> Result<Vec<(String, AnyTensor)>> {
         let path = Path::new("model.safetensors");
         let tensors = plan(path, file, len, &mut |_| true)?;
         load_planned(engine, path, file, len, &tensors, staging)
@@ -727,7 +681,7 @@ pub(super) mod tests {
         len: u64,
         tensors: &[Entry],
         staging: Staging,
-    ) -> Result<Vec<(String, Tensor)>> {
+    ) -> Result<Vec<(String, AnyTensor)>> {
         let source = Source {
             path,
             file,
@@ -816,15 +770,12 @@ pub(super) mod tests {
         for (name, dtype, shape, data) in &expect {
             let (_, t) = loaded.iter().find(|(n, _)| n == name).expect("loaded");
             assert_eq!((t.dtype(), t.shape()), (*dtype, shape.as_slice()), "{name}");
-            assert_eq!(
-                &download_tensor(&mut engine, t.bytes()).unwrap(),
-                data,
-                "{name}"
-            );
+            assert_eq!(&any_bytes(&mut engine, t), data, "{name}");
         }
         // The typed view, checked: the right type converts, another comes back.
         let (_, w) = loaded.into_iter().find(|(n, _)| n == "w").unwrap();
         let w = w.into_typed::<f64>().expect_err("f32, not f64");
+        let w = w.into_input().expect("the tensor comes back");
         let w = w.into_typed::<f32>().unwrap();
         assert_eq!(w.shape(), [64, 40]);
         let host = download_tensor(&mut engine, &w).unwrap();
@@ -853,10 +804,7 @@ pub(super) mod tests {
         let tensors = plan(path, &file, len, &mut |n| n == "step").unwrap();
         let loaded = load_planned(&mut engine, path, &file, len, &tensors, staging()).unwrap();
         assert_eq!(loaded.len(), 1);
-        assert_eq!(
-            download_tensor(&mut engine, loaded[0].1.bytes()).unwrap(),
-            42i64.to_le_bytes()
-        );
+        assert_eq!(any_bytes(&mut engine, &loaded[0].1), 42i64.to_le_bytes());
         assert_eq!(sim.device_live().0 - before, 1, "one tensor allocated");
         assert!(
             reads.load(Ordering::Relaxed) < 1000,
@@ -936,9 +884,9 @@ pub(super) mod tests {
                     match load_all_with(&mut engine, &file, bytes.len() as u64, staging) {
                         // The last read asks past the end, where reading nothing is the truth.
                         Ok(_) if short && fail_at == reads => {}
-                        Err(Error::Checkpoint(CheckpointError::Io { .. }))
-                        | Err(Error::Checkpoint(CheckpointError::ShortRead { .. }))
-                        | Err(Error::Checkpoint(CheckpointError::LengthChanged { .. })) => {}
+                        Err(Error::Io(IoError::File { .. }))
+                        | Err(Error::Malformed(MalformedError::ShortRead { .. }))
+                        | Err(Error::Malformed(MalformedError::LengthChanged { .. })) => {}
                         other => panic!("{chunk}: read {fail_at} (short: {short}): {other:?}"),
                     }
                     recovers(engine, &sim, &bytes);
@@ -1017,12 +965,12 @@ pub(super) mod tests {
                 let (mut engine, sim) = engine();
                 sim.fail_nth(op, n, DriverError::LAUNCH_FAILED);
                 match load_all(&mut engine, &&bytes[..], bytes.len() as u64) {
-                    Err(e) if !matches!(e, Error::Checkpoint(_)) => {}
+                    Err(e) if !matches!(e, Error::Io(_) | Error::Malformed(_)) => {}
                     // A slot after the first cannot be made: the load goes on with those it has.
                     Ok(loaded) if op == SimOp::HostAlloc && n > 1 => {
                         for (name, _, _, data) in &checkpoint().1 {
                             let (_, t) = loaded.iter().find(|(m, _)| m == name).unwrap();
-                            let back = download_tensor(&mut engine, t.bytes()).unwrap();
+                            let back = any_bytes(&mut engine, t);
                             assert_eq!(&back, data, "{op:?} call {n}: {name}");
                         }
                     }

@@ -6,7 +6,7 @@
 //! is a file nobody has checked: every way a header can be wrong (a file shorter than it says, a
 //! length beyond the file or any sane limit, text that is not UTF-8 or not JSON, an element type
 //! the crate has no type for, a shape that does not fit its range, ranges that overlap or leave
-//! the data, a name given twice) is a typed [`CheckpointError`] naming the file and the tensor,
+//! the data, a name given twice) is a typed [`MalformedError`](crate::error::MalformedError) naming the file and the tensor,
 //! found before a byte of device memory is allocated. Reads go through [`ReadAt`], positioned
 //! reads that several threads may issue at once on one open file, so that a test (or a storage
 //! layer of the caller's) can stand in for the file.
@@ -17,11 +17,12 @@ mod load;
 mod range;
 mod save;
 
-pub use load::Tensor;
 pub use range::{read_into, read_pending, write_from, write_returned};
+pub use save::SaveTensor;
 
 use crate::core::engine::CudaEngine;
-use crate::error::{CheckpointError, Result, UsageError};
+use crate::error::{Error, IoError, Result, UsageError};
+use crate::memory::any_tensor::AnyTensor;
 use crate::memory::element::Element;
 use crate::memory::tensor::DeviceTensor;
 use std::path::Path;
@@ -77,10 +78,7 @@ pub(crate) type Job = (
 
 /// A file thread's answer: the job back, and how its read or write went (a panic of the
 /// caller's reader or writer caught, so the route lets go of its slots before it rethrows it).
-pub(crate) type Done = (
-    Job,
-    std::thread::Result<std::result::Result<(), CheckpointError>>,
-);
+pub(crate) type Done = (Job, std::thread::Result<std::result::Result<(), Error>>);
 
 /// Starts `threads` threads in `scope` that take jobs from `queue` until it closes, and answer
 /// each on `report` with `work`'s result, until no one listens.
@@ -91,7 +89,7 @@ pub(crate) fn file_threads<'scope, W>(
     report: &std::sync::mpsc::Sender<Done>,
     work: &'scope W,
 ) where
-    W: Fn(usize, &mut [u8]) -> std::result::Result<(), CheckpointError> + Sync,
+    W: Fn(usize, &mut [u8]) -> std::result::Result<(), Error> + Sync,
 {
     for _ in 0..threads {
         let report = report.clone();
@@ -333,7 +331,7 @@ pub struct Checkpoint {
 #[derive(Debug)]
 struct Held {
     name: String,
-    tensor: Tensor,
+    tensor: AnyTensor,
     file: Arc<Path>,
 }
 
@@ -345,13 +343,13 @@ impl Checkpoint {
     }
 
     /// The tensor named `name`.
-    pub fn get(&self, name: &str) -> Option<&Tensor> {
+    pub fn get(&self, name: &str) -> Option<&AnyTensor> {
         let at = self.place(name)?;
         self.tensors[at].as_ref().map(|h| &h.tensor)
     }
 
     /// Takes the tensor named `name` out of the checkpoint.
-    pub fn remove(&mut self, name: &str) -> Option<Tensor> {
+    pub fn remove(&mut self, name: &str) -> Option<AnyTensor> {
         let at = self.place(name)?;
         self.by_name.remove(name);
         self.tensors[at].take().map(|h| h.tensor)
@@ -361,12 +359,12 @@ impl Checkpoint {
     /// its element type.
     ///
     /// # Errors
-    /// [`CheckpointError::NoTensor`] when the checkpoint holds no tensor of that name;
-    /// [`CheckpointError::ElementType`], naming the file, the tensor and both element types,
+    /// [`UsageError::NoTensor`] when the checkpoint holds no tensor of that name;
+    /// [`UsageError::StoredElementType`], naming the file, the tensor and both element types,
     /// when it holds another type. Either way the checkpoint is unchanged.
     pub fn take<T: Element>(&mut self, name: &str) -> Result<DeviceTensor<T>> {
         let Some(at) = self.place(name) else {
-            return Err(CheckpointError::NoTensor {
+            return Err(UsageError::NoTensor {
                 tensor: name.to_owned(),
             }
             .into());
@@ -374,7 +372,7 @@ impl Checkpoint {
         let held = self.tensors[at].as_ref().expect("placed");
         let holds = held.tensor.dtype();
         if holds != T::DTYPE {
-            return Err(CheckpointError::ElementType {
+            return Err(UsageError::StoredElementType {
                 path: held.file.to_path_buf(),
                 tensor: name.to_owned(),
                 asked: T::DTYPE,
@@ -394,11 +392,19 @@ impl Checkpoint {
     }
 
     /// The tensors with their names, in file order.
-    pub fn iter(&self) -> impl Iterator<Item = (&str, &Tensor)> {
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &AnyTensor)> {
         self.tensors
             .iter()
             .flatten()
             .map(|h| (h.name.as_str(), &h.tensor))
+    }
+
+    /// The tensors with their names, in file order, as [`save`] takes them: a checkpoint
+    /// saved again is `checkpoint::save(&mut engine, &loaded.named(), path)`.
+    pub fn named(&self) -> Vec<(&str, &dyn SaveTensor)> {
+        self.iter()
+            .map(|(n, t)| (n, t as &dyn SaveTensor))
+            .collect()
     }
 
     /// How many tensors it holds.
@@ -413,8 +419,8 @@ impl Checkpoint {
 }
 
 impl IntoIterator for Checkpoint {
-    type Item = (String, Tensor);
-    type IntoIter = std::vec::IntoIter<(String, Tensor)>;
+    type Item = (String, AnyTensor);
+    type IntoIter = std::vec::IntoIter<(String, AnyTensor)>;
 
     fn into_iter(self) -> Self::IntoIter {
         let held: Vec<_> = self
@@ -438,9 +444,9 @@ impl IntoIterator for Checkpoint {
 /// complete.
 ///
 /// # Errors
-/// [`Error::Checkpoint`](crate::Error::Checkpoint) naming the file (and the tensor, where one
-/// is at fault) for a file that cannot be opened or read, a bad header (see
-/// [`CheckpointError`]), a `bool` tensor holding a byte other than 0 or 1, a file whose length
+/// [`Error::Io`](crate::Error::Io) naming the file for a file that cannot be opened or read;
+/// [`Error::Malformed`](crate::Error::Malformed) naming the file (and the tensor, where one is at
+/// fault) for a bad header (see [`MalformedError`](crate::error::MalformedError)), a `bool` tensor holding a byte other than 0 or 1, a file whose length
 /// changed during the load, or an index that names a shard that is missing or lacks a tensor;
 /// the engine's error when it cannot allocate, copy or prove a copy. Nothing is kept: the
 /// tensors made so far are freed after their copies, and the staging slots return once theirs
@@ -487,7 +493,7 @@ pub fn load_each(
     engine: &mut CudaEngine,
     path: impl AsRef<Path>,
     options: LoadOptions<'_>,
-    mut each: impl FnMut(&mut CudaEngine, String, Tensor) -> Result<()>,
+    mut each: impl FnMut(&mut CudaEngine, String, AnyTensor) -> Result<()>,
 ) -> Result<()> {
     load_indexed(
         engine,
@@ -499,10 +505,11 @@ pub fn load_each(
 
 /// What a load hands each tensor to: the engine, the tensor's place in the checkpoint's file
 /// order, its file, its name and the tensor.
-type Handoff<'e> = dyn FnMut(&mut CudaEngine, usize, &Arc<Path>, String, Tensor) -> Result<()> + 'e;
+type Handoff<'e> =
+    dyn FnMut(&mut CudaEngine, usize, &Arc<Path>, String, AnyTensor) -> Result<()> + 'e;
 
 /// A tensor handed out by a load: its place, file, name and the tensor.
-type Placed = (usize, Arc<Path>, String, Tensor);
+type Placed = (usize, Arc<Path>, String, AnyTensor);
 
 impl Checkpoint {
     /// The tensors handed out by a load, put back in file order.
@@ -635,7 +642,7 @@ fn open(path: &Path) -> Result<std::fs::File> {
             .open(path)
     })
     .map_err(|source| {
-        CheckpointError::Io {
+        IoError::File {
             path: path.to_owned(),
             operation: "open",
             source,
@@ -647,7 +654,7 @@ fn open(path: &Path) -> Result<std::fs::File> {
 /// The length of the open file `path`.
 fn file_len(path: &Path, file: &std::fs::File) -> Result<u64> {
     Ok(retry(|| file.metadata())
-        .map_err(|source| CheckpointError::Io {
+        .map_err(|source| IoError::File {
             path: path.to_owned(),
             operation: "stat",
             source,
@@ -686,9 +693,28 @@ pub fn load_from(
     Ok(Checkpoint::ordered(out))
 }
 
-/// Writes `tensors` (names with tensors of `engine`) to the safetensors file `path`, in the
-/// format's own layout: the file is byte for byte what `safetensors::serialize` writes for the
-/// same tensors.
+/// Writes `tensors` (names with tensors of `engine`, borrowed) to the safetensors file `path`,
+/// in the format's own layout: the file is byte for byte what `safetensors::serialize` writes
+/// for the same tensors. Source first, as every route: the tensors, then the file.
+///
+/// Each tensor is a [`SaveTensor`]: a `DeviceTensor<T>` of any element type, or a checkpoint's
+/// [`AnyTensor`](crate::AnyTensor), so one list mixes them, each borrowed as it is:
+///
+/// ```
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// # use cuferry::sim::SimConfig;
+/// # use cuferry::{bf16, checkpoint, upload_tensor, CudaEngine};
+/// # let mut engine = CudaEngine::simulated(SimConfig::default());
+/// # let dir = tempfile::tempdir()?;
+/// # let path = dir.path().join("model.safetensors");
+/// let w = upload_tensor(&mut engine, &[0.5f32, 1.5, 2.5, 3.5], &[2, 2])?;
+/// let b = upload_tensor(&mut engine, &[bf16::from_f32(1.0), bf16::from_f32(2.0)], &[2])?;
+/// checkpoint::save(&mut engine, &[("w", &w), ("b", &b)], &path)?;
+/// // Still the caller's:
+/// let mut loaded = checkpoint::load(&mut engine, &path)?;
+/// assert_eq!(loaded.take::<f32>("w")?.shape(), w.shape());
+/// # Ok(()) }
+/// ```
 ///
 /// The bytes travel device → pinned staging → file: each chunk's download queued into a
 /// staging slot of the engine's chunk size ([`DEFAULT_STAGING_BYTES`] of them in all), and
@@ -700,18 +726,18 @@ pub fn load_from(
 /// their own temporary file: `path` ends as the whole file of one of them.
 ///
 /// # Errors
-/// [`Error::Checkpoint`](crate::Error::Checkpoint) when the file cannot be created, written,
-/// flushed or renamed, for a name given twice, or for a tensor named `__metadata__` (the
+/// [`Error::Io`](crate::Error::Io) when the file cannot be created, written, flushed or
+/// renamed; [`Error::Malformed`](crate::Error::Malformed) for a name given twice, or for a tensor named `__metadata__` (the
 /// format's name for its free-form metadata, which a load would refuse as a tensor); the
 /// engine's error when a download or its proof fails. Either way nothing is left under `path`
 /// (but where the directory cannot be flushed after the rename: the whole file is then under
 /// `path`, its name perhaps not yet on the storage) and the temporary file is removed.
 pub fn save(
     engine: &mut CudaEngine,
+    tensors: &[(&str, &dyn SaveTensor)],
     path: impl AsRef<Path>,
-    tensors: &[(&str, &Tensor)],
 ) -> Result<()> {
-    save_with(engine, path, tensors, SaveOptions::default())
+    save_with(engine, tensors, path, SaveOptions::default())
 }
 
 /// Whom a save tells how far it has come, and how it stages the bytes.
@@ -773,15 +799,15 @@ impl<'a> SaveOptions<'a> {
 /// As [`save`], and [`UsageError::InvalidSetting`] for a staging setting out of range.
 pub fn save_with(
     engine: &mut CudaEngine,
+    tensors: &[(&str, &dyn SaveTensor)],
     path: impl AsRef<Path>,
-    tensors: &[(&str, &Tensor)],
     mut options: SaveOptions<'_>,
 ) -> Result<()> {
     let staging = options.staging.validate("writers")?;
     save::save(
         engine,
-        path.as_ref(),
         tensors,
+        path.as_ref(),
         staging,
         &mut *options.progress,
     )
@@ -820,10 +846,16 @@ mod tests {
         assert!(made.unwrap().success(), "mkfifo");
         let (mut engine, _sim) = load::tests::engine();
         let err = load(&mut engine, &fifo).unwrap_err();
-        assert!(matches!(err, crate::Error::Checkpoint(_)), "{err}");
+        assert!(
+            matches!(err, crate::Error::Io(_) | crate::Error::Malformed(_)),
+            "{err}"
+        );
         let index = dir.path().join("m.safetensors.index.json");
         std::fs::rename(&fifo, &index).unwrap();
         let err = load(&mut engine, &index).unwrap_err();
-        assert!(matches!(err, crate::Error::Checkpoint(_)), "{err}");
+        assert!(
+            matches!(err, crate::Error::Io(_) | crate::Error::Malformed(_)),
+            "{err}"
+        );
     }
 }

@@ -18,7 +18,7 @@ use super::save::{self, write_exact_at};
 use super::{DEFAULT_READERS, DEFAULT_WRITERS, ReadAt, Staging, Tally, WriteAt};
 use crate::core::engine::CudaEngine;
 use crate::dtype::DType;
-use crate::error::{CheckpointError, Error, Result, SubmitError, UsageError};
+use crate::error::{Error, MalformedError, Result, SubmitError, UsageError};
 use crate::lifecycle::pending::{Pending, Returned};
 use crate::memory::pinned::PinnedHostBuffer;
 use crate::memory::tensor::DeviceTensor;
@@ -41,7 +41,7 @@ impl Targets for One<'_> {
 /// The file range `offset..offset + bytes` of `path`, refused where it passes `u64::MAX`.
 fn range(path: &Path, offset: u64, bytes: usize) -> Result<u64> {
     offset.checked_add(bytes as u64).ok_or_else(|| {
-        CheckpointError::RangeOverflow {
+        MalformedError::RangeOverflow {
             path: path.to_owned(),
             offset,
             bytes,
@@ -56,8 +56,8 @@ fn range(path: &Path, offset: u64, bytes: usize) -> Result<u64> {
 /// file in errors.
 ///
 /// # Errors
-/// [`CheckpointError::ShortRead`] when the file ends inside the range,
-/// [`CheckpointError::Io`] for a failed read, the engine's error when it cannot copy or prove a
+/// [`MalformedError::ShortRead`] when the file ends inside the range,
+/// [`IoError::File`](crate::error::IoError::File) for a failed read, the engine's error when it cannot copy or prove a
 /// copy (the tensor's contents are then unspecified); a tensor of another engine is refused
 /// before anything is read.
 pub fn read_into(
@@ -102,7 +102,7 @@ pub fn read_into(
 /// names the file in errors.
 ///
 /// # Errors
-/// [`CheckpointError::Io`] for a failed write (the range's contents are then unspecified); the
+/// [`IoError::File`](crate::error::IoError::File) for a failed write (the range's contents are then unspecified); the
 /// engine's error when a download or its proof fails; a tensor of another engine is refused
 /// before anything is written.
 pub fn write_from(
@@ -135,7 +135,7 @@ pub fn write_from(
 /// [`SubmitError::Rejected`] (both back, untouched) when the buffer's length is not the
 /// tensor's, the tensor is of another engine or the range passes the largest file offset (a
 /// buffer of another engine is refused the same way, after the read); [`SubmitError::Failed`] (both back) when the read
-/// fails or the file ends inside the range ([`CheckpointError`]), or the driver refuses the
+/// fails or the file ends inside the range ([`Error::Io`](crate::Error::Io), [`Error::Malformed`](crate::Error::Malformed)), or the driver refuses the
 /// copy; [`SubmitError::Retained`] when the copy was queued but cannot be tracked.
 // The full type is the documentation: what goes in flight, and what a refusal hands back.
 #[allow(clippy::type_complexity)]
@@ -169,7 +169,7 @@ pub fn read_pending(
     if let Err(error) = read_parallel(path, file, offset, buffer.as_mut_slice()) {
         return Err(SubmitError::Failed {
             input: (buffer, tensor),
-            error: error.into(),
+            error,
         });
     }
     upload_pending(engine, buffer, tensor)
@@ -181,7 +181,7 @@ pub fn read_pending(
 /// the file in errors.
 ///
 /// # Errors
-/// [`CheckpointError::Io`] for a failed write.
+/// [`IoError::File`](crate::error::IoError::File) for a failed write.
 pub fn write_returned(
     path: &Path,
     file: &dyn WriteAt,
@@ -190,7 +190,7 @@ pub fn write_returned(
 ) -> Result<()> {
     let bytes = returned.buffer().as_slice();
     range(path, offset, bytes.len())?;
-    Ok(write_parallel(path, file, offset, bytes)?)
+    write_parallel(path, file, offset, bytes)
 }
 
 /// The size of the pieces a host-side read or write of `len` bytes splits into: at most
@@ -205,7 +205,7 @@ fn read_parallel(
     file: &dyn ReadAt,
     offset: u64,
     buffer: &mut [u8],
-) -> Result<(), CheckpointError> {
+) -> Result<(), Error> {
     let piece = piece(buffer.len(), DEFAULT_READERS);
     let read = |(k, part): (usize, &mut [u8])| {
         header::read_exact_at(path, file, offset + (k * piece) as u64, part)
@@ -224,12 +224,7 @@ fn read_parallel(
 }
 
 /// Writes all of `bytes` to `file` at `offset`, in pieces on threads of their own.
-fn write_parallel(
-    path: &Path,
-    file: &dyn WriteAt,
-    offset: u64,
-    bytes: &[u8],
-) -> Result<(), CheckpointError> {
+fn write_parallel(path: &Path, file: &dyn WriteAt, offset: u64, bytes: &[u8]) -> Result<(), Error> {
     let piece = piece(bytes.len(), DEFAULT_WRITERS);
     let write =
         |(k, part): (usize, &[u8])| write_exact_at(path, file, part, offset + (k * piece) as u64);
@@ -248,8 +243,8 @@ fn write_parallel(
 
 /// Joins every thread, rethrowing a panic, and gives the first error.
 fn first_error(
-    handles: Vec<std::thread::ScopedJoinHandle<'_, Result<(), CheckpointError>>>,
-) -> Result<(), CheckpointError> {
+    handles: Vec<std::thread::ScopedJoinHandle<'_, Result<(), Error>>>,
+) -> Result<(), Error> {
     let mut first = Ok(());
     for handle in handles {
         let result = handle

@@ -28,9 +28,10 @@
 //! [`GREETING_PATIENCE`] to greet, holds at most [`MAX_UNGREETED`] ungreeted connections, and
 //! lists at most [`MAX_LISTED_REFUSALS`] refusals (with a count of the rest).
 
+use super::Communicator;
 use crate::core::engine::CudaEngine;
 use crate::driver::collective::UNIQUE_ID_BYTES;
-use crate::error::{BootstrapError, Result};
+use crate::error::{Error, IoError, MalformedError, PeerError, Result, SetupError, UsageError};
 use crate::sync::deadline::Deadline;
 use std::io::{ErrorKind, Read, Write};
 use std::net::{IpAddr, Ipv6Addr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
@@ -90,10 +91,10 @@ impl UniqueId {
     /// The id `bytes` hold, as [`to_bytes`](Self::to_bytes) wrote it.
     ///
     /// # Errors
-    /// [`BootstrapError::UniqueId`] for bytes of another length, without the mark, of another
+    /// [`MalformedError::UniqueId`] for bytes of another length, without the mark, of another
     /// format version.
     pub fn from_bytes(bytes: &[u8]) -> Result<UniqueId> {
-        let bad = |reason: String| BootstrapError::UniqueId { reason }.into();
+        let bad = |reason: String| MalformedError::UniqueId { reason }.into();
         if bytes.len() != ID_LEN {
             return Err(bad(format!(
                 "{} bytes, where an id is {ID_LEN}",
@@ -130,7 +131,7 @@ impl UniqueId {
 /// The largest world a rendezvous, a join's launcher variables or [`Rendezvous::new`] take:
 /// 262,144 ranks (2^18). NCCL numbers ranks with a C `int`, and the largest jobs run are of
 /// the order of 10^5 GPUs; the bound keeps rank 0's table of ranks under a MiB, so a
-/// `WORLD_SIZE` of 10^15 is a typed [`BootstrapError::Limit`], not an allocation that aborts
+/// `WORLD_SIZE` of 10^15 is a typed [`UsageError::PastBound`], not an allocation that aborts
 /// the process.
 pub const MAX_WORLD: usize = 1 << 18;
 
@@ -151,7 +152,7 @@ pub const MAX_UNGREETED: usize = 128;
 /// How long a connection has to greet before rank 0 may close it to make room for a newer one.
 pub const GREETING_GRACE: Duration = Duration::from_millis(50);
 
-/// The most refusals [`BootstrapError::Missing`] lists; the rest are counted in a last entry.
+/// The most refusals [`PeerError::Missing`] lists; the rest are counted in a last entry.
 pub const MAX_LISTED_REFUSALS: usize = 32;
 
 /// The longest host name `MASTER_ADDR` may hold, in bytes (DNS's limit).
@@ -198,6 +199,8 @@ pub struct Launch {
     pub host: String,
     /// Rank 0's rendezvous port (`MASTER_PORT`), never 0.
     pub port: u16,
+    /// The job's deadline, where one was set ([`with_timeout`](Self::with_timeout)).
+    timeout: Option<Duration>,
 }
 
 /// A launcher variable's value as an error repeats it: cut to [`SHOWN_BYTES`], with its
@@ -219,25 +222,27 @@ fn cut(text: &str, bytes: usize) -> &str {
 }
 
 /// A launcher variable that is not what it must be.
-fn environment(variable: &'static str, value: &str, reason: &'static str) -> BootstrapError {
-    BootstrapError::Environment {
+fn environment(variable: &'static str, value: &str, reason: &'static str) -> Error {
+    SetupError::Environment {
         variable,
         value: Some(shown(value)),
         reason,
     }
+    .into()
 }
 
 /// A launcher variable's number, as a `T`.
 fn number<T: std::str::FromStr>(
     variable: &'static str,
     value: Option<String>,
-) -> std::result::Result<T, BootstrapError> {
+) -> std::result::Result<T, Error> {
     let Some(value) = value else {
-        return Err(BootstrapError::Environment {
+        return Err(SetupError::Environment {
             variable,
             value: None,
             reason: "not set",
-        });
+        }
+        .into());
     };
     value
         .trim()
@@ -246,13 +251,14 @@ fn number<T: std::str::FromStr>(
 }
 
 /// `Err` for a world past [`MAX_WORLD`].
-fn check_world(what: &'static str, world: usize) -> std::result::Result<(), BootstrapError> {
+fn check_world(what: &'static str, world: usize) -> std::result::Result<(), Error> {
     if world > MAX_WORLD {
-        return Err(BootstrapError::Limit {
+        return Err(UsageError::PastBound {
             what,
             value: world.to_string(),
             limit: format!("at most {MAX_WORLD} ranks (MAX_WORLD)"),
-        });
+        }
+        .into());
     }
     Ok(())
 }
@@ -260,7 +266,7 @@ fn check_world(what: &'static str, world: usize) -> std::result::Result<(), Boot
 /// `MASTER_ADDR`'s host, checked for its form: an IP address (an IPv6 one with or without
 /// brackets) or a host name of letters, digits, `-` and `_` in dot-separated labels of 1 to 63
 /// bytes, at most 253 bytes in all.
-fn host(value: Option<String>) -> std::result::Result<String, BootstrapError> {
+fn host(value: Option<String>) -> std::result::Result<String, Error> {
     const VARIABLE: &str = "MASTER_ADDR";
     let Some(raw) = value else {
         return Ok("127.0.0.1".into());
@@ -271,11 +277,12 @@ fn host(value: Option<String>) -> std::result::Result<String, BootstrapError> {
         return Err(bad("empty"));
     }
     if host.len() > MAX_HOST_BYTES {
-        return Err(BootstrapError::Limit {
+        return Err(UsageError::PastBound {
             what: VARIABLE,
             value: format!("a host of {} bytes", raw.len()),
             limit: format!("at most {MAX_HOST_BYTES} bytes"),
-        });
+        }
+        .into());
     }
     if let Some(inner) = host.strip_prefix('[') {
         return match inner.strip_suffix(']').map(str::parse::<Ipv6Addr>) {
@@ -314,9 +321,9 @@ impl Launch {
     /// repeats at most 64 bytes of a value.
     ///
     /// # Errors
-    /// [`BootstrapError::Environment`] for a missing variable, one that is not a number of its
-    /// range, a world of none, port 0 or a host that is not one; [`BootstrapError::Rank`] for
-    /// a rank at or above the world size; [`BootstrapError::Limit`] for a world past
+    /// [`SetupError::Environment`] for a missing variable, one that is not a number of its
+    /// range, a world of none, port 0 or a host that is not one; [`UsageError::NotARank`] for
+    /// a rank at or above the world size; [`UsageError::PastBound`] for a world past
     /// [`MAX_WORLD`], a local rank past its bound or a host name past 253 bytes.
     pub fn from_env() -> Result<Launch> {
         Launch::from_vars(|name| std::env::var(name).ok())
@@ -330,17 +337,21 @@ impl Launch {
         let rank: usize = number("RANK", var("RANK"))?;
         let world: usize = number("WORLD_SIZE", var("WORLD_SIZE"))?;
         if world == 0 {
-            return Err(environment("WORLD_SIZE", "0", "a world has at least one rank").into());
+            return Err(environment(
+                "WORLD_SIZE",
+                "0",
+                "a world has at least one rank",
+            ));
         }
         check_world("WORLD_SIZE", world)?;
         if rank >= world {
-            return Err(BootstrapError::Rank { rank, world }.into());
+            return Err(UsageError::NotARank { rank, world }.into());
         }
         let local_rank: usize = match var("LOCAL_RANK") {
             Some(v) => number("LOCAL_RANK", Some(v))?,
             None => rank,
         };
-        let local_limit = |limit: String| BootstrapError::Limit {
+        let local_limit = |limit: String| UsageError::PastBound {
             what: "LOCAL_RANK",
             value: local_rank.to_string(),
             limit,
@@ -351,7 +362,7 @@ impl Launch {
         if let Some(v) = var("LOCAL_WORLD_SIZE") {
             let local_world: usize = number("LOCAL_WORLD_SIZE", Some(v))?;
             if local_world == 0 || local_world > world {
-                return Err(BootstrapError::Limit {
+                return Err(UsageError::PastBound {
                     what: "LOCAL_WORLD_SIZE",
                     value: local_world.to_string(),
                     limit: format!("1 to the world's size, {world}"),
@@ -370,8 +381,7 @@ impl Launch {
                     "MASTER_PORT",
                     &port.to_string(),
                     "not a port a rank can reach (1 to 65535)",
-                )
-                .into());
+                ));
             }
         };
         let host = host(var("MASTER_ADDR"))?;
@@ -381,20 +391,85 @@ impl Launch {
             local_rank,
             host,
             port,
+            timeout: None,
         })
     }
 
-    /// The rendezvous these variables name, with its defaults.
+    /// Rank `rank` of a job of `world` ranks started without a launcher (its id handed over by
+    /// an exchange of yours): as if `RANK` and `WORLD_SIZE` were set and nothing else, so its
+    /// local rank is `rank`, and its rendezvous, should it use one, listens at
+    /// `127.0.0.1:29500` (`torchrun`'s default port).
     ///
     /// # Errors
-    /// [`BootstrapError::Io`] when `MASTER_ADDR` does not resolve.
+    /// [`UsageError::NotARank`] for a rank at or above the world size, or a world of none;
+    /// [`UsageError::PastBound`] for a world past [`MAX_WORLD`].
+    pub fn new(rank: usize, world: usize) -> Result<Launch> {
+        if world == 0 || rank >= world {
+            return Err(UsageError::NotARank { rank, world }.into());
+        }
+        check_world("world", world)?;
+        Ok(Launch {
+            rank,
+            world,
+            local_rank: rank,
+            host: "127.0.0.1".into(),
+            port: 29500,
+            timeout: None,
+        })
+    }
+
+    /// This launch with one deadline for its job, which the [rendezvous](Self::rendezvous),
+    /// the [join](Self::join) and the collectives of the communicator it joins inherit, each
+    /// counting it from its own start, unless told otherwise
+    /// ([`Rendezvous::with_timeout`], [`Communicator::with_timeout`]). `Duration::MAX` is no
+    /// deadline. Without one, each step keeps its default ([`DEFAULT_BOOTSTRAP_TIMEOUT`] for
+    /// the rendezvous and the join,
+    /// [`DEFAULT_COLLECTIVE_TIMEOUT`](super::DEFAULT_COLLECTIVE_TIMEOUT) for each collective).
+    #[must_use]
+    pub fn with_timeout(mut self, timeout: Duration) -> Launch {
+        self.timeout = Some(timeout);
+        self
+    }
+
+    /// The job's deadline, where [`with_timeout`](Self::with_timeout) set one.
+    pub fn timeout(&self) -> Option<Duration> {
+        self.timeout
+    }
+
+    /// The rendezvous these variables name, with the launch's deadline (or its default).
+    ///
+    /// # Errors
+    /// [`IoError::Rendezvous`] when `MASTER_ADDR` does not resolve.
     pub fn rendezvous(&self) -> Result<Rendezvous> {
-        Rendezvous::new((self.host.as_str(), self.port), self.rank, self.world)
+        let rendezvous = Rendezvous::new((self.host.as_str(), self.port), self.rank, self.world)?;
+        Ok(match self.timeout {
+            Some(timeout) => rendezvous.with_timeout(timeout),
+            None => rendezvous,
+        })
+    }
+
+    /// Joins this launch's rank of its world, with `engine` as its engine and rank 0's `id`
+    /// ([`Communicator::join`]), waiting at most the launch's deadline (or
+    /// [`DEFAULT_BOOTSTRAP_TIMEOUT`]) for every rank; the communicator's collectives inherit
+    /// the launch's deadline (or [`DEFAULT_COLLECTIVE_TIMEOUT`](super::DEFAULT_COLLECTIVE_TIMEOUT)).
+    ///
+    /// # Errors
+    /// As [`Communicator::join`]; [`PeerError::Unjoined`] names the ranks that never
+    /// joined, where the collective library can tell.
+    pub fn join(&self, engine: &mut CudaEngine, id: &UniqueId) -> Result<Communicator> {
+        let join = self.timeout.unwrap_or(DEFAULT_BOOTSTRAP_TIMEOUT);
+        let comm = Communicator::join_by(engine, id, self.rank, self.world, join)?;
+        Ok(match self.timeout {
+            Some(timeout) => comm.with_timeout(timeout),
+            None => comm,
+        })
     }
 }
 
-/// The default deadline of a rendezvous: long enough for every rank of a large job to start.
-pub const DEFAULT_RENDEZVOUS_TIMEOUT: Duration = Duration::from_secs(300);
+/// The default deadline of a rendezvous ([`Rendezvous::with_timeout`]) and of a join
+/// ([`Communicator::join`], [`Launch::join`]): five minutes, long enough for every rank of a
+/// large job to start.
+pub const DEFAULT_BOOTSTRAP_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// The rendezvous protocol's mark, which opens every message (its last two bytes are the
 /// protocol's version).
@@ -418,12 +493,12 @@ const REFUSE: u8 = 3;
 /// at once, and answers once every rank has arrived. It refuses a greeting of another world
 /// size, another job, a rank out of range or already taken, or bytes that are not the
 /// protocol, and tells the peer why. Everything waits at most the rendezvous's timeout
-/// ([`DEFAULT_RENDEZVOUS_TIMEOUT`] unless set), counted once from the start of
+/// ([`DEFAULT_BOOTSTRAP_TIMEOUT`] unless set), counted once from the start of
 /// [`exchange`](Self::exchange), however slowly a peer sends: after it each rank has a typed
 /// error saying who was missing.
 ///
-/// The rendezvous trusts its network, and checks every message (see the [module](self)'s
-/// docs).
+/// The rendezvous trusts its network, and checks every message (see the guide's
+/// [Running across processes](crate::guide::across_processes)).
 #[derive(Clone, Debug)]
 pub struct Rendezvous {
     address: SocketAddr,
@@ -439,15 +514,15 @@ impl Rendezvous {
     /// it.
     ///
     /// # Errors
-    /// [`BootstrapError::Rank`] for a rank at or above the world size, or a world of none;
-    /// [`BootstrapError::Limit`] for a world past [`MAX_WORLD`]; [`BootstrapError::Io`] when
+    /// [`UsageError::NotARank`] for a rank at or above the world size, or a world of none;
+    /// [`UsageError::PastBound`] for a world past [`MAX_WORLD`]; [`IoError::Rendezvous`] when
     /// the address does not resolve.
     pub fn new(address: impl ToSocketAddrs, rank: usize, world: usize) -> Result<Rendezvous> {
         if world == 0 || rank >= world {
-            return Err(BootstrapError::Rank { rank, world }.into());
+            return Err(UsageError::NotARank { rank, world }.into());
         }
         check_world("world", world)?;
-        let unresolved = |source| BootstrapError::Io {
+        let unresolved = |source| IoError::Rendezvous {
             address: "the given address".into(),
             operation: "resolve",
             source,
@@ -462,7 +537,7 @@ impl Rendezvous {
             rank,
             world,
             job: String::new(),
-            timeout: DEFAULT_RENDEZVOUS_TIMEOUT,
+            timeout: DEFAULT_BOOTSTRAP_TIMEOUT,
         })
     }
 
@@ -482,11 +557,19 @@ impl Rendezvous {
         self
     }
 
-    /// How long the rendezvous waits in all: rank 0 for every rank, the others for rank 0.
-    /// `Duration::MAX` (or any duration too large for a deadline) waits for ever.
-    pub fn timeout(mut self, timeout: Duration) -> Rendezvous {
+    /// This rendezvous with another deadline: how long it waits in all, rank 0 for every
+    /// rank, the others for rank 0 ([`DEFAULT_BOOTSTRAP_TIMEOUT`] unless set, or the
+    /// [launch](Launch::with_timeout)'s). `Duration::MAX` (or any duration too large for a
+    /// deadline) waits for ever.
+    #[must_use]
+    pub fn with_timeout(mut self, timeout: Duration) -> Rendezvous {
         self.timeout = timeout;
         self
+    }
+
+    /// How long the rendezvous waits in all.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
     }
 
     /// This rank.
@@ -503,17 +586,17 @@ impl Rendezvous {
     /// receive it. Every rank returns the same id.
     ///
     /// # Errors
-    /// [`BootstrapError::Limit`] for a job's name past [`MAX_JOB_BYTES`], before any socket.
-    /// On rank 0, [`BootstrapError::Io`] when it cannot listen at the address or write the id
-    /// to a rank, and [`BootstrapError::Missing`] when not every rank arrives in time (with the
+    /// [`UsageError::PastBound`] for a job's name past [`MAX_JOB_BYTES`], before any socket.
+    /// On rank 0, [`IoError::Rendezvous`] when it cannot listen at the address or write the id
+    /// to a rank, and [`PeerError::Missing`] when not every rank arrives in time (with the
     /// connections it refused meanwhile); `make`'s error. On the others,
-    /// [`BootstrapError::NoRoot`] when rank 0 does not answer in time,
-    /// [`BootstrapError::Refused`] with rank 0's reason, [`BootstrapError::Garbage`] for an
-    /// answer that is not the protocol, and [`BootstrapError::UniqueId`] for an id this
+    /// [`PeerError::NoRoot`] when rank 0 does not answer in time,
+    /// [`PeerError::RankRefused`] with rank 0's reason, [`MalformedError::Rendezvous`] for an
+    /// answer that is not the protocol, and [`MalformedError::UniqueId`] for an id this
     /// process cannot use.
     pub fn exchange(&self, make: impl FnOnce() -> Result<UniqueId>) -> Result<UniqueId> {
         if self.job.len() > MAX_JOB_BYTES {
-            return Err(BootstrapError::Limit {
+            return Err(UsageError::PastBound {
                 what: "job",
                 value: format!("a name of {} bytes", self.job.len()),
                 limit: format!("at most {MAX_JOB_BYTES} bytes (MAX_JOB_BYTES)"),
@@ -532,12 +615,15 @@ impl Rendezvous {
         self.address.to_string()
     }
 
-    fn io(&self, operation: &'static str) -> impl FnOnce(std::io::Error) -> BootstrapError {
+    fn io(&self, operation: &'static str) -> impl FnOnce(std::io::Error) -> Error {
         let address = self.address();
-        move |source| BootstrapError::Io {
-            address,
-            operation,
-            source,
+        move |source| {
+            IoError::Rendezvous {
+                address,
+                operation,
+                source,
+            }
+            .into()
         }
     }
 
@@ -561,7 +647,7 @@ impl Rendezvous {
         while arrived < self.world {
             if deadline.expired() {
                 let missing = (1..self.world).filter(|&r| peers[r].is_none()).collect();
-                return Err(BootstrapError::Missing {
+                return Err(PeerError::Missing {
                     address: self.address(),
                     missing,
                     refused: refused.into_list(),
@@ -639,7 +725,7 @@ impl Rendezvous {
                     // Out of descriptors for now: the connections wait in the queue, and the
                     // held ones close as their patience runs out.
                     Err(e) if matches!(e.raw_os_error(), Some(23 | 24)) => break,
-                    Err(e) => return Err(self.io("accept")(e).into()),
+                    Err(e) => return Err(self.io("accept")(e)),
                 }
             }
             if !progress {
@@ -661,7 +747,7 @@ impl Rendezvous {
             }
         }
         match failed {
-            Some(e) => Err(self.io("write")(e).into()),
+            Some(e) => Err(self.io("write")(e)),
             None => Ok(id),
         }
     }
@@ -717,7 +803,7 @@ impl Rendezvous {
         let mut last: Option<String> = None;
         loop {
             let Some(wait) = deadline.slice(IO_SLICE) else {
-                return Err(self.no_root(last).into());
+                return Err(self.no_root(last));
             };
             match TcpStream::connect_timeout(&self.address, wait) {
                 Ok(stream) => match self.greet(stream, deadline) {
@@ -733,16 +819,17 @@ impl Rendezvous {
         }
     }
 
-    fn no_root(&self, last: Option<String>) -> BootstrapError {
-        BootstrapError::NoRoot {
+    fn no_root(&self, last: Option<String>) -> Error {
+        PeerError::NoRoot {
             address: self.address(),
             last,
         }
+        .into()
     }
 
     fn garbage(&self, reason: String) -> Attempt {
         Attempt::Fail(
-            BootstrapError::Garbage {
+            MalformedError::Rendezvous {
                 address: self.address(),
                 reason,
             }
@@ -769,18 +856,16 @@ impl Rendezvous {
         if let Err(e) = write_within(&mut stream, &frame(HELLO, &body), deadline) {
             return Err(match e.kind() {
                 _ if closed(&e) => Attempt::Again(format!("rank 0 closed the connection: {e}")),
-                ErrorKind::TimedOut => Attempt::Fail(
-                    self.no_root(Some("timed out sending the greeting".into()))
-                        .into(),
-                ),
-                _ => Attempt::Fail(self.io("write")(e).into()),
+                ErrorKind::TimedOut => {
+                    Attempt::Fail(self.no_root(Some("timed out sending the greeting".into())))
+                }
+                _ => Attempt::Fail(self.io("write")(e)),
             });
         }
         let unanswered = |fail: ReadFail| match fail {
-            ReadFail::TimedOut => Attempt::Fail(
-                self.no_root(Some("timed out waiting for rank 0's answer".into()))
-                    .into(),
-            ),
+            ReadFail::TimedOut => {
+                Attempt::Fail(self.no_root(Some("timed out waiting for rank 0's answer".into())))
+            }
             ReadFail::Closed { after: 0 } => {
                 Attempt::Again("rank 0 closed the connection unanswered".into())
             }
@@ -788,10 +873,9 @@ impl Rendezvous {
                 Attempt::Again(format!("rank 0 closed the connection unanswered: {error}"))
             }
             ReadFail::Closed { after } => Attempt::Fail(
-                self.no_root(Some(format!("closed after {after} bytes of an answer")))
-                    .into(),
+                self.no_root(Some(format!("closed after {after} bytes of an answer"))),
             ),
-            ReadFail::Io { error, .. } => Attempt::Fail(self.io("read")(error).into()),
+            ReadFail::Io { error, .. } => Attempt::Fail(self.io("read")(error)),
         };
         let mut head = [0u8; HEAD];
         read_within(&mut stream, &mut head, deadline).map_err(unanswered)?;
@@ -827,7 +911,7 @@ impl Rendezvous {
             return UniqueId::from_bytes(&body).map_err(Attempt::Fail);
         }
         Err(Attempt::Fail(
-            BootstrapError::Refused {
+            PeerError::RankRefused {
                 address: self.address(),
                 rank: self.rank,
                 reason: printable(&body),

@@ -3,10 +3,16 @@
 //!
 //! A [`Communicator`] joins engines on distinct devices, one NCCL rank each, in the order given
 //! ([`Communicator::new`]), or one rank of a world whose other ranks are processes of their own
-//! ([`Communicator::join`]). [`all_reduce`], [`broadcast`], [`reduce`], [`all_gather`],
-//! [`reduce_scatter`], [`send`] and [`recv`] take this process's ranks' tensors by value, and a
-//! [`CollectiveGroup`] several such calls; each queues on every rank's compute stream in one NCCL
-//! group (so one thread drives every GPU), records an event after it on each, and returns a
+//! ([`Communicator::join`]). Every collective is said one way: a [`CollectiveGroup`] made by
+//! [`Communicator::group`], given calls ([`all_reduce`](CollectiveGroup::all_reduce),
+//! [`broadcast`](CollectiveGroup::broadcast), [`reduce`](CollectiveGroup::reduce),
+//! [`all_gather`](CollectiveGroup::all_gather),
+//! [`reduce_scatter`](CollectiveGroup::reduce_scatter), [`send`](CollectiveGroup::send),
+//! [`recv`](CollectiveGroup::recv)) that take this process's ranks' tensors by value, and
+//! [submitted](CollectiveGroup::submit) with the ranks' engines, one call or several:
+//! `comm.group().all_reduce(tensors, ReduceOp::Sum).submit(&mut engines)`. The submission
+//! queues on every rank's compute stream in one NCCL group (so one thread drives every GPU),
+//! records an event after it on each, and returns a
 //! [`Pending<Collective<T>>`](Pending): an operation in flight like every other
 //! ([`crate::pending`]), with its verbs and rules:
 //!
@@ -23,7 +29,7 @@
 //! - a wait that fails retains the failing tensor for its engine's lifetime;
 //! - for joined ranks, every wait also watches the communicator's state and a deadline
 //!   ([`Communicator::with_timeout`]): a peer that died ends it with
-//!   [`CollectiveError`](crate::error::CollectiveError), the communicator aborted and the
+//!   [`Error::Peer`](crate::Error::Peer), the communicator aborted and the
 //!   tensors detached as on a drop.
 //!
 //! The communicators live as long as the [`Communicator`] and every collective queued on them,
@@ -35,34 +41,35 @@
 //! and each send with its receive, so the same lifecycle is tested without a GPU.
 //!
 //! Ranks in processes of their own join one by one: [`Communicator::join`] (`ncclCommInitRank`)
-//! with rank 0's [`UniqueId`], handed over by the [`bootstrap`] module's [`Rendezvous`] or an
-//! exchange of the caller's. Each such communicator holds one rank, this process's engine. The
-//! guide's chapter [Running across processes](crate::guide::across_processes) is that path,
+//! with rank 0's [`UniqueId`], handed over by a [`Rendezvous`] or an exchange of the caller's,
+//! or [`Launch::join`] for a launched process, whose one deadline
+//! ([`Launch::with_timeout`]) the rendezvous, the join and the collectives inherit. Each such
+//! communicator holds one rank, this process's engine. The guide's chapter [Running across processes](crate::guide::across_processes) is that path,
 //! start to finish.
 
 // A refused call hands its tensors back by value (see `lifecycle::pending`).
 #![allow(clippy::result_large_err)]
 
-pub mod bootstrap;
+mod bootstrap;
 mod ranks;
 
 use crate::core::engine::CudaEngine;
 use crate::core::order::Use;
+use crate::device::DeviceId;
 use crate::driver::Lane;
 use crate::driver::collective::{
     self as seam, CollectiveKind, Communicators, Group as SeamGroup, Reduction,
 };
 use crate::error::SubmitError;
-use crate::error::{DeviceId, Error, Result, SetupError, UsageError};
+use crate::error::{Error, Result, SetupError, UsageError};
 use crate::lifecycle::fence::{Fencing, IdleEvent, fence};
 use crate::lifecycle::pending::{self, InFlight, Operation, Pending, Returned};
 use crate::memory::element::Element;
 use crate::memory::tensor::DeviceTensor;
-pub use bootstrap::{DEFAULT_RENDEZVOUS_TIMEOUT, Launch, Rendezvous, UniqueId};
-
-/// How long [`Communicator::join`] waits for every rank of its world: as long as a
-/// rendezvous's default, for ranks that start at different times.
-pub const DEFAULT_JOIN_TIMEOUT: Duration = DEFAULT_RENDEZVOUS_TIMEOUT;
+pub use bootstrap::{
+    DEFAULT_BOOTSTRAP_TIMEOUT, GREETING_GRACE, GREETING_PATIENCE, Launch, MAX_JOB_BYTES,
+    MAX_LISTED_REFUSALS, MAX_UNGREETED, MAX_WORLD, Rendezvous, UniqueId,
+};
 use ranks::{Part, Ranks, RanksLanded};
 use std::fmt;
 use std::marker::PhantomData;
@@ -87,7 +94,9 @@ macro_rules! collective_element {
 
 collective_element!(i8, u8, i32, u32, i64, u64, half::f16, f32, f64, half::bf16);
 
-/// How a reduction ([`all_reduce`], [`reduce`], [`reduce_scatter`]) combines the ranks'
+/// How a reduction ([`all_reduce`](CollectiveGroup::all_reduce),
+/// [`reduce`](CollectiveGroup::reduce), [`reduce_scatter`](CollectiveGroup::reduce_scatter))
+/// combines the ranks'
 /// elements.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
@@ -145,13 +154,16 @@ pub const DEFAULT_COLLECTIVE_TIMEOUT: Duration = Duration::from_secs(600);
 ///
 /// ```no_run
 /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
-/// use cuferry::collective::{all_reduce, Communicator, ReduceOp};
+/// use cuferry::collective::{Communicator, ReduceOp};
 /// use cuferry::{upload_tensor, CudaEngine};
 /// let (mut gpu0, mut gpu1) = (CudaEngine::open(0)?, CudaEngine::open(1)?);
 /// let comm = Communicator::new(&mut [&mut gpu0, &mut gpu1])?;
 /// let a = upload_tensor(&mut gpu0, &[1.0f32, 2.0], &[2])?;
 /// let b = upload_tensor(&mut gpu1, &[10.0f32, 20.0], &[2])?;
-/// let summed = all_reduce(&comm, &mut [&mut gpu0, &mut gpu1], vec![a, b], ReduceOp::Sum)?;
+/// let summed = comm
+///     .group()
+///     .all_reduce(vec![a, b], ReduceOp::Sum)
+///     .submit(&mut [&mut gpu0, &mut gpu1])?;
 /// let [a, b]: [_; 2] = summed.wait()?.into_parts().try_into().unwrap();
 /// assert_eq!(cuferry::download_tensor(&mut gpu1, &b)?, [11.0, 22.0]);
 /// # drop(a); Ok(()) }
@@ -228,7 +240,11 @@ impl Communicator {
     /// of its own), with `engine` as this rank's (`ncclCommInitRank`): every rank calls it with
     /// the same `id` (rank 0's [`UniqueId`], handed over by a [`Rendezvous`] or your own
     /// exchange). Returns once every rank has joined, waiting at most
-    /// [`DEFAULT_JOIN_TIMEOUT`]; [`join_within`](Self::join_within) sets another deadline.
+    /// [`DEFAULT_BOOTSTRAP_TIMEOUT`]; a [`Launch`] sets another deadline for the join and the
+    /// collectives ([`Launch::with_timeout`], [`Launch::join`]; [`Launch::new`] where no
+    /// launcher set the variables). The join is non-blocking inside NCCL (2.14 and later; an
+    /// older NCCL joins blocking, with no deadline), so a rank that never comes ends the wait,
+    /// not the process.
     ///
     /// The communicator holds one rank here: a collective on it takes this engine and this
     /// rank's tensors (`&mut [&mut engine]`, `vec![tensor]`), and every other rank must make
@@ -237,11 +253,13 @@ impl Communicator {
     /// the results).
     ///
     /// # Errors
-    /// [`BootstrapError::Rank`](crate::error::BootstrapError::Rank) for a rank at or above the
-    /// world size; [`BootstrapError::UniqueId`](crate::error::BootstrapError::UniqueId) for an
+    /// [`UsageError::NotARank`](crate::error::UsageError::NotARank) for a rank at or above the
+    /// world size; [`MalformedError::UniqueId`](crate::error::MalformedError::UniqueId) for an
     /// id made by another version of NCCL than this process loads;
-    /// [`BootstrapError::Unjoined`](crate::error::BootstrapError::Unjoined) when the world did
-    /// not form by the deadline (the join begun is aborted, and the engine works on);
+    /// [`PeerError::Unjoined`](crate::error::PeerError::Unjoined) when the world did
+    /// not form by the deadline (the join begun is aborted, and the engine works on), naming
+    /// the ranks that never joined where the collective library can tell (the simulated
+    /// device can; NCCL does not say);
     /// [`SetupError::Unavailable`](crate::error::SetupError::Unavailable) without NCCL;
     /// [`LibraryError::Vendor`](crate::error::LibraryError::Vendor) when NCCL refuses (an id it
     /// cannot use, a rank given twice).
@@ -251,17 +269,12 @@ impl Communicator {
         rank: usize,
         world: usize,
     ) -> Result<Communicator> {
-        Communicator::join_within(engine, id, rank, world, DEFAULT_JOIN_TIMEOUT)
+        Communicator::join_by(engine, id, rank, world, DEFAULT_BOOTSTRAP_TIMEOUT)
     }
 
     /// As [`join`](Self::join), waiting at most `timeout` for the world to form
-    /// (`Duration::MAX`: for ever). The join is non-blocking inside NCCL (2.14 and later; an
-    /// older NCCL joins blocking, with no deadline), so a rank that never comes ends the wait,
-    /// not the process.
-    ///
-    /// # Errors
-    /// As [`join`](Self::join).
-    pub fn join_within(
+    /// (`Duration::MAX`: for ever): [`Launch::join`]'s.
+    pub(crate) fn join_by(
         engine: &mut CudaEngine,
         id: &UniqueId,
         rank: usize,
@@ -269,7 +282,7 @@ impl Communicator {
         timeout: Duration,
     ) -> Result<Communicator> {
         if world == 0 || rank >= world {
-            return Err(crate::error::BootstrapError::Rank { rank, world }.into());
+            return Err(crate::error::UsageError::NotARank { rank, world }.into());
         }
         let seam = engine.shared.enter()?.driver.join(
             id.raw(),
@@ -291,7 +304,7 @@ impl Communicator {
     /// default is [`DEFAULT_COLLECTIVE_TIMEOUT`]). It counts from a collective's submission;
     /// a wait on a collective of [joined](Self::join) ranks that passes it aborts the
     /// communicator and fails with
-    /// [`CollectiveError::TimedOut`](crate::error::CollectiveError::TimedOut). Collectives of
+    /// [`PeerError::CollectiveTimedOut`](crate::error::PeerError::CollectiveTimedOut). Collectives of
     /// [`new`](Self::new)'s communicators, whose ranks are all in this process, have no
     /// deadline: no peer can vanish. `Duration::MAX` (or any duration too large for a
     /// deadline) is no deadline for joined ranks too.
@@ -308,7 +321,7 @@ impl Communicator {
 
     /// Aborts the communicator (`ncclCommAbort`): its collectives still queued end without
     /// their peers, leaving their tensors' contents unspecified, and every later collective on
-    /// it is refused with [`CollectiveError::Aborted`](crate::error::CollectiveError::Aborted),
+    /// it is refused with [`PeerError::Aborted`](crate::error::PeerError::Aborted),
     /// as is every wait on one in flight. For a rank that learns by other means that a peer is
     /// gone (its launcher said so), or that must leave a collective it will not wait for
     /// (dropped in flight) before its engine can synchronize. The tensors lent are released by
@@ -355,11 +368,11 @@ impl Communicator {
 }
 
 /// The operation of every collective: one NCCL group over this process's ranks' tensors. Its
-/// [parts](Operation::Parts) are the tensors in the order they were given: one per rank, in
-/// rank order, for [`all_reduce`], [`broadcast`] and [`reduce`]; each rank's input and then
-/// each rank's output for [`all_gather`] and [`reduce_scatter`]; the one tensor of [`send`]
-/// and [`recv`]; the tensors of each call of a [`CollectiveGroup`] in the order the calls were
-/// added.
+/// [parts](Operation::Parts) are the tensors of each call of its [`CollectiveGroup`], in the
+/// order the calls were added, and each call's in the order it was given them: one per rank,
+/// in rank order, for an all-reduce, a broadcast and a reduce; each rank's input and then each
+/// rank's output for an all-gather and a reduce-scatter; the one tensor of a send or a
+/// receive.
 ///
 /// In flight it owns the tensors and lends each only shared, to work on its own engine
 /// ([`tensor`](Pending::tensor)); [`wait`](Pending::wait) proves every rank's part complete.
@@ -433,7 +446,7 @@ impl<T: CollectiveElement> Pending<Collective<T>, Returned> {
     /// device memory is allocated.
     ///
     /// # Errors
-    /// As [`all_reduce`].
+    /// As [`CollectiveGroup::submit`].
     pub fn resubmit(self, engines: &mut [&mut CudaEngine]) -> Submitted<T> {
         let RanksLanded {
             tensors,
@@ -520,9 +533,10 @@ struct Plan {
 /// let (rank, world) = (comm.rank(), comm.world());
 /// let mine = upload_tensor(&mut engine, &[rank as f32; 4], &[4])?;
 /// let theirs = upload_tensor(&mut engine, &[0.0f32; 4], &[4])?;
-/// let mut ring = comm.group();
-/// ring.send(0, mine, (rank + 1) % world)
-///     .recv(0, theirs, (rank + world - 1) % world);
+/// let ring = comm
+///     .group()
+///     .send(0, mine, (rank + 1) % world)
+///     .recv((rank + world - 1) % world, 0, theirs);
 /// let [_mine, theirs]: [_; 2] = ring.submit(&mut [&mut engine])?.wait()?.into_parts().try_into().unwrap();
 /// # drop(theirs); Ok(()) }
 /// ```
@@ -553,7 +567,7 @@ impl<T: CollectiveElement> CollectiveGroup<T> {
     }
 
     /// Adds a call with one tensor per rank here, each read and written in place.
-    fn in_place(&mut self, tensors: Vec<DeviceTensor<T>>, call: Call) -> &mut Self {
+    fn in_place(&mut self, tensors: Vec<DeviceTensor<T>>, call: Call) {
         self.count_check(tensors.len());
         let id = self.next_id();
         for (rank, tensor) in tensors.into_iter().enumerate() {
@@ -566,7 +580,6 @@ impl<T: CollectiveElement> CollectiveGroup<T> {
                 id,
             });
         }
-        self
     }
 
     /// Adds a call with an input and an output per rank here.
@@ -575,7 +588,7 @@ impl<T: CollectiveElement> CollectiveGroup<T> {
         inputs: Vec<DeviceTensor<T>>,
         outputs: Vec<DeviceTensor<T>>,
         call: Call,
-    ) -> &mut Self {
+    ) {
         self.count_check(inputs.len());
         self.count_check(outputs.len());
         let id = self.next_id();
@@ -598,11 +611,10 @@ impl<T: CollectiveElement> CollectiveGroup<T> {
                 id,
             });
         }
-        self
     }
 
     /// Adds a send or a receive of one tensor of rank `rank` here.
-    fn point_to_point(&mut self, rank: usize, tensor: DeviceTensor<T>, call: Call) -> &mut Self {
+    fn point_to_point(&mut self, rank: usize, tensor: DeviceTensor<T>, call: Call) {
         let id = self.next_id();
         let at = self.push(rank, tensor);
         self.plan.steps.push(Step {
@@ -612,7 +624,6 @@ impl<T: CollectiveElement> CollectiveGroup<T> {
             output: at,
             id,
         });
-        self
     }
 
     fn next_id(&mut self) -> usize {
@@ -633,61 +644,82 @@ impl<T: CollectiveElement> CollectiveGroup<T> {
         }
     }
 
-    /// Adds an all-reduce of `tensors` (one per rank here, in place): see [`all_reduce`].
-    pub fn all_reduce(&mut self, tensors: Vec<DeviceTensor<T>>, op: ReduceOp) -> &mut Self {
-        self.in_place(tensors, Call::AllReduce(op))
+    /// Adds an all-reduce: sums (or otherwise reduces, by `op`) every rank's tensor, element
+    /// by element, into every rank's tensor, in place. `tensors[i]` is rank `i`'s (of this
+    /// process's), of the engine given as `engines[i]` to [`submit`](Self::submit). Every rank
+    /// of the world calls it with the same length.
+    #[must_use]
+    pub fn all_reduce(mut self, tensors: Vec<DeviceTensor<T>>, op: ReduceOp) -> Self {
+        self.in_place(tensors, Call::AllReduce(op));
+        self
     }
 
-    /// Adds a broadcast from world rank `root` into `tensors` (one per rank here, in place):
-    /// see [`broadcast`].
-    pub fn broadcast(&mut self, tensors: Vec<DeviceTensor<T>>, root: usize) -> &mut Self {
-        self.in_place(tensors, Call::Broadcast(root))
+    /// Adds a broadcast: copies world rank `root`'s tensor into every other rank's, in place
+    /// (`tensors`: one per rank here, in rank order). Every rank of the world calls it with the
+    /// same length and root; the submission refuses a root past the world's last rank.
+    #[must_use]
+    pub fn broadcast(mut self, tensors: Vec<DeviceTensor<T>>, root: usize) -> Self {
+        self.in_place(tensors, Call::Broadcast(root));
+        self
     }
 
-    /// Adds a reduction of `tensors` (one per rank here, in place) into world rank `root`'s:
-    /// see [`reduce`].
-    pub fn reduce(
-        &mut self,
-        tensors: Vec<DeviceTensor<T>>,
-        op: ReduceOp,
-        root: usize,
-    ) -> &mut Self {
-        self.in_place(tensors, Call::Reduce(op, root))
+    /// Adds a reduction of every rank's tensor by `op` into world rank `root`'s, in place
+    /// (`tensors`: one per rank here); the other ranks' tensors are left as they were. Every
+    /// rank of the world calls it with the same length, op and root.
+    #[must_use]
+    pub fn reduce(mut self, tensors: Vec<DeviceTensor<T>>, op: ReduceOp, root: usize) -> Self {
+        self.in_place(tensors, Call::Reduce(op, root));
+        self
     }
 
-    /// Adds an all-gather of `inputs` into `outputs` (one of each per rank here): see
-    /// [`all_gather`].
+    /// Adds an all-gather of every rank's input into every rank's output, in world rank order
+    /// (one of each per rank here): each output holds the world's size times its input's
+    /// length (NCCL writes that many elements, so the submission refuses a shorter output,
+    /// before anything is queued). Every rank of the world calls it with the same input length.
+    /// The call's tensors are the inputs, then the outputs.
+    #[must_use]
     pub fn all_gather(
-        &mut self,
+        mut self,
         inputs: Vec<DeviceTensor<T>>,
         outputs: Vec<DeviceTensor<T>>,
-    ) -> &mut Self {
-        self.exchange(inputs, outputs, Call::AllGather)
+    ) -> Self {
+        self.exchange(inputs, outputs, Call::AllGather);
+        self
     }
 
-    /// Adds a reduce-scatter of `inputs` into `outputs` (one of each per rank here): see
-    /// [`reduce_scatter`].
+    /// Adds a reduce-scatter: reduces every rank's input by `op` and scatters the result, world
+    /// rank `r`'s output getting the `r`-th of the world's size equal slices (one input and one
+    /// output per rank here). Each input holds the world's size times its output's length
+    /// (refused otherwise). Every rank of the world calls it with the same output length. The
+    /// call's tensors are the inputs, then the outputs.
+    #[must_use]
     pub fn reduce_scatter(
-        &mut self,
+        mut self,
         inputs: Vec<DeviceTensor<T>>,
         outputs: Vec<DeviceTensor<T>>,
         op: ReduceOp,
-    ) -> &mut Self {
-        self.exchange(inputs, outputs, Call::ReduceScatter(op))
+    ) -> Self {
+        self.exchange(inputs, outputs, Call::ReduceScatter(op));
+        self
     }
 
     /// Adds a send of `tensor`, from rank `rank` of this process's (0 for a
     /// [joined](Communicator::join) rank), to world rank `peer`, which must add a matching
     /// [`recv`](Self::recv) (same length and element type; sends to one peer meet its receives
-    /// from this rank in order).
-    pub fn send(&mut self, rank: usize, tensor: DeviceTensor<T>, peer: usize) -> &mut Self {
-        self.point_to_point(rank, tensor, Call::Send(peer))
+    /// from this rank in order). Source first: the rank and its tensor, then the peer.
+    #[must_use]
+    pub fn send(mut self, rank: usize, tensor: DeviceTensor<T>, peer: usize) -> Self {
+        self.point_to_point(rank, tensor, Call::Send(peer));
+        self
     }
 
-    /// Adds a receive into `tensor`, on rank `rank` of this process's, from world rank `peer`,
-    /// which must add a matching [`send`](Self::send).
-    pub fn recv(&mut self, rank: usize, tensor: DeviceTensor<T>, peer: usize) -> &mut Self {
-        self.point_to_point(rank, tensor, Call::Recv(peer))
+    /// Adds a receive from world rank `peer`, which must add a matching [`send`](Self::send),
+    /// into `tensor`, on rank `rank` of this process's. Source first: the peer, then the rank
+    /// and its tensor.
+    #[must_use]
+    pub fn recv(mut self, peer: usize, rank: usize, tensor: DeviceTensor<T>) -> Self {
+        self.point_to_point(rank, tensor, Call::Recv(peer));
+        self
     }
 
     /// The number of calls added.
@@ -704,8 +736,23 @@ impl<T: CollectiveElement> CollectiveGroup<T> {
     /// this process's) engine.
     ///
     /// # Errors
-    /// As [`all_reduce`], and [`SubmitError::Rejected`] for an empty group or a call given
-    /// another number of tensors than this process's ranks.
+    /// [`SubmitError::Rejected`] (the tensors back, untouched, in the order given) for an empty
+    /// group, a count of engines or tensors other than this process's ranks, lengths that
+    /// differ across the ranks of a call, an engine that is not the rank's or a tensor not of
+    /// its rank's engine, a zero length, a root or a peer past the world's last rank, or an
+    /// all-gather's output (a reduce-scatter's input) that is not the world's size times its
+    /// other tensor's length;
+    /// [`SubmitError::Failed`] (the tensors back) when an engine could not order the collective
+    /// after its earlier work, or the collective library refused to open its group (for an
+    /// aborted communicator,
+    /// [`PeerError::Aborted`](crate::error::PeerError::Aborted)), before any of it
+    /// was queued; [`SubmitError::Retained`] when the library refused a rank's part or the
+    /// group's end, or an event could not be fenced, after parts of it may have been launched:
+    /// every tensor is then held by its engine until that engine proves its stream complete
+    /// (retained for good where it cannot, as when a part launched without its partners fails),
+    /// never freed under the device; a [joined](Communicator::join) rank's communicator is then
+    /// aborted (NCCL leaves it unusable), and later collectives on it are refused with
+    /// [`PeerError::Aborted`](crate::error::PeerError::Aborted).
     pub fn submit(self, engines: &mut [&mut CudaEngine]) -> Submitted<T> {
         let CollectiveGroup {
             comm,
@@ -728,155 +775,6 @@ impl<T: CollectiveElement> CollectiveGroup<T> {
             Vec::new(),
         )
     }
-}
-
-/// One call alone as a group.
-fn single<T: CollectiveElement>(
-    comm: &Communicator,
-    engines: &mut [&mut CudaEngine],
-    build: impl FnOnce(&mut CollectiveGroup<T>),
-) -> Submitted<T> {
-    let mut group = comm.group();
-    build(&mut group);
-    group.submit(engines)
-}
-
-/// Sums (or otherwise reduces, by `op`) every rank's tensor, element by element, into every
-/// rank's tensor, in place: `tensors[i]` is rank `i`'s (of this process's), of `engines[i]`.
-/// Every rank of the world calls it with the same length.
-///
-/// # Errors
-/// [`SubmitError::Rejected`] (the tensors back, untouched, in the order given) for a count of
-/// engines or tensors other than this process's ranks, lengths that differ, an engine that is
-/// not the rank's or a tensor not of its rank's engine, or a zero length;
-/// [`SubmitError::Failed`] (the tensors back) when an engine could not order the collective
-/// after its earlier work, or the collective library refused to open its group (for an
-/// aborted communicator,
-/// [`CollectiveError::Aborted`](crate::error::CollectiveError::Aborted)), before any of it was
-/// queued; [`SubmitError::Retained`] when the library refused a rank's part or the group's end,
-/// or an event could not be fenced, after parts of it may have been launched: every tensor is
-/// then held by its engine until that engine proves its stream complete (retained for good
-/// where it cannot, as when a part launched without its partners fails), never freed under the
-/// device; a [joined](Communicator::join) rank's communicator is then aborted (NCCL leaves it
-/// unusable), and later collectives on it are refused with
-/// [`CollectiveError::Aborted`](crate::error::CollectiveError::Aborted).
-pub fn all_reduce<T: CollectiveElement>(
-    comm: &Communicator,
-    engines: &mut [&mut CudaEngine],
-    tensors: Vec<DeviceTensor<T>>,
-    op: ReduceOp,
-) -> Submitted<T> {
-    single(comm, engines, |g| {
-        g.all_reduce(tensors, op);
-    })
-}
-
-/// Copies world rank `root`'s tensor into every other rank's, in place: `tensors[i]` is rank
-/// `i`'s (of this process's), of `engines[i]`. Every rank of the world calls it with the same
-/// length and root.
-///
-/// # Errors
-/// As [`all_reduce`], and [`SubmitError::Rejected`] for a root past the world's last rank.
-pub fn broadcast<T: CollectiveElement>(
-    comm: &Communicator,
-    engines: &mut [&mut CudaEngine],
-    tensors: Vec<DeviceTensor<T>>,
-    root: usize,
-) -> Submitted<T> {
-    single(comm, engines, |g| {
-        g.broadcast(tensors, root);
-    })
-}
-
-/// Reduces every rank's tensor by `op` into world rank `root`'s, in place; the other ranks'
-/// tensors are left as they were. Every rank of the world calls it with the same length, op
-/// and root.
-///
-/// # Errors
-/// As [`broadcast`].
-pub fn reduce<T: CollectiveElement>(
-    comm: &Communicator,
-    engines: &mut [&mut CudaEngine],
-    tensors: Vec<DeviceTensor<T>>,
-    op: ReduceOp,
-    root: usize,
-) -> Submitted<T> {
-    single(comm, engines, |g| {
-        g.reduce(tensors, op, root);
-    })
-}
-
-/// Gathers every rank's input into every rank's output, in world rank order: each output holds
-/// the world's size times its input's length (NCCL writes that many elements, so a shorter
-/// output is refused here, before anything is queued). Every rank of the world calls it with
-/// the same input length. The operation's tensors are the inputs, then the outputs.
-///
-/// # Errors
-/// As [`all_reduce`], and [`SubmitError::Rejected`] for an output that is not the world's size
-/// times its input's length.
-pub fn all_gather<T: CollectiveElement>(
-    comm: &Communicator,
-    engines: &mut [&mut CudaEngine],
-    inputs: Vec<DeviceTensor<T>>,
-    outputs: Vec<DeviceTensor<T>>,
-) -> Submitted<T> {
-    single(comm, engines, |g| {
-        g.all_gather(inputs, outputs);
-    })
-}
-
-/// Reduces every rank's input by `op` and scatters the result: world rank `r`'s output gets
-/// the `r`-th of the world's size equal slices. Each input holds the world's size times its
-/// output's length. Every rank of the world calls it with the same output length. The
-/// operation's tensors are the inputs, then the outputs.
-///
-/// # Errors
-/// As [`all_gather`], for an input that is not the world's size times its output's length.
-pub fn reduce_scatter<T: CollectiveElement>(
-    comm: &Communicator,
-    engines: &mut [&mut CudaEngine],
-    inputs: Vec<DeviceTensor<T>>,
-    outputs: Vec<DeviceTensor<T>>,
-    op: ReduceOp,
-) -> Submitted<T> {
-    single(comm, engines, |g| {
-        g.reduce_scatter(inputs, outputs, op);
-    })
-}
-
-/// Sends `tensor` from this process's one rank (a [joined](Communicator::join) communicator)
-/// to world rank `peer`, whose [`recv`] of the same length and element type receives it. For
-/// ranks in one process, or a send and a receive that must happen together (a ring, an
-/// exchange), use a [`CollectiveGroup`]: a send alone waits for its receive.
-///
-/// # Errors
-/// As [`all_reduce`], and [`SubmitError::Rejected`] for a peer past the world's last rank or
-/// a communicator with several ranks here.
-pub fn send<T: CollectiveElement>(
-    comm: &Communicator,
-    engine: &mut CudaEngine,
-    tensor: DeviceTensor<T>,
-    peer: usize,
-) -> Submitted<T> {
-    single(comm, &mut [engine], |g| {
-        g.send(0, tensor, peer).count_check(1);
-    })
-}
-
-/// Receives into `tensor`, on this process's one rank, what world rank `peer`'s [`send`]
-/// sends.
-///
-/// # Errors
-/// As [`send`].
-pub fn recv<T: CollectiveElement>(
-    comm: &Communicator,
-    engine: &mut CudaEngine,
-    tensor: DeviceTensor<T>,
-    peer: usize,
-) -> Submitted<T> {
-    single(comm, &mut [engine], |g| {
-        g.recv(0, tensor, peer).count_check(1);
-    })
 }
 
 /// Why a collective over `tensors` on `engines` is refused, if it is.

@@ -9,13 +9,13 @@
 //! communicator's asynchronous state (`ncclCommGetAsyncError`) and the collective's deadline,
 //! at least every [`WATCH_PERIOD`]. A failure or a deadline passed aborts the communicator
 //! (`ncclCommAbort`), which ends the part on the device, and the wait returns
-//! [`CollectiveError`]; the collective's tensors then detach into their engines' retirement
+//! [`PeerError`](crate::error::PeerError); the collective's tensors then detach into their engines' retirement
 //! queues, released once each engine's event proves the ended part complete, as for any
 //! operation dropped in flight. A collective whose events complete after its communicator was
-//! aborted reports [`CollectiveError::Aborted`] too: its results are void.
+//! aborted reports [`PeerError::Aborted`] too: its results are void.
 
 use super::{Comms, Plan};
-use crate::error::{CollectiveError, Error, Result};
+use crate::error::{Error, PeerError, Result};
 use crate::lifecycle::fence::{Fenced, IdleEvent};
 use crate::lifecycle::fence_future::FenceFuture;
 use crate::lifecycle::pending::flight::Flight;
@@ -107,8 +107,8 @@ impl Watch {
         if let Err(error) = self.comms.seam.health() {
             self.comms.seam.abort();
             return Err(match error {
-                Error::Collective(aborted) => Error::Collective(aborted),
-                other => CollectiveError::Failed {
+                Error::Peer(peer) => Error::Peer(peer),
+                other => PeerError::CommunicatorFailed {
                     rank,
                     world,
                     reason: other.to_string(),
@@ -126,7 +126,7 @@ impl Watch {
         if self.active() && self.deadline.expired() {
             let (rank, world) = (self.comms.first_rank, self.comms.world);
             self.comms.seam.abort();
-            return Err(CollectiveError::TimedOut {
+            return Err(PeerError::CollectiveTimedOut {
                 rank,
                 world,
                 timeout: self.timeout,
@@ -239,6 +239,31 @@ impl<T: Element> Flight for Ranks<T> {
             }
         }
         // Every part is done (or one failed): the waits return at once.
+        watch.health()?;
+        self.take_all().map(Ok)
+    }
+
+    fn wait_until(self, deadline: Deadline) -> Result<std::result::Result<RanksLanded<T>, Self>> {
+        let watch = self.watch();
+        for part in &self.parts {
+            if let Part::Fenced(fenced) = part {
+                loop {
+                    // Until the caller's deadline, looking at the watch every period.
+                    let mut slice = deadline.remaining().unwrap_or(Duration::MAX);
+                    if watch.active() {
+                        slice = slice.min(watch.slice());
+                    }
+                    if fenced.wait_within(slice)? {
+                        break;
+                    }
+                    watch.check()?;
+                    if deadline.expired() {
+                        return Ok(Err(self));
+                    }
+                }
+            }
+        }
+        // Every part is done: the waits return at once.
         watch.health()?;
         self.take_all().map(Ok)
     }

@@ -30,7 +30,8 @@ use std::mem::ManuallyDrop;
 
 /// The operation of [`upload_pending`]: a copy from a page-locked host buffer `B` (a
 /// [`PinnedHostBuffer`] unless `B` says otherwise) into a [`DeviceTensor`]. Its
-/// [parts](Operation::Parts) are `(B, DeviceTensor<T>)`.
+/// [parts](Operation::Parts) are `(B, DeviceTensor<T>)`: source first, in the order
+/// [`upload_pending`] takes them.
 pub struct Upload<T: Element, B: HostBuffer<T> = PinnedHostBuffer<T>>(PhantomData<fn() -> (T, B)>);
 
 impl<T: Element, B: HostBuffer<T>> std::fmt::Debug for Upload<T, B> {
@@ -44,7 +45,8 @@ impl<T: Element, B: HostBuffer<T>> std::fmt::Debug for Upload<T, B> {
 
 /// The operation of [`download_pending`]: a copy from a [`DeviceTensor`] into a page-locked host
 /// buffer `B` (a [`PinnedHostBuffer`] unless `B` says otherwise). Its
-/// [parts](Operation::Parts) are `(B, DeviceTensor<T>)`.
+/// [parts](Operation::Parts) are `(DeviceTensor<T>, B)`: source first, in the order
+/// [`download_pending`] takes them.
 pub struct Download<T: Element, B: HostBuffer<T> = PinnedHostBuffer<T>>(
     PhantomData<fn() -> (T, B)>,
 );
@@ -94,14 +96,24 @@ trait Direction<T: Element, B: HostBuffer<T>>:
 {
     /// Whether the copy goes host to device.
     const UPLOAD: bool;
+    /// The route and its direction, as refusals name them.
+    const ROUTE: &'static str;
+    /// What the route was given, in the order it took it: source first.
+    fn parts(package: TransferPackage<T, B>) -> Self::Parts;
+    /// How a refusal names the buffer's count for the tensor's.
+    const BUFFER: &'static str;
+    /// How a refusal names the tensor.
+    const TENSOR: &'static str;
+    /// How a refusal names the buffer.
+    const HOST: &'static str;
 }
 
 macro_rules! transfer_operation {
-    ($op:ident, $upload:expr_2021, $name:expr_2021) => {
+    ($op:ident, $upload:expr_2021, $name:expr_2021, $route:literal, |$p:ident| $parts:expr, ($($ty:ty),*)) => {
         impl<T: Element, B: HostBuffer<T>> sealed::Sealed for $op<T, B> {}
 
         impl<T: Element, B: HostBuffer<T>> Operation for $op<T, B> {
-            type Parts = (B, DeviceTensor<T>);
+            type Parts = ($($ty),*);
             type Flight = Fenced<TransferPackage<T, B>>;
             type Landed = Landed<T, B>;
             const NAME: &'static str = $name;
@@ -110,13 +122,21 @@ macro_rules! transfer_operation {
                 Landed { package, event }
             }
 
-            fn into_parts(landed: Landed<T, B>) -> (B, DeviceTensor<T>) {
-                back(landed.package)
+            fn into_parts(landed: Landed<T, B>) -> ($($ty),*) {
+                <Self as Direction<T, B>>::parts(landed.package)
             }
         }
 
         impl<T: Element, B: HostBuffer<T>> Direction<T, B> for $op<T, B> {
             const UPLOAD: bool = $upload;
+            const ROUTE: &'static str = $route;
+            const BUFFER: &'static str = concat!($route, ": buffer for the tensor");
+            const TENSOR: &'static str = concat!($route, ": the tensor");
+            const HOST: &'static str = concat!($route, ": the buffer");
+
+            fn parts($p: TransferPackage<T, B>) -> ($($ty),*) {
+                $parts
+            }
         }
 
         impl<T: Element, B: HostBuffer<T>> Pending<$op<T, B>, InFlight> {
@@ -188,7 +208,7 @@ macro_rules! transfer_operation {
             pub fn resubmit(
                 self,
                 engine: &mut CudaEngine,
-            ) -> Result<Pending<$op<T, B>, InFlight>, SubmitError<(B, DeviceTensor<T>)>> {
+            ) -> Result<Pending<$op<T, B>, InFlight>, SubmitError<($($ty),*)>> {
                 let Landed { package, event } = self.hold;
                 submit::<$op<T, B>, T, B>(engine, package, Some(event))
             }
@@ -196,8 +216,22 @@ macro_rules! transfer_operation {
     };
 }
 
-transfer_operation!(Upload, true, "pending upload");
-transfer_operation!(Download, false, "pending download");
+transfer_operation!(
+    Upload,
+    true,
+    "pending upload",
+    "upload_pending (host to device)",
+    |p| (p.buffer, p.tensor),
+    (B, DeviceTensor<T>)
+);
+transfer_operation!(
+    Download,
+    false,
+    "pending download",
+    "download_pending (device to host)",
+    |p| (p.tensor, p.buffer),
+    (DeviceTensor<T>, B)
+);
 
 /// Why a submission of `package` is refused, if it is.
 fn refusal<D: Direction<T, B>, T: Element, B: HostBuffer<T>>(
@@ -206,29 +240,42 @@ fn refusal<D: Direction<T, B>, T: Element, B: HostBuffer<T>>(
 ) -> Option<Error> {
     let (buffer_len, tensor_len) = (package.buffer.host_len(), package.tensor.len());
     let (buffer_device, buffer_engine) = package.buffer.host_engine();
+    // Which value is another engine's, named with the route.
+    let naming = |value: &'static str| {
+        move |mut error: Error| {
+            if let Error::Usage(UsageError::WrongEngine { what, .. }) = &mut error {
+                *what = value;
+            }
+            error
+        }
+    };
     if let Err(error) = engine
         .shared
         .check(package.tensor.owner())
-        .and_then(|()| engine.shared.check_owner(buffer_device, buffer_engine))
+        .map_err(naming(D::TENSOR))
+        .and_then(|()| {
+            engine
+                .shared
+                .check_owner(buffer_device, buffer_engine)
+                .map_err(naming(D::HOST))
+        })
     {
         return Some(error);
     }
     if tensor_len == 0 {
-        return Some(Error::Usage(UsageError::ZeroLength {
-            what: "a pending transfer",
-        }));
+        return Some(Error::Usage(UsageError::ZeroLength { what: D::TENSOR }));
     }
     if buffer_len != tensor_len {
         return Some(Error::Usage(UsageError::LengthMismatch {
-            what: "pending transfer: buffer for the tensor",
+            what: D::BUFFER,
             found: buffer_len,
-            shape: None,
+            shape: Some(package.tensor.shape().to_vec()),
             expected: tensor_len,
         }));
     }
     if !D::UPLOAD && !T::DTYPE.any_bit_pattern() {
         return Some(Error::Usage(UsageError::UnsupportedElement {
-            operation: "download_pending",
+            operation: D::ROUTE,
             dtype: T::DTYPE,
             reason: "raw device bytes need not be 0 or 1, and a host buffer exposes them as they are",
         }));
@@ -236,11 +283,7 @@ fn refusal<D: Direction<T, B>, T: Element, B: HostBuffer<T>>(
     None
 }
 
-type Submitted<D, T, B> = Result<Pending<D, InFlight>, SubmitError<(B, DeviceTensor<T>)>>;
-
-fn back<T: Element, B: HostBuffer<T>>(package: TransferPackage<T, B>) -> (B, DeviceTensor<T>) {
-    (package.buffer, package.tensor)
-}
+type Submitted<D> = Result<Pending<D, InFlight>, SubmitError<<D as Operation>::Parts>>;
 
 /// Validates and queues one copy. `event` is the transfer's own idle event on resubmission; on a
 /// refusal it goes back to the engine that made it.
@@ -248,7 +291,8 @@ fn submit<D: Direction<T, B>, T: Element, B: HostBuffer<T>>(
     engine: &mut CudaEngine,
     package: TransferPackage<T, B>,
     event: Option<IdleEvent>,
-) -> Submitted<D, T, B> {
+) -> Submitted<D> {
+    let back = D::parts;
     if let Some(error) = refusal::<D, T, B>(engine, &package) {
         let input = back(package);
         return Err(SubmitError::Rejected { input, error });
@@ -307,8 +351,9 @@ fn submit<D: Direction<T, B>, T: Element, B: HostBuffer<T>>(
 /// until it is [`Returned`].
 ///
 /// # Errors
-/// [`SubmitError::Rejected`] (both back, untouched) for a length mismatch, a zero length or a
-/// buffer or tensor of another engine; [`SubmitError::Failed`] (both back) when the driver
+/// [`SubmitError::Rejected`] (both back, untouched, as `(buffer, tensor)`) for a length mismatch
+/// (naming the route, its direction and the tensor's shape), a zero length or a buffer or tensor
+/// of another engine (naming which); [`SubmitError::Failed`] (both back) when the driver
 /// refuses the copy; [`SubmitError::Retained`] when the copy was queued but cannot be tracked.
 // The full type is the documentation: what goes in flight, and what a refusal hands back.
 #[allow(clippy::type_complexity)]
@@ -324,11 +369,12 @@ pub fn upload_pending<T: Element, B: HostBuffer<T>>(
     submit::<Upload<T, B>, T, B>(engine, package, None)
 }
 
-/// Queues a copy of `value` into `buffer` and returns the transfer in flight.
+/// Queues a copy of `source` into `destination` and returns the transfer in flight.
 ///
-/// `buffer` is a [`PinnedHostBuffer`] or a [`RegisteredBuffer`](crate::RegisteredBuffer); the
-/// copy writes it when the device runs the copy, and the operation owns it until the copy is
-/// proven complete. Its [parts](Operation::Parts) come back as `(buffer, value)`.
+/// `destination` is a [`PinnedHostBuffer`] or a [`RegisteredBuffer`](crate::RegisteredBuffer);
+/// the copy writes it when the device runs the copy, and the operation owns it until the copy
+/// is proven complete. Its [parts](Operation::Parts), and a refusal's input, come back in the
+/// order the call takes them, source first: `(tensor, buffer)`.
 ///
 /// # Errors
 /// As [`upload_pending`], and
@@ -338,12 +384,12 @@ pub fn upload_pending<T: Element, B: HostBuffer<T>>(
 #[allow(clippy::type_complexity)]
 pub fn download_pending<T: Element, B: HostBuffer<T>>(
     engine: &mut CudaEngine,
-    value: DeviceTensor<T>,
-    buffer: B,
-) -> Result<Pending<Download<T, B>>, SubmitError<(B, DeviceTensor<T>)>> {
+    source: DeviceTensor<T>,
+    destination: B,
+) -> Result<Pending<Download<T, B>>, SubmitError<(DeviceTensor<T>, B)>> {
     let package = TransferPackage {
-        buffer,
-        tensor: value,
+        buffer: destination,
+        tensor: source,
     };
     submit::<Download<T, B>, T, B>(engine, package, None)
 }

@@ -21,8 +21,9 @@
 
 use crate::core::engine::{CudaEngine, State};
 use crate::core::order::Use;
+use crate::device::DeviceId;
 use crate::driver::{ContextHandle, DevicePtr, Lane};
-use crate::error::{DeviceId, DriverError, Error, Result, SetupError, UsageError};
+use crate::error::{DriverError, Error, Result, SetupError, UsageError};
 use crate::memory::element::Element;
 use crate::memory::tensor::DeviceTensor;
 use crate::routes::host::blocking::{download_tensor, upload_tensor};

@@ -1,6 +1,7 @@
 //! The exporting side: a listener that importer processes connect to, one [`Importer`] per
 //! connection, and the two states an exported tensor is in: [`Exported`] (shared read-only with
-//! any number of importers) and [`Lent`] (handed over exclusively to one).
+//! any number of importers) and lent (handed over exclusively to one, a
+//! [`Pending<Loan<T>>`](super::Loan) until it comes back).
 //!
 //! Every exported tensor has an [`Export`] entry, its home: the tensor keeps it after it comes
 //! back, so the same allocation offered again is the same export, which an importer that still
@@ -17,12 +18,14 @@
 //! freed only once no importer maps it: a tensor dropped while importers map it asks each to
 //! unmap it, and its entry frees it after the last has.
 
+use super::pending::{Back, Departure, Leaving, Loan, Reclaim, Wakers};
 use super::wire::{self, Access, Message, Offer};
 use crate::core::engine::{CudaEngine, Shared};
 use crate::core::order::Use;
 use crate::driver::share::{Name, Origin};
 use crate::driver::{DevicePtr, EventHandle, Lane};
-use crate::error::{Error, Result, ShareError, SubmitError, UsageError};
+use crate::error::{Error, IoError, MalformedError, PeerError, Result, SubmitError, UsageError};
+use crate::lifecycle::pending::Pending;
 use crate::memory::element::Element;
 use crate::memory::tensor::{DeviceTensor, Home};
 use crate::sync::deadline::Deadline;
@@ -32,7 +35,7 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// How often a connection whose importer may have gone asks whether its process has ended.
 const PROCESS_POLL: Duration = Duration::from_millis(10);
@@ -42,25 +45,26 @@ const IDLE_POLL: Duration = Duration::from_millis(100);
 /// How long a wait for a release or an offer asks again before it sleeps.
 pub(super) const SPIN: Duration = Duration::from_micros(100);
 /// How long an accepted connection may take to greet, whole, unless the listener says
-/// otherwise ([`ShareListener::greeting_limit`]).
+/// otherwise ([`ShareListener::with_timeout`]).
 const GREETING_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Checks that the kernel's word for a peer's user, `uid`, is this process's effective user or
 /// one of `allowed`.
 ///
 /// # Errors
-/// [`ShareError::OtherUser`] otherwise.
-pub(super) fn check_user(uid: u32, allowed: &[u32]) -> Result<(), ShareError> {
+/// [`PeerError::OtherUser`] otherwise.
+pub(super) fn check_user(uid: u32, allowed: &[u32]) -> Result<(), Error> {
     let own = wire::own_uid();
     if uid == own || allowed.contains(&uid) {
         return Ok(());
     }
     let mut users = vec![own];
     users.extend(allowed.iter().copied().filter(|&u| u != own));
-    Err(ShareError::OtherUser {
+    Err(PeerError::OtherUser {
         uid,
         allowed: users,
-    })
+    }
+    .into())
 }
 
 /// Numbers for exports and connections, unique in the process.
@@ -80,18 +84,18 @@ pub(super) fn dtype_code(dtype: crate::DType) -> u8 {
 }
 
 /// One exported allocation: its imports in use and its mappings, connection by connection.
-struct Export {
+pub(super) struct Export {
     id: u64,
     ptr: DevicePtr,
     engine: Arc<Shared>,
     /// The allocation's export data.
     pointer: Name,
-    inner: Mutex<Imports>,
+    pub(super) inner: Mutex<Imports>,
     changed: Condvar,
 }
 
 #[derive(Default)]
-struct Imports {
+pub(super) struct Imports {
     /// Imports in use, by connection.
     held: HashMap<u64, usize>,
     /// The connections whose importers map the memory.
@@ -102,11 +106,19 @@ struct Imports {
     /// Set when an importer's last use could not be ordered before the exporter's next: the
     /// memory is never written or freed again.
     unprovable: Option<Error>,
+    /// The `.await`s of a loan or a reclaim of it, woken at each change.
+    pub(super) wakers: Wakers,
 }
 
 impl Imports {
     fn in_use(&self) -> usize {
         self.held.values().sum()
+    }
+
+    /// Whether a wait for the imports to end answers at once: none is in use, or an
+    /// importer's use could not be ordered (the wait reports it).
+    pub(super) fn settled(&self) -> bool {
+        self.in_use() == 0 || self.unprovable.is_some()
     }
 }
 
@@ -148,7 +160,7 @@ impl Export {
         if let Some(home) = tensor.home() {
             return match home.as_any().downcast_ref::<ExportHome>() {
                 Some(ExportHome(export)) => Ok(Arc::clone(export)),
-                None => Err(Error::Share(ShareError::Reexport)),
+                None => Err(Error::Usage(UsageError::Reexport)),
             };
         }
         let ptr = tensor.raw_ptr();
@@ -177,7 +189,7 @@ impl Export {
     /// Frees the memory once the exporter's tensor is gone and no importer maps it (or leaks
     /// it when an importer's use could not be ordered).
     fn settle(&self) {
-        let free = {
+        let (free, woken) = {
             let mut inner = lock(&self.inner);
             let free = inner.abandoned
                 && inner.mapped.is_empty()
@@ -185,9 +197,11 @@ impl Export {
                 && inner.unprovable.is_none();
             // Freed once: the flag is the memory's.
             inner.abandoned &= !free;
-            free
+            (free, inner.wakers.take())
         };
         self.changed.notify_all();
+        // No lock of the export's or of any engine is held here.
+        woken.wake();
         if !free {
             return;
         }
@@ -236,30 +250,33 @@ impl Export {
         }
     }
 
-    /// Waits until no import is in use, at most `within`: `Ok(())` then; else the count still
-    /// in use (`false`), or the failure that left an importer's use unordered (`true`).
-    fn wait_released(&self, within: Duration) -> Result<(), (Error, bool)> {
-        let start = Instant::now();
-        let deadline = Deadline::after_from(start, within);
+    /// The imports in use now.
+    pub(super) fn imports(&self) -> usize {
+        lock(&self.inner).in_use()
+    }
+
+    /// Waits until no import is in use, until `deadline`: `Ok(true)` then, `Ok(false)` once the
+    /// deadline has passed with imports still in use; the failure that left an importer's use
+    /// unordered, reported once.
+    pub(super) fn wait_released(&self, deadline: Deadline) -> Result<bool> {
         // A release that comes within a few tens of microseconds (a hand-back queued at once)
         // is met without a sleep and a wake.
-        let spin = Deadline::after_from(start, within.min(SPIN));
-        while lock(&self.inner).in_use() > 0 && !spin.expired() {
+        let spin = Deadline::after(SPIN).min(deadline);
+        while !lock(&self.inner).settled() && !spin.expired() {
             std::thread::yield_now();
         }
         let mut inner = lock(&self.inner);
         loop {
             if let Some(error) = inner.unprovable.take() {
-                return Err((error, true));
+                return Err(error);
             }
-            let imports = inner.in_use();
-            if imports == 0 {
-                return Ok(());
+            if inner.in_use() == 0 {
+                return Ok(true);
             }
             // An hour at a time when there is no deadline: a condition variable's wait is
             // finite.
             let Some(left) = deadline.slice(Duration::from_secs(3600)) else {
-                return Err((Error::Share(ShareError::StillImported { imports }), false));
+                return Ok(false);
             };
             inner = self
                 .changed
@@ -283,8 +300,9 @@ enum Link {
     Done,
 }
 
-/// One importer's connection, shared by its [`Importer`] handle and its reader thread.
-struct Conn {
+/// One importer's connection, shared by its [`Importer`] handle, its reader thread and the
+/// importer's [departures](Importer::departure).
+pub(super) struct Conn {
     id: u64,
     origin: Origin,
     engine: Arc<Shared>,
@@ -302,6 +320,8 @@ struct Conn {
     link: Mutex<Link>,
     /// Signalled when `link` changes.
     changed: Condvar,
+    /// The `.await`s of the importer's departure, woken when `link` changes.
+    wakers: Mutex<Wakers>,
 }
 
 /// What an importer's message ends.
@@ -382,7 +402,7 @@ impl Conn {
                 {
                     self.engine
                         .lock()
-                        .defer(Error::Share(ShareError::Refused { pid, reason }));
+                        .defer(Error::Peer(PeerError::OfferRefused { pid, reason }));
                 }
                 // A message an importer never sends, one that names nothing it holds, garbage,
                 // or the end: the connection is over, and what it holds is held until its
@@ -423,10 +443,42 @@ impl Conn {
     fn set_link(&self, link: Link) {
         *lock(&self.link) = link;
         self.changed.notify_all();
+        // Taken after the change: an await that registered before it is woken, and one that
+        // registers after it sees it. No lock is held while they are woken.
+        let woken = lock(&self.wakers).take();
+        woken.wake();
+    }
+
+    /// Whether the connection is over and the importer holds nothing of this exporter's.
+    pub(super) fn departed(&self) -> bool {
+        *lock(&self.link) == Link::Done
+    }
+
+    /// Waits until [`departed`](Self::departed), until `deadline`; returns whether it is.
+    pub(super) fn wait_departed(&self, deadline: Deadline) -> bool {
+        let mut link = lock(&self.link);
+        while *link != Link::Done {
+            // An hour at a time when there is no deadline: a condition variable's wait is
+            // finite.
+            let Some(left) = deadline.slice(Duration::from_secs(3600)) else {
+                return false;
+            };
+            link = self
+                .changed
+                .wait_timeout(link, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        true
+    }
+
+    /// The wakers of the importer's departure's `.await`s.
+    pub(super) fn wakers(&self) -> &Mutex<Wakers> {
+        &self.wakers
     }
 
     fn send(&self, message: &Message, fd: Option<BorrowedFd<'_>>) -> Result<()> {
-        wire::send(&mut lock(&self.writer), message, fd).map_err(Error::Share)
+        wire::send(&mut lock(&self.writer), message, fd)
     }
 }
 
@@ -448,9 +500,10 @@ fn readable(stream: &UnixStream, within: Duration) -> bool {
 
 impl Drop for Conn {
     fn drop(&mut self) {
-        // The last holder is the reader, which has seen the importer go, or the handle of a
-        // connection whose reader never started: no offer is still to be made, and the waits
-        // queued on `done` captured their record when queued.
+        // The last holder is the reader, which has seen the importer go, or the handle (or a
+        // departure) of a connection whose reader never started, or a departure that outlived
+        // both (the reader ended): no offer is still to be made, and the waits queued on `done`
+        // captured their record when queued.
         if let Some(mut st) = self.engine.enter_for_drop() {
             // SAFETY: `done` was opened on this engine and is closed once, here.
             let _ = unsafe { st.driver.ipc_event_close(self.done) };
@@ -486,11 +539,11 @@ impl ShareListener {
     /// is bound, and again after, so no umask widens or narrows it).
     ///
     /// # Errors
-    /// [`ShareError::Io`] when the socket cannot be made (the path exists, say).
+    /// [`IoError::Socket`] when the socket cannot be made (the path exists, say).
     pub fn bind(path: impl AsRef<Path>) -> Result<Self> {
         use std::os::unix::fs::PermissionsExt;
         let path = path.as_ref().to_path_buf();
-        let io = |operation| move |source| Error::Share(ShareError::Io { operation, source });
+        let io = |operation| move |source| Error::Io(IoError::Socket { operation, source });
         let listener = bind_private(&path).map_err(io("bind"))?;
         // The socket exists from here: dropped on the error path below, it would leave the
         // path behind, so the listener takes it at once.
@@ -516,9 +569,10 @@ impl ShareListener {
     }
 
     /// How long an accepted connection has to greet, from the accept to the greeting's last
-    /// byte, however it trickles in (ten seconds by default; `Duration::MAX` waits for ever).
+    /// byte, however it trickles in: one deadline for the whole greeting (ten seconds by
+    /// default; `Duration::MAX` waits for ever).
     #[must_use]
-    pub fn greeting_limit(mut self, within: Duration) -> Self {
+    pub fn with_timeout(mut self, within: Duration) -> Self {
         self.greeting = within;
         self
     }
@@ -529,16 +583,16 @@ impl ShareListener {
     }
 
     /// Waits for the next importer to connect and greet, for `engine` to share with; the
-    /// greeting must come whole within the [greeting limit](Self::greeting_limit) of the
+    /// greeting must come whole within the [timeout](Self::with_timeout) of the
     /// connection's accept.
     ///
     /// # Errors
-    /// As [`Importer::from_stream`], with [`ShareError::TimedOut`] past the greeting limit;
-    /// [`ShareError::Io`] when the accept fails. A refused connection is closed; the listener
+    /// As [`Importer::from_stream`], with [`PeerError::TimedOut`] past the greeting limit;
+    /// [`IoError::Socket`] when the accept fails. A refused connection is closed; the listener
     /// takes the next.
     pub fn accept(&self, engine: &mut CudaEngine) -> Result<Importer> {
         let (stream, _) = self.listener.accept().map_err(|source| {
-            Error::Share(ShareError::Io {
+            Error::Io(IoError::Socket {
                 operation: "accept",
                 source,
             })
@@ -644,12 +698,12 @@ impl Importer {
     /// end), and only the greeting's own checks (host, boot, a live process) apply.
     ///
     /// # Errors
-    /// [`ShareError::OtherUser`] for a peer of another user; [`ShareError::PeerIdentity`] for a
-    /// greeting whose pid, start time or user is not the kernel's; [`ShareError::TimedOut`]
-    /// when it does not come whole in time; [`ShareError::Garbage`], [`ShareError::Closed`]
-    /// or [`ShareError::Io`] when it is not the protocol or the socket fails (or is not a
-    /// connected Unix socket); [`ShareError::OtherHost`], [`ShareError::OtherBoot`] or
-    /// [`ShareError::ProcessGone`] for a greeting of another host, boot or an exited process;
+    /// [`PeerError::OtherUser`] for a peer of another user; [`MalformedError::PeerIdentity`] for a
+    /// greeting whose pid, start time or user is not the kernel's; [`PeerError::TimedOut`]
+    /// when it does not come whole in time; [`MalformedError::Sharing`], [`PeerError::Closed`]
+    /// or [`IoError::Socket`] when it is not the protocol or the socket fails (or is not a
+    /// connected Unix socket); [`SetupError::OtherHost`](crate::error::SetupError::OtherHost), [`SetupError::OtherBoot`](crate::error::SetupError::OtherBoot) or
+    /// [`PeerError::ProcessGone`] for a greeting of another host, boot or an exited process;
     /// [`Error::Driver`] when the events cannot be made or opened.
     pub fn from_stream(engine: &mut CudaEngine, stream: UnixStream) -> Result<Importer> {
         let deadline = Deadline::after(GREETING_TIMEOUT);
@@ -669,7 +723,7 @@ impl Importer {
         deadline: Deadline,
         limit: Duration,
     ) -> Result<Importer> {
-        let io = |operation| move |source| Error::Share(ShareError::Io { operation, source });
+        let io = |operation| move |source| Error::Io(IoError::Socket { operation, source });
         // A user not allowed is refused before a byte of its is read.
         if let Some(peer) = peer {
             check_user(peer.uid, allowed)?;
@@ -677,22 +731,24 @@ impl Importer {
         let hello = match wire::recv_by(&mut stream, deadline) {
             Ok((Message::Hello(hello), _)) => hello,
             Ok(_) => {
-                return Err(Error::Share(ShareError::Garbage {
+                return Err(Error::Malformed(MalformedError::Sharing {
                     reason: "a connection that did not open with a greeting".into(),
                 }));
             }
-            Err(ShareError::Io { source, .. }) if source.kind() == std::io::ErrorKind::TimedOut => {
-                return Err(Error::Share(ShareError::TimedOut {
+            Err(Error::Io(IoError::Socket { source, .. }))
+                if source.kind() == std::io::ErrorKind::TimedOut =>
+            {
+                return Err(Error::Peer(PeerError::TimedOut {
                     what: "a greeting",
                     within: limit,
                 }));
             }
-            Err(error) => return Err(Error::Share(error)),
+            Err(error) => return Err(error),
         };
         if let Some(peer) = peer
             && hello.uid != peer.uid
         {
-            return Err(Error::Share(ShareError::PeerIdentity {
+            return Err(Error::Malformed(MalformedError::PeerIdentity {
                 what: "user id",
                 claimed: hello.uid.into(),
                 kernel: peer.uid.into(),
@@ -744,6 +800,7 @@ impl Importer {
             exports: Mutex::new(HashMap::new()),
             link: Mutex::new(Link::Open),
             changed: Condvar::new(),
+            wakers: Mutex::new(Wakers::default()),
         });
         let reading = Arc::clone(&conn);
         std::thread::Builder::new()
@@ -758,31 +815,16 @@ impl Importer {
         self.conn.origin.pid
     }
 
-    /// Whether the connection is over and the importer holds nothing of this exporter's: it
-    /// released and unmapped everything and closed its end, or its process ended (and the
-    /// driver tore its context down).
-    pub fn is_done(&self) -> bool {
-        *lock(&self.conn.link) == Link::Done
-    }
-
-    /// Waits at most `within` until [`is_done`](Self::is_done); returns whether it is.
-    /// `Duration::MAX` waits with no deadline.
-    pub fn wait_done(&self, within: Duration) -> bool {
-        let deadline = Deadline::after(within);
-        let mut link = lock(&self.conn.link);
-        while *link != Link::Done {
-            // `Duration::MAX` is no deadline: an hour at a time.
-            let Some(left) = deadline.slice(Duration::from_secs(3600)) else {
-                return false;
-            };
-            link = self
-                .conn
-                .changed
-                .wait_timeout(link, left)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
-        }
-        true
+    /// The importer's leaving, an operation in flight ([`Departure`]) complete once the
+    /// connection is over and the importer holds nothing of this exporter's: it released and
+    /// unmapped everything and closed its end, or its process ended (and the driver tore its
+    /// context down). Waited on with the verbs of every operation in flight
+    /// ([`crate::pending`]): [`is_ready`](Pending::is_ready), [`wait`](Pending::wait),
+    /// [`try_wait`](Pending::try_wait), [`wait_for`](Pending::wait_for) (`Duration::MAX`: no
+    /// bound) and `.await`, woken by the connection's reader. Each call makes a new one, of the
+    /// same connection; dropping one changes nothing.
+    pub fn departure(&self) -> Pending<Departure> {
+        Pending::in_flight(Leaving::new(Arc::clone(&self.conn)))
     }
 
     /// Offers `tensor` to the importer, read-only: the importer's reads run after every write
@@ -793,19 +835,22 @@ impl Importer {
     /// # Errors
     /// [`UsageError::WrongEngine`] when `tensor` or this importer is not `engine`'s;
     /// [`Error::Driver`] when the event cannot be recorded or the pool exported;
-    /// [`ShareError::Io`] when the socket refuses. Nothing is counted as imported then.
+    /// [`IoError::Socket`] when the socket refuses. Nothing is counted as imported then.
     pub fn offer<T: Element>(&self, engine: &mut CudaEngine, tensor: &Exported<T>) -> Result<()> {
         self.send_offer(engine, &tensor.tensor, &tensor.export, Access::Read)
     }
 
     /// Hands `tensor` over to the importer, exclusively: the importer reads and writes it
     /// after every use queued on this engine before this call, and until it hands it back this
-    /// engine has no access ([`Lent::wait_back`] returns it, ordered after the importer's
-    /// writes). A tensor lent before (and come back) is the same export: an importer that still
-    /// maps it does not map it again.
+    /// engine has no access: the loan is an operation in flight ([`Loan`]), returned (its
+    /// parts the tensor, ordered after the importer's writes) once the importer has handed it
+    /// back, waited on with the verbs of every operation in flight ([`crate::pending`]). A
+    /// tensor whose importer's process died comes back with whatever it wrote. A tensor lent
+    /// before (and come back) is the same export: an importer that still maps it does not map
+    /// it again.
     ///
     /// # Errors
-    /// [`UsageError::ZeroLength`] for an empty tensor, [`ShareError::Reexport`] for a tensor
+    /// [`UsageError::ZeroLength`] for an empty tensor, [`UsageError::Reexport`] for a tensor
     /// imported from another process, and as [`export_tensor`](CudaEngine::export_tensor): the
     /// tensor comes back in [`SubmitError::Rejected`] (nothing was sent); as
     /// [`offer`](Self::offer) when sending fails: the tensor comes back in
@@ -816,7 +861,7 @@ impl Importer {
         &self,
         engine: &mut CudaEngine,
         mut tensor: DeviceTensor<T>,
-    ) -> Result<Lent<T>, SubmitError<DeviceTensor<T>>> {
+    ) -> Result<Pending<Loan<T>>, SubmitError<DeviceTensor<T>>> {
         let export = match Export::of(engine, &mut tensor) {
             Ok(export) => export,
             Err(error) => {
@@ -827,7 +872,7 @@ impl Importer {
             }
         };
         match self.send_offer(engine, &tensor, &export, Access::Exclusive) {
-            Ok(()) => Ok(Lent { tensor, export }),
+            Ok(()) => Ok(Pending::in_flight(Back::new(tensor, export))),
             Err(error) => Err(SubmitError::Failed {
                 input: tensor,
                 error,
@@ -848,7 +893,7 @@ impl Importer {
             .check_owner(self.conn.engine.device, self.conn.engine.engine_id)?;
         let conn = &self.conn;
         if *lock(&conn.link) != Link::Open {
-            return Err(Error::Share(ShareError::Closed));
+            return Err(Error::Peer(PeerError::Closed));
         }
         // Counted before the offer leaves, so its release can never come before its count.
         let mapped_before = {
@@ -944,125 +989,27 @@ impl<T: Element> std::ops::Deref for Exported<T> {
     }
 }
 
-/// Waits for `export`'s imports to end, for [`Exported::reclaim`] and [`Lent::wait_back`].
-#[allow(clippy::result_large_err)]
-fn back<T: Element, S>(
-    export: &Export,
-    within: Duration,
-    split: S,
-) -> Result<DeviceTensor<T>, SubmitError<S>>
-where
-    S: Holds<T>,
-{
-    match export.wait_released(within) {
-        Ok(()) => Ok(split.into_tensor()),
-        Err((error, false)) => Err(SubmitError::Rejected {
-            input: split,
-            error,
-        }),
-        Err((error, true)) => {
-            // The memory stays where it is for good: an importer's use was never ordered.
-            let mut tensor = split.into_tensor();
-            tensor.leak_memory();
-            Err(SubmitError::Retained { error })
-        }
-    }
-}
-
-/// A handle that holds an exported tensor: given up only through [`back`], once no import is in
-/// use (no conversion is public, so the tensor cannot be taken out early).
-trait Holds<T: Element> {
-    fn into_tensor(self) -> DeviceTensor<T>;
-}
-
-impl<T: Element> Holds<T> for Exported<T> {
-    fn into_tensor(self) -> DeviceTensor<T> {
-        self.tensor
-    }
-}
-
 impl<T: Element> Exported<T> {
     /// The imports in use now.
     pub fn imports(&self) -> usize {
-        lock(&self.export.inner).in_use()
+        self.export.imports()
     }
 
-    /// The tensor back for writing, once every importer has released it, waiting at most
-    /// `within` on the host (`Duration::MAX`: with no deadline); every use on the exporting
-    /// engine from now on runs after the importers' last uses (on the device). Importers may still map it: it is freed, once
-    /// dropped, only after they have unmapped it.
+    /// Takes the tensor back for writing: an operation in flight ([`Reclaim`]), returned (its
+    /// parts the tensor) once every importer has released it, waited on with the verbs of
+    /// every operation in flight ([`crate::pending`]): [`is_ready`](Pending::is_ready),
+    /// [`wait`](Pending::wait), [`try_wait`](Pending::try_wait),
+    /// [`wait_for`](Pending::wait_for) (`Duration::MAX`: no bound; a bound that passes hands
+    /// the reclaim back, still in flight) and `.await`, woken by the connection's reader when
+    /// the last release comes. Every use on the exporting engine of the tensor returned runs
+    /// after the importers' last uses (on the device). In flight the tensor stays readable
+    /// here ([`tensor`](Pending::tensor)) and is offered to no one new. Importers may still map
+    /// it: it is freed, once dropped, only after they have unmapped it.
     ///
-    /// # Errors
-    /// [`SubmitError::Rejected`] with [`ShareError::StillImported`] when imports are still in
-    /// use at the deadline (the share comes back, still shared); [`SubmitError::Retained`] when
-    /// an importer's last use could not be ordered before this engine's (the memory is kept for
-    /// the engine's lifetime).
-    #[allow(clippy::result_large_err)]
-    pub fn reclaim(self, within: Duration) -> Result<DeviceTensor<T>, SubmitError<Self>> {
-        let export = Arc::clone(&self.export);
-        back(&export, within, self)
-    }
-
-    /// [`reclaim`](Self::reclaim) without waiting.
-    ///
-    /// # Errors
-    /// As [`reclaim`](Self::reclaim).
-    #[allow(clippy::result_large_err)]
-    pub fn try_reclaim(self) -> Result<DeviceTensor<T>, SubmitError<Self>> {
-        self.reclaim(Duration::ZERO)
-    }
-}
-
-/// A tensor handed over exclusively to one importer process ([`Importer::lend`]): this engine
-/// has no access until it comes back ([`wait_back`](Self::wait_back)).
-///
-/// Dropping it keeps the memory until the importer has handed it back and unmapped it (or its
-/// process has ended), then frees it stream-ordered.
-pub struct Lent<T: Element> {
-    tensor: DeviceTensor<T>,
-    export: Arc<Export>,
-}
-
-impl<T: Element> std::fmt::Debug for Lent<T> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Lent")
-            .field("back", &self.is_back())
-            .finish()
-    }
-}
-
-impl<T: Element> Holds<T> for Lent<T> {
-    fn into_tensor(self) -> DeviceTensor<T> {
-        self.tensor
-    }
-}
-
-impl<T: Element> Lent<T> {
-    /// Whether the importer has handed it back (or its process has ended).
-    pub fn is_back(&self) -> bool {
-        lock(&self.export.inner).in_use() == 0
-    }
-
-    /// The tensor back, once the importer has handed it back, waiting at most `within` on the
-    /// host (`Duration::MAX`: with no deadline): every use on this engine from now on runs
-    /// after the importer's writes (on the device). A tensor whose importer's process died
-    /// comes back with whatever it wrote.
-    ///
-    /// # Errors
-    /// As [`Exported::reclaim`].
-    #[allow(clippy::result_large_err)]
-    pub fn wait_back(self, within: Duration) -> Result<DeviceTensor<T>, SubmitError<Self>> {
-        let export = Arc::clone(&self.export);
-        back(&export, within, self)
-    }
-
-    /// [`wait_back`](Self::wait_back) without waiting.
-    ///
-    /// # Errors
-    /// As [`Exported::reclaim`].
-    #[allow(clippy::result_large_err)]
-    pub fn try_back(self) -> Result<DeviceTensor<T>, SubmitError<Self>> {
-        self.wait_back(Duration::ZERO)
+    /// The wait fails when an importer's last use could not be ordered before this engine's:
+    /// the memory is then kept for the engine's lifetime, and the typed error comes back.
+    pub fn reclaim(self) -> Pending<Reclaim<T>> {
+        Pending::in_flight(Back::new(self.tensor, self.export))
     }
 }
 
@@ -1071,7 +1018,7 @@ impl CudaEngine {
     ///
     /// # Errors
     /// [`UsageError::WrongEngine`] when it is not this engine's, [`UsageError::ZeroLength`]
-    /// when it has no elements, [`ShareError::Reexport`] when it is another process's, imported
+    /// when it has no elements, [`UsageError::Reexport`] when it is another process's, imported
     /// here, [`Error::Driver`] when the device cannot export it (a pool that is not
     /// exportable): the tensor comes back in [`SubmitError::Rejected`].
     #[allow(clippy::result_large_err)]

@@ -17,9 +17,10 @@ use crate::core::engine::{CudaEngine, Entered, Shared, State};
 use crate::core::order::Use;
 use crate::driver::share::{Name, Origin};
 use crate::driver::{DevicePtr, EventHandle, Lane};
-use crate::error::{Error, Result, ShareError};
+use crate::error::{Error, IoError, MalformedError, PeerError, Result, SetupError, UsageError};
 use crate::memory::element::Element;
 use crate::memory::tensor::{DeviceTensor, Home, shape_len};
+use crate::sync::deadline::Deadline;
 use std::collections::{HashMap, HashSet};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
@@ -34,7 +35,7 @@ const LINGER: Duration = Duration::from_secs(10);
 /// The most offers a link holds that [`ShareLink::import_read`] and
 /// [`ShareLink::import_exclusive`] have not taken yet (the one being taken included). An
 /// exporter that sends more is treated as hostile: the link stops reading it and every later
-/// import fails with [`ShareError::OverLimit`].
+/// import fails with [`MalformedError::OverLimit`].
 pub(super) const MAX_WAITING_OFFERS: usize = 4096;
 
 /// The most pool descriptors a link holds at once: the one its exporter sends with its first
@@ -44,8 +45,8 @@ pub(super) const MAX_WAITING_OFFERS: usize = 4096;
 const MAX_DESCRIPTORS: usize = 1;
 
 /// The error of a link whose exporter passed a bound.
-fn over(what: &'static str, limit: usize) -> ShareError {
-    ShareError::OverLimit { what, limit }
+fn over(what: &'static str, limit: usize) -> Error {
+    MalformedError::OverLimit { what, limit }.into()
 }
 
 /// A pool descriptor the link holds, counted (in [`Mappings::descriptors`]) while it lives.
@@ -174,7 +175,7 @@ fn unmap(st: &mut State, engine: &Shared, ptr: DevicePtr, done: EventHandle) -> 
 impl LinkShared {
     /// Counts an offer of tensor `id` that the reader passes on, with the descriptor that came
     /// with it (closed at once after the pool's import); the bound it passes, if any.
-    fn admit(&self, id: u64, fd: Option<OwnedFd>) -> Result<Option<OwnedFd>, ShareError> {
+    fn admit(&self, id: u64, fd: Option<OwnedFd>) -> Result<Option<OwnedFd>, Error> {
         let mut mapped = lock(&self.mapped);
         if mapped.waiting >= MAX_WAITING_OFFERS {
             return Err(over("offers waiting to be taken", MAX_WAITING_OFFERS));
@@ -216,8 +217,8 @@ impl LinkShared {
     /// not told it keeps until this process ends.
     ///
     /// # Errors
-    /// [`ShareError::TimedOut`] when the exporter does not take the message within the limit
-    /// (the writer is cut); [`ShareError::Io`] when the socket refuses it otherwise (cut too).
+    /// [`PeerError::TimedOut`] when the exporter does not take the message within the limit
+    /// (the writer is cut); [`IoError::Socket`] when the socket refuses it otherwise (cut too).
     fn send(&self, message: &Message) -> Result<()> {
         let mut writer = lock(&self.writer);
         if writer.cut {
@@ -226,7 +227,7 @@ impl LinkShared {
         let error = match wire::send(&mut writer.stream, message, None) {
             Ok(()) => return Ok(()),
             // The exporter has gone: it holds nothing to release any more.
-            Err(ShareError::Io { source, .. })
+            Err(Error::Io(IoError::Socket { source, .. }))
                 if matches!(
                     source.kind(),
                     std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset
@@ -235,23 +236,24 @@ impl LinkShared {
                 return Ok(());
             }
             // The socket's write timeout (`EAGAIN` once `SO_SNDTIMEO` passes).
-            Err(ShareError::Io { source, .. })
+            Err(Error::Io(IoError::Socket { source, .. }))
                 if matches!(
                     source.kind(),
                     std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
                 ) =>
             {
-                ShareError::TimedOut {
+                PeerError::TimedOut {
                     what: "a message to the exporter (it stopped reading)",
                     within: wire::MESSAGE_LIMIT,
                 }
+                .into()
             }
             Err(error) => error,
         };
         // Part of the message may have left: nothing may follow it.
         writer.cut = true;
         let _ = writer.stream.shutdown(std::net::Shutdown::Write);
-        Err(Error::Share(error))
+        Err(error)
     }
 
     /// The exporter asks for tensor `id` back: unmapped now when no import of it is in use,
@@ -425,7 +427,7 @@ impl<T: Element> std::ops::Deref for ReadOnly<T> {
 }
 
 /// An offer as the reader hands it over, or why none comes.
-type Incoming = std::result::Result<(Box<Offer>, Option<HeldFd>), ShareError>;
+type Incoming = std::result::Result<(Box<Offer>, Option<HeldFd>), Error>;
 
 /// The importing side's connection to one exporter process.
 ///
@@ -439,18 +441,19 @@ type Incoming = std::result::Result<(Box<Offer>, Option<HeldFd>), ShareError>;
 /// (the one being taken included) and one pool descriptor (a descriptor that comes after the
 /// pool's import is closed at once); an unmap request holds something only for an offer still
 /// waiting. An exporter past a bound is hostile: the link stops reading it, closes the socket,
-/// and every later import fails with [`ShareError::OverLimit`], naming the bound.
+/// and every later import fails with [`MalformedError::OverLimit`], naming the bound.
 ///
 /// What the link writes to its exporter (releases, unmappings, refusals) waits at most 10 s
 /// for the exporter to make room (the socket's write timeout, as on the exporter's side). An
 /// exporter that stops reading longer is cut off: the send fails with
-/// [`ShareError::TimedOut`] (reported at the engine's next boundary where a drop sent it),
+/// [`PeerError::TimedOut`] (reported at the engine's next boundary where a drop sent it),
 /// the link writes nothing more, and the exporter keeps what it was not told of until this
 /// process ends.
 pub struct ShareLink {
     link: Arc<LinkShared>,
     offers: Receiver<Incoming>,
-    timeout: Option<Duration>,
+    /// How long an import waits for an offer (`Duration::MAX`: for ever).
+    timeout: Duration,
     /// The exporter's process and device, from its first offer, and its pool, imported then.
     exporter: Option<(Origin, [u8; 16], u64)>,
     /// Who the kernel says is at the socket's other end, which the first offer's origin must
@@ -505,7 +508,7 @@ fn read_until_end(mut reader: UnixStream, link: Weak<LinkShared>, offers: Sender
                     Err(bound) => {
                         // A hostile exporter: read no more of it, close the socket, and fail
                         // every later import.
-                        if let ShareError::OverLimit { what, limit } = bound {
+                        if let Error::Malformed(MalformedError::OverLimit { what, limit }) = bound {
                             lock(&shared.mapped).hostile = Some((what, limit));
                         }
                         let _ = reader.shutdown(std::net::Shutdown::Both);
@@ -521,9 +524,10 @@ fn read_until_end(mut reader: UnixStream, link: Weak<LinkShared>, offers: Sender
                 }
                 continue;
             }
-            Ok(_) => Err(ShareError::Garbage {
+            Ok(_) => Err(MalformedError::Sharing {
                 reason: "a message an exporter does not send".into(),
-            }),
+            }
+            .into()),
             Err(error) => Err(error),
         };
         let end = next.is_err();
@@ -553,7 +557,7 @@ impl ShareLink {
     /// for `engine` to import into.
     ///
     /// # Errors
-    /// [`ShareError::Io`] when the socket cannot be reached; as
+    /// [`IoError::Socket`] when the socket cannot be reached; as
     /// [`from_stream`](Self::from_stream).
     pub fn connect(engine: &mut CudaEngine, path: impl AsRef<Path>) -> Result<Self> {
         Self::connect_greeting(engine, path.as_ref(), |_| {})
@@ -567,7 +571,7 @@ impl ShareLink {
         forge: impl FnOnce(&mut Hello),
     ) -> Result<Self> {
         let stream = UnixStream::connect(path).map_err(|source| {
-            Error::Share(ShareError::Io {
+            Error::Io(IoError::Socket {
                 operation: "connect",
                 source,
             })
@@ -614,8 +618,8 @@ impl ShareLink {
     /// The link sets the socket's write timeout (10 s; see [`ShareLink`]).
     ///
     /// # Errors
-    /// [`ShareError::Identity`] when this process cannot be named; [`Error::Driver`] when the
-    /// event cannot be made; [`ShareError::Io`] when the socket refuses, or is not a connected
+    /// [`SetupError::Identity`] when this process cannot be named; [`Error::Driver`] when the
+    /// event cannot be made; [`IoError::Socket`] when the socket refuses, or is not a connected
     /// Unix socket the kernel names a peer for.
     pub fn from_stream(engine: &mut CudaEngine, stream: UnixStream) -> Result<Self> {
         let peer = wire::peer(&stream)?;
@@ -631,7 +635,7 @@ impl ShareLink {
         peer: Option<wire::Peer>,
         forge: impl FnOnce(&mut Hello),
     ) -> Result<Self> {
-        let io = |operation| move |source| Error::Share(ShareError::Io { operation, source });
+        let io = |operation| move |source| Error::Io(IoError::Socket { operation, source });
         // An exporter that stops reading holds no send of this link for long: a write that
         // finds no room within the limit fails, and cuts the link's writing (see `Writer`).
         stream
@@ -681,7 +685,7 @@ impl ShareLink {
         Ok(ShareLink {
             link,
             offers,
-            timeout: None,
+            timeout: Duration::MAX,
             exporter: None,
             peer,
             allowed: Vec::new(),
@@ -696,10 +700,12 @@ impl ShareLink {
     }
 
     /// How long [`import_read`](Self::import_read) and
-    /// [`import_exclusive`](Self::import_exclusive) wait for an offer (`None`: for ever, the
-    /// default).
-    pub fn set_timeout(&mut self, within: Option<Duration>) {
+    /// [`import_exclusive`](Self::import_exclusive) wait for an offer: one deadline for each
+    /// wait, from its start (`Duration::MAX`, the default: for ever).
+    #[must_use]
+    pub fn with_timeout(mut self, within: Duration) -> Self {
         self.timeout = within;
+        self
     }
 
     /// Takes the next offer, a read-only share, into `engine`: its reads on every stream run
@@ -708,26 +714,26 @@ impl ShareLink {
     ///
     /// # Errors
     /// Each refusal is told to the exporter and maps nothing:
-    /// [`ShareError::Access`] for an exclusive hand-off; [`ShareError::ElementType`] for another
-    /// element type; [`ShareError::Garbage`] for an offer whose shape and size disagree, whose
+    /// [`UsageError::OfferAccess`] for an exclusive hand-off; [`UsageError::OfferElementType`] for another
+    /// element type; [`MalformedError::Sharing`] for an offer whose shape and size disagree, whose
     /// shape is empty or overflows this host's sizes, that names a mapped tensor by other export
     /// data, or of another exporter than the link's first (or without the pool's descriptor,
-    /// when no offer brought it yet); [`ShareError::PastAllocation`] for an offer whose size
+    /// when no offer brought it yet); [`MalformedError::PastAllocation`] for an offer whose size
     /// does not fit the allocation it maps, as the driver measures the mapping (the size never
     /// comes from the offer: a new mapping is released again, stream-ordered, and the exporter
-    /// told); [`ShareError::OtherUser`] or [`ShareError::PeerIdentity`] for a first offer
+    /// told); [`PeerError::OtherUser`] or [`MalformedError::PeerIdentity`] for a first offer
     /// whose exporter is of a user not allowed ([`allow_uid`](Self::allow_uid)) or is not the
-    /// process the kernel reports at the socket's other end; [`ShareError::OtherHost`],
-    /// [`ShareError::OtherBoot`], [`ShareError::ProcessGone`] for a handle of another host, boot
-    /// or an exited process; [`ShareError::Unreachable`] for a device this engine cannot reach;
+    /// process the kernel reports at the socket's other end; [`SetupError::OtherHost`],
+    /// [`SetupError::OtherBoot`], [`PeerError::ProcessGone`] for a handle of another host, boot
+    /// or an exited process; [`SetupError::UnreachableDevice`] for a device this engine cannot reach;
     /// [`Error::Driver`] when the driver refuses the pool, the pointer or the event (a forged
     /// handle), or cannot measure the mapping (`cuMemGetAddressRange`: the mapping is never
-    /// used, and is released as for [`ShareError::PastAllocation`]). A refusal leaves the
+    /// used, and is released as for [`MalformedError::PastAllocation`]). A refusal leaves the
     /// link as it was: the next offer is taken as if the refused one had not come (the pool's
     /// descriptor, which comes once, is kept until the pool is imported). When no offer comes:
-    /// [`ShareError::Io`] (of kind `TimedOut` past the [timeout](Self::set_timeout)),
-    /// [`ShareError::Closed`] or [`ShareError::Garbage`] (a message that is not the protocol
-    /// ends the link); [`ShareError::OverLimit`] once the exporter has passed a bound (see
+    /// [`IoError::Socket`] (of kind `TimedOut` past the [timeout](Self::with_timeout)),
+    /// [`PeerError::Closed`] or [`MalformedError::Sharing`] (a message that is not the protocol
+    /// ends the link); [`MalformedError::OverLimit`] once the exporter has passed a bound (see
     /// [`ShareLink`]), for this import and every later one.
     pub fn import_read<T: Element>(&mut self, engine: &mut CudaEngine) -> Result<ReadOnly<T>> {
         let tensor = self.import(engine, Access::Read)?;
@@ -739,7 +745,7 @@ impl ShareLink {
     /// the tensor hands it back, after its writes.
     ///
     /// # Errors
-    /// As [`import_read`](Self::import_read), with [`ShareError::Access`] for a read-only share.
+    /// As [`import_read`](Self::import_read), with [`UsageError::OfferAccess`] for a read-only share.
     pub fn import_exclusive<T: Element>(
         &mut self,
         engine: &mut CudaEngine,
@@ -752,30 +758,33 @@ impl ShareLink {
         if let Some((what, limit)) = hostile {
             // Offers still queued are never taken: their descriptors close as they drop.
             while self.offers.try_recv().is_ok() {}
-            return Err(Error::Share(over(what, limit)));
+            return Err(over(what, limit));
         }
+        // One deadline for the whole wait, the spin included.
+        let deadline = Deadline::after(self.timeout);
         // An offer that comes within a few tens of microseconds is met without a sleep.
-        let spin = crate::sync::deadline::Deadline::after(SPIN);
+        let spin = Deadline::after(SPIN).min(deadline);
         while !spin.expired() {
             match self.offers.try_recv() {
-                Ok(incoming) => return Ok(incoming?),
+                Ok(incoming) => return incoming,
                 Err(std::sync::mpsc::TryRecvError::Empty) => std::thread::yield_now(),
                 Err(std::sync::mpsc::TryRecvError::Disconnected) => {
-                    return Err(Error::Share(ShareError::Closed));
+                    return Err(Error::Peer(PeerError::Closed));
                 }
             }
         }
-        let next = match self.timeout {
-            None => self.offers.recv().map_err(|_| ShareError::Closed),
+        let next = match deadline.remaining() {
+            None => self.offers.recv().map_err(|_| PeerError::Closed.into()),
             Some(within) => self.offers.recv_timeout(within).map_err(|e| match e {
-                RecvTimeoutError::Timeout => ShareError::Io {
+                RecvTimeoutError::Timeout => IoError::Socket {
                     operation: "read",
                     source: std::io::ErrorKind::TimedOut.into(),
-                },
-                RecvTimeoutError::Disconnected => ShareError::Closed,
+                }
+                .into(),
+                RecvTimeoutError::Disconnected => PeerError::Closed.into(),
             }),
         };
-        Ok(next.and_then(|incoming| incoming)?)
+        next.and_then(|incoming| incoming)
     }
 
     fn import<T: Element>(
@@ -826,18 +835,18 @@ impl ShareLink {
             Access::Exclusive => "exclusive",
         };
         if offer.access != access {
-            return Err(Error::Share(ShareError::Access {
+            return Err(Error::Usage(UsageError::OfferAccess {
                 expected: name(access),
                 offered: name(offer.access),
             }));
         }
         if offer.dtype != dtype_code(T::DTYPE) {
-            return Err(Error::Share(ShareError::ElementType {
+            return Err(Error::Usage(UsageError::OfferElementType {
                 expected: T::DTYPE,
                 offered: crate::DType::ALL.get(usize::from(offer.dtype)).copied(),
             }));
         }
-        let garbage = |reason: String| Error::Share(ShareError::Garbage { reason });
+        let garbage = |reason: String| Error::Malformed(MalformedError::Sharing { reason });
         let (shape, len) = shape_of(offer)?;
         if len == 0 || len.checked_mul(T::DTYPE.size_bytes()) != usize::try_from(offer.bytes).ok() {
             return Err(garbage(format!(
@@ -871,7 +880,9 @@ impl ShareLink {
                     .reaches(&offer.device)
                     .map_err(Error::driver("cuDeviceCanAccessPeer"))?
                 {
-                    return Err(Error::Share(ShareError::Unreachable { uuid: offer.device }));
+                    return Err(Error::Setup(SetupError::UnreachableDevice {
+                        uuid: offer.device,
+                    }));
                 }
                 let Some(fd) = &self.pending else {
                     return Err(garbage(
@@ -964,7 +975,7 @@ impl ShareLink {
                 m.ptr
             }
             Some(_) => {
-                return Err(untold(Error::Share(ShareError::Garbage {
+                return Err(untold(Error::Malformed(MalformedError::Sharing {
                     reason: "an offer that names a mapped tensor by other export data".into(),
                 })));
             }
@@ -1055,10 +1066,10 @@ impl ShareLink {
 }
 
 /// An offer's shape, in this host's sizes, and its element count: an offer whose dimensions or
-/// count do not fit this host's sizes is [`ShareError::Garbage`].
+/// count do not fit this host's sizes is [`MalformedError::Sharing`].
 fn shape_of(offer: &Offer) -> Result<(Vec<usize>, usize)> {
     let overflows = || {
-        Error::Share(ShareError::Garbage {
+        Error::Malformed(MalformedError::Sharing {
             reason: format!(
                 "an offer whose shape {:?} overflows this host's sizes",
                 offer.shape
@@ -1083,7 +1094,7 @@ fn fits(bytes: u64, offset: u64, allocation: u64) -> Result<()> {
     {
         Ok(())
     } else {
-        Err(Error::Share(ShareError::PastAllocation {
+        Err(Error::Malformed(MalformedError::PastAllocation {
             offered: bytes,
             offset,
             allocation,

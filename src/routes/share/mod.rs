@@ -13,15 +13,21 @@
 //! 0.2 ms each, so both are kept per exporter), and imported memory stays valid after the
 //! exporting process exits.
 //!
+//! What sharing hands back later (a lent tensor, a reclaimed share, an importer's leaving) is an
+//! operation in flight, [`Pending`](crate::Pending) over [`Loan`], [`Reclaim`] or [`Departure`],
+//! waited on with the verbs of every operation in flight ([`crate::pending`]).
+//!
 //! Offers, releases and refusals travel on a Unix socket ([`wire`]), the pool's descriptor
 //! beside an offer, each message checked as it is read; a handle of another host, another boot
 //! or a process that has exited is refused before anything is mapped.
 
 mod export;
 mod import;
+mod pending;
 #[cfg(test)]
 mod tests;
 pub(crate) mod wire;
 
-pub use export::{Exported, Importer, Lent, ShareListener};
+pub use export::{Exported, Importer, ShareListener};
 pub use import::{ReadOnly, ShareLink};
+pub use pending::{Departure, Loan, Reclaim};

@@ -6,11 +6,24 @@
 use super::wire::{self, Message, Offer};
 use super::{Importer, ShareLink};
 use crate::driver::sim::{SimConfig, SimDevice, SimOp};
-use crate::error::{Error, ShareError};
-use crate::{CudaEngine, download_tensor};
+use crate::error::{Error, MalformedError, PeerError, SetupError, UsageError};
+use crate::lifecycle::pending::{Operation, TryWait};
+use crate::memory::element::Element;
+use crate::{CudaEngine, DeviceTensor, Pending, download_tensor};
 use std::io::Write;
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::net::UnixStream;
+
+/// The tensor of a loan or a reclaim, back within `within` (it must come back).
+fn back<Op, T: Element>(pending: Pending<Op>, within: std::time::Duration) -> DeviceTensor<T>
+where
+    Op: Operation<Parts = DeviceTensor<T>>,
+{
+    match pending.wait_for(within).unwrap() {
+        TryWait::Returned(back) => back.into_parts(),
+        TryWait::InFlight(op) => panic!("still in flight: {op:?}"),
+    }
+}
 
 /// An exporter and an importer of one simulated machine, with the test in between: what the
 /// exporter sends arrives on `from_exporter`, and what the test sends on `to_importer` reaches
@@ -105,12 +118,12 @@ fn refused(
         drop((to_importer, link));
         let err = write_end.write_all(b"x").unwrap_err();
         assert_eq!(err.kind(), std::io::ErrorKind::BrokenPipe);
-        let tensor = shared.reclaim(std::time::Duration::from_secs(5)).unwrap();
+        let tensor = back(shared.reclaim(), std::time::Duration::from_secs(5));
         assert_eq!(download_tensor(&mut b.exporter, &tensor).unwrap(), [2.0; 4]);
         assert!(b.sim.violations().is_empty(), "{:?}", b.sim.violations());
         return;
     }
-    let tensor = shared.reclaim(std::time::Duration::from_secs(5)).unwrap();
+    let tensor = back(shared.reclaim(), std::time::Duration::from_secs(5));
     assert_eq!(download_tensor(&mut b.exporter, &tensor).unwrap(), [2.0; 4]);
     assert!(b.sim.violations().is_empty(), "{:?}", b.sim.violations());
 }
@@ -119,8 +132,8 @@ fn read(link: &mut ShareLink, engine: &mut CudaEngine) -> crate::Result<()> {
     link.import_read::<f32>(engine).map(drop)
 }
 
-fn share(e: &Error, check: impl FnOnce(&ShareError) -> bool) -> bool {
-    matches!(e, Error::Share(s) if check(s))
+fn share(e: &Error, check: impl FnOnce(&Error) -> bool) -> bool {
+    check(e)
 }
 
 #[test]
@@ -129,13 +142,13 @@ fn an_offer_of_another_host_or_boot_is_refused() {
         |o| o.origin.host[0] ^= 1,
         true,
         read,
-        |e| share(e, |s| matches!(s, ShareError::OtherHost)),
+        |e| share(e, |s| matches!(s, Error::Setup(SetupError::OtherHost))),
     );
     refused(
         |o| o.origin.boot[3] ^= 1,
         true,
         read,
-        |e| share(e, |s| matches!(s, ShareError::OtherBoot)),
+        |e| share(e, |s| matches!(s, Error::Setup(SetupError::OtherBoot))),
     );
 }
 
@@ -151,7 +164,7 @@ fn an_offer_of_a_process_that_has_exited_is_refused() {
         |e| {
             share(
                 e,
-                |s| matches!(s, ShareError::ProcessGone { pid: p } if *p == pid),
+                |s| matches!(s, Error::Peer(PeerError::ProcessGone { pid: p }) if *p == pid),
             )
         },
     );
@@ -166,7 +179,7 @@ fn an_offer_of_a_device_the_engine_cannot_reach_is_refused() {
         |e| {
             share(
                 e,
-                |s| matches!(s, ShareError::Unreachable { uuid } if *uuid == [0x5a; 16]),
+                |s| matches!(s, Error::Setup(SetupError::UnreachableDevice { uuid }) if *uuid == [0x5a; 16]),
             )
         },
     );
@@ -182,10 +195,10 @@ fn an_offer_of_another_element_type_access_or_size_is_refused() {
             share(e, |s| {
                 matches!(
                     s,
-                    ShareError::ElementType {
+                    Error::Usage(UsageError::OfferElementType {
                         offered: Some(crate::DType::F32),
                         ..
-                    }
+                    })
                 )
             })
         },
@@ -198,10 +211,10 @@ fn an_offer_of_another_element_type_access_or_size_is_refused() {
             share(e, |s| {
                 matches!(
                     s,
-                    ShareError::Access {
+                    Error::Usage(UsageError::OfferAccess {
                         offered: "read-only",
                         ..
-                    }
+                    })
                 )
             })
         },
@@ -213,7 +226,7 @@ fn an_offer_of_another_element_type_access_or_size_is_refused() {
         |e| {
             share(
                 e,
-                |s| matches!(s, ShareError::Garbage { reason } if reason.contains("bytes")),
+                |s| matches!(s, Error::Malformed(MalformedError::Sharing { reason }) if reason.contains("bytes")),
             )
         },
     );
@@ -283,7 +296,7 @@ fn truncated_bytes_end_the_link_with_nothing_mapped() {
     assert!(
         share(
             &error,
-            |s| matches!(s, ShareError::Garbage { reason } if reason.contains("cut short"))
+            |s| matches!(s, Error::Malformed(MalformedError::Sharing { reason }) if reason.contains("cut short"))
         ),
         "{error}"
     );
@@ -292,7 +305,7 @@ fn truncated_bytes_end_the_link_with_nothing_mapped() {
     // The link is over: a later import says so.
     let error = read(&mut b.link, &mut b.importer).unwrap_err();
     assert!(
-        share(&error, |s| matches!(s, ShareError::Closed)),
+        share(&error, |s| matches!(s, Error::Peer(PeerError::Closed))),
         "{error}"
     );
 }
@@ -307,13 +320,13 @@ fn a_first_offer_without_the_pools_descriptor_is_refused() {
     assert!(
         share(
             &error,
-            |s| matches!(s, ShareError::Garbage { reason } if reason.contains("descriptor"))
+            |s| matches!(s, Error::Malformed(MalformedError::Sharing { reason }) if reason.contains("descriptor"))
         ),
         "{error}"
     );
     assert_eq!(b.sim.imports_live(), 0);
     assert!(matches!(b.answer(), Message::Refuse { mapped: false, .. }));
-    shared.reclaim(std::time::Duration::from_secs(5)).unwrap();
+    back(shared.reclaim(), std::time::Duration::from_secs(5));
 }
 
 // ---- Issue 36: a share's size from the allocation, refusals that leave the link usable,
@@ -367,7 +380,7 @@ impl Between {
 
 fn past(e: &Error, claimed: u64) -> bool {
     share(e, |s| {
-        matches!(s, ShareError::PastAllocation { offered, offset: 0, allocation }
+        matches!(s, Error::Malformed(MalformedError::PastAllocation { offered, offset: 0, allocation })
             if *offered == claimed && *allocation < claimed)
     })
 }
@@ -405,7 +418,7 @@ fn a_relayed_second_offer_rewritten_past_its_allocation_is_refused() {
     assert_eq!(download_tensor(&mut b.importer, &honest).unwrap(), [2.0; 4]);
     drop((first, honest));
     b.drain();
-    shared.reclaim(WAIT).unwrap();
+    back(shared.reclaim(), WAIT);
     assert!(b.sim.violations().is_empty(), "{:?}", b.sim.violations());
 }
 
@@ -441,8 +454,8 @@ fn a_first_offer_past_its_allocation_is_unmapped_and_the_exporter_told() {
         told_mapped_then_unmapped(&b.drain());
         // The exporter has its tensor back, whole.
         let tensor = match (lent, shared) {
-            (Some(lent), _) => lent.wait_back(WAIT).unwrap(),
-            (_, Some(shared)) => shared.reclaim(WAIT).unwrap(),
+            (Some(lent), _) => back(lent, WAIT),
+            (_, Some(shared)) => back(shared.reclaim(), WAIT),
             _ => unreachable!(),
         };
         // The refusal is reported at the exporter's next boundary.
@@ -478,7 +491,7 @@ struct Case {
 fn garbage_saying(e: &Error, says: &str) -> bool {
     share(
         e,
-        |s| matches!(s, ShareError::Garbage { reason } if reason.contains(says)),
+        |s| matches!(s, Error::Malformed(MalformedError::Sharing { reason }) if reason.contains(says)),
     )
 }
 
@@ -527,7 +540,7 @@ fn refused_then_good(case: &Case) {
     );
     drop((tensor, held));
     b.drain();
-    shared.reclaim(WAIT).unwrap();
+    back(shared.reclaim(), WAIT);
     assert!(
         b.sim.violations().is_empty(),
         "{name}: {:?}",
@@ -544,7 +557,11 @@ fn a_refusal_of_every_kind_leaves_the_link_usable() {
             spoil: |_| {},
             fd: Fd::Real,
             take: |link, engine| link.import_read::<i32>(engine).map(drop),
-            expect: |e| share(e, |s| matches!(s, ShareError::ElementType { .. })),
+            expect: |e| {
+                share(e, |s| {
+                    matches!(s, Error::Usage(UsageError::OfferElementType { .. }))
+                })
+            },
         },
         Case {
             name: "an element type this crate does not know",
@@ -554,7 +571,10 @@ fn a_refusal_of_every_kind_leaves_the_link_usable() {
             take: read,
             expect: |e| {
                 share(e, |s| {
-                    matches!(s, ShareError::ElementType { offered: None, .. })
+                    matches!(
+                        s,
+                        Error::Usage(UsageError::OfferElementType { offered: None, .. })
+                    )
                 })
             },
         },
@@ -564,7 +584,11 @@ fn a_refusal_of_every_kind_leaves_the_link_usable() {
             spoil: |_| {},
             fd: Fd::Real,
             take: |link, engine| link.import_exclusive::<f32>(engine).map(drop),
-            expect: |e| share(e, |s| matches!(s, ShareError::Access { .. })),
+            expect: |e| {
+                share(e, |s| {
+                    matches!(s, Error::Usage(UsageError::OfferAccess { .. }))
+                })
+            },
         },
         Case {
             name: "a shape that disagrees with the byte count",
@@ -621,7 +645,7 @@ fn a_refusal_of_every_kind_leaves_the_link_usable() {
             spoil: |o| o.origin.host[0] ^= 1,
             fd: Fd::Real,
             take: read,
-            expect: |e| share(e, |s| matches!(s, ShareError::OtherHost)),
+            expect: |e| share(e, |s| matches!(s, Error::Setup(SetupError::OtherHost))),
         },
         Case {
             name: "another boot",
@@ -629,7 +653,7 @@ fn a_refusal_of_every_kind_leaves_the_link_usable() {
             spoil: |o| o.origin.boot[0] ^= 1,
             fd: Fd::Real,
             take: read,
-            expect: |e| share(e, |s| matches!(s, ShareError::OtherBoot)),
+            expect: |e| share(e, |s| matches!(s, Error::Setup(SetupError::OtherBoot))),
         },
         Case {
             name: "a process that has exited",
@@ -639,8 +663,8 @@ fn a_refusal_of_every_kind_leaves_the_link_usable() {
             take: read,
             expect: |e| {
                 share(e, |s| {
-                    matches!(s, ShareError::ProcessGone { .. })
-                        || matches!(s, ShareError::Garbage { .. })
+                    matches!(s, Error::Peer(PeerError::ProcessGone { .. }))
+                        || matches!(s, Error::Malformed(MalformedError::Sharing { .. }))
                 })
             },
         },
@@ -650,7 +674,11 @@ fn a_refusal_of_every_kind_leaves_the_link_usable() {
             spoil: |o| o.device = [0x5a; 16],
             fd: Fd::Real,
             take: read,
-            expect: |e| share(e, |s| matches!(s, ShareError::Unreachable { .. })),
+            expect: |e| {
+                share(e, |s| {
+                    matches!(s, Error::Setup(SetupError::UnreachableDevice { .. }))
+                })
+            },
         },
         Case {
             name: "a first offer without the pool's descriptor",
@@ -722,7 +750,11 @@ fn a_refusal_of_every_kind_leaves_the_link_usable() {
             spoil: |_| {},
             fd: Fd::Without,
             take: |link, engine| link.import_read::<u32>(engine).map(drop),
-            expect: |e| share(e, |s| matches!(s, ShareError::ElementType { .. })),
+            expect: |e| {
+                share(e, |s| {
+                    matches!(s, Error::Usage(UsageError::OfferElementType { .. }))
+                })
+            },
         },
     ];
     let mut failed = Vec::new();
@@ -754,14 +786,17 @@ fn offers_never_taken_past_the_bound_close_the_link() {
     assert!(
         share(&error, |s| matches!(
             s,
-            ShareError::OverLimit { limit, .. } if *limit == super::import::MAX_WAITING_OFFERS
+            Error::Malformed(MalformedError::OverLimit { limit, .. }) if *limit == super::import::MAX_WAITING_OFFERS
         )),
         "{error}"
     );
     // Every later import says so too, and nothing was mapped.
     let again = read(&mut b.link, &mut b.importer).unwrap_err();
     assert!(
-        share(&again, |s| matches!(s, ShareError::OverLimit { .. })),
+        share(&again, |s| matches!(
+            s,
+            Error::Malformed(MalformedError::OverLimit { .. })
+        )),
         "{again}"
     );
     assert_eq!(b.sim.imports_live(), 0);
@@ -781,7 +816,7 @@ fn a_second_descriptor_while_the_link_holds_one_closes_it_and_is_closed() {
     assert!(
         share(
             &error,
-            |s| matches!(s, ShareError::OverLimit { limit: 1, what } if what.contains("descriptor"))
+            |s| matches!(s, Error::Malformed(MalformedError::OverLimit { limit: 1, what }) if what.contains("descriptor"))
         ),
         "{error}"
     );
@@ -807,7 +842,7 @@ fn a_descriptor_after_the_pool_was_imported_is_closed_at_once() {
     assert_eq!(err.kind(), std::io::ErrorKind::BrokenPipe);
     drop((first, tensor));
     b.drain();
-    shared.reclaim(WAIT).unwrap();
+    back(shared.reclaim(), WAIT);
 }
 
 #[test]
@@ -826,7 +861,7 @@ fn unmap_requests_for_tensors_never_offered_hold_nothing() {
     assert_eq!(download_tensor(&mut b.importer, &tensor).unwrap(), [2.0; 4]);
     drop(tensor);
     b.drain();
-    shared.reclaim(WAIT).unwrap();
+    back(shared.reclaim(), WAIT);
 }
 
 #[test]
@@ -852,7 +887,7 @@ fn an_unmap_request_for_an_offer_not_yet_taken_unmaps_it_once_released() {
         ),
         "{answers:?}"
     );
-    shared.reclaim(WAIT).unwrap();
+    back(shared.reclaim(), WAIT);
 }
 
 // ---- The driver's refusal to measure a fresh mapping (`cuMemGetAddressRange`), and a driver
@@ -908,7 +943,7 @@ fn a_mapping_the_driver_will_not_measure_is_unmapped_and_the_exporter_told() {
         told_mapped_then_unmapped(&b.drain());
         // Its counts come down: the tensor comes back whole, and the link goes on.
         let tensor = match (lent, shared) {
-            (Some(lent), _) => lent.wait_back(WAIT).unwrap(),
+            (Some(lent), _) => back(lent, WAIT),
             (_, Some(shared)) => {
                 assert_eq!(shared.imports(), 0, "the exporter still counts the import");
                 let again = b.again(&shared);
@@ -917,7 +952,7 @@ fn a_mapping_the_driver_will_not_measure_is_unmapped_and_the_exporter_told() {
                 assert_eq!(download_tensor(&mut b.importer, &honest).unwrap(), [2.0; 4]);
                 drop(honest);
                 b.drain();
-                shared.reclaim(WAIT).unwrap()
+                back(shared.reclaim(), WAIT)
             }
             _ => unreachable!(),
         };
@@ -986,9 +1021,12 @@ fn a_driver_panic_mapping_or_measuring_leaks_the_mapping_and_the_link_never_says
         );
         drop((to_importer, from_exporter));
         dropped.join().unwrap();
-        let kept = shared.reclaim(std::time::Duration::from_millis(200));
+        let kept = shared
+            .reclaim()
+            .wait_for(std::time::Duration::from_millis(200))
+            .unwrap();
         assert!(
-            kept.is_err(),
+            matches!(kept, TryWait::InFlight(_)),
             "{name}: the exporter has its tensor back under a mapping"
         );
         drop((kept, handle));
@@ -1027,7 +1065,7 @@ fn an_exporter_that_stops_reading_holds_an_importers_send_only_for_the_limit() {
     assert!(
         share(&error, |s| matches!(
             s,
-            ShareError::TimedOut { within, .. } if *within == wire::MESSAGE_LIMIT
+            Error::Peer(PeerError::TimedOut { within, .. }) if *within == wire::MESSAGE_LIMIT
         )),
         "{error}"
     );
@@ -1049,7 +1087,7 @@ fn an_exporter_that_stops_reading_holds_an_importers_send_only_for_the_limit() {
         }
     };
     assert_eq!(got, sent, "{end}");
-    assert!(matches!(end, ShareError::Closed), "{end}");
+    assert!(matches!(end, Error::Peer(PeerError::Closed)), "{end}");
 }
 
 /// Asserts that the exporter was told of a refused offer's mapping, then of its unmapping, and

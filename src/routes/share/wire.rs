@@ -4,7 +4,7 @@
 //!
 //! Every message is framed: the mark `CFSHARE`, the protocol's version, the message's kind, its
 //! body's length, and the body. A reader checks each field as it reads it and refuses, with a
-//! typed [`ShareError`] saying which: bytes that are not the protocol, another version, a message
+//! typed [`MalformedError`](crate::error::MalformedError) saying which: bytes that are not the protocol, another version, a message
 //! cut short, a kind it does not know, a body too long or of the wrong length for its kind, and,
 //! for an offer, a handle of another host, of another boot, or of a process that has exited
 //! (or whose pid now names another process, which its start time tells apart). A file descriptor
@@ -21,10 +21,11 @@
 #![cfg_attr(not(test), allow(dead_code))]
 
 use crate::driver::share::{Name, Origin};
-use crate::error::ShareError;
+use crate::error::{Error, IoError, MalformedError, PeerError};
+use crate::fd_passing::{recv_with_fds, send_with_fds};
 use crate::sync::deadline::Deadline;
 use std::io::Write;
-use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
 
 /// The protocol's mark, which opens every message.
@@ -134,22 +135,23 @@ struct Body<'a> {
 }
 
 impl Body<'_> {
-    fn take<const N: usize>(&mut self) -> Result<[u8; N], ShareError> {
+    fn take<const N: usize>(&mut self) -> Result<[u8; N], Error> {
         if self.bytes.len() < N {
-            return Err(ShareError::Garbage {
+            return Err(MalformedError::Sharing {
                 reason: format!("{} cut short", self.kind),
-            });
+            }
+            .into());
         }
         let (head, rest) = self.bytes.split_at(N);
         self.bytes = rest;
         Ok(head.try_into().expect("N bytes"))
     }
 
-    fn u64(&mut self) -> Result<u64, ShareError> {
+    fn u64(&mut self) -> Result<u64, Error> {
         self.take::<8>().map(u64::from_le_bytes)
     }
 
-    fn origin(&mut self) -> Result<Origin, ShareError> {
+    fn origin(&mut self) -> Result<Origin, Error> {
         Ok(Origin {
             host: self.take()?,
             boot: self.take()?,
@@ -158,13 +160,14 @@ impl Body<'_> {
         })
     }
 
-    fn end(self) -> Result<(), ShareError> {
+    fn end(self) -> Result<(), Error> {
         if self.bytes.is_empty() {
             Ok(())
         } else {
-            Err(ShareError::Garbage {
+            Err(MalformedError::Sharing {
                 reason: format!("{} bytes past the end of {}", self.bytes.len(), self.kind),
-            })
+            }
+            .into())
         }
     }
 }
@@ -235,7 +238,7 @@ impl Message {
         body
     }
 
-    fn parse(kind: u8, bytes: &[u8]) -> Result<Message, ShareError> {
+    fn parse(kind: u8, bytes: &[u8]) -> Result<Message, Error> {
         match kind {
             OFFER => {
                 let mut b = Body {
@@ -250,15 +253,17 @@ impl Message {
                     0 => Access::Read,
                     1 => Access::Exclusive,
                     other => {
-                        return Err(ShareError::Garbage {
+                        return Err(MalformedError::Sharing {
                             reason: format!("an offer of access {other} (0 or 1)"),
-                        });
+                        }
+                        .into());
                     }
                 };
                 if usize::from(dims) > MAX_DIMS {
-                    return Err(ShareError::Garbage {
+                    return Err(MalformedError::Sharing {
                         reason: format!("an offer of {dims} dimensions (at most {MAX_DIMS})"),
-                    });
+                    }
+                    .into());
                 }
                 let shape = (0..dims).map(|_| b.u64()).collect::<Result<_, _>>()?;
                 let offer = Offer {
@@ -325,18 +330,20 @@ impl Message {
                     0 => false,
                     1 => true,
                     other => {
-                        return Err(ShareError::Garbage {
+                        return Err(MalformedError::Sharing {
                             reason: format!("a refusal whose mapped flag is {other}"),
-                        });
+                        }
+                        .into());
                     }
                 };
                 if b.bytes.len() > MAX_REASON {
-                    return Err(ShareError::Garbage {
+                    return Err(MalformedError::Sharing {
                         reason: format!(
                             "a refusal whose reason is {} bytes (at most {MAX_REASON})",
                             b.bytes.len()
                         ),
-                    });
+                    }
+                    .into());
                 }
                 // Control characters (a terminal's escapes) never reach a log as they came.
                 let reason = String::from_utf8_lossy(b.bytes)
@@ -345,27 +352,28 @@ impl Message {
                     .collect();
                 Ok(Message::Refuse { id, mapped, reason })
             }
-            other => Err(ShareError::Garbage {
+            other => Err(MalformedError::Sharing {
                 reason: format!("a message of kind {other}, which the protocol does not have"),
-            }),
+            }
+            .into()),
         }
     }
 }
 
 /// An operation's failure on the socket, as the route's error.
-fn io(operation: &'static str) -> impl FnOnce(std::io::Error) -> ShareError {
-    move |source| ShareError::Io { operation, source }
+fn io(operation: &'static str) -> impl FnOnce(std::io::Error) -> Error {
+    move |source| IoError::Socket { operation, source }.into()
 }
 
 /// Sends `message` on `stream`, with `fd` beside it (`SCM_RIGHTS`) when given.
 ///
 /// # Errors
-/// [`ShareError::Io`] when the socket refuses.
+/// [`IoError::Socket`] when the socket refuses.
 pub(crate) fn send(
     stream: &mut UnixStream,
     message: &Message,
     fd: Option<BorrowedFd<'_>>,
-) -> Result<(), ShareError> {
+) -> Result<(), Error> {
     let body = message.body();
     let mut frame = Vec::with_capacity(HEADER + body.len());
     frame.extend_from_slice(MAGIC);
@@ -378,46 +386,10 @@ pub(crate) fn send(
     };
     // The descriptor rides on the frame's first bytes; the rest follows as a plain write.
     let raw: RawFd = fd.as_raw_fd();
-    let mut control = [0u8; CONTROL];
-    let mut iov = libc::iovec {
-        iov_base: frame.as_mut_ptr().cast(),
-        iov_len: frame.len(),
-    };
-    // SAFETY: an all-zero `msghdr` is a valid empty header; its pointers are set below to
-    // buffers that outlive the call.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control.as_mut_ptr().cast();
-    msg.msg_controllen = control.len() as _;
-    // SAFETY: `msg` has a control buffer of `CMSG_SPACE(sizeof(int))` bytes, so the first
-    // header exists and has room for one descriptor.
-    unsafe {
-        let header = libc::CMSG_FIRSTHDR(&msg);
-        (*header).cmsg_level = libc::SOL_SOCKET;
-        (*header).cmsg_type = libc::SCM_RIGHTS;
-        (*header).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as _;
-        std::ptr::write_unaligned(libc::CMSG_DATA(header).cast::<RawFd>(), raw);
-    }
-    // SAFETY: `msg` and the buffers it points to are valid for the call.
-    let sent = unsafe { libc::sendmsg(stream.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) };
-    let sent = usize::try_from(sent).map_err(|_| ShareError::Io {
-        operation: "sendmsg",
-        source: std::io::Error::last_os_error(),
-    })?;
+    let sent = send_with_fds(stream.as_raw_fd(), &frame, &[&[raw]], libc::MSG_NOSIGNAL)
+        .map_err(io("sendmsg"))?;
     stream.write_all(&frame[sent..]).map_err(io("write"))
 }
-
-/// The control buffer of a message that carries one descriptor: `CMSG_SPACE(sizeof(int))`.
-// SAFETY: `CMSG_SPACE` is arithmetic on its argument (unsafe only by its C heritage).
-const CONTROL: usize = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
-
-/// The bytes of [`SEEN_FDS`] descriptors.
-const SEEN_FD_BYTES: u32 = (SEEN_FDS * std::mem::size_of::<RawFd>()) as u32;
-
-/// The control buffer of a read: room for [`SEEN_FDS`] descriptors.
-// SAFETY: as for `CONTROL`.
-const RECV_CONTROL: usize = unsafe { libc::CMSG_SPACE(SEEN_FD_BYTES) } as usize;
 
 /// The descriptors that came with a message's bytes, owned as they arrive (so that any refusal
 /// closes them all), and whether the kernel cut some off.
@@ -471,59 +443,19 @@ fn read_some(
     deadline: Deadline,
 ) -> std::io::Result<usize> {
     loop {
-        let mut control = [0u64; RECV_CONTROL.div_ceil(8)];
-        let mut iov = libc::iovec {
-            iov_base: buf.as_mut_ptr().cast(),
-            iov_len: buf.len(),
-        };
-        // SAFETY: an all-zero `msghdr` is a valid empty header; its pointers are set below to
-        // buffers that outlive the call.
-        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-        msg.msg_iov = &mut iov;
-        msg.msg_iovlen = 1;
-        msg.msg_control = control.as_mut_ptr().cast();
-        msg.msg_controllen = RECV_CONTROL as _;
-        // SAFETY: `msg` and its buffers are valid for the call; `MSG_CMSG_CLOEXEC` keeps a
-        // received descriptor out of child processes; `MSG_DONTWAIT` leaves the wait to
-        // `wait_readable`, under the deadline.
-        let got = unsafe {
-            libc::recvmsg(
-                stream.as_raw_fd(),
-                &mut msg,
-                libc::MSG_CMSG_CLOEXEC | libc::MSG_DONTWAIT,
-            )
-        };
-        if got < 0 {
-            let error = std::io::Error::last_os_error();
-            match error.kind() {
+        // `MSG_DONTWAIT` leaves the wait to `wait_readable`, under the deadline.
+        match recv_with_fds(stream.as_raw_fd(), buf, SEEN_FDS, libc::MSG_DONTWAIT) {
+            Ok(got) => {
+                received.fds.extend(got.fds);
+                received.truncated |= got.truncated;
+                return Ok(got.bytes);
+            }
+            Err(error) => match error.kind() {
                 std::io::ErrorKind::Interrupted => continue,
-                std::io::ErrorKind::WouldBlock => {
-                    wait_readable(stream.as_raw_fd(), deadline)?;
-                    continue;
-                }
+                std::io::ErrorKind::WouldBlock => wait_readable(stream.as_raw_fd(), deadline)?,
                 _ => return Err(error),
-            }
+            },
         }
-        // SAFETY: the kernel filled `msg`'s control buffer (at most `msg_controllen` bytes);
-        // the headers are walked as CMSG_* say, and each `SCM_RIGHTS` header's data holds
-        // `(cmsg_len - CMSG_LEN(0)) / sizeof(int)` descriptors, each installed in this process
-        // for us alone, so each is owned here exactly once.
-        unsafe {
-            let mut c = libc::CMSG_FIRSTHDR(&msg);
-            while !c.is_null() {
-                if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
-                    let data = libc::CMSG_DATA(c).cast::<RawFd>();
-                    let bytes = ((*c).cmsg_len as usize).saturating_sub(libc::CMSG_LEN(0) as usize);
-                    for i in 0..bytes / std::mem::size_of::<RawFd>() {
-                        let raw = std::ptr::read_unaligned(data.add(i));
-                        received.fds.push(OwnedFd::from_raw_fd(raw));
-                    }
-                }
-                c = libc::CMSG_NXTHDR(&msg, c);
-            }
-        }
-        received.truncated |= msg.msg_flags & libc::MSG_CTRUNC != 0;
-        return Ok(got as usize);
     }
 }
 
@@ -534,26 +466,29 @@ fn read_whole(
     received: &mut Received,
     deadline: Deadline,
     what: &str,
-) -> Result<(), ShareError> {
+) -> Result<(), Error> {
     while !buf.is_empty() {
         match read_some(stream, buf, received, deadline) {
             Ok(0) => {
-                return Err(ShareError::Garbage {
+                return Err(MalformedError::Sharing {
                     reason: format!("{what} cut short"),
-                });
+                }
+                .into());
             }
             Ok(n) => buf = &mut buf[n..],
             Err(e) if e.kind() == std::io::ErrorKind::TimedOut => {
-                return Err(ShareError::Io {
+                return Err(IoError::Socket {
                     operation: "read",
                     source: e,
-                });
+                }
+                .into());
             }
             Err(source) => {
-                return Err(ShareError::Io {
+                return Err(IoError::Socket {
                     operation: "recvmsg",
                     source,
-                });
+                }
+                .into());
             }
         }
     }
@@ -566,8 +501,8 @@ fn read_whole(
 ///
 /// # Errors
 /// As [`recv_by`].
-pub(crate) fn recv(stream: &mut UnixStream) -> Result<(Message, Option<OwnedFd>), ShareError> {
-    let within = stream.read_timeout().map_err(|source| ShareError::Io {
+pub(crate) fn recv(stream: &mut UnixStream) -> Result<(Message, Option<OwnedFd>), Error> {
+    let within = stream.read_timeout().map_err(|source| IoError::Socket {
         operation: "getsockopt",
         source,
     })?;
@@ -584,14 +519,14 @@ pub(crate) fn recv(stream: &mut UnixStream) -> Result<(Message, Option<OwnedFd>)
 /// (`MSG_CTRUNC`) is closed, and the message refused.
 ///
 /// # Errors
-/// [`ShareError::Io`] when the socket fails, of kind `TimedOut` when the message is not whole
-/// by its deadline; [`ShareError::Closed`] when the peer closed it before a message began, and
-/// [`ShareError::Garbage`] for bytes that are not the protocol (the descriptors that came with
+/// [`IoError::Socket`] when the socket fails, of kind `TimedOut` when the message is not whole
+/// by its deadline; [`PeerError::Closed`] when the peer closed it before a message began, and
+/// [`MalformedError::Sharing`] for bytes that are not the protocol (the descriptors that came with
 /// them are closed).
 pub(crate) fn recv_by(
     stream: &mut UnixStream,
     deadline: Deadline,
-) -> Result<(Message, Option<OwnedFd>), ShareError> {
+) -> Result<(Message, Option<OwnedFd>), Error> {
     let stream = &*stream;
     let mut header = [0u8; HEADER];
     // The descriptors, owned from here so that every refusal below closes them.
@@ -604,19 +539,19 @@ pub(crate) fn recv_by(
             } else {
                 "recvmsg"
             };
-            return Err(ShareError::Io { operation, source });
+            return Err(IoError::Socket { operation, source }.into());
         }
     };
     let check_fds = |received: &Received, may: usize| {
         if received.truncated {
-            return Err(ShareError::Garbage {
+            return Err(MalformedError::Sharing {
                 reason: format!(
                     "more descriptors than one read takes ({SEEN_FDS}) beside a message"
                 ),
             });
         }
         if received.fds.len() > may {
-            return Err(ShareError::Garbage {
+            return Err(MalformedError::Sharing {
                 reason: format!(
                     "{} descriptors with a message that may carry {may}",
                     received.fds.len()
@@ -627,7 +562,7 @@ pub(crate) fn recv_by(
     };
     if got == 0 {
         check_fds(&received, 0)?;
-        return Err(ShareError::Closed);
+        return Err(PeerError::Closed.into());
     }
     // The rest of the message comes within its limit of the first byte.
     let whole = deadline.min(Deadline::after(MESSAGE_LIMIT));
@@ -639,25 +574,28 @@ pub(crate) fn recv_by(
         "a message's header",
     )?;
     if &header[..MAGIC.len()] != MAGIC {
-        return Err(ShareError::Garbage {
+        return Err(MalformedError::Sharing {
             reason: "bytes that do not open with the protocol's mark".into(),
-        });
+        }
+        .into());
     }
     if header[MAGIC.len()] != VERSION {
-        return Err(ShareError::Garbage {
+        return Err(MalformedError::Sharing {
             reason: format!(
                 "protocol version {}, where this process speaks {VERSION}",
                 header[MAGIC.len()]
             ),
-        });
+        }
+        .into());
     }
     let kind = header[MAGIC.len() + 1];
     let len = u32::from_le_bytes(header[MAGIC.len() + 2..].try_into().expect("four bytes"));
     let len = usize::try_from(len).unwrap_or(usize::MAX);
     if len > MAX_BODY {
-        return Err(ShareError::Garbage {
+        return Err(MalformedError::Sharing {
             reason: format!("a body of {len} bytes (at most {MAX_BODY})"),
-        });
+        }
+        .into());
     }
     let mut body = vec![0u8; len];
     read_whole(stream, &mut body, &mut received, whole, "a message's body")?;
@@ -672,8 +610,8 @@ pub(crate) fn recv_by(
 /// socket pair), as of then.
 ///
 /// # Errors
-/// [`ShareError::Io`] when the kernel does not say.
-pub(crate) fn peer(stream: &UnixStream) -> Result<Peer, ShareError> {
+/// [`IoError::Socket`] when the kernel does not say.
+pub(crate) fn peer(stream: &UnixStream) -> Result<Peer, Error> {
     let mut cred = libc::ucred {
         pid: 0,
         uid: 0,
@@ -692,18 +630,20 @@ pub(crate) fn peer(stream: &UnixStream) -> Result<Peer, ShareError> {
         )
     };
     if ok != 0 {
-        return Err(ShareError::Io {
+        return Err(IoError::Socket {
             operation: "getsockopt(SO_PEERCRED)",
             source: std::io::Error::last_os_error(),
-        });
+        }
+        .into());
     }
     match u32::try_from(cred.pid) {
         Ok(pid) if pid != 0 => Ok(Peer { pid, uid: cred.uid }),
         // A socket the kernel names no process for (not a connected Unix socket).
-        _ => Err(ShareError::Io {
+        _ => Err(IoError::Socket {
             operation: "getsockopt(SO_PEERCRED)",
             source: std::io::ErrorKind::NotConnected.into(),
-        }),
+        }
+        .into()),
     }
 }
 
@@ -763,11 +703,11 @@ mod tests {
         assert_eq!(release, Message::Release { id: 7 });
         assert!(fd.is_none());
         drop(a);
-        assert!(matches!(recv(&mut b), Err(ShareError::Closed)));
+        assert!(matches!(recv(&mut b), Err(Error::Peer(PeerError::Closed))));
     }
 
     /// `bytes` on a socket, then the reader's answer.
-    fn read_back(bytes: &[u8]) -> Result<(Message, Option<OwnedFd>), ShareError> {
+    fn read_back(bytes: &[u8]) -> Result<(Message, Option<OwnedFd>), Error> {
         let (mut a, mut b) = UnixStream::pair().unwrap();
         a.write_all(bytes).unwrap();
         drop(a);
@@ -776,7 +716,9 @@ mod tests {
 
     fn garbage(bytes: &[u8], says: &str) {
         match read_back(bytes) {
-            Err(ShareError::Garbage { reason }) => assert!(reason.contains(says), "{reason}"),
+            Err(Error::Malformed(MalformedError::Sharing { reason })) => {
+                assert!(reason.contains(says), "{reason}")
+            }
             other => panic!("{other:?}"),
         }
     }
@@ -826,39 +768,8 @@ mod tests {
 
     /// Sends `bytes` with `fds` beside them, in one `SCM_RIGHTS` header per group.
     fn send_raw(stream: &UnixStream, bytes: &[u8], groups: &[&[RawFd]]) {
-        let mut control = vec![0u64; 1024];
-        let mut iov = libc::iovec {
-            iov_base: bytes.as_ptr() as *mut _,
-            iov_len: bytes.len(),
-        };
-        // SAFETY: as in `send`; the control buffer has room for every group (checked below).
-        unsafe {
-            let mut msg: libc::msghdr = std::mem::zeroed();
-            msg.msg_iov = &mut iov;
-            msg.msg_iovlen = 1;
-            msg.msg_control = control.as_mut_ptr().cast();
-            let space: usize = groups
-                .iter()
-                .map(|g| libc::CMSG_SPACE((g.len() * 4) as u32) as usize)
-                .sum();
-            assert!(space <= control.len() * 8);
-            msg.msg_controllen = space as _;
-            let mut header = libc::CMSG_FIRSTHDR(&msg);
-            for group in groups {
-                (*header).cmsg_level = libc::SOL_SOCKET;
-                (*header).cmsg_type = libc::SCM_RIGHTS;
-                (*header).cmsg_len = libc::CMSG_LEN((group.len() * 4) as u32) as _;
-                let data = libc::CMSG_DATA(header).cast::<RawFd>();
-                for (i, fd) in group.iter().enumerate() {
-                    std::ptr::write_unaligned(data.add(i), *fd);
-                }
-                header = libc::CMSG_NXTHDR(&msg, header);
-            }
-            assert_eq!(
-                libc::sendmsg(stream.as_raw_fd(), &msg, 0),
-                bytes.len() as isize
-            );
-        }
+        let sent = crate::fd_passing::send_with_fds(stream.as_raw_fd(), bytes, groups, 0);
+        assert_eq!(sent.unwrap(), bytes.len());
     }
 
     #[test]
@@ -890,7 +801,7 @@ mod tests {
             // Only the copies in flight, and the write end.
             let got = recv(&mut b);
             assert_eq!(got.is_ok(), taken, "{groups:?}: {:?}", got.as_ref().err());
-            if let Err(ShareError::Garbage { reason }) = &got {
+            if let Err(Error::Malformed(MalformedError::Sharing { reason })) = &got {
                 assert!(reason.contains("descriptor"), "{reason}");
             }
             let kept = got.ok().and_then(|(_, fd)| fd);
@@ -902,7 +813,7 @@ mod tests {
             drop(kept);
             // The link is still whole after a refusal of its descriptors: nothing more comes.
             drop(a.shutdown(std::net::Shutdown::Write));
-            assert!(matches!(recv(&mut b), Err(ShareError::Closed)));
+            assert!(matches!(recv(&mut b), Err(Error::Peer(PeerError::Closed))));
             let _ = &mut a;
         }
     }
@@ -922,7 +833,7 @@ mod tests {
         let limit = std::time::Duration::from_millis(300);
         let start = std::time::Instant::now();
         match recv_by(&mut b, Deadline::after(limit)) {
-            Err(ShareError::Io { source, .. }) => {
+            Err(Error::Io(IoError::Socket { source, .. })) => {
                 assert_eq!(source.kind(), std::io::ErrorKind::TimedOut);
             }
             other => panic!("{other:?}"),

@@ -11,8 +11,12 @@
 //!    longest path that feeds it. Elementwise operations of the same level and the same element
 //!    count form one group, which runs as one kernel (reshapes are free: they name the same
 //!    elements in the same order). Grouping by level keeps the plan acyclic: a group reads only
-//!    products of lower levels, and a product only groups of its own level or lower. Constants
-//!    are inlined into every kernel that uses them.
+//!    products of lower levels and groups of its own level over fewer elements (the operands
+//!    it broadcasts, which run first), and a product only groups of its own level or lower.
+//!    A broadcast operand is read from memory through its strides, which the fused kernel
+//!    carries (see `FusedKernel::broadcast`); an operand with as many elements as the result
+//!    is read at the kernel's own index. A broadcast of a non-empty operand to an empty result
+//!    is an empty constant. Constants are inlined into every kernel that uses them.
 //! 3. **Placement.** A value is written to memory only when something outside its kernel needs
 //!    it: a product, another kernel, or the caller. A value the caller gets back is written
 //!    straight into that output; every other one goes to an intermediate buffer in one arena,
@@ -23,11 +27,13 @@
 
 use super::trace::{Op, TracedTensor};
 use crate::dtype::DType;
-use crate::error::{Error, ProgramError, Result};
+use crate::error::{Error, ProgramError, Result, UsageError};
 use crate::memory::element::dtype_byte_len;
 use crate::memory::tensor::shape_len;
+use crate::work::kernels::broadcast;
 use crate::work::kernels::fused::{FusedKernel, FusedOp};
-use crate::work::kernels::spec::ElementwiseOp;
+use crate::work::kernels::spec::{Broadcast, BroadcastDim, ElementwiseOp};
+use crate::work::libs::Transpose;
 use std::collections::{BTreeMap, HashMap};
 
 /// Intermediate buffers start at multiples of this many bytes in the arena, so every kernel
@@ -106,6 +112,8 @@ pub(crate) enum Step {
     /// The row-major product `c[m×n] = a[m×k] · b[k×n]`, with `k > 0`.
     Matmul {
         dtype: DType,
+        /// How `a` and `b` are read: as stored, or transposed (`op(a)` is `[m, k]`).
+        trans: [Transpose; 2],
         m: usize,
         k: usize,
         n: usize,
@@ -178,7 +186,7 @@ enum Kind {
     Neg(usize),
     Scale(usize, u64),
     Cast(usize),
-    Matmul(usize, usize),
+    Matmul(usize, usize, [Transpose; 2]),
     Reshape(usize),
 }
 
@@ -186,7 +194,7 @@ impl Kind {
     fn operands(&self) -> Vec<usize> {
         match *self {
             Kind::Input(_) | Kind::Const(_) => vec![],
-            Kind::Binary(_, a, b) | Kind::Matmul(a, b) => vec![a, b],
+            Kind::Binary(_, a, b) | Kind::Matmul(a, b, _) => vec![a, b],
             Kind::Neg(a) | Kind::Scale(a, _) | Kind::Cast(a) | Kind::Reshape(a) => vec![a],
         }
     }
@@ -270,7 +278,7 @@ impl Lowered {
             let operands: Vec<TracedTensor> = match &node.node.op {
                 Op::Input => vec![],
                 Op::Full { like, .. } => vec![like.clone()],
-                Op::Binary { a, b, .. } | Op::Matmul { a, b } => vec![a.clone(), b.clone()],
+                Op::Binary { a, b, .. } | Op::Matmul { a, b, .. } => vec![a.clone(), b.clone()],
                 Op::Neg(a) | Op::Scale { a, .. } | Op::Cast(a) | Op::Reshape { a, .. } => {
                     vec![a.clone()]
                 }
@@ -300,17 +308,30 @@ impl Lowered {
                     let shape = self.values[get(like)].shape.clone();
                     self.add(Kind::Const(*bits), dtype, shape)?
                 }
-                Op::Binary { op, a, b } => {
+                Op::Binary { op, a, b, onto } => {
                     let (a, b) = (get(a), get(b));
                     let (sa, sb) = (&self.values[a].shape, &self.values[b].shape);
-                    if sa != sb {
-                        return Err(Self::spec_error(format!(
-                            "{}: operand shapes {sa:?} and {sb:?} differ",
-                            op.name()
-                        )));
+                    // The eager operation's rule and error (NumPy's broadcast).
+                    let operation = onto.unwrap_or(op.name());
+                    let joined = broadcast(operation, sa, sb)?;
+                    if onto.is_some() && joined.shape != *sa {
+                        // A bias may not grow the result (as the eager `linear` says).
+                        return Err(Error::Usage(UsageError::NotBroadcastable {
+                            operation,
+                            left: sa.clone(),
+                            right: sb.clone(),
+                            dim: 0,
+                        }));
                     }
-                    let shape = sa.clone();
-                    self.add(Kind::Binary(*op, a, b), dtype, shape)?
+                    let empty = shape_len(&joined.shape)? == 0;
+                    if empty && (self.values[a].len != 0 || self.values[b].len != 0) {
+                        // An empty result of a non-empty operand (`[0, N]` plus `[N]`): no
+                        // element to compute, so no kernel reads the operand. As a constant
+                        // it also keeps every group reading only groups of fewer elements.
+                        self.add(Kind::Const(0), dtype, joined.shape)?
+                    } else {
+                        self.add(Kind::Binary(*op, a, b), dtype, joined.shape)?
+                    }
                 }
                 Op::Neg(a) => {
                     let a = get(a);
@@ -324,23 +345,24 @@ impl Lowered {
                     let a = get(a);
                     self.add(Kind::Cast(a), dtype, self.values[a].shape.clone())?
                 }
-                Op::Matmul { a, b } => {
+                Op::Matmul { a, b, trans } => {
                     let (a, b) = (get(a), get(b));
-                    let (&[m, k], &[k2, n]) =
+                    let (&[ar, ac], &[br, bc]) =
                         (&self.values[a].shape[..], &self.values[b].shape[..])
                     else {
                         unreachable!("matmul operands are traced 2-D");
                     };
+                    let ((m, k), (k2, n)) = (trans[0].apply([ar, ac]), trans[1].apply([br, bc]));
                     if k != k2 {
                         return Err(Self::spec_error(format!(
-                            "matmul: inner dimensions differ: [{m}, {k}] times [{k2}, {n}]"
+                            "matmul: inner dimensions differ: [{m}, {k}] times [{k2}, {n}] (after the transposes)"
                         )));
                     }
                     if k == 0 {
                         // An empty sum: zeros (the bits of 0.0 are 0 for f32 and f64).
                         self.add(Kind::Const(0), dtype, vec![m, n])?
                     } else {
-                        self.add(Kind::Matmul(a, b), dtype, vec![m, n])?
+                        self.add(Kind::Matmul(a, b, *trans), dtype, vec![m, n])?
                     }
                 }
                 Op::Reshape { a, shape } => {
@@ -455,18 +477,29 @@ impl StepKey {
 #[derive(Default)]
 struct KernelBuilder {
     kernel: FusedKernel,
-    /// The body index of each value already available in the kernel.
-    index: HashMap<usize, usize>,
+    /// The body index of each value already available in the kernel, by value and the
+    /// broadcast it is read through (`None`: at the kernel's own index).
+    index: HashMap<(usize, Option<Vec<BroadcastDim>>), usize>,
     /// The values loaded, and where, in parameter order.
     reads: Vec<usize>,
     read_locs: Vec<Loc>,
 }
 
 impl KernelBuilder {
-    /// The body index of `r` (a root value), inlining a constant or loading it from its home
-    /// on first use.
-    fn operand(&mut self, r: usize, values: &[Value], home: &HashMap<usize, Loc>) -> usize {
-        if let Some(&k) = self.index.get(&r) {
+    /// The body index of `r` (a root value) read through `through` (a broadcast, or `None`
+    /// for the kernel's own index), inlining a constant or loading it from its home on first
+    /// use.
+    fn operand(
+        &mut self,
+        r: usize,
+        through: Option<Vec<BroadcastDim>>,
+        values: &[Value],
+        home: &HashMap<usize, Loc>,
+    ) -> usize {
+        // A constant is the same in every element, however it is broadcast.
+        let through = through.filter(|_| !matches!(values[r].kind, Kind::Const(_)));
+        let key = (r, through);
+        if let Some(&k) = self.index.get(&key) {
             return k;
         }
         let op = match values[r].kind {
@@ -477,15 +510,35 @@ impl KernelBuilder {
             _ => {
                 let p = self.reads.len();
                 self.kernel.inputs.push(values[r].dtype);
+                if let Some(dims) = &key.1 {
+                    self.kernel.broadcast.insert(p, dims.clone());
+                }
                 self.reads.push(r);
                 self.read_locs.push(home[&r]);
                 FusedOp::Load(p)
             }
         };
         self.kernel.body.push(op);
-        self.index.insert(r, self.kernel.body.len() - 1);
+        self.index.insert(key, self.kernel.body.len() - 1);
         self.kernel.body.len() - 1
     }
+}
+
+/// How value `id` (an elementwise result) reads its operand `o`: at its own index when the
+/// operand has as many elements (then in the same order: a broadcast that adds no element only
+/// adds leading 1s), else through the collapsed broadcast of `id`'s shape against `o`'s.
+fn read_through(values: &[Value], id: usize, o: usize) -> Result<Option<Vec<BroadcastDim>>> {
+    if values[o].len == values[id].len {
+        return Ok(None);
+    }
+    Broadcast::of(&values[id].shape, &values[o].shape)
+        .map(|layout| Some(layout.dims))
+        .map_err(|dim| {
+            Lowered::spec_error(format!(
+                "{:?} does not broadcast onto {:?} at dimension {dim}",
+                values[o].shape, values[id].shape
+            ))
+        })
 }
 
 fn plan(lowered: Lowered, inputs: Vec<(DType, Vec<usize>)>, roots: &[usize]) -> Result<Program> {
@@ -595,18 +648,19 @@ fn plan(lowered: Lowered, inputs: Vec<(DType, Vec<usize>)>, roots: &[usize]) -> 
         match key {
             StepKey::Product { value, .. } => {
                 let id = *value;
-                let Kind::Matmul(a, b) = values[id].kind else {
+                let Kind::Matmul(a, b, trans) = values[id].kind else {
                     unreachable!()
                 };
                 let (ra, rb) = (root(a), root(b));
                 home.insert(id, Loc::Slot(id)); // placeholder: the slot's value id
                 slot_values.push(id);
-                let (m, k) = (values[a].shape[0], values[a].shape[1]);
-                let nn = values[b].shape[1];
+                let (m, k) = trans[0].apply([values[a].shape[0], values[a].shape[1]]);
+                let nn = trans[1].apply([values[b].shape[0], values[b].shape[1]]).1;
                 stats.matmuls += 1;
                 planned.push((
                     Step::Matmul {
                         dtype: values[id].dtype,
+                        trans,
                         m,
                         k,
                         n: nn,
@@ -622,6 +676,7 @@ fn plan(lowered: Lowered, inputs: Vec<(DType, Vec<usize>)>, roots: &[usize]) -> 
                         inputs: vec![values[id].dtype],
                         body: vec![FusedOp::Load(0)],
                         outputs: vec![0; ks.len()],
+                        broadcast: BTreeMap::new(),
                     };
                     stats.fused_kernels += 1;
                     planned.push((
@@ -642,13 +697,13 @@ fn plan(lowered: Lowered, inputs: Vec<(DType, Vec<usize>)>, roots: &[usize]) -> 
                 let mut written = Vec::new();
                 for &id in members {
                     let k = match values[id].kind {
-                        Kind::Const(_) => b.operand(id, values, &home),
+                        Kind::Const(_) => b.operand(id, None, values, &home),
                         kind => {
-                            let ops: Vec<usize> = kind
-                                .operands()
-                                .into_iter()
-                                .map(|o| b.operand(root(o), values, &home))
-                                .collect();
+                            let mut ops = Vec::with_capacity(2);
+                            for o in kind.operands() {
+                                let through = read_through(values, id, o)?;
+                                ops.push(b.operand(root(o), through, values, &home));
+                            }
                             b.kernel.body.push(match kind {
                                 Kind::Binary(op, ..) => FusedOp::Binary {
                                     op,
@@ -664,7 +719,7 @@ fn plan(lowered: Lowered, inputs: Vec<(DType, Vec<usize>)>, roots: &[usize]) -> 
                                 _ => unreachable!("only elementwise values are grouped"),
                             });
                             stats.operations += 1;
-                            b.index.insert(id, b.kernel.body.len() - 1);
+                            b.index.insert((id, None), b.kernel.body.len() - 1);
                             b.kernel.body.len() - 1
                         }
                     };
@@ -773,6 +828,7 @@ fn plan(lowered: Lowered, inputs: Vec<(DType, Vec<usize>)>, roots: &[usize]) -> 
             },
             Step::Matmul {
                 dtype,
+                trans,
                 m,
                 k,
                 n,
@@ -781,6 +837,7 @@ fn plan(lowered: Lowered, inputs: Vec<(DType, Vec<usize>)>, roots: &[usize]) -> 
                 c,
             } => Step::Matmul {
                 dtype,
+                trans,
                 m,
                 k,
                 n,

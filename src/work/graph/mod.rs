@@ -4,11 +4,13 @@
 //! The flow has four steps, each with its own type:
 //!
 //! 1. **Trace** ([`TracedTensor`]): symbolic inputs with an element type and a rank, combined
-//!    with operators and methods. Element-type and rank mismatches are errors here.
+//!    with operators and methods. Element-type mismatches are errors here; operands of
+//!    different ranks broadcast as the eager operations do.
 //! 2. **Compile** ([`GraphCompiler`] → [`Program`]): shapes are fixed, common subexpressions
-//!    merged, each maximal run of same-length elementwise operations fused into one kernel,
-//!    intermediates laid out by liveness, and each output classified as an input, a view of
-//!    one, or new. A program knows no engine and is `Send + Sync`.
+//!    merged, shapes broadcast (or refused with the eager operations' error), each maximal
+//!    run of same-length elementwise operations fused into one kernel (a broadcast operand
+//!    read through its strides), intermediates laid out by liveness, and each output
+//!    classified as an input, a view of one, or new. A program knows no engine and is `Send + Sync`.
 //! 3. **Prepare** ([`CudaEngine::prepare`](crate::CudaEngine::prepare) → [`Prepared`]): kernels
 //!    compiled with NVRTC (or found in the engine's cache, keyed by the fused expression and its
 //!    element types), the intermediate arena allocated once, and the steps captured into one
@@ -65,5 +67,5 @@ mod prepare;
 mod trace;
 
 pub use compile::{GraphCompiler, OutputKind, Program, ProgramStats};
-pub use prepare::{Input, NewTensor, Output, Prepared, PreparedStats};
+pub use prepare::{Input, Output, Prepared, PreparedStats};
 pub use trace::TracedTensor;

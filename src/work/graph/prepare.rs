@@ -28,10 +28,12 @@ use crate::driver::{DevicePtr, Lane};
 use crate::dtype::DType;
 use crate::error::{Error, ProgramError, Result};
 use crate::lifecycle::fence::{Fencing, fence};
+use crate::memory::any_tensor::AnyTensor;
 use crate::memory::element::Element;
 use crate::memory::tensor::{DeviceTensor, Recycler, alloc_device};
 use crate::work::kernels::cache::KernelCache;
 use crate::work::kernels::fused::FusedKernel;
+use crate::work::libs::Transpose;
 use crate::work::libs::blas::row_major_product;
 use std::any::Any;
 use std::mem::ManuallyDrop;
@@ -71,22 +73,6 @@ impl std::fmt::Debug for Input<'_> {
     }
 }
 
-/// A new tensor a run computed, of the element type the program says.
-pub struct NewTensor {
-    tensor: Box<dyn Any + Send + Sync>,
-    dtype: DType,
-    shape: Vec<usize>,
-}
-
-impl std::fmt::Debug for NewTensor {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("NewTensor")
-            .field("dtype", &self.dtype)
-            .field("shape", &self.shape)
-            .finish()
-    }
-}
-
 /// One output of a run.
 #[derive(Debug)]
 pub enum Output<'i> {
@@ -101,7 +87,7 @@ pub enum Output<'i> {
         shape: Vec<usize>,
     },
     /// A compact tensor the run wrote.
-    New(NewTensor),
+    New(AnyTensor),
 }
 
 impl<'i> Output<'i> {
@@ -109,7 +95,7 @@ impl<'i> Output<'i> {
     pub fn dtype(&self) -> DType {
         match self {
             Output::Borrowed { tensor, .. } => tensor.dtype,
-            Output::New(t) => t.dtype,
+            Output::New(t) => t.dtype(),
         }
     }
 
@@ -117,7 +103,7 @@ impl<'i> Output<'i> {
     pub fn shape(&self) -> &[usize] {
         match self {
             Output::Borrowed { shape, .. } => shape,
-            Output::New(t) => &t.shape,
+            Output::New(t) => t.shape(),
         }
     }
 
@@ -132,7 +118,7 @@ impl<'i> Output<'i> {
     pub fn as_tensor<T: Element>(&self) -> Option<&DeviceTensor<T>> {
         match self {
             Output::Borrowed { tensor, .. } => tensor.tensor.downcast_ref(),
-            Output::New(t) => t.tensor.downcast_ref(),
+            Output::New(t) => t.as_typed(),
         }
     }
 
@@ -140,10 +126,7 @@ impl<'i> Output<'i> {
     /// back unchanged.
     pub fn into_tensor<T: Element>(self) -> std::result::Result<DeviceTensor<T>, Self> {
         match self {
-            Output::New(t) if t.dtype == T::DTYPE => match t.tensor.downcast::<DeviceTensor<T>>() {
-                Ok(tensor) => Ok(*tensor),
-                Err(_) => unreachable!("a new tensor of dtype T is a DeviceTensor<T>"),
-            },
+            Output::New(t) => t.try_typed().map_err(Output::New),
             other => Err(other),
         }
     }
@@ -178,6 +161,7 @@ enum Segment {
     /// A product outside any graph.
     Eager {
         dtype: DType,
+        trans: [Transpose; 2],
         m: usize,
         k: usize,
         n: usize,
@@ -356,7 +340,7 @@ unsafe fn wrap_any(
     len: usize,
     owner: &Arc<Shared>,
     recycle: &Arc<Recycler>,
-) -> Box<dyn Any + Send + Sync> {
+) -> AnyTensor {
     /// # Safety
     /// As `wrap_any`.
     unsafe fn typed<T: Element>(
@@ -365,9 +349,11 @@ unsafe fn wrap_any(
         len: usize,
         owner: &Arc<Shared>,
         recycle: &Arc<Recycler>,
-    ) -> Box<dyn Any + Send + Sync> {
+    ) -> AnyTensor {
         // SAFETY: forwarded from the caller.
-        Box::new(unsafe { DeviceTensor::<T>::from_raw(ptr, shape, len, owner, Some(recycle)) })
+        AnyTensor::from(unsafe {
+            DeviceTensor::<T>::from_raw(ptr, shape, len, owner, Some(recycle))
+        })
     }
     // SAFETY: forwarded from the caller, for the type `dtype` names.
     unsafe {
@@ -464,6 +450,7 @@ impl CudaEngine {
                 match step {
                     Step::Matmul {
                         dtype,
+                        trans,
                         m,
                         k,
                         n,
@@ -474,6 +461,7 @@ impl CudaEngine {
                         flush(&mut pending, &mut st, &mut lent, &mut segments)?;
                         segments.push(Segment::Eager {
                             dtype: *dtype,
+                            trans: *trans,
                             m: *m,
                             k: *k,
                             n: *n,
@@ -605,11 +593,7 @@ impl CudaEngine {
                         wrap_any(ptr, *dtype, shape, *len, &self.shared, &prepared.recycler)
                     };
                     output_ptrs.push(ptr);
-                    outputs.push(Output::New(NewTensor {
-                        tensor,
-                        dtype: *dtype,
-                        shape: shape.clone(),
-                    }));
+                    outputs.push(Output::New(tensor));
                 }
             }
         }
@@ -686,6 +670,7 @@ impl CudaEngine {
                 }
                 Segment::Eager {
                     dtype,
+                    trans,
                     m,
                     k,
                     n,
@@ -697,7 +682,9 @@ impl CudaEngine {
                     // SAFETY: the operands hold `m×k`, `k×n` and `m×n` elements of `dtype`
                     // (the compiler sized them from the checked input shapes), in live
                     // allocations as argued for the graph's kernels above.
-                    unsafe { row_major_product(&mut st, *dtype, *m, *k, *n, r(*a), r(*b), r(*c)) }?;
+                    unsafe {
+                        row_major_product(&mut st, *dtype, *trans, *m, *k, *n, r(*a), r(*b), r(*c))
+                    }?;
                     stats.eager_calls += 1;
                 }
             }
@@ -824,6 +811,7 @@ fn capture(
                 }
                 Step::Matmul {
                     dtype,
+                    trans,
                     m,
                     k,
                     n,
@@ -838,7 +826,17 @@ fn capture(
                     // SAFETY: captured, not run; at each replay the operands are arena
                     // intermediates of the sizes the compiler planned, alive while the graph is.
                     unsafe {
-                        row_major_product(st, *dtype, *m, *k, *n, fixed(*a), fixed(*b), fixed(*c))
+                        row_major_product(
+                            st,
+                            *dtype,
+                            *trans,
+                            *m,
+                            *k,
+                            *n,
+                            fixed(*a),
+                            fixed(*b),
+                            fixed(*c),
+                        )
                     }?;
                 }
             }

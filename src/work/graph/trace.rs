@@ -2,9 +2,11 @@
 //!
 //! A [`TracedTensor`] is a node of an expression DAG. Inputs have an element type and a rank but
 //! no shape yet; operators (`&x * &x`, `+`, `-`, `/`, unary `-`) and methods (`scale`, `cast`,
-//! `full_like`, `matmul`, `reshape`) build new nodes. Every element type and rank rule is checked
-//! here, when the node is made, so an ill-typed program never reaches compilation: shapes are
-//! the only thing left for [`GraphCompiler`](super::GraphCompiler) to check.
+//! `full_like`, `matmul`, `linear`, `reshape`) build new nodes. Every element type and rank rule
+//! is checked here, when the node is made, so an ill-typed program never reaches compilation:
+//! shapes are the only thing left for [`GraphCompiler`](super::GraphCompiler) to check
+//! (including whether the operands of an elementwise operation broadcast: operands of
+//! different ranks are traced, and their shapes are checked when they are fixed).
 //!
 //! Nodes are immutable and shared (`Arc`), so a subexpression used twice is one node, and a
 //! traced value is cheap to clone and `Send + Sync`.
@@ -15,6 +17,7 @@ use crate::memory::element::Element;
 use crate::work::kernels::scalar_bits;
 use crate::work::kernels::spec::ElementwiseOp;
 use crate::work::kernels::spec::unsupported;
+use crate::work::libs::Transpose;
 use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -24,8 +27,8 @@ static NEXT_NODE: AtomicU64 = AtomicU64::new(1);
 /// A value in a traced computation: a symbolic input, or an operation on traced values.
 ///
 /// Made with [`TracedTensor::input_symbolic_shape`] and combined with operators on references
-/// (each returns a `Result`, because operands of different element types or ranks are refused
-/// here, at trace time):
+/// (each returns a `Result`, because operands of different element types are refused here, at
+/// trace time; operands of different ranks broadcast, as the eager operations do):
 ///
 /// ```
 /// # fn main() -> Result<(), cuferry::Error> {
@@ -38,6 +41,9 @@ static NEXT_NODE: AtomicU64 = AtomicU64::new(1);
 ///
 /// let n = TracedTensor::input_symbolic_shape(DType::I32, 1);
 /// assert!((&x + &n).is_err()); // f64 + i32: refused when traced
+///
+/// let batch = TracedTensor::input_symbolic_shape(DType::F64, 2);
+/// assert_eq!((&batch + &x)?.rank(), 2); // a `[N]` row onto `[B, N]`: shapes checked when compiled
 /// # Ok(()) }
 /// ```
 #[derive(Clone)]
@@ -60,11 +66,15 @@ pub(crate) enum Op {
     Input,
     /// `bits` (an element of the node's type) in every element, shaped like `like`.
     Full { like: TracedTensor, bits: u64 },
-    /// `a op b`, elementwise.
+    /// `a op b`, elementwise, broadcasting as the eager operations do (NumPy's rule).
     Binary {
         op: ElementwiseOp,
         a: TracedTensor,
         b: TracedTensor,
+        /// `Some(operation)` when `b` is added onto `a` for `operation` (the bias of
+        /// `linear`): errors name `operation`, and the result must keep `a`'s shape, as the
+        /// eager operation requires.
+        onto: Option<&'static str>,
     },
     /// `-a`.
     Neg(TracedTensor),
@@ -72,8 +82,13 @@ pub(crate) enum Op {
     Scale { a: TracedTensor, bits: u64 },
     /// `a as dtype`.
     Cast(TracedTensor),
-    /// The row-major product of two matrices.
-    Matmul { a: TracedTensor, b: TracedTensor },
+    /// The row-major product `op(a) · op(b)` of two matrices, each read as stored or
+    /// transposed.
+    Matmul {
+        a: TracedTensor,
+        b: TracedTensor,
+        trans: [Transpose; 2],
+    },
     /// `a`'s elements, in order, with another shape.
     Reshape { a: TracedTensor, shape: Vec<usize> },
 }
@@ -159,20 +174,17 @@ impl TracedTensor {
                 ),
             ));
         }
-        if self.rank() != rhs.rank() {
-            return Err(mismatch(
-                op.name(),
-                format!("operands have rank {} and {}", self.rank(), rhs.rank()),
-            ));
-        }
         supported(op, self.dtype())?;
+        // The shapes broadcast (or are refused) when they are fixed, at compilation; the
+        // result has the longer rank.
         Ok(TracedTensor::new(
             self.dtype(),
-            self.rank(),
+            self.rank().max(rhs.rank()),
             Op::Binary {
                 op,
                 a: self.clone(),
                 b: rhs.clone(),
+                onto: None,
             },
         ))
     }
@@ -222,6 +234,18 @@ impl TracedTensor {
     /// [`UsageError::UnsupportedElement`](crate::error::UsageError::UnsupportedElement) for types other than `f32` and `f64`. The inner dimensions
     /// are checked when the program is compiled.
     pub fn matmul(&self, rhs: &TracedTensor) -> Result<Self> {
+        self.matmul_t(Transpose::No, rhs, Transpose::No)
+    }
+
+    /// The row-major product `op(self) · op(rhs)` through cuBLAS, as
+    /// [`CudaEngine::matmul_t`](crate::CudaEngine::matmul_t): `op(self)` is `[m, k]` and
+    /// `op(rhs)` is `[k, n]`, each operand read as stored or transposed (nothing is transposed
+    /// in memory).
+    ///
+    /// # Errors
+    /// As [`matmul`](Self::matmul); the inner dimensions, after the transposes, are checked when
+    /// the program is compiled.
+    pub fn matmul_t(&self, ta: Transpose, rhs: &TracedTensor, tb: Transpose) -> Result<Self> {
         if self.rank() != 2 || rhs.rank() != 2 {
             return Err(mismatch(
                 "matmul",
@@ -251,6 +275,57 @@ impl TracedTensor {
             Op::Matmul {
                 a: self.clone(),
                 b: rhs.clone(),
+                trans: [ta, tb],
+            },
+        ))
+    }
+
+    /// A fully connected layer in PyTorch's layout, as
+    /// [`CudaEngine::linear`](crate::CudaEngine::linear): `self · wᵀ + bias`, with `self` a
+    /// 2-D `[rows, in]`, `w` `[out, in]` and `bias`, if any, `[out]` (or anything that
+    /// broadcasts onto `[rows, out]` without growing it), giving `[rows, out]`. (Reshape a
+    /// batch of more dimensions to 2-D first.) The bias is added by the broadcasting add, fused
+    /// into the kernel that follows the product.
+    ///
+    /// # Errors
+    /// As [`matmul_t`](Self::matmul_t), and [`ProgramError::Trace`](crate::error::ProgramError::Trace)
+    /// when the bias has another element type or more than two dimensions. The widths, and
+    /// whether the bias broadcasts onto the result
+    /// ([`UsageError::NotBroadcastable`](crate::error::UsageError::NotBroadcastable), operation
+    /// `linear`, as the eager `linear` says it), are checked when the program is compiled.
+    pub fn linear(&self, w: &TracedTensor, bias: Option<&TracedTensor>) -> Result<Self> {
+        let y = self.matmul_t(Transpose::No, w, Transpose::Yes)?;
+        let Some(bias) = bias else {
+            return Ok(y);
+        };
+        if bias.dtype() != y.dtype() {
+            return Err(mismatch(
+                "linear",
+                format!(
+                    "the bias is {} but the product is {}",
+                    bias.dtype(),
+                    y.dtype()
+                ),
+            ));
+        }
+        if bias.rank() > y.rank() {
+            return Err(mismatch(
+                "linear",
+                format!(
+                    "the bias has rank {}, more than the result's {}: it would grow the result",
+                    bias.rank(),
+                    y.rank()
+                ),
+            ));
+        }
+        Ok(TracedTensor::new(
+            y.dtype(),
+            y.rank(),
+            Op::Binary {
+                op: ElementwiseOp::Add,
+                a: y,
+                b: bias.clone(),
+                onto: Some("linear"),
             },
         ))
     }
@@ -284,8 +359,12 @@ macro_rules! binary_operator {
     ($trait:ident, $method:ident, $op:ident) => {
         impl std::ops::$trait<&TracedTensor> for &TracedTensor {
             type Output = Result<TracedTensor>;
-            /// Elementwise; refused at trace time when the operands' element types or ranks
-            /// differ, or the element type does not support the operation.
+            /// Elementwise, broadcasting as the eager operation does (NumPy's rule: a `[N]`
+            /// bias onto `[B, N]`, a `[B, 1]` column, a scalar); refused at trace time when
+            /// the operands' element types differ or the element type does not support the
+            /// operation, and when the program is compiled with
+            /// [`UsageError::NotBroadcastable`](crate::error::UsageError::NotBroadcastable)
+            /// (naming both shapes) when the shapes do not broadcast.
             fn $method(self, rhs: &TracedTensor) -> Result<TracedTensor> {
                 self.binary(ElementwiseOp::$op, rhs)
             }

@@ -7,7 +7,10 @@
 //! reference.
 
 use super::source::kernel_name;
-use super::spec::{ElementwiseArgs, ElementwiseOp, ElementwiseSpec};
+use super::spec::{
+    BroadcastDim, ElementwiseArgs, ElementwiseOp, ElementwiseSpec, broadcast_extent,
+    broadcast_index,
+};
 use crate::driver::launch::{DeviceMemory, Emulation};
 use crate::dtype::DType;
 use half::{bf16, f16};
@@ -413,34 +416,88 @@ impl Emulation for ElementwiseEmulation {
     /// does with the parameters `(out, a, b, scalar_bits, len)`.
     fn run(&self, memory: &mut dyn DeviceMemory, params: &[u64]) -> Result<(), String> {
         let spec = self.spec;
-        let Some(args) = ElementwiseArgs::from_params(params) else {
+        let rank = if spec.op.reads_b() {
+            usize::from(spec.broadcast)
+        } else {
+            0
+        };
+        let expected = ElementwiseArgs::PARAMS + 3 * rank;
+        let args = (params.len() == expected)
+            .then(|| ElementwiseArgs::from_params(&params[..ElementwiseArgs::PARAMS]))
+            .flatten();
+        let Some(args) = args else {
             return Err(format!(
-                "{spec:?} kernel launched with {} parameters, not {}",
+                "{spec:?} kernel launched with {} parameters, not {expected}",
                 params.len(),
-                ElementwiseArgs::PARAMS
             ));
         };
+        let dims: Vec<BroadcastDim> = params[ElementwiseArgs::PARAMS..]
+            .chunks_exact(3)
+            .map(|d| BroadcastDim {
+                extent: d[0],
+                a_stride: d[1],
+                b_stride: d[2],
+            })
+            .collect();
         let Ok(len) = usize::try_from(args.len) else {
             return Err(format!("elementwise launch of {} elements", args.len));
         };
-        let in_bytes = len * spec.input.size_bytes();
+        if dims.iter().map(|d| d.extent).product::<u64>() != args.len && rank > 0 {
+            return Err(format!(
+                "{spec:?} kernel launched over {} elements with a broadcast of {dims:?}",
+                args.len
+            ));
+        }
+        let size = spec.input.size_bytes();
+        let in_bytes = len * size;
         let out_bytes = len * spec.output.size_bytes();
-        let mut operand = |used: bool, ptr| -> Option<Vec<u8>> {
+        // What each operand spans: all `len` elements, or under a broadcast one past its
+        // largest index.
+        let span = |first: bool| -> usize {
+            if rank == 0 || len == 0 {
+                in_bytes
+            } else {
+                broadcast_extent(&dims, first) as usize * size
+            }
+        };
+        let (a_bytes, b_bytes) = (span(true), span(false));
+        let mut operand = |used: bool, ptr, bytes| -> Option<Vec<u8>> {
             if !used {
                 return Some(Vec::new());
             }
-            memory.read(ptr, in_bytes)
+            memory.read(ptr, bytes)
         };
-        let (Some(a), Some(b)) = (
-            operand(spec.op.reads_a(), args.a),
-            operand(spec.op.reads_b(), args.b),
+        let (Some(mut a), Some(mut b)) = (
+            operand(spec.op.reads_a(), args.a, a_bytes),
+            operand(spec.op.reads_b(), args.b, b_bytes),
         ) else {
             return Err(format!(
-                "{:?} kernel reads unmapped device memory ({:#x}, {:#x}, {in_bytes} bytes)",
+                "{:?} kernel reads unmapped device memory ({:#x}, {:#x}, {a_bytes}/{b_bytes} bytes)",
                 spec, args.a, args.b
             ));
         };
-        let Some(result) = run(spec, &a, &b, args.scalar, len) else {
+        if rank > 0 {
+            // Gather each operand's element for every output index, then compute as the
+            // equal-shape kernel does.
+            let (mut ea, mut eb) = (Vec::with_capacity(in_bytes), Vec::with_capacity(in_bytes));
+            for i in 0..len as u64 {
+                let (ia, ib) = broadcast_index(&dims, i);
+                let (ia, ib) = (ia as usize * size, ib as usize * size);
+                ea.extend_from_slice(&a[ia..ia + size]);
+                eb.extend_from_slice(&b[ib..ib + size]);
+            }
+            (a, b) = (ea, eb);
+        }
+        let Some(result) = run(
+            ElementwiseSpec {
+                broadcast: 0,
+                ..spec
+            },
+            &a,
+            &b,
+            args.scalar,
+            len,
+        ) else {
             return Err(format!("{spec:?} is not a kernel the crate builds"));
         };
         if memory.write(args.out, &result) {
@@ -459,7 +516,12 @@ mod tests {
     use super::*;
 
     fn spec(op: ElementwiseOp, input: DType, output: DType) -> ElementwiseSpec {
-        ElementwiseSpec { op, input, output }
+        ElementwiseSpec {
+            op,
+            input,
+            output,
+            broadcast: 0,
+        }
     }
 
     #[test]
@@ -595,6 +657,26 @@ mod tests {
         assert!(error.contains("writes unmapped device memory"), "{error}");
         let error = add.run(&mut memory, &[0x1004]).unwrap_err();
         assert!(error.contains("1 parameters, not 5"), "{error}");
+
+        // A broadcast: `[2]` plus a scalar `[]`, written over the output.
+        let bc = ElementwiseEmulation::new(ElementwiseSpec {
+            broadcast: 1,
+            ..spec(ElementwiseOp::Add, DType::U8, DType::U8)
+        });
+        let scalar = ElementwiseArgs { b: 0x1003, ..args };
+        let mut params = scalar.params().to_vec();
+        params.extend([2, 1, 0]);
+        let mut memory2 = OneBlock {
+            base: 0x1000,
+            bytes: vec![3, 4, 10, 20, 0xEE, 0xEE],
+        };
+        bc.run(&mut memory2, &params).unwrap();
+        assert_eq!(memory2.bytes, [3, 4, 10, 20, 23, 24]);
+        assert!(
+            bc.run(&mut memory2, &args.params())
+                .unwrap_err()
+                .contains("not 8")
+        );
         assert_eq!(
             memory.bytes,
             [3, 4, 10, 20, 13, 24],

@@ -17,11 +17,13 @@ use super::emulate::Scalar;
 use super::source::{
     Kind, PRELUDE, cast_expression, cast_saturates, kind, load, saturate_function, storage, store,
 };
-use super::spec::{ElementwiseOp, MAX_BLOCKS, unsupported};
+use super::spec::{BroadcastDim, ElementwiseOp, MAX_BLOCKS, unsupported};
+#[cfg(any(test, feature = "sim"))]
+use super::spec::{broadcast_extent, broadcast_index};
 #[cfg(any(test, feature = "sim"))]
 use crate::driver::launch::{DeviceMemory, Emulation};
 use crate::dtype::DType;
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
 
 /// One operation of a fused kernel. Operands name earlier values by their index in
@@ -50,6 +52,12 @@ pub(crate) enum FusedOp {
 ///
 /// Its launch parameters are the output pointers (one per entry of `outputs`, in order), then
 /// the input pointers (one per entry of `inputs`), then the element count: all 8-byte words.
+///
+/// An input is read at element `i` of the kernel's index space, unless it is in
+/// [`broadcast`](Self::broadcast): then it holds fewer elements (a `[N]` bias of a `[B, N]`
+/// group, say) and element `i` reads the element its broadcast strides name. The strides are
+/// part of the description (and so of the kernel's name): a program's shapes are fixed when
+/// it is compiled, so the kernel takes no more parameters than an equal-shape one.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
 pub(crate) struct FusedKernel {
     /// The element type of each input parameter.
@@ -59,6 +67,13 @@ pub(crate) struct FusedKernel {
     /// The values stored to the output parameters, in parameter order (one value may be stored
     /// to several outputs).
     pub(crate) outputs: Vec<usize>,
+    /// The inputs read through a broadcast, by parameter index: the collapsed broadcast of the
+    /// kernel's index space (`a`, the output shape) against the input's shape (`b`), as
+    /// [`Broadcast::of`](super::spec::Broadcast::of) makes it. Element `i` of the kernel reads
+    /// element [`broadcast_index`](super::spec::broadcast_index)`(dims, i).1` of the input;
+    /// the extents multiply to the kernel's element count. Inputs not named here are read at
+    /// `i`.
+    pub(crate) broadcast: BTreeMap<usize, Vec<BroadcastDim>>,
 }
 
 /// The low `d.size_bytes()` bytes of `bits`: the element a constant or factor of `d` stands for.
@@ -206,6 +221,19 @@ impl FusedKernel {
             };
             types.push(dtype);
         }
+        for (&n, dims) in &self.broadcast {
+            if n >= self.inputs.len() {
+                return Err(format!(
+                    "a broadcast names input {n} of {} inputs",
+                    self.inputs.len()
+                ));
+            }
+            if dims.is_empty() || dims.iter().any(|d| d.extent == 0) {
+                return Err(format!(
+                    "input {n}'s broadcast {dims:?} has no dimension or an empty one"
+                ));
+            }
+        }
         match self.outputs.iter().find(|&&v| v >= self.body.len()) {
             Some(v) => Err(format!(
                 "an output stores value {v} of {} values",
@@ -237,7 +265,35 @@ impl FusedKernel {
         for v in &self.outputs {
             let _ = write!(text, " {v}");
         }
+        // Only kernels that broadcast say so, so every other kernel keeps its name.
+        for (n, dims) in &self.broadcast {
+            let _ = write!(text, " bcast {n}");
+            for d in dims {
+                let _ = write!(text, " {}x{}/{}", d.extent, d.a_stride, d.b_stride);
+            }
+            text.push(';');
+        }
         text
+    }
+
+    /// The C function `cf_bidx<n>` that maps an element of the kernel's index space to the
+    /// element of broadcast input `n` it reads (the index math of
+    /// [`broadcast_index`](super::spec::broadcast_index), with the extents and strides as
+    /// constants).
+    fn index_function(n: usize, dims: &[BroadcastDim]) -> String {
+        let mut f = format!(
+            "__device__ __forceinline__ unsigned long long cf_bidx{n}(unsigned long long r) {{\n    unsigned long long o = 0ull;\n"
+        );
+        for (k, d) in dims.iter().enumerate().rev() {
+            if d.b_stride != 0 {
+                let _ = writeln!(f, "    o += (r % {}ull) * {}ull;", d.extent, d.b_stride);
+            }
+            if k > 0 {
+                let _ = writeln!(f, "    r /= {}ull;", d.extent);
+            }
+        }
+        f.push_str("    (void)r;\n    return o;\n}\n");
+        f
     }
 
     /// The kernel's exported name: `cuferry_fused_` and 16 hex digits of a stable hash of the
@@ -325,7 +381,16 @@ impl FusedKernel {
         for &to in &saturated {
             src.push_str(&saturate_function(to));
         }
-        let vectors: BTreeSet<DType> = loaded
+        // Broadcast inputs are gathered one element at a time, on both paths; the others are
+        // loaded four at a time on the vector path.
+        let gathered = |n: &usize| self.broadcast.contains_key(n);
+        for (&n, dims) in &self.broadcast {
+            if loaded.contains(&n) {
+                src.push_str(&Self::index_function(n, dims));
+            }
+        }
+        let streamed: BTreeSet<usize> = loaded.iter().copied().filter(|n| !gathered(n)).collect();
+        let vectors: BTreeSet<DType> = streamed
             .iter()
             .map(|&n| self.inputs[n])
             .chain(out_types.iter().copied())
@@ -361,7 +426,7 @@ impl FusedKernel {
             .enumerate()
             .map(|(m, d)| format!("((unsigned long long)o{m} % {}ull)", d.size_bytes() * 4))
             .collect();
-        misaligned.extend(loaded.iter().map(|&n| {
+        misaligned.extend(streamed.iter().map(|&n| {
             format!(
                 "((unsigned long long)i{n} % {}ull)",
                 self.inputs[n].size_bytes() * 4
@@ -372,7 +437,7 @@ impl FusedKernel {
         }
 
         let mut vector = String::new();
-        for &n in &loaded {
+        for &n in &streamed {
             let _ = writeln!(
                 vector,
                 "            const cf_v4_{t} l{n} = ((const cf_v4_{t}*)i{n})[c];",
@@ -386,7 +451,13 @@ impl FusedKernel {
         vector.push_str(&self.statements(
             &types,
             "                ",
-            |n| format!("l{n}.v[j]"),
+            |n| {
+                if gathered(&n) {
+                    format!("i{n}[cf_bidx{n}(c * 4ull + (unsigned long long)j)]")
+                } else {
+                    format!("l{n}.v[j]")
+                }
+            },
             |m, v| format!("s{m}.v[j] = {v}"),
         ));
         vector.push_str("            }\n");
@@ -396,7 +467,13 @@ impl FusedKernel {
         let scalar = self.statements(
             &types,
             "        ",
-            |n| format!("i{n}[i]"),
+            |n| {
+                if gathered(&n) {
+                    format!("i{n}[cf_bidx{n}(i)]")
+                } else {
+                    format!("i{n}[i]")
+                }
+            },
             |m, v| format!("o{m}[i] = {v}"),
         );
 
@@ -474,9 +551,13 @@ impl FusedEmulation {
             let value = match op {
                 FusedOp::Load(n) => {
                     let size = k.inputs[n].size_bytes();
+                    let at = match k.broadcast.get(&n) {
+                        Some(dims) => broadcast_index(dims, i as u64).1 as usize,
+                        None => i,
+                    };
                     Some(Scalar::read(
                         k.inputs[n],
-                        &inputs[n][i * size..(i + 1) * size],
+                        &inputs[n][at * size..(at + 1) * size],
                     ))
                 }
                 FusedOp::Const { dtype, bits } => Some(Scalar::from_bits(dtype, bits)),
@@ -527,8 +608,29 @@ impl Emulation for FusedEmulation {
                 .ok_or_else(|| format!("{}: launch of {n} elements", self.name))
         };
         let mut inputs = Vec::with_capacity(k.inputs.len());
-        for (&ptr, &d) in in_ptrs.iter().zip(&k.inputs) {
-            let size = bytes(d)?;
+        for (p, (&ptr, &d)) in in_ptrs.iter().zip(&k.inputs).enumerate() {
+            // A broadcast input spans one past the largest element its strides reach.
+            let size = match k.broadcast.get(&p) {
+                Some(dims) if len > 0 => {
+                    let extents = dims
+                        .iter()
+                        .try_fold(1u64, |acc, d| acc.checked_mul(d.extent));
+                    if extents != Some(n) {
+                        return Err(format!(
+                            "{}: input {p}'s broadcast {dims:?} does not cover the launch's {n} elements",
+                            self.name
+                        ));
+                    }
+                    usize::try_from(broadcast_extent(dims, false))
+                        .ok()
+                        .and_then(|e| e.checked_mul(d.size_bytes()))
+                        .ok_or_else(|| {
+                            format!("{}: input {p}'s broadcast {dims:?} overflows", self.name)
+                        })?
+                }
+                Some(_) => 0,
+                None => bytes(d)?,
+            };
             inputs.push(memory.read(ptr, size).ok_or_else(|| {
                 format!("{} reads unmapped device memory {ptr:#x}+{size}", self.name)
             })?);
@@ -695,6 +797,7 @@ pub(super) mod tests {
                 inputs: inputs.clone(),
                 body: body.clone(),
                 outputs: Vec::new(),
+                ..Default::default()
             };
             types.push(kernel.dtype_of(body.len() - 1));
         }
@@ -706,9 +809,65 @@ pub(super) mod tests {
             inputs,
             body,
             outputs,
+            ..Default::default()
         };
         assert_eq!(kernel.check(), Ok(()), "{kernel:?}");
         kernel
+    }
+
+    /// The output shape of [`random_broadcast_kernel`]'s index space.
+    pub(crate) const BROADCAST_SHAPE: [usize; 2] = [3, 13];
+
+    /// A random kernel over the 39 elements of a `[3, 13]` index space, whose inputs are each,
+    /// at random, read at the kernel's index or through a broadcast: a `[13]` row, a `[3, 1]`
+    /// column or a `[]` scalar. Also the element each input reads for each output element,
+    /// worked out from the shapes alone (a reference for the strides).
+    pub(crate) fn random_broadcast_kernel(
+        rng: &mut Rng,
+        root: DType,
+    ) -> (FusedKernel, Vec<Vec<usize>>) {
+        let mut kernel = random_kernel(rng, root);
+        let [rows, cols] = BROADCAST_SHAPE;
+        let len = rows * cols;
+        let mut reads = Vec::new();
+        for n in 0..kernel.inputs.len() {
+            let (shape, read): (&[usize], fn(usize) -> usize) = match rng.below(4) {
+                0 => (&[13], |i| i % 13),
+                1 => (&[3, 1], |i| i / 13),
+                2 => (&[], |_| 0),
+                _ => {
+                    reads.push((0..len).collect());
+                    continue;
+                }
+            };
+            let dims = super::super::spec::Broadcast::of(&BROADCAST_SHAPE, shape)
+                .unwrap()
+                .dims;
+            kernel.broadcast.insert(n, dims);
+            reads.push((0..len).map(read).collect());
+        }
+        assert_eq!(kernel.check(), Ok(()), "{kernel:?}");
+        (kernel, reads)
+    }
+
+    /// Each input's elements as the kernel reads them: element `reads[n][i]` of input `n` at
+    /// output element `i`.
+    pub(crate) fn gathered(
+        kernel: &FusedKernel,
+        inputs: &[Vec<u8>],
+        reads: &[Vec<usize>],
+    ) -> Vec<Vec<u8>> {
+        inputs
+            .iter()
+            .zip(&kernel.inputs)
+            .zip(reads)
+            .map(|((input, d), read)| {
+                let size = d.size_bytes();
+                read.iter()
+                    .flat_map(|&j| input[j * size..(j + 1) * size].to_vec())
+                    .collect()
+            })
+            .collect()
     }
 
     /// What the eager kernels write, one kernel per operation: every value a column of
@@ -717,8 +876,19 @@ pub(super) mod tests {
         let mut columns: Vec<Vec<u8>> = Vec::new();
         for (k, &op) in kernel.body.iter().enumerate() {
             let run = |op, input, output, a: &[u8], b: &[u8], scalar| {
-                emulate::run(ElementwiseSpec { op, input, output }, a, b, scalar, len)
-                    .expect("the eager kernel exists")
+                emulate::run(
+                    ElementwiseSpec {
+                        op,
+                        input,
+                        output,
+                        broadcast: 0,
+                    },
+                    a,
+                    b,
+                    scalar,
+                    len,
+                )
+                .expect("the eager kernel exists")
             };
             let d = kernel.dtype_of(k);
             let column = match op {
@@ -820,6 +990,83 @@ pub(super) mod tests {
     }
 
     #[test]
+    fn broadcast_inputs_are_gathered_through_their_strides() {
+        // x[3, 13] + b[13], each input read its own way, against the eager kernels on the
+        // inputs expanded by hand; and random kernels of every type the same way.
+        let mut rng = Rng(0xb0ad_ca57);
+        for root in DType::ALL {
+            for _ in 0..40 {
+                let (kernel, reads) = random_broadcast_kernel(&mut rng, root);
+                let len = reads[0].len();
+                let inputs: Vec<Vec<u8>> = kernel
+                    .inputs
+                    .iter()
+                    .map(|&d| random_input(&mut rng, d, len))
+                    .collect();
+                let want = eager(&kernel, &gathered(&kernel, &inputs, &reads), len);
+                // Each broadcast input holds only the elements it spans.
+                let compact: Vec<Vec<u8>> = inputs
+                    .iter()
+                    .enumerate()
+                    .map(|(n, input)| {
+                        let size = kernel.inputs[n].size_bytes();
+                        let span = reads[n].iter().max().map_or(0, |&m| m + 1);
+                        input[..span * size].to_vec()
+                    })
+                    .collect();
+                assert_eq!(emulated(&kernel, &compact, len), want, "{kernel:?}");
+            }
+        }
+        // The source gathers broadcast inputs one element at a time, on both paths, and leaves
+        // them out of the vector loads and the alignment test; the strides are in the name.
+        let mut kernel = axpy();
+        let plain = kernel.name();
+        kernel.broadcast.insert(
+            1,
+            super::super::spec::Broadcast::of(&[3, 4], &[4])
+                .unwrap()
+                .dims,
+        );
+        assert_eq!(kernel.check(), Ok(()));
+        assert_ne!(kernel.name(), plain);
+        let src = kernel.source();
+        assert!(
+            src.contains("unsigned long long cf_bidx1(unsigned long long r)"),
+            "{src}"
+        );
+        assert!(src.contains("o += (r % 4ull) * 1ull;"), "{src}");
+        assert!(src.contains("i1[cf_bidx1(i)]"), "{src}");
+        assert!(
+            src.contains("i1[cf_bidx1(c * 4ull + (unsigned long long)j)]"),
+            "{src}"
+        );
+        assert!(!src.contains("((const cf_v4_f32*)i1)[c]"), "{src}");
+        assert!(!src.contains("((unsigned long long)i1 %"), "{src}");
+        assert!(src.contains("((const cf_v4_f32*)i0)[c]"), "{src}");
+        // A launch whose element count the broadcast does not cover is refused.
+        let emulation = FusedEmulation::new(kernel.clone());
+        let mut memory = Blocks::default();
+        let x = memory.alloc(1.0f32.to_le_bytes().repeat(12));
+        let b = memory.alloc(0.5f32.to_le_bytes().repeat(4));
+        let out = memory.alloc(vec![0; 48]);
+        let error = emulation
+            .run(&mut memory, &FusedKernel::params(&[out], &[x, b], 8))
+            .unwrap_err();
+        assert!(error.contains("does not cover"), "{error}");
+        emulation
+            .run(&mut memory, &FusedKernel::params(&[out], &[x, b], 12))
+            .unwrap();
+        assert_eq!(memory.get(out), 2.5f32.to_le_bytes().repeat(12));
+        // Ill-formed broadcasts are refused.
+        let mut bad = kernel.clone();
+        bad.broadcast.insert(2, vec![]);
+        assert!(bad.check().unwrap_err().contains("input 2 of 2"));
+        let mut bad = kernel;
+        bad.broadcast.insert(0, vec![]);
+        assert!(bad.check().unwrap_err().contains("no dimension"));
+    }
+
+    #[test]
     fn a_chain_rounds_every_intermediate_value_to_its_type() {
         // (x * 3) - x in f16 for x = 2047: 6141 rounds to 6140 (f16 steps by 4 there), and
         // 6140 - 2047 = 4093 to 4092; one rounding at the end would give 4094, then 4096.
@@ -838,6 +1085,7 @@ pub(super) mod tests {
                 },
             ],
             outputs: vec![2],
+            ..Default::default()
         };
         let x = half::f16::from_f32(2047.0);
         let got = emulated(&kernel, &[x.to_le_bytes().to_vec()], 1);
@@ -857,6 +1105,7 @@ pub(super) mod tests {
                 },
             ],
             outputs: vec![2, 1],
+            ..Default::default()
         };
         let got = emulated(&kernel, &[vec![200]], 1);
         assert_eq!(
@@ -883,6 +1132,7 @@ pub(super) mod tests {
                 },
             ],
             outputs: vec![3],
+            ..Default::default()
         }
     }
 
@@ -998,6 +1248,7 @@ pub(super) mod tests {
                 },
             ],
             outputs: vec![5],
+            ..Default::default()
         };
         let src = f64_kernel.source();
         for intrinsic in ["__dmul_rn", "__dadd_rn", "__dsub_rn", "__ddiv_rn"] {
@@ -1013,6 +1264,7 @@ pub(super) mod tests {
                 inputs,
                 body,
                 outputs,
+                ..Default::default()
             }
             .check()
             .unwrap_err()
@@ -1103,6 +1355,7 @@ pub(super) mod tests {
                 add(2, 3),
             ],
             outputs: vec![4, 0],
+            ..Default::default()
         };
         assert_eq!(ok.check(), Ok(()));
         assert_eq!(ok.dtype_of(4), DType::I8);
@@ -1148,6 +1401,7 @@ pub(super) mod tests {
             inputs: vec![],
             body: vec![FusedOp::Load(0)],
             outputs: vec![0],
+            ..Default::default()
         });
         let error = malformed.run(&mut memory, &[out, 1]).unwrap_err();
         assert!(error.contains("malformed"), "{error}");

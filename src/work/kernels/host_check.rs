@@ -35,6 +35,7 @@ fn all_specs() -> Vec<ElementwiseSpec> {
                     op,
                     input: d,
                     output: d,
+                    broadcast: 0,
                 });
             }
         }
@@ -43,6 +44,7 @@ fn all_specs() -> Vec<ElementwiseSpec> {
                 op: ElementwiseOp::Cast,
                 input: d,
                 output: to,
+                broadcast: 0,
             });
         }
     }
@@ -218,6 +220,184 @@ fn generated_cuda_source_compiled_for_the_host_matches_the_emulation() {
     );
 }
 
+/// Broadcasting binary kernels: every binary operation and element type it serves, over
+/// collapsed layouts of rank 1 to 3 (operand `b` broadcast, `a` broadcast, and both), compiled
+/// for the host and run on random operands; the output must match the emulation's.
+#[test]
+fn broadcasting_cuda_source_compiled_for_the_host_matches_the_emulation() {
+    use super::emulate::ElementwiseEmulation;
+    use super::spec::{Broadcast, ElementwiseArgs};
+    use crate::driver::launch::{DeviceMemory, Emulation};
+    let layouts: [(&[usize], &[usize]); 4] = [
+        (&[5, 3], &[3]),
+        (&[4, 1], &[4, 6]),
+        (&[3, 1], &[1, 5]),
+        (&[2, 1, 3, 1], &[1, 4, 1, 2]),
+    ];
+    let mut cases = Vec::new();
+    for d in DType::ALL {
+        for op in [
+            ElementwiseOp::Add,
+            ElementwiseOp::Sub,
+            ElementwiseOp::Mul,
+            ElementwiseOp::Div,
+        ] {
+            if super::unsupported(op, d).is_some() {
+                continue;
+            }
+            for (sa, sb) in layouts {
+                let layout = Broadcast::of(sa, sb).unwrap();
+                let spec = ElementwiseSpec {
+                    op,
+                    input: d,
+                    output: d,
+                    broadcast: layout.dims.len() as u8,
+                };
+                cases.push((spec, sa, sb, layout));
+            }
+        }
+    }
+    let dir = std::env::temp_dir().join(format!("cuferry-bcast-check-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut src = String::from(HOST_STUBS);
+    // One module per spec (its kernel is `extern "C"`), called with each layout of its rank.
+    let mut modules: Vec<ElementwiseSpec> = Vec::new();
+    for (i, (spec, _, _, layout)) in cases.iter().enumerate() {
+        let m = match modules.iter().position(|s| s == spec) {
+            Some(m) => m,
+            None => {
+                src.push_str(&format!(
+                    "namespace m{} {{\n{}\n}}\n",
+                    modules.len(),
+                    module_source(*spec)
+                ));
+                modules.push(*spec);
+                modules.len() - 1
+            }
+        };
+        let extra: String = layout
+            .params()
+            .iter()
+            .map(|p| format!(", {p}ull"))
+            .collect();
+        src.push_str(&format!(
+            "static void call_{i}(void* o, const void* a, const void* b, unsigned long long n) {{ m{m}::{name}(({t}*)o, (const {t}*)a, (const {t}*)b, 0, n{extra}); }}\n",
+            name = kernel_name(*spec),
+            t = super::source::storage_name(spec.input),
+        ));
+    }
+    src.push_str("int main() {\n");
+    for (i, (spec, sa, sb, layout)) in cases.iter().enumerate() {
+        let size = spec.input.size_bytes();
+        let (la, lb): (usize, usize) = (sa.iter().product(), sb.iter().product());
+        let n: usize = layout.shape.iter().product();
+        src.push_str(&format!(
+            "  {{ std::vector<unsigned char> a({la} * {size} + 8), b({lb} * {size} + 8), o({n} * {size} + 8);\n    if (!read_all(a.data(), {la} * {size}) || !read_all(b.data(), {lb} * {size})) return 3;\n    call_{i}(o.data(), a.data(), b.data(), {n});\n    fwrite(o.data(), 1, {n} * {size}, stdout); }}\n"
+        ));
+    }
+    src.push_str("  return 0;\n}\n");
+    let cpp = dir.join("bcast.cpp");
+    let exe = dir.join("bcast");
+    std::fs::write(&cpp, &src).unwrap();
+    let compiled = Command::new("c++")
+        .args(["-O0", "-ffp-contract=off", "-w", "-o"])
+        .arg(&exe)
+        .arg(&cpp)
+        .output()
+        .expect("a host C++ compiler (`c++`) is needed to check the kernel source");
+    assert!(
+        compiled.status.success(),
+        "the generated broadcasting source does not compile for the host:\n{}",
+        String::from_utf8_lossy(&compiled.stderr)
+    );
+
+    /// Three allocations, `a`, `b` and the output, at fixed addresses.
+    struct Blocks(Vec<(u64, Vec<u8>)>);
+    impl DeviceMemory for Blocks {
+        fn read(&mut self, ptr: u64, bytes: usize) -> Option<Vec<u8>> {
+            let (base, data) = self.0.iter().find(|(b, _)| *b == ptr)?;
+            let off = usize::try_from(ptr - base).ok()?;
+            data.get(off..off + bytes).map(<[u8]>::to_vec)
+        }
+        fn write(&mut self, ptr: u64, data: &[u8]) -> bool {
+            match self.0.iter_mut().find(|(b, _)| *b == ptr) {
+                Some((_, out)) if out.len() == data.len() => {
+                    out.copy_from_slice(data);
+                    true
+                }
+                _ => false,
+            }
+        }
+    }
+    let mut rng = Xorshift(0x0bad_cafe_f00d_0001);
+    let mut input = Vec::new();
+    let mut expected = Vec::new();
+    for (spec, sa, sb, layout) in &cases {
+        let (la, lb): (usize, usize) = (sa.iter().product(), sb.iter().product());
+        let n: usize = layout.shape.iter().product();
+        let a = random_operand(&mut rng, spec.input, la);
+        let b = random_operand(&mut rng, spec.input, lb);
+        input.extend_from_slice(&a);
+        input.extend_from_slice(&b);
+        let mut memory = Blocks(vec![
+            (0x1000, a),
+            (0x10_0000, b),
+            (0x20_0000, vec![0; n * spec.input.size_bytes()]),
+        ]);
+        let args = ElementwiseArgs {
+            out: 0x20_0000,
+            a: 0x1000,
+            b: 0x10_0000,
+            scalar: 0,
+            len: n as u64,
+        };
+        let mut params = args.params().to_vec();
+        params.extend(layout.params());
+        ElementwiseEmulation::new(*spec)
+            .run(&mut memory, &params)
+            .unwrap();
+        expected.push((*spec, n, memory.0.pop().unwrap().1));
+    }
+    let mut child = Command::new(&exe)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    let writer = std::thread::spawn(move || stdin.write_all(&input));
+    let output = child.wait_with_output().unwrap();
+    writer.join().unwrap().unwrap();
+    assert!(
+        output.status.success(),
+        "host kernels exited with {}",
+        output.status
+    );
+    let mut at = 0;
+    let mut failures = Vec::new();
+    for (spec, n, want) in expected {
+        let size = spec.input.size_bytes();
+        let got = &output.stdout[at..at + n * size];
+        at += n * size;
+        if let Some(i) = (0..n).find(|&i| {
+            !same_bits(
+                spec.input,
+                &got[i * size..(i + 1) * size],
+                &want[i * size..(i + 1) * size],
+            )
+        }) {
+            failures.push(format!("{spec:?} element {i}"));
+        }
+    }
+    assert_eq!(at, output.stdout.len());
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(
+        failures.is_empty(),
+        "{} kernel(s) differ:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}
+
 /// Compiles every kernel with NVRTC. Needs the NVRTC library on the loader path (no GPU).
 #[test]
 #[ignore = "needs NVRTC (libnvrtc) on the library path"]
@@ -226,7 +406,11 @@ fn every_kernel_compiles_with_nvrtc() {
         crate::driver::cuda::nvrtc_present(),
         "NVRTC could not be loaded"
     );
-    for spec in all_specs() {
+    let broadcasting = all_specs()
+        .into_iter()
+        .filter(|s| s.op.reads_b())
+        .flat_map(|s| (1..=3).map(move |broadcast| ElementwiseSpec { broadcast, ..s }));
+    for spec in all_specs().into_iter().chain(broadcasting) {
         if let Err(e) = crate::driver::cuda::compile_check("kernel", &module_source(spec)) {
             panic!("{spec:?} does not compile: {e}");
         }
@@ -251,12 +435,15 @@ static unsigned char* cf_alloc(size_t bytes) { return (unsigned char*)std::align
 /// Random fused kernels for every element type, their source compiled for the host and run on
 /// random inputs, both with every pointer aligned (vector path and scalar tail) and with every
 /// pointer one element off (scalar path only): the outputs must match the fused emulation.
+/// Some read inputs through a broadcast (a row, a column, a scalar of a `[3, 13]` index space).
 #[test]
 fn fused_cuda_source_compiled_for_the_host_matches_the_emulation() {
     use super::fused::FusedKernel;
-    use super::fused::tests::{Rng, emulated, random_input, random_kernel};
+    use super::fused::tests::{
+        Rng, emulated, random_broadcast_kernel, random_input, random_kernel,
+    };
     let mut rng = Rng(0x5eed_f00d_1234_5678);
-    let kernels: Vec<FusedKernel> = DType::ALL
+    let mut kernels: Vec<FusedKernel> = DType::ALL
         .iter()
         .flat_map(|&d| {
             (0..12)
@@ -264,6 +451,14 @@ fn fused_cuda_source_compiled_for_the_host_matches_the_emulation() {
                 .collect::<Vec<_>>()
         })
         .collect();
+    let plain = kernels.len();
+    for &d in &DType::ALL {
+        for _ in 0..6 {
+            kernels.push(random_broadcast_kernel(&mut rng, d).0);
+        }
+    }
+    // Every broadcast kernel's index space is `[3, 13]`: 39 elements.
+    let length = |k: usize| if k < plain { 37usize } else { 39 };
     let dir = std::env::temp_dir().join(format!("cuferry-fused-check-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let mut src = String::from(HOST_STUBS);
@@ -324,8 +519,8 @@ fn fused_cuda_source_compiled_for_the_host_matches_the_emulation() {
     for offset in [0u64, 1] {
         let mut input = Vec::new();
         let mut expected = Vec::new();
-        for kernel in &kernels {
-            let len = 37usize;
+        for (k, kernel) in kernels.iter().enumerate() {
+            let len = length(k);
             let inputs: Vec<Vec<u8>> = kernel
                 .inputs
                 .iter()

@@ -6,7 +6,7 @@
 //! blocking download.
 //!
 //! Each kernel is compiled with NVRTC the first time an engine needs it and cached in the engine
-//! by operation and element type(s), so steady-state calls cost one launch. The source is
+//! by operation, element type(s) and broadcast rank, so steady-state calls cost one launch. The source is
 //! generated per type and is self-contained (see the semantics documented below).
 //!
 //! # Which element types each operation serves
@@ -25,6 +25,9 @@
 //!
 //! # Semantics
 //!
+//! - `add`, `sub`, `mul` and `div` broadcast as NumPy does (trailing dimensions aligned, each
+//!   pair equal or 1); equal shapes run the kernel without index math. See
+//!   [the guide](crate::guide::kernels).
 //! - Integer arithmetic wraps (two's complement), like Rust's `wrapping_*`.
 //! - `f32`/`f64` arithmetic is IEEE 754 with round-to-nearest-even, no fused operations and no
 //!   flushing of subnormals, so it matches the host bit for bit.
@@ -57,7 +60,20 @@ use crate::error::{Error, Result, UsageError};
 use crate::memory::element::{Element, as_bytes};
 use crate::memory::tensor::DeviceTensor;
 use cache::KernelCache;
-use spec::{BLOCK, ElementwiseArgs, ElementwiseOp, ElementwiseSpec, unsupported};
+use spec::{BLOCK, Broadcast, ElementwiseArgs, ElementwiseOp, ElementwiseSpec, unsupported};
+
+/// How `a` and `b` broadcast for `operation`, or the typed error naming both shapes and the
+/// dimension that disagrees.
+pub(crate) fn broadcast(operation: &'static str, a: &[usize], b: &[usize]) -> Result<Broadcast> {
+    Broadcast::of(a, b).map_err(|dim| {
+        Error::Usage(UsageError::NotBroadcastable {
+            operation,
+            left: a.to_vec(),
+            right: b.to_vec(),
+            dim,
+        })
+    })
+}
 
 fn spec(op: ElementwiseOp, input: DType, output: DType) -> Result<ElementwiseSpec> {
     if let Some(reason) = unsupported(op, input) {
@@ -67,7 +83,12 @@ fn spec(op: ElementwiseOp, input: DType, output: DType) -> Result<ElementwiseSpe
             reason,
         }));
     }
-    Ok(ElementwiseSpec { op, input, output })
+    Ok(ElementwiseSpec {
+        op,
+        input,
+        output,
+        broadcast: 0,
+    })
 }
 
 /// The bits of a scalar, zero-extended to 64 bits (little-endian element bytes).
@@ -81,14 +102,20 @@ pub(crate) fn scalar_bits<T: Element>(value: T) -> u64 {
 impl CudaEngine {
     /// Queues the kernel for `spec` with `args`, compiling it on first use.
     ///
+    /// `broadcast` is a broadcasting kernel's `(extent, a_stride, b_stride)` per dimension
+    /// ([`Broadcast::params`]), empty for every other kernel.
+    ///
     /// # Safety
     /// Every pointer the spec's operation reads or writes names a live allocation of this
-    /// engine of at least `len` elements of its type, whose free is queued (if at all) after
-    /// this launch; `out` does not overlap `a` or `b` unless it is identical to them.
+    /// engine of at least `len` elements of its type (for a broadcast operand, at least the
+    /// elements its strides reach), whose free is queued (if at all) after this launch; `out`
+    /// does not overlap `a` or `b` unless it is identical to them; `broadcast` holds
+    /// `3 * spec.broadcast` values whose extents multiply to `len`.
     unsafe fn launch_elementwise(
         &mut self,
         spec: ElementwiseSpec,
         args: ElementwiseArgs,
+        broadcast: &[u64],
     ) -> Result<()> {
         if args.len == 0 {
             return Ok(());
@@ -113,11 +140,14 @@ impl CudaEngine {
         ];
         order.prepare(driver.as_mut(), Lane::Compute, &uses)?;
         order.mark(Lane::Compute, &uses);
+        let mut params = args.params().to_vec();
+        params.extend_from_slice(broadcast);
         // SAFETY: `function` is the cached kernel compiled for `spec` (still loaded: the cache
-        // unloads only at teardown), whose signature is the five 8-byte parameters `params`
-        // packs; the grid is between 1 and `MAX_BLOCKS` blocks of `BLOCK` threads; the caller
-        // guarantees the pointer contract.
-        unsafe { driver.launch(function, args.grid(), BLOCK, &args.params()) }
+        // unloads only at teardown), whose signature is the five 8-byte parameters `args`
+        // packs plus the broadcast's three per dimension (the caller's contract); the grid is
+        // between 1 and `MAX_BLOCKS` blocks of `BLOCK` threads; the caller guarantees the
+        // pointer contract.
+        unsafe { driver.launch(function, args.grid(), BLOCK, &params) }
             .map_err(Error::driver("cuLaunchKernel"))
     }
 
@@ -127,32 +157,54 @@ impl CudaEngine {
         a: &DeviceTensor<T>,
         b: &DeviceTensor<T>,
     ) -> Result<DeviceTensor<T>> {
-        let spec = spec(op, T::DTYPE, T::DTYPE)?;
+        let mut spec = spec(op, T::DTYPE, T::DTYPE)?;
         a.check_engine(self)?;
         b.check_engine(self)?;
-        if a.shape() != b.shape() {
-            return Err(Error::Usage(UsageError::ShapeMismatch {
+        let layout = broadcast(op.name(), a.shape(), b.shape())?;
+        // Equal shapes (up to leading 1s) keep the kernel without index math.
+        spec.broadcast = u8::try_from(layout.dims.len()).map_err(|_| {
+            Error::Usage(UsageError::ShapeMismatch {
                 operation: op.name(),
                 expected: a.shape().to_vec(),
                 found: b.shape().to_vec(),
-            }));
-        }
-        let out = DeviceTensor::alloc(self, a.shape())?;
+            })
+        })?;
+        let out = DeviceTensor::alloc(self, &layout.shape)?;
         let args = ElementwiseArgs {
             out: out.raw_ptr(),
             a: a.raw_ptr(),
             b: b.raw_ptr(),
             scalar: 0,
-            len: a.len() as u64,
+            len: out.len() as u64,
         };
-        // SAFETY: `a`, `b` and `out` are live allocations of this engine with `len` elements of
-        // `T`; `a` and `b` stay borrowed for the call and `out` is returned to the caller, so
-        // every free is queued after the launch; `out` is fresh, so it overlaps neither operand.
-        unsafe { self.launch_elementwise(spec, args) }?;
+        // SAFETY: `a`, `b` and `out` are live allocations of this engine; `out` has `len`
+        // elements of `T`, and `a` and `b` either `len` too (no broadcast) or exactly the
+        // elements the broadcast's strides reach (they are the strides of their own shapes,
+        // 0 on broadcast dimensions), whose extents multiply to `len`; `a` and `b` stay
+        // borrowed for the call and `out` is returned to the caller, so every free is queued
+        // after the launch; `out` is fresh, so it overlaps neither operand.
+        unsafe { self.launch_elementwise(spec, args, &layout.params()) }?;
         Ok(out)
     }
 
     /// `a + b`, elementwise, into a new tensor. Queued on the engine's compute stream; does not wait.
+    ///
+    /// The operands broadcast as in NumPy and PyTorch: their shapes are aligned at the trailing
+    /// dimension, and each pair of dimensions must be equal or one of them 1 (a missing leading
+    /// dimension counts as 1), so a `[N]` bias adds onto `[B, N]`, a `[B, 1]` column onto
+    /// `[B, N]`, and a scalar (`[]` or `[1]`) onto anything, on either side. The result has the
+    /// broadcast shape. Equal shapes run the kernel without index math.
+    ///
+    /// ```
+    /// # fn main() -> Result<(), cuferry::Error> {
+    /// # let mut engine = cuferry::CudaEngine::simulated(Default::default());
+    /// let x = cuferry::upload_tensor(&mut engine, &[1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0], &[2, 3])?;
+    /// let bias = cuferry::upload_tensor(&mut engine, &[10.0f32, 20.0, 30.0], &[3])?;
+    /// let y = engine.add(&x, &bias)?;
+    /// assert_eq!(y.shape(), &[2, 3]);
+    /// assert_eq!(cuferry::download_tensor(&mut engine, &y)?, [11.0, 22.0, 33.0, 14.0, 25.0, 36.0]);
+    /// # Ok(()) }
+    /// ```
     ///
     /// ```
     /// # fn main() -> Result<(), cuferry::Error> {
@@ -168,7 +220,7 @@ impl CudaEngine {
     /// ```
     ///
     /// # Errors
-    /// [`UsageError::UnsupportedElement`](crate::error::UsageError::UnsupportedElement) for `bool`; [`UsageError::ShapeMismatch`](crate::error::UsageError::ShapeMismatch) when the shapes differ;
+    /// [`UsageError::UnsupportedElement`](crate::error::UsageError::UnsupportedElement) for `bool`; [`UsageError::NotBroadcastable`](crate::error::UsageError::NotBroadcastable) when the shapes do not broadcast (it names both and the dimension);
     /// [`UsageError::WrongEngine`](crate::error::UsageError::WrongEngine) for another engine's tensor;
     /// [`SetupError::Unavailable`](crate::error::SetupError::Unavailable) when NVRTC is missing; [`LibraryError::Compile`](crate::error::LibraryError::Compile) or [`Error::Driver`] when
     /// the kernel cannot be built or queued.
@@ -242,15 +294,15 @@ impl CudaEngine {
     /// # fn main() -> Result<(), cuferry::Error> {
     /// # let mut engine = cuferry::CudaEngine::simulated(Default::default());
     /// let x = cuferry::upload_tensor(&mut engine, &[-1.5f32, 300.0, f32::NAN], &[3])?;
-    /// let y = engine.cast::<u8, _>(&x)?;
+    /// let y = engine.cast::<u8>(&x)?; // the source type is the tensor's
     /// assert_eq!(cuferry::download_tensor(&mut engine, &y)?, [0, 255, 0]);
     /// # Ok(()) }
     /// ```
     ///
     /// # Errors
     /// As [`add`](Self::add), except that every pair of element types is served.
-    pub fn cast<U: Element, T: Element>(&mut self, a: &DeviceTensor<T>) -> Result<DeviceTensor<U>> {
-        let spec = spec(ElementwiseOp::Cast, T::DTYPE, U::DTYPE)?;
+    pub fn cast<U: Element>(&mut self, a: &DeviceTensor<impl Element>) -> Result<DeviceTensor<U>> {
+        let spec = spec(ElementwiseOp::Cast, a.dtype(), U::DTYPE)?;
         a.check_engine(self)?;
         let out = DeviceTensor::<U>::alloc(self, a.shape())?;
         let args = ElementwiseArgs {
@@ -261,7 +313,7 @@ impl CudaEngine {
             len: a.len() as u64,
         };
         // SAFETY: as in `binary`: `a` is borrowed through the call, `out` is fresh and returned.
-        unsafe { self.launch_elementwise(spec, args) }?;
+        unsafe { self.launch_elementwise(spec, args, &[]) }?;
         Ok(out)
     }
 
@@ -282,7 +334,7 @@ impl CudaEngine {
         };
         // SAFETY: `tensor` is a live allocation of this engine, borrowed exclusively for the
         // call; its free, if any, is queued later.
-        unsafe { self.launch_elementwise(spec, args) }
+        unsafe { self.launch_elementwise(spec, args, &[]) }
     }
 
     /// A new tensor of `shape` with every element `value`. Queued; does not wait.
@@ -317,7 +369,7 @@ impl CudaEngine {
             len: a.len() as u64,
         };
         // SAFETY: as in `binary`: `a` is borrowed through the call, `out` is fresh and returned.
-        unsafe { self.launch_elementwise(spec, args) }?;
+        unsafe { self.launch_elementwise(spec, args, &[]) }?;
         Ok(out)
     }
 }

@@ -3,8 +3,9 @@
 //! The source is self-contained (no `#include`), so NVRTC needs no include path: `f16` and `bf16`
 //! are stored as 16-bit integers and converted to and from `float` by hand, rounding to nearest,
 //! ties to even, exactly as the `half` crate does on the host. Every kernel has the same
-//! signature, `(out, a, b, scalar_bits, len)` with five 8-byte parameters, and loops with a grid
-//! stride, so one launch path serves them all.
+//! signature, `(out, a, b, scalar_bits, len)` with five 8-byte parameters (a broadcasting binary
+//! kernel adds `(extent, a_stride, b_stride)` per dimension of its collapsed index space), and
+//! loops with a grid stride, so one launch path serves them all.
 //!
 //! Semantics, which the host reference in the tests mirrors:
 //! - integers wrap (computed in 64-bit unsigned arithmetic, then truncated);
@@ -121,6 +122,13 @@ fn int_bounds(d: DType) -> (&'static str, &'static str) {
 pub(crate) fn kernel_name(spec: ElementwiseSpec) -> String {
     if spec.op == ElementwiseOp::Cast {
         format!("cuferry_cast_{}_{}", spec.input.name(), spec.output.name())
+    } else if spec.broadcast > 0 {
+        format!(
+            "cuferry_{}_{}_bc{}",
+            spec.op.name(),
+            spec.input.name(),
+            spec.broadcast
+        )
     } else {
         format!("cuferry_{}_{}", spec.op.name(), spec.input.name())
     }
@@ -249,18 +257,38 @@ pub(crate) fn module_source(spec: ElementwiseSpec) -> String {
     );
     let reads_scalar = matches!(spec.op, ElementwiseOp::Scale | ElementwiseOp::Fill);
     let mut body = String::new();
+    // A broadcasting kernel walks its collapsed index space: the output's flat index `i`,
+    // decomposed innermost first, gives each operand's element by its strides (0 where it is
+    // broadcast). The equal-shape kernel (`broadcast == 0`) indexes everything by `i`.
+    let rank = usize::from(spec.broadcast);
+    let (ia, ib) = if rank > 0 && reads_b {
+        body.push_str("        unsigned long long r_ = i, ia = 0, ib = 0, c_;\n");
+        for d in (0..rank).rev() {
+            body.push_str(&format!(
+                "        c_ = r_ % d{d}; r_ /= d{d}; ia += c_ * sa{d}; ib += c_ * sb{d};\n"
+            ));
+        }
+        ("a[ia]", "b[ib]")
+    } else {
+        ("a[i]", "b[i]")
+    };
+    let broadcast_params: String = (0..if reads_b { rank } else { 0 })
+        .map(|d| {
+            format!(", unsigned long long d{d}, unsigned long long sa{d}, unsigned long long sb{d}")
+        })
+        .collect();
     if reads_a {
         body.push_str(&format!(
             "        {} x = {};\n",
             compute(input),
-            load(input, "a[i]")
+            load(input, ia)
         ));
     }
     if reads_b {
         body.push_str(&format!(
             "        {} y = {};\n",
             compute(input),
-            load(input, "b[i]")
+            load(input, ib)
         ));
     }
     if reads_scalar {
@@ -276,7 +304,7 @@ pub(crate) fn module_source(spec: ElementwiseSpec) -> String {
     ));
     src.push_str(&format!(
         r#"
-extern "C" __global__ void {name}({out_t}* out, const {in_t}* a, const {in_t}* b, unsigned long long s, unsigned long long n) {{
+extern "C" __global__ void {name}({out_t}* out, const {in_t}* a, const {in_t}* b, unsigned long long s, unsigned long long n{broadcast_params}) {{
     (void)a; (void)b; (void)s;
     unsigned long long stride = (unsigned long long)blockDim.x * (unsigned long long)gridDim.x;
     for (unsigned long long i = (unsigned long long)blockIdx.x * (unsigned long long)blockDim.x + (unsigned long long)threadIdx.x; i < n; i += stride) {{
@@ -294,7 +322,12 @@ mod tests {
     use super::*;
 
     fn spec(op: ElementwiseOp, input: DType, output: DType) -> ElementwiseSpec {
-        ElementwiseSpec { op, input, output }
+        ElementwiseSpec {
+            op,
+            input,
+            output,
+            broadcast: 0,
+        }
     }
 
     #[test]
@@ -322,6 +355,27 @@ mod tests {
             assert!(!src.contains("#include"));
             assert!(src.contains(&format!("extern \"C\" __global__ void {}(", kernel_name(s))));
         }
+    }
+
+    #[test]
+    fn broadcasting_kernels_have_their_own_name_and_index_math() {
+        let equal = spec(ElementwiseOp::Add, DType::F32, DType::F32);
+        let bc = ElementwiseSpec {
+            broadcast: 2,
+            ..equal
+        };
+        assert_eq!(kernel_name(bc), "cuferry_add_f32_bc2");
+        assert_ne!(kernel_name(bc), kernel_name(equal));
+        let src = module_source(bc);
+        assert!(
+            src.contains("unsigned long long d1, unsigned long long sa1, unsigned long long sb1)")
+        );
+        assert!(src.contains("b[ib]"));
+        let plain = module_source(equal);
+        assert!(
+            !plain.contains("ia +=") && plain.contains("b[i]"),
+            "no index math when equal"
+        );
     }
 
     #[test]

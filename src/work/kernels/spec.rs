@@ -78,12 +78,138 @@ pub(crate) fn unsupported(op: ElementwiseOp, dtype: DType) -> Option<&'static st
 }
 
 /// What a built-in elementwise kernel computes: the operation, the element type it reads and the
-/// element type it writes (equal except for casts).
+/// element type it writes (equal except for casts), and for a binary operation whose operands
+/// broadcast, the rank of its collapsed index space (0 for equal shapes: no index math).
+///
+/// The broadcast rank is part of the kernel's identity (its name and the cache's key), so the
+/// equal-shape kernel and each broadcasting one are separate modules.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub(crate) struct ElementwiseSpec {
     pub(crate) op: ElementwiseOp,
     pub(crate) input: DType,
     pub(crate) output: DType,
+    /// Dimensions of the collapsed broadcast layout the kernel walks; 0: operands and output
+    /// have the same element order, indexed by `i` alone.
+    pub(crate) broadcast: u8,
+}
+
+/// One dimension of a collapsed broadcast: its extent in the output and each operand's stride in
+/// elements along it (0 where the operand is broadcast).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct BroadcastDim {
+    pub(crate) extent: u64,
+    pub(crate) a_stride: u64,
+    pub(crate) b_stride: u64,
+}
+
+/// How two operand shapes broadcast (NumPy's rule).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Broadcast {
+    /// The result's shape: the longer rank, each dimension the larger of the pair.
+    pub(crate) shape: Vec<usize>,
+    /// The collapsed index space, outermost first: adjacent dimensions in which each operand is
+    /// either broadcast in both or in neither are merged, and dimensions of extent 1 dropped.
+    /// Empty when the operands have the same elements in the same order (equal shapes up to
+    /// leading 1s), which is the equal-shape kernel's case.
+    pub(crate) dims: Vec<BroadcastDim>,
+}
+
+impl Broadcast {
+    /// How `a` and `b` broadcast, or the index (into the longer shape) of the first dimension
+    /// where they disagree: aligned at the trailing dimension, each pair must be equal or one of
+    /// them 1; a missing leading dimension counts as 1.
+    pub(crate) fn of(a: &[usize], b: &[usize]) -> Result<Broadcast, usize> {
+        let rank = a.len().max(b.len());
+        let padded = |s: &[usize]| -> Vec<usize> {
+            let mut v = vec![1; rank - s.len()];
+            v.extend_from_slice(s);
+            v
+        };
+        let (pa, pb) = (padded(a), padded(b));
+        let mut shape = Vec::with_capacity(rank);
+        for d in 0..rank {
+            shape.push(match (pa[d], pb[d]) {
+                (x, y) if x == y => x,
+                (1, y) => y,
+                (x, 1) => x,
+                _ => return Err(d),
+            });
+        }
+        if pa == pb {
+            return Ok(Broadcast {
+                shape,
+                dims: Vec::new(),
+            });
+        }
+        // (extent, a broadcast, b broadcast), merged where the pattern repeats.
+        let mut merged: Vec<(u64, bool, bool)> = Vec::new();
+        for d in 0..rank {
+            if shape[d] == 1 {
+                continue;
+            }
+            let pattern = (pa[d] == 1, pb[d] == 1);
+            match merged.last_mut() {
+                Some(last) if (last.1, last.2) == pattern => last.0 *= shape[d] as u64,
+                _ => merged.push((shape[d] as u64, pattern.0, pattern.1)),
+            }
+        }
+        let mut dims = vec![
+            BroadcastDim {
+                extent: 0,
+                a_stride: 0,
+                b_stride: 0,
+            };
+            merged.len()
+        ];
+        let (mut sa, mut sb) = (1u64, 1u64);
+        for (slot, &(extent, a_bc, b_bc)) in dims.iter_mut().zip(&merged).rev() {
+            *slot = BroadcastDim {
+                extent,
+                a_stride: if a_bc { 0 } else { sa },
+                b_stride: if b_bc { 0 } else { sb },
+            };
+            if !a_bc {
+                sa = sa.saturating_mul(extent);
+            }
+            if !b_bc {
+                sb = sb.saturating_mul(extent);
+            }
+        }
+        Ok(Broadcast { shape, dims })
+    }
+
+    /// The kernel parameters after the five common ones: `(extent, a_stride, b_stride)` per
+    /// collapsed dimension, outermost first.
+    pub(crate) fn params(&self) -> Vec<u64> {
+        self.dims
+            .iter()
+            .flat_map(|d| [d.extent, d.a_stride, d.b_stride])
+            .collect()
+    }
+}
+
+/// The element each operand contributes to output element `i`, under the collapsed broadcast
+/// `dims` (the index math the broadcasting kernels do), for the simulated device's emulation.
+#[cfg(any(test, feature = "sim"))]
+pub(crate) fn broadcast_index(dims: &[BroadcastDim], i: u64) -> (u64, u64) {
+    let (mut rem, mut ia, mut ib) = (i, 0u64, 0u64);
+    for d in dims.iter().rev() {
+        let c = rem % d.extent;
+        rem /= d.extent;
+        ia += c * d.a_stride;
+        ib += c * d.b_stride;
+    }
+    (ia, ib)
+}
+
+/// How many elements an operand spans under `dims`, given the output has `len > 0` elements:
+/// one past its largest index. `a` selects the first operand's strides.
+#[cfg(any(test, feature = "sim"))]
+pub(crate) fn broadcast_extent(dims: &[BroadcastDim], a: bool) -> u64 {
+    1 + dims
+        .iter()
+        .map(|d| (d.extent - 1) * if a { d.a_stride } else { d.b_stride })
+        .sum::<u64>()
 }
 
 /// The arguments of every built-in elementwise kernel, whatever its operation:
@@ -158,6 +284,33 @@ mod tests {
             args(u64::from(BLOCK) * u64::from(MAX_BLOCKS) * 4).grid(),
             MAX_BLOCKS
         );
+    }
+
+    #[test]
+    fn broadcasts_follow_numpy_and_collapse_their_index_space() {
+        let bc = |a: &[usize], b: &[usize]| Broadcast::of(a, b);
+        let dim = |extent, a_stride, b_stride| BroadcastDim {
+            extent,
+            a_stride,
+            b_stride,
+        };
+        assert_eq!(bc(&[3, 4], &[3, 4]).unwrap().dims, []);
+        assert_eq!(bc(&[1, 3, 4], &[3, 4]).unwrap().shape, [1, 3, 4]);
+        assert_eq!(bc(&[1, 3, 4], &[3, 4]).unwrap().dims, []);
+        let bias = bc(&[2, 3, 4], &[4]).unwrap();
+        assert_eq!(bias.shape, [2, 3, 4]);
+        assert_eq!(bias.dims, [dim(6, 4, 0), dim(4, 1, 1)]);
+        let column = bc(&[3, 1], &[3, 4]).unwrap();
+        assert_eq!(column.dims, [dim(3, 1, 4), dim(4, 0, 1)]);
+        assert_eq!(bc(&[], &[5]).unwrap().dims, [dim(5, 0, 1)]);
+        assert_eq!(bc(&[3, 4], &[3]), Err(1));
+        assert_eq!(bc(&[2, 3, 4], &[5, 1, 4]), Err(0));
+        let outer = bc(&[3, 1], &[1, 4]).unwrap();
+        assert_eq!(outer.shape, [3, 4]);
+        let index: Vec<_> = (0..12).map(|i| broadcast_index(&outer.dims, i)).collect();
+        assert_eq!(index[5], (1, 1));
+        assert_eq!(broadcast_extent(&outer.dims, true), 3);
+        assert_eq!(broadcast_extent(&outer.dims, false), 4);
     }
 
     #[test]
