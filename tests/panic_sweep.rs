@@ -52,11 +52,20 @@ const OPS: [SimOp; 20] = [
     SimOp::Collective,
 ];
 
-/// Per-index distinct values, never zero.
+/// Per-index distinct values, never zero. Each (length, salt) is made once per process and
+/// copied out after: the sweep runs the workload hundreds of times, and making megabytes of
+/// values element by element in an unoptimized test build was most of its time.
 fn distinct(n: usize, salt: u32) -> Vec<u32> {
-    (0..n as u32)
+    static MADE: Mutex<Vec<((usize, u32), Vec<u32>)>> = Mutex::new(Vec::new());
+    let mut made = MADE.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    if let Some((_, values)) = made.iter().find(|(key, _)| *key == (n, salt)) {
+        return values.clone();
+    }
+    let values: Vec<u32> = (0..n as u32)
         .map(|i| (i ^ salt).wrapping_mul(2_654_435_761) | 1)
-        .collect()
+        .collect();
+    made.push(((n, salt), values.clone()));
+    values
 }
 
 /// What the workload found wrong (it records rather than asserts: an assertion's panic would
