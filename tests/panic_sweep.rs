@@ -56,7 +56,8 @@ const OPS: [SimOp; 20] = [
 /// copied out after: the sweep runs the workload hundreds of times, and making megabytes of
 /// values element by element in an unoptimized test build was most of its time.
 fn distinct(n: usize, salt: u32) -> Vec<u32> {
-    static MADE: Mutex<Vec<((usize, u32), Vec<u32>)>> = Mutex::new(Vec::new());
+    type Made = Vec<((usize, u32), Vec<u32>)>;
+    static MADE: Mutex<Made> = Mutex::new(Vec::new());
     let mut made = MADE.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
     if let Some((_, values)) = made.iter().find(|(key, _)| *key == (n, salt)) {
         return values.clone();
