@@ -320,7 +320,7 @@ fn gemm_reference(g: &GemmConfig<f64>, a: &[f64], b: &[f64], c: &mut [f64]) {
 }
 
 /// The row-major product of `a` (`m × k`) and `b` (`k × n`).
-fn product(a: &[f64], b: &[f64], m: usize, k: usize, n: usize) -> Vec<f64> {
+pub(crate) fn product(a: &[f64], b: &[f64], m: usize, k: usize, n: usize) -> Vec<f64> {
     let mut out = vec![0.0; m * n];
     for i in 0..m {
         for j in 0..n {
@@ -331,14 +331,14 @@ fn product(a: &[f64], b: &[f64], m: usize, k: usize, n: usize) -> Vec<f64> {
 }
 
 /// Small integers (exact in every sum here), never all zero.
-fn values(n: usize, salt: usize) -> Vec<f64> {
+pub(crate) fn values(n: usize, salt: usize) -> Vec<f64> {
     (0..n)
         .map(|i| ((i * 7 + salt * 3) % 11) as f64 - 4.0)
         .collect()
 }
 
 /// A symmetric positive definite matrix: `M·Mᵀ + n·I`, row-major (which is column-major too).
-fn spd(n: usize) -> Vec<f64> {
+pub(crate) fn spd(n: usize) -> Vec<f64> {
     let m = values(n * n, 6);
     let mut a = vec![0.0; n * n];
     for i in 0..n {

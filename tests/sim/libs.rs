@@ -9,6 +9,9 @@ use cuferry::libs::GemmConfig;
 use cuferry::sim::{Schedule, SimConfig, SimDevice, SimOp};
 use cuferry::{CudaEngine, DeviceTensor, Error, download_tensor, upload_tensor};
 
+// The host references the bodies use, shared with the simulator-only tests below.
+use crate::bodies::vendor::{product, spd, values};
+
 /// Written once in `tests/bodies/vendor.rs`, run here on the simulated device and by the GPU
 /// suite on device 0 (in a module of their own: both suites had a Cholesky test of one name).
 mod shared {
@@ -32,37 +35,6 @@ mod shared {
 /// Every operation the stream has been given so far, run or not.
 fn enqueued(sim: &SimDevice) -> u64 {
     sim.completed() + sim.queued() as u64
-}
-
-/// The row-major product of `a` (`m × k`) and `b` (`k × n`).
-fn product(a: &[f64], b: &[f64], m: usize, k: usize, n: usize) -> Vec<f64> {
-    let mut out = vec![0.0; m * n];
-    for i in 0..m {
-        for j in 0..n {
-            out[i * n + j] = (0..k).map(|q| a[i * k + q] * b[q * n + j]).sum();
-        }
-    }
-    out
-}
-
-/// Small integers (exact in every sum here), never all zero.
-fn values(n: usize, salt: usize) -> Vec<f64> {
-    (0..n)
-        .map(|i| ((i * 7 + salt * 3) % 11) as f64 - 4.0)
-        .collect()
-}
-
-/// A symmetric positive definite matrix: `M·Mᵀ + n·I`, row-major (which is column-major too).
-fn spd(n: usize) -> Vec<f64> {
-    let m = values(n * n, 6);
-    let mut a = vec![0.0; n * n];
-    for i in 0..n {
-        for j in 0..n {
-            a[i * n + j] = (0..n).map(|q| m[i * n + q] * m[j * n + q]).sum::<f64>();
-        }
-        a[i * n + i] += n as f64;
-    }
-    a
 }
 
 // Simulator-only: runs the streams under interleaved schedules and the race checker.

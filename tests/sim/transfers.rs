@@ -8,29 +8,23 @@
 //! runs whatever the machine's core count.
 
 use crate::support::{Fault, Rng, random_vec};
-use cuferry::sim::{SimConfig, SimDevice, SimOp};
+use cuferry::sim::{SimDevice, SimOp};
 use cuferry::{
-    CudaEngine, Error, download_tensor, download_tensor_into, error::DriverError,
-    staging::StagingConfig, upload_tensor, upload_tensor_into,
+    CudaEngine, Error, download_tensor, download_tensor_into, error::DriverError, upload_tensor,
+    upload_tensor_into,
 };
 
 // Written once in `tests/bodies/transfers.rs`, run here on the simulated device and by the GPU
 // suite on device 0.
 crate::bodies!(sim; transfers::{every_direction_moves_the_right_bytes_around_the_ring_depth});
 
-const CHUNK: usize = 1 << 20;
-const DEPTH: usize = 4;
+use crate::bodies::Device;
+use crate::bodies::transfers::{CHUNK, DEPTH, ring_engine};
 
+/// The bodies' engine (1 MiB chunks, a ring of [`DEPTH`], four copy threads), on a simulated
+/// device, with that device.
 fn engine() -> (CudaEngine, SimDevice) {
-    // The binary runs with four copy threads (`support::copy_threads`).
-    assert!(cuferry::staging::copy_threads() >= 2);
-    let mut engine = CudaEngine::simulated(SimConfig::default());
-    let mut config = StagingConfig::default();
-    config.chunk_bytes = CHUNK;
-    config.cutoff_bytes = 64 << 10;
-    config.ring_depth = DEPTH;
-    config.copy_threads = 4;
-    engine.set_staging_config(config).unwrap();
+    let engine = ring_engine(Device::Sim);
     let sim = engine.sim().unwrap();
     (engine, sim)
 }

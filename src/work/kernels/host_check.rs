@@ -103,6 +103,27 @@ fn random_operand(rng: &mut Xorshift, d: DType, len: usize) -> Vec<u8> {
     out
 }
 
+/// Runs the host-compiled kernels at `exe`, feeding them `input` on standard input (from a
+/// thread of its own, so a large input cannot fill the pipe while their output does), and
+/// returns what they wrote once they exited successfully.
+fn run_host_kernels(exe: &std::path::Path, input: Vec<u8>) -> Vec<u8> {
+    let mut child = Command::new(exe)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    let writer = std::thread::spawn(move || stdin.write_all(&input));
+    let output = child.wait_with_output().unwrap();
+    writer.join().unwrap().unwrap();
+    assert!(
+        output.status.success(),
+        "host kernels exited with {}",
+        output.status
+    );
+    output.stdout
+}
+
 fn same_bits(d: DType, got: &[u8], want: &[u8]) -> bool {
     let nan = |b: &[u8]| match d {
         DType::F32 => f32::from_le_bytes(b.try_into().unwrap()).is_nan(),
@@ -179,26 +200,13 @@ fn generated_cuda_source_compiled_for_the_host_matches_the_emulation() {
             .expect("every spec is emulated");
         expected.push((spec, len, want));
     }
-    let mut child = Command::new(&exe)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut stdin = child.stdin.take().unwrap();
-    let writer = std::thread::spawn(move || stdin.write_all(&input));
-    let output = child.wait_with_output().unwrap();
-    writer.join().unwrap().unwrap();
-    assert!(
-        output.status.success(),
-        "host kernels exited with {}",
-        output.status
-    );
+    let stdout = run_host_kernels(&exe, input);
 
     let mut at = 0;
     let mut failures = Vec::new();
     for (spec, len, want) in expected {
         let osz = spec.output.size_bytes();
-        let got = &output.stdout[at..at + len * osz];
+        let got = &stdout[at..at + len * osz];
         at += len * osz;
         for i in 0..len {
             let (g, w) = (&got[i * osz..(i + 1) * osz], &want[i * osz..(i + 1) * osz]);
@@ -210,7 +218,7 @@ fn generated_cuda_source_compiled_for_the_host_matches_the_emulation() {
             }
         }
     }
-    assert_eq!(at, output.stdout.len());
+    assert_eq!(at, stdout.len());
     let _ = std::fs::remove_dir_all(&dir);
     assert!(
         failures.is_empty(),
@@ -358,25 +366,12 @@ fn broadcasting_cuda_source_compiled_for_the_host_matches_the_emulation() {
             .unwrap();
         expected.push((*spec, n, memory.0.pop().unwrap().1));
     }
-    let mut child = Command::new(&exe)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut stdin = child.stdin.take().unwrap();
-    let writer = std::thread::spawn(move || stdin.write_all(&input));
-    let output = child.wait_with_output().unwrap();
-    writer.join().unwrap().unwrap();
-    assert!(
-        output.status.success(),
-        "host kernels exited with {}",
-        output.status
-    );
+    let stdout = run_host_kernels(&exe, input);
     let mut at = 0;
     let mut failures = Vec::new();
     for (spec, n, want) in expected {
         let size = spec.input.size_bytes();
-        let got = &output.stdout[at..at + n * size];
+        let got = &stdout[at..at + n * size];
         at += n * size;
         if let Some(i) = (0..n).find(|&i| {
             !same_bits(
@@ -388,7 +383,7 @@ fn broadcasting_cuda_source_compiled_for_the_host_matches_the_emulation() {
             failures.push(format!("{spec:?} element {i}"));
         }
     }
-    assert_eq!(at, output.stdout.len());
+    assert_eq!(at, stdout.len());
     let _ = std::fs::remove_dir_all(&dir);
     assert!(
         failures.is_empty(),
@@ -533,26 +528,13 @@ fn fused_cuda_source_compiled_for_the_host_matches_the_emulation() {
             }
             expected.push(emulated(kernel, &inputs, len));
         }
-        let mut child = Command::new(&exe)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut stdin = child.stdin.take().unwrap();
-        let writer = std::thread::spawn(move || stdin.write_all(&input));
-        let output = child.wait_with_output().unwrap();
-        writer.join().unwrap().unwrap();
-        assert!(
-            output.status.success(),
-            "host kernels exited with {}",
-            output.status
-        );
+        let stdout = run_host_kernels(&exe, input);
         let mut at = 0;
         for (kernel, want) in kernels.iter().zip(expected) {
             for (&v, want) in kernel.outputs.iter().zip(want) {
                 let d = kernel.dtype_of(v);
                 let size = d.size_bytes();
-                let got = &output.stdout[at..at + want.len()];
+                let got = &stdout[at..at + want.len()];
                 at += want.len();
                 let differs = (0..want.len() / size).find(|&i| {
                     !same_bits(
@@ -571,7 +553,7 @@ fn fused_cuda_source_compiled_for_the_host_matches_the_emulation() {
                 }
             }
         }
-        assert_eq!(at, output.stdout.len());
+        assert_eq!(at, stdout.len());
     }
     let _ = std::fs::remove_dir_all(&dir);
     assert!(
