@@ -272,3 +272,30 @@ pub(crate) fn an_engine_dropped_while_handles_are_in_flight(dev: Device) {
         assert!(sim.violations().is_empty(), "{:?}", sim.violations());
     }
 }
+
+pub(crate) fn a_zero_length_pinned_buffer_is_a_typed_error(dev: Device) {
+    let mut engine = dev.engine();
+    assert!(matches!(
+        PinnedHostBuffer::<f32>::new(&mut engine, 0),
+        Err(Error::Usage(UsageError::ZeroLength { .. }))
+    ));
+}
+
+pub(crate) fn a_download_hands_back_its_parts_source_first(dev: Device) {
+    let mut engine = dev.engine();
+    let tensor = upload_tensor(&mut engine, &distinct(5), &[5]).unwrap();
+    let buffer = PinnedHostBuffer::<u32>::new(&mut engine, 5).unwrap();
+    let download = download_pending(&mut engine, tensor, buffer).unwrap();
+    let (tensor, buffer) = download.wait().unwrap().into_parts();
+    assert_eq!(buffer.as_slice(), distinct(5));
+    assert_eq!(tensor.shape(), [5]);
+    let download = download_pending(&mut engine, tensor, buffer).unwrap();
+    let returned = download.wait().unwrap();
+    let (tensor, buffer) = returned
+        .resubmit(&mut engine)
+        .unwrap()
+        .wait()
+        .unwrap()
+        .into_parts();
+    assert_eq!((tensor.len(), buffer.as_slice()), (5, &distinct(5)[..]));
+}

@@ -15,6 +15,8 @@ crate::bodies!(gpu; pending::{
     download_tensor_into_reuses_its_capacity,
     download_tensor_into_reuses_capacity,
     an_engine_dropped_while_handles_are_in_flight,
+    a_zero_length_pinned_buffer_is_a_typed_error,
+    a_download_hands_back_its_parts_source_first,
 });
 
 const BIG: usize = 64 << 20; // bytes

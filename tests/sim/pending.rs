@@ -19,18 +19,11 @@ crate::bodies!(sim; pending::{
     download_tensor_into_reuses_its_capacity,
     download_tensor_into_reuses_capacity,
     an_engine_dropped_while_handles_are_in_flight,
+    a_zero_length_pinned_buffer_is_a_typed_error,
+    a_download_hands_back_its_parts_source_first,
 });
 
 // Simulator-only: counts the pinned allocations.
-#[test]
-fn a_zero_length_pinned_buffer_is_a_typed_error() {
-    let (mut engine, _) = engine();
-    assert!(matches!(
-        PinnedHostBuffer::<f32>::new(&mut engine, 0),
-        Err(Error::Usage(UsageError::ZeroLength { .. }))
-    ));
-}
-
 // Simulator-only: counts the pinned allocations.
 #[test]
 fn a_warm_pool_reuses_pinned_memory() {
@@ -458,26 +451,6 @@ fn a_refused_pending_transfer_names_its_route_direction_and_shape() {
 // Simulator-only: reads the device addresses.
 /// A download hands its parts back in the order it took them, source first: the tensor, then
 /// the buffer, from `into_parts` as from a refusal.
-#[test]
-fn a_download_hands_back_its_parts_source_first() {
-    let (mut engine, _) = engine();
-    let tensor = upload_tensor(&mut engine, &distinct(5), &[5]).unwrap();
-    let buffer = PinnedHostBuffer::<u32>::new(&mut engine, 5).unwrap();
-    let download = download_pending(&mut engine, tensor, buffer).unwrap();
-    let (tensor, buffer) = download.wait().unwrap().into_parts();
-    assert_eq!(buffer.as_slice(), distinct(5));
-    assert_eq!(tensor.shape(), [5]);
-    let download = download_pending(&mut engine, tensor, buffer).unwrap();
-    let returned = download.wait().unwrap();
-    let (tensor, buffer) = returned
-        .resubmit(&mut engine)
-        .unwrap()
-        .wait()
-        .unwrap()
-        .into_parts();
-    assert_eq!((tensor.len(), buffer.as_slice()), (5, &distinct(5)[..]));
-}
-
 // Simulator-only: the device's clock is held to keep the work in flight.
 #[test]
 fn wait_for_hands_an_unfinished_transfer_back_and_returns_a_finished_one() {
