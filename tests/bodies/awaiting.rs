@@ -157,3 +157,17 @@ pub(crate) fn transfers_over_registered_buffers_are_awaited_and_hand_their_vec_b
     }
     Device::no_violations(&engine);
 }
+
+/// Every body of this module as tests of one binary: `tests!(sim)` in the simulator's, `tests!(gpu)`
+/// in the GPU suite's, so both run the same list.
+macro_rules! tests {
+    ($device:ident) => {
+        crate::bodies!($device; awaiting::{
+            uploads_and_downloads_awaited_on_a_current_thread_runtime,
+            uploads_and_downloads_awaited_on_a_multi_thread_runtime,
+            many_transfers_awaited_at_once_all_complete,
+            transfers_over_registered_buffers_are_awaited_and_hand_their_vec_back,
+        });
+    };
+}
+pub(crate) use tests;

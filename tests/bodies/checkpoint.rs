@@ -138,3 +138,14 @@ pub(crate) fn a_checkpoint_loads_bit_for_bit_and_saves_back_byte_for_byte(dev: D
     engine.synchronize().unwrap();
     Device::no_violations(&engine);
 }
+
+/// Every body of this module as tests of one binary: `tests!(sim)` in the simulator's, `tests!(gpu)`
+/// in the GPU suite's, so both run the same list.
+macro_rules! tests {
+    ($device:ident) => {
+        crate::bodies!($device; checkpoint::{
+            a_checkpoint_loads_bit_for_bit_and_saves_back_byte_for_byte,
+        });
+    };
+}
+pub(crate) use tests;

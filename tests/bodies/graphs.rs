@@ -158,3 +158,17 @@ pub(crate) fn products_of_inputs_run_between_graph_launches(dev: Device) {
     let s = prepared.stats();
     assert_eq!((s.eager_calls, s.graph_launches, s.graphs), (1, 1, 1));
 }
+
+/// Every body of this module as tests of one binary: `tests!(sim)` in the simulator's, `tests!(gpu)`
+/// in the GPU suite's, so both run the same list.
+macro_rules! tests {
+    ($device:ident) => {
+        crate::bodies!($device; graphs::{
+            a_second_program_with_the_same_group_compiles_nothing,
+            runs_rebind_only_what_moved_and_reuse_dropped_outputs,
+            bad_inputs_and_other_engines_are_refused_and_nothing_runs,
+            products_of_inputs_run_between_graph_launches,
+        });
+    };
+}
+pub(crate) use tests;

@@ -36,3 +36,14 @@ pub(crate) fn another_engine_refuses_an_in_flight_tensor(dev: Device) {
         [1.0, 2.0]
     );
 }
+
+/// Every body of this module as tests of one binary: `tests!(sim)` in the simulator's, `tests!(gpu)`
+/// in the GPU suite's, so both run the same list.
+macro_rules! tests {
+    ($device:ident) => {
+        crate::bodies!($device; handoff::{
+            another_engine_refuses_an_in_flight_tensor,
+        });
+    };
+}
+pub(crate) use tests;

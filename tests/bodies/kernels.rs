@@ -183,3 +183,21 @@ pub(crate) fn another_engines_tensor_is_refused(dev: Device) {
         Err(Error::Usage(UsageError::WrongEngine { .. }))
     ));
 }
+
+/// Every body of this module as tests of one binary: `tests!(sim)` in the simulator's, `tests!(gpu)`
+/// in the GPU suite's, so both run the same list.
+macro_rules! tests {
+    ($device:ident) => {
+        crate::bodies!($device; kernels::{
+            every_operation_matches_the_host_reference_for_every_element,
+            every_cast_matches_the_host_reference,
+            a_chain_of_dependent_adds_runs_without_a_host_wait_and_in_order,
+            kernels_compile_once_per_engine_and_operation,
+            empty_tensors_queue_nothing,
+            mismatched_shapes_are_refused_before_anything_is_queued,
+            unsupported_elements_are_typed_errors_naming_operation_and_type,
+            another_engines_tensor_is_refused,
+        });
+    };
+}
+pub(crate) use tests;

@@ -90,3 +90,15 @@ pub(crate) fn errors_name_the_values_and_the_shape_check_is_order_independent(de
         other => panic!("expected SizeOverflow, got {other:?}"),
     }
 }
+
+/// Every body of this module as tests of one binary: `tests!(sim)` in the simulator's, `tests!(gpu)`
+/// in the GPU suite's, so both run the same list.
+macro_rules! tests {
+    ($device:ident) => {
+        crate::bodies!($device; lifecycle::{
+            held_and_forgotten_leases_never_starve_the_blocking_routes,
+            errors_name_the_values_and_the_shape_check_is_order_independent,
+        });
+    };
+}
+pub(crate) use tests;

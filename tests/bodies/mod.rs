@@ -68,7 +68,9 @@ impl Device {
 }
 
 /// Writes one `#[test]` per body: `bodies!(sim; module::{name, ...})` on the simulated device,
-/// `bodies!(gpu; module::{name, ...})` ignored unless a CUDA device is asked for.
+/// `bodies!(gpu; module::{name, ...})` ignored unless a CUDA device is asked for. Each module
+/// names its bodies once, in its own `tests!` macro, which both binaries call
+/// (`crate::bodies::module::tests!(sim)`), so the two run the same list.
 #[macro_export]
 macro_rules! bodies {
     (sim; $module:ident :: { $($name:ident),* $(,)? }) => {

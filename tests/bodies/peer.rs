@@ -275,3 +275,19 @@ pub(crate) fn awaited_on_any_executor(dev: Device) {
     drop((a, b));
     machine.no_violations_or_leaks();
 }
+
+/// Every body of this module as tests of one binary: `tests!(sim)` in the simulator's, `tests!(gpu)`
+/// in the GPU suite's, so both run the same list.
+macro_rules! tests {
+    ($device:ident) => {
+        crate::bodies!($device; peer::{
+            every_element_type_crosses_between_engines,
+            peer_copies_in_each_direction_at_once,
+            every_element_type_crosses_pending_between_engines,
+            a_pending_copy_follows_the_sources_queued_kernels_and_precedes_the_destinations,
+            resubmission_copies_again_with_nothing_allocated,
+            awaited_on_any_executor,
+        });
+    };
+}
+pub(crate) use tests;

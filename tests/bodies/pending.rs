@@ -299,3 +299,23 @@ pub(crate) fn a_download_hands_back_its_parts_source_first(dev: Device) {
         .into_parts();
     assert_eq!((tensor.len(), buffer.as_slice()), (5, &distinct(5)[..]));
 }
+
+/// Every body of this module as tests of one binary: `tests!(sim)` in the simulator's, `tests!(gpu)`
+/// in the GPU suite's, so both run the same list.
+macro_rules! tests {
+    ($device:ident) => {
+        crate::bodies!($device; pending::{
+            a_64_mib_pending_download_is_seen_in_flight_then_correct,
+            a_64_mib_pending_upload_is_seen_in_flight_then_correct,
+            two_transfers_in_flight_complete_independently,
+            rejected_packages_come_back_untouched,
+            pinned_bytes_round_trip_for_every_element,
+            download_tensor_into_reuses_its_capacity,
+            download_tensor_into_reuses_capacity,
+            an_engine_dropped_while_handles_are_in_flight,
+            a_zero_length_pinned_buffer_is_a_typed_error,
+            a_download_hands_back_its_parts_source_first,
+        });
+    };
+}
+pub(crate) use tests;

@@ -316,3 +316,21 @@ pub(crate) fn two_small_vecs_registered_at_once(dev: Device) {
     }
     assert_eq!(a.into_vec().unwrap(), vec![1u8; 64]);
 }
+
+/// Every body of this module as tests of one binary: `tests!(sim)` in the simulator's, `tests!(gpu)`
+/// in the GPU suite's, so both run the same list.
+macro_rules! tests {
+    ($device:ident) => {
+        crate::bodies!($device; registered::{
+            register_and_into_vec_give_back_the_same_vec,
+            round_trips_for_every_element_type_at_every_size,
+            resubmission_registers_nothing_more,
+            an_empty_vec_is_refused_and_comes_back,
+            rejected_submissions_give_the_buffer_back,
+            registered_vecs_round_trip_and_come_back_as_the_same_allocation,
+            a_dropped_in_flight_transfer_releases_its_registered_buffer_after_the_copy,
+            two_small_vecs_registered_at_once,
+        });
+    };
+}
+pub(crate) use tests;

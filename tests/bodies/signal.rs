@@ -79,3 +79,15 @@ pub(crate) fn signals_outlive_their_engine_and_leak_nothing(dev: Device) {
         assert_eq!(sim.pinned_live().0, 0);
     }
 }
+
+/// Every body of this module as tests of one binary: `tests!(sim)` in the simulator's, `tests!(gpu)`
+/// in the GPU suite's, so both run the same list.
+macro_rules! tests {
+    ($device:ident) => {
+        crate::bodies!($device; signal::{
+            a_wait_for_a_signal_orders_another_engines_streams_on_the_device,
+            signals_outlive_their_engine_and_leak_nothing,
+        });
+    };
+}
+pub(crate) use tests;

@@ -25,3 +25,14 @@ pub(crate) fn staging_settings_are_validated(dev: Device) {
         }))
     ));
 }
+
+/// Every body of this module as tests of one binary: `tests!(sim)` in the simulator's, `tests!(gpu)`
+/// in the GPU suite's, so both run the same list.
+macro_rules! tests {
+    ($device:ident) => {
+        crate::bodies!($device; staging::{
+            staging_settings_are_validated,
+        });
+    };
+}
+pub(crate) use tests;

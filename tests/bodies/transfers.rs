@@ -73,3 +73,14 @@ pub(crate) fn every_direction_moves_the_right_bytes_around_the_ring_depth(dev: D
     assert_eq!(engine.staging_stats().leased, 0);
     Device::no_violations(&engine);
 }
+
+/// Every body of this module as tests of one binary: `tests!(sim)` in the simulator's, `tests!(gpu)`
+/// in the GPU suite's, so both run the same list.
+macro_rules! tests {
+    ($device:ident) => {
+        crate::bodies!($device; transfers::{
+            every_direction_moves_the_right_bytes_around_the_ring_depth,
+        });
+    };
+}
+pub(crate) use tests;

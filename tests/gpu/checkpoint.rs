@@ -11,7 +11,7 @@ use crate::bodies::checkpoint::{Scratch, tensors, write_with_the_formats_seriali
 use crate::engine;
 
 // Written once in `tests/bodies/checkpoint.rs`, run here on device 0 and by the simulator binary.
-crate::bodies!(gpu; checkpoint::{a_checkpoint_loads_bit_for_bit_and_saves_back_byte_for_byte});
+crate::bodies::checkpoint::tests!(gpu);
 use cuferry::checkpoint::{self, LoadOptions, SaveOptions};
 use cuferry::{CudaEngine, PinnedHostBuffer};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};

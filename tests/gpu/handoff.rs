@@ -8,7 +8,7 @@ use cuferry::{
 };
 
 // Written once in `tests/bodies/handoff.rs`, run here on device 0 and by the simulator binary.
-crate::bodies!(gpu; handoff::{another_engine_refuses_an_in_flight_tensor});
+crate::bodies::handoff::tests!(gpu);
 
 /// Upload, device copy of the in-flight destination, pending download of the copy: the host
 /// waits once, on the download.

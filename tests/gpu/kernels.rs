@@ -5,16 +5,7 @@ use crate::engine;
 use cuferry::download_tensor;
 
 // Written once in `tests/bodies/kernels.rs`, run here on device 0 and by the simulator binary.
-crate::bodies!(gpu; kernels::{
-    every_operation_matches_the_host_reference_for_every_element,
-    every_cast_matches_the_host_reference,
-    a_chain_of_dependent_adds_runs_without_a_host_wait_and_in_order,
-    kernels_compile_once_per_engine_and_operation,
-    empty_tensors_queue_nothing,
-    mismatched_shapes_are_refused_before_anything_is_queued,
-    unsupported_elements_are_typed_errors_naming_operation_and_type,
-    another_engines_tensor_is_refused,
-});
+crate::bodies::kernels::tests!(gpu);
 
 // GPU only: a launch past one grid's 2^28 elements is a CUDA grid limit, and 256 MiB tensors
 // would take the simulator's host arithmetic long in a debug build.

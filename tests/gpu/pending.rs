@@ -6,18 +6,7 @@ use crate::common::{distinct_f32, open};
 use cuferry::{PinnedHostBuffer, download_pending, upload_pending, upload_tensor};
 
 // Written once in `tests/bodies/pending.rs`, run here on device 0 and by the simulator binary.
-crate::bodies!(gpu; pending::{
-    a_64_mib_pending_download_is_seen_in_flight_then_correct,
-    a_64_mib_pending_upload_is_seen_in_flight_then_correct,
-    two_transfers_in_flight_complete_independently,
-    rejected_packages_come_back_untouched,
-    pinned_bytes_round_trip_for_every_element,
-    download_tensor_into_reuses_its_capacity,
-    download_tensor_into_reuses_capacity,
-    an_engine_dropped_while_handles_are_in_flight,
-    a_zero_length_pinned_buffer_is_a_typed_error,
-    a_download_hands_back_its_parts_source_first,
-});
+crate::bodies::pending::tests!(gpu);
 
 const BIG: usize = 64 << 20; // bytes
 

@@ -8,7 +8,7 @@ use cuferry::{
 };
 
 // Written once in `tests/bodies/staging.rs`, run here on device 0 and by the simulator binary.
-crate::bodies!(gpu; staging::{staging_settings_are_validated});
+crate::bodies::staging::tests!(gpu);
 
 fn sizes(engine: &CudaEngine, size: usize) -> Vec<usize> {
     let c = engine.staging_config();

@@ -8,21 +8,7 @@ use cuferry::error::SetupError;
 use cuferry::{CudaEngine, Error, download_tensor, upload_tensor};
 
 // Written once in `tests/bodies/vendor.rs`, run here on device 0 and by the simulator binary.
-crate::bodies!(gpu; vendor::{
-    gemm_matches_the_host_reference_for_f32_and_f64,
-    matmul_multiplies_row_major_tensors,
-    cholesky_solve_solves_symmetric_positive_definite_systems,
-    cholesky_solve_reports_a_matrix_that_is_not_positive_definite,
-    vendor_calls_are_ordered_with_eager_kernels_without_a_host_wait,
-    cutensor_contracts_where_present_and_is_a_typed_unavailable_where_absent,
-    gemm_follows_blas_with_transposes_leading_dimensions_and_scales,
-    matmul_is_the_row_major_product_in_both_precisions,
-    cholesky_solve_leaves_the_factor_and_solves_in_both_precisions,
-    a_matrix_that_is_not_positive_definite_is_reported_by_check_with_its_order,
-    contract_sums_over_the_modes_the_output_lacks,
-    a_foreign_operand_is_refused_before_the_library_is_asked,
-    vendor_arguments_are_validated_before_the_library_is_asked,
-});
+crate::bodies::vendor::tests!(gpu);
 
 /// `n` values in [-1, 1), never zero.
 fn random(rng: &mut Rng, n: usize) -> Vec<f64> {

@@ -19,12 +19,7 @@ use std::time::{Duration, Instant};
 
 // Written once in `tests/bodies/awaiting.rs`, run here on the simulated device and by the GPU
 // suite on device 0.
-crate::bodies!(sim; awaiting::{
-    uploads_and_downloads_awaited_on_a_current_thread_runtime,
-    uploads_and_downloads_awaited_on_a_multi_thread_runtime,
-    many_transfers_awaited_at_once_all_complete,
-    transfers_over_registered_buffers_are_awaited_and_hand_their_vec_back,
-});
+crate::bodies::awaiting::tests!(sim);
 
 fn engine() -> (CudaEngine, SimDevice) {
     let mut engine = CudaEngine::simulated(SimConfig::default());

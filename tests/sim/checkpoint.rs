@@ -12,7 +12,7 @@ use std::collections::HashMap;
 
 // Written once in `tests/bodies/checkpoint.rs`, run here on the simulated device and by the GPU
 // suite on device 0.
-crate::bodies!(sim; checkpoint::{a_checkpoint_loads_bit_for_bit_and_saves_back_byte_for_byte});
+crate::bodies::checkpoint::tests!(sim);
 
 /// `(name, dtype, shape, bytes)` of a small model, written by the format's serializer.
 fn model() -> Vec<u8> {

@@ -7,18 +7,7 @@ use cuferry::{CudaEngine, Error, download_tensor, error::DriverError, upload_ten
 
 // Written once in `tests/bodies/engine.rs`, run here on the simulated device and by the GPU suite
 // on device 0.
-crate::bodies!(sim; engine::{
-    a_device_to_device_copy_round_trips,
-    a_copy_into_a_shorter_tensor_is_refused,
-    a_shape_that_does_not_match_the_data_is_refused,
-    tensors_of_another_engine_are_refused,
-    open_flush_synchronize_and_drop,
-    device_to_device_copy_round_trips_distinct_values,
-    with_raw_refuses_another_engines_tensor,
-    zero_and_one_element_tensors_round_trip,
-    bool_tensors_are_decoded_and_refused_by_download_into,
-    reshape_keeps_the_element_count,
-});
+crate::bodies::engine::tests!(sim);
 
 #[test]
 fn flush_does_not_wait_and_synchronize_does() {

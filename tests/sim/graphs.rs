@@ -12,12 +12,7 @@ static_assertions::assert_impl_all!(cuferry::graph::Prepared: Send);
 
 // Written once in `tests/bodies/graphs.rs`, run here on the simulated device and by the GPU
 // suite on device 0.
-crate::bodies!(sim; graphs::{
-    a_second_program_with_the_same_group_compiles_nothing,
-    runs_rebind_only_what_moved_and_reuse_dropped_outputs,
-    bad_inputs_and_other_engines_are_refused_and_nothing_runs,
-    products_of_inputs_run_between_graph_launches,
-});
+crate::bodies::graphs::tests!(sim);
 
 // Simulator-only: no device at all (tracing runs on the host); run once, here.
 #[test]

@@ -15,7 +15,7 @@ use cuferry::{
 
 // Written once in `tests/bodies/handoff.rs`, run here on the simulated device and by the GPU
 // suite on device 0.
-crate::bodies!(sim; handoff::{another_engine_refuses_an_in_flight_tensor});
+crate::bodies::handoff::tests!(sim);
 
 /// Host waits the device has seen so far.
 fn host_waits(sim: &SimDevice) -> u64 {

@@ -14,10 +14,7 @@ use std::time::Duration;
 
 // Written once in `tests/bodies/lifecycle.rs`, run here on the simulated device and by the GPU
 // suite on device 0.
-crate::bodies!(sim; lifecycle::{
-    held_and_forgotten_leases_never_starve_the_blocking_routes,
-    errors_name_the_values_and_the_shape_check_is_order_independent,
-});
+crate::bodies::lifecycle::tests!(sim);
 
 /// A staging chunk whose event record fails and whose fallback stream synchronize fails too
 /// cannot be proven: the lease comes back `Untracked`, which can only be retired, and the slot's

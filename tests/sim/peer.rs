@@ -11,12 +11,9 @@ use cuferry::{
     upload_tensor,
 };
 
-// Written once in `tests/bodies/peer.rs`, run here on a simulated machine of three devices and by
-// the GPU suite (with the pending peer route's bodies, which `peer_pending.rs` names too).
-crate::bodies!(sim; peer::{
-    every_element_type_crosses_between_engines,
-    peer_copies_in_each_direction_at_once,
-});
+// Written once in `tests/bodies/peer.rs` (the blocking and the pending peer routes), run here on
+// the simulated device and by the GPU suite on device 0.
+crate::bodies::peer::tests!(sim);
 
 // Simulator-only: counts the peer-access driver calls.
 #[test]

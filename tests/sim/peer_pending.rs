@@ -12,14 +12,7 @@ use cuferry::{
     error::DriverError, peer, pending::TryWait, upload_pending, upload_tensor,
 };
 
-// Written once in `tests/bodies/peer.rs`, run here on a simulated machine of three devices and by
-// the GPU suite on the machine's devices.
-crate::bodies!(sim; peer::{
-    every_element_type_crosses_pending_between_engines,
-    a_pending_copy_follows_the_sources_queued_kernels_and_precedes_the_destinations,
-    resubmission_copies_again_with_nothing_allocated,
-    awaited_on_any_executor,
-});
+// The pending route's bodies (`tests/bodies/peer.rs`) run with the peer route's, in `peer.rs`.
 
 // Simulator-only: runs 32 interleavings of the streams under the race checker.
 #[test]

@@ -12,16 +12,7 @@ use cuferry::{
 
 // Written once in `tests/bodies/registered.rs`, run here on the simulated device and by the GPU
 // suite on device 0.
-crate::bodies!(sim; registered::{
-    register_and_into_vec_give_back_the_same_vec,
-    round_trips_for_every_element_type_at_every_size,
-    resubmission_registers_nothing_more,
-    an_empty_vec_is_refused_and_comes_back,
-    rejected_submissions_give_the_buffer_back,
-    registered_vecs_round_trip_and_come_back_as_the_same_allocation,
-    a_dropped_in_flight_transfer_releases_its_registered_buffer_after_the_copy,
-    two_small_vecs_registered_at_once,
-});
+crate::bodies::registered::tests!(sim);
 
 /// The device address of a tensor, for reading it with `SimDevice::peek`.
 fn device_addr<T: Element>(_engine: &mut CudaEngine, tensor: &cuferry::DeviceTensor<T>) -> u64 {

@@ -12,10 +12,7 @@ use cuferry::{
 
 // Written once in `tests/bodies/signal.rs`, run here on the simulated device and by the GPU suite
 // on device 0.
-crate::bodies!(sim; signal::{
-    a_wait_for_a_signal_orders_another_engines_streams_on_the_device,
-    signals_outlive_their_engine_and_leak_nothing,
-});
+crate::bodies::signal::tests!(sim);
 
 fn data(n: usize, salt: f32) -> Vec<f32> {
     (0..n).map(|i| i as f32 * 0.5 + salt).collect()

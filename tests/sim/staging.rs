@@ -14,7 +14,7 @@ const DEPTH: usize = 3;
 
 // Written once in `tests/bodies/staging.rs`, run here on the simulated device and by the GPU
 // suite on device 0.
-crate::bodies!(sim; staging::{staging_settings_are_validated});
+crate::bodies::staging::tests!(sim);
 
 fn engine() -> (CudaEngine, SimDevice) {
     let mut engine = CudaEngine::simulated(SimConfig::default());

@@ -16,7 +16,7 @@ use cuferry::{
 
 // Written once in `tests/bodies/transfers.rs`, run here on the simulated device and by the GPU
 // suite on device 0.
-crate::bodies!(sim; transfers::{every_direction_moves_the_right_bytes_around_the_ring_depth});
+crate::bodies::transfers::tests!(sim);
 
 use crate::bodies::Device;
 use crate::bodies::transfers::{CHUNK, DEPTH, ring_engine};
