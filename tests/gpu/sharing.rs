@@ -13,6 +13,7 @@ mod example;
 #[path = "../sim/sharing_relay.rs"]
 mod relay;
 
+use crate::support::{back, returned};
 use cuferry::pending::TryWait;
 use cuferry::share::{ShareLink, ShareListener};
 use cuferry::{CudaEngine, DeviceTensor, download_tensor};
@@ -22,22 +23,6 @@ use std::process::{Child, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 
 const DEADLINE: Duration = Duration::from_secs(60);
-
-/// Whether a bounded wait found the operation done.
-fn returned<Op: cuferry::pending::Operation>(found: TryWait<Op>) -> bool {
-    matches!(found, TryWait::Returned(_))
-}
-
-/// The tensor a bounded wait for a loan or a reclaim found back (it must have).
-fn back<Op>(found: TryWait<Op>) -> DeviceTensor<f32>
-where
-    Op: cuferry::pending::Operation<Parts = DeviceTensor<f32>>,
-{
-    match found {
-        TryWait::Returned(back) => back.into_parts(),
-        TryWait::InFlight(op) => panic!("still in flight: {op:?}"),
-    }
-}
 
 fn socket(name: &str) -> PathBuf {
     std::env::temp_dir().join(format!("cuferry-gpu-{name}-{}.sock", std::process::id()))

@@ -6,6 +6,7 @@
 //! device records a violation for any free under a mapping, any use after an unmapping and any
 //! unordered access, so each test ends by asking it.
 
+use crate::support::{back, returned};
 use cuferry::error::{DriverError, MalformedError, PeerError};
 use cuferry::pending::TryWait;
 use cuferry::share::{ShareLink, ShareListener};
@@ -49,22 +50,6 @@ fn importer<R: Send + 'static>(
         body(engine, link, &wait)
     });
     (thread, go)
-}
-
-/// Whether a bounded wait found the operation done.
-fn returned<Op: cuferry::pending::Operation>(found: TryWait<Op>) -> bool {
-    matches!(found, TryWait::Returned(_))
-}
-
-/// The tensor a bounded wait for a loan or a reclaim found back (it must have).
-fn back<Op>(found: TryWait<Op>) -> DeviceTensor<f32>
-where
-    Op: cuferry::pending::Operation<Parts = DeviceTensor<f32>>,
-{
-    match found {
-        TryWait::Returned(back) => back.into_parts(),
-        TryWait::InFlight(op) => panic!("still in flight: {op:?}"),
-    }
 }
 
 fn no_violations(sim: &SimDevice) {

@@ -620,3 +620,21 @@ pub(crate) fn gemm_operands(config: &cuferry::libs::GemmConfig<f64>) -> [(usize,
         },
     ]
 }
+
+/// Whether a bounded wait found the operation done.
+pub(crate) fn returned<Op: cuferry::pending::Operation>(
+    found: cuferry::pending::TryWait<Op>,
+) -> bool {
+    matches!(found, cuferry::pending::TryWait::Returned(_))
+}
+
+/// The tensor a bounded wait for a loan or a reclaim found back (it must have).
+pub(crate) fn back<Op>(found: cuferry::pending::TryWait<Op>) -> cuferry::DeviceTensor<f32>
+where
+    Op: cuferry::pending::Operation<Parts = cuferry::DeviceTensor<f32>>,
+{
+    match found {
+        cuferry::pending::TryWait::Returned(back) => back.into_parts(),
+        cuferry::pending::TryWait::InFlight(op) => panic!("still in flight: {op:?}"),
+    }
+}

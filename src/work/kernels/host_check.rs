@@ -103,6 +103,33 @@ fn random_operand(rng: &mut Xorshift, d: DType, len: usize) -> Vec<u8> {
     out
 }
 
+/// Compiles the generated C++ `src` for the host as `dir/name` with `flags`, and returns the
+/// executable's path; `what` names the source in the failure (`"fused "`, or empty).
+fn compile_for_host(
+    dir: &std::path::Path,
+    name: &str,
+    src: &str,
+    flags: &[&str],
+    what: &str,
+) -> std::path::PathBuf {
+    let cpp = dir.join(format!("{name}.cpp"));
+    let exe = dir.join(name);
+    std::fs::write(&cpp, src).unwrap();
+    let compiled = Command::new("c++")
+        .args(flags)
+        .arg("-o")
+        .arg(&exe)
+        .arg(&cpp)
+        .output()
+        .expect("a host C++ compiler (`c++`) is needed to check the kernel source");
+    assert!(
+        compiled.status.success(),
+        "the generated {what}source does not compile for the host:\n{}",
+        String::from_utf8_lossy(&compiled.stderr)
+    );
+    exe
+}
+
 /// Runs the host-compiled kernels at `exe`, feeding them `input` on standard input (from a
 /// thread of its own, so a large input cannot fill the pipe while their output does), and
 /// returns what they wrote once they exited successfully.
@@ -162,19 +189,12 @@ fn generated_cuda_source_compiled_for_the_host_matches_the_emulation() {
     }
     src.push_str("  return 0;\n}\n");
 
-    let cpp = dir.join("kernels.cpp");
-    let exe = dir.join("kernels");
-    std::fs::write(&cpp, &src).unwrap();
-    let compiled = Command::new("c++")
-        .args(["-O0", "-ffp-contract=off", "-w", "-o"])
-        .arg(&exe)
-        .arg(&cpp)
-        .output()
-        .expect("a host C++ compiler (`c++`) is needed to check the kernel source");
-    assert!(
-        compiled.status.success(),
-        "the generated source does not compile for the host:\n{}",
-        String::from_utf8_lossy(&compiled.stderr)
+    let exe = compile_for_host(
+        &dir,
+        "kernels",
+        &src,
+        &["-O0", "-ffp-contract=off", "-w"],
+        "",
     );
 
     let mut rng = Xorshift(0x1234_5678_9abc_def1);
@@ -304,19 +324,12 @@ fn broadcasting_cuda_source_compiled_for_the_host_matches_the_emulation() {
         ));
     }
     src.push_str("  return 0;\n}\n");
-    let cpp = dir.join("bcast.cpp");
-    let exe = dir.join("bcast");
-    std::fs::write(&cpp, &src).unwrap();
-    let compiled = Command::new("c++")
-        .args(["-O0", "-ffp-contract=off", "-w", "-o"])
-        .arg(&exe)
-        .arg(&cpp)
-        .output()
-        .expect("a host C++ compiler (`c++`) is needed to check the kernel source");
-    assert!(
-        compiled.status.success(),
-        "the generated broadcasting source does not compile for the host:\n{}",
-        String::from_utf8_lossy(&compiled.stderr)
+    let exe = compile_for_host(
+        &dir,
+        "bcast",
+        &src,
+        &["-O0", "-ffp-contract=off", "-w"],
+        "broadcasting ",
     );
 
     /// Three allocations, `a`, `b` and the output, at fixed addresses.
@@ -495,19 +508,12 @@ fn fused_cuda_source_compiled_for_the_host_matches_the_emulation() {
         src.push_str("  }\n");
     }
     src.push_str("  return 0;\n}\n");
-    let cpp = dir.join("fused.cpp");
-    let exe = dir.join("fused");
-    std::fs::write(&cpp, &src).unwrap();
-    let compiled = Command::new("c++")
-        .args(["-std=c++17", "-O1", "-ffp-contract=off", "-w", "-o"])
-        .arg(&exe)
-        .arg(&cpp)
-        .output()
-        .expect("a host C++ compiler (`c++`) is needed to check the kernel source");
-    assert!(
-        compiled.status.success(),
-        "the generated fused source does not compile for the host:\n{}",
-        String::from_utf8_lossy(&compiled.stderr)
+    let exe = compile_for_host(
+        &dir,
+        "fused",
+        &src,
+        &["-std=c++17", "-O1", "-ffp-contract=off", "-w"],
+        "fused ",
     );
 
     let mut failures = Vec::new();
