@@ -64,6 +64,8 @@ impl DriverError {
     pub const ILLEGAL_ADDRESS: Self = Self(700);
     /// `CUDA_ERROR_INVALID_CONTEXT` (201).
     pub const INVALID_CONTEXT: Self = Self(201);
+    /// `CUDA_ERROR_INVALID_HANDLE`: a handle (a stream's, an event's) that names nothing.
+    pub const INVALID_HANDLE: Self = Self(400);
     /// `CUDA_ERROR_NOT_SUPPORTED` (801).
     pub const NOT_SUPPORTED: Self = Self(801);
     /// `CUDA_ERROR_UNKNOWN` (999).
@@ -750,6 +752,67 @@ pub enum UsageError {
     /// the process that allocated it.
     #[error("an imported tensor cannot be shared again")]
     Reexport,
+    /// A DLPack tensor lives on another device than the engine's, or in memory that is not a
+    /// device's (host, pinned host, managed): `dlpack::import`.
+    #[error(
+        "a DLPack tensor on device type {device_type} ordinal {device_id} (2 is CUDA), not on the engine's device {engine}"
+    )]
+    ForeignDevice {
+        /// The tensor's DLPack device type (2: CUDA).
+        device_type: u32,
+        /// The tensor's device ordinal.
+        device_id: i32,
+        /// The engine's device.
+        engine: crate::device::DeviceId,
+    },
+    /// A DLPack tensor whose strides do not describe a compact row-major layout, imported with
+    /// `Strides::Refuse`: import it with `Strides::Copy` for a compact copy.
+    #[error(
+        "a DLPack tensor of shape {shape:?} with strides {strides:?} (in elements) is not compact row-major; import it with Strides::Copy"
+    )]
+    NotCompact {
+        /// The shape.
+        shape: Vec<usize>,
+        /// The strides, in elements.
+        strides: Vec<i64>,
+    },
+    /// A read-only tensor asked to be writable: a DLPack tensor flagged read-only imported with
+    /// `dlpack::import` (use `dlpack::import_read_only`), or a shared tensor exported in the
+    /// legacy ABI, which cannot say it is read-only.
+    #[error("{what}")]
+    ReadOnly {
+        /// What was asked, and why it is refused.
+        what: &'static str,
+    },
+    /// A writable DLPack import of memory that a live import of this engine already views
+    /// (another view of the same allocation): two values of the engine would share memory
+    /// that the engine orders as two. Read-only imports may share.
+    #[error(
+        "a writable DLPack import of bytes {start:#x}..{end:#x}, which a live import of this engine already views; import both read-only, or copy one first"
+    )]
+    Overlaps {
+        /// The first byte of the new import.
+        start: u64,
+        /// One past its last byte.
+        end: u64,
+    },
+    /// A cudarc stream or slice of another CUDA context than the engine's (its device's primary
+    /// context, which `cudarc::driver::CudaContext::new` retains too): another device's, or a
+    /// context of its own (`CudaContext::new_non_primary`). The engine's events cannot order
+    /// work there. `CudaEngine::lend_cudarc`, `lend_cudarc_mut` and `adopt_cudarc`.
+    #[error(
+        "{what} belongs to CUDA context {found:#x}, not to the engine's ({expected:#x}, the primary context of {engine})"
+    )]
+    ForeignContext {
+        /// Which value: the lend's stream, or the adopted slice.
+        what: &'static str,
+        /// The engine's context (a raw `CUcontext`).
+        expected: u64,
+        /// The value's context (a raw `CUcontext`).
+        found: u64,
+        /// The engine's device.
+        engine: crate::device::DeviceId,
+    },
 }
 
 /// The machine cannot do what was asked: it has no driver, no such device, not the library an
@@ -1282,6 +1345,17 @@ pub enum MalformedError {
         before: u64,
         /// Its length when it ended.
         after: u64,
+    },
+    /// A DLPack capsule says what cannot be so: a null tensor or data pointer, a major version
+    /// this crate does not speak, a negative or overflowing shape, an element type with no
+    /// element here, an offset that does not align the data to its element, a view that leaves
+    /// the allocation the driver reports. The producer's deleter is still called, once.
+    #[error("a DLPack capsule's {field}: {reason}")]
+    Capsule {
+        /// The field at fault (`version`, `dl_tensor.shape`, ...).
+        field: &'static str,
+        /// What is wrong with it.
+        reason: String,
     },
     /// A sharded checkpoint's index names a shard that is not there.
     #[error("{index}: names the shard {shard}, which is missing", index = index.display(), shard = shard.display())]

@@ -46,6 +46,12 @@ pub mod sharing {
     #![doc = chapter!("sharing.md")]
 }
 
+#[cfg(feature = "dlpack")]
+pub mod interop {
+    // Tensors to and from other libraries: DLPack both ways, cudarc, and the Python module.
+    #![doc = chapter!("interop.md")]
+}
+
 pub mod kernels {
     // The elementwise kernels: which element types each serves, and their semantics.
     #![doc = chapter!("kernels.md")]

@@ -114,6 +114,8 @@ pub use routes::{
 pub use half::{bf16, f16};
 
 pub use routes::collective;
+#[cfg(feature = "dlpack")]
+pub use routes::dlpack;
 pub use routes::peer;
 pub use work::{graph, libs};
 

@@ -136,6 +136,9 @@ pub(crate) struct Order {
     touches: HashMap<DevicePtr, Touch, BuildHasherDefault<AddressHasher>>,
     /// Cross-lane waits queued so far.
     waits: u64,
+    /// The ordering event recorded on streams that are not the engine's (another library's),
+    /// for a lane to wait on: made on first need.
+    foreign: Option<EventHandle>,
 }
 
 impl Order {
@@ -293,17 +296,83 @@ impl Order {
 
     /// Destroys the ordering events, for the engine's teardown once every lane is idle.
     pub(crate) fn release(&mut self, driver: &mut dyn Driver) {
-        for event in self.events.iter_mut().filter_map(Option::take) {
+        let foreign = self.foreign.take();
+        for event in self
+            .events
+            .iter_mut()
+            .filter_map(Option::take)
+            .chain(foreign)
+        {
             // SAFETY: the event was made by `wait_for` on this driver and is not used again;
             // every lane is idle, so no queued wait refers to it.
             let _ = unsafe { driver.event_destroy(event) };
         }
     }
 
-    /// Queues one wait of `lane` for everything marked on `other` so far (recording `other`'s
-    /// ordering event first when its last record does not cover that).
-    fn wait_for(&mut self, driver: &mut dyn Driver, lane: Lane, other: Lane) -> Result<()> {
-        let (me, o) = (lane.index(), other.index());
+    /// Makes `stream`, a stream that is not one of the engine's lanes, wait for what `uses` must
+    /// follow: the compute lane first waits for their uses on the copy lanes, takes a mark of
+    /// them (so its ordering event's next record covers the hand-over), and `stream` waits for
+    /// that record. Never waits on the host.
+    ///
+    /// # Errors
+    /// As [`Order::prepare`]; the hand-over is then not made.
+    ///
+    /// # Safety
+    /// As [`Driver::foreign_wait`] for `stream`.
+    pub(crate) unsafe fn hand_over(
+        &mut self,
+        driver: &mut dyn Driver,
+        stream: u64,
+        uses: &[Use],
+    ) -> Result<()> {
+        self.prepare(driver, Lane::Compute, uses)?;
+        self.mark(Lane::Compute, uses);
+        let event = self.recorded_event(driver, Lane::Compute)?;
+        // SAFETY: the caller's contract for `stream`; the event is this order's, live until the
+        // teardown.
+        unsafe { driver.foreign_wait(stream, event) }.map_err(Error::driver("cuStreamWaitEvent"))
+    }
+
+    /// Makes `lane` wait for everything queued on `stream` (not one of the engine's lanes) so
+    /// far, and marks `uses` as made on `lane` then: later work on the values, on any lane,
+    /// follows the other stream's. Never waits on the host.
+    ///
+    /// # Errors
+    /// [`Error::Driver`] when the event cannot be made or recorded, or the wait is refused.
+    ///
+    /// # Safety
+    /// As [`Driver::foreign_record`] for `stream`.
+    pub(crate) unsafe fn take_back(
+        &mut self,
+        driver: &mut dyn Driver,
+        stream: u64,
+        lane: Lane,
+        uses: &[Use],
+    ) -> Result<()> {
+        let event = match self.foreign {
+            Some(event) => event,
+            None => {
+                let event = driver
+                    .ordering_event_create()
+                    .map_err(Error::driver("cuEventCreate"))?;
+                self.foreign = Some(event);
+                event
+            }
+        };
+        // SAFETY: the caller's contract for `stream`; the event is this order's.
+        unsafe { driver.foreign_record(stream, event) }.map_err(Error::driver("cuEventRecord"))?;
+        driver
+            .stream_wait(lane, event)
+            .map_err(Error::driver("cuStreamWaitEvent"))?;
+        self.waits += 1;
+        self.mark(lane, uses);
+        Ok(())
+    }
+
+    /// `lane`'s ordering event, recorded now unless its last record already covers everything
+    /// marked on the lane so far.
+    fn recorded_event(&mut self, driver: &mut dyn Driver, lane: Lane) -> Result<EventHandle> {
+        let o = lane.index();
         let event = match self.events[o] {
             Some(event) => event,
             None => {
@@ -316,11 +385,19 @@ impl Order {
         };
         if self.recorded[o] < self.next[o] {
             driver
-                .event_record(other, event)
+                .event_record(lane, event)
                 .map_err(Error::driver("cuEventRecord"))?;
             self.recorded[o] = self.next[o];
             self.recorded_seen[o] = self.seen[o];
         }
+        Ok(event)
+    }
+
+    /// Queues one wait of `lane` for everything marked on `other` so far (recording `other`'s
+    /// ordering event first when its last record does not cover that).
+    fn wait_for(&mut self, driver: &mut dyn Driver, lane: Lane, other: Lane) -> Result<()> {
+        let (me, o) = (lane.index(), other.index());
+        let event = self.recorded_event(driver, other)?;
         driver
             .stream_wait(lane, event)
             .map_err(Error::driver("cuStreamWaitEvent"))?;

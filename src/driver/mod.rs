@@ -88,6 +88,24 @@ impl Lane {
     }
 }
 
+/// A device allocation, as the driver reports it ([`Driver::allocation_of`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Allocation {
+    /// Its first address.
+    pub(crate) base: DevicePtr,
+    /// Its length in bytes.
+    pub(crate) bytes: u64,
+    /// The ordinal of the device whose memory it is.
+    pub(crate) ordinal: usize,
+}
+
+/// The raw handle of the CUDA legacy default stream (`CU_STREAM_LEGACY`), as the DLPack protocol
+/// names it: work on it waits for, and is waited for by, every blocking stream of the context.
+pub(crate) const LEGACY_STREAM: u64 = 1;
+/// The raw handle of the calling thread's default stream (`CU_STREAM_PER_THREAD`), as the DLPack
+/// protocol names it.
+pub(crate) const PER_THREAD_STREAM: u64 = 2;
+
 /// A closure the device calls once, on a thread of its choosing: see [`Driver::notify_after`].
 pub(crate) type Wake = Box<dyn FnOnce() + Send + 'static>;
 
@@ -154,6 +172,10 @@ pub(crate) trait Waits: Send + Sync {
     }
     /// Waits until everything queued on every lane has completed.
     fn stream_synchronize(&self) -> Result<(), DriverError>;
+    /// Waits until everything queued on every stream of the driver's context has completed, the
+    /// streams of other libraries included (`cuCtxSynchronize`): the one proof that covers work
+    /// whose stream nobody named.
+    fn context_synchronize(&self) -> Result<(), DriverError>;
     /// Waits until everything queued on one lane has completed.
     fn lane_synchronize(&self, lane: Lane) -> Result<(), DriverError>;
     /// Whether everything queued on every lane has completed. Never waits.
@@ -265,6 +287,28 @@ pub(crate) trait Driver:
     /// not change what this wait waits for. `event` may be another driver's (a signal), on this
     /// device or, for a real device, another one.
     fn stream_wait(&mut self, lane: Lane, event: EventHandle) -> Result<(), DriverError>;
+
+    /// The live device allocation that holds `ptr`, as the driver reports it: for memory another
+    /// library allocated, whose extent nothing else vouches for. `Err` when `ptr` lies in no
+    /// device allocation the driver knows.
+    fn allocation_of(&self, ptr: DevicePtr) -> Result<Allocation, DriverError>;
+
+    /// Records `event` at the current end of `stream`, a stream that is not one of the engine's
+    /// lanes: another library's (a DLPack consumer's or producer's, a cudarc stream), given by
+    /// its raw handle, or [`LEGACY_STREAM`] or [`PER_THREAD_STREAM`].
+    ///
+    /// # Safety
+    /// `stream` is [`LEGACY_STREAM`], [`PER_THREAD_STREAM`], or a live stream of this driver's
+    /// context, which stays live until the call returns.
+    unsafe fn foreign_record(&mut self, stream: u64, event: EventHandle)
+    -> Result<(), DriverError>;
+    /// Makes work queued on `stream` (not one of the engine's lanes) from now on wait until the
+    /// work before `event`'s last record (as of this call) has completed. Never waits on the
+    /// host.
+    ///
+    /// # Safety
+    /// As [`Driver::foreign_record`].
+    unsafe fn foreign_wait(&mut self, stream: u64, event: EventHandle) -> Result<(), DriverError>;
 
     /// Whether this device reaches the memory of device `peer` directly (a peer link), so a
     /// [`copy_peer`](Driver::copy_peer) between them runs device to device. The same device:

@@ -79,7 +79,7 @@ macro_rules! typed {
             /// # Safety
             /// As [`DeviceTensor::reinterpret`]: the bytes are, or will be once the work queued
             /// into them completes, valid values of the type `dtype` names.
-            #[cfg(feature = "safetensors")]
+            #[cfg(any(feature = "safetensors", feature = "dlpack"))]
             unsafe fn from_bytes(
                 bytes: DeviceTensor<u8>,
                 dtype: DType,
@@ -205,7 +205,7 @@ impl AnyTensor {
     }
 
     /// Calls `visitor` with the typed tensor.
-    #[cfg(feature = "safetensors")]
+    #[cfg(any(feature = "safetensors", feature = "dlpack"))]
     pub(crate) fn visit<V: Visit>(&self, visitor: V) -> V::Out {
         self.0.visit(visitor)
     }
@@ -216,7 +216,7 @@ impl AnyTensor {
     /// # Safety
     /// As [`DeviceTensor::reinterpret`]: the bytes are, or will be once the work queued into
     /// them completes, valid values of the type `dtype` names (for `bool`, every byte 0 or 1).
-    #[cfg(feature = "safetensors")]
+    #[cfg(any(feature = "safetensors", feature = "dlpack"))]
     pub(crate) unsafe fn from_bytes(
         bytes: DeviceTensor<u8>,
         dtype: DType,

@@ -281,9 +281,14 @@ impl<T: Element> DeviceTensor<T> {
     pub(crate) fn owner(&self) -> &Shared {
         &self.owner
     }
+
+    /// The engine's shared core, for a value that outlives this borrow.
+    pub(crate) fn owner_arc(&self) -> Arc<Shared> {
+        Arc::clone(&self.owner)
+    }
 }
 
-#[cfg(feature = "safetensors")]
+#[cfg(any(feature = "safetensors", feature = "dlpack"))]
 impl<T: Element> DeviceTensor<T> {
     /// Moves this tensor's memory into a tensor of element type `U`, `len` elements of `shape`;
     /// this tensor is left empty (address 0), so its drop frees nothing.
@@ -300,7 +305,7 @@ impl<T: Element> DeviceTensor<T> {
     }
 }
 
-#[cfg(feature = "safetensors")]
+#[cfg(any(feature = "safetensors", feature = "dlpack"))]
 impl DeviceTensor<u8> {
     /// The same memory as a tensor of `T` of `shape`, whose elements fill these bytes exactly;
     /// `None` (and the bytes dropped, stream-ordered as ever) when they do not. The allocation

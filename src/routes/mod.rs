@@ -20,6 +20,8 @@
 #[cfg(feature = "safetensors")]
 pub(crate) mod checkpoint;
 pub mod collective;
+#[cfg(feature = "dlpack")]
+pub mod dlpack;
 pub(crate) mod host;
 pub mod peer;
 #[cfg(target_os = "linux")]

@@ -11,6 +11,8 @@ pub(crate) mod awaiting;
 pub(crate) mod broadcast;
 #[cfg(feature = "safetensors")]
 pub(crate) mod checkpoint;
+#[cfg(feature = "dlpack")]
+pub(crate) mod dlpack;
 pub(crate) mod engine;
 pub(crate) mod graphs;
 pub(crate) mod handoff;

@@ -6,6 +6,9 @@
 
 mod awaiting;
 mod broadcast;
+// DLPack exchange with other libraries (feature `dlpack`).
+#[cfg(feature = "dlpack")]
+mod dlpack;
 #[cfg(feature = "safetensors")]
 mod checkpoint;
 mod collective;

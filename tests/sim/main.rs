@@ -17,6 +17,9 @@ mod support;
 
 // Host transfers: the blocking routes, and the pending ones with their buffers.
 // Checkpoint files (feature `safetensors`).
+// DLPack exchange with other libraries (feature `dlpack`).
+#[cfg(feature = "dlpack")]
+mod dlpack;
 #[cfg(feature = "safetensors")]
 mod checkpoint;
 mod handoff;

@@ -18,7 +18,7 @@ pub(crate) use nccl::nccl_version;
 #[cfg(test)]
 pub(crate) use launch::{compile_check, nvrtc_present};
 
-use super::{ContextHandle, DevicePtr, Driver, EventHandle, Lane, Waits, Wake};
+use super::{Allocation, ContextHandle, DevicePtr, Driver, EventHandle, Lane, Waits, Wake};
 use crate::device::{DeviceId, DeviceKind};
 use crate::error::{DriverError, Error, SetupError};
 use cudarc::driver::{result, sys};
@@ -426,6 +426,57 @@ impl Driver for CudaDriver {
         })
     }
 
+    fn allocation_of(&self, ptr: DevicePtr) -> Result<Allocation, DriverError> {
+        use sys::CUpointer_attribute as A;
+        let mut base: sys::CUdeviceptr = 0;
+        let mut bytes: usize = 0;
+        let mut ordinal: std::os::raw::c_int = -1;
+        for (attribute, out) in [
+            (
+                A::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+                (&raw mut base).cast::<std::ffi::c_void>(),
+            ),
+            (
+                A::CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+                (&raw mut bytes).cast::<std::ffi::c_void>(),
+            ),
+            (
+                A::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                (&raw mut ordinal).cast::<std::ffi::c_void>(),
+            ),
+        ] {
+            // SAFETY: each attribute writes one value of the type its output was declared with
+            // above (`CUdeviceptr`, `size_t`, `int`, as the driver API documents); an address the
+            // driver does not know is an error, not undefined behaviour.
+            DriverError::check(unsafe { sys::cuPointerGetAttribute(out, attribute, ptr) })?;
+        }
+        Ok(Allocation {
+            base,
+            bytes: bytes as u64,
+            ordinal: usize::try_from(ordinal).map_err(|_| DriverError::INVALID_VALUE)?,
+        })
+    }
+
+    unsafe fn foreign_record(
+        &mut self,
+        stream: u64,
+        event: EventHandle,
+    ) -> Result<(), DriverError> {
+        // SAFETY: the event is this driver's and live; the caller guarantees `stream` is the
+        // legacy or per-thread default stream (whose handle values CUDA defines) or a live
+        // stream of this context.
+        DriverError::check(unsafe {
+            sys::cuEventRecord(event.0 as sys::CUevent, stream as sys::CUstream)
+        })
+    }
+
+    unsafe fn foreign_wait(&mut self, stream: u64, event: EventHandle) -> Result<(), DriverError> {
+        // SAFETY: as `foreign_record`; CUDA captures the event's last record at this call.
+        DriverError::check(unsafe {
+            sys::cuStreamWaitEvent(stream as sys::CUstream, event.0 as sys::CUevent, 0)
+        })
+    }
+
     fn can_access_peer(&self, peer: DeviceId) -> Result<bool, DriverError> {
         if peer == self.id {
             return Ok(true);
@@ -606,6 +657,11 @@ impl Waits for CudaWaits {
             // SAFETY: as in `event_query`.
             DriverError::check(unsafe { sys::cuEventSynchronize(event.0 as sys::CUevent) })
         })
+    }
+
+    fn context_synchronize(&self) -> Result<(), DriverError> {
+        // SAFETY: `in_context` makes the driver's context current for the call.
+        self.in_context(|| DriverError::check(unsafe { sys::cuCtxSynchronize() }))
     }
 
     fn stream_synchronize(&self) -> Result<(), DriverError> {

@@ -614,7 +614,7 @@ impl State {
     /// The compute stream a raw stream handle names (see `SimDriver::stream_handle`: this
     /// machine's tag in the low bits, the driver's first stream above them), if it is one of this
     /// machine's.
-    fn compute_stream_of(&self, handle: u64) -> Option<StreamId> {
+    pub(super) fn compute_stream_of(&self, handle: u64) -> Option<StreamId> {
         let base = usize::try_from(handle >> 32).ok()?;
         if handle & 0xffff_ffff != (self.instance << 8 | 1) || base >= self.next_stream {
             return None;

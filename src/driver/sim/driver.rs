@@ -8,8 +8,8 @@
 //! of the seam are in `launch.rs` and `graph.rs`.
 
 use super::{
-    CURRENT, ContextHandle, DeviceId, DeviceKind, DevicePtr, Driver, DriverError, EventHandle, Job,
-    Lane, Locked, SimDevice, SimOp, SimWaits, State, StreamId, Waits, Wake,
+    Allocation, CURRENT, ContextHandle, DeviceId, DeviceKind, DevicePtr, Driver, DriverError,
+    EventHandle, Job, Lane, Locked, SimDevice, SimOp, SimWaits, State, StreamId, Waits, Wake,
 };
 use std::cell::Cell;
 use std::sync::Arc;
@@ -216,6 +216,39 @@ impl Driver for SimDriver {
 
     fn stream_wait(&mut self, lane: Lane, event: EventHandle) -> Result<(), DriverError> {
         self.lock().wait_event(self.stream(lane), event)
+    }
+
+    fn allocation_of(&self, ptr: DevicePtr) -> Result<Allocation, DriverError> {
+        let s = self.lock();
+        s.alive()?;
+        let (&base, block) = s
+            .mem
+            .range(..=ptr)
+            .next_back()
+            .filter(|(base, block)| ptr - **base < block.len() as u64)
+            .ok_or(DriverError::INVALID_VALUE)?;
+        let device = s.touches.get(&base).map_or(0, |t| t.device);
+        Ok(Allocation {
+            base,
+            bytes: block.len() as u64,
+            ordinal: s.ordinal + device,
+        })
+    }
+
+    unsafe fn foreign_record(
+        &mut self,
+        stream: u64,
+        event: EventHandle,
+    ) -> Result<(), DriverError> {
+        let mut s = self.lock();
+        let stream = s.foreign_stream(stream)?;
+        s.record_event(stream, event)
+    }
+
+    unsafe fn foreign_wait(&mut self, stream: u64, event: EventHandle) -> Result<(), DriverError> {
+        let mut s = self.lock();
+        let stream = s.foreign_stream(stream)?;
+        s.wait_event(stream, event)
     }
 
     fn can_access_peer(&self, peer: DeviceId) -> Result<bool, DriverError> {

@@ -14,6 +14,10 @@ use super::{
     Waits, Wake,
 };
 
+/// The stream the legacy default stream handle names on every simulated machine (the per-thread
+/// handle's is the one below it): far above the streams drivers take (`next_stream`).
+pub(super) const LEGACY_STREAM: StreamId = StreamId::MAX / 2;
+
 /// An event of the device.
 pub(super) struct SimEvent {
     /// Whether it only orders lanes (made by `ordering_event_create`).
@@ -121,6 +125,22 @@ impl State {
         // An inter-process event's record is every process's that has it open (`share.rs`).
         self.share_record(event);
         Ok(())
+    }
+
+    /// The device stream a foreign stream handle names (`Driver::foreign_record`): the compute
+    /// stream of a driver of this machine (its raw handle), or one of the machine's two default
+    /// streams for the legacy and per-thread handles. Any other handle is
+    /// `CUDA_ERROR_INVALID_HANDLE`, where a real device's behaviour is undefined. The default
+    /// streams are plain streams here: the legacy stream's implicit waits for the other
+    /// blocking streams are not simulated (the engine's streams do not block on it either).
+    pub(super) fn foreign_stream(&self, handle: u64) -> Result<StreamId, DriverError> {
+        match handle {
+            crate::driver::LEGACY_STREAM => Ok(LEGACY_STREAM),
+            crate::driver::PER_THREAD_STREAM => Ok(LEGACY_STREAM - 1),
+            _ => self
+                .compute_stream_of(handle)
+                .ok_or(DriverError::INVALID_HANDLE),
+        }
     }
 
     /// Queues on `stream` a wait for `event`'s last record as of now (the driver's
@@ -315,6 +335,28 @@ impl Waits for SimWaits {
             for &stream in &lanes {
                 if let Some(last) = s.last_on(stream) {
                     s.run_until(last);
+                }
+            }
+        };
+        drop(self.wait_for(s, done, run));
+        Ok(())
+    }
+
+    fn context_synchronize(&self) -> Result<(), DriverError> {
+        let mut s = self.device.lock_as(self.pid);
+        s.enter_stream(
+            SimOp::StreamSynchronize,
+            self.streams + Lane::Compute.index(),
+        )?;
+        // Every job queued so far on every stream of the machine: the simulator does not tell
+        // contexts' streams apart.
+        let last = s.next_seq;
+        let done = move |s: &State| s.pending.range(..last).next().is_none();
+        let run = move |s: &mut State| {
+            while let Some(&seq) = s.pending.range(..last).next().map(|(seq, _)| seq) {
+                s.run_until(seq);
+                if s.pending.contains_key(&seq) {
+                    return; // blocked for good (a collective missing a part)
                 }
             }
         };

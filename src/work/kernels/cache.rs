@@ -5,13 +5,16 @@
 //! emulation of its kernel, for devices that cannot run PTX. The cache is an engine part
 //! (`core::parts`): the engine holds it behind its lock, made on first use, and unloads its
 //! modules last at teardown, once the streams are idle. It knows only the driver seam, the part
-//! trait and the kernels' own descriptions (`spec`, `source`, `emulate`, `fused`).
+//! trait and the kernels' own descriptions (`spec`, `source`, `emulate`, `fused`, `gather`).
 
 #[cfg(any(test, feature = "sim"))]
 use super::emulate::ElementwiseEmulation;
 #[cfg(any(test, feature = "sim"))]
 use super::fused::FusedEmulation;
 use super::fused::FusedKernel;
+#[cfg(any(test, feature = "sim"))]
+use super::gather::GatherEmulation;
+use super::gather::GatherKernel;
 use super::source;
 use super::spec::ElementwiseSpec;
 use crate::core::parts::{Part, Teardown};
@@ -21,11 +24,12 @@ use crate::error::{Error, Result};
 use std::collections::HashMap;
 
 /// The compiled elementwise kernels of one engine, by what they compute: the eager kernels by
-/// spec, the fused kernels by description.
+/// spec, the fused kernels by description, the strided gathers by element size and rank.
 #[derive(Default)]
 pub(crate) struct KernelCache {
     entries: HashMap<ElementwiseSpec, (ModuleHandle, FunctionHandle)>,
     fused: HashMap<FusedKernel, (ModuleHandle, FunctionHandle)>,
+    gather: HashMap<GatherKernel, (ModuleHandle, FunctionHandle)>,
 }
 
 /// Compiles and loads `source` and looks up its kernel, named as the module.
@@ -102,9 +106,35 @@ impl KernelCache {
         Ok(entry.1)
     }
 
-    /// How many kernels are cached, eager and fused.
+    /// The strided gather `kernel` names, compiling and loading it on first use. Its launch
+    /// takes [`GatherKernel::params`] over [`GatherKernel::grid`] blocks of
+    /// [`BLOCK`](super::spec::BLOCK) threads.
+    pub(crate) fn gather(
+        &mut self,
+        driver: &mut dyn Driver,
+        kernel: GatherKernel,
+    ) -> Result<FunctionHandle> {
+        if let Some(&(_, function)) = self.gather.get(&kernel) {
+            return Ok(function);
+        }
+        let name = kernel.name();
+        let cuda = kernel.source();
+        let entry = load(
+            driver,
+            &ModuleSource {
+                name: &name,
+                cuda: &cuda,
+                #[cfg(any(test, feature = "sim"))]
+                emulation: Some(std::sync::Arc::new(GatherEmulation::new(kernel))),
+            },
+        )?;
+        self.gather.insert(kernel, entry);
+        Ok(entry.1)
+    }
+
+    /// How many kernels are cached, eager, fused and gathers.
     pub(crate) fn len(&self) -> usize {
-        self.entries.len() + self.fused.len()
+        self.entries.len() + self.fused.len() + self.gather.len()
     }
 }
 
@@ -116,7 +146,8 @@ impl Part for KernelCache {
     fn teardown(&mut self, driver: &mut dyn Driver) {
         let eager = self.entries.drain().map(|(_, entry)| entry);
         let fused = self.fused.drain().map(|(_, entry)| entry);
-        for (module, _) in eager.chain(fused) {
+        let gather = self.gather.drain().map(|(_, entry)| entry);
+        for (module, _) in eager.chain(fused).chain(gather) {
             // SAFETY: each cached module is unloaded once (drained from the cache); a part is
             // torn down only once the streams are proven idle, so no launch of its kernel is
             // pending.

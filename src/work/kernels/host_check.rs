@@ -590,3 +590,190 @@ fn fused_kernels_compile_with_nvrtc() {
         }
     }
 }
+
+/// The strided gathers: every element size at every rank from 0 to one past
+/// [`MAX_RANK`](super::gather::MAX_RANK) (a misaligned base adds a dimension), over random layouts
+/// with zero and negative strides, compiled for the host and run on random bytes; the output must
+/// match the emulation's. Each kernel runs twice, as generated (its 32-bit index math) and with
+/// the 32-bit path's bound set to 0 (its 64-bit index math).
+#[test]
+fn gather_cuda_source_compiled_for_the_host_matches_the_emulation() {
+    use super::gather::{GatherDim, GatherEmulation, GatherKernel, MAX_RANK};
+    use crate::driver::launch::{DeviceMemory, Emulation};
+
+    /// One case: the kernel, its layout, and where the view starts in its source buffer.
+    struct Case {
+        kernel: GatherKernel,
+        dims: Vec<GatherDim>,
+        /// Elements before `src` in the buffer.
+        pad: usize,
+        /// The buffer's length in elements.
+        buffer: usize,
+        offset: i64,
+        len: usize,
+    }
+    let mut rng = Xorshift(0x9a7e_5eed_0bad_f00d);
+    let mut cases = Vec::new();
+    for size in [1u8, 2, 4, 8] {
+        for rank in 0..=MAX_RANK + 1 {
+            let top = if rank <= 4 { 4 } else { 3 };
+            let dims: Vec<GatherDim> = (0..rank)
+                .map(|_| GatherDim {
+                    extent: 2 + rng.next() % (top - 1),
+                    stride: (rng.next() % 9) as i64 - 4,
+                })
+                .collect();
+            let (mut lo, mut hi) = (0i64, 0i64);
+            for d in &dims {
+                let reach = (d.extent as i64 - 1) * d.stride;
+                if reach < 0 {
+                    lo += reach;
+                } else {
+                    hi += reach;
+                }
+            }
+            let pad = (rng.next() % 3) as usize;
+            let shift = (rng.next() % (pad as u64 + 1)) as i64;
+            let buffer = (hi - lo + 1) as usize + pad;
+            cases.push(Case {
+                kernel: GatherKernel {
+                    size,
+                    rank: rank as u8,
+                },
+                len: dims.iter().map(|d| d.extent as usize).product(),
+                offset: -lo - pad as i64 + shift,
+                dims,
+                pad,
+                buffer,
+            });
+        }
+    }
+    let dir = std::env::temp_dir().join(format!("cuferry-gather-check-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut src = String::from(HOST_STUBS);
+    for (i, case) in cases.iter().enumerate() {
+        let source = case.kernel.source();
+        // `extern "C"`: one symbol per name, so the second copy is renamed.
+        let name = case.kernel.name();
+        let wide = source
+            .replace("n <= 0xffffffffull", "n <= 0ull")
+            .replace(&name, &format!("{name}_wide"));
+        assert!(
+            !wide.contains("0xffffffffull"),
+            "the 32-bit path's bound is where the check expects it"
+        );
+        src.push_str(&format!(
+            "namespace n{i} {{\n{source}\n}}\nnamespace w{i} {{\n{wide}\n}}\n"
+        ));
+    }
+    src.push_str("int main() {\n");
+    for (i, case) in cases.iter().enumerate() {
+        let size = usize::from(case.kernel.size);
+        let t = match size {
+            1 => "unsigned char",
+            2 => "unsigned short",
+            4 => "unsigned int",
+            _ => "unsigned long long",
+        };
+        let layout: String = case
+            .dims
+            .iter()
+            .map(|d| format!(", {}ull, {}ll", d.extent, d.stride))
+            .collect();
+        let (len, buffer, pad, offset) = (case.len, case.buffer, case.pad, case.offset);
+        src.push_str(&format!(
+            "  {{ std::vector<{t}> buf({buffer} + 1), o({len} + 1);\n    if (!read_all(buf.data(), {buffer} * {size})) return 3;\n    n{i}::{name}(o.data(), buf.data() + {pad}, {len}ull, {offset}ll{layout});\n    fwrite(o.data(), 1, {len} * {size}, stdout);\n    w{i}::{name}_wide(o.data(), buf.data() + {pad}, {len}ull, {offset}ll{layout});\n    fwrite(o.data(), 1, {len} * {size}, stdout); }}\n",
+            name = case.kernel.name(),
+        ));
+    }
+    src.push_str("  return 0;\n}\n");
+    let exe = compile_for_host(&dir, "gather", &src, &["-O1", "-w"], "gather ");
+
+    /// Allocations at fixed addresses; a range is read or written inside one of them.
+    struct Blocks(Vec<(u64, Vec<u8>)>);
+    impl DeviceMemory for Blocks {
+        fn read(&mut self, ptr: u64, bytes: usize) -> Option<Vec<u8>> {
+            self.0.iter().find_map(|(base, data)| {
+                let off = usize::try_from(ptr.checked_sub(*base)?).ok()?;
+                data.get(off..off.checked_add(bytes)?).map(<[u8]>::to_vec)
+            })
+        }
+        fn write(&mut self, ptr: u64, data: &[u8]) -> bool {
+            for (base, block) in &mut self.0 {
+                let Some(off) = ptr.checked_sub(*base) else {
+                    continue;
+                };
+                if let Some(out) = block.get_mut(off as usize..off as usize + data.len()) {
+                    out.copy_from_slice(data);
+                    return true;
+                }
+            }
+            false
+        }
+    }
+    let mut input = Vec::new();
+    let mut expected = Vec::new();
+    for case in &cases {
+        let size = usize::from(case.kernel.size);
+        let bytes: Vec<u8> = (0..case.buffer * size).map(|_| rng.next() as u8).collect();
+        input.extend_from_slice(&bytes);
+        let (source, out) = (0x1000u64, 0x1000_0000u64);
+        let mut memory = Blocks(vec![(source, bytes), (out, vec![0; case.len * size])]);
+        let params = GatherKernel::params(
+            out,
+            source + (case.pad * size) as u64,
+            case.len as u64,
+            case.offset,
+            &case.dims,
+        );
+        GatherEmulation::new(case.kernel)
+            .run(&mut memory, &params)
+            .unwrap();
+        expected.push(memory.0.pop().unwrap().1);
+    }
+    let stdout = run_host_kernels(&exe, input);
+    let mut at = 0;
+    let mut failures = Vec::new();
+    for (case, want) in cases.iter().zip(expected) {
+        for path in ["32-bit", "64-bit"] {
+            let got = &stdout[at..at + want.len()];
+            at += want.len();
+            if got != want {
+                failures.push(format!(
+                    "{} ({path} index math) over {:?} from {}",
+                    case.kernel.name(),
+                    case.dims,
+                    case.offset
+                ));
+            }
+        }
+    }
+    assert_eq!(at, stdout.len());
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(
+        failures.is_empty(),
+        "{} gather(s) differ:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}
+
+/// Compiles the strided gathers of every element size and rank with NVRTC, as the engine does.
+/// Needs the NVRTC library on the loader path (no GPU).
+#[test]
+#[ignore = "needs NVRTC (libnvrtc) on the library path"]
+fn gather_kernels_compile_with_nvrtc() {
+    use super::gather::{GatherKernel, MAX_RANK};
+    assert!(
+        crate::driver::cuda::nvrtc_present(),
+        "NVRTC could not be loaded"
+    );
+    for size in [1u8, 2, 4, 8] {
+        for rank in 0..=MAX_RANK as u8 + 1 {
+            let kernel = GatherKernel { size, rank };
+            if let Err(e) = crate::driver::cuda::compile_check("gather", &kernel.source()) {
+                panic!("{kernel:?} does not compile: {e}\n{}", kernel.source());
+            }
+        }
+    }
+}

@@ -1,4 +1,6 @@
-//! Elementwise kernels on the engine's compute stream: add, sub, mul, div, neg, scale, fill and cast.
+//! Elementwise kernels on the engine's compute stream: add, sub, mul, div, neg, scale, fill and cast,
+//! and (crate-private, in [`gather`]) the strided gather that copies a foreign strided view into a
+//! compact tensor.
 //!
 //! They exist so a chain of dependent operations is a chain of calls: each call validates its
 //! operands, allocates its output stream-ordered, queues one kernel on the engine's compute stream and
@@ -47,6 +49,7 @@ pub(crate) mod cache;
 #[cfg(any(test, feature = "sim"))]
 pub(crate) mod emulate;
 pub(crate) mod fused;
+pub(crate) mod gather;
 #[cfg(test)]
 mod host_check;
 pub(crate) mod source;
