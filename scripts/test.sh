@@ -19,6 +19,12 @@ step cargo clippy --lib --no-default-features -- -D warnings
 RUSTDOCFLAGS="-D warnings" step cargo doc --no-deps --all-features
 step cargo test --all-features
 
+# The Python module (python/, a Cargo workspace of its own): built with the simulated device, and
+# its tests run with the standard library's unittest (no torch, no GPU). CUFERRY_EXPECT_SIM=1
+# makes a build without the simulator a failure rather than a skip.
+step bash python/build.sh --sim
+PYTHONPATH=python CUFERRY_EXPECT_SIM=1 step python3 -m unittest discover -s python/tests
+
 # The loom models (`loom_models` in src/sync/copy_pool.rs, src/routes/host/blocking.rs and
 # src/lifecycle/fence_future.rs; see src/sync/mod.rs): the copy threads' hand-off, the blocking routes'
 # claims and part publication, and the wake slot between a poll and the device's call, under every
