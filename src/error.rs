@@ -799,7 +799,7 @@ pub enum UsageError {
     /// A cudarc stream or slice of another CUDA context than the engine's (its device's primary
     /// context, which `cudarc::driver::CudaContext::new` retains too): another device's, or a
     /// context of its own (`CudaContext::new_non_primary`). The engine's events cannot order
-    /// work there. `CudaEngine::lend_cudarc`, `lend_cudarc_mut` and `adopt_cudarc`.
+    /// work there. `cudarc_interop::lend`, `lend_mut` and `adopt`.
     #[error(
         "{what} belongs to CUDA context {found:#x}, not to the engine's ({expected:#x}, the primary context of {engine})"
     )]
@@ -812,6 +812,17 @@ pub enum UsageError {
         found: u64,
         /// The engine's device.
         engine: crate::device::DeviceId,
+    },
+    /// A cudarc stream that is the per-thread default stream (`per_thread_stream()`), for a lend
+    /// or an adopted slice: its handle names another stream on every thread, so a wait queued on
+    /// one thread orders nothing for work queued on another. Use a stream of the context's own
+    /// (`new_stream()`) or its legacy default stream (`default_stream()`).
+    #[error(
+        "{what} is the per-thread default stream, which names another stream on every thread; use a stream of its own or the legacy default stream"
+    )]
+    PerThreadStream {
+        /// Which value: the lend's stream, or the adopted slice.
+        what: &'static str,
     },
 }
 

@@ -37,6 +37,11 @@
 //!   [`Communicator`](collective::Communicator) runs NCCL's collectives (all-reduce, broadcast,
 //!   reduce, all-gather, reduce-scatter, send and receive) over one engine per GPU, or one rank
 //!   per process joined across processes and hosts ([`collective`]).
+//! - Other libraries on the same device: a tensor lent to cudarc code as a `CudaView` or
+//!   `CudaViewMut` on a cudarc stream ([`cudarc_interop::lend`],
+//!   [`cudarc_interop::lend_mut`]), and a cudarc `CudaSlice` taken in as a tensor
+//!   ([`cudarc_interop::adopt`]), without a copy and ordered both ways on the device
+//!   ([`cudarc_interop`]).
 //!
 //! Every route runs against a deterministic simulated device (feature `sim`, module `sim`) with
 //! fault injection, so lifecycle code is tested without a GPU.
@@ -114,6 +119,7 @@ pub use routes::{
 pub use half::{bf16, f16};
 
 pub use routes::collective;
+pub use routes::cudarc_interop;
 #[cfg(feature = "dlpack")]
 pub use routes::dlpack;
 pub use routes::peer;

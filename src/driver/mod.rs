@@ -88,6 +88,7 @@ impl Lane {
     }
 }
 
+#[cfg(feature = "dlpack")]
 /// A device allocation, as the driver reports it ([`Driver::allocation_of`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Allocation {
@@ -172,6 +173,7 @@ pub(crate) trait Waits: Send + Sync {
     }
     /// Waits until everything queued on every lane has completed.
     fn stream_synchronize(&self) -> Result<(), DriverError>;
+    #[cfg(feature = "dlpack")]
     /// Waits until everything queued on every stream of the driver's context has completed, the
     /// streams of other libraries included (`cuCtxSynchronize`): the one proof that covers work
     /// whose stream nobody named.
@@ -288,6 +290,7 @@ pub(crate) trait Driver:
     /// device or, for a real device, another one.
     fn stream_wait(&mut self, lane: Lane, event: EventHandle) -> Result<(), DriverError>;
 
+    #[cfg(feature = "dlpack")]
     /// The live device allocation that holds `ptr`, as the driver reports it: for memory another
     /// library allocated, whose extent nothing else vouches for. `Err` when `ptr` lies in no
     /// device allocation the driver knows.

@@ -93,6 +93,45 @@ impl Recycler {
     }
 }
 
+/// A tensor's memory taken out of it ([`DeviceTensor::take_memory`]) while another library's
+/// stream may use it. It releases nothing when dropped: it goes back into its tensor
+/// ([`DeviceTensor::restore_memory`]) once the other stream's work is ordered before the
+/// engine's, and is otherwise dropped or forgotten, the memory leaked.
+pub(crate) struct Taken {
+    ptr: DevicePtr,
+    len: usize,
+    shape: Box<[usize]>,
+    recycle: Option<Arc<Recycler>>,
+    home: Option<Arc<dyn Home>>,
+}
+
+impl Drop for Taken {
+    fn drop(&mut self) {
+        // Not put back: the memory is leaked, and its home with it (a home's drop may release
+        // the memory, under work that may still use it).
+        if let Some(home) = self.home.take() {
+            std::mem::forget(home);
+        }
+    }
+}
+
+impl Taken {
+    /// The memory's device address (0 for an empty tensor).
+    pub(crate) fn ptr(&self) -> DevicePtr {
+        self.ptr
+    }
+
+    /// The element count.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// The tensor's shape.
+    pub(crate) fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+}
+
 /// Where a tensor's memory goes when it is dropped, when other processes share it: memory this
 /// engine exported (freed only once every importer has unmapped it) or memory another process
 /// exported (released, and its exporter told, instead of freed).
@@ -359,6 +398,31 @@ impl<T: Element> DeviceTensor<T> {
         self.recycle = None;
         // Leaked memory goes nowhere: an exporter keeps memory whose import is leaked.
         self.home = None;
+    }
+
+    /// Takes the tensor's memory out of it, for as long as another library's stream may use it:
+    /// the tensor becomes an empty tensor of the same engine (as [`leak_memory`](Self::leak_memory)
+    /// leaves it), so its drop frees nothing, and the memory comes back only through
+    /// [`restore_memory`](Self::restore_memory). A [`Taken`] that is forgotten leaks the memory.
+    pub(crate) fn take_memory(&mut self) -> Taken {
+        Taken {
+            ptr: std::mem::replace(&mut self.ptr, 0),
+            len: std::mem::replace(&mut self.len, 0),
+            shape: std::mem::replace(&mut self.shape, Box::new([0])),
+            recycle: self.recycle.take(),
+            home: self.home.take(),
+        }
+    }
+
+    /// Puts back the memory [`take_memory`](Self::take_memory) took out of this tensor; the
+    /// memory this (empty) tensor holds meanwhile, none, is dropped.
+    pub(crate) fn restore_memory(&mut self, mut taken: Taken) {
+        debug_assert_eq!(self.ptr, 0, "memory restored into a tensor that holds some");
+        self.ptr = std::mem::replace(&mut taken.ptr, 0);
+        self.len = taken.len;
+        self.shape = std::mem::take(&mut taken.shape);
+        self.recycle = taken.recycle.take();
+        self.home = taken.home.take();
     }
 
     pub(crate) fn raw_ptr(&self) -> DevicePtr {

@@ -10,6 +10,8 @@
 //!   across processes and hosts, each a `Pending` operation.
 //! - `share` (Linux): an engine's tensors lent to other processes of the host.
 //! - `checkpoint` (feature `safetensors`): named tensors between files and engines.
+//! - [`cudarc_interop`]: tensors lent to cudarc code on its streams, and cudarc's slices taken
+//!   in, without a copy.
 //!
 //! The level exists so a route is only a composition: it moves values the memory level defines
 //! (tensors, pinned buffers, staging slots) under the proofs the lifecycle level defines
@@ -20,6 +22,7 @@
 #[cfg(feature = "safetensors")]
 pub(crate) mod checkpoint;
 pub mod collective;
+pub mod cudarc_interop;
 #[cfg(feature = "dlpack")]
 pub mod dlpack;
 pub(crate) mod host;

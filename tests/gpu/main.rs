@@ -7,12 +7,14 @@
 mod awaiting;
 mod broadcast;
 // DLPack exchange with other libraries (feature `dlpack`).
-#[cfg(feature = "dlpack")]
-mod dlpack;
 #[cfg(feature = "safetensors")]
 mod checkpoint;
 mod collective;
 mod common;
+#[cfg(feature = "dlpack")]
+mod dlpack;
+// cudarc interop: lends to cudarc streams, adopted cudarc slices.
+mod cudarc;
 #[path = "../support/mod.rs"]
 mod reference;
 // The bodies name the shared helpers `crate::support`, as the simulator binary does.

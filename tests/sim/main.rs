@@ -18,10 +18,10 @@ mod support;
 // Host transfers: the blocking routes, and the pending ones with their buffers.
 // Checkpoint files (feature `safetensors`).
 // DLPack exchange with other libraries (feature `dlpack`).
-#[cfg(feature = "dlpack")]
-mod dlpack;
 #[cfg(feature = "safetensors")]
 mod checkpoint;
+#[cfg(feature = "dlpack")]
+mod dlpack;
 mod handoff;
 mod pending;
 mod registered;

@@ -18,7 +18,7 @@ pub(crate) use nccl::nccl_version;
 #[cfg(test)]
 pub(crate) use launch::{compile_check, nvrtc_present};
 
-use super::{Allocation, ContextHandle, DevicePtr, Driver, EventHandle, Lane, Waits, Wake};
+use super::{ContextHandle, DevicePtr, Driver, EventHandle, Lane, Waits, Wake};
 use crate::device::{DeviceId, DeviceKind};
 use crate::error::{DriverError, Error, SetupError};
 use cudarc::driver::{result, sys};
@@ -426,7 +426,8 @@ impl Driver for CudaDriver {
         })
     }
 
-    fn allocation_of(&self, ptr: DevicePtr) -> Result<Allocation, DriverError> {
+    #[cfg(feature = "dlpack")]
+    fn allocation_of(&self, ptr: DevicePtr) -> Result<crate::driver::Allocation, DriverError> {
         use sys::CUpointer_attribute as A;
         let mut base: sys::CUdeviceptr = 0;
         let mut bytes: usize = 0;
@@ -450,7 +451,7 @@ impl Driver for CudaDriver {
             // driver does not know is an error, not undefined behaviour.
             DriverError::check(unsafe { sys::cuPointerGetAttribute(out, attribute, ptr) })?;
         }
-        Ok(Allocation {
+        Ok(crate::driver::Allocation {
             base,
             bytes: bytes as u64,
             ordinal: usize::try_from(ordinal).map_err(|_| DriverError::INVALID_VALUE)?,
@@ -659,6 +660,7 @@ impl Waits for CudaWaits {
         })
     }
 
+    #[cfg(feature = "dlpack")]
     fn context_synchronize(&self) -> Result<(), DriverError> {
         // SAFETY: `in_context` makes the driver's context current for the call.
         self.in_context(|| DriverError::check(unsafe { sys::cuCtxSynchronize() }))

@@ -8,8 +8,8 @@
 //! of the seam are in `launch.rs` and `graph.rs`.
 
 use super::{
-    Allocation, CURRENT, ContextHandle, DeviceId, DeviceKind, DevicePtr, Driver, DriverError,
-    EventHandle, Job, Lane, Locked, SimDevice, SimOp, SimWaits, State, StreamId, Waits, Wake,
+    CURRENT, ContextHandle, DeviceId, DeviceKind, DevicePtr, Driver, DriverError, EventHandle, Job,
+    Lane, Locked, SimDevice, SimOp, SimWaits, State, StreamId, Waits, Wake,
 };
 use std::cell::Cell;
 use std::sync::Arc;
@@ -218,7 +218,8 @@ impl Driver for SimDriver {
         self.lock().wait_event(self.stream(lane), event)
     }
 
-    fn allocation_of(&self, ptr: DevicePtr) -> Result<Allocation, DriverError> {
+    #[cfg(feature = "dlpack")]
+    fn allocation_of(&self, ptr: DevicePtr) -> Result<crate::driver::Allocation, DriverError> {
         let s = self.lock();
         s.alive()?;
         let (&base, block) = s
@@ -228,7 +229,7 @@ impl Driver for SimDriver {
             .filter(|(base, block)| ptr - **base < block.len() as u64)
             .ok_or(DriverError::INVALID_VALUE)?;
         let device = s.touches.get(&base).map_or(0, |t| t.device);
-        Ok(Allocation {
+        Ok(crate::driver::Allocation {
             base,
             bytes: block.len() as u64,
             ordinal: s.ordinal + device,

@@ -342,6 +342,7 @@ impl Waits for SimWaits {
         Ok(())
     }
 
+    #[cfg(feature = "dlpack")]
     fn context_synchronize(&self) -> Result<(), DriverError> {
         let mut s = self.device.lock_as(self.pid);
         s.enter_stream(

@@ -107,7 +107,7 @@ pub use violation::Violation;
 
 // What the concern files share, named here so that each reaches it as `super::…`.
 use super::launch::Emulation;
-use super::{Allocation, ContextHandle, DevicePtr, Driver, EventHandle, Lane, Waits, Wake};
+use super::{ContextHandle, DevicePtr, Driver, EventHandle, Lane, Waits, Wake};
 use crate::device::{DeviceId, DeviceKind};
 use crate::error::DriverError;
 use clock::{StreamId, lane_of};

@@ -342,10 +342,14 @@ impl Drop for Keep {
 
 impl Keep {
     /// Orders the engine's compute stream (where the free goes) after the consumer's work:
-    /// on the device when it named a stream, else by a host wait for the whole context.
+    /// on the device when it named a stream (other than the per-thread default stream), else
+    /// by a host wait for the whole context.
     /// `false` when neither could be done (the failure is recorded for the next boundary).
     fn take_back(&self) -> bool {
-        let Some(stream) = self.consumer else {
+        // The per-thread default stream names another stream on every thread, and the deleter
+        // may run on any: only a wait for the whole context covers the consumer's work then.
+        let named = self.consumer.filter(|&s| s != Stream::PER_THREAD);
+        let Some(stream) = named else {
             return match self.owner.waits.context_synchronize() {
                 Ok(()) => true,
                 Err(source) => {

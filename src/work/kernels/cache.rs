@@ -12,8 +12,9 @@ use super::emulate::ElementwiseEmulation;
 #[cfg(any(test, feature = "sim"))]
 use super::fused::FusedEmulation;
 use super::fused::FusedKernel;
-#[cfg(any(test, feature = "sim"))]
+#[cfg(all(any(test, feature = "sim"), any(test, feature = "dlpack")))]
 use super::gather::GatherEmulation;
+#[cfg(any(test, feature = "dlpack"))]
 use super::gather::GatherKernel;
 use super::source;
 use super::spec::ElementwiseSpec;
@@ -29,6 +30,7 @@ use std::collections::HashMap;
 pub(crate) struct KernelCache {
     entries: HashMap<ElementwiseSpec, (ModuleHandle, FunctionHandle)>,
     fused: HashMap<FusedKernel, (ModuleHandle, FunctionHandle)>,
+    #[cfg(any(test, feature = "dlpack"))]
     gather: HashMap<GatherKernel, (ModuleHandle, FunctionHandle)>,
 }
 
@@ -106,6 +108,7 @@ impl KernelCache {
         Ok(entry.1)
     }
 
+    #[cfg(any(test, feature = "dlpack"))]
     /// The strided gather `kernel` names, compiling and loading it on first use. Its launch
     /// takes [`GatherKernel::params`] over [`GatherKernel::grid`] blocks of
     /// [`BLOCK`](super::spec::BLOCK) threads.
@@ -134,7 +137,11 @@ impl KernelCache {
 
     /// How many kernels are cached, eager, fused and gathers.
     pub(crate) fn len(&self) -> usize {
-        self.entries.len() + self.fused.len() + self.gather.len()
+        #[cfg(any(test, feature = "dlpack"))]
+        let gathers = self.gather.len();
+        #[cfg(not(any(test, feature = "dlpack")))]
+        let gathers = 0;
+        self.entries.len() + self.fused.len() + gathers
     }
 }
 
@@ -146,8 +153,9 @@ impl Part for KernelCache {
     fn teardown(&mut self, driver: &mut dyn Driver) {
         let eager = self.entries.drain().map(|(_, entry)| entry);
         let fused = self.fused.drain().map(|(_, entry)| entry);
-        let gather = self.gather.drain().map(|(_, entry)| entry);
-        for (module, _) in eager.chain(fused).chain(gather) {
+        #[cfg(any(test, feature = "dlpack"))]
+        let fused = fused.chain(self.gather.drain().map(|(_, entry)| entry));
+        for (module, _) in eager.chain(fused) {
             // SAFETY: each cached module is unloaded once (drained from the cache); a part is
             // torn down only once the streams are proven idle, so no launch of its kernel is
             // pending.

@@ -475,7 +475,54 @@ impl CudaEngine {
 mod tests {
     use super::*;
     use crate::driver::sim::SimOp;
-    use crate::routes::host::blocking::{download_tensor, upload_tensor};
+
+    /// A tensor of `data`, copied in on the upload lane and proven by a synchronize (the routes
+    /// level does this for users; a level below it may not name the routes).
+    fn upload_tensor<T: Element>(
+        engine: &mut CudaEngine,
+        data: &[T],
+        shape: &[usize],
+    ) -> Result<DeviceTensor<T>> {
+        let tensor = DeviceTensor::<T>::alloc_on(engine, Lane::Upload, shape)?;
+        // SAFETY: `data` stays borrowed, unchanged, until the synchronize below proves the copy
+        // complete; the tensor holds its bytes.
+        unsafe { queue_copy(engine, true, &tensor, data.as_ptr().cast_mut().cast()) }?;
+        engine.synchronize()?;
+        Ok(tensor)
+    }
+
+    /// The tensor's elements, copied out on the download lane and proven by a synchronize.
+    fn download_tensor<T: Element>(
+        engine: &mut CudaEngine,
+        tensor: &DeviceTensor<T>,
+    ) -> Result<Vec<T>> {
+        let mut out = vec![T::default(); tensor.len()];
+        // SAFETY: `out` is written only by the copy, which the synchronize below proves complete
+        // before `out` is read; it holds the tensor's bytes.
+        unsafe { queue_copy(engine, false, tensor, out.as_mut_ptr().cast()) }?;
+        engine.synchronize()?;
+        Ok(out)
+    }
+
+    /// Queues a copy of all of `tensor`'s bytes to or from `host`.
+    ///
+    /// # Safety
+    /// As `State::queue_host_copy`: `host` holds the tensor's bytes and stays valid, untouched
+    /// by the host, until the copy completes.
+    unsafe fn queue_copy<T: Element>(
+        engine: &mut CudaEngine,
+        upload: bool,
+        tensor: &DeviceTensor<T>,
+        host: *mut u8,
+    ) -> Result<()> {
+        if tensor.is_empty() {
+            return Ok(());
+        }
+        let ptr = tensor.raw_ptr();
+        let mut st = engine.enter()?;
+        // SAFETY: the caller's contract for `host`; `ptr..ptr + bytes` is the tensor.
+        unsafe { st.queue_host_copy(upload, ptr, ptr, host, tensor.byte_len()) }.map(|_| ())
+    }
     use half::{bf16, f16};
 
     /// What the gather must produce, computed on the host: the view's elements in row-major
@@ -799,7 +846,6 @@ mod tests {
         // the compute lane and the result downloaded on the download lane: under every schedule
         // the engine's order makes them run as program order does, with no race.
         use crate::memory::pinned::PinnedHostBuffer;
-        use crate::routes::host::pending::upload_pending;
         let data: Vec<u64> = (0..40).map(|i| i * 0x0101_0101 + 3).collect();
         let want = reference(&data, 0, &[5, 8], &[1, 5], 0);
         for seed in 0..12 {
@@ -810,16 +856,24 @@ mod tests {
             }
             let pinned = PinnedHostBuffer::from_slice(&mut engine, &data).unwrap();
             let destination = engine.alloc_tensor::<u64>(&[40]).unwrap();
-            let upload = upload_pending(&mut engine, pinned, destination).unwrap();
-            let src = upload.tensor().raw_ptr();
-            // SAFETY: every element read is one of the 40 of the upload's tensor, which the
-            // pending upload holds until its `wait`, after the download waited for the gather.
+            // SAFETY: the pinned buffer lives, unchanged, until after the synchronize below.
+            unsafe {
+                queue_copy(
+                    &mut engine,
+                    true,
+                    &destination,
+                    pinned.as_slice().as_ptr().cast_mut().cast(),
+                )
+            }
+            .unwrap();
+            let src = destination.raw_ptr();
+            // SAFETY: every element read is one of the 40 of the upload's tensor, which lives
+            // until after the download waited for the gather.
             let out = unsafe { engine.gather_strided(src, src, DType::U64, &[5, 8], &[1, 5], 0) }
                 .unwrap();
             let got = download_tensor(&mut engine, out.as_typed::<u64>().unwrap()).unwrap();
             assert_eq!(got, want, "seed {seed}");
-            drop(upload.wait().unwrap());
-            drop(out);
+            drop((destination, pinned, out));
             engine.synchronize().unwrap();
             assert!(
                 sim.violations().is_empty(),

@@ -49,6 +49,7 @@ pub(crate) mod cache;
 #[cfg(any(test, feature = "sim"))]
 pub(crate) mod emulate;
 pub(crate) mod fused;
+#[cfg(any(test, feature = "dlpack"))]
 pub(crate) mod gather;
 #[cfg(test)]
 mod host_check;
