@@ -64,13 +64,7 @@ pub fn export<T: Element>(
         .check_engine(engine)
         .and_then(|()| hand_over(engine, described.ptr, consumer, false))
         .map(|()| forget_import(engine, tensor.home()));
-    match checked {
-        Ok(()) => Ok(described.into_capsule(Box::new(tensor), consumer, version, false)),
-        Err(error) => Err(SubmitError::Rejected {
-            input: tensor,
-            error,
-        }),
-    }
+    described.finish(checked, tensor, consumer, version, false)
 }
 
 /// Exports `tensor` read-only, through the `Arc` the capsule keeps: neither the engine (which
@@ -96,13 +90,7 @@ pub fn export_shared<T: Element>(
             .check_engine(engine)
             .and_then(|()| hand_over(engine, described.ptr, consumer, true))
     };
-    match checked {
-        Ok(()) => Ok(described.into_capsule(Box::new(tensor), consumer, version, true)),
-        Err(error) => Err(SubmitError::Rejected {
-            input: tensor,
-            error,
-        }),
-    }
+    described.finish(checked, tensor, consumer, version, true)
 }
 
 /// [`export`] for a tensor whose element type is known at run time.
@@ -133,13 +121,7 @@ pub fn export_any(
         .check(&owner)
         .and_then(|()| hand_over(engine, described.ptr, consumer, false))
         .map(|()| forget_import(engine, home.as_ref()));
-    match checked {
-        Ok(()) => Ok(described.into_capsule(Box::new(tensor), consumer, version, false)),
-        Err(error) => Err(SubmitError::Rejected {
-            input: tensor,
-            error,
-        }),
-    }
+    described.finish(checked, tensor, consumer, version, false)
 }
 
 /// A tensor exported by value that is itself an import leaves the engine's live imports: see
@@ -213,6 +195,26 @@ impl Described {
             dtype: T::DTYPE,
             ordinal: tensor.device().ordinal,
             owner: tensor.owner_arc(),
+        }
+    }
+
+    /// The capsule of `value` once `checked` let the export go through; `value` back in the
+    /// refusal otherwise.
+    #[allow(clippy::result_large_err)]
+    fn finish<V: Send + 'static>(
+        self,
+        checked: Result<()>,
+        value: V,
+        consumer: Option<Stream>,
+        version: Version,
+        read_only: bool,
+    ) -> Result<Capsule, SubmitError<V>> {
+        match checked {
+            Ok(()) => Ok(self.into_capsule(Box::new(value), consumer, version, read_only)),
+            Err(error) => Err(SubmitError::Rejected {
+                input: value,
+                error,
+            }),
         }
     }
 

@@ -73,20 +73,7 @@ pub fn import<T: Element>(
     ready: Ready,
     strides: Strides,
 ) -> Result<DeviceTensor<T>, SubmitError<Capsule>> {
-    if let Some(dtype) = capsule_dtype(&capsule)
-        && dtype != T::DTYPE
-    {
-        let shape = capsule_shape(&capsule);
-        return Err(SubmitError::Rejected {
-            input: capsule,
-            error: Error::Usage(UsageError::ElementTypeMismatch {
-                operation: "dlpack::import",
-                asked: T::DTYPE,
-                holds: dtype,
-                shape,
-            }),
-        });
-    }
+    let capsule = of_type::<T>(capsule, "dlpack::import")?;
     let tensor = import_any(engine, capsule, ready, strides)?;
     Ok(tensor
         .try_typed()
@@ -105,20 +92,7 @@ pub fn import_read_only<T: Element>(
     ready: Ready,
     strides: Strides,
 ) -> Result<ReadOnly<T>, SubmitError<Capsule>> {
-    if let Some(dtype) = capsule_dtype(&capsule)
-        && dtype != T::DTYPE
-    {
-        let shape = capsule_shape(&capsule);
-        return Err(SubmitError::Rejected {
-            input: capsule,
-            error: Error::Usage(UsageError::ElementTypeMismatch {
-                operation: "dlpack::import_read_only",
-                asked: T::DTYPE,
-                holds: dtype,
-                shape,
-            }),
-        });
-    }
+    let capsule = of_type::<T>(capsule, "dlpack::import_read_only")?;
     let tensor = import_with(engine, capsule, ready, strides, false)?;
     Ok(ReadOnly {
         tensor: tensor
@@ -139,6 +113,30 @@ pub fn import_any(
     strides: Strides,
 ) -> Result<AnyTensor, SubmitError<Capsule>> {
     import_with(engine, capsule, ready, strides, true)
+}
+
+/// The capsule, when it holds `T`s or an element type the crate has not (which the import
+/// refuses with the field's error); refused with `UsageError::ElementTypeMismatch` otherwise.
+#[allow(clippy::result_large_err)]
+fn of_type<T: Element>(
+    capsule: Capsule,
+    operation: &'static str,
+) -> Result<Capsule, SubmitError<Capsule>> {
+    match capsule_dtype(&capsule) {
+        Some(dtype) if dtype != T::DTYPE => {
+            let shape = capsule_shape(&capsule);
+            Err(SubmitError::Rejected {
+                input: capsule,
+                error: Error::Usage(UsageError::ElementTypeMismatch {
+                    operation,
+                    asked: T::DTYPE,
+                    holds: dtype,
+                    shape,
+                }),
+            })
+        }
+        _ => Ok(capsule),
+    }
 }
 
 /// The capsule's element type, when the crate has it.
