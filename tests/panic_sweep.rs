@@ -211,7 +211,8 @@ fn workload(a: &mut CudaEngine, b: &mut CudaEngine, wrong: &Wrong) -> Result<(),
 }
 
 /// Checkpoint files: a save, a load handing each tensor over (each copied on the device at
-/// once), and file ranges both ways, with three readers and writers on three slots.
+/// once), a load that converts a tensor on the device, and file ranges both ways, with three
+/// readers and writers on three slots.
 #[cfg(feature = "safetensors")]
 fn checkpoints(a: &mut CudaEngine, wrong: &Wrong) -> Result<(), Error> {
     use cuferry::AnyTensor;
@@ -246,6 +247,21 @@ fn checkpoints(a: &mut CudaEngine, wrong: &Wrong) -> Result<(), Error> {
     let (_, large_copy) = copies.iter().find(|(n, _)| n == "large").expect("loaded");
     let back = download_tensor(a, large_copy.as_typed::<u32>().expect("a u32 tensor"))?;
     expect(wrong, "checkpoint::load_each", &back, &large);
+    // A load that converts one tensor on the device (a cast queued after its copies).
+    let options = LoadOptions::new()
+        .readers(3)
+        .staging_bytes(3 << 20)
+        .select(|name| name == "small")
+        .convert(|_, _| cuferry::DType::F32);
+    let converted = checkpoint::load_with(a, &path, options)?;
+    let small = converted.get("small").expect("loaded").as_typed::<f32>();
+    let want_small: Vec<f32> = distinct(3000, 13).iter().map(|&v| v as f32).collect();
+    expect(
+        wrong,
+        "a converting load",
+        &download_tensor(a, small.expect("an f32 tensor"))?,
+        &want_small,
+    );
     let want: Vec<u8> = large.iter().flat_map(|v| v.to_le_bytes()).collect();
     let file = std::fs::File::open(&path).unwrap();
     let mut range = a.alloc_tensor::<u8>(&[want.len()])?;

@@ -139,12 +139,146 @@ pub(crate) fn a_checkpoint_loads_bit_for_bit_and_saves_back_byte_for_byte(dev: D
     Device::no_violations(&engine);
 }
 
+/// A load that converts on the device: f32 to bf16 and f16 (round to nearest even), bf16 and
+/// f16 to f32 (exact), on odd element counts; an integer tensor left as it is. Each tensor comes
+/// out of `load_with` and of `load_each` with the new type and the host reference's bits (the
+/// `half` crate's conversions, which round to nearest even).
+pub(crate) fn a_load_converts_element_types_on_the_device(dev: Device) {
+    use cuferry::{DType, bf16, f16};
+    use safetensors::Dtype as Sd;
+    let dir = Scratch::new("convert");
+    let path = dir.0.join("model.safetensors");
+    let wide: Vec<f32> = (0..1001)
+        .map(|i| (i as f32 - 500.0) * 0.012_345_679 + 1.0e-3 / (i as f32 + 1.0))
+        .collect();
+    let brain: Vec<bf16> = (0..333).map(|i| bf16::from_f32(i as f32 * -0.37)).collect();
+    let half_: Vec<f16> = (0..77)
+        .map(|i| f16::from_f32(i as f32 * 0.91 - 30.0))
+        .collect();
+    let ints: Vec<i32> = (0..19).map(|i| i * 7 - 60).collect();
+    let bytes = |v: &[u8]| v.to_vec();
+    let le = |xs: Vec<[u8; 4]>| xs.concat();
+    let files: Vec<(&str, Sd, Vec<usize>, Vec<u8>)> = vec![
+        (
+            "to_bf16",
+            Sd::F32,
+            vec![7, 11, 13],
+            le(wide.iter().map(|x| x.to_le_bytes()).collect()),
+        ),
+        (
+            "to_f16",
+            Sd::F32,
+            vec![1001],
+            le(wide.iter().map(|x| x.to_le_bytes()).collect()),
+        ),
+        (
+            "from_bf16",
+            Sd::BF16,
+            vec![333],
+            bytes(
+                &brain
+                    .iter()
+                    .flat_map(|x| x.to_le_bytes())
+                    .collect::<Vec<u8>>(),
+            ),
+        ),
+        (
+            "from_f16",
+            Sd::F16,
+            vec![7, 11],
+            bytes(
+                &half_
+                    .iter()
+                    .flat_map(|x| x.to_le_bytes())
+                    .collect::<Vec<u8>>(),
+            ),
+        ),
+        (
+            "ints",
+            Sd::I32,
+            vec![19],
+            le(ints.iter().map(|x| x.to_le_bytes()).collect()),
+        ),
+    ];
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = files
+        .iter()
+        .map(|(n, d, shape, b)| {
+            let view = safetensors::tensor::TensorView::new(*d, shape.clone(), b).unwrap();
+            (n.to_string(), view)
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None::<HashMap<String, String>>, &path).unwrap();
+    let to = |name: &str, dtype: DType| match name {
+        "to_bf16" => DType::BF16,
+        "to_f16" => DType::F16,
+        "from_bf16" | "from_f16" => DType::F32,
+        _ => dtype,
+    };
+    let mut engine = dev.engine();
+    let check = |engine: &mut CudaEngine, name: &str, tensor: &cuferry::AnyTensor| match name {
+        "to_bf16" => {
+            assert_eq!(tensor.shape(), [7, 11, 13]);
+            let got = download_tensor(engine, tensor.as_typed::<bf16>().unwrap()).unwrap();
+            let want: Vec<bf16> = wide.iter().map(|&x| bf16::from_f32(x)).collect();
+            assert_eq!(
+                got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                want.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+            );
+        }
+        "to_f16" => {
+            let got = download_tensor(engine, tensor.as_typed::<f16>().unwrap()).unwrap();
+            let want: Vec<f16> = wide.iter().map(|&x| f16::from_f32(x)).collect();
+            assert_eq!(
+                got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                want.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+            );
+        }
+        "from_bf16" => {
+            let got = download_tensor(engine, tensor.as_typed::<f32>().unwrap()).unwrap();
+            assert_eq!(got, brain.iter().map(|x| x.to_f32()).collect::<Vec<_>>());
+        }
+        "from_f16" => {
+            assert_eq!(tensor.shape(), [7, 11]);
+            let got = download_tensor(engine, tensor.as_typed::<f32>().unwrap()).unwrap();
+            assert_eq!(got, half_.iter().map(|x| x.to_f32()).collect::<Vec<_>>());
+        }
+        "ints" => {
+            let got = download_tensor(engine, tensor.as_typed::<i32>().unwrap()).unwrap();
+            assert_eq!(got, ints);
+        }
+        other => panic!("an unexpected tensor {other}"),
+    };
+    let loaded = checkpoint::load_with(&mut engine, &path, LoadOptions::new().convert(to)).unwrap();
+    assert_eq!(loaded.len(), 5);
+    for (name, tensor) in loaded.iter() {
+        assert_eq!(tensor.dtype(), to(name, tensor.dtype()), "{name}");
+        check(&mut engine, name, tensor);
+    }
+    drop(loaded);
+    let mut seen = 0;
+    checkpoint::load_each(
+        &mut engine,
+        &path,
+        LoadOptions::new().convert(to),
+        |engine, name, tensor| {
+            check(engine, &name, &tensor);
+            seen += 1;
+            Ok(())
+        },
+    )
+    .unwrap();
+    assert_eq!(seen, 5);
+    engine.synchronize().unwrap();
+    Device::no_violations(&engine);
+}
+
 /// Every body of this module as tests of one binary: `tests!(sim)` in the simulator's, `tests!(gpu)`
 /// in the GPU suite's, so both run the same list.
 macro_rules! tests {
     ($device:ident) => {
         crate::bodies!($device; checkpoint::{
             a_checkpoint_loads_bit_for_bit_and_saves_back_byte_for_byte,
+            a_load_converts_element_types_on_the_device,
         });
     };
 }

@@ -21,6 +21,7 @@ pub use range::{read_into, read_pending, write_from, write_returned};
 pub use save::SaveTensor;
 
 use crate::core::engine::CudaEngine;
+use crate::dtype::DType;
 use crate::error::{Error, IoError, Result, UsageError};
 use crate::memory::any_tensor::AnyTensor;
 use crate::memory::element::Element;
@@ -238,10 +239,16 @@ impl Staging {
     }
 }
 
-/// What a load reads, how it stages the bytes, and whom it tells how far it has come.
+/// What a load asks of each tensor's element type: given its name and the file's type, the type
+/// to load it as.
+type Convert<'a> = dyn FnMut(&str, DType) -> DType + 'a;
+
+/// What a load reads, how it stages the bytes, which element types it loads them as, and whom it
+/// tells how far it has come.
 pub struct LoadOptions<'a> {
     select: Box<dyn FnMut(&str) -> bool + 'a>,
     progress: Box<dyn FnMut(Progress) + 'a>,
+    convert: Box<Convert<'a>>,
     staging: Staging,
 }
 
@@ -260,6 +267,7 @@ impl Default for LoadOptions<'_> {
         LoadOptions {
             select: Box::new(|_| true),
             progress: Box::new(|_| {}),
+            convert: Box::new(|_, dtype| dtype),
             staging: Staging::load(),
         }
     }
@@ -282,6 +290,41 @@ impl<'a> LoadOptions<'a> {
     /// selected.
     pub fn progress(mut self, progress: impl FnMut(Progress) + 'a) -> Self {
         self.progress = Box::new(progress);
+        self
+    }
+
+    /// Loads each tensor as the element type `convert` names for it (given its name and the
+    /// file's element type): the file's bytes go to the device as they are, and a cast kernel
+    /// queued on the engine's compute stream after the tensor's last copy converts them there,
+    /// never on the host. The tensor of the file's type serves as the scratch buffer: it is
+    /// freed, stream-ordered, once the cast has read it, so a converted tensor briefly holds
+    /// both sizes of device memory. The tensor handed out carries the new type.
+    ///
+    /// Every pair of element types converts as [`CudaEngine::cast`] does (Rust's `as`; floats
+    /// narrowed to `f16` or `bf16` round to nearest even, through `f32`).
+    ///
+    /// ```
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// # use cuferry::sim::SimConfig;
+    /// # use cuferry::{bf16, checkpoint, download_tensor, upload_tensor, CudaEngine, DType};
+    /// # let mut engine = CudaEngine::simulated(SimConfig::default());
+    /// # let dir = tempfile::tempdir()?;
+    /// # let path = dir.path().join("model.safetensors");
+    /// # let w = upload_tensor(&mut engine, &[0.5f32, 1.5, 2.5, 3.5], &[2, 2])?;
+    /// # checkpoint::save(&mut engine, &[("w", &w)], &path)?;
+    /// use checkpoint::LoadOptions;
+    /// // The f32 weights of the file, as bf16 on the device.
+    /// let options = LoadOptions::new().convert(|_, dtype| match dtype {
+    ///     DType::F32 => DType::BF16,
+    ///     other => other,
+    /// });
+    /// let mut loaded = checkpoint::load_with(&mut engine, &path, options)?;
+    /// let w = loaded.take::<bf16>("w")?;
+    /// assert_eq!(download_tensor(&mut engine, &w)?, [0.5, 1.5, 2.5, 3.5].map(bf16::from_f32));
+    /// # Ok(()) }
+    /// ```
+    pub fn convert(mut self, convert: impl FnMut(&str, DType) -> DType + 'a) -> Self {
+        self.convert = Box::new(convert);
         self
     }
 
@@ -556,6 +599,11 @@ fn load_indexed(
     };
     let total = shards.iter().map(|s| load::plan_bytes(&s.tensors)).sum();
     let mut tally = Tally::new(total, &mut *options.progress);
+    let convert = &mut *options.convert;
+    let each = &mut |engine: &mut CudaEngine, i, file: &Arc<Path>, name: String, tensor| {
+        let tensor = converted(engine, &mut *convert, &name, tensor)?;
+        each(engine, i, file, name, tensor)
+    };
     let mut base = 0;
     for shard in &shards {
         let source = load::Source {
@@ -576,6 +624,48 @@ fn load_indexed(
         base += shard.tensors.len();
     }
     Ok(())
+}
+
+/// `tensor` as the element type `convert` names for it: itself when that is its own type, else
+/// a new tensor that a cast kernel, queued on the compute stream after the tensor's copies,
+/// fills; `tensor` is dropped (freed, stream-ordered, after the cast).
+fn converted(
+    engine: &mut CudaEngine,
+    convert: &mut dyn FnMut(&str, DType) -> DType,
+    name: &str,
+    tensor: AnyTensor,
+) -> Result<AnyTensor> {
+    let to = convert(name, tensor.dtype());
+    if to == tensor.dtype() {
+        return Ok(tensor);
+    }
+    /// Casts the visited tensor to the element type `to`.
+    struct CastTo<'e> {
+        engine: &'e mut CudaEngine,
+        to: DType,
+    }
+    impl crate::memory::any_tensor::Visit for CastTo<'_> {
+        type Out = Result<AnyTensor>;
+        fn visit<T: Element>(self, tensor: &DeviceTensor<T>) -> Result<AnyTensor> {
+            let e = self.engine;
+            match self.to {
+                DType::F32 => e.cast::<f32>(tensor).map(AnyTensor::from),
+                DType::F64 => e.cast::<f64>(tensor).map(AnyTensor::from),
+                DType::F16 => e.cast::<half::f16>(tensor).map(AnyTensor::from),
+                DType::BF16 => e.cast::<half::bf16>(tensor).map(AnyTensor::from),
+                DType::I8 => e.cast::<i8>(tensor).map(AnyTensor::from),
+                DType::I16 => e.cast::<i16>(tensor).map(AnyTensor::from),
+                DType::I32 => e.cast::<i32>(tensor).map(AnyTensor::from),
+                DType::I64 => e.cast::<i64>(tensor).map(AnyTensor::from),
+                DType::U8 => e.cast::<u8>(tensor).map(AnyTensor::from),
+                DType::U16 => e.cast::<u16>(tensor).map(AnyTensor::from),
+                DType::U32 => e.cast::<u32>(tensor).map(AnyTensor::from),
+                DType::U64 => e.cast::<u64>(tensor).map(AnyTensor::from),
+                DType::Bool => e.cast::<bool>(tensor).map(AnyTensor::from),
+            }
+        }
+    }
+    tensor.visit(CastTo { engine, to })
 }
 
 /// One file of a load: its planned tensors, and the file opened for them.
@@ -685,7 +775,9 @@ pub fn load_from(
         len,
     };
     let mut out = Vec::new();
-    let mut each = |_: &mut CudaEngine, i, file: &Arc<Path>, name, tensor| {
+    let convert = &mut *options.convert;
+    let mut each = |engine: &mut CudaEngine, i, file: &Arc<Path>, name: String, tensor| {
+        let tensor = converted(engine, &mut *convert, &name, tensor)?;
         out.push((i, Arc::clone(file), name, tensor));
         Ok(())
     };
