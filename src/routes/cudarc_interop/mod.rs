@@ -234,11 +234,11 @@ impl<'t, T: Element + DeviceRepr> Loan<'t, T> {
             &engine.shared,
             "cuCtxSetCurrent (restore after a cudarc lend)",
         )?;
-        // SAFETY: the lending holds the memory at `ptr` out of its tensor, `len` elements of
-        // `T` of the engine's allocation, valid (the tensor's elements) once the work the stream
-        // now waits for has run, until the lend ends; the slice is never dropped (it would free
-        // the engine's memory), only leaked when the lend ends.
         let mut slice =
+            // SAFETY: the lending holds the memory at `ptr` out of its tensor, `len` elements of
+            // `T` of the engine's allocation, valid (the tensor's elements) once the work the stream
+            // now waits for has run, until the lend ends; the slice is never dropped (it would free
+            // the engine's memory), only leaked when the lend ends.
             ManuallyDrop::new(unsafe { stream.upgrade_device_ptr(lending.ptr(), lending.len()) });
         // With cudarc's event tracking on, the slice's write event is recorded on the stream
         // now, after its wait for the engine: a use of the view on another stream waits for it.

@@ -292,9 +292,9 @@ fn an_adopted_allocation_is_read_after_its_owners_write_and_freed_after_the_engi
         let source = upload_tensor(&mut b, &data, &[N]).unwrap();
         let owner = b.scale(&source, 2.0).unwrap();
         let (ptr, len) = (owner.raw_ptr(), owner.len());
-        // SAFETY: `owner` holds `len` f32 at `ptr`, written on `b`'s compute stream, and frees
-        // them there (its only unproven lane) when dropped; `b` outlives it.
         let mut t =
+            // SAFETY: `owner` holds `len` f32 at `ptr`, written on `b`'s compute stream, and frees
+            // them there (its only unproven lane) when dropped; `b` outlives it.
             unsafe { adopt::<f32, _>(&mut a, owner, ptr, len, &[64, 64], stream_of(&b), "test") }
                 .unwrap();
         assert_eq!(t.shape(), [64, 64]);
@@ -374,8 +374,8 @@ fn an_adopted_tensor_dropped_after_its_engine_still_orders_the_free() {
         let (mut a, mut b) = engines(&sim);
         let owner = b.full::<f32>(&[N], 4.0).unwrap();
         let (ptr, len) = (owner.raw_ptr(), owner.len());
-        // SAFETY: as above.
         let mut t =
+            // SAFETY: as above.
             unsafe { adopt::<f32, _>(&mut a, owner, ptr, len, &[N], stream_of(&b), "t") }.unwrap();
         a.fill(&mut t, 1.0).unwrap();
         drop(a);
@@ -394,8 +394,8 @@ fn an_adopted_tensor_whose_hand_over_is_refused_leaks_its_owner() {
     let (mut a, mut b) = engines(&sim);
     let owner = b.full::<f32>(&[N], 4.0).unwrap();
     let (ptr, len) = (owner.raw_ptr(), owner.len());
-    // SAFETY: as above.
     let mut t =
+        // SAFETY: as above.
         unsafe { adopt::<f32, _>(&mut a, owner, ptr, len, &[N], stream_of(&b), "t") }.unwrap();
     a.fill(&mut t, 1.0).unwrap();
     sim.fail_nth(SimOp::StreamWait, 1, DriverError::INVALID_HANDLE);

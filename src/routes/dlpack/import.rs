@@ -431,8 +431,8 @@ fn import_with(
             Ok(bytes) => bytes,
             Err(error) => unreachable!("a zero-element tensor allocates nothing: {error}"),
         };
-        // SAFETY: zero bytes hold zero elements of any type.
         return Ok(
+            // SAFETY: zero bytes hold zero elements of any type.
             unsafe { AnyTensor::from_bytes(bytes, view.dtype, &view.shape) }
                 .expect("zero elements fill zero bytes"),
         );
@@ -484,14 +484,14 @@ fn import_with(
     let home: Arc<dyn Home> = Arc::new(ImportHome {
         release: Mutex::new(Some(release)),
     });
-    // SAFETY: `ptr` is device memory of the engine's device (the driver says so) holding the
-    // view's `bytes` (checked against its allocation), valid values of `dtype` once the
-    // producer's writes, which the engine's streams now wait for, have run (the producer's
-    // claim, for a non-`bool` type any bit pattern is); `home` releases it.
     let bytes_tensor =
+        // SAFETY: `ptr` is device memory of the engine's device (the driver says so) holding the
+        // view's `bytes` (checked against its allocation), valid values of `dtype` once the
+        // producer's writes, which the engine's streams now wait for, have run (the producer's
+        // claim, for a non-`bool` type any bit pattern is); `home` releases it.
         unsafe { DeviceTensor::<u8>::homed(view.ptr, &[bytes], bytes, &owner, home) };
-    // SAFETY: as above; the bytes are exactly `len` elements of `dtype`.
     Ok(
+        // SAFETY: as above; the bytes are exactly `len` elements of `dtype`.
         unsafe { AnyTensor::from_bytes(bytes_tensor, view.dtype, &view.shape) }
             .expect("the view's bytes are its elements"),
     )

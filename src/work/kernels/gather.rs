@@ -714,9 +714,9 @@ mod tests {
         ];
         for (dtype, skew, shape, strides, offset) in cases {
             let size = dtype.size_bytes();
-            // SAFETY: every element read lies inside the 96 bytes of `source` (checked by the
-            // reference below, which indexes them), live until the synchronize.
             let out =
+                // SAFETY: every element read lies inside the 96 bytes of `source` (checked by the
+                // reference below, which indexes them), live until the synchronize.
                 unsafe { engine.gather_strided(src, src + skew, dtype, shape, strides, offset) }
                     .unwrap();
             engine.synchronize().unwrap();
@@ -774,8 +774,8 @@ mod tests {
             (&[0, 1, 1, 1, 1, 1, 1, 1], &[0; 8]),
         ];
         for (shape, strides) in cases {
-            // SAFETY: no element is read.
             let out =
+                // SAFETY: no element is read.
                 unsafe { engine.gather_strided(src, src, DType::BF16, shape, strides, 7) }.unwrap();
             assert_eq!(
                 (out.dtype(), out.shape(), out.len()),
