@@ -302,10 +302,11 @@ impl Tensor {
                 Ok(engine) => engine,
                 Err(failure) => return Err((Some(tensor), failure)),
             };
-            // SAFETY: the consumer named this stream in `__dlpack__(stream=...)`, and by the
-            // DLPack protocol it is `1`, `2` or a live stream of this device's context that the
-            // consumer keeps alive until it calls the capsule's deleter: the promise
-            // `Stream::from_raw` asks for, made by the consumer, which we pass on.
+            // SAFETY: the consumer named this stream in `__dlpack__(stream=...)`: `1`, `2` or a
+            // stream of this device's context that it will use the tensor on. The module trusts
+            // it to stay live until the consumer calls the capsule's deleter, which the
+            // deleter's free waits for (torch's streams are pooled and never destroyed; the
+            // interop guide states this trust): the promise `Stream::from_raw` asks for.
             let consumer = consumer.map(|h| unsafe { Stream::from_raw(h) });
             dlpack::export_any(&mut engine, tensor, consumer, version).map_err(|refused| {
                 match refused {
