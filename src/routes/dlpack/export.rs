@@ -251,58 +251,38 @@ impl Described {
             strides: std::ptr::null_mut(),
             byte_offset: 0,
         };
+        let keep = (self.shape, strides, keep);
         match version {
             Version::V1 => {
-                let held = Box::into_raw(Box::new(Held {
-                    managed: DLManagedTensorVersioned {
-                        version: ffi::DLPackVersion {
-                            major: ffi::DLPACK_MAJOR_VERSION,
-                            minor: ffi::DLPACK_MINOR_VERSION,
-                        },
-                        manager_ctx: std::ptr::null_mut(),
-                        deleter: Some(delete_versioned),
-                        flags: if read_only {
-                            ffi::DLPACK_FLAG_BITMASK_READ_ONLY
-                        } else {
-                            0
-                        },
-                        dl_tensor: tensor,
+                let managed = DLManagedTensorVersioned {
+                    version: ffi::DLPackVersion {
+                        major: ffi::DLPACK_MAJOR_VERSION,
+                        minor: ffi::DLPACK_MINOR_VERSION,
                     },
-                    shape: self.shape,
-                    strides,
-                    _keep: keep,
-                }));
-                // SAFETY: `held` is the block just leaked, owned by the capsule made below;
-                // its shape and strides live as long as it.
-                unsafe {
-                    let t = &mut (*held).managed.dl_tensor;
-                    t.shape = (*held).shape.as_mut_ptr();
-                    t.strides = (*held).strides.as_mut_ptr();
-                    (*held).managed.manager_ctx = held.cast();
-                    Capsule::from_versioned(&raw mut (*held).managed)
-                }
-                .expect("a capsule made here is not null and speaks DLPack 1")
+                    manager_ctx: std::ptr::null_mut(),
+                    deleter: Some(delete_versioned),
+                    flags: if read_only {
+                        ffi::DLPACK_FLAG_BITMASK_READ_ONLY
+                    } else {
+                        0
+                    },
+                    dl_tensor: tensor,
+                };
+                let managed = Held::leak(managed, keep, |m| (&mut m.dl_tensor, &mut m.manager_ctx));
+                // SAFETY: a live managed tensor made just above, owned by nothing else, whose
+                // deleter (`delete_versioned`) may run on any thread.
+                unsafe { Capsule::from_versioned(managed) }
+                    .expect("a capsule made here is not null and speaks DLPack 1")
             }
             Version::Legacy => {
-                let held = Box::into_raw(Box::new(Held {
-                    managed: DLManagedTensor {
-                        dl_tensor: tensor,
-                        manager_ctx: std::ptr::null_mut(),
-                        deleter: Some(delete_legacy),
-                    },
-                    shape: self.shape,
-                    strides,
-                    _keep: keep,
-                }));
-                // SAFETY: as above.
-                unsafe {
-                    let t = &mut (*held).managed.dl_tensor;
-                    t.shape = (*held).shape.as_mut_ptr();
-                    t.strides = (*held).strides.as_mut_ptr();
-                    (*held).managed.manager_ctx = held.cast();
-                    Capsule::from_legacy(&raw mut (*held).managed)
-                }
-                .expect("a capsule made here is not null")
+                let managed = DLManagedTensor {
+                    dl_tensor: tensor,
+                    manager_ctx: std::ptr::null_mut(),
+                    deleter: Some(delete_legacy),
+                };
+                let managed = Held::leak(managed, keep, |m| (&mut m.dl_tensor, &mut m.manager_ctx));
+                // SAFETY: as above, with `delete_legacy`.
+                unsafe { Capsule::from_legacy(managed) }.expect("a capsule made here is not null")
             }
         }
     }
@@ -316,6 +296,34 @@ struct Held<M> {
     strides: Box<[i64]>,
     /// Dropped with the block: the release of the memory, after the consumer's work.
     _keep: Keep,
+}
+
+impl<M> Held<M> {
+    /// Leaks a block holding `managed`, the shape, strides and keeper of `parts`, and returns
+    /// the managed tensor, pointing at the block's shape and strides and with the block as its
+    /// `manager_ctx` (which its deleter frees). `fields` names the managed tensor's tensor and
+    /// context.
+    fn leak(
+        managed: M,
+        (shape, strides, keep): (Box<[i64]>, Box<[i64]>, Keep),
+        fields: fn(&mut M) -> (&mut DLTensor, &mut *mut c_void),
+    ) -> *mut M {
+        let held = Box::into_raw(Box::new(Held {
+            managed,
+            shape,
+            strides,
+            _keep: keep,
+        }));
+        // SAFETY: `held` is the block just leaked, live until its deleter frees it; its shape
+        // and strides are boxed slices that live as long as it.
+        unsafe {
+            let (tensor, ctx) = fields(&mut (*held).managed);
+            tensor.shape = (*held).shape.as_mut_ptr();
+            tensor.strides = (*held).strides.as_mut_ptr();
+            *ctx = held.cast();
+            &raw mut (*held).managed
+        }
+    }
 }
 
 /// The value that holds the exported memory, and what its release must follow.

@@ -413,11 +413,33 @@ fn import_with(
         });
     }
     let ordinal = engine.device().ordinal;
-    let checked = engine
-        .enter()
-        .and_then(|st| describe(&st, ordinal, &capsule));
-    let view = match checked {
-        Ok(view) => view,
+    // Checked, admitted and the producer's stream joined under one lock hold; an empty view
+    // (`None`) is neither admitted nor joined.
+    let checked = (|| {
+        let mut st = engine.enter()?;
+        let view = describe(&st, ordinal, &capsule)?;
+        if view.len == 0 {
+            return Ok((view, None));
+        }
+        if let (Some(given), Strides::Refuse) = (&view.strides, strides) {
+            return Err(Error::Usage(UsageError::NotCompact {
+                shape: view.shape.clone(),
+                strides: given.clone(),
+            }));
+        }
+        let copy = view.strides.is_some() || view.dtype == DType::Bool;
+        let entry = st
+            .parts
+            .get_mut::<Imports>()
+            .admit(view.start, view.end, writable && !copy)?;
+        if let Err(error) = join(&mut st, view.ptr, ready) {
+            st.parts.get_mut::<Imports>().remove(entry);
+            return Err(error);
+        }
+        Ok((view, Some(entry)))
+    })();
+    let (view, entry) = match checked {
+        Ok(checked) => checked,
         Err(error) => {
             return Err(SubmitError::Rejected {
                 input: capsule,
@@ -425,7 +447,7 @@ fn import_with(
             });
         }
     };
-    if view.len == 0 {
+    let Some(entry) = entry else {
         drop(capsule); // nothing to view: the producer's memory goes back now
         let bytes = match DeviceTensor::<u8>::alloc(engine, &[0]) {
             Ok(bytes) => bytes,
@@ -436,41 +458,9 @@ fn import_with(
             unsafe { AnyTensor::from_bytes(bytes, view.dtype, &view.shape) }
                 .expect("zero elements fill zero bytes"),
         );
-    }
-    if view.strides.is_some() && strides == Strides::Refuse {
-        let error = Error::Usage(UsageError::NotCompact {
-            shape: view.shape.clone(),
-            strides: view.strides.clone().unwrap_or_default(),
-        });
-        return Err(SubmitError::Rejected {
-            input: capsule,
-            error,
-        });
-    }
+    };
     let copy = view.strides.is_some() || view.dtype == DType::Bool;
     let owner = Arc::clone(&engine.shared);
-    // Admitted, and the producer's stream joined, under one lock hold.
-    let joined = (|| {
-        let mut st = engine.enter()?;
-        let entry = st
-            .parts
-            .get_mut::<Imports>()
-            .admit(view.start, view.end, writable && !copy)?;
-        let joined = join(&mut st, view.ptr, ready);
-        if joined.is_err() {
-            st.parts.get_mut::<Imports>().remove(entry);
-        }
-        joined.map(|()| entry)
-    })();
-    let entry = match joined {
-        Ok(entry) => entry,
-        Err(error) => {
-            return Err(SubmitError::Rejected {
-                input: capsule,
-                error,
-            });
-        }
-    };
     // From here the capsule is held until its release is proven: dropped only by `Release`.
     let release = Release {
         capsule: Some(capsule),
