@@ -718,6 +718,49 @@ pub enum UsageError {
         /// The world size.
         world: usize,
     },
+    /// A tensor-parallel split of a dimension that the world size does not divide, by a plan
+    /// that does not allow uneven splits
+    /// ([`TensorParallel::uneven`](crate::checkpoint::TensorParallel::uneven)).
+    #[error(
+        "tensor '{tensor}': dimension {dimension} of size {size} does not split evenly between \
+         {world} ranks (a plan that allows uneven splits gives ranges that differ by one)"
+    )]
+    UnevenSplit {
+        /// The tensor.
+        tensor: String,
+        /// The dimension split (0 for rows, the last for columns).
+        dimension: usize,
+        /// Its size.
+        size: usize,
+        /// The world size.
+        world: usize,
+    },
+    /// A setting an operation does not take, with what to do instead.
+    #[error("{operation} does not take {setting}: {instead}")]
+    NotTaken {
+        /// The operation.
+        operation: &'static str,
+        /// The setting given.
+        setting: &'static str,
+        /// What to do instead.
+        instead: &'static str,
+    },
+    /// A slice a load was asked to take that its tensor does not have: a range of rows or
+    /// columns past the end of its dimension or reversed, or rows or columns of a scalar.
+    #[error(
+        "tensor '{tensor}' of shape {shape:?} has no {what} {range:?} (rows are dimension 0, \
+         columns the last, and a scalar has neither)"
+    )]
+    SliceOutOfRange {
+        /// The tensor.
+        tensor: String,
+        /// Its shape in the file.
+        shape: Vec<usize>,
+        /// `"rows"` or `"columns"`.
+        what: &'static str,
+        /// The range asked for.
+        range: std::ops::Range<usize>,
+    },
     /// A number or a length from a launcher variable or a setting past the bound the bootstrap
     /// takes ([`MAX_WORLD`](crate::collective::MAX_WORLD),
     /// [`MAX_JOB_BYTES`](crate::collective::MAX_JOB_BYTES), a host name's 253 bytes,

@@ -193,8 +193,9 @@ pub mod raw {
 pub mod checkpoint {
     pub use crate::routes::checkpoint::{
         Checkpoint, DEFAULT_READERS, DEFAULT_STAGING_BYTES, DEFAULT_WRITERS, LoadOptions, Progress,
-        ReadAt, SaveOptions, SaveTensor, WriteAt, load, load_each, load_from, load_with, read_into,
-        read_pending, save, save_with, write_from, write_returned,
+        ReadAt, SaveOptions, SaveTensor, Slice, TensorParallel, WriteAt, load, load_each,
+        load_from, load_shared, load_with, read_into, read_pending, save, save_with, write_from,
+        write_returned,
     };
 }
 

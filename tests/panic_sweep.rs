@@ -211,8 +211,8 @@ fn workload(a: &mut CudaEngine, b: &mut CudaEngine, wrong: &Wrong) -> Result<(),
 }
 
 /// Checkpoint files: a save, a load handing each tensor over (each copied on the device at
-/// once), a load that converts a tensor on the device, and file ranges both ways, with three
-/// readers and writers on three slots.
+/// once), a load that converts a tensor on the device, one that takes columns of a tensor and
+/// converts them, and file ranges both ways, with three readers and writers on three slots.
 #[cfg(feature = "safetensors")]
 fn checkpoints(a: &mut CudaEngine, wrong: &Wrong) -> Result<(), Error> {
     use cuferry::AnyTensor;
@@ -221,15 +221,18 @@ fn checkpoints(a: &mut CudaEngine, wrong: &Wrong) -> Result<(), Error> {
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("model.safetensors");
     let large = distinct(400_000, 12); // 1.5 MiB: two slots
+    let grid_data = distinct(300_000, 14); // [600, 500]: 1.1 MiB
     let tensors = [
         AnyTensor::from(upload_tensor(a, &large, &[400_000])?),
         AnyTensor::from(upload_tensor(a, &distinct(3000, 13), &[3000])?),
         AnyTensor::from(upload_tensor(a, &[7u8; 7], &[7])?),
+        AnyTensor::from(upload_tensor(a, &grid_data, &[600, 500])?),
     ];
-    let named: [(&str, &dyn checkpoint::SaveTensor); 3] = [
+    let named: [(&str, &dyn checkpoint::SaveTensor); 4] = [
         ("large", &tensors[0]),
         ("small", &tensors[1]),
         ("tiny", &tensors[2]),
+        ("matrix", &tensors[3]),
     ];
     let options = SaveOptions::new().writers(3).staging_bytes(3 << 20);
     checkpoint::save_with(a, &named, &path, options)?;
@@ -261,6 +264,25 @@ fn checkpoints(a: &mut CudaEngine, wrong: &Wrong) -> Result<(), Error> {
         "a converting load",
         &download_tensor(a, small.expect("an f32 tensor"))?,
         &want_small,
+    );
+    // A load that takes columns of a tensor, one read per row, and converts them.
+    let options = LoadOptions::new()
+        .readers(3)
+        .staging_bytes(3 << 20)
+        .select(|name| name == "matrix")
+        .slices(|_, _| Ok(checkpoint::Slice::Columns(100..350)))
+        .convert(|_, _| cuferry::DType::F32);
+    let sliced = checkpoint::load_with(a, &path, options)?;
+    let grid = sliced.get("matrix").expect("loaded").as_typed::<f32>();
+    let want_grid: Vec<f32> = (0..600)
+        .flat_map(|r| (100..350).map(move |c| r * 500 + c))
+        .map(|i| grid_data[i] as f32)
+        .collect();
+    expect(
+        wrong,
+        "a sliced load",
+        &download_tensor(a, grid.expect("an f32 tensor"))?,
+        &want_grid,
     );
     let want: Vec<u8> = large.iter().flat_map(|v| v.to_le_bytes()).collect();
     let file = std::fs::File::open(&path).unwrap();

@@ -4,7 +4,8 @@
 //! tensors, blocking and pending.
 
 use super::Device;
-use cuferry::checkpoint::{self, LoadOptions};
+use cuferry::checkpoint::{self, LoadOptions, Slice, TensorParallel};
+use cuferry::error::UsageError;
 use cuferry::{CudaEngine, PinnedHostBuffer, download_tensor};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -272,6 +273,250 @@ pub(crate) fn a_load_converts_element_types_on_the_device(dev: Device) {
     Device::no_violations(&engine);
 }
 
+/// A reader that records the bytes each positioned read returned, by offset.
+pub(crate) struct Counting<'a> {
+    pub(crate) bytes: &'a [u8],
+    pub(crate) reads: std::sync::Mutex<Vec<(u64, usize)>>,
+}
+
+impl checkpoint::ReadAt for Counting<'_> {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<usize> {
+        let n = self.bytes.read_at(buf, offset)?;
+        self.reads.lock().unwrap().push((offset, n));
+        Ok(n)
+    }
+}
+
+/// The bytes of `slice` of a row-major tensor of `shape` and `elem`-byte elements, cut on the
+/// host: the reference a sliced load is checked against.
+pub(crate) fn host_slice(data: &[u8], shape: &[usize], elem: usize, slice: &Slice) -> Vec<u8> {
+    match slice {
+        Slice::Whole => data.to_vec(),
+        Slice::Skip => Vec::new(),
+        Slice::Rows(r) => {
+            let row = data.len().checked_div(shape[0]).unwrap_or(0);
+            data[r.start * row..r.end * row].to_vec()
+        }
+        Slice::Columns(r) => {
+            let cols = shape[shape.len() - 1];
+            let rows: usize = shape[..shape.len() - 1].iter().product();
+            (0..rows)
+                .flat_map(|i| {
+                    let at = (i * cols + r.start) * elem;
+                    data[at..at + r.len() * elem].to_vec()
+                })
+                .collect()
+        }
+    }
+}
+
+/// The test file of the slicing bodies: odd shapes and odd element counts, every dimension
+/// count from a scalar to three, an empty tensor and a `bool` one, written by the format's own
+/// serializer; with each tensor's element type, shape and bytes.
+pub(crate) fn sliceable(path: &Path) -> Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> {
+    use safetensors::Dtype as Sd;
+    let make = |n: usize, seed: u8| -> Vec<u8> {
+        (0..n)
+            .map(|i| (i as u8).wrapping_mul(37).wrapping_add(seed) ^ (i >> 8) as u8)
+            .collect()
+    };
+    let tensors: Vec<(String, Sd, Vec<usize>, Vec<u8>)> = vec![
+        ("a".into(), Sd::F32, vec![37, 53], make(37 * 53 * 4, 1)),
+        ("b".into(), Sd::BF16, vec![5, 7, 9], make(5 * 7 * 9 * 2, 2)),
+        ("c".into(), Sd::U8, vec![101], make(101, 3)),
+        ("d".into(), Sd::F64, vec![3, 1], make(24, 4)),
+        ("e".into(), Sd::I16, vec![0, 6], Vec::new()),
+        ("s".into(), Sd::F32, vec![], make(4, 5)),
+        (
+            "mask".into(),
+            Sd::BOOL,
+            vec![9, 10],
+            (0..90).map(|i| (i % 3 == 0) as u8).collect(),
+        ),
+    ];
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+        .iter()
+        .map(|(n, d, shape, b)| {
+            let view = safetensors::tensor::TensorView::new(*d, shape.clone(), b).unwrap();
+            (n.clone(), view)
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None::<HashMap<String, String>>, path).unwrap();
+    tensors
+}
+
+/// A load plan, as `LoadOptions::slices` takes one.
+type Plan = Box<dyn Fn(&str, &[usize]) -> cuferry::Result<Slice>>;
+
+pub(crate) fn every_slice_kind_reads_only_its_bytes(dev: Device) {
+    let dir = Scratch::new("slices");
+    let path = dir.0.join("model.safetensors");
+    let tensors = sliceable(&path);
+    let file = std::fs::read(&path).unwrap();
+    let data_start = 8 + u64::from_le_bytes(file[..8].try_into().unwrap());
+    let mut engine = dev.engine();
+    // Small slots, so a tensor spans several and a slot's read is split between readers.
+    let mut config = engine.staging_config();
+    config.chunk_bytes = 4096;
+    config.cutoff_bytes = 4096;
+    engine.set_staging_config(config).unwrap();
+    // Tensor-parallel plans for worlds of 1, 2, 3 and 8 (uneven splits allowed: 37 rows, 53
+    // columns), and plans of hand-picked ranges, empty ones included.
+    let mut plans: Vec<Plan> = Vec::new();
+    for world in [1usize, 2, 3, 8] {
+        for rank in 0..world {
+            let plan = TensorParallel::new(rank, world)
+                .unwrap()
+                .rows("a")
+                .rows("mask")
+                .columns("b")
+                .columns("c")
+                .columns("d")
+                .rows("e")
+                .columns("s")
+                .uneven(true);
+            plans.push(Box::new(move |n, shape| plan.slice(n, shape)));
+        }
+    }
+    plans.push(Box::new(|n, _| {
+        Ok(match n {
+            "a" => Slice::Columns(17..18),
+            "b" => Slice::Rows(4..5),
+            "c" => Slice::Skip,
+            "d" => Slice::Columns(0..1),
+            "e" => Slice::Columns(2..5),
+            "mask" => Slice::Columns(3..3),
+            _ => Slice::Whole,
+        })
+    }));
+    plans.push(Box::new(|n, _| {
+        Ok(match n {
+            "a" => Slice::Rows(0..0),
+            "b" => Slice::Columns(1..8),
+            "mask" => Slice::Columns(9..10),
+            _ => Slice::Skip,
+        })
+    }));
+    for (p, plan) in plans.iter().enumerate() {
+        let reader = Counting {
+            bytes: &file,
+            reads: std::sync::Mutex::new(Vec::new()),
+        };
+        let options = LoadOptions::new()
+            .readers(3)
+            .slices(|n: &str, shape: &[usize]| plan(n, shape));
+        let mut loaded =
+            checkpoint::load_from(&mut engine, &path, &reader, file.len() as u64, options).unwrap();
+        let mut want_bytes = 0;
+        for (name, dtype, shape, data) in &tensors {
+            let slice = plan(name, shape).unwrap();
+            let Some(tensor) = loaded.remove(name) else {
+                assert_eq!(slice, Slice::Skip, "plan {p}: {name} is missing");
+                continue;
+            };
+            let want = host_slice(data, shape, dtype.bitsize() / 8, &slice);
+            want_bytes += want.len();
+            let mut want_shape = shape.clone();
+            match &slice {
+                Slice::Rows(r) => want_shape[0] = r.len(),
+                Slice::Columns(r) => *want_shape.last_mut().unwrap() = r.len(),
+                _ => {}
+            }
+            assert_eq!(tensor.shape(), want_shape, "plan {p}: {name}");
+            let got = crate::support::any_tensor::any_bytes(&mut engine, &tensor).unwrap();
+            assert!(got == want, "plan {p}: {name} {slice:?}");
+        }
+        assert!(loaded.is_empty());
+        // The data the load read: the slices' bytes, and the one byte of the probe at the end
+        // that tells a file that changed length during the load.
+        let read: usize = reader
+            .reads
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(at, _)| *at >= data_start)
+            .map(|(_, n)| n)
+            .sum();
+        assert_eq!(read, want_bytes + 1, "plan {p}");
+    }
+    engine.synchronize().unwrap();
+    Device::no_violations(&engine);
+}
+
+pub(crate) fn a_slice_that_does_not_fit_is_refused_before_anything_is_allocated(dev: Device) {
+    let dir = Scratch::new("bad-slices");
+    let path = dir.0.join("model.safetensors");
+    sliceable(&path);
+    let mut engine = dev.engine();
+    let allocations = |engine: &CudaEngine| {
+        engine
+            .sim()
+            .map(|sim| sim.calls(cuferry::sim::SimOp::Alloc))
+    };
+    let before = allocations(&engine);
+    // 37 rows between 2 ranks.
+    let plan = TensorParallel::new(1, 2).unwrap().rows("a");
+    let err = checkpoint::load_with(&mut engine, &path, LoadOptions::new().tensor_parallel(plan))
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            cuferry::Error::Usage(UsageError::UnevenSplit {
+                ref tensor,
+                dimension: 0,
+                size: 37,
+                world: 2
+            }) if tensor == "a"
+        ),
+        "{err:?}"
+    );
+    let bad = [
+        ("a", Slice::Rows(30..38)),
+        ("b", Slice::Columns(0..10)),
+        ("s", Slice::Rows(0..1)),
+        #[allow(clippy::reversed_empty_ranges)]
+        ("c", Slice::Columns(5..4)),
+    ];
+    for (name, slice) in bad {
+        let options = LoadOptions::new().slices(|n, _| {
+            Ok(if n == name {
+                slice.clone()
+            } else {
+                Slice::Whole
+            })
+        });
+        let err = checkpoint::load_with(&mut engine, &path, options).unwrap_err();
+        let (what, range) = match slice {
+            Slice::Rows(r) => ("rows", r),
+            Slice::Columns(r) => ("columns", r),
+            _ => unreachable!(),
+        };
+        assert!(
+            matches!(
+                err,
+                cuferry::Error::Usage(UsageError::SliceOutOfRange { ref tensor, what: w, range: ref r, .. })
+                    if tensor == name && w == what && *r == range
+            ),
+            "{err:?}"
+        );
+        assert!(err.to_string().contains(name), "{err}");
+    }
+    // A plan's own error stops the load as it is.
+    let options = LoadOptions::new().slices(|n, _| {
+        Err(UsageError::NoTensor {
+            tensor: n.to_owned(),
+        }
+        .into())
+    });
+    assert!(matches!(
+        checkpoint::load_with(&mut engine, &path, options).unwrap_err(),
+        cuferry::Error::Usage(UsageError::NoTensor { .. })
+    ));
+    assert_eq!(allocations(&engine), before);
+    engine.synchronize().unwrap();
+    Device::no_violations(&engine);
+}
+
 /// Every body of this module as tests of one binary: `tests!(sim)` in the simulator's, `tests!(gpu)`
 /// in the GPU suite's, so both run the same list.
 macro_rules! tests {
@@ -279,6 +524,8 @@ macro_rules! tests {
         crate::bodies!($device; checkpoint::{
             a_checkpoint_loads_bit_for_bit_and_saves_back_byte_for_byte,
             a_load_converts_element_types_on_the_device,
+            every_slice_kind_reads_only_its_bytes,
+            a_slice_that_does_not_fit_is_refused_before_anything_is_allocated,
         });
     };
 }

@@ -9,6 +9,9 @@ mod broadcast;
 // DLPack exchange with other libraries (feature `dlpack`).
 #[cfg(feature = "safetensors")]
 mod checkpoint;
+// The sweep behind the checkpoint loader's defaults.
+#[cfg(feature = "safetensors")]
+mod checkpoint_defaults;
 mod collective;
 mod common;
 #[cfg(feature = "dlpack")]

@@ -1116,3 +1116,154 @@ fn into_typed_refuses_another_type_with_an_error_question_mark_carries() {
         ))
     ));
 }
+
+// ---- Reading once for every rank ----
+
+/// A simulated machine of `devices` devices, an engine on each, with small staging slots.
+fn world(devices: usize) -> (cuferry::sim::SimDevice, Vec<CudaEngine>) {
+    let sim = cuferry::sim::SimDevice::new(SimConfig {
+        devices,
+        ..SimConfig::default()
+    });
+    let engines = (0..devices)
+        .map(|d| {
+            let mut engine = CudaEngine::simulated_on_device(&sim, d).unwrap();
+            let mut config = cuferry::staging::StagingConfig::default();
+            config.chunk_bytes = 4096;
+            config.cutoff_bytes = 1024;
+            engine.set_staging_config(config).unwrap();
+            engine
+        })
+        .collect();
+    (sim, engines)
+}
+
+/// Worlds of 2, 3 and 8 ranks load a file and a sharded set once between them: every rank
+/// holds every tensor, equal to a plain load's, converted where asked, and the bytes read (the
+/// progress of the whole world, whose ranks are all in this process) are the file's tensors'
+/// once, not once per rank.
+#[test]
+fn a_world_reads_each_byte_once_and_every_rank_holds_every_tensor() {
+    let dir = tempfile::tempdir().unwrap();
+    // 11 tensors of 1,000 to 11,000 bytes: several slots each, uneven shares.
+    let tensors: Vec<(String, Vec<u8>)> = (0..11)
+        .map(|i| {
+            let data = (0..1000 * (i + 1))
+                .map(|j| (j * 31 + i * 7) as u8)
+                .collect();
+            (format!("layer.{i:02}"), data)
+        })
+        .collect();
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+        .iter()
+        .map(|(n, d)| {
+            let view =
+                safetensors::tensor::TensorView::new(safetensors::Dtype::U8, vec![d.len()], d);
+            (n.clone(), view.unwrap())
+        })
+        .collect();
+    let path = dir.path().join("model.safetensors");
+    safetensors::serialize_to_file(views.clone(), None::<HashMap<String, String>>, &path).unwrap();
+    // The same tensors as a set of three shards.
+    let mut map = Vec::new();
+    for (s, part) in views.chunks(4).enumerate() {
+        let name = format!("model-{s}.safetensors");
+        let file = dir.path().join(&name);
+        safetensors::serialize_to_file(part.to_vec(), None::<HashMap<String, String>>, &file)
+            .unwrap();
+        map.extend(part.iter().map(|(t, _)| format!(r#""{t}": "{name}""#)));
+    }
+    let index = dir.path().join("model.safetensors.index.json");
+    std::fs::write(
+        &index,
+        format!(r#"{{"weight_map": {{{}}}}}"#, map.join(", ")),
+    )
+    .unwrap();
+    let total: u64 = tensors.iter().map(|(_, d)| d.len() as u64).sum();
+    for devices in [2, 3, 8] {
+        for file in [&path, &index] {
+            let (sim, mut engines) = world(devices);
+            let mut refs: Vec<&mut CudaEngine> = engines.iter_mut().collect();
+            let comm = cuferry::collective::Communicator::new(&mut refs).unwrap();
+            let mut read = 0;
+            // Every tensor but one; `layer.03` as u32 words, converted on each rank.
+            let options = LoadOptions::new()
+                .readers(3)
+                .select(|n| n != "layer.05")
+                .convert(|n, dtype| {
+                    if n == "layer.03" {
+                        cuferry::DType::U32
+                    } else {
+                        dtype
+                    }
+                })
+                .progress(|p| read = p.done);
+            let loaded = checkpoint::load_shared(&comm, &mut refs, file, options).unwrap();
+            assert_eq!(read, total - 6000, "{devices} ranks, {}", file.display());
+            assert_eq!(loaded.len(), devices);
+            for (rank, (engine, checkpoint)) in engines.iter_mut().zip(loaded).enumerate() {
+                let names: Vec<&str> = checkpoint.names().collect();
+                assert_eq!(names.len(), 10, "rank {rank}");
+                for (name, data) in &tensors {
+                    let Some(tensor) = checkpoint.get(name) else {
+                        assert_eq!(name, "layer.05");
+                        continue;
+                    };
+                    if name == "layer.03" {
+                        let words = download_tensor(engine, tensor.as_typed::<u32>().unwrap());
+                        let want: Vec<u32> = data.iter().map(|&b| u32::from(b)).collect();
+                        assert_eq!(words.unwrap(), want, "rank {rank}");
+                        continue;
+                    }
+                    let got = crate::support::any_tensor::any_bytes(engine, tensor).unwrap();
+                    assert!(got == *data, "{devices} ranks: rank {rank}, {name}");
+                }
+            }
+            for engine in &mut engines {
+                engine.synchronize().unwrap();
+            }
+            assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+        }
+    }
+}
+
+/// What `load_shared` refuses, before it reads anything: engines that are not the
+/// communicator's ranks here, and slices (every rank receives every tensor whole).
+#[test]
+fn a_shared_load_refuses_slices_and_the_wrong_engines() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("model.safetensors");
+    std::fs::write(&path, model()).unwrap();
+    let (_sim, mut engines) = world(2);
+    let mut refs: Vec<&mut CudaEngine> = engines.iter_mut().collect();
+    let comm = cuferry::collective::Communicator::new(&mut refs).unwrap();
+    let err =
+        checkpoint::load_shared(&comm, &mut refs[..1], &path, LoadOptions::new()).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::Usage(UsageError::RankCount {
+                ranks: 2,
+                engines: 1,
+                ..
+            })
+        ),
+        "{err:?}"
+    );
+    let sliced = LoadOptions::new().slices(|_, _| Ok(checkpoint::Slice::Whole));
+    let err = checkpoint::load_shared(&comm, &mut refs, &path, sliced).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::Usage(UsageError::NotTaken {
+                setting: "slices",
+                ..
+            })
+        ),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("load_shared"), "{err}");
+    // The engines work on: a shared load of the whole file.
+    let loaded = checkpoint::load_shared(&comm, &mut refs, &path, LoadOptions::new()).unwrap();
+    assert_eq!(loaded[1].len(), 3);
+}

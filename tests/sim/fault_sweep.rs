@@ -118,8 +118,34 @@ fn workload(engine: &mut CudaEngine) -> Result<(), Error> {
             return Err(error);
         }
     }
+    #[cfg(feature = "safetensors")]
+    sliced_load(engine)?;
     engine.flush()?;
     engine.synchronize()
+}
+
+/// A checkpoint load that slices and converts: columns 10..45 of a [40, 50] u32 tensor (one
+/// read per row, two slots, three readers), loaded as f32 (a cast queued after the copies).
+#[cfg(feature = "safetensors")]
+fn sliced_load(engine: &mut CudaEngine) -> Result<(), Error> {
+    use cuferry::checkpoint::{self, LoadOptions, Slice};
+    let grid = distinct(2000, 4);
+    let bytes: Vec<u8> = grid.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let view = safetensors::tensor::TensorView::new(safetensors::Dtype::U32, vec![40, 50], &bytes)
+        .unwrap();
+    let file = safetensors::serialize([("grid", view)], None).unwrap();
+    let options = LoadOptions::new()
+        .readers(3)
+        .slices(|_, _| Ok(Slice::Columns(10..45)))
+        .convert(|_, _| cuferry::DType::F32);
+    let path = std::path::Path::new("grid.safetensors");
+    let mut loaded = checkpoint::load_from(engine, path, &&file[..], file.len() as u64, options)?;
+    let t = loaded.take::<f32>("grid")?;
+    let want: Vec<f32> = (0..40)
+        .flat_map(|r| (10..45).map(move |c| r * 50 + c))
+        .map(|i| grid[i] as f32)
+        .collect();
+    check(download_tensor(engine, &t), |v| assert_eq!(v, want))
 }
 
 /// One run with faults armed by `arm`; returns a description of what went wrong, if anything.

@@ -37,6 +37,9 @@ pub(crate) struct Entry {
     /// The tensor's bytes, as absolute offsets into the file.
     pub(crate) start: u64,
     pub(crate) end: u64,
+    /// For a slice of columns: the runs that hold it (`end - start` is then the slice's
+    /// bytes, not a range of the file).
+    pub(crate) runs: Option<super::slice::Runs>,
 }
 
 /// A file's header, checked against the file's length.
@@ -360,6 +363,7 @@ pub(crate) fn read(path: &Path, file: &dyn ReadAt, len: u64) -> Result<Header, E
             shape: info.shape,
             start: data_start + info.data_offsets.0 as u64,
             end: data_start + info.data_offsets.1 as u64,
+            runs: None,
             name,
         })
         .collect();

@@ -12,6 +12,7 @@
 //! frees them after their copies, and the error names the file (and the tensor, for bad data).
 
 use super::header::{self, Entry, Header};
+use super::slice::Runs;
 use super::{Done, Job, Staging, file_threads};
 use super::{ReadAt, Tally};
 use crate::core::engine::CudaEngine;
@@ -37,12 +38,17 @@ struct Piece {
 /// One read of the load: file bytes `start..end` into one staging slot at byte `skew` (a
 /// direct read starts on the block boundary `skew` bytes before `start`), then copied to its
 /// pieces, one or more tensors.
+///
+/// A chunk of a slice of columns holds part of one tensor only, read as runs: `start..end` are
+/// then offsets into the slice's bytes from `origin` (the slice's first byte in the file), and
+/// byte `b` of them lies at `runs.file_offset(origin, b - origin)`.
 #[derive(Clone, Debug)]
 struct Chunk {
     start: u64,
     end: u64,
     skew: usize,
     pieces: Vec<Piece>,
+    runs: Option<(u64, Runs)>,
 }
 
 /// The block size direct reads align their offsets, lengths and buffers to.
@@ -64,17 +70,25 @@ fn chunks(tensors: &[Entry], capacity: usize, direct: bool) -> Vec<Chunk> {
     let mut out: Vec<Chunk> = Vec::new();
     for (i, t) in tensors.iter().enumerate() {
         let mut start = t.start;
+        let runs = t.runs.map(|r| (t.start, r));
         while start < t.end {
-            let fits = out
-                .last()
-                .is_some_and(|c| c.end == start && c.end - c.start < room);
+            // A slice of columns shares no chunk: its reads are its own runs.
+            let fits = runs.is_none()
+                && out
+                    .last()
+                    .is_some_and(|c| c.runs.is_none() && c.end == start && c.end - c.start < room);
             if !fits {
-                let skew = if direct { (start % BLOCK) as usize } else { 0 };
+                let skew = if direct && runs.is_none() {
+                    (start % BLOCK) as usize
+                } else {
+                    0
+                };
                 out.push(Chunk {
                     start,
                     end: start,
                     skew,
                     pieces: Vec::new(),
+                    runs,
                 });
             }
             let c = out.last_mut().expect("a chunk was just pushed");
@@ -194,6 +208,11 @@ pub(crate) fn load(
         loaded.tensors.push(Some(bytes));
     }
     upload(engine, source, tensors, staging, tally, &mut loaded)?;
+    unchanged(source)
+}
+
+/// Refuses a file whose length changed since its header was read.
+fn unchanged(source: Source<'_>) -> Result<()> {
     let current = file_len(source.path, source.file, source.len)?;
     if current != source.len {
         return Err(MalformedError::LengthChanged {
@@ -204,6 +223,39 @@ pub(crate) fn load(
         .into());
     }
     Ok(())
+}
+
+/// The planned `tensors` of `source`, loaded as their bytes (a `u8` tensor each, in plan
+/// order), for a route that hands them on before they are typed. Returns once every copy is
+/// proven complete.
+///
+/// # Errors
+/// As [`load`].
+pub(crate) fn load_bytes(
+    engine: &mut CudaEngine,
+    source: Source<'_>,
+    tensors: &[Entry],
+    staging: Staging,
+    tally: &mut Tally<'_>,
+) -> Result<Vec<DeviceTensor<u8>>> {
+    /// Tensors kept as they are once their copies are queued.
+    struct Kept(Vec<DeviceTensor<u8>>);
+    impl Targets for Kept {
+        fn target(&self, i: usize) -> &DeviceTensor<u8> {
+            &self.0[i]
+        }
+        fn queued(&mut self, _: &mut CudaEngine, _: usize) -> Result<()> {
+            Ok(())
+        }
+    }
+    let mut kept = Kept(Vec::with_capacity(tensors.len()));
+    for t in tensors {
+        kept.0
+            .push(engine.alloc_tensor::<u8>(&[(t.end - t.start) as usize])?);
+    }
+    upload(engine, source, tensors, staging, tally, &mut kept)?;
+    unchanged(source)?;
+    Ok(kept.0)
 }
 
 /// Copies the file bytes each of `entries` names into its tensor of `targets` through
@@ -449,6 +501,10 @@ fn read_chunk(
     slot: &mut [u8],
     split: usize,
 ) -> Result<(), Error> {
+    if let Some((origin, runs)) = chunk.runs {
+        read_runs(source, chunk, origin, runs, slot, split)?;
+        return check_bools(source, tensors, chunk, slot);
+    }
     // The slot's bytes `..want` hold the file's from `base`; a direct read covers whole blocks.
     let base = chunk.start - chunk.skew as u64;
     let want = chunk.skew + (chunk.end - chunk.start) as usize;
@@ -464,23 +520,76 @@ fn read_chunk(
         let need = want.saturating_sub(k * part).min(buf.len());
         read_part(source, base + (k * part) as u64, buf, need)
     };
-    if span <= part {
-        read((0, &mut slot[..span]))?;
-    } else {
-        std::thread::scope(|scope| {
-            let mut parts = slot[..span].chunks_mut(part).enumerate();
-            let first = parts.next().expect("a chunk has bytes");
-            let others: Vec<_> = parts.map(|job| scope.spawn(move || read(job))).collect();
-            let mut result = read(first);
-            for handle in others {
-                let joined = handle
-                    .join()
-                    .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
-                result = result.and(joined);
-            }
-            result
-        })?;
+    in_parts(&mut slot[..span], part, read)?;
+    check_bools(source, tensors, chunk, slot)
+}
+
+/// Reads the runs of a chunk of a slice of columns into `slot`, one positioned read per run
+/// (the first and the last may be parts of runs), in `split` parts read at once.
+fn read_runs(
+    source: Source<'_>,
+    chunk: &Chunk,
+    origin: u64,
+    runs: Runs,
+    slot: &mut [u8],
+    split: usize,
+) -> Result<(), Error> {
+    let len = (chunk.end - chunk.start) as usize;
+    // Parts of a whole number of runs' lengths, so that a part splits no more runs than it
+    // must.
+    let part = len
+        .div_ceil(split.max(1))
+        .next_multiple_of(runs.len as usize)
+        .max(1);
+    let read = |(k, buf): (usize, &mut [u8])| {
+        let mut at = chunk.start - origin + (k * part) as u64;
+        let mut done = 0;
+        while done < buf.len() {
+            let n = ((runs.len - at % runs.len) as usize).min(buf.len() - done);
+            let offset = runs.file_offset(origin, at);
+            header::read_exact_at(source.path, source.file, offset, &mut buf[done..done + n])?;
+            done += n;
+            at += n as u64;
+        }
+        Ok::<(), Error>(())
+    };
+    in_parts(&mut slot[..len], part, read)
+}
+
+/// Runs `read` on each `part`-byte part of `buf` (with its index), the first on this thread and
+/// the others on threads of their own, all at once; the first error, once all are done. A
+/// panic of one is rethrown here.
+fn in_parts(
+    buf: &mut [u8],
+    part: usize,
+    read: impl Fn((usize, &mut [u8])) -> Result<(), Error> + Sync,
+) -> Result<(), Error> {
+    if buf.len() <= part {
+        return read((0, buf));
     }
+    let read = &read;
+    std::thread::scope(|scope| {
+        let mut parts = buf.chunks_mut(part).enumerate();
+        let first = parts.next().expect("a chunk has bytes");
+        let others: Vec<_> = parts.map(|job| scope.spawn(move || read(job))).collect();
+        let mut result = read(first);
+        for handle in others {
+            let joined = handle
+                .join()
+                .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+            result = result.and(joined);
+        }
+        result
+    })
+}
+
+/// Refuses a chunk whose `bool` pieces hold a byte other than 0 or 1.
+fn check_bools(
+    source: Source<'_>,
+    tensors: &[Entry],
+    chunk: &Chunk,
+    slot: &[u8],
+) -> Result<(), Error> {
     for piece in &chunk.pieces {
         let t = &tensors[piece.tensor];
         if t.dtype == DType::Bool
@@ -726,6 +835,7 @@ pub(super) mod tests {
                         shape: vec![len as usize],
                         start: at,
                         end: at + len,
+                        runs: None,
                     };
                     at += len;
                     t

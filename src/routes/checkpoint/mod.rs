@@ -16,9 +16,13 @@ mod index;
 mod load;
 mod range;
 mod save;
+mod shared;
+mod slice;
 
 pub use range::{read_into, read_pending, write_from, write_returned};
 pub use save::SaveTensor;
+pub use shared::load_shared;
+pub use slice::{Slice, TensorParallel};
 
 use crate::core::engine::CudaEngine;
 use crate::dtype::DType;
@@ -156,13 +160,15 @@ impl<'a> Tally<'a> {
 }
 
 /// The pinned staging a load or a save stages its bytes through, unless its options say
-/// otherwise: 256 MiB (sixteen slots of the engine's default 16 MiB chunk).
-pub const DEFAULT_STAGING_BYTES: usize = 256 << 20;
+/// otherwise: 128 MiB (eight slots of the engine's default 16 MiB chunk). More staging is
+/// slower, not faster: the reads land in memory the processor's caches no longer hold when the
+/// copy engines read it (`docs/records/checkpoints.md` has the sweep behind the figure).
+pub const DEFAULT_STAGING_BYTES: usize = 128 << 20;
 
-/// The positioned reads a load keeps in flight, unless its options say otherwise: more than
-/// there are staging slots, so each slot's read is split between threads
-/// (`docs/records/checkpoints.md` has the measurements behind the figure).
-pub const DEFAULT_READERS: usize = 32;
+/// The positioned reads a load keeps in flight, unless its options say otherwise: three per
+/// staging slot of the default staging, so each slot's read is split between three threads
+/// (`docs/records/checkpoints.md` has the sweep behind the figure).
+pub const DEFAULT_READERS: usize = 24;
 
 /// The writer threads a save runs, unless its options say otherwise.
 pub const DEFAULT_WRITERS: usize = 16;
@@ -247,6 +253,9 @@ type Convert<'a> = dyn FnMut(&str, DType) -> DType + 'a;
 /// tells how far it has come.
 pub struct LoadOptions<'a> {
     select: Box<dyn FnMut(&str) -> bool + 'a>,
+    slices: Box<slice::Slicer<'a>>,
+    /// Whether `slices` was given.
+    sliced: bool,
     progress: Box<dyn FnMut(Progress) + 'a>,
     convert: Box<Convert<'a>>,
     staging: Staging,
@@ -266,6 +275,8 @@ impl Default for LoadOptions<'_> {
     fn default() -> Self {
         LoadOptions {
             select: Box::new(|_| true),
+            slices: Box::new(|_, _| Ok(Slice::Whole)),
+            sliced: false,
             progress: Box::new(|_| {}),
             convert: Box::new(|_, dtype| dtype),
             staging: Staging::load(),
@@ -284,6 +295,52 @@ impl<'a> LoadOptions<'a> {
     pub fn select(mut self, select: impl FnMut(&str) -> bool + 'a) -> Self {
         self.select = Box::new(select);
         self
+    }
+
+    /// Takes of each selected tensor the part `slices` names for it, given its name and its
+    /// shape in the file ([`Slice`]): whole, a range of rows, a range of columns, or nothing.
+    /// Only the slice's bytes are read: a range of rows is one range of the file, a range of
+    /// columns one positioned read per row (through the page cache, even with
+    /// [`direct_io`](Self::direct_io)), and the pinned staging stays within
+    /// [`staging_bytes`](Self::staging_bytes). The tensor handed out is the compact slice, of
+    /// the file's element type (or [`convert`](Self::convert)'s). For the usual
+    /// tensor-parallel split, see [`tensor_parallel`](Self::tensor_parallel).
+    ///
+    /// A load whose `slices` returns an error stops with it, before anything is allocated; a
+    /// range past its dimension is [`UsageError::SliceOutOfRange`].
+    ///
+    /// ```
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// # use cuferry::sim::SimConfig;
+    /// # use cuferry::{checkpoint, download_tensor, upload_tensor, CudaEngine};
+    /// # let mut engine = CudaEngine::simulated(SimConfig::default());
+    /// # let dir = tempfile::tempdir()?;
+    /// # let path = dir.path().join("model.safetensors");
+    /// # let w = upload_tensor(&mut engine, &[0f32, 1., 2., 3., 4., 5.], &[2, 3])?;
+    /// # checkpoint::save(&mut engine, &[("w", &w)], &path)?;
+    /// use checkpoint::{LoadOptions, Slice};
+    /// // The last two columns of `w`, a [2, 3] tensor.
+    /// let options = LoadOptions::new().slices(|_, _| Ok(Slice::Columns(1..3)));
+    /// let mut loaded = checkpoint::load_with(&mut engine, &path, options)?;
+    /// let w = loaded.take::<f32>("w")?;
+    /// assert_eq!(w.shape(), [2, 2]);
+    /// assert_eq!(download_tensor(&mut engine, &w)?, [1., 2., 4., 5.]);
+    /// # Ok(()) }
+    /// ```
+    pub fn slices(mut self, slices: impl FnMut(&str, &[usize]) -> Result<Slice> + 'a) -> Self {
+        self.slices = Box::new(slices);
+        self.sliced = true;
+        self
+    }
+
+    /// Takes this rank's share of each tensor as `plan` splits it ([`TensorParallel`]): the
+    /// tensors its rules match by rows or by columns, the others whole.
+    ///
+    /// # Errors
+    /// The load stops with [`UsageError::UnevenSplit`] for a split the world does not divide,
+    /// unless the plan allows uneven ones.
+    pub fn tensor_parallel(self, plan: TensorParallel) -> Self {
+        self.slices(move |name, shape| plan.slice(name, shape))
     }
 
     /// Calls `progress` after each chunk's copy is queued, with the bytes done of the bytes
@@ -582,21 +639,7 @@ fn load_indexed(
     each: &mut Handoff<'_>,
 ) -> Result<()> {
     let staging = options.staging.validate("readers")?;
-    let shards = if path.to_string_lossy().ends_with(".index.json") {
-        index::plan(path, &mut *options.select, staging.direct)?
-    } else {
-        let file = open(path)?;
-        let len = file_len(path, &file)?;
-        let tensors = load::plan(path, &file, len, &mut *options.select)?;
-        let direct = staging.direct.then(|| open_direct(path)).flatten();
-        vec![Shard {
-            path: path.to_owned(),
-            file,
-            direct,
-            len,
-            tensors,
-        }]
-    };
+    let shards = plan_shards(path, &mut options, staging)?;
     let total = shards.iter().map(|s| load::plan_bytes(&s.tensors)).sum();
     let mut tally = Tally::new(total, &mut *options.progress);
     let convert = &mut *options.convert;
@@ -624,6 +667,31 @@ fn load_indexed(
         base += shard.tensors.len();
     }
     Ok(())
+}
+
+/// The files of a load of `path` (one file, or the shards of an index), each with its planned
+/// tensors: those `options` selects, cut to the slices it names.
+fn plan_shards(path: &Path, options: &mut LoadOptions<'_>, staging: Staging) -> Result<Vec<Shard>> {
+    let mut shards = if path.to_string_lossy().ends_with(".index.json") {
+        index::plan(path, &mut *options.select, staging.direct)?
+    } else {
+        let file = open(path)?;
+        let len = file_len(path, &file)?;
+        let tensors = load::plan(path, &file, len, &mut *options.select)?;
+        let direct = staging.direct.then(|| open_direct(path)).flatten();
+        vec![Shard {
+            path: path.to_owned(),
+            file,
+            direct,
+            len,
+            tensors,
+        }]
+    };
+    for shard in &mut shards {
+        let planned = std::mem::take(&mut shard.tensors);
+        shard.tensors = slice::apply(planned, &mut *options.slices)?;
+    }
+    Ok(shards)
 }
 
 /// `tensor` as the element type `convert` names for it: itself when that is its own type, else
@@ -767,6 +835,7 @@ pub fn load_from(
 ) -> Result<Checkpoint> {
     let staging = options.staging.validate("readers")?;
     let tensors = load::plan(path, file, len, &mut *options.select)?;
+    let tensors = slice::apply(tensors, &mut *options.slices)?;
     let mut tally = Tally::new(load::plan_bytes(&tensors), &mut *options.progress);
     let source = load::Source {
         path,

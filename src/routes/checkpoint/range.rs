@@ -75,6 +75,7 @@ pub fn read_into(
         shape: vec![tensor.len()],
         start: offset,
         end,
+        runs: None,
     }];
     let source = Source {
         path,

@@ -1,0 +1,302 @@
+//! The measurement behind the checkpoint loader's defaults (`docs/records/checkpoints.md`).
+//!
+//! Three files, each from the page cache: 8 GiB of 64 bf16 tensors, 1 GiB of 64, and 2,000
+//! small tensors of 1 to 64 KiB (as norms and biases are). Each is loaded five times with no
+//! setting given and three times through each setting of a grid (the engine's slot size, the
+//! load's staging and readers), beside the same-run limit for that file (the best 16-thread read
+//! into pinned memory, see [`limit`]) and PyTorch's `pin_memory` path (`python/bench/pin_memory.py`, where
+//! `python3` with torch is there).
+//!
+//! And the rest of the loader's figures for ranks (`measure_checkpoints_for_every_rank`): a
+//! rank's slice of the 8 GiB file by columns and by rows, the bytes it read against its share
+//! and its rate against a whole-file load; a shared load in a world of one; a converting load.
+
+use super::checkpoint::{rates, read_rate_in, timed_load, warm};
+use crate::bodies::checkpoint::{Scratch, tensors, write_with_the_formats_serializer};
+use crate::engine;
+use cuferry::CudaEngine;
+use cuferry::checkpoint::{self, LoadOptions, TensorParallel};
+use std::path::Path;
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+/// Named tensors' bytes, as the test files hold them.
+type Named = Vec<(String, Vec<u8>)>;
+
+/// A test file: what it holds, and how to make its tensors.
+type File = (&'static str, fn() -> Named);
+
+/// 2,000 bf16 tensors of 1 to 64 KiB, distinct bytes each.
+fn small_tensors() -> Named {
+    (0..2000u32)
+        .map(|i| {
+            let bytes = 1024 * (1 + (i as usize * 37) % 64);
+            let data = (0..bytes)
+                .map(|j| (j as u32 ^ i.wrapping_mul(97)) as u8)
+                .collect();
+            (format!("block.{i:04}.norm"), data)
+        })
+        .collect()
+}
+
+/// The median of `r`.
+fn median(r: &[f64]) -> f64 {
+    let mut r = r.to_vec();
+    r.sort_by(f64::total_cmp);
+    r[r.len() / 2]
+}
+
+/// The same-run limit for `path`: the best of three reads of the whole file by 16 threads into
+/// pinned memory, each thread reading pieces of 16 MiB (or a sixteenth of a smaller file) into
+/// a region of its own: GiB/s.
+///
+/// Smaller pieces read faster (a 256 KiB region per thread stays in the core's cache), but
+/// that measures the cache, not memory the device's copy engines read from; a staging slot is
+/// never that small.
+fn limit(engine: &mut CudaEngine, path: &Path) -> f64 {
+    let f = std::fs::File::open(path).unwrap();
+    let len = f.metadata().unwrap().len();
+    let piece = (16usize << 20)
+        .min((len / 16) as usize / 4096 * 4096)
+        .max(4096);
+    let r: Vec<f64> = (0..3)
+        .map(|_| read_rate_in(engine, &f, len, 16, piece))
+        .collect();
+    println!(
+        "  limit: 16 threads into pinned memory, {} KiB pieces: {} GiB/s",
+        piece >> 10,
+        rates(r.clone())
+    );
+    r.into_iter().fold(0.0, f64::max)
+}
+
+/// PyTorch's `pin_memory` path on `path`, five loads: GiB/s each, or none where it cannot run.
+fn torch_pin_memory(path: &Path) -> Vec<f64> {
+    let script = Path::new("python/bench/pin_memory.py");
+    if !script.exists() {
+        println!(
+            "  pin_memory path: not measured ({} is not here)",
+            script.display()
+        );
+        return Vec::new();
+    }
+    let out = std::process::Command::new("python3")
+        .arg(script)
+        .arg(path)
+        .args(["--repeats", "5"])
+        .output();
+    let Some(out) = out.ok().filter(|o| o.status.success()) else {
+        println!("  pin_memory path: not measured (python3 with torch did not run)");
+        return Vec::new();
+    };
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.rsplit(", ").next()?.strip_suffix(" GiB/s")?.parse().ok())
+        .collect()
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn measure_checkpoint_defaults() {
+    let dir = Scratch::new("checkpoint-defaults");
+    let mut engine = engine();
+    let default_config = engine.staging_config();
+    let files: [File; 3] = [
+        ("8 GiB, 64 bf16 tensors of 128 MiB", || {
+            tensors(64, 128 << 20)
+        }),
+        ("1 GiB, 64 bf16 tensors of 16 MiB", || tensors(64, 16 << 20)),
+        ("64 MiB, 2,000 bf16 tensors of 1-64 KiB", small_tensors),
+    ];
+    for (k, (what, make)) in files.into_iter().enumerate() {
+        let path = dir.0.join(format!("file{k}.safetensors"));
+        write_with_the_formats_serializer(&path, &make());
+        let len = std::fs::metadata(&path).unwrap().len() as f64;
+        warm(&path);
+        println!("file: {what} ({:.3} GiB)", len / GIB);
+        let limit = limit(&mut engine, &path);
+        // A load not timed first: the engine makes its staging slots once.
+        timed_load(&mut engine, &path, LoadOptions::new(), len);
+        let defaults: Vec<f64> = (0..5)
+            .map(|_| timed_load(&mut engine, &path, LoadOptions::new(), len))
+            .collect();
+        let torch = torch_pin_memory(&path);
+        let m = median(&defaults);
+        println!(
+            "  load, no setting given: {} GiB/s; median {m:.2} = {:.2}x the limit {limit:.1}",
+            rates(defaults.clone()),
+            m / limit
+        );
+        if !torch.is_empty() {
+            println!(
+                "  pin_memory path: {} GiB/s; the default's median = {:.2}x its median",
+                rates(torch.clone()),
+                m / median(&torch)
+            );
+        }
+        for chunk in [4usize << 20, 8 << 20, 16 << 20] {
+            let mut config = default_config;
+            config.chunk_bytes = chunk;
+            engine.set_staging_config(config).unwrap();
+            for staging in [64usize << 20, 128 << 20, 256 << 20] {
+                for readers in [8usize, 16, 24, 32] {
+                    let options = || LoadOptions::new().staging_bytes(staging).readers(readers);
+                    timed_load(&mut engine, &path, options(), len);
+                    let r: Vec<f64> = (0..3)
+                        .map(|_| timed_load(&mut engine, &path, options(), len))
+                        .collect();
+                    let m = median(&r);
+                    println!(
+                        "  sweep: slot {:>2} MiB, staging {:>3} MiB, {readers:>2} readers: median {m:5.1} GiB/s = {:.2}x ({})",
+                        chunk >> 20,
+                        staging >> 20,
+                        m / limit,
+                        rates(r)
+                    );
+                }
+            }
+        }
+        engine.set_staging_config(default_config).unwrap();
+        println!(
+            "  limit again: {:.1} GiB/s",
+            self::limit(&mut engine, &path)
+        );
+        std::fs::remove_file(&path).unwrap();
+    }
+}
+
+/// A file's reader that counts the bytes its positioned reads return.
+struct Counted<'f> {
+    file: &'f std::fs::File,
+    bytes: std::sync::atomic::AtomicU64,
+}
+
+impl checkpoint::ReadAt for Counted<'_> {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<usize> {
+        let n = std::os::unix::fs::FileExt::read_at(self.file, buf, offset)?;
+        self.bytes
+            .fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
+        Ok(n)
+    }
+}
+
+/// Times `load` three times (the engine synchronized before each, the loaded tensors dropped
+/// after): seconds each.
+fn timed(engine: &mut CudaEngine, mut load: impl FnMut(&mut CudaEngine)) -> Vec<f64> {
+    (0..3)
+        .map(|_| {
+            engine.synchronize().unwrap();
+            let start = std::time::Instant::now();
+            load(engine);
+            let secs = start.elapsed().as_secs_f64();
+            engine.synchronize().unwrap();
+            secs
+        })
+        .collect()
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn measure_checkpoints_for_every_rank() {
+    let dir = Scratch::new("checkpoint-ranks");
+    let path = dir.0.join("model.safetensors");
+    // 64 bf16 tensors of [8192, 8192]: 8 GiB.
+    {
+        let data: Named = tensors(64, 128 << 20);
+        let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = data
+            .iter()
+            .map(|(n, b)| {
+                let view = safetensors::tensor::TensorView::new(
+                    safetensors::Dtype::BF16,
+                    vec![8192, 8192],
+                    b,
+                );
+                (n.clone(), view.unwrap())
+            })
+            .collect();
+        safetensors::serialize_to_file(views, None, &path).unwrap();
+    }
+    let f = std::fs::File::open(&path).unwrap();
+    let len = f.metadata().unwrap().len();
+    let tensor_bytes = 64u64 * (128 << 20);
+    warm(&path);
+    let mut engine = engine();
+    let limit = limit(&mut engine, &path);
+    timed_load(&mut engine, &path, LoadOptions::new(), len as f64);
+    let whole = timed(&mut engine, |e| {
+        drop(checkpoint::load(e, &path).unwrap());
+    });
+    let whole_rate = tensor_bytes as f64 / median(&whole) / GIB;
+    println!(
+        "whole file, no setting given: median {whole_rate:.1} GiB/s ({:.2}x the limit {limit:.1})",
+        whole_rate / limit
+    );
+    // Rank 3 of a world of 8: columns of every tensor, then rows.
+    for (what, plan) in [
+        ("columns", TensorParallel::new(3, 8).unwrap().columns("*")),
+        ("rows", TensorParallel::new(3, 8).unwrap().rows("*")),
+    ] {
+        let counted = Counted {
+            file: &f,
+            bytes: Default::default(),
+        };
+        let options = || LoadOptions::new().tensor_parallel(plan.clone());
+        drop(checkpoint::load_from(&mut engine, &path, &counted, len, options()).unwrap());
+        let read = counted.bytes.swap(0, std::sync::atomic::Ordering::Relaxed);
+        let share = tensor_bytes / 8;
+        let secs = timed(&mut engine, |e| {
+            let loaded = checkpoint::load_from(e, &path, &counted, len, options()).unwrap();
+            assert_eq!(loaded.get("layer.00.weight").unwrap().len(), 8192 * 1024);
+        });
+        let rate = share as f64 / median(&secs) / GIB;
+        println!(
+            "rank 3 of 8, {what}: read {read} bytes = {:.4}x its share ({share}); median {rate:.1} GiB/s of bytes read = {:.2}x the whole-file load's rate ({})",
+            read as f64 / share as f64,
+            rate / whole_rate,
+            rates(secs.iter().map(|s| share as f64 / s / GIB).collect())
+        );
+    }
+    // Every tensor's columns checked against the file, for one rank.
+    {
+        let plan = TensorParallel::new(7, 8).unwrap().columns("*");
+        let loaded =
+            checkpoint::load_with(&mut engine, &path, LoadOptions::new().tensor_parallel(plan))
+                .unwrap();
+        let header = len - tensor_bytes;
+        let mut row = vec![0u8; 8192 * 2];
+        for (i, (name, t)) in loaded.iter().enumerate() {
+            let back = crate::support::any_tensor::any_bytes(&mut engine, t).unwrap();
+            for r in [0usize, 4095, 8191] {
+                let at = header + i as u64 * (128 << 20) + (r * 8192 * 2) as u64;
+                std::os::unix::fs::FileExt::read_exact_at(&f, &mut row, at).unwrap();
+                let want = &row[7 * 1024 * 2..];
+                assert!(&back[r * 2048..(r + 1) * 2048] == want, "{name} row {r}");
+            }
+        }
+        println!("rank 7 of 8, columns: rows 0, 4095 and 8191 of every tensor equal the file's");
+    }
+    // A shared load in a world of one, and a converting load (bf16 -> f32 on the device).
+    let comm = cuferry::collective::Communicator::new(&mut [&mut engine]);
+    match comm {
+        Ok(comm) => {
+            let secs = timed(&mut engine, |e| {
+                drop(checkpoint::load_shared(&comm, &mut [e], &path, LoadOptions::new()).unwrap());
+            });
+            let rate = tensor_bytes as f64 / median(&secs) / GIB;
+            println!(
+                "load_shared, a world of one: median {rate:.1} GiB/s = {:.2}x the whole-file load",
+                rate / whole_rate
+            );
+        }
+        Err(e) => println!("load_shared: not measured ({e})"),
+    }
+    let secs = timed(&mut engine, |e| {
+        let options = LoadOptions::new().convert(|_, _| cuferry::DType::F32);
+        drop(checkpoint::load_with(e, &path, options).unwrap());
+    });
+    let rate = tensor_bytes as f64 / median(&secs) / GIB;
+    println!(
+        "load converting bf16 to f32 on the device: median {rate:.1} GiB/s of file = {:.2}x the whole-file load",
+        rate / whole_rate
+    );
+}
