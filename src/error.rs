@@ -791,9 +791,15 @@ pub enum UsageError {
         /// The access offered.
         offered: &'static str,
     },
-    /// A tensor imported from another process, offered for sharing again: memory is shared by
-    /// the process that allocated it.
-    #[error("an imported tensor cannot be shared again")]
+    /// A tensor offered for sharing with another process whose memory is not an allocation of
+    /// its own: imported from another process (memory is shared by the process that allocated
+    /// it), adopted from another library, or part of a larger allocation (a small tensor a
+    /// checkpoint load packed with others). A copy of it (`CudaEngine::copy_tensor`) can be
+    /// shared.
+    #[error(
+        "only a tensor in an allocation of its own can be shared with another process; this \
+         one is imported, adopted, or part of a larger allocation: share a copy of it"
+    )]
     Reexport,
     /// A DLPack tensor lives on another device than the engine's, or in memory that is not a
     /// device's (host, pinned host, managed): `dlpack::import`.

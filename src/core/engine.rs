@@ -184,12 +184,32 @@ impl State {
         host: *mut u8,
         bytes: usize,
     ) -> Result<Lane> {
+        // SAFETY: the caller's contract.
+        unsafe {
+            self.queue_host_copy_of(upload, &[Use::of_copy(upload, tensor)], device, host, bytes)
+        }
+    }
+
+    /// As [`queue_host_copy`](Self::queue_host_copy), for a copy that uses the values `uses`
+    /// (one allocation and the tensors that are parts of it, say): ordered after each of their
+    /// uses on the other lanes, and recorded as a use of each.
+    ///
+    /// # Safety
+    /// As [`copy_host`](crate::driver::copy_host); `device..device+bytes` lies in the values
+    /// `uses` names, and every value it reaches there is in `uses`.
+    pub(crate) unsafe fn queue_host_copy_of(
+        &mut self,
+        upload: bool,
+        uses: &[Use],
+        device: DevicePtr,
+        host: *mut u8,
+        bytes: usize,
+    ) -> Result<Lane> {
         let lane = Lane::of_copy(upload);
-        let uses = [Use::of_copy(upload, tensor)];
-        self.order.prepare(&mut *self.driver, lane, &uses)?;
+        self.order.prepare(&mut *self.driver, lane, uses)?;
         // Marked first, as in `queue`: a copy queued by a driver call that then panics is still
         // waited for by later work on the tensor.
-        self.order.mark(lane, &uses);
+        self.order.mark(lane, uses);
         // SAFETY: the caller's contract.
         unsafe { crate::driver::copy_host(&mut *self.driver, upload, device, host, bytes) }?;
         Ok(lane)

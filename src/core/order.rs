@@ -260,6 +260,28 @@ impl Order {
         }
     }
 
+    /// Folds the uses of the value `from` into those of `into`, and forgets `from`: for a
+    /// tensor that is part of a larger allocation (`into`'s), dropped while the allocation
+    /// lives on. The allocation's free then waits for every use of the part, as for its own;
+    /// each of the part's uses counts as a read of the allocation, which is all a free asks of
+    /// it.
+    #[cfg(feature = "safetensors")]
+    pub(crate) fn fold(&mut self, from: DevicePtr, into: DevicePtr) {
+        if from == into {
+            return;
+        }
+        let Some(part) = self.touches.remove(&from) else {
+            return;
+        };
+        let whole = self.touches.entry(into).or_default();
+        for (lane, pos) in [part.alloc, part.write] {
+            whole.reads[lane] = whole.reads[lane].max(pos);
+        }
+        for (read, &pos) in whole.reads.iter_mut().zip(&part.reads) {
+            *read = (*read).max(pos);
+        }
+    }
+
     /// Forgets a value whose free has just been queued (after [`Order::prepare`] with a write):
     /// its address may come back from a later allocation, as a new value.
     pub(crate) fn forget(&mut self, ptr: DevicePtr) {
@@ -425,5 +447,32 @@ mod tests {
             h.finish()
         };
         assert_ne!(hash(0x7f00_0000_0000), hash(0x7f00_0000_0100));
+    }
+
+    /// A part's uses folded into its allocation: the allocation's free follows each of them,
+    /// on every lane, and the part is forgotten.
+    #[cfg(feature = "safetensors")]
+    #[test]
+    fn a_folded_part_orders_its_allocations_free() {
+        let (block, part) = (0x1000, 0x1100);
+        let (upload, compute, download) = (Lane::Upload, Lane::Compute, Lane::Download);
+        let mut order = Order::default();
+        order.mark(upload, &[Use::Alloc(block)]);
+        order.mark(upload, &[Use::Write(block), Use::Write(part)]);
+        order.mark(compute, &[Use::Read(part)]);
+        order.mark(compute, &[Use::Write(part)]);
+        order.mark(download, &[Use::Read(part)]);
+        // Before the fold, the free of the allocation follows only its own uses.
+        assert_eq!(order.needs(&[Use::Write(block)]), [0, 2, 0]);
+        order.fold(part, block);
+        assert!(!order.touches.contains_key(&part));
+        let [c, u, d] = [compute, upload, download].map(Lane::index);
+        let mut want = [0; 3];
+        (want[c], want[u], want[d]) = (2, 2, 1);
+        assert_eq!(order.needs(&[Use::Write(block)]), want);
+        // Folding a value into itself, or one with no uses, changes nothing.
+        order.fold(block, block);
+        order.fold(0x2000, block);
+        assert_eq!(order.needs(&[Use::Write(block)]), want);
     }
 }

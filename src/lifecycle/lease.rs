@@ -29,7 +29,10 @@
 
 use super::fence::{Fenced, Fencing, IdleEvent, fence};
 use crate::core::engine::{CudaEngine, Shared};
-
+#[cfg(feature = "safetensors")]
+use crate::core::order::Use;
+#[cfg(feature = "safetensors")]
+use crate::driver::DevicePtr;
 use crate::error::{Error, Result, StagingError, SubmitError, UsageError};
 use crate::memory::element::Element;
 use crate::memory::pinned::PinnedHostBuffer;
@@ -336,18 +339,15 @@ impl StagingLease<Proven> {
         let mut later = None;
         for copy in copies {
             let device = copy.tensor.raw_ptr() + copy.at as u64;
+            let mut uses = Vec::with_capacity(1 + copy.parts.len());
+            uses.push(Use::Write(copy.tensor.raw_ptr()));
+            uses.extend(copy.parts.iter().map(|&part| Use::Write(part)));
             // SAFETY: `from + len` lies in the slot and `at + len` in the tensor (checked by
             // `scatter_refusal`); the slot is held in `ManuallyDrop` from here, then fenced below
             // (unreachable until its event proves every copy complete); the tensor's free is
-            // ordered after the copy.
+            // ordered after the copy, and so are its parts' (the copy's uses name each).
             let queued = unsafe {
-                st.queue_host_copy(
-                    true,
-                    copy.tensor.raw_ptr(),
-                    device,
-                    host.add(copy.from),
-                    copy.len,
-                )
+                st.queue_host_copy_of(true, &uses, device, host.add(copy.from), copy.len)
             };
             match queued {
                 Ok(queued) => lane = Some(queued),
@@ -560,6 +560,10 @@ pub(crate) struct Scatter<'t> {
     pub(crate) at: usize,
     pub(crate) from: usize,
     pub(crate) len: usize,
+    /// The tensors inside `tensor` the copy writes too, when `tensor` is an allocation that
+    /// holds several (every one its bytes `at..at + len` reach): their later uses are ordered
+    /// after the copy.
+    pub(crate) parts: &'t [DevicePtr],
 }
 
 /// A point inside a download chunk queued in parts ([`StagingLease::begin_download_marked`]).

@@ -25,6 +25,8 @@
 //! across are process state and know nothing of memory: they live in `sync::copy_pool`.
 
 pub(crate) mod any_tensor;
+#[cfg(feature = "safetensors")]
+pub(crate) mod arena;
 pub(crate) mod element;
 pub(crate) mod host;
 pub(crate) mod pinned;

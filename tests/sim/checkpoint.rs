@@ -1267,3 +1267,133 @@ fn a_shared_load_refuses_slices_and_the_wrong_engines() {
     let loaded = checkpoint::load_shared(&comm, &mut refs, &path, LoadOptions::new()).unwrap();
     assert_eq!(loaded[1].len(), 3);
 }
+
+// ---- Small tensors packed into one allocation ----
+
+/// A checkpoint of 300 small tensors (1 byte to 3 KiB, of four element types): the load packs
+/// them into a few allocations, one copy each, and every tensor is a part of its own. Under
+/// interleaved schedules, with a copy queued on each tensor as it is handed over and half the
+/// tensors (or all of them) dropped at once, every copy reads the file's bytes, no allocation is freed under a
+/// use of any of its parts (the device reports no race), and once every tensor is gone every
+/// allocation is freed.
+#[test]
+fn small_tensors_share_an_allocation_that_outlives_every_use_of_each() {
+    use safetensors::Dtype as Sd;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("norms.safetensors");
+    let tensors: Vec<(String, Sd, Vec<u8>)> = (0..300usize)
+        .map(|i| {
+            let (dtype, elem) = [(Sd::U8, 1), (Sd::F32, 4), (Sd::BF16, 2), (Sd::BOOL, 1)][i % 4];
+            let n = 1 + (i * 37) % (3000 / elem);
+            let data = (0..n * elem)
+                .map(|j| match dtype {
+                    Sd::BOOL => (j % 3 == 0) as u8,
+                    _ => (j * 7 + i) as u8,
+                })
+                .collect();
+            (format!("block.{i:03}.norm"), dtype, data)
+        })
+        .collect();
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+        .iter()
+        .map(|(n, d, b)| {
+            let elem = if *d == Sd::F32 {
+                4
+            } else if *d == Sd::BF16 {
+                2
+            } else {
+                1
+            };
+            let view = safetensors::tensor::TensorView::new(*d, vec![b.len() / elem], b);
+            (n.clone(), view.unwrap())
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None::<HashMap<String, String>>, &path).unwrap();
+    for seed in 0..12 {
+        let sim = cuferry::sim::SimDevice::new(SimConfig::default());
+        sim.set_schedule(cuferry::sim::Schedule::Interleaved { seed });
+        let mut engine = CudaEngine::simulated_on(&sim);
+        let mut config = cuferry::staging::StagingConfig::default();
+        config.chunk_bytes = 64 << 10;
+        config.cutoff_bytes = 4096;
+        engine.set_staging_config(config).unwrap();
+        let (live, _) = sim.device_live();
+        let allocations = sim.calls(cuferry::sim::SimOp::Alloc);
+        let mut copies = Vec::new();
+        let options = LoadOptions::new().readers(3).staging_bytes(256 << 10);
+        let mut kept = Vec::new();
+        checkpoint::load_each(&mut engine, &path, options, |engine, name, tensor| {
+            let copy = match tensor.as_typed::<u8>() {
+                Some(t) => AnyTensor::from(engine.copy_tensor(t)?),
+                None => match tensor.as_typed::<f32>() {
+                    Some(t) => AnyTensor::from(engine.copy_tensor(t)?),
+                    None => match tensor.as_typed::<bf16>() {
+                        Some(t) => AnyTensor::from(engine.copy_tensor(t)?),
+                        None => {
+                            AnyTensor::from(engine.copy_tensor(tensor.as_typed::<bool>().unwrap())?)
+                        }
+                    },
+                },
+            };
+            let i: usize = name["block.".len()..][..3].parse().unwrap();
+            // Odd seeds keep half the tensors; even seeds drop every one at once, so each
+            // allocation is freed while the copies out of its parts are still queued.
+            if seed % 2 == 1 && i.is_multiple_of(2) {
+                kept.push((i, tensor));
+            } // else dropped now, its copy still queued
+            copies.push((i, copy));
+            Ok(())
+        })
+        .unwrap();
+        let made = sim.calls(cuferry::sim::SimOp::Alloc) - allocations;
+        // 300 tensors in a handful of allocations, beside the 300 copies'.
+        assert!(made < 300 + 20, "{made} allocations");
+        for (i, copy) in &copies {
+            let got = crate::support::any_tensor::any_bytes(&mut engine, copy).unwrap();
+            assert!(got == tensors[*i].2, "seed {seed}: tensor {i}");
+        }
+        for (i, tensor) in &kept {
+            let got = crate::support::any_tensor::any_bytes(&mut engine, tensor).unwrap();
+            assert!(got == tensors[*i].2, "seed {seed}: tensor {i}");
+        }
+        drop(copies);
+        drop(kept);
+        engine.synchronize().unwrap();
+        assert!(
+            sim.violations().is_empty(),
+            "seed {seed}: {:?}",
+            sim.violations()
+        );
+        assert_eq!(
+            sim.device_live().0,
+            live,
+            "seed {seed}: every allocation freed"
+        );
+    }
+}
+
+/// A small tensor a load packed with others is part of a larger allocation: offered for
+/// sharing with another process it is refused, handed back, and a copy of it is shared.
+#[test]
+fn a_packed_tensor_is_not_shared_but_a_copy_of_it_is() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("norms.safetensors");
+    let (file, tensors) = layers(4, 300);
+    std::fs::write(&path, &file).unwrap();
+    let mut engine = small_slots(64 << 10);
+    let mut loaded = checkpoint::load(&mut engine, &path).unwrap();
+    let part = loaded.take::<u8>("layer.02").unwrap();
+    let refused = engine.export_tensor(part).unwrap_err();
+    let error = refused.to_string();
+    let part = match refused {
+        cuferry::SubmitError::Rejected {
+            input,
+            error: Error::Usage(UsageError::Reexport),
+        } => input,
+        other => panic!("{other:?}"),
+    };
+    assert!(error.contains("part of a larger allocation"), "{error}");
+    assert_eq!(download_tensor(&mut engine, &part).unwrap(), tensors[2].1);
+    let copy = engine.copy_tensor(&part).unwrap();
+    assert!(engine.export_tensor(copy).is_ok());
+}

@@ -145,7 +145,29 @@ fn sliced_load(engine: &mut CudaEngine) -> Result<(), Error> {
         .flat_map(|r| (10..45).map(move |c| r * 50 + c))
         .map(|i| grid[i] as f32)
         .collect();
-    check(download_tensor(engine, &t), |v| assert_eq!(v, want))
+    check(download_tensor(engine, &t), |v| assert_eq!(v, want))?;
+    // Five small tensors, packed into one allocation by a load through 64 KiB slots: one of
+    // them kept, the others dropped at once.
+    let mut config = engine.staging_config();
+    config.chunk_bytes = 64 << 10;
+    engine.set_staging_config(config)?;
+    let norms: Vec<Vec<u32>> = (0..5).map(|i| distinct(50 + i * 7, 5 + i as u32)).collect();
+    let bytes: Vec<Vec<u8>> = norms
+        .iter()
+        .map(|n| n.iter().flat_map(|v| v.to_le_bytes()).collect())
+        .collect();
+    let views = bytes.iter().enumerate().map(|(i, b)| {
+        let view =
+            safetensors::tensor::TensorView::new(safetensors::Dtype::U32, vec![b.len() / 4], b);
+        (format!("norm{i}"), view.unwrap())
+    });
+    let file = safetensors::serialize(views, None).unwrap();
+    let path = std::path::Path::new("norms.safetensors");
+    let options = LoadOptions::new().readers(2);
+    let mut loaded = checkpoint::load_from(engine, path, &&file[..], file.len() as u64, options)?;
+    let kept = loaded.take::<u32>("norm3")?;
+    drop(loaded);
+    check(download_tensor(engine, &kept), |v| assert_eq!(v, norms[3]))
 }
 
 /// One run with faults armed by `arm`; returns a description of what went wrong, if anything.

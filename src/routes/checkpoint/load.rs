@@ -16,10 +16,12 @@ use super::slice::Runs;
 use super::{Done, Job, Staging, file_threads};
 use super::{ReadAt, Tally};
 use crate::core::engine::CudaEngine;
+use crate::driver::DevicePtr;
 use crate::dtype::DType;
 use crate::error::{Error, IoError, MalformedError, Result};
 use crate::lifecycle::lease::{Proven, Scatter, StagingLease, Unproven, released};
 use crate::memory::any_tensor::AnyTensor;
+use crate::memory::arena::{ALIGN as ARENA_ALIGN, Arena};
 use crate::memory::tensor::DeviceTensor;
 use std::collections::VecDeque;
 use std::path::Path;
@@ -49,6 +51,73 @@ struct Chunk {
     skew: usize,
     pieces: Vec<Piece>,
     runs: Option<(u64, Runs)>,
+    /// For a chunk of small tensors packed into one allocation: the group (of the targets'
+    /// [`groups`](Targets::groups)) it fills. Its pieces are read one by one into their places
+    /// in the slot, which are their places in the allocation.
+    group: Option<usize>,
+}
+
+impl Chunk {
+    /// The bytes the chunk moves.
+    fn bytes(&self) -> u64 {
+        self.pieces.iter().map(|p| p.len as u64).sum()
+    }
+}
+
+/// Small tensors that follow each other in a load's plan, packed into one device allocation
+/// (an [`Arena`]) and one staging slot alike: entries `first..first + offsets.len()`, each at
+/// its offset (256-byte aligned, the first at 256, so that no part sits at the allocation's own
+/// address), `bytes` in all.
+#[derive(Clone, Debug)]
+pub(crate) struct Group {
+    first: usize,
+    offsets: Vec<usize>,
+    bytes: usize,
+}
+
+/// The largest tensor a load packs with others into one allocation.
+const PACK_MAX: usize = 256 << 10;
+
+/// The groups of small tensors among `entries` that a load through slots of `capacity` bytes
+/// packs: runs of at least two tensors of at most [`PACK_MAX`] bytes (and an eighth of a slot),
+/// as many as one slot holds.
+pub(crate) fn groups(entries: &[Entry], capacity: usize) -> Vec<Group> {
+    // As `chunks` leaves room for direct reads, whether or not they are asked for.
+    let room = capacity.saturating_sub(2 * BLOCK as usize);
+    let small = PACK_MAX.min(room / 8);
+    let mut out: Vec<Group> = Vec::new();
+    let mut open: Option<Group> = None;
+    let close = |group: Option<Group>, out: &mut Vec<Group>| {
+        if let Some(group) = group.filter(|g| g.offsets.len() >= 2) {
+            out.push(group);
+        }
+    };
+    for (i, t) in entries.iter().enumerate() {
+        let size = (t.end - t.start) as usize;
+        if t.runs.is_some() || size == 0 || size > small {
+            close(open.take(), &mut out);
+            continue;
+        }
+        let at = open
+            .as_ref()
+            .map_or(ARENA_ALIGN, |g| g.bytes.next_multiple_of(ARENA_ALIGN));
+        match open.as_mut() {
+            Some(g) if at + size <= room => {
+                g.offsets.push(at);
+                g.bytes = at + size;
+            }
+            _ => {
+                close(open.take(), &mut out);
+                open = Some(Group {
+                    first: i,
+                    offsets: vec![ARENA_ALIGN],
+                    bytes: ARENA_ALIGN + size,
+                });
+            }
+        }
+    }
+    close(open, &mut out);
+    out
 }
 
 /// The block size direct reads align their offsets, lengths and buffers to.
@@ -59,7 +128,7 @@ const DIRECT_MIN_SLOT: usize = 64 << 10;
 
 /// The chunks that read `tensors` into slots of `capacity` bytes, in file order: tensors that
 /// follow each other in the file share a chunk, a large one spans several.
-fn chunks(tensors: &[Entry], capacity: usize, direct: bool) -> Vec<Chunk> {
+fn chunks(tensors: &[Entry], capacity: usize, direct: bool, groups: &[Group]) -> Vec<Chunk> {
     // A direct read may start up to a block before its first byte and end up to a block after
     // its last.
     let room = if direct {
@@ -68,15 +137,44 @@ fn chunks(tensors: &[Entry], capacity: usize, direct: bool) -> Vec<Chunk> {
         capacity
     } as u64;
     let mut out: Vec<Chunk> = Vec::new();
+    let mut packed = groups.iter().enumerate().peekable();
+    let mut skip = 0..0;
     for (i, t) in tensors.iter().enumerate() {
+        if skip.contains(&i) {
+            continue;
+        }
+        if let Some((g, group)) = packed.next_if(|(_, group)| group.first == i) {
+            let pieces = group.offsets.iter().enumerate().map(|(k, &from)| {
+                let t = &tensors[i + k];
+                Piece {
+                    tensor: i + k,
+                    at: 0,
+                    from,
+                    len: (t.end - t.start) as usize,
+                }
+            });
+            out.push(Chunk {
+                start: t.start,
+                end: t.start,
+                skew: 0,
+                pieces: pieces.collect(),
+                runs: None,
+                group: Some(g),
+            });
+            skip = i..i + group.offsets.len();
+            continue;
+        }
         let mut start = t.start;
         let runs = t.runs.map(|r| (t.start, r));
         while start < t.end {
             // A slice of columns shares no chunk: its reads are its own runs.
             let fits = runs.is_none()
-                && out
-                    .last()
-                    .is_some_and(|c| c.runs.is_none() && c.end == start && c.end - c.start < room);
+                && out.last().is_some_and(|c| {
+                    c.runs.is_none()
+                        && c.group.is_none()
+                        && c.end == start
+                        && c.end - c.start < room
+                });
             if !fits {
                 let skew = if direct && runs.is_none() {
                     (start % BLOCK) as usize
@@ -89,6 +187,7 @@ fn chunks(tensors: &[Entry], capacity: usize, direct: bool) -> Vec<Chunk> {
                     skew,
                     pieces: Vec::new(),
                     runs,
+                    group: None,
                 });
             }
             let c = out.last_mut().expect("a chunk was just pushed");
@@ -140,6 +239,18 @@ pub(crate) trait Targets {
     /// The tensor of entry `i`, while copies into it are still to be queued.
     fn target(&self, i: usize) -> &DeviceTensor<u8>;
 
+    /// The groups of small entries packed into one allocation each: none unless the targets
+    /// made them ([`groups`]).
+    fn groups(&self) -> &[Group] {
+        &[]
+    }
+
+    /// The allocation group `g` is packed into, as one tensor (of which each entry's tensor is
+    /// a part).
+    fn block(&self, g: usize) -> &DeviceTensor<u8> {
+        unreachable!("no group {g}: these targets pack none")
+    }
+
     /// Every copy into entry `i`'s tensor is queued: later work on the engine that uses it is
     /// ordered after them.
     ///
@@ -157,9 +268,21 @@ struct Loaded<'a, 'e> {
     entries: &'a [Entry],
     tensors: Vec<Option<DeviceTensor<u8>>>,
     each: &'a mut Each<'e>,
+    groups: Vec<Group>,
+    /// Each group's allocation, whole: a part of its arena held until the load ends, so the
+    /// arena outlives the making of its other parts.
+    blocks: Vec<DeviceTensor<u8>>,
 }
 
 impl Targets for Loaded<'_, '_> {
+    fn groups(&self) -> &[Group] {
+        &self.groups
+    }
+
+    fn block(&self, g: usize) -> &DeviceTensor<u8> {
+        &self.blocks[g]
+    }
+
     fn target(&self, i: usize) -> &DeviceTensor<u8> {
         self.tensors[i]
             .as_ref()
@@ -198,14 +321,32 @@ pub(crate) fn load(
     tally: &mut Tally<'_>,
     each: &mut Each<'_>,
 ) -> Result<()> {
+    let groups = groups(tensors, engine.staging_config().chunk_bytes);
     let mut loaded = Loaded {
         entries: tensors,
         tensors: Vec::with_capacity(tensors.len()),
         each,
+        blocks: Vec::with_capacity(groups.len()),
+        groups,
     };
-    for t in tensors {
+    let mut packed = loaded.groups.iter().peekable();
+    let mut i = 0;
+    while i < tensors.len() {
+        if let Some(group) = packed.next_if(|g| g.first == i) {
+            // One allocation for the group: each tensor a part of it.
+            let arena = Arena::new(engine.alloc_tensor::<u8>(&[group.bytes])?);
+            loaded.blocks.push(arena.part(0, group.bytes));
+            for (k, &at) in group.offsets.iter().enumerate() {
+                let t = &tensors[i + k];
+                (loaded.tensors).push(Some(arena.part(at, (t.end - t.start) as usize)));
+            }
+            i += group.offsets.len();
+            continue;
+        }
+        let t = &tensors[i];
         let bytes = engine.alloc_tensor::<u8>(&[(t.end - t.start) as usize])?;
         loaded.tensors.push(Some(bytes));
+        i += 1;
     }
     upload(engine, source, tensors, staging, tally, &mut loaded)?;
     unchanged(source)
@@ -285,7 +426,7 @@ pub(crate) fn upload(
     }
     let first = run.engine.route_lease()?;
     let direct = source.direct.is_some() && first.capacity() >= DIRECT_MIN_SLOT;
-    let chunks = chunks(entries, first.capacity(), direct);
+    let chunks = chunks(entries, first.capacity(), direct, run.targets.groups());
     for piece in chunks.iter().flat_map(|c| &c.pieces) {
         run.remaining[piece.tensor] += 1;
     }
@@ -321,23 +462,39 @@ impl Run<'_, '_> {
         flying: &mut VecDeque<StagingLease<Unproven>>,
     ) -> Result<()> {
         let targets = &*self.targets;
-        let copies: Vec<Scatter<'_>> = chunk
-            .pieces
-            .iter()
-            .map(|p| Scatter {
-                tensor: targets.target(p.tensor),
-                at: p.at,
-                from: p.from,
-                len: p.len,
-            })
-            .collect();
+        let parts: Vec<DevicePtr>;
+        let copies: Vec<Scatter<'_>> = match chunk.group {
+            // One copy fills the group's allocation, every tensor in it at once.
+            Some(g) => {
+                parts = (chunk.pieces.iter())
+                    .map(|p| targets.target(p.tensor).raw_ptr())
+                    .collect();
+                let end = targets.groups()[g].bytes;
+                vec![Scatter {
+                    tensor: targets.block(g),
+                    at: ARENA_ALIGN,
+                    from: ARENA_ALIGN,
+                    len: end - ARENA_ALIGN,
+                    parts: &parts,
+                }]
+            }
+            None => (chunk.pieces.iter())
+                .map(|p| Scatter {
+                    tensor: targets.target(p.tensor),
+                    at: p.at,
+                    from: p.from,
+                    len: p.len,
+                    parts: &[],
+                })
+                .collect(),
+        };
         let (begun, later) = lease.begin_scatter(self.engine, &copies);
         drop(copies);
         flying.push_back(begun.map_err(released)?);
         if let Some(error) = later {
             return Err(error);
         }
-        self.tally.add(chunk.end - chunk.start);
+        self.tally.add(chunk.bytes());
         for piece in &chunk.pieces {
             self.remaining[piece.tensor] -= 1;
             if self.remaining[piece.tensor] == 0 {
@@ -505,6 +662,10 @@ fn read_chunk(
         read_runs(source, chunk, origin, runs, slot, split)?;
         return check_bools(source, tensors, chunk, slot);
     }
+    if chunk.group.is_some() {
+        read_pieces(source, tensors, chunk, slot, split)?;
+        return check_bools(source, tensors, chunk, slot);
+    }
     // The slot's bytes `..want` hold the file's from `base`; a direct read covers whole blocks.
     let base = chunk.start - chunk.skew as u64;
     let want = chunk.skew + (chunk.end - chunk.start) as usize;
@@ -554,6 +715,50 @@ fn read_runs(
         Ok::<(), Error>(())
     };
     in_parts(&mut slot[..len], part, read)
+}
+
+/// Reads each piece of a packed chunk into its place in `slot` (one positioned read each, of
+/// the tensor's bytes), the pieces split between `split` threads.
+fn read_pieces(
+    source: Source<'_>,
+    tensors: &[Entry],
+    chunk: &Chunk,
+    slot: &mut [u8],
+    split: usize,
+) -> Result<(), Error> {
+    let per = chunk.pieces.len().div_ceil(split.max(1));
+    // Each thread's pieces, with the bytes of the slot they fill (the pieces come in slot
+    // order, so the slot splits between them).
+    let mut rest = slot;
+    let mut taken = 0;
+    let mut jobs = Vec::new();
+    for pieces in chunk.pieces.chunks(per) {
+        let end = pieces.last().map_or(taken, |p| p.from + p.len);
+        let (mine, after) = rest.split_at_mut(end - taken);
+        jobs.push((pieces, taken, mine));
+        rest = after;
+        taken = end;
+    }
+    let read = |(pieces, base, buf): (&[Piece], usize, &mut [u8])| {
+        pieces.iter().try_for_each(|p| {
+            let at = tensors[p.tensor].start + p.at as u64;
+            let into = &mut buf[p.from - base..p.from - base + p.len];
+            header::read_exact_at(source.path, source.file, at, into)
+        })
+    };
+    std::thread::scope(|scope| {
+        let mut jobs = jobs.into_iter();
+        let first = jobs.next().expect("a packed chunk has pieces");
+        let others: Vec<_> = jobs.map(|job| scope.spawn(move || read(job))).collect();
+        let mut result = read(first);
+        for handle in others {
+            let joined = handle
+                .join()
+                .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+            result = result.and(joined);
+        }
+        result
+    })
 }
 
 /// Runs `read` on each `part`-byte part of `buf` (with its index), the first on this thread and
@@ -821,6 +1026,7 @@ pub(super) mod tests {
             sizes in proptest::collection::vec((0u64..3, 0u64..20_000), 1..12),
             capacity in (64usize << 10)..(200 << 10),
             direct: bool,
+            pack: bool,
         ) {
             // Tensors in file order, some with gaps between them (not selected ones).
             let mut at = 4_321u64;
@@ -843,7 +1049,26 @@ pub(super) mod tests {
                 .collect();
             let mut seen: Vec<Vec<bool>> =
                 tensors.iter().map(|t| vec![false; (t.end - t.start) as usize]).collect();
-            for c in chunks(&tensors, capacity, direct) {
+            let groups = if pack { groups(&tensors, capacity) } else { Vec::new() };
+            for c in chunks(&tensors, capacity, direct, &groups) {
+                if c.group.is_some() {
+                    // Packed: at least two tensors, whole, each 256-byte aligned from byte 256
+                    // on, one after another within the slot's room.
+                    proptest::prop_assert!(c.pieces.len() >= 2);
+                    let mut end = ARENA_ALIGN;
+                    for p in &c.pieces {
+                        let t = &tensors[p.tensor];
+                        proptest::prop_assert_eq!((p.at, p.len), (0, (t.end - t.start) as usize));
+                        proptest::prop_assert!(p.from >= end && p.from % ARENA_ALIGN == 0);
+                        end = p.from + p.len;
+                        for b in &mut seen[p.tensor] {
+                            proptest::prop_assert!(!*b, "a byte read twice");
+                            *b = true;
+                        }
+                    }
+                    proptest::prop_assert!(end <= capacity - 2 * BLOCK as usize);
+                    continue;
+                }
                 proptest::prop_assert!(c.start < c.end);
                 if direct {
                     proptest::prop_assert_eq!((c.start - c.skew as u64) % BLOCK, 0);

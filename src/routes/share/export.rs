@@ -851,7 +851,8 @@ impl Importer {
     ///
     /// # Errors
     /// [`UsageError::ZeroLength`] for an empty tensor, [`UsageError::Reexport`] for a tensor
-    /// imported from another process, and as [`export_tensor`](CudaEngine::export_tensor): the
+    /// whose memory is not an allocation of its own (imported from another process, adopted,
+    /// or part of a larger one), and as [`export_tensor`](CudaEngine::export_tensor): the
     /// tensor comes back in [`SubmitError::Rejected`] (nothing was sent); as
     /// [`offer`](Self::offer) when sending fails: the tensor comes back in
     /// [`SubmitError::Failed`].
@@ -1018,8 +1019,8 @@ impl CudaEngine {
     ///
     /// # Errors
     /// [`UsageError::WrongEngine`] when it is not this engine's, [`UsageError::ZeroLength`]
-    /// when it has no elements, [`UsageError::Reexport`] when it is another process's, imported
-    /// here, [`Error::Driver`] when the device cannot export it (a pool that is not
+    /// when it has no elements, [`UsageError::Reexport`] when its memory is not an allocation of
+    /// its own (another process's, imported here; adopted; part of a larger allocation), [`Error::Driver`] when the device cannot export it (a pool that is not
     /// exportable): the tensor comes back in [`SubmitError::Rejected`].
     #[allow(clippy::result_large_err)]
     pub fn export_tensor<T: Element>(
