@@ -300,3 +300,97 @@ fn measure_checkpoints_for_every_rank() {
         rate / whole_rate
     );
 }
+
+/// A file's reader that adds up the time its positioned reads take, across threads.
+struct Timed<'f> {
+    file: &'f std::fs::File,
+    nanos: std::sync::atomic::AtomicU64,
+    reads: std::sync::atomic::AtomicU64,
+}
+
+impl checkpoint::ReadAt for Timed<'_> {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<usize> {
+        let start = std::time::Instant::now();
+        let n = std::os::unix::fs::FileExt::read_at(self.file, buf, offset)?;
+        let spent = start.elapsed().as_nanos() as u64;
+        self.nanos
+            .fetch_add(spent, std::sync::atomic::Ordering::Relaxed);
+        self.reads
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(n)
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn measure_small_tensors() {
+    let dir = Scratch::new("checkpoint-small");
+    let path = dir.0.join("small.safetensors");
+    write_with_the_formats_serializer(&path, &small_tensors());
+    let f = std::fs::File::open(&path).unwrap();
+    let len = f.metadata().unwrap().len();
+    warm(&path);
+    let mut engine = engine();
+    let limit = limit(&mut engine, &path);
+    timed_load(&mut engine, &path, LoadOptions::new(), len as f64);
+    let whole = timed(&mut engine, |e| drop(checkpoint::load(e, &path).unwrap()));
+    let plan = timed(&mut engine, |e| {
+        drop(checkpoint::load_with(e, &path, LoadOptions::new().select(|_| false)).unwrap())
+    });
+    println!(
+        "2,000 small tensors: load median {:.2} ms ({:.1} GiB/s, {:.2}x the limit {limit:.1}); the header alone {:.2} ms",
+        median(&whole) * 1e3,
+        len as f64 / median(&whole) / GIB,
+        len as f64 / median(&whole) / GIB / limit,
+        median(&plan) * 1e3
+    );
+    let reader = Timed {
+        file: &f,
+        nanos: Default::default(),
+        reads: Default::default(),
+    };
+    let secs = timed(&mut engine, |e| {
+        drop(checkpoint::load_from(e, &path, &reader, len, LoadOptions::new()).unwrap())
+    });
+    let reads = reader.reads.load(std::sync::atomic::Ordering::Relaxed) / 3;
+    let in_reads = reader.nanos.load(std::sync::atomic::Ordering::Relaxed) as f64 / 3e6;
+    println!(
+        "  through a timed reader: {:.2} ms each; {reads} reads taking {in_reads:.2} ms of threads' time",
+        median(&secs) * 1e3
+    );
+    // When each tensor is handed over.
+    for _ in 0..3 {
+        engine.synchronize().unwrap();
+        let start = std::time::Instant::now();
+        let mut first = None;
+        let mut last = 0.0;
+        checkpoint::load_each(&mut engine, &path, LoadOptions::new(), |_, _, t| {
+            let at = start.elapsed().as_secs_f64();
+            first.get_or_insert(at);
+            last = at;
+            drop(t);
+            Ok(())
+        })
+        .unwrap();
+        let end = start.elapsed().as_secs_f64();
+        println!(
+            "  load_each: first tensor at {:.2} ms, last at {:.2} ms, returned at {:.2} ms",
+            first.unwrap() * 1e3,
+            last * 1e3,
+            end * 1e3
+        );
+    }
+    for chunk in [1usize << 20, 4 << 20] {
+        let mut config = engine.staging_config();
+        config.chunk_bytes = chunk;
+        engine.set_staging_config(config).unwrap();
+        timed_load(&mut engine, &path, LoadOptions::new(), len as f64);
+        let secs = timed(&mut engine, |e| drop(checkpoint::load(e, &path).unwrap()));
+        println!(
+            "  {} MiB slots: median {:.2} ms ({:.1} GiB/s)",
+            chunk >> 20,
+            median(&secs) * 1e3,
+            len as f64 / median(&secs) / GIB
+        );
+    }
+}
