@@ -42,9 +42,14 @@ impl Arena {
     /// The arena's `len` bytes at `offset`, as a tensor of their own. The caller holds a part
     /// for as long as it makes more (the arena is freed when its parts drop to none).
     ///
+    /// # Safety
+    /// No two parts that safe code can reach overlap: each is a tensor of its own, written
+    /// through `&mut` alone. A part that spans others (the whole allocation, say) stays the
+    /// caller's, used only to fill them before they are handed out.
+    ///
     /// # Panics
     /// When `offset..offset + len` is not inside the allocation.
-    pub(crate) fn part(self: &Arc<Self>, offset: usize, len: usize) -> DeviceTensor<u8> {
+    pub(crate) unsafe fn part(self: &Arc<Self>, offset: usize, len: usize) -> DeviceTensor<u8> {
         let block = self.block.lock().unwrap_or_else(|e| e.into_inner());
         let block = block
             .as_ref()

@@ -335,10 +335,14 @@ pub(crate) fn load(
         if let Some(group) = packed.next_if(|g| g.first == i) {
             // One allocation for the group: each tensor a part of it.
             let arena = Arena::new(engine.alloc_tensor::<u8>(&[group.bytes])?);
-            loaded.blocks.push(arena.part(0, group.bytes));
+            // SAFETY: the whole allocation stays the load's, the target of the group's one
+            // copy, never handed out.
+            loaded.blocks.push(unsafe { arena.part(0, group.bytes) });
             for (k, &at) in group.offsets.iter().enumerate() {
-                let t = &tensors[i + k];
-                (loaded.tensors).push(Some(arena.part(at, (t.end - t.start) as usize)));
+                let len = (tensors[i + k].end - tensors[i + k].start) as usize;
+                // SAFETY: `groups` lays the tensors out one after another, each at its own
+                // aligned offset: no two overlap.
+                (loaded.tensors).push(Some(unsafe { arena.part(at, len) }));
             }
             i += group.offsets.len();
             continue;
