@@ -750,19 +750,7 @@ fn read_pieces(
             header::read_exact_at(source.path, source.file, at, into)
         })
     };
-    std::thread::scope(|scope| {
-        let mut jobs = jobs.into_iter();
-        let first = jobs.next().expect("a packed chunk has pieces");
-        let others: Vec<_> = jobs.map(|job| scope.spawn(move || read(job))).collect();
-        let mut result = read(first);
-        for handle in others {
-            let joined = handle
-                .join()
-                .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
-            result = result.and(joined);
-        }
-        result
-    })
+    at_once(jobs, read)
 }
 
 /// Runs `read` on each `part`-byte part of `buf` (with its index), the first on this thread and
@@ -776,12 +764,23 @@ fn in_parts(
     if buf.len() <= part {
         return read((0, buf));
     }
-    let read = &read;
+    at_once(buf.chunks_mut(part).enumerate(), read)
+}
+
+/// Runs `work` on each of `jobs` at once, the first on this thread and the others on threads
+/// of their own; the first error, once all are done. A panic of one is rethrown here.
+fn at_once<J: Send>(
+    jobs: impl IntoIterator<Item = J>,
+    work: impl Fn(J) -> Result<(), Error> + Sync,
+) -> Result<(), Error> {
+    let work = &work;
     std::thread::scope(|scope| {
-        let mut parts = buf.chunks_mut(part).enumerate();
-        let first = parts.next().expect("a chunk has bytes");
-        let others: Vec<_> = parts.map(|job| scope.spawn(move || read(job))).collect();
-        let mut result = read(first);
+        let mut jobs = jobs.into_iter();
+        let Some(first) = jobs.next() else {
+            return Ok(());
+        };
+        let others: Vec<_> = jobs.map(|job| scope.spawn(move || work(job))).collect();
+        let mut result = work(first);
         for handle in others {
             let joined = handle
                 .join()
