@@ -255,6 +255,11 @@ pub enum Error {
         /// The driver's result code.
         source: DriverError,
     },
+    /// A device allocation the device could not serve, after the engine released what its
+    /// retirement queue had proven complete and gave its pool's unused memory back to the
+    /// device: what was asked, and where the memory is ([`OutOfMemory`]).
+    #[error(transparent)]
+    OutOfMemory(Box<OutOfMemory>),
     /// A device event reported a failure: the work it covers did not complete. Everything that
     /// work may still touch is retained, never freed. Returned by the waits (`wait`,
     /// `synchronize`, the blocking routes) and by `flush`.
@@ -1678,3 +1683,70 @@ fn broadcast_extent(left: &[usize], right: &[usize], dim: usize) -> (usize, usiz
     };
     (at(left), at(right))
 }
+
+/// Why a device allocation failed for want of memory ([`Error::OutOfMemory`]): the size asked,
+/// the device's memory and the engine's pool when it failed, and what the engine still holds
+/// for work not yet proven complete. Its message reads as a diagnosis: "out of device memory:
+/// asked for 2.00 GiB; the device has 1.20 GiB free of 79.11 GiB; this engine's pool holds
+/// 76.50 GiB, 76.50 GiB of it in live allocations; 3 retired operations still wait for their
+/// proof of completion".
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct OutOfMemory {
+    /// The bytes asked for.
+    pub asked: usize,
+    /// The device's memory and the engine's pool when the allocation failed; `None` when the
+    /// driver could not say.
+    pub memory: Option<crate::device::DeviceMemory>,
+    /// Retired operations (a detached transfer, a dropped tensor's last uses, a failed
+    /// pipeline's chunks) whose resources wait for their proof of completion; what they hold is
+    /// released once it comes, at the next boundary or allocation.
+    pub waiting: usize,
+    /// The largest allocation that would succeed now, where the driver can say (the simulator
+    /// can; CUDA does not, so it is `None` there).
+    pub largest: Option<u64>,
+}
+
+impl std::fmt::Display for OutOfMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        use crate::device::human;
+        write!(
+            f,
+            "out of device memory: asked for {}",
+            human(self.asked as u64)
+        )?;
+        match &self.memory {
+            Some(m) => write!(
+                f,
+                "; the device has {} free of {}; this engine's pool holds {}, {} of it in live \
+                 allocations",
+                human(m.free),
+                human(m.total),
+                human(m.pool_reserved),
+                human(m.pool_in_use)
+            )?,
+            None => write!(f, "; the driver could not report the device's memory")?,
+        }
+        match self.waiting {
+            0 => write!(f, "; nothing waits for a proof of completion")?,
+            1 => write!(
+                f,
+                "; 1 retired operation still waits for its proof of completion"
+            )?,
+            n => write!(
+                f,
+                "; {n} retired operations still wait for their proof of completion"
+            )?,
+        }
+        if let Some(largest) = self.largest {
+            write!(
+                f,
+                "; the largest allocation that would succeed: {}",
+                human(largest)
+            )?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for OutOfMemory {}

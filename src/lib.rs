@@ -130,7 +130,7 @@ pub use work::{graph, libs};
 /// orders one engine's work after another's.
 pub mod engine {
     pub use crate::core::retire::RetirementStats;
-    pub use crate::device::{DeviceId, DeviceKind};
+    pub use crate::device::{DeviceId, DeviceKind, DeviceMemory};
     pub use crate::lifecycle::signal::Signal;
     pub use crate::memory::pool::PinnedPoolStats;
 }

@@ -13,8 +13,8 @@ torch is optional: it is imported only when a load hands its tensors to torch.
 
 Errors: :class:`Error` (a ``RuntimeError``) for what the engine reports, its message naming the
 file and the tensor, its ``kind`` attribute the engine's category (``"io"``, ``"malformed"``,
-``"setup"``, ``"usage"``, ``"driver"``, ...); :class:`UsageError` (both an ``Error`` and a
-``ValueError``) for what the engine refused as a wrong call; ``TypeError`` and ``ValueError``
+``"setup"``, ``"usage"``, ``"driver"``, ``"out_of_memory"``, ...); :class:`UsageError` (both an
+``Error`` and a ``ValueError``) for what the engine refused as a wrong call; ``TypeError`` and ``ValueError``
 for arguments this module checks itself; ``BufferError`` for the DLPack protocol's refusals.
 """
 

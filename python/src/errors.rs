@@ -60,6 +60,7 @@ fn kind(error: &cuferry::Error) -> &'static str {
     use cuferry::Error as E;
     match error {
         E::Driver { .. } => "driver",
+        E::OutOfMemory(_) => "out_of_memory",
         E::DeviceFault { .. } => "device_fault",
         E::Deferred { .. } => "deferred",
         E::Usage(_) => "usage",

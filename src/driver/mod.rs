@@ -61,6 +61,21 @@ pub(crate) fn reachable(from: DeviceId, to: DeviceId) -> Result<(), &'static str
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) struct EventHandle(pub(crate) u64);
 
+/// A device's memory, and what one driver's pool holds of it ([`Driver::memory_report`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct MemoryReport {
+    /// The device's free bytes.
+    pub(crate) free: u64,
+    /// The device's bytes in all.
+    pub(crate) total: u64,
+    /// The bytes the pool holds from the device (in use, and kept for reuse).
+    pub(crate) reserved: u64,
+    /// The bytes of the pool's live allocations.
+    pub(crate) used: u64,
+    /// The largest allocation that would succeed now, where the driver can say.
+    pub(crate) largest: Option<u64>,
+}
+
 /// One of the engine's three streams.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub(crate) enum Lane {
@@ -226,6 +241,13 @@ pub(crate) trait Driver:
     /// This driver's memory pool, for another driver of the machine to allocate from
     /// ([`Driver::alloc_from`]).
     fn pool(&self) -> u64;
+    /// The device's memory as the driver reports it (`cuMemGetInfo`), and what this driver's
+    /// pool holds (`cuMemPoolGetAttribute`).
+    fn memory_report(&mut self) -> Result<MemoryReport, DriverError>;
+    /// Gives the memory this driver's pool holds unused back to the device, down to `keep`
+    /// bytes (`cuMemPoolTrimTo`): memory that backs an allocation, or a free not yet complete,
+    /// stays.
+    fn trim_pool(&mut self, keep: usize) -> Result<(), DriverError>;
     /// Allocates `bytes` from `pool`, another driver's ([`Driver::pool`], possibly of another
     /// device), ordered on this driver's `lane` (`cuMemAllocFromPoolAsync` allows a pool of a
     /// device other than the stream's). The memory is the pool's driver's: it frees it, after

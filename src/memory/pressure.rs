@@ -30,7 +30,7 @@ pub(crate) enum Memory {
 }
 
 /// Whether `error` says the driver ran out of memory.
-fn out_of_memory(error: &Error) -> bool {
+pub(crate) fn out_of_memory(error: &Error) -> bool {
     matches!(error, Error::Driver { source, .. } if *source == DriverError::OUT_OF_MEMORY)
 }
 

@@ -11,10 +11,10 @@ use super::element::{Element, byte_len};
 use super::pressure::Memory;
 use crate::core::engine::{CudaEngine, Shared, State};
 use crate::core::order::Use;
-use crate::device::DeviceId;
+use crate::device::{DeviceId, DeviceMemory};
 use crate::driver::{DevicePtr, Lane};
 use crate::dtype::DType;
-use crate::error::{Error, Result, SubmitError, UsageError};
+use crate::error::{Error, OutOfMemory, Result, SubmitError, UsageError};
 use std::marker::PhantomData;
 use std::sync::Arc;
 use std::sync::Mutex;
@@ -177,9 +177,11 @@ pub(crate) fn shape_len(shape: &[usize]) -> Result<usize> {
 /// previous user on that lane has not finished). When the driver reports
 /// out-of-memory, everything the retirement queue has proven complete is released first (its
 /// device memory frees, stream-ordered, once the lock is released) and the allocation is tried
-/// once more (`memory::pressure`).
+/// once more (`memory::pressure`); then the pool gives its unused memory back to the device
+/// (what it keeps for reuse may be split too finely to serve the size) and it is tried once
+/// more. What fails then is [`Error::OutOfMemory`], saying where the memory is.
 pub(crate) fn alloc_device(shared: &Shared, lane: Lane, bytes: usize) -> Result<DevicePtr> {
-    let (_st, ptr) = shared.allocate(Memory::Device, |st: &mut State, _| {
+    let attempt = |st: &mut State, _| {
         let ptr = st
             .driver
             .alloc(lane, bytes)
@@ -189,8 +191,79 @@ pub(crate) fn alloc_device(shared: &Shared, lane: Lane, bytes: usize) -> Result<
             })?;
         st.order.mark(lane, &[Use::Alloc(ptr)]);
         Ok(ptr)
-    })?;
-    Ok(ptr)
+    };
+    match shared.allocate(Memory::Device, attempt) {
+        Ok((_st, ptr)) => Ok(ptr),
+        Err(error) if crate::memory::pressure::out_of_memory(&error) => {
+            let mut st = shared.enter()?;
+            // A refused trim changes nothing: the retry below fails as the first did.
+            let _ = st.driver.trim_pool(0);
+            match attempt(&mut st, true) {
+                Err(error) if crate::memory::pressure::out_of_memory(&error) => {
+                    Err(Error::OutOfMemory(Box::new(st.out_of_memory(bytes))))
+                }
+                made => made,
+            }
+        }
+        Err(error) => Err(error),
+    }
+}
+
+impl State {
+    /// Why an allocation of `asked` bytes found no memory: the device's and the pool's figures
+    /// now, and the retired work still waiting for its proof.
+    fn out_of_memory(&mut self, asked: usize) -> OutOfMemory {
+        let report = self.driver.memory_report().ok();
+        OutOfMemory {
+            asked,
+            memory: report.map(device_memory),
+            waiting: self.retire.stats().pending,
+            largest: report.and_then(|r| r.largest),
+        }
+    }
+}
+
+/// The public figures of a driver's report.
+fn device_memory(report: crate::driver::MemoryReport) -> DeviceMemory {
+    DeviceMemory {
+        free: report.free,
+        total: report.total,
+        pool_reserved: report.reserved,
+        pool_in_use: report.used,
+    }
+}
+
+impl CudaEngine {
+    /// The device's free and total memory (`cuMemGetInfo`) and what this engine's memory pool
+    /// holds of it: in use, and kept for reuse ([`DeviceMemory`]). A free does not give memory
+    /// back to the device: the pool keeps it, so that the next allocation of the same size
+    /// costs no driver call; [`trim_device_pool`](Self::trim_device_pool) gives it back.
+    ///
+    /// # Errors
+    /// [`Error::Driver`] when the driver cannot report it.
+    pub fn device_memory(&self) -> Result<DeviceMemory> {
+        let mut st = self.shared.enter()?;
+        let report = st.driver.memory_report().map_err(|source| Error::Driver {
+            call: "cuMemGetInfo",
+            source,
+        })?;
+        Ok(device_memory(report))
+    }
+
+    /// Gives the memory this engine's pool keeps unused back to the device, down to `keep`
+    /// bytes (`cuMemPoolTrimTo`), for other processes or other pools to use. Memory in a live
+    /// tensor, or whose free is still queued behind work, stays. An allocation that finds no
+    /// memory does this itself before it fails.
+    ///
+    /// # Errors
+    /// [`Error::Driver`] when the driver refuses.
+    pub fn trim_device_pool(&mut self, keep: usize) -> Result<()> {
+        let mut st = self.enter()?;
+        st.driver.trim_pool(keep).map_err(|source| Error::Driver {
+            call: "cuMemPoolTrimTo",
+            source,
+        })
+    }
 }
 
 impl<T: Element> DeviceTensor<T> {

@@ -79,3 +79,60 @@ fn with_raw_exposes_the_engine_stream_and_pointers() {
     assert_ne!(ptr, 0);
     assert_eq!(bytes, 256);
 }
+
+/// The device's memory as the driver reports it: a freed tensor's memory stays in the engine's
+/// pool until the pool is trimmed, and an allocation past the device's memory is an error that
+/// says where the memory is, after which the engine works on.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn device_memory_is_reported_kept_trimmed_and_explained_when_it_runs_out() {
+    const GIB: u64 = 1 << 30;
+    let mut engine = crate::engine();
+    let before = engine.device_memory().unwrap();
+    assert!(
+        before.total > 0 && before.free <= before.total,
+        "{before:?}"
+    );
+    let t = engine.alloc_tensor::<u8>(&[(4 * GIB) as usize]).unwrap();
+    engine.synchronize().unwrap();
+    let holding = engine.device_memory().unwrap();
+    assert!(holding.pool_in_use >= 4 * GIB, "{holding:?}");
+    drop(t);
+    engine.synchronize().unwrap();
+    let kept = engine.device_memory().unwrap();
+    assert!(
+        kept.pool_reserved >= 4 * GIB,
+        "the pool keeps what was freed: {kept:?}"
+    );
+    assert!(kept.pool_in_use < GIB, "{kept:?}");
+    engine.trim_device_pool(0).unwrap();
+    let trimmed = engine.device_memory().unwrap();
+    assert!(trimmed.pool_reserved < GIB, "{trimmed:?}");
+    assert!(
+        trimmed.free >= kept.free + 3 * GIB,
+        "{kept:?} then {trimmed:?}"
+    );
+    println!(
+        "device memory: before {before:?}; holding 4 GiB {holding:?}; freed {kept:?}; trimmed {trimmed:?}"
+    );
+    let asked = (before.total + GIB) as usize;
+    let err = engine.alloc_tensor::<u8>(&[asked]).unwrap_err();
+    println!("{err}");
+    let cuferry::Error::OutOfMemory(oom) = &err else {
+        panic!("{err:?}")
+    };
+    assert_eq!(oom.asked, asked);
+    let memory = oom.memory.expect("CUDA reports the device's memory");
+    assert_eq!(memory.total, before.total);
+    assert!(
+        err.to_string()
+            .starts_with("out of device memory: asked for "),
+        "{err}"
+    );
+    // The engine works on.
+    let back = cuferry::upload_tensor(&mut engine, &[1u32, 2, 3], &[3]).unwrap();
+    assert_eq!(
+        cuferry::download_tensor(&mut engine, &back).unwrap(),
+        [1, 2, 3]
+    );
+}

@@ -149,15 +149,94 @@ fn flush_reports_an_asynchronous_failure_without_waiting() {
 #[test]
 fn a_failed_allocation_is_a_typed_error() {
     let (mut engine, sim) = engine();
-    sim.fail_nth(SimOp::Alloc, 1, DriverError::OUT_OF_MEMORY);
+    sim.fail_nth(SimOp::Alloc, 1, DriverError::INVALID_VALUE);
     let err = engine.alloc_tensor::<u64>(&[3]).unwrap_err();
     assert!(matches!(
         err,
         Error::Driver {
-            source: DriverError::OUT_OF_MEMORY,
+            source: DriverError::INVALID_VALUE,
             ..
         }
     ));
+}
+
+/// An allocation the driver refuses for want of memory is tried again once the pool has given
+/// its unused memory back; one past the device's memory is an error that says where the memory
+/// is: the size asked, the device's free and total, the pool's, the retired work still waiting
+/// for its proof, and the largest allocation that would succeed.
+#[test]
+fn out_of_memory_trims_the_pool_retries_and_then_explains() {
+    // A one-off refusal: the pool is trimmed and the retry succeeds.
+    let (mut engine, sim) = engine();
+    sim.fail_nth(SimOp::Alloc, 1, DriverError::OUT_OF_MEMORY);
+    let trims = sim.calls(SimOp::TrimPool);
+    engine.alloc_tensor::<u64>(&[3]).unwrap();
+    assert_eq!(sim.calls(SimOp::TrimPool), trims + 1);
+
+    // A device of 1 MiB: 600 KiB held, 100 KiB in a detached upload the device has not run.
+    let sim = SimDevice::new(cuferry::sim::SimConfig {
+        memory_bytes: 1 << 20,
+        ..cuferry::sim::SimConfig::default()
+    });
+    let mut engine = CudaEngine::simulated_on(&sim);
+    let held = engine.alloc_tensor::<u8>(&[600 << 10]).unwrap();
+    sim.hold_clock(true);
+    let buffer = cuferry::PinnedHostBuffer::from_slice(&mut engine, &[7u8; 100 << 10]).unwrap();
+    let target = engine.alloc_tensor::<u8>(&[100 << 10]).unwrap();
+    drop(cuferry::upload_pending(&mut engine, buffer, target).unwrap());
+    let report = engine.device_memory().unwrap();
+    assert_eq!(
+        (
+            report.free,
+            report.total,
+            report.pool_reserved,
+            report.pool_in_use
+        ),
+        (324 << 10, 1 << 20, 700 << 10, 700 << 10)
+    );
+    let err = engine.alloc_tensor::<u8>(&[512 << 10]).unwrap_err();
+    let text = err.to_string();
+    let Error::OutOfMemory(oom) = err else {
+        panic!("{err:?}")
+    };
+    assert_eq!(oom.asked, 512 << 10);
+    assert_eq!(oom.memory, Some(report));
+    assert_eq!(oom.waiting, 1);
+    assert_eq!(oom.largest, Some(324 << 10));
+    assert_eq!(
+        text,
+        "out of device memory: asked for 512.00 KiB; the device has 324.00 KiB free of 1.00 MiB; \
+         this engine's pool holds 700.00 KiB, 700.00 KiB of it in live allocations; 1 retired \
+         operation still waits for its proof of completion; the largest allocation that would \
+         succeed: 324.00 KiB"
+    );
+    // A refused trim changes nothing; a driver that cannot report its memory leaves it out.
+    sim.fail_nth(SimOp::TrimPool, 1, DriverError::UNKNOWN);
+    sim.fail_nth(SimOp::MemoryReport, 1, DriverError::UNKNOWN);
+    match engine.alloc_tensor::<u8>(&[512 << 10]) {
+        Err(Error::OutOfMemory(oom)) => {
+            assert_eq!((oom.memory, oom.largest), (None, None));
+            assert!(
+                Error::OutOfMemory(oom)
+                    .to_string()
+                    .contains("the driver could not report the device's memory")
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    // A panic in the trim leaks nothing and leaves the engine working.
+    sim.panic_nth(SimOp::TrimPool, 1);
+    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        engine.alloc_tensor::<u8>(&[512 << 10])
+    }));
+    assert!(panicked.is_err());
+    // Once the device has run the upload, its memory comes back and the allocation fits.
+    sim.hold_clock(false);
+    engine.synchronize().unwrap();
+    let fits = engine.alloc_tensor::<u8>(&[400 << 10]).unwrap();
+    drop((held, fits));
+    engine.synchronize().unwrap();
+    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
 }
 
 #[test]

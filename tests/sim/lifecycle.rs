@@ -524,10 +524,10 @@ fn the_simulator_reports_what_it_cannot_back_and_never_overflows() {
     sim.fail_event(u64::MAX, DriverError::UNKNOWN);
     sim.panic_nth(SimOp::Free, u64::MAX);
     match engine.alloc_tensor::<u8>(&[isize::MAX as usize - 4096]) {
-        Err(Error::Driver {
-            source: DriverError::OUT_OF_MEMORY,
-            ..
-        }) => {}
+        Err(Error::OutOfMemory(oom)) if oom.asked == isize::MAX as usize - 4096 => {
+            let memory = oom.memory.expect("the simulator reports its memory");
+            assert_eq!(memory.total, usize::MAX as u64);
+        }
         other => panic!("expected out-of-memory, got {other:?}"),
     }
     sim.clear_faults();

@@ -18,7 +18,7 @@ pub(crate) use nccl::nccl_version;
 #[cfg(test)]
 pub(crate) use launch::{compile_check, nvrtc_present};
 
-use super::{ContextHandle, DevicePtr, Driver, EventHandle, Lane, Waits, Wake};
+use super::{ContextHandle, DevicePtr, Driver, EventHandle, Lane, MemoryReport, Waits, Wake};
 use crate::device::{DeviceId, DeviceKind};
 use crate::error::{DriverError, Error, SetupError};
 use cudarc::driver::{result, sys};
@@ -330,6 +330,41 @@ impl Driver for CudaDriver {
 
     fn pool(&self) -> u64 {
         self.pool as u64
+    }
+
+    fn memory_report(&mut self) -> Result<MemoryReport, DriverError> {
+        let (mut free, mut total) = (0usize, 0usize);
+        // SAFETY: two out pointers valid for one write each; the engine made its context
+        // current.
+        DriverError::check(unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) })?;
+        let attribute = |attribute| {
+            let mut value = 0u64;
+            // SAFETY: the attribute is one of the pool's `cuuint64_t` counters, which `value`
+            // is; the pool is this driver's, live while it is.
+            DriverError::check(unsafe {
+                sys::cuMemPoolGetAttribute(
+                    self.pool,
+                    attribute,
+                    (&mut value as *mut u64).cast::<c_void>(),
+                )
+            })
+            .map(|()| value)
+        };
+        use sys::CUmemPool_attribute as A;
+        Ok(MemoryReport {
+            free: free as u64,
+            total: total as u64,
+            reserved: attribute(A::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)?,
+            used: attribute(A::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)?,
+            // CUDA has no query for it: free memory may be split, and other pools may grow.
+            largest: None,
+        })
+    }
+
+    fn trim_pool(&mut self, keep: usize) -> Result<(), DriverError> {
+        // SAFETY: the pool is this driver's, live while it is; trimming never releases memory
+        // that backs an allocation or a free still pending (as `cuMemPoolTrimTo` documents).
+        DriverError::check(unsafe { sys::cuMemPoolTrimTo(self.pool, keep) })
     }
 
     fn alloc_from(

@@ -126,6 +126,11 @@ pub enum SimOp {
     IpcOpenEventHandle,
     /// The closing of an opened inter-process event (`cuEventDestroy` on it).
     IpcEventDestroy,
+    /// The query of the device's memory and the pool's (`cuMemGetInfo`,
+    /// `cuMemPoolGetAttribute`).
+    MemoryReport,
+    /// The release of a pool's unused memory (`cuMemPoolTrimTo`).
+    TrimPool,
 }
 
 impl SimDevice {
