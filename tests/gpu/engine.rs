@@ -136,3 +136,99 @@ fn device_memory_is_reported_kept_trimmed_and_explained_when_it_runs_out() {
         [1, 2, 3]
     );
 }
+
+/// The host time of a 256 MiB allocation and its free, in a loop: the engine's
+/// (`alloc_tensor`, then the drop) beside the raw pair on a pool of the same settings
+/// (`cuMemAllocFromPoolAsync` / `cuMemFreeAsync` on a stream of the engine's context, the
+/// release threshold at its maximum), and the engine's pool's reserved bytes around its loop.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn measure_device_allocation_against_the_raw_pool() {
+    use cuferry::raw::cudarc::driver::sys;
+    use std::time::Instant;
+    const BYTES: usize = 256 << 20;
+    const PAIRS: u32 = 2000;
+    let check = |call: &str, code: sys::CUresult| {
+        assert_eq!(code, sys::CUresult::CUDA_SUCCESS, "{call}");
+    };
+    let mut engine = crate::engine();
+    let ctx = engine
+        .with_raw(|r| Ok::<_, cuferry::Error>(r.context().as_raw() as usize))
+        .unwrap() as sys::CUcontext;
+    // The raw pair, on a pool of its own.
+    let raw = {
+        let mut pool = std::ptr::null_mut();
+        let mut stream = std::ptr::null_mut();
+        // SAFETY: the engine's live context made current; every out pointer is valid; the pool
+        // and stream are this test's, destroyed after the stream is synchronized.
+        unsafe {
+            check("cuCtxSetCurrent", sys::cuCtxSetCurrent(ctx));
+            let mut props: sys::CUmemPoolProps = std::mem::zeroed();
+            props.allocType = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+            props.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+            props.location.id = 0;
+            check("cuMemPoolCreate", sys::cuMemPoolCreate(&mut pool, &props));
+            let mut threshold = u64::MAX;
+            check(
+                "cuMemPoolSetAttribute",
+                sys::cuMemPoolSetAttribute(
+                    pool,
+                    sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                    (&mut threshold as *mut u64).cast(),
+                ),
+            );
+            check(
+                "cuStreamCreate",
+                sys::cuStreamCreate(
+                    &mut stream,
+                    sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
+                ),
+            );
+            let pair = || {
+                let mut ptr = 0;
+                check(
+                    "cuMemAllocFromPoolAsync",
+                    sys::cuMemAllocFromPoolAsync(&mut ptr, BYTES, pool, stream),
+                );
+                check("cuMemFreeAsync", sys::cuMemFreeAsync(ptr, stream));
+            };
+            for _ in 0..100 {
+                pair();
+            }
+            let start = Instant::now();
+            for _ in 0..PAIRS {
+                pair();
+            }
+            let per = start.elapsed() / PAIRS;
+            check("cuStreamSynchronize", sys::cuStreamSynchronize(stream));
+            check("cuStreamDestroy", sys::cuStreamDestroy_v2(stream));
+            check("cuMemPoolDestroy", sys::cuMemPoolDestroy(pool));
+            per
+        }
+    };
+    // The engine's pair.
+    for _ in 0..100 {
+        drop(engine.alloc_tensor::<u8>(&[BYTES]).unwrap());
+    }
+    engine.synchronize().unwrap();
+    let before = engine.device_memory().unwrap();
+    let start = Instant::now();
+    for _ in 0..PAIRS {
+        drop(engine.alloc_tensor::<u8>(&[BYTES]).unwrap());
+    }
+    let ours = start.elapsed() / PAIRS;
+    let after = engine.device_memory().unwrap();
+    engine.synchronize().unwrap();
+    println!(
+        "256 MiB allocation and free, host time per pair: engine {ours:?}, raw pool {raw:?}: {:.2}x",
+        ours.as_secs_f64() / raw.as_secs_f64()
+    );
+    println!(
+        "the engine's pool around {PAIRS} pairs: reserved {} then {} bytes, in use {} then {}",
+        before.pool_reserved, after.pool_reserved, before.pool_in_use, after.pool_in_use
+    );
+    assert!(
+        after.pool_reserved <= before.pool_reserved + BYTES as u64,
+        "{before:?} {after:?}"
+    );
+}
