@@ -200,6 +200,9 @@ pub(crate) fn alloc_device(shared: &Shared, lane: Lane, bytes: usize) -> Result<
             let _ = st.driver.trim_pool(0);
             match attempt(&mut st, true) {
                 Err(error) if crate::memory::pressure::out_of_memory(&error) => {
+                    // A failed allocation may leave the pool holding what it reserved for
+                    // it (CUDA's does): given back, so the report says where the memory was.
+                    let _ = st.driver.trim_pool(0);
                     Err(Error::OutOfMemory(Box::new(st.out_of_memory(bytes))))
                 }
                 made => made,
