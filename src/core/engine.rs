@@ -467,6 +467,8 @@ impl Shared {
 /// |  | [`events_created`](CudaEngine::events_created) | how many events the engine has created (a counter) |
 /// |  | [`retirement_stats`](CudaEngine::retirement_stats) | the retirement queue's counters |
 /// | Memory and staging | [`alloc_tensor`](CudaEngine::alloc_tensor) | a device tensor of a shape, contents unspecified until written |
+/// |  | [`device_memory`](CudaEngine::device_memory) | the device's free and total memory, and what the engine's pool holds |
+/// |  | [`trim_device_pool`](CudaEngine::trim_device_pool) | gives the pool's unused memory back to the device |
 /// |  | [`pinned_pool_budget`](CudaEngine::pinned_pool_budget) | the pinned pool's idle-byte budget |
 /// |  | [`set_pinned_pool_budget`](CudaEngine::set_pinned_pool_budget) | sets that budget and trims the pool to it |
 /// |  | [`pinned_pool_stats`](CudaEngine::pinned_pool_stats) | the pinned pool's counters |
