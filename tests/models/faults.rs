@@ -525,9 +525,13 @@ fn call_name(op: SimOp) -> Option<&'static str> {
 }
 
 /// Whether `error` names one of `causes`: a driver error names the failed call and its code, a
-/// device fault the code of a failed wait or query, or of a failing event.
+/// device fault the code of a failed wait or query, or of a failing event, and an
+/// out-of-memory error a device allocation refused for want of memory.
 fn explains(causes: &[Cause], error: &Error) -> bool {
     match error {
+        Error::OutOfMemory(_) => causes
+            .iter()
+            .any(|&(op, code)| op == Some(SimOp::Alloc) && code == DriverError::OUT_OF_MEMORY),
         Error::Driver { call, source } => causes.iter().any(|&(op, code)| {
             code == *source && op.and_then(call_name).is_some_and(|n| call.starts_with(n))
         }),
