@@ -339,16 +339,23 @@ impl StagingLease<Proven> {
         let mut later = None;
         for copy in copies {
             let device = copy.tensor.raw_ptr() + copy.at as u64;
-            let mut uses = Vec::with_capacity(1 + copy.parts.len());
-            uses.push(Use::Write(copy.tensor.raw_ptr()));
-            uses.extend(copy.parts.iter().map(|&part| Use::Write(part)));
+            // The tensor alone needs no list made (the common case, once per piece).
+            let whole = [Use::Write(copy.tensor.raw_ptr())];
+            let with_parts: Vec<Use>;
+            let uses: &[Use] = if copy.parts.is_empty() {
+                &whole
+            } else {
+                with_parts = (whole.into_iter())
+                    .chain(copy.parts.iter().map(|&part| Use::Write(part)))
+                    .collect();
+                &with_parts
+            };
+            let from = host.wrapping_add(copy.from);
             // SAFETY: `from + len` lies in the slot and `at + len` in the tensor (checked by
             // `scatter_refusal`); the slot is held in `ManuallyDrop` from here, then fenced below
             // (unreachable until its event proves every copy complete); the tensor's free is
             // ordered after the copy, and so are its parts' (the copy's uses name each).
-            let queued = unsafe {
-                st.queue_host_copy_of(true, &uses, device, host.add(copy.from), copy.len)
-            };
+            let queued = unsafe { st.queue_host_copy_of(true, uses, device, from, copy.len) };
             match queued {
                 Ok(queued) => lane = Some(queued),
                 Err(error) if lane.is_none() => {

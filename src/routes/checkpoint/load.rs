@@ -662,14 +662,22 @@ fn read_chunk(
     slot: &mut [u8],
     split: usize,
 ) -> Result<(), Error> {
-    if let Some((origin, runs)) = chunk.runs {
-        read_runs(source, chunk, origin, runs, slot, split)?;
-        return check_bools(source, tensors, chunk, slot);
+    match (chunk.runs, chunk.group) {
+        (Some((origin, runs)), _) => read_runs(source, chunk, origin, runs, slot, split)?,
+        (None, Some(_)) => read_pieces(source, tensors, chunk, slot, split)?,
+        (None, None) => read_span(source, chunk, slot, split)?,
     }
-    if chunk.group.is_some() {
-        read_pieces(source, tensors, chunk, slot, split)?;
-        return check_bools(source, tensors, chunk, slot);
-    }
+    check_bools(source, tensors, chunk, slot)
+}
+
+/// Reads a chunk of file bytes that follow each other into `slot`, in `split` parts read at
+/// once.
+fn read_span(
+    source: Source<'_>,
+    chunk: &Chunk,
+    slot: &mut [u8],
+    split: usize,
+) -> Result<(), Error> {
     // The slot's bytes `..want` hold the file's from `base`; a direct read covers whole blocks.
     let base = chunk.start - chunk.skew as u64;
     let want = chunk.skew + (chunk.end - chunk.start) as usize;
@@ -685,8 +693,7 @@ fn read_chunk(
         let need = want.saturating_sub(k * part).min(buf.len());
         read_part(source, base + (k * part) as u64, buf, need)
     };
-    in_parts(&mut slot[..span], part, read)?;
-    check_bools(source, tensors, chunk, slot)
+    in_parts(&mut slot[..span], part, read)
 }
 
 /// Reads the runs of a chunk of a slice of columns into `slot`, one positioned read per run
