@@ -1705,6 +1705,12 @@ pub struct OutOfMemory {
     /// The largest allocation that would succeed now, where the driver can say (the simulator
     /// can; CUDA does not, so it is `None` there).
     pub largest: Option<u64>,
+    /// What the engine held when the allocation failed, by owner
+    /// ([`CudaEngine::memory`](crate::CudaEngine::memory)).
+    pub held: crate::ledger::MemoryUse,
+    /// The engine's last allocations and frees, oldest first, when it keeps them
+    /// ([`CudaEngine::record_allocations`](crate::CudaEngine::record_allocations)); else empty.
+    pub history: Vec<crate::ledger::AllocationEvent>,
 }
 
 impl std::fmt::Display for OutOfMemory {
@@ -1744,6 +1750,24 @@ impl std::fmt::Display for OutOfMemory {
                 "; the largest allocation that would succeed: {}",
                 human(largest)
             )?;
+        }
+        let owners: Vec<String> = crate::ledger::Owner::ALL
+            .iter()
+            .filter(|owner| owner.on_device() && self.held.of(**owner).in_use > 0)
+            .map(|&owner| format!("{owner} {}", human(self.held.of(owner).in_use)))
+            .collect();
+        if !owners.is_empty() {
+            write!(f, "; the engine's device memory: {}", owners.join(", "))?;
+        }
+        if !self.history.is_empty() {
+            write!(
+                f,
+                "\nthe engine's last {} allocations and frees, oldest first:",
+                self.history.len()
+            )?;
+            for event in &self.history {
+                write!(f, "\n  {event}")?;
+            }
         }
         Ok(())
     }

@@ -95,6 +95,7 @@ pub mod error;
 // simulator alike.
 mod fd_passing;
 pub mod guide;
+mod ledger;
 // The host concurrency: the atomics, threads and cells of the hand-written concurrency (`std`'s,
 // or loom's when the loom models are built), and the process's host-copy threads.
 mod sync;
@@ -125,12 +126,16 @@ pub use routes::dlpack;
 pub use routes::peer;
 pub use work::{graph, libs};
 
-/// What the engine reports about itself and its device: the device's identity, the
+/// What the engine reports about itself and its device: the device's identity, its memory by owner
+/// ([`MemoryUse`](engine::MemoryUse), [`MemoryWatch`](engine::MemoryWatch)), the
 /// retirement queue's and the pinned pool's statistics, and the [`Signal`](engine::Signal) that
 /// orders one engine's work after another's.
 pub mod engine {
     pub use crate::core::retire::RetirementStats;
     pub use crate::device::{DeviceId, DeviceKind, DeviceMemory};
+    pub use crate::ledger::{
+        AllocationEvent, Change, Holding, MemoryUse, MemoryWatch, Owner, Retired,
+    };
     pub use crate::lifecycle::signal::Signal;
     pub use crate::memory::pool::PinnedPoolStats;
 }

@@ -29,8 +29,10 @@ use super::retire::{EventPool, Poll, Resources, RetireQueue, RetirementStats};
 use crate::device::DeviceId;
 use crate::driver::{ContextHandle, DevicePtr, Driver, Lane, Waits, callbacks};
 use crate::error::{DriverError, Error, Result, UsageError};
+use crate::ledger::{Cells, Ledger, Owner};
 use crate::sync::unlock_first::{UnlockFirst, Unlocking};
 use std::ops::{Deref, DerefMut};
+use std::panic::Location;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -45,6 +47,8 @@ pub(crate) struct Shared {
     pub(crate) waits: Arc<dyn Waits>,
     /// What host waits have proven complete, per lane (shared with the lane order).
     pub(crate) proven: Arc<Proven>,
+    /// The figures of the state's ledger, read without the lock.
+    pub(crate) cells: Arc<Cells>,
     state: Mutex<State>,
     /// Failures met inside wakes (values dropped there, leaked), for the next boundary. Its own
     /// lock, held for a push or a take only: a wake never waits for the state's lock, which a
@@ -76,6 +80,24 @@ pub(crate) struct State {
     pub(crate) peers: Vec<u64>,
     /// The state the levels above keep for this engine, by type, each made on first use.
     pub(crate) parts: Parts,
+    /// What memory the engine holds, by owner: told by every allocation and free, under this
+    /// lock (its one writer), and read from anywhere through [`Shared::cells`].
+    pub(crate) ledger: Ledger,
+}
+
+/// What a device allocation is counted as, for its free to take off the ledger again: its
+/// owner and its bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Charge {
+    pub(crate) owner: Owner,
+    pub(crate) bytes: usize,
+}
+
+impl Charge {
+    /// `bytes` of `owner`'s.
+    pub(crate) fn new(owner: Owner, bytes: usize) -> Self {
+        Charge { owner, bytes }
+    }
 }
 
 impl State {
@@ -97,6 +119,45 @@ impl State {
         op(&mut *self.driver)
     }
 
+    /// Allocates `bytes` of device memory ordered on `lane` for `owner`, records the allocation
+    /// in the lane order (work on another lane waits for it) and counts it on the ledger. Its
+    /// free, [`free_device`](Self::free_device), takes the same [`Charge`].
+    #[track_caller]
+    pub(crate) fn alloc_for(
+        &mut self,
+        lane: Lane,
+        bytes: usize,
+        owner: Owner,
+    ) -> std::result::Result<DevicePtr, DriverError> {
+        let ptr = self.driver.alloc(lane, bytes)?;
+        self.order.mark(lane, &[Use::Alloc(ptr)]);
+        self.ledger.allocated(owner, bytes, Location::caller());
+        Ok(ptr)
+    }
+
+    /// Frees, on `lane`, device memory of `charge` allocated on `lane` whose every use was
+    /// queued there (a library call's workspace): no wait is needed. A refusal leaves the memory
+    /// allocated and counted, and is recorded for the next boundary.
+    ///
+    /// # Safety
+    /// `ptr` came from [`alloc_for`](Self::alloc_for) on `lane`, is freed once (here), every
+    /// use of it was queued on `lane`, and no operation queued later names it.
+    #[track_caller]
+    pub(crate) unsafe fn free_on_lane(&mut self, lane: Lane, ptr: DevicePtr, charge: Charge) {
+        // SAFETY: the caller's contract.
+        match unsafe { self.driver.free(lane, ptr) } {
+            Ok(()) => {
+                self.order.forget(ptr);
+                self.ledger
+                    .freed(charge.owner, charge.bytes, Location::caller());
+            }
+            Err(source) => self.defer(Error::Driver {
+                call: "cuMemFreeAsync",
+                source,
+            }),
+        }
+    }
+
     /// Orders the work this lock hold is about to queue on `lane` with `uses`: queues its waits
     /// and records its uses. The caller queues the work before releasing the lock (so no later
     /// record covers the uses before the work), and a wait that fails refuses the work.
@@ -113,16 +174,24 @@ impl State {
     /// refused, the memory is left allocated (never freed under work that may still use it) and
     /// the failure recorded.
     ///
+    /// Once the free is queued, the ledger counts `charge` (what the allocation was counted
+    /// as) as freed; memory left allocated stays counted.
+    ///
     /// # Safety
     /// `ptr` came from this driver's `alloc`, is freed once (here), and no operation queued
     /// later names it.
-    pub(crate) unsafe fn free_device(&mut self, waits: &dyn Waits, ptr: DevicePtr) {
+    #[track_caller]
+    pub(crate) unsafe fn free_device(&mut self, waits: &dyn Waits, ptr: DevicePtr, charge: Charge) {
         // SAFETY: the caller's contract, for the driver's free.
         unsafe {
             // `free_ordered` orders every use of `ptr` before this free on `lane`.
-            self.free_ordered(waits, ptr, "cuMemFreeAsync", |driver, lane| {
-                driver.free(lane, ptr)
-            })
+            self.free_ordered(
+                waits,
+                ptr,
+                Some(charge),
+                "cuMemFreeAsync",
+                |driver, lane| driver.free(lane, ptr),
+            )
         };
     }
 
@@ -134,10 +203,12 @@ impl State {
     /// # Safety
     /// As [`free_device`](Self::free_device), for `release`'s memory; `release` queues the
     /// release of `ptr` on the lane it is given.
+    #[track_caller]
     pub(crate) unsafe fn free_ordered(
         &mut self,
         waits: &dyn Waits,
         ptr: DevicePtr,
+        charge: Option<Charge>,
         call: &'static str,
         release: impl FnOnce(&mut dyn Driver, Lane) -> std::result::Result<(), DriverError>,
     ) -> Option<Lane> {
@@ -160,6 +231,10 @@ impl State {
         match release(&mut *self.driver, lane) {
             Ok(()) => {
                 self.order.forget(ptr);
+                if let Some(charge) = charge {
+                    self.ledger
+                        .freed(charge.owner, charge.bytes, Location::caller());
+                }
                 Some(lane)
             }
             Err(source) => {
@@ -231,6 +306,7 @@ impl State {
             &mut proved,
             mode,
         );
+        self.retire.tell(&mut self.ledger);
         // Each released record's event proved its lane complete up to its record.
         self.order.settled(proved);
     }
@@ -569,12 +645,14 @@ impl CudaEngine {
     fn from_driver(driver: Box<dyn Driver>) -> Self {
         let device = driver.device();
         let order = Order::default();
+        let ledger = Ledger::default();
         CudaEngine {
             shared: Arc::new(Shared {
                 engine_id: NEXT_ENGINE.fetch_add(1, Ordering::Relaxed),
                 device,
                 waits: driver.waits(),
                 proven: Arc::clone(order.proven()),
+                cells: Arc::clone(ledger.cells()),
                 state: Mutex::new(State {
                     driver,
                     deferred: Vec::new(),
@@ -586,6 +664,7 @@ impl CudaEngine {
                     order,
                     peers: Vec::new(),
                     parts: Parts::default(),
+                    ledger,
                 }),
                 in_wake: Mutex::new(Vec::new()),
             }),
@@ -736,11 +815,13 @@ impl Drop for CudaEngine {
         // parts placed before the events (idle pinned memory), then the core's events, then the
         // driver's library handles and the rest of the parts: the streams are idle, so no kernel
         // or library call queued on them is pending.
-        st.parts.teardown_before_events(&mut *st.driver);
+        st.parts
+            .teardown_before_events(&mut *st.driver, &mut st.ledger);
         let _ = st.events.destroy_all(&mut *st.driver);
         st.order.release(&mut *st.driver);
         st.driver.libraries_release();
-        st.parts.teardown_after_events(&mut *st.driver);
+        st.parts
+            .teardown_after_events(&mut *st.driver, &mut st.ledger);
         // Released resources drop once the lock is gone; buffers among them are freed at once
         // since the engine is torn down.
     }

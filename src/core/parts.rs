@@ -16,6 +16,7 @@
 //! use, never allocates.
 
 use crate::driver::Driver;
+use crate::ledger::Ledger;
 use std::any::{Any, TypeId};
 
 /// State that a level above the core keeps per engine, behind the engine's lock.
@@ -32,8 +33,9 @@ pub(crate) trait Part: Any + Send + Default {
     /// the engine's teardown, with the engine's context current, and only after a wait has
     /// proven the streams idle (nothing queued before it is still pending) and the retirement
     /// queue has been settled; when that wait fails it is never called, and what the part holds
-    /// is leaked. Never reports: a refused release leaves the resource with the driver.
-    fn teardown(&mut self, driver: &mut dyn Driver);
+    /// is leaked. Never reports: a refused release leaves the resource with the driver. What it
+    /// gives back of memory the engine accounts for, it tells `ledger`.
+    fn teardown(&mut self, driver: &mut dyn Driver, ledger: &mut Ledger);
 }
 
 /// A part's place in the engine's teardown, which, once the streams are proven idle and the
@@ -58,7 +60,7 @@ struct Slot {
     /// The part, of type `id`.
     part: Box<dyn Any + Send>,
     /// Its [`Part::teardown`].
-    release: fn(&mut (dyn Any + Send), &mut dyn Driver),
+    release: fn(&mut (dyn Any + Send), &mut dyn Driver, &mut Ledger),
 }
 
 /// The parts an engine has made, one per type, in the order of their teardown.
@@ -68,9 +70,9 @@ pub(crate) struct Parts {
 }
 
 /// [`Part::teardown`] of a part held as `dyn Any`.
-fn release<P: Part>(part: &mut (dyn Any + Send), driver: &mut dyn Driver) {
+fn release<P: Part>(part: &mut (dyn Any + Send), driver: &mut dyn Driver, ledger: &mut Ledger) {
     if let Some(part) = part.downcast_mut::<P>() {
-        part.teardown(driver);
+        part.teardown(driver, ledger);
     }
 }
 
@@ -128,19 +130,28 @@ impl Parts {
     }
 
     /// Releases the parts of [`Teardown::BeforeEvents`], in order ([`Part::teardown`]).
-    pub(crate) fn teardown_before_events(&mut self, driver: &mut dyn Driver) {
-        self.teardown_where(driver, |place| matches!(place, Teardown::BeforeEvents(_)));
+    pub(crate) fn teardown_before_events(&mut self, driver: &mut dyn Driver, ledger: &mut Ledger) {
+        self.teardown_where(driver, ledger, |place| {
+            matches!(place, Teardown::BeforeEvents(_))
+        });
     }
 
     /// Releases the parts of [`Teardown::AfterEvents`], in order ([`Part::teardown`]).
-    pub(crate) fn teardown_after_events(&mut self, driver: &mut dyn Driver) {
-        self.teardown_where(driver, |place| matches!(place, Teardown::AfterEvents(_)));
+    pub(crate) fn teardown_after_events(&mut self, driver: &mut dyn Driver, ledger: &mut Ledger) {
+        self.teardown_where(driver, ledger, |place| {
+            matches!(place, Teardown::AfterEvents(_))
+        });
     }
 
     /// Releases the parts whose place `stage` accepts, in the order of their teardown.
-    fn teardown_where(&mut self, driver: &mut dyn Driver, stage: impl Fn(Teardown) -> bool) {
+    fn teardown_where(
+        &mut self,
+        driver: &mut dyn Driver,
+        ledger: &mut Ledger,
+        stage: impl Fn(Teardown) -> bool,
+    ) {
         for slot in self.slots.iter_mut().filter(|slot| stage(slot.teardown)) {
-            (slot.release)(&mut *slot.part, driver);
+            (slot.release)(&mut *slot.part, driver, ledger);
         }
     }
 }
@@ -166,7 +177,7 @@ mod tests {
             struct $name(u32);
             impl Part for $name {
                 const TEARDOWN: Teardown = $place;
-                fn teardown(&mut self, _driver: &mut dyn Driver) {
+                fn teardown(&mut self, _driver: &mut dyn Driver, _ledger: &mut Ledger) {
                     TORN_DOWN.with(|log| log.borrow_mut().push(stringify!($name)));
                 }
             }
@@ -194,9 +205,9 @@ mod tests {
         assert_eq!(parts.get::<Early0>().map(|p| p.0), Some(4));
         assert_eq!(parts.slots.len(), 4);
         let mut driver = SimDriver::new(SimDevice::new(SimConfig::default()));
-        parts.teardown_before_events(&mut driver);
+        parts.teardown_before_events(&mut driver, &mut Ledger::default());
         assert_eq!(torn_down(), ["Early0", "Early1"]);
-        parts.teardown_after_events(&mut driver);
+        parts.teardown_after_events(&mut driver, &mut Ledger::default());
         assert_eq!(torn_down(), ["Early0", "Early1", "Late0", "Late1"]);
     }
 }

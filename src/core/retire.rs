@@ -28,6 +28,7 @@
 
 use crate::driver::{Driver, EventHandle, Lane, Waits};
 use crate::error::{DriverError, Error, Result};
+use crate::ledger::Ledger;
 use std::any::Any;
 use std::collections::VecDeque;
 use std::mem::ManuallyDrop;
@@ -43,7 +44,48 @@ pub(crate) struct Record {
     what: &'static str,
     /// What the event's completion proves: its lane, up to this position of the lane order.
     covers: (Lane, u64),
+    /// The bytes of memory the resources hold ([`Held`]).
+    bytes: u64,
 }
+
+/// What memory a value that queued work may still touch holds, for the retirement queue's
+/// figures ([`MemoryUse::retired`](crate::engine::MemoryUse)): the bytes the engine releases
+/// once the work is proven complete. Values that hold no memory of the engine's keep the
+/// default, none.
+pub(crate) trait Held {
+    /// The bytes of device and page-locked host memory held.
+    fn held_bytes(&self) -> u64 {
+        0
+    }
+}
+
+impl Held for () {}
+
+impl<A: Held, B: Held> Held for (A, B) {
+    fn held_bytes(&self) -> u64 {
+        self.0.held_bytes() + self.1.held_bytes()
+    }
+}
+
+impl<A: Held> Held for Vec<A> {
+    fn held_bytes(&self) -> u64 {
+        self.iter().map(Held::held_bytes).sum()
+    }
+}
+
+impl<A: Held> Held for Option<A> {
+    fn held_bytes(&self) -> u64 {
+        self.as_ref().map_or(0, Held::held_bytes)
+    }
+}
+
+impl<A: Held + ?Sized> Held for Box<A> {
+    fn held_bytes(&self) -> u64 {
+        (**self).held_bytes()
+    }
+}
+
+impl<A: ?Sized + Send + Sync> Held for std::sync::Arc<A> {}
 
 impl Record {
     /// A record of `resources`, still unproven, fenced by `event`, whose completion proves
@@ -53,6 +95,7 @@ impl Record {
         resources: ManuallyDrop<R>,
         what: &'static str,
         covers: (Lane, u64),
+        bytes: u64,
     ) -> Self {
         let boxed: Resources = Box::new(ManuallyDrop::into_inner(resources));
         Record {
@@ -60,6 +103,7 @@ impl Record {
             resources: ManuallyDrop::new(boxed),
             what,
             covers,
+            bytes,
         }
     }
 }
@@ -97,6 +141,8 @@ pub(crate) enum Poll {
 #[derive(Default)]
 pub(crate) struct RetireQueue {
     pending: VecDeque<Record>,
+    /// The bytes the pending records hold.
+    pending_bytes: u64,
     /// Records whose event failed: never released. Dropping them leaks their resources.
     failed: Vec<(Record, DriverError)>,
     /// Work that was never fenced: what it was and why.
@@ -109,6 +155,7 @@ pub(crate) struct RetireQueue {
 impl RetireQueue {
     /// Queues a record, to be released once its event reports completion.
     pub(crate) fn push(&mut self, record: Record) {
+        self.pending_bytes += record.bytes;
         self.pending.push_back(record);
     }
 
@@ -131,6 +178,13 @@ impl RetireQueue {
             released: self.released,
             first_failure: first_failed.or_else(|| self.untracked.first().copied()),
         }
+    }
+
+    /// Tells `ledger` the queue's figures now: records waiting and the bytes they hold, and
+    /// records retained. Called after every change to the queue.
+    pub(crate) fn tell(&self, ledger: &mut Ledger) {
+        let retained = self.failed.len() + self.untracked.len();
+        ledger.retired(self.pending.len(), self.pending_bytes, retained);
     }
 
     /// Failures found since the last call, to be reported once.
@@ -165,6 +219,7 @@ impl RetireQueue {
             match answer {
                 Ok(true) => {
                     let record = self.pending.remove(i).expect("the record at `i` exists");
+                    self.pending_bytes -= record.bytes;
                     let (lane, upto) = record.covers;
                     proved[lane.index()] = proved[lane.index()].max(upto);
                     events.put(record.event);
@@ -176,6 +231,7 @@ impl RetireQueue {
                 Err(_) if mode == Poll::All => i += 1,
                 Err(source) => {
                     let record = self.pending.remove(i).expect("the record at `i` exists");
+                    self.pending_bytes -= record.bytes;
                     self.unreported.push(Error::DeviceFault {
                         what: record.what,
                         source,

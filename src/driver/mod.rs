@@ -61,7 +61,7 @@ pub(crate) fn reachable(from: DeviceId, to: DeviceId) -> Result<(), &'static str
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) struct EventHandle(pub(crate) u64);
 
-/// A device's memory, and what one driver's pool holds of it ([`Driver::memory_report`]).
+/// A device's memory, and what one driver's pool holds of it ([`Waits::memory_report`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct MemoryReport {
     /// The device's free bytes.
@@ -197,6 +197,9 @@ pub(crate) trait Waits: Send + Sync {
     fn lane_synchronize(&self, lane: Lane) -> Result<(), DriverError>;
     /// Whether everything queued on every lane has completed. Never waits.
     fn stream_query(&self) -> Result<bool, DriverError>;
+    /// The device's memory as the driver reports it (`cuMemGetInfo`), and what this driver's
+    /// pool holds (`cuMemPoolGetAttribute`). Never waits, and takes no lock of the engine's.
+    fn memory_report(&self) -> Result<MemoryReport, DriverError>;
     /// How long an awaited transfer that is not complete at its first poll keeps asking its
     /// event before it asks the device for a wake: about one wake's latency on a real device,
     /// so a copy about to finish resolves as fast as a host wait would; zero where time does not
@@ -241,9 +244,6 @@ pub(crate) trait Driver:
     /// This driver's memory pool, for another driver of the machine to allocate from
     /// ([`Driver::alloc_from`]).
     fn pool(&self) -> u64;
-    /// The device's memory as the driver reports it (`cuMemGetInfo`), and what this driver's
-    /// pool holds (`cuMemPoolGetAttribute`).
-    fn memory_report(&mut self) -> Result<MemoryReport, DriverError>;
     /// Gives the memory this driver's pool holds unused back to the device, down to `keep`
     /// bytes (`cuMemPoolTrimTo`): memory that backs an allocation, or a free not yet complete,
     /// stays.

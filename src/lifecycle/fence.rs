@@ -19,7 +19,7 @@
 //!   engine's lock while it is held.
 
 use crate::core::engine::{Shared, State};
-use crate::core::retire::Record;
+use crate::core::retire::{Held, Record};
 use crate::driver::{EventHandle, Lane, Wake, callbacks};
 use crate::error::{DriverError, Error, Result, UsageError};
 use std::mem::ManuallyDrop;
@@ -54,6 +54,8 @@ struct Inner<R> {
     what: &'static str,
     /// What the event's completion proves: its lane, up to this position.
     covers: (Lane, u64),
+    /// The bytes of memory the resources hold ([`Held`]), for the retirement queue's figures.
+    bytes: u64,
 }
 
 /// The outcome of fencing resources after queued work. There is no fourth case.
@@ -78,7 +80,7 @@ pub(crate) enum Fencing<R: Send + 'static> {
 /// `resources` arrive in `ManuallyDrop`, put there by the caller before the first enqueue of the
 /// work: a panic inside any driver call from that enqueue to the proof leaks them, never
 /// releases them (the type makes every route hold them from the start, not from here).
-pub(crate) fn fence<R: Send + 'static>(
+pub(crate) fn fence<R: Send + Held + 'static>(
     st: &mut State,
     owner: &Arc<Shared>,
     lane: Lane,
@@ -103,6 +105,7 @@ pub(crate) fn fence<R: Send + 'static>(
     });
     let error = match recorded {
         Ok(event) => {
+            let bytes = resources.held_bytes();
             return Fencing::Fenced(Fenced {
                 inner: Some(Inner {
                     resources,
@@ -110,6 +113,7 @@ pub(crate) fn fence<R: Send + 'static>(
                     owner: Arc::clone(owner),
                     what,
                     covers: (lane, st.order.position(lane)),
+                    bytes,
                 }),
             });
         }
@@ -161,8 +165,13 @@ impl<R: Send + 'static> Fenced<R> {
         &self.inner().resources
     }
 
-    /// Binds `extra` to the same proof: it is released with the resources, never before.
-    pub(crate) fn attach<X: Send + 'static>(mut self, extra: X) -> Fenced<(R, X)> {
+    /// Binds `extra`, which holds `extra_bytes` of the engine's memory, to the same proof: it is
+    /// released with the resources, never before.
+    pub(crate) fn attach<X: Send + 'static>(
+        mut self,
+        extra: X,
+        extra_bytes: u64,
+    ) -> Fenced<(R, X)> {
         let inner = self.take();
         let resources = ManuallyDrop::into_inner(inner.resources);
         Fenced {
@@ -172,6 +181,7 @@ impl<R: Send + 'static> Fenced<R> {
                 owner: inner.owner,
                 what: inner.what,
                 covers: inner.covers,
+                bytes: inner.bytes + extra_bytes,
             }),
         }
     }
@@ -356,9 +366,17 @@ fn settle<R: Send + 'static>(
 
 /// Keeps a fence whose event reported a failure: its resources are never released.
 fn retain<R: Send + 'static>(inner: Inner<R>, failure: DriverError) {
-    let record = Record::new(inner.event, inner.resources, inner.what, inner.covers);
+    let record = Record::new(
+        inner.event,
+        inner.resources,
+        inner.what,
+        inner.covers,
+        inner.bytes,
+    );
     if let Some(mut st) = inner.owner.lock_for_drop() {
+        let st = &mut *st;
         st.retire.retain_failed(record, failure);
+        st.retire.tell(&mut st.ledger);
     }
 }
 
@@ -372,12 +390,15 @@ impl<R: Send + 'static> Drop for Fenced<R> {
             return; // `inner` leaks: sound
         };
         if !st.torn_down {
+            let st = &mut *st;
             st.retire.push(Record::new(
                 inner.event,
                 inner.resources,
                 inner.what,
                 inner.covers,
+                inner.bytes,
             ));
+            st.retire.tell(&mut st.ledger);
             return;
         }
         // The engine is gone and nobody drains its queue: prove completion here, outside the
@@ -467,7 +488,9 @@ impl<R: Send + 'static> Untracked<R> {
 impl<R: Send + 'static> Drop for Untracked<R> {
     fn drop(&mut self) {
         if let Some(mut st) = self.owner.lock_for_drop() {
+            let st = &mut *st;
             st.retire.count_untracked(self.what, self.failure);
+            st.retire.tell(&mut st.ledger);
         }
         // `self.resources` is `ManuallyDrop`: never dropped, so never released.
     }
@@ -519,7 +542,7 @@ pub(crate) fn synchronize_now<R: Send + 'static>(
 /// The record failure when neither an event nor a stream synchronize could prove completion
 /// (`resources` are then retained), or [`Error::DeviceFault`] when the work failed.
 #[cfg(feature = "cubecl")]
-pub(crate) fn wait_for_queued<R: Send + 'static>(
+pub(crate) fn wait_for_queued<R: Send + Held + 'static>(
     mut st: crate::core::engine::Entered<'_>,
     owner: &Arc<Shared>,
     resources: R,

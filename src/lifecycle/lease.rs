@@ -31,6 +31,7 @@ use super::fence::{Fenced, Fencing, IdleEvent, fence};
 use crate::core::engine::{CudaEngine, Shared};
 #[cfg(feature = "safetensors")]
 use crate::core::order::Use;
+use crate::core::retire::Held;
 #[cfg(feature = "safetensors")]
 use crate::driver::DevicePtr;
 use crate::error::{Error, Result, StagingError, SubmitError, UsageError};
@@ -80,23 +81,33 @@ impl LeasedSlot {
     }
 }
 
+/// The slot's bytes: staging memory that goes back to the ring with it.
+impl Held for LeasedSlot {
+    fn held_bytes(&self) -> u64 {
+        self.slot.as_ref().map_or(0, |slot| slot.bytes() as u64)
+    }
+}
+
 impl Drop for LeasedSlot {
     fn drop(&mut self) {
         let Some(slot) = self.slot.take() else {
             return;
         };
-        let Some(mut st) = self.owner.lock_for_drop() else {
+        let Some(mut locked) = self.owner.lock_for_drop() else {
             return; // leaked: sound
         };
+        let st = &mut *locked;
         let torn_down = st.torn_down;
-        let Some(slot) = st.parts.get_mut::<StagingRing>().put(slot, torn_down) else {
+        let ring = st.parts.get_mut::<StagingRing>();
+        let Some(slot) = ring.put(&mut st.ledger, slot, torn_down) else {
             return;
         };
-        drop(st);
-        if let Some(mut st) = self.owner.enter_for_drop()
-            && let Err(error) = free_slot(&mut *st.driver, slot)
-        {
-            st.defer(error);
+        drop(locked);
+        if let Some(mut st) = self.owner.enter_for_drop() {
+            let st = &mut *st;
+            if let Err(error) = free_slot(&mut *st.driver, &mut st.ledger, slot, false) {
+                st.defer(error);
+            }
         }
     }
 }
@@ -584,7 +595,11 @@ pub(crate) enum Mark {
 }
 
 mod keep_alive {
-    pub trait Sealed {}
+    pub trait Sealed {
+        /// The bytes of the engine's memory the value holds, for the retirement queue's
+        /// figures.
+        fn held(&self) -> u64;
+    }
 }
 
 /// What a retired lease may keep alive until its proof: the crate's own device and host values,
@@ -606,13 +621,29 @@ mod keep_alive {
 /// ```
 pub trait KeepAlive: keep_alive::Sealed + Send + Sync + 'static {}
 
-impl keep_alive::Sealed for () {}
+impl keep_alive::Sealed for () {
+    fn held(&self) -> u64 {
+        0
+    }
+}
 impl KeepAlive for () {}
-impl<T: Element> keep_alive::Sealed for DeviceTensor<T> {}
+impl<T: Element> keep_alive::Sealed for DeviceTensor<T> {
+    fn held(&self) -> u64 {
+        self.held_bytes()
+    }
+}
 impl<T: Element> KeepAlive for DeviceTensor<T> {}
-impl<T: Element> keep_alive::Sealed for PinnedHostBuffer<T> {}
+impl<T: Element> keep_alive::Sealed for PinnedHostBuffer<T> {
+    fn held(&self) -> u64 {
+        self.held_bytes()
+    }
+}
 impl<T: Element> KeepAlive for PinnedHostBuffer<T> {}
-impl<A: KeepAlive, B: KeepAlive> keep_alive::Sealed for (A, B) {}
+impl<A: KeepAlive, B: KeepAlive> keep_alive::Sealed for (A, B) {
+    fn held(&self) -> u64 {
+        self.0.held() + self.1.held()
+    }
+}
 impl<A: KeepAlive, B: KeepAlive> KeepAlive for (A, B) {}
 
 impl StagingLease<Unproven> {
@@ -642,7 +673,8 @@ impl StagingLease<Unproven> {
         if let Some(mut st) = self.hold.owner().lock_for_drop() {
             st.parts.get_mut::<StagingRing>().count_retired();
         }
-        drop(self.hold.attach(resource));
+        let bytes = keep_alive::Sealed::held(&resource);
+        drop(self.hold.attach(resource, bytes));
     }
 }
 
@@ -688,7 +720,7 @@ impl CudaEngine {
             }
             st.parts
                 .get_mut::<StagingRing>()
-                .take_slot(&mut *st.driver, kind)
+                .take_slot(&mut *st.driver, &mut st.ledger, kind)
         })?;
         drop(st);
         Ok(StagingLease::from_slot(slot, &self.shared, None))
@@ -712,7 +744,7 @@ impl CudaEngine {
         let st = &mut *st;
         st.parts
             .get_mut::<StagingRing>()
-            .reconfigure(&mut *st.driver, config)
+            .reconfigure(&mut *st.driver, &mut st.ledger, config)
     }
 
     /// The staging ring's counters.

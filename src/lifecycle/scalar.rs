@@ -75,7 +75,7 @@ pub(crate) fn scalar_transfer<T: Element>(
         }
         st.parts
             .get_mut::<StagingRing>()
-            .take_scalar(&mut *st.driver)
+            .take_scalar(&mut *st.driver, &mut st.ledger)
     })?;
     let slot = LeasedSlot::new(slot, owner);
     let ptr = slot.ptr();

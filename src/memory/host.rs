@@ -28,6 +28,9 @@ pub(crate) mod sealed {
         fn host_len(&self) -> usize;
         /// The engine the memory belongs to: its device and its id.
         fn host_engine(&self) -> (DeviceId, u64);
+        /// The bytes of page-locked memory the value holds (what the engine's ledger counts
+        /// for it).
+        fn page_locked_bytes(&self) -> u64;
     }
 }
 

@@ -13,6 +13,8 @@
 //! - [`ring`]: the staging ring's chunks, settings and counters (an engine part).
 //! - [`pressure`]: the one answer of every allocation path to out-of-memory: release what the
 //!   retirement queue has proven complete, then retry once.
+//! - [`usage`]: what the engine holds, by owner, asked of the engine (the figures are the
+//!   ledger's, `crate::ledger`, which every allocation and free here tells).
 //! - [`stream_copy`]: the copy into pinned staging memory, written around the CPU's caches so
 //!   the DMA that reads it next does not have to pull it out of them.
 //!
@@ -36,3 +38,4 @@ pub(crate) mod registered;
 pub(crate) mod ring;
 pub(crate) mod stream_copy;
 pub(crate) mod tensor;
+pub(crate) mod usage;

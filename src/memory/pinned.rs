@@ -16,10 +16,12 @@ use super::host::{HostBuffer, sealed::HostMemory};
 use super::pool::{Block, GRANULE, PinnedPool, PinnedPoolStats};
 use super::pressure::Memory;
 use crate::core::engine::{CudaEngine, Shared, State};
+use crate::core::retire::Held;
 use crate::device::DeviceId;
 use crate::driver::Waits;
 use crate::error::{DriverError, Error, Result, UsageError};
 use std::marker::PhantomData;
+use std::panic::Location;
 use std::sync::Arc;
 
 impl State {
@@ -33,20 +35,23 @@ impl State {
         bytes: usize,
         capacity: usize,
         under_pressure: bool,
+        at: &'static Location<'static>,
     ) -> Result<Block> {
         // A cheap poll: release the oldest detached records if they are done.
         self.release_completed_front(waits);
-        if let Some(block) = self.parts.get_mut::<PinnedPool>().reuse(bytes) {
+        let pool = self.parts.get_mut::<PinnedPool>();
+        if let Some(block) = pool.reuse(&mut self.ledger, bytes, at) {
             return Ok(block);
         }
         if under_pressure {
             self.free_idle_pinned();
         }
-        match self
-            .parts
-            .get_mut::<PinnedPool>()
-            .allocate(&mut *self.driver, capacity)
-        {
+        match self.parts.get_mut::<PinnedPool>().allocate(
+            &mut *self.driver,
+            &mut self.ledger,
+            capacity,
+            at,
+        ) {
             Ok(Some(block)) => Ok(block),
             Ok(None) => Err(Error::Driver {
                 call: "cuMemHostAlloc",
@@ -63,7 +68,9 @@ impl State {
 /// A pinned block of at least `bytes` for `engine`: from its pool, freshly allocated, or, when
 /// allocation runs out of memory, after releasing completed retirement records and idle
 /// page-locked memory (`memory::pressure`).
+#[track_caller]
 fn acquire_pinned(engine: &mut CudaEngine, bytes: usize) -> Result<Block> {
+    let at = Location::caller();
     let capacity =
         bytes
             .checked_next_multiple_of(GRANULE)
@@ -74,7 +81,7 @@ fn acquire_pinned(engine: &mut CudaEngine, bytes: usize) -> Result<Block> {
             }))?;
     let shared = &*engine.shared;
     let (_st, block) = shared.allocate(Memory::PageLocked, |st, under_pressure| {
-        st.try_acquire_pinned(&*shared.waits, bytes, capacity, under_pressure)
+        st.try_acquire_pinned(&*shared.waits, bytes, capacity, under_pressure, at)
     })?;
     Ok(block)
 }
@@ -94,9 +101,12 @@ impl CudaEngine {
     pub fn set_pinned_pool_budget(&mut self, bytes: usize) -> Result<()> {
         let mut st = self.enter()?;
         let st = &mut *st;
-        st.parts
-            .get_mut::<PinnedPool>()
-            .set_budget(&mut *st.driver, bytes, &mut st.deferred);
+        st.parts.get_mut::<PinnedPool>().set_budget(
+            &mut *st.driver,
+            &mut st.ledger,
+            bytes,
+            &mut st.deferred,
+        );
         Ok(())
     }
 
@@ -139,6 +149,7 @@ impl<T: Element> PinnedHostBuffer<T> {
     /// addressed; [`Error::Driver`] when pinned memory cannot be allocated (out of memory: only
     /// after the memory of retired work the device has finished was released, the engine's
     /// idle pinned memory freed, and the allocation tried once more).
+    #[track_caller]
     pub fn new(engine: &mut CudaEngine, len: usize) -> Result<Self> {
         if len == 0 {
             return Err(Error::Usage(UsageError::ZeroLength {
@@ -169,6 +180,7 @@ impl<T: Element> PinnedHostBuffer<T> {
     ///
     /// # Errors
     /// As [`PinnedHostBuffer::new`].
+    #[track_caller]
     pub fn from_slice(engine: &mut CudaEngine, data: &[T]) -> Result<Self> {
         let mut buffer = Self::new(engine, data.len())?;
         buffer.as_mut_slice().copy_from_slice(data);
@@ -231,9 +243,22 @@ impl<T: Element> HostMemory for PinnedHostBuffer<T> {
     fn host_engine(&self) -> (DeviceId, u64) {
         (self.owner.device, self.owner.engine_id)
     }
+
+    fn page_locked_bytes(&self) -> u64 {
+        self.block
+            .as_ref()
+            .map_or(0, |block| block.capacity() as u64)
+    }
 }
 
 impl<T: Element> HostBuffer<T> for PinnedHostBuffer<T> {}
+
+/// The block's bytes: the pinned pool's memory the buffer holds.
+impl<T: Element> Held for PinnedHostBuffer<T> {
+    fn held_bytes(&self) -> u64 {
+        self.page_locked_bytes()
+    }
+}
 
 impl<T: Element> Drop for PinnedHostBuffer<T> {
     fn drop(&mut self) {
@@ -248,6 +273,7 @@ impl<T: Element> Drop for PinnedHostBuffer<T> {
             let torn_down = st.torn_down;
             st.parts.get_mut::<PinnedPool>().put(
                 &mut *st.driver,
+                &mut st.ledger,
                 block,
                 torn_down,
                 &mut st.deferred,

@@ -9,7 +9,9 @@
 use crate::core::parts::{Part, Teardown};
 use crate::driver::Driver;
 use crate::error::{DriverError, Error};
+use crate::ledger::{Ledger, Owner};
 use std::collections::BTreeMap;
+use std::panic::Location;
 use std::ptr::NonNull;
 
 /// Pinned allocations are made in multiples of this, so nearby sizes share blocks.
@@ -33,6 +35,11 @@ unsafe impl Sync for Block {}
 impl Block {
     pub(crate) fn ptr(&self) -> *mut u8 {
         self.ptr.as_ptr()
+    }
+
+    /// The block's size in bytes.
+    pub(crate) fn capacity(&self) -> usize {
+        self.capacity
     }
 }
 
@@ -94,8 +101,8 @@ impl Part for PinnedPool {
     const TEARDOWN: Teardown = Teardown::BeforeEvents(0);
 
     /// Frees every idle block; a refused free leaves its memory with the driver.
-    fn teardown(&mut self, driver: &mut dyn Driver) {
-        self.trim_to(driver, 0, &mut Vec::new());
+    fn teardown(&mut self, driver: &mut dyn Driver, ledger: &mut Ledger) {
+        self.trim_to(driver, ledger, 0, &mut Vec::new());
     }
 }
 
@@ -116,7 +123,13 @@ impl PinnedPool {
 
     /// Leases the smallest idle block that holds `bytes`, if one is no more than twice that
     /// size.
-    pub(crate) fn reuse(&mut self, bytes: usize) -> Option<Block> {
+    /// Counted on `ledger` as reused by the caller at `at`.
+    pub(crate) fn reuse(
+        &mut self,
+        ledger: &mut Ledger,
+        bytes: usize,
+        at: &'static Location<'static>,
+    ) -> Option<Block> {
         let limit = bytes.saturating_mul(2).max(GRANULE);
         let (&capacity, _) = self.idle.range(bytes..=limit).next()?;
         let list = self.idle.get_mut(&capacity)?;
@@ -127,21 +140,26 @@ impl PinnedPool {
         self.idle_bytes -= capacity;
         self.reuses += 1;
         self.leased += 1;
+        ledger.reused(Owner::Pinned, capacity, at);
         Some(block)
     }
 
     /// Leases a fresh block of `capacity` bytes (a multiple of [`GRANULE`]) from the driver.
     /// `Ok(None)` when the driver returned a null pointer.
+    /// Counted on `ledger` as allocated by the caller at `at`.
     pub(crate) fn allocate(
         &mut self,
         driver: &mut dyn Driver,
+        ledger: &mut Ledger,
         capacity: usize,
+        at: &'static Location<'static>,
     ) -> Result<Option<Block>, DriverError> {
         let Some(ptr) = NonNull::new(driver.host_alloc(capacity)?) else {
             return Ok(None);
         };
         self.allocations += 1;
         self.leased += 1;
+        ledger.allocated(Owner::Pinned, capacity, at);
         Ok(Some(Block {
             ptr,
             capacity,
@@ -149,15 +167,28 @@ impl PinnedPool {
         }))
     }
 
-    /// Frees a block. A refusal leaves the memory with the driver (it is not counted as freed,
-    /// and never reused) and is returned for the caller to report.
-    fn free_block(&mut self, driver: &mut dyn Driver, block: Block) -> Result<(), Error> {
+    /// Frees a block, idle (`idle`) or in use, and counts it on `ledger` as given back. A
+    /// refusal leaves the memory with the driver (it is not counted as freed, and never reused)
+    /// and is returned for the caller to report.
+    fn free_block(
+        &mut self,
+        driver: &mut dyn Driver,
+        ledger: &mut Ledger,
+        block: Block,
+        idle: bool,
+    ) -> Result<(), Error> {
         // SAFETY: idle blocks are owned by the pool alone and no queued copy names them: a block
         // only becomes idle when its buffer is dropped, which transfers make impossible while a
         // copy may still touch it.
         match unsafe { driver.host_free(block.ptr()) } {
             Ok(()) => {
                 self.frees += 1;
+                let here = Location::caller();
+                if idle {
+                    ledger.released(Owner::Pinned, block.capacity, here);
+                } else {
+                    ledger.freed(Owner::Pinned, block.capacity, here);
+                }
                 Ok(())
             }
             Err(source) => {
@@ -175,6 +206,7 @@ impl PinnedPool {
     pub(crate) fn trim_to(
         &mut self,
         driver: &mut dyn Driver,
+        ledger: &mut Ledger,
         target: usize,
         refused: &mut Vec<Error>,
     ) {
@@ -188,7 +220,7 @@ impl PinnedPool {
             }
             if let Some(block) = block {
                 self.idle_bytes -= block.capacity;
-                refused.extend(self.free_block(driver, block).err());
+                refused.extend(self.free_block(driver, ledger, block, true).err());
             }
         }
     }
@@ -197,28 +229,31 @@ impl PinnedPool {
     pub(crate) fn set_budget(
         &mut self,
         driver: &mut dyn Driver,
+        ledger: &mut Ledger,
         budget: usize,
         refused: &mut Vec<Error>,
     ) {
         self.budget = budget;
-        self.trim_to(driver, budget, refused);
+        self.trim_to(driver, ledger, budget, refused);
     }
 
     /// Takes a block back. After teardown it is freed at once. Refused frees go onto `refused`.
     pub(crate) fn put(
         &mut self,
         driver: &mut dyn Driver,
+        ledger: &mut Ledger,
         block: Block,
         torn_down: bool,
         refused: &mut Vec<Error>,
     ) {
         self.leased -= 1;
         if torn_down || block.capacity > self.budget {
-            refused.extend(self.free_block(driver, block).err());
+            refused.extend(self.free_block(driver, ledger, block, false).err());
             return;
         }
+        ledger.kept(Owner::Pinned, block.capacity, Location::caller());
         self.idle_bytes += block.capacity;
         self.idle.entry(block.capacity).or_default().push(block);
-        self.trim_to(driver, self.budget, refused);
+        self.trim_to(driver, ledger, self.budget, refused);
     }
 }

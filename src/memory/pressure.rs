@@ -54,12 +54,17 @@ impl State {
     /// blocks, the staging ring's idle slots), for an allocation under pressure. Nothing in it
     /// is named by queued work. Refused frees are recorded for the next boundary.
     pub(crate) fn free_idle_pinned(&mut self) {
-        self.parts
-            .get_mut::<PinnedPool>()
-            .trim_to(&mut *self.driver, 0, &mut self.deferred);
-        self.parts
-            .get_mut::<StagingRing>()
-            .free_idle_into(&mut *self.driver, &mut self.deferred);
+        self.parts.get_mut::<PinnedPool>().trim_to(
+            &mut *self.driver,
+            &mut self.ledger,
+            0,
+            &mut self.deferred,
+        );
+        self.parts.get_mut::<StagingRing>().free_idle_into(
+            &mut *self.driver,
+            &mut self.ledger,
+            &mut self.deferred,
+        );
     }
 }
 

@@ -67,8 +67,11 @@ use super::element::Element;
 use super::host::{HostBuffer, sealed::HostMemory};
 use super::pressure::Memory;
 use crate::core::engine::{CudaEngine, Shared};
+use crate::core::retire::Held;
 use crate::device::DeviceId;
 use crate::error::{Error, Result, SubmitError, UsageError};
+use crate::ledger::Owner;
+use std::panic::Location;
 use std::sync::Arc;
 
 /// The parts of the registered `Vec`.
@@ -79,6 +82,11 @@ struct Parts<T> {
 }
 
 impl<T> Parts<T> {
+    /// The bytes registered: the elements, not the spare capacity.
+    fn bytes(&self) -> usize {
+        self.len * std::mem::size_of::<T>()
+    }
+
     /// Rebuilds the `Vec`.
     ///
     /// # Safety
@@ -154,6 +162,7 @@ impl<T: Element> RegisteredBuffer<T> {
     /// [`UsageError::ZeroLength`](crate::error::UsageError::ZeroLength) for an empty `Vec`;
     /// [`SubmitError::Failed`] with [`Error::Driver`] when the engine's context cannot be made
     /// current or the driver refuses to lock the memory (`cuMemHostRegister`).
+    #[track_caller]
     pub fn register(
         engine: &mut CudaEngine,
         mut data: Vec<T>,
@@ -168,6 +177,7 @@ impl<T: Element> RegisteredBuffer<T> {
         }
         let bytes = std::mem::size_of_val(data.as_slice());
         let host = data.as_mut_ptr().cast::<u8>();
+        let at = Location::caller();
         let registered = engine
             .shared
             .allocate(Memory::PageLocked, |st, under_pressure| {
@@ -176,7 +186,9 @@ impl<T: Element> RegisteredBuffer<T> {
                 }
                 st.driver
                     .host_register(host, bytes)
-                    .map_err(Error::driver("cuMemHostRegister"))
+                    .map_err(Error::driver("cuMemHostRegister"))?;
+                st.ledger.allocated(Owner::Registered, bytes, at);
+                Ok(())
             })
             .map(drop);
         if let Err(error) = registered {
@@ -250,6 +262,8 @@ impl<T: Element> RegisteredBuffer<T> {
         // just taken); no copy touches it, since the caller holds the buffer by value.
         unsafe { st.driver.host_unregister(parts.ptr.cast::<u8>()) }
             .map_err(Error::driver("cuMemHostUnregister"))?;
+        st.ledger
+            .freed(Owner::Registered, parts.bytes(), Location::caller());
         drop(st);
         // SAFETY: no longer registered, touched by no copy, rebuilt once.
         Ok(unsafe { parts.into_vec() })
@@ -270,9 +284,20 @@ impl<T: Element> HostMemory for RegisteredBuffer<T> {
     fn host_engine(&self) -> (DeviceId, u64) {
         (self.owner.device, self.owner.engine_id)
     }
+
+    fn page_locked_bytes(&self) -> u64 {
+        self.parts.as_ref().map_or(0, |parts| parts.bytes() as u64)
+    }
 }
 
 impl<T: Element> HostBuffer<T> for RegisteredBuffer<T> {}
+
+/// The registered bytes.
+impl<T: Element> Held for RegisteredBuffer<T> {
+    fn held_bytes(&self) -> u64 {
+        self.page_locked_bytes()
+    }
+}
 
 impl<T: Element> Drop for RegisteredBuffer<T> {
     fn drop(&mut self) {
@@ -290,6 +315,8 @@ impl<T: Element> Drop for RegisteredBuffer<T> {
         // copy touches it (see above).
         match unsafe { st.driver.host_unregister(parts.ptr.cast::<u8>()) } {
             Ok(()) => {
+                st.ledger
+                    .freed(Owner::Registered, parts.bytes(), Location::caller());
                 drop(st);
                 // SAFETY: no longer registered, touched by no copy, rebuilt once.
                 drop(unsafe { parts.into_vec() });

@@ -18,7 +18,9 @@
 use crate::core::parts::{Part, Teardown};
 use crate::driver::Driver;
 use crate::error::{DriverError, Error, Result, StagingError, UsageError};
+use crate::ledger::{Ledger, Owner};
 use crate::sync::copy_pool::MAX_THREADS;
+use std::panic::Location;
 use std::ptr::NonNull;
 
 /// The staging settings of an engine. Defaults were chosen by measurement; see
@@ -178,8 +180,8 @@ impl Part for StagingRing {
 
     /// Frees the idle slots and the scalar slot; a refused free leaves its memory with the
     /// driver.
-    fn teardown(&mut self, driver: &mut dyn Driver) {
-        let _ = self.free_idle(driver);
+    fn teardown(&mut self, driver: &mut dyn Driver, ledger: &mut Ledger) {
+        let _ = self.free_idle(driver, ledger);
     }
 }
 
@@ -196,10 +198,11 @@ impl StagingRing {
     pub(crate) fn reconfigure(
         &mut self,
         driver: &mut dyn Driver,
+        ledger: &mut Ledger,
         config: StagingConfig,
     ) -> Result<()> {
         self.config = config;
-        self.free_idle(driver)
+        self.free_idle(driver, ledger)
     }
 
     /// The ring's counters.
@@ -216,21 +219,26 @@ impl StagingRing {
 
     /// Frees idle slots (and the scalar slot); used at teardown after a successful wait and when
     /// the configuration changes. Returns the first refusal.
-    pub(crate) fn free_idle(&mut self, driver: &mut dyn Driver) -> Result<()> {
+    pub(crate) fn free_idle(&mut self, driver: &mut dyn Driver, ledger: &mut Ledger) -> Result<()> {
         let mut refused = Vec::new();
-        self.free_idle_into(driver, &mut refused);
+        self.free_idle_into(driver, ledger, &mut refused);
         refused.into_iter().next().map_or(Ok(()), Err)
     }
 
     /// As [`free_idle`](Self::free_idle), with every refusal put onto `refused` (for an
     /// allocation under pressure, which reports each at the next boundary).
-    pub(crate) fn free_idle_into(&mut self, driver: &mut dyn Driver, refused: &mut Vec<Error>) {
+    pub(crate) fn free_idle_into(
+        &mut self,
+        driver: &mut dyn Driver,
+        ledger: &mut Ledger,
+        refused: &mut Vec<Error>,
+    ) {
         let idle = std::mem::take(&mut self.idle);
         for slot in idle.into_iter().chain(self.scalar.take()) {
             if slot.kind != SlotKind::Scalar {
                 self.slots -= 1;
             }
-            refused.extend(free_slot(driver, slot).err());
+            refused.extend(free_slot(driver, ledger, slot, true).err());
         }
     }
 
@@ -253,12 +261,16 @@ impl StagingRing {
 
     /// Takes a slot back from a lease. Returns a slot to free (outside the ring) when it is not
     /// kept.
-    pub(crate) fn put(&mut self, slot: Slot, torn_down: bool) -> Option<Slot> {
+    /// A slot kept is counted idle on `ledger`; one handed back stays counted in use until the
+    /// caller frees it ([`free_slot`]).
+    pub(crate) fn put(&mut self, ledger: &mut Ledger, slot: Slot, torn_down: bool) -> Option<Slot> {
+        let here = Location::caller();
         match slot.kind {
             SlotKind::Scalar => {
                 if torn_down || self.scalar.is_some() {
                     return Some(slot);
                 }
+                ledger.kept(Owner::Staging, slot.bytes, here);
                 self.scalar = Some(slot);
                 return None;
             }
@@ -269,6 +281,7 @@ impl StagingRing {
             && slot.bytes == self.config.chunk_bytes
             && self.idle.len() < self.config.ring_depth.max(self.reserve);
         if keep {
+            ledger.kept(Owner::Staging, slot.bytes, here);
             self.idle.push(slot);
             None
         } else {
@@ -278,14 +291,32 @@ impl StagingRing {
     }
 }
 
-/// Frees a slot's pinned memory.
-pub(crate) fn free_slot(driver: &mut dyn Driver, slot: Slot) -> Result<()> {
+/// Frees a slot's pinned memory, and counts it on `ledger` as given back: an idle slot's
+/// (`idle`) or one in use. A refused free leaves the memory with the driver, still counted.
+pub(crate) fn free_slot(
+    driver: &mut dyn Driver,
+    ledger: &mut Ledger,
+    slot: Slot,
+    idle: bool,
+) -> Result<()> {
     // SAFETY: a slot comes back to the ring only from a proven lease (or a record whose event
     // proved completion), so nothing queued names its memory; it is freed once.
-    unsafe { driver.host_free(slot.ptr.as_ptr()) }.map_err(Error::driver("cuMemFreeHost"))
+    unsafe { driver.host_free(slot.ptr.as_ptr()) }.map_err(Error::driver("cuMemFreeHost"))?;
+    let here = Location::caller();
+    if idle {
+        ledger.released(Owner::Staging, slot.bytes, here);
+    } else {
+        ledger.freed(Owner::Staging, slot.bytes, here);
+    }
+    Ok(())
 }
 
-fn new_slot(driver: &mut dyn Driver, bytes: usize, kind: SlotKind) -> Result<Slot> {
+fn new_slot(
+    driver: &mut dyn Driver,
+    ledger: &mut Ledger,
+    bytes: usize,
+    kind: SlotKind,
+) -> Result<Slot> {
     let ptr = driver
         .host_alloc(bytes)
         .map_err(Error::driver("cuMemHostAlloc (staging)"))?;
@@ -293,6 +324,7 @@ fn new_slot(driver: &mut dyn Driver, bytes: usize, kind: SlotKind) -> Result<Slo
         call: "cuMemHostAlloc (staging)",
         source: DriverError::OUT_OF_MEMORY,
     })?;
+    ledger.allocated(Owner::Staging, bytes, Location::caller());
     // SAFETY: a fresh allocation of `bytes` bytes; zeroed once so its contents are initialised.
     unsafe { std::ptr::write_bytes(ptr.as_ptr(), 0, bytes) };
     Ok(Slot { ptr, bytes, kind })
@@ -301,16 +333,24 @@ fn new_slot(driver: &mut dyn Driver, bytes: usize, kind: SlotKind) -> Result<Slo
 impl StagingRing {
     /// Takes a chunk-sized slot for `kind`: an idle one, or a new one. User leases are limited
     /// to `ring_depth` at a time; the blocking routes bound their own depth.
-    pub(crate) fn take_slot(&mut self, driver: &mut dyn Driver, kind: SlotKind) -> Result<Slot> {
+    pub(crate) fn take_slot(
+        &mut self,
+        driver: &mut dyn Driver,
+        ledger: &mut Ledger,
+        kind: SlotKind,
+    ) -> Result<Slot> {
         if kind == SlotKind::User && self.user_out >= self.config.ring_depth {
             return Err(Error::Staging(StagingError::Exhausted {
                 depth: self.config.ring_depth,
             }));
         }
         let mut slot = match self.idle.pop() {
-            Some(slot) => slot,
+            Some(slot) => {
+                ledger.reused(Owner::Staging, slot.bytes, Location::caller());
+                slot
+            }
             None => {
-                let slot = new_slot(driver, self.config.chunk_bytes, kind)?;
+                let slot = new_slot(driver, ledger, self.config.chunk_bytes, kind)?;
                 self.slots += 1;
                 slot
             }
@@ -324,10 +364,17 @@ impl StagingRing {
     }
 
     /// Takes the 16-byte scalar slot (made on first use).
-    pub(crate) fn take_scalar(&mut self, driver: &mut dyn Driver) -> Result<Slot> {
+    pub(crate) fn take_scalar(
+        &mut self,
+        driver: &mut dyn Driver,
+        ledger: &mut Ledger,
+    ) -> Result<Slot> {
         match self.scalar.take() {
-            Some(slot) => Ok(slot),
-            None => new_slot(driver, 16, SlotKind::Scalar),
+            Some(slot) => {
+                ledger.reused(Owner::Staging, slot.bytes, Location::caller());
+                Ok(slot)
+            }
+            None => new_slot(driver, ledger, 16, SlotKind::Scalar),
         }
     }
 }

@@ -9,15 +9,64 @@
 
 use super::element::{Element, byte_len};
 use super::pressure::Memory;
-use crate::core::engine::{CudaEngine, Shared, State};
+use crate::core::engine::{Charge, CudaEngine, Shared, State};
 use crate::core::order::Use;
+use crate::core::retire::Held;
 use crate::device::{DeviceId, DeviceMemory};
 use crate::driver::{DevicePtr, Lane};
 use crate::dtype::DType;
 use crate::error::{Error, OutOfMemory, Result, SubmitError, UsageError};
+use crate::ledger::Owner;
 use std::marker::PhantomData;
+use std::panic::Location;
 use std::sync::Arc;
 use std::sync::Mutex;
+
+/// A tensor's shape: up to [`Shape::INLINE`] dimensions held in place (no allocation: an
+/// allocation and a free of a tensor then cost no host heap call), more on the heap.
+#[derive(Clone, PartialEq, Eq)]
+pub(crate) enum Shape {
+    Inline {
+        dims: [usize; Shape::INLINE],
+        rank: u8,
+    },
+    Heap(Box<[usize]>),
+}
+
+impl Shape {
+    /// The most dimensions held in place.
+    const INLINE: usize = 4;
+
+    pub(crate) fn new(shape: &[usize]) -> Self {
+        if shape.len() <= Self::INLINE {
+            let mut dims = [0; Self::INLINE];
+            dims[..shape.len()].copy_from_slice(shape);
+            Shape::Inline {
+                dims,
+                rank: shape.len() as u8,
+            }
+        } else {
+            Shape::Heap(shape.into())
+        }
+    }
+}
+
+impl Default for Shape {
+    fn default() -> Self {
+        Shape::new(&[])
+    }
+}
+
+impl std::ops::Deref for Shape {
+    type Target = [usize];
+
+    fn deref(&self) -> &[usize] {
+        match self {
+            Shape::Inline { dims, rank } => &dims[..usize::from(*rank)],
+            Shape::Heap(dims) => dims,
+        }
+    }
+}
 
 /// A compact, shaped tensor of `T` in device memory, owned by one engine.
 ///
@@ -26,7 +75,7 @@ use std::sync::Mutex;
 pub struct DeviceTensor<T: Element> {
     ptr: DevicePtr,
     len: usize,
-    shape: Box<[usize]>,
+    shape: Shape,
     owner: Arc<Shared>,
     /// Where the memory goes when the tensor is dropped, instead of the driver, if anywhere.
     recycle: Option<Arc<Recycler>>,
@@ -84,12 +133,10 @@ impl Recycler {
         }
     }
 
-    /// Closes the recycler and returns the blocks it held, for the owner to free.
-    pub(crate) fn close(&self) -> Vec<DevicePtr> {
-        self.lock()
-            .take()
-            .map(|blocks| blocks.into_iter().map(|(_, ptr)| ptr).collect())
-            .unwrap_or_default()
+    /// Closes the recycler and returns the blocks it held (their bytes and addresses), for the
+    /// owner to free.
+    pub(crate) fn close(&self) -> Vec<(usize, DevicePtr)> {
+        self.lock().take().unwrap_or_default()
     }
 }
 
@@ -100,7 +147,7 @@ impl Recycler {
 pub(crate) struct Taken {
     ptr: DevicePtr,
     len: usize,
-    shape: Box<[usize]>,
+    shape: Shape,
     recycle: Option<Arc<Recycler>>,
     home: Option<Arc<dyn Home>>,
 }
@@ -148,7 +195,7 @@ impl<T: Element> std::fmt::Debug for DeviceTensor<T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DeviceTensor")
             .field("dtype", &T::DTYPE)
-            .field("shape", &self.shape)
+            .field("shape", &&*self.shape)
             .field("device", &self.owner.device)
             .finish()
     }
@@ -180,18 +227,15 @@ pub(crate) fn shape_len(shape: &[usize]) -> Result<usize> {
 /// once more (`memory::pressure`); then the pool gives its unused memory back to the device
 /// (what it keeps for reuse may be split too finely to serve the size) and it is tried once
 /// more. What fails then is [`Error::OutOfMemory`], saying where the memory is.
-pub(crate) fn alloc_device(shared: &Shared, lane: Lane, bytes: usize) -> Result<DevicePtr> {
-    let attempt = |st: &mut State, _| {
-        let ptr = st
-            .driver
-            .alloc(lane, bytes)
-            .map_err(|source| Error::Driver {
-                call: "cuMemAllocFromPoolAsync",
-                source,
-            })?;
-        st.order.mark(lane, &[Use::Alloc(ptr)]);
-        Ok(ptr)
-    };
+#[track_caller]
+pub(crate) fn alloc_device(
+    shared: &Shared,
+    lane: Lane,
+    bytes: usize,
+    owner: Owner,
+) -> Result<DevicePtr> {
+    let at = Location::caller();
+    let attempt = |st: &mut State, _| alloc_counted(st, lane, bytes, owner, at);
     match shared.allocate(Memory::Device, attempt) {
         Ok((_st, ptr)) => Ok(ptr),
         Err(error) if crate::memory::pressure::out_of_memory(&error) => {
@@ -203,7 +247,9 @@ pub(crate) fn alloc_device(shared: &Shared, lane: Lane, bytes: usize) -> Result<
                     // A failed allocation may leave the pool holding what it reserved for
                     // it (CUDA's does): given back, so the report says where the memory was.
                     let _ = st.driver.trim_pool(0);
-                    Err(Error::OutOfMemory(Box::new(st.out_of_memory(bytes))))
+                    Err(Error::OutOfMemory(Box::new(
+                        st.out_of_memory(shared, bytes),
+                    )))
                 }
                 made => made,
             }
@@ -212,22 +258,47 @@ pub(crate) fn alloc_device(shared: &Shared, lane: Lane, bytes: usize) -> Result<
     }
 }
 
+/// One attempt of [`alloc_device`]: [`State::alloc_for`], counted as the caller at `at`.
+fn alloc_counted(
+    st: &mut State,
+    lane: Lane,
+    bytes: usize,
+    owner: Owner,
+    at: &'static Location<'static>,
+) -> Result<DevicePtr> {
+    let ptr = st
+        .driver
+        .alloc(lane, bytes)
+        .map_err(|source| Error::Driver {
+            call: "cuMemAllocFromPoolAsync",
+            source,
+        })?;
+    st.order.mark(lane, &[Use::Alloc(ptr)]);
+    st.ledger.allocated(owner, bytes, at);
+    Ok(ptr)
+}
+
 impl State {
     /// Why an allocation of `asked` bytes found no memory: the device's and the pool's figures
-    /// now, and the retired work still waiting for its proof.
-    fn out_of_memory(&mut self, asked: usize) -> OutOfMemory {
-        let report = self.driver.memory_report().ok();
+    /// now, the retired work still waiting for its proof, what the engine holds by owner, and
+    /// the allocation history when it is kept.
+    fn out_of_memory(&mut self, shared: &Shared, asked: usize) -> OutOfMemory {
+        let report = shared.waits.memory_report().ok();
+        let mut held = shared.cells.read();
+        held.device = report.map(device_memory);
         OutOfMemory {
             asked,
             memory: report.map(device_memory),
             waiting: self.retire.stats().pending,
             largest: report.and_then(|r| r.largest),
+            held,
+            history: self.ledger.history(),
         }
     }
 }
 
 /// The public figures of a driver's report.
-fn device_memory(report: crate::driver::MemoryReport) -> DeviceMemory {
+pub(crate) fn device_memory(report: crate::driver::MemoryReport) -> DeviceMemory {
     DeviceMemory {
         free: report.free,
         total: report.total,
@@ -245,11 +316,14 @@ impl CudaEngine {
     /// # Errors
     /// [`Error::Driver`] when the driver cannot report it.
     pub fn device_memory(&self) -> Result<DeviceMemory> {
-        let mut st = self.shared.enter()?;
-        let report = st.driver.memory_report().map_err(|source| Error::Driver {
-            call: "cuMemGetInfo",
-            source,
-        })?;
+        let report = self
+            .shared
+            .waits
+            .memory_report()
+            .map_err(|source| Error::Driver {
+                call: "cuMemGetInfo",
+                source,
+            })?;
         Ok(device_memory(report))
     }
 
@@ -272,24 +346,26 @@ impl CudaEngine {
 impl<T: Element> DeviceTensor<T> {
     /// Allocates an uninitialised tensor on `engine`'s compute lane. A zero-element tensor
     /// allocates nothing.
+    #[track_caller]
     pub(crate) fn alloc(engine: &mut CudaEngine, shape: &[usize]) -> Result<Self> {
         Self::alloc_on(engine, Lane::Compute, shape)
     }
 
     /// Allocates an uninitialised tensor ordered on `lane`: the lane of the work that writes it
     /// first (an upload's, for a fresh upload destination), which then needs no cross-lane wait.
+    #[track_caller]
     pub(crate) fn alloc_on(engine: &mut CudaEngine, lane: Lane, shape: &[usize]) -> Result<Self> {
         let len = shape_len(shape)?;
         let bytes = byte_len::<T>(len, "device tensor")?;
         let ptr = if bytes == 0 {
             0
         } else {
-            alloc_device(&engine.shared, lane, bytes)?
+            alloc_device(&engine.shared, lane, bytes, Owner::Tensors)?
         };
         Ok(DeviceTensor {
             ptr,
             len,
-            shape: shape.into(),
+            shape: Shape::new(shape),
             owner: Arc::clone(&engine.shared),
             recycle: None,
             home: None,
@@ -312,7 +388,7 @@ impl<T: Element> DeviceTensor<T> {
         DeviceTensor {
             ptr,
             len,
-            shape: shape.into(),
+            shape: Shape::new(shape),
             owner: Arc::clone(owner),
             recycle: None,
             home: Some(home),
@@ -389,7 +465,7 @@ impl<T: Element> DeviceTensor<T> {
         if let Some(error) = refusal {
             return Err(SubmitError::Rejected { input: self, error });
         }
-        self.shape = shape.into();
+        self.shape = Shape::new(shape);
         Ok(self)
     }
 
@@ -407,7 +483,7 @@ impl<T: Element> DeviceTensor<T> {
 impl<T: Element> DeviceTensor<T> {
     /// Moves this tensor's memory into a tensor of element type `U`, `len` elements of `shape`;
     /// this tensor is left empty (address 0), so its drop frees nothing.
-    fn retype<U: Element>(mut self, len: usize, shape: Box<[usize]>) -> DeviceTensor<U> {
+    fn retype<U: Element>(mut self, len: usize, shape: Shape) -> DeviceTensor<U> {
         DeviceTensor {
             ptr: std::mem::replace(&mut self.ptr, 0),
             len,
@@ -434,7 +510,7 @@ impl DeviceTensor<u8> {
         if len.checked_mul(T::DTYPE.size_bytes()) != Some(self.len) {
             return None;
         }
-        Some(self.retype(len, shape.into()))
+        Some(self.retype(len, Shape::new(shape)))
     }
 }
 
@@ -456,7 +532,7 @@ impl<T: Element> DeviceTensor<T> {
         DeviceTensor {
             ptr,
             len,
-            shape: shape.into(),
+            shape: Shape::new(shape),
             owner: Arc::clone(owner),
             recycle: recycle.cloned(),
             home: None,
@@ -470,7 +546,7 @@ impl<T: Element> DeviceTensor<T> {
     pub(crate) fn leak_memory(&mut self) {
         self.ptr = 0;
         self.len = 0;
-        self.shape = Box::new([0]);
+        self.shape = Shape::new(&[0]);
         self.recycle = None;
         // Leaked memory goes nowhere: an exporter keeps memory whose import is leaked.
         self.home = None;
@@ -484,7 +560,7 @@ impl<T: Element> DeviceTensor<T> {
         Taken {
             ptr: std::mem::replace(&mut self.ptr, 0),
             len: std::mem::replace(&mut self.len, 0),
-            shape: std::mem::replace(&mut self.shape, Box::new([0])),
+            shape: std::mem::replace(&mut self.shape, Shape::new(&[0])),
             recycle: self.recycle.take(),
             home: self.home.take(),
         }
@@ -521,6 +597,18 @@ impl<T: Element> DeviceTensor<T> {
     }
 }
 
+/// The tensor's bytes when its drop frees them: none when its memory goes elsewhere (a home's,
+/// another library's).
+impl<T: Element> Held for DeviceTensor<T> {
+    fn held_bytes(&self) -> u64 {
+        if self.home.is_some() {
+            0
+        } else {
+            self.byte_len() as u64
+        }
+    }
+}
+
 impl<T: Element> Drop for DeviceTensor<T> {
     fn drop(&mut self) {
         if self.ptr == 0 {
@@ -537,9 +625,10 @@ impl<T: Element> Drop for DeviceTensor<T> {
         }
         // Leaked (never freed) when the context cannot be entered; see `enter_for_drop`.
         if let Some(mut st) = self.owner.enter_for_drop() {
+            let charge = Charge::new(Owner::Tensors, self.byte_len());
             // SAFETY: `ptr` is this tensor's own allocation, freed exactly once here; nothing
             // queued later names it (the tensor is gone).
-            unsafe { st.free_device(&*self.owner.waits, self.ptr) };
+            unsafe { st.free_device(&*self.owner.waits, self.ptr, charge) };
         }
     }
 }
@@ -557,6 +646,7 @@ impl CudaEngine {
     /// address), [`Error::Driver`] when the allocation fails (out of memory: only after the
     /// memory of retired work the device has finished was released and the allocation tried once
     /// more).
+    #[track_caller]
     pub fn alloc_tensor<T: Element>(&mut self, shape: &[usize]) -> Result<DeviceTensor<T>> {
         DeviceTensor::alloc_on(self, Lane::Upload, shape)
     }

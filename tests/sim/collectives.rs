@@ -1177,3 +1177,36 @@ fn an_integer_mean_wraps_its_sum_in_the_element_type_before_dividing() {
         [u64::MAX / 2]
     );
 }
+
+/// A collective moves tensors its caller made; each engine's memory, counted on its own
+/// ledger, is its tensors' while they are in flight and after, exactly the device's count of its
+/// pool, and nothing once they are gone.
+#[test]
+fn each_ranks_memory_is_counted_on_its_own_engine_through_a_collective() {
+    let (sim, mut engines) = machine(3, 7);
+    let comm = Communicator::new(&mut all(&mut engines)).unwrap();
+    let values: Vec<Vec<f32>> = (0..3).map(|r| vec![r as f32; 1000]).collect();
+    let t = uploaded(&mut engines, &values);
+    let in_flight = comm
+        .group()
+        .all_reduce(t, ReduceOp::Sum)
+        .submit(&mut all(&mut engines))
+        .unwrap();
+    for engine in &engines {
+        let m = engine.memory();
+        assert_eq!((m.tensors.in_use, m.tensors.count), (4000, 1), "{m}");
+        assert_eq!(m.device.unwrap().pool_in_use, 4000);
+    }
+    let reduced = in_flight.wait().unwrap().into_parts();
+    assert_eq!(downloaded(&mut engines, &reduced)[2], vec![3.0; 1000]);
+    drop(reduced);
+    for engine in &mut engines {
+        engine.synchronize().unwrap();
+        let m = engine.memory();
+        assert_eq!((m.tensors.in_use, m.tensors.peak_in_use), (0, 4000), "{m}");
+        assert_eq!(m.device.unwrap().pool_in_use, 0);
+    }
+    drop(comm);
+    drop(engines);
+    nothing_left(&sim);
+}

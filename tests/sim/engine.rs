@@ -208,7 +208,7 @@ fn out_of_memory_trims_the_pool_retries_and_then_explains() {
         "out of device memory: asked for 512.00 KiB; the device has 324.00 KiB free of 1.00 MiB; \
          this engine's pool holds 700.00 KiB, 700.00 KiB of it in live allocations; 1 retired \
          operation still waits for its proof of completion; the largest allocation that would \
-         succeed: 324.00 KiB"
+         succeed: 324.00 KiB; the engine's device memory: tensors 700.00 KiB"
     );
     // A refused trim changes nothing; a driver that cannot report its memory leaves it out.
     sim.fail_nth(SimOp::TrimPool, 1, DriverError::UNKNOWN);

@@ -54,5 +54,6 @@ mod raw_scope;
 // The engine itself, the Send/Sync design, and the bugs that were found.
 mod engine;
 mod fault_sweep;
+mod memory;
 mod regressions;
 mod send_sync;

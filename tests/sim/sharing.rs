@@ -1077,3 +1077,60 @@ fn a_links_timeout_is_set_builder_style_and_bounds_the_wait_for_an_offer() {
     assert!(took >= Duration::from_millis(50), "{took:?}");
     assert!(returned(handle.departure().wait_for(DEADLINE).unwrap()));
 }
+
+/// An exported tensor's memory is the exporter's "exported" from the export until the last
+/// importer has unmapped it, its tensor gone or not; each importer counts the mapping as
+/// "imported" while it maps it.
+#[test]
+fn exported_and_imported_memory_is_counted_on_both_sides_until_the_last_unmapping() {
+    let sim = SimDevice::new(SimConfig::default());
+    let mut exporter = CudaEngine::simulated_on(&sim);
+    let path = socket("counted");
+    let listener = ShareListener::bind(&path).unwrap();
+    let (thread, go) = importer(&sim, &path, |mut engine, mut link, go| {
+        let weights = link.import_read::<f32>(&mut engine).unwrap();
+        let mapped = engine.memory();
+        go.recv().unwrap();
+        drop(weights);
+        drop(link);
+        engine.synchronize().unwrap();
+        (mapped, engine.memory())
+    });
+    let handle = listener.accept(&mut exporter).unwrap();
+    let tensor = exporter.full(&[1000], 1.0f32).unwrap();
+    assert_eq!(exporter.memory().tensors.in_use, 4000);
+    let shared = exporter.export_tensor(tensor).unwrap();
+    let m = exporter.memory();
+    assert_eq!(
+        (m.tensors.in_use, m.exported.in_use, m.exported.count),
+        (0, 4000, 1)
+    );
+    assert_eq!(m.device_total.in_use, 4000);
+    handle.offer(&mut exporter, &shared).unwrap();
+    go.send(()).unwrap();
+    let (mapped, unmapped) = thread.join().unwrap();
+    assert_eq!((mapped.imported.in_use, mapped.imported.count), (4000, 1));
+    assert_eq!(
+        mapped.tensors.in_use, 0,
+        "an import is not the importer's tensor"
+    );
+    assert_eq!(
+        (unmapped.imported.in_use, unmapped.imported.peak_in_use),
+        (0, 4000)
+    );
+    assert!(returned(handle.departure().wait_for(DEADLINE).unwrap()));
+    let tensor = back(shared.reclaim().wait_for(DEADLINE).unwrap());
+    assert_eq!(
+        exporter.memory().exported.in_use,
+        4000,
+        "still exported: it is the export's"
+    );
+    drop(tensor);
+    freed_down_to(&sim, &mut exporter, 0);
+    let m = exporter.memory();
+    assert_eq!(
+        (m.exported.in_use, m.tensors.in_use, m.device_total.in_use),
+        (0, 0, 0)
+    );
+    no_violations(&sim);
+}

@@ -168,6 +168,7 @@ impl CudaDriver {
             waits: Arc::new(CudaWaits {
                 ctx,
                 streams: [std::ptr::null_mut(); 3],
+                pool: std::ptr::null_mut(),
             }),
         };
         // From here on, `Drop` releases what was made if a later step fails.
@@ -182,6 +183,7 @@ impl CudaDriver {
         this.waits = Arc::new(CudaWaits {
             ctx,
             streams: this.streams,
+            pool: this.pool,
         });
         Ok(this)
     }
@@ -330,35 +332,6 @@ impl Driver for CudaDriver {
 
     fn pool(&self) -> u64 {
         self.pool as u64
-    }
-
-    fn memory_report(&mut self) -> Result<MemoryReport, DriverError> {
-        let (mut free, mut total) = (0usize, 0usize);
-        // SAFETY: two out pointers valid for one write each; the engine made its context
-        // current.
-        DriverError::check(unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) })?;
-        let attribute = |attribute| {
-            let mut value = 0u64;
-            // SAFETY: the attribute is one of the pool's `cuuint64_t` counters, which `value`
-            // is; the pool is this driver's, live while it is.
-            DriverError::check(unsafe {
-                sys::cuMemPoolGetAttribute(
-                    self.pool,
-                    attribute,
-                    (&mut value as *mut u64).cast::<c_void>(),
-                )
-            })
-            .map(|()| value)
-        };
-        use sys::CUmemPool_attribute as A;
-        Ok(MemoryReport {
-            free: free as u64,
-            total: total as u64,
-            reserved: attribute(A::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)?,
-            used: attribute(A::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)?,
-            // CUDA has no query for it: free memory may be split, and other pools may grow.
-            largest: None,
-        })
     }
 
     fn trim_pool(&mut self, keep: usize) -> Result<(), DriverError> {
@@ -646,6 +619,8 @@ impl CudaDriver {
 pub(crate) struct CudaWaits {
     ctx: sys::CUcontext,
     streams: Streams,
+    /// The driver's memory pool, for its figures.
+    pool: sys::CUmemoryPool,
 }
 
 // SAFETY: CUDA driver handles may be used from any thread; every call below makes the context
@@ -719,6 +694,38 @@ impl Waits for CudaWaits {
         self.in_context(|| {
             // SAFETY: the stream is live for the driver's lifetime.
             DriverError::check(unsafe { sys::cuStreamSynchronize(stream) })
+        })
+    }
+
+    fn memory_report(&self) -> Result<MemoryReport, DriverError> {
+        let (mut free, mut total) = (0usize, 0usize);
+        self.in_context(|| {
+            // SAFETY: two out pointers valid for one write each; `in_context` makes the
+            // driver's context current for the call.
+            let code = unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) };
+            DriverError::check(code)
+        })?;
+        let attribute = |attribute| {
+            let mut value = 0u64;
+            // SAFETY: the attribute is one of the pool's `cuuint64_t` counters, which `value`
+            // is; the pool is the driver's, live while this value is (see `CudaWaits`).
+            DriverError::check(unsafe {
+                sys::cuMemPoolGetAttribute(
+                    self.pool,
+                    attribute,
+                    (&mut value as *mut u64).cast::<c_void>(),
+                )
+            })
+            .map(|()| value)
+        };
+        use sys::CUmemPool_attribute as A;
+        Ok(MemoryReport {
+            free: free as u64,
+            total: total as u64,
+            reserved: attribute(A::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)?,
+            used: attribute(A::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)?,
+            // CUDA has no query for it: free memory may be split, and other pools may grow.
+            largest: None,
         })
     }
 

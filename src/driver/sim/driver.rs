@@ -11,7 +11,6 @@ use super::{
     CURRENT, ContextHandle, DeviceId, DeviceKind, DevicePtr, Driver, DriverError, EventHandle, Job,
     Lane, Locked, SimDevice, SimOp, SimWaits, State, StreamId, Waits, Wake,
 };
-use crate::driver::MemoryReport;
 use std::cell::Cell;
 use std::sync::Arc;
 
@@ -127,23 +126,6 @@ impl Driver for SimDriver {
     fn pool(&self) -> u64 {
         // The machine's tag, and the device whose memory the pool holds.
         (self.id.instance << 16) | self.index as u64
-    }
-
-    fn memory_report(&mut self) -> Result<MemoryReport, DriverError> {
-        let mut s = self.lock();
-        s.enter(SimOp::MemoryReport)?;
-        // The simulated pool keeps nothing unused: it holds exactly what is allocated on its
-        // device (by every driver of the machine there).
-        let used = s.device_used[self.index] as u64;
-        let free = (s.memory_bytes as u64).saturating_sub(used);
-        Ok(MemoryReport {
-            free,
-            total: s.memory_bytes as u64,
-            reserved: used,
-            used,
-            // The simulated device's memory is never split: all that is free can be had.
-            largest: Some(free),
-        })
     }
 
     fn trim_pool(&mut self, _keep: usize) -> Result<(), DriverError> {
@@ -366,6 +348,7 @@ impl Driver for SimDriver {
             device: self.device.clone(),
             streams: self.streams,
             pid: self.process.pid,
+            index: self.index,
         })
     }
 

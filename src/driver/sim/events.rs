@@ -13,6 +13,7 @@ use super::{
     DriverError, EventHandle, Job, Lane, Locked, Schedule, SimDevice, SimOp, State, StreamId,
     Waits, Wake,
 };
+use crate::driver::MemoryReport;
 
 /// The stream the legacy default stream handle names on every simulated machine (the per-thread
 /// handle's is the one below it): far above the streams drivers take (`next_stream`).
@@ -207,6 +208,8 @@ pub(super) struct SimWaits {
     pub(super) streams: StreamId,
     /// The driver's simulated process: once it is killed, every wait fails.
     pub(super) pid: u32,
+    /// Which device of the machine the driver drives.
+    pub(super) index: usize,
 }
 
 impl SimWaits {
@@ -389,5 +392,22 @@ impl Waits for SimWaits {
         let mut s = self.device.lock_as(self.pid);
         s.enter_stream(SimOp::StreamQuery, self.streams + Lane::Compute.index())?;
         Ok(s.streams_idle(self.lanes()))
+    }
+
+    fn memory_report(&self) -> Result<MemoryReport, DriverError> {
+        let mut s = self.device.lock_as(self.pid);
+        s.enter(SimOp::MemoryReport)?;
+        // The simulated pool keeps nothing unused: it holds exactly what is allocated on its
+        // device (by every driver of the machine there).
+        let used = s.device_used[self.index] as u64;
+        let free = (s.memory_bytes as u64).saturating_sub(used);
+        Ok(MemoryReport {
+            free,
+            total: s.memory_bytes as u64,
+            reserved: used,
+            used,
+            // The simulated device's memory is never split: all that is free can be had.
+            largest: Some(free),
+        })
     }
 }

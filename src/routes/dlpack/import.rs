@@ -351,7 +351,7 @@ pub(crate) struct Imports {
 
 impl Part for Imports {
     const TEARDOWN: Teardown = Teardown::BeforeEvents(2);
-    fn teardown(&mut self, _: &mut dyn Driver) {}
+    fn teardown(&mut self, _: &mut dyn Driver, _: &mut crate::ledger::Ledger) {}
 }
 
 impl Imports {
@@ -558,6 +558,9 @@ fn copied(
         .map(AnyTensor::from)
         .map_err(|error| SubmitError::Retained { error })
 }
+
+/// The producer's memory, not the engine's: none counted.
+impl crate::core::retire::Held for Release {}
 
 /// What holds an import's capsule until its release is proven: dropping it forgets the
 /// import's bytes and calls the producer's deleter.

@@ -348,6 +348,7 @@ impl Populate {
 /// [`UsageError::ShapeOverflow`](crate::error::UsageError::ShapeOverflow) when its element count overflows `usize`;
 /// [`Error::Driver`] or [`Error::DeviceFault`] when the device refuses or fails (everything a
 /// queued copy may still touch is then retired, not freed).
+#[track_caller]
 pub fn upload_tensor<T: Element>(
     engine: &mut CudaEngine,
     data: &[T],

@@ -66,6 +66,13 @@ pub struct TransferPackage<T: Element, B: HostBuffer<T>> {
     pub(crate) tensor: DeviceTensor<T>,
 }
 
+/// The tensor's bytes and the host buffer's page-locked bytes.
+impl<T: Element, B: HostBuffer<T>> crate::core::retire::Held for TransferPackage<T, B> {
+    fn held_bytes(&self) -> u64 {
+        self.tensor.held_bytes() + self.buffer.page_locked_bytes()
+    }
+}
+
 impl<T: Element, B: HostBuffer<T>> std::fmt::Debug for TransferPackage<T, B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TransferPackage")

@@ -24,10 +24,12 @@ use crate::core::order::Use;
 use crate::device::DeviceId;
 use crate::driver::{ContextHandle, DevicePtr, Lane};
 use crate::error::{DriverError, Error, Result, SetupError, UsageError};
+use crate::ledger::Owner;
 use crate::memory::element::Element;
 use crate::memory::tensor::DeviceTensor;
 use crate::routes::host::blocking::{download_tensor, upload_tensor};
 use std::mem::ManuallyDrop;
+use std::panic::Location;
 use std::sync::Mutex;
 
 mod pending;
@@ -124,6 +126,7 @@ pub fn access(engine: &mut CudaEngine, other: &CudaEngine) -> Result<bool> {
 /// fails. After a failure that leaves the copy unproven, the new tensor's free is ordered after
 /// the copy on the device, or, when that cannot be arranged either, its memory is leaked: never
 /// freed under the copy.
+#[track_caller]
 pub fn copy<T: Element>(
     src_engine: &mut CudaEngine,
     src: &DeviceTensor<T>,
@@ -145,6 +148,12 @@ pub fn copy<T: Element>(
         .driver
         .alloc_from(Lane::Compute, pool, bytes)
         .map_err(Error::driver("cuMemAllocFromPoolAsync"))?;
+    // The destination engine's memory, which its tensor frees: counted there.
+    dst_engine
+        .shared
+        .lock()
+        .ledger
+        .allocated(Owner::Tensors, bytes, Location::caller());
     // SAFETY: `ptr` is a fresh allocation of `bytes` bytes (`src.len()` elements of `T`) from
     // the destination engine's pool, which its driver frees; nothing else owns it. Held in
     // `ManuallyDrop` until the allocation and the copy are proven complete, so no path (a panic

@@ -45,6 +45,13 @@ pub struct InFlightPeer<T: Element> {
     waited_for: Option<Signal>,
 }
 
+/// Both tensors' bytes (each counted under its own engine's owners too).
+impl<T: Element> crate::core::retire::Held for InFlightPeer<T> {
+    fn held_bytes(&self) -> u64 {
+        self.package.source.held_bytes() + self.package.destination.held_bytes()
+    }
+}
+
 impl<T: Element> std::fmt::Debug for InFlightPeer<T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("InFlightPeer")

@@ -20,11 +20,12 @@
 
 use super::pending::{Back, Departure, Leaving, Loan, Reclaim, Wakers};
 use super::wire::{self, Access, Message, Offer};
-use crate::core::engine::{CudaEngine, Shared};
+use crate::core::engine::{Charge, CudaEngine, Shared};
 use crate::core::order::Use;
 use crate::driver::share::{Name, Origin};
 use crate::driver::{DevicePtr, EventHandle, Lane};
 use crate::error::{Error, IoError, MalformedError, PeerError, Result, SubmitError, UsageError};
+use crate::ledger::Owner;
 use crate::lifecycle::pending::Pending;
 use crate::memory::element::Element;
 use crate::memory::tensor::{DeviceTensor, Home};
@@ -32,6 +33,7 @@ use crate::sync::deadline::Deadline;
 use std::collections::HashMap;
 use std::os::fd::BorrowedFd;
 use std::os::unix::net::{UnixListener, UnixStream};
+use std::panic::Location;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
@@ -87,6 +89,8 @@ pub(super) fn dtype_code(dtype: crate::DType) -> u8 {
 pub(super) struct Export {
     id: u64,
     ptr: DevicePtr,
+    /// The allocation's bytes, counted under [`Owner::Exported`] from the export on.
+    bytes: usize,
     engine: Arc<Shared>,
     /// The allocation's export data.
     pointer: Name,
@@ -163,20 +167,26 @@ impl Export {
                 None => Err(Error::Usage(UsageError::Reexport)),
             };
         }
-        let ptr = tensor.raw_ptr();
+        let (ptr, bytes) = (tensor.raw_ptr(), tensor.byte_len());
         let pointer = {
             let mut st = engine.enter()?;
             // A pool's pointers can be exported only once the pool itself has been.
             st.driver
                 .pool_descriptor()
                 .map_err(Error::driver("cuMemPoolExportToShareableHandle"))?;
-            st.driver
+            let pointer = st
+                .driver
                 .export_pointer(ptr)
-                .map_err(Error::driver("cuMemPoolExportPointer"))?
+                .map_err(Error::driver("cuMemPoolExportPointer"))?;
+            // The tensor's memory is the export's from here (its home below frees it).
+            st.ledger
+                .moved(Owner::Tensors, Owner::Exported, bytes, Location::caller());
+            pointer
         };
         let export = Arc::new(Export {
             id: NEXT.fetch_add(1, Ordering::Relaxed),
             ptr,
+            bytes,
             engine: Arc::clone(&engine.shared),
             pointer,
             inner: Mutex::new(Imports::default()),
@@ -207,10 +217,11 @@ impl Export {
         }
         // Leaked (never freed) when the context cannot be entered.
         if let Some(mut st) = self.engine.enter_for_drop() {
+            let charge = Charge::new(Owner::Exported, self.bytes);
             // SAFETY: the exporter's own allocation, whose tensor is gone: no operation queued
             // later names it; every importer's last use and unmapping is ordered before this
             // free by the waits `order_after` queued on the compute stream.
-            unsafe { st.free_device(&*self.engine.waits, self.ptr) };
+            unsafe { st.free_device(&*self.engine.waits, self.ptr, charge) };
         }
     }
 

@@ -13,17 +13,19 @@
 
 use super::export::{SPIN, dtype_code, lock};
 use super::wire::{self, Access, Hello, Message, Offer};
-use crate::core::engine::{CudaEngine, Entered, Shared, State};
+use crate::core::engine::{Charge, CudaEngine, Entered, Shared, State};
 use crate::core::order::Use;
 use crate::driver::share::{Name, Origin};
 use crate::driver::{DevicePtr, EventHandle, Lane};
 use crate::error::{Error, IoError, MalformedError, PeerError, Result, SetupError, UsageError};
+use crate::ledger::Owner;
 use crate::memory::element::Element;
 use crate::memory::tensor::{DeviceTensor, Home, shape_len};
 use crate::sync::deadline::Deadline;
 use std::collections::{HashMap, HashSet};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
+use std::panic::Location;
 use std::path::Path;
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, channel};
 use std::sync::{Arc, Mutex, Weak};
@@ -160,14 +162,26 @@ fn host_proves(st: &mut State, engine: &Shared) -> bool {
 
 /// Unmaps `ptr` after every use of it on `st`'s streams and records `done` after that; `false`
 /// when it stays mapped or the order cannot be proven (the exporter must not be told).
-fn unmap(st: &mut State, engine: &Shared, ptr: DevicePtr, done: EventHandle) -> bool {
+/// `bytes`: what the ledger counts for the mapping, `None` for one it never counted (refused).
+fn unmap(
+    st: &mut State,
+    engine: &Shared,
+    ptr: DevicePtr,
+    bytes: Option<u64>,
+    done: EventHandle,
+) -> bool {
+    let charge = bytes.map(|bytes| Charge::new(Owner::Imported, bytes as usize));
     // SAFETY: `ptr` is an import of this driver whose imports are all gone (the caller checked
     // under the mappings' lock), released once (its mapping is removed with it);
     // `free_ordered` orders every use before the release.
     let lane = unsafe {
-        st.free_ordered(&*engine.waits, ptr, "cuMemFreeAsync", |driver, lane| {
-            driver.release_import(lane, ptr)
-        })
+        st.free_ordered(
+            &*engine.waits,
+            ptr,
+            charge,
+            "cuMemFreeAsync",
+            |driver, lane| driver.release_import(lane, ptr),
+        )
     };
     lane.is_some_and(|lane| record_done(st, engine, lane, done))
 }
@@ -271,9 +285,9 @@ impl LinkShared {
                 false
             }
             Some(m) => {
-                let ptr = m.ptr;
+                let (ptr, bytes) = (m.ptr, m.allocation);
                 mapped.by_id.remove(&id);
-                let told = unmap(&mut st, &self.engine, ptr, self.done);
+                let told = unmap(&mut st, &self.engine, ptr, Some(bytes), self.done);
                 mapped.stuck |= !told;
                 told
             }
@@ -311,7 +325,7 @@ impl Drop for LinkShared {
         let mut all_told = !stuck;
         let mut told = Vec::new();
         for (id, m) in mappings {
-            if unmap(&mut st, &self.engine, m.ptr, self.done) {
+            if unmap(&mut st, &self.engine, m.ptr, Some(m.allocation), self.done) {
                 told.push(id);
             } else {
                 all_told = false;
@@ -368,9 +382,10 @@ impl Home for Import {
         };
         m.in_use -= 1;
         let unmapping = m.in_use == 0 && m.unmap;
+        let bytes = m.allocation;
         let told = if unmapping {
             mapped.by_id.remove(&self.id);
-            unmap(&mut st, owner, ptr, link.done)
+            unmap(&mut st, owner, ptr, Some(bytes), link.done)
         } else {
             // The compute stream follows every use on the others, and the event covers it.
             match st.order_uses(Lane::Compute, &[Use::Write(ptr)]) {
@@ -933,7 +948,7 @@ impl ShareLink {
         ptr: DevicePtr,
         error: &Error,
     ) {
-        let told = unmap(&mut st, engine, ptr, self.link.done);
+        let told = unmap(&mut st, engine, ptr, None, self.link.done);
         {
             let mut mapped = lock(&self.link.mapped);
             mapped.stuck |= !told;
@@ -1014,6 +1029,9 @@ impl ShareLink {
                 };
                 let unmap = mapped.asked.remove(&offer.id);
                 mapped.unrecorded -= 1;
+                // Counted as the allocation the driver measured: what the mapping holds.
+                st.ledger
+                    .allocated(Owner::Imported, allocation as usize, Location::caller());
                 mapped.by_id.insert(
                     offer.id,
                     Mapping {

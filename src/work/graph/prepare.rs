@@ -19,7 +19,7 @@
 //! proven complete, never before.
 
 use super::compile::{Loc, OutputKind, Program, Step};
-use crate::core::engine::{CudaEngine, Entered, Shared};
+use crate::core::engine::{Charge, CudaEngine, Entered, Shared};
 use crate::core::order::Use;
 use crate::driver::graph::{GraphExecHandle, GraphHandle, GraphNodeHandle};
 use crate::driver::launch::FunctionHandle;
@@ -27,6 +27,7 @@ use crate::driver::libs::Library;
 use crate::driver::{DevicePtr, Lane};
 use crate::dtype::DType;
 use crate::error::{Error, ProgramError, Result};
+use crate::ledger::Owner;
 use crate::lifecycle::fence::{Fencing, fence};
 use crate::memory::any_tensor::AnyTensor;
 use crate::memory::element::Element;
@@ -180,6 +181,13 @@ struct Lent {
     graphs: Vec<(GraphHandle, GraphExecHandle)>,
 }
 
+/// The intermediates' bytes.
+impl crate::core::retire::Held for Lent {
+    fn held_bytes(&self) -> u64 {
+        self._arena.held_bytes()
+    }
+}
+
 impl Drop for Lent {
     fn drop(&mut self) {
         if self.graphs.is_empty() {
@@ -291,10 +299,11 @@ impl Drop for Prepared {
         };
         // Outputs of a run refused before its launch (a refused wait, say) were handed back
         // too: their blocks are freed like any other, though nothing was queued with `lent`.
-        for ptr in recycled {
+        for (bytes, ptr) in recycled {
+            let charge = Charge::new(Owner::Tensors, bytes);
             // SAFETY: each block came from this engine's driver for an output tensor that was
             // dropped and gave it back; it is freed once, here, and no later work names it.
-            unsafe { st.free_device(&*self.owner.waits, ptr) };
+            unsafe { st.free_device(&*self.owner.waits, ptr, charge) };
         }
         if self.stats.runs == 0 {
             drop(st);
@@ -570,16 +579,18 @@ impl CudaEngine {
                     } else if let Some(ptr) = prepared.recycler.take(bytes) {
                         ptr
                     } else {
-                        match st.driver.alloc(Lane::Compute, bytes) {
-                            Ok(ptr) => {
-                                st.order.mark(Lane::Compute, &[Use::Alloc(ptr)]);
-                                ptr
-                            }
+                        match st.alloc_for(Lane::Compute, bytes, Owner::Tensors) {
+                            Ok(ptr) => ptr,
                             Err(_) => {
                                 // Out of memory, most likely: the allocator that releases what
                                 // the retirement queue has proven complete, then retries.
                                 drop(st);
-                                let ptr = alloc_device(&self.shared, Lane::Compute, bytes)?;
+                                let ptr = alloc_device(
+                                    &self.shared,
+                                    Lane::Compute,
+                                    bytes,
+                                    Owner::Tensors,
+                                )?;
                                 st = self.shared.enter()?;
                                 ptr
                             }

@@ -38,6 +38,9 @@ use cubecl::cuda::{CudaDevice, CudaRuntime};
 use cubecl::server::Handle;
 use std::sync::Arc;
 
+/// CubeCL's memory, not the engine's: none counted.
+impl crate::core::retire::Held for Handle {}
+
 /// The CubeCL runtime this interop targets, re-exported so kernels use the same version.
 pub use cubecl as runtime;
 

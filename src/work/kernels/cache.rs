@@ -22,6 +22,7 @@ use crate::core::parts::{Part, Teardown};
 use crate::driver::Driver;
 use crate::driver::launch::{FunctionHandle, ModuleHandle, ModuleSource};
 use crate::error::{Error, Result};
+use crate::ledger::Ledger;
 use std::collections::HashMap;
 
 /// The compiled elementwise kernels of one engine, by what they compute: the eager kernels by
@@ -150,7 +151,7 @@ impl Part for KernelCache {
     const TEARDOWN: Teardown = Teardown::AfterEvents(1);
 
     /// Unloads every module; a refused unload leaves the module with the driver.
-    fn teardown(&mut self, driver: &mut dyn Driver) {
+    fn teardown(&mut self, driver: &mut dyn Driver, _ledger: &mut Ledger) {
         let eager = self.entries.drain().map(|(_, entry)| entry);
         let fused = self.fused.drain().map(|(_, entry)| entry);
         #[cfg(any(test, feature = "dlpack"))]

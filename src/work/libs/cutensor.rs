@@ -6,11 +6,12 @@
 //! where it is absent the call is a typed [`SetupError::Unavailable`](crate::error::SetupError::Unavailable) naming it.
 
 use super::BlasElement;
-use crate::core::engine::CudaEngine;
+use crate::core::engine::{Charge, CudaEngine};
 use crate::core::order::Use;
 use crate::driver::Lane;
 use crate::driver::libs::{Contraction, Library};
 use crate::error::{Error, Result, UsageError};
+use crate::ledger::Owner;
 use crate::memory::tensor::DeviceTensor;
 use std::collections::HashMap;
 
@@ -157,8 +158,7 @@ impl CudaEngine {
         let work = if plan.workspace == 0 {
             Ok(0)
         } else {
-            st.driver
-                .alloc(Lane::Compute, plan.workspace)
+            st.alloc_for(Lane::Compute, plan.workspace, Owner::Workspaces)
                 .map_err(Error::driver("cuMemAllocFromPoolAsync"))
         };
         let result = work.and_then(|work| {
@@ -178,14 +178,10 @@ impl CudaEngine {
                 )
             };
             if work != 0 {
-                // SAFETY: `work` came from `alloc` above and is freed once, after the call using
-                // it on the same lane.
-                if let Err(source) = unsafe { st.driver.free(Lane::Compute, work) } {
-                    st.defer(Error::Driver {
-                        call: "cuMemFreeAsync",
-                        source,
-                    });
-                }
+                let charge = Charge::new(Owner::Workspaces, plan.workspace);
+                // SAFETY: `work` came from `alloc_for` above on the compute lane and is freed
+                // once, after the call using it on the same lane.
+                unsafe { st.free_on_lane(Lane::Compute, work, charge) };
             }
             queued
         });

@@ -7,11 +7,12 @@
 //! of waiting for it; [`SolverStatus::check`] reads it when the caller chooses to wait.
 
 use super::{BlasElement, dim};
-use crate::core::engine::CudaEngine;
+use crate::core::engine::{Charge, CudaEngine};
 use crate::core::order::Use;
 use crate::driver::Lane;
 use crate::driver::libs::{Library, Spd};
 use crate::error::{Error, LibraryError, Result, UsageError};
+use crate::ledger::Owner;
 use crate::lifecycle::scalar::{ScalarHost, scalar_transfer};
 use crate::memory::tensor::DeviceTensor;
 
@@ -135,8 +136,7 @@ impl CudaEngine {
         let lwork = st.driver.potrf_workspace(&matrix)?;
         let work_bytes = crate::memory::element::byte_len::<T>(lwork, "cuSOLVER workspace")?;
         let work = st
-            .driver
-            .alloc(Lane::Compute, work_bytes)
+            .alloc_for(Lane::Compute, work_bytes, Owner::Workspaces)
             .map_err(Error::driver("cuMemAllocFromPoolAsync"))?;
         // SAFETY: every pointer names a live allocation of this engine large enough for the
         // call (a: n×n, b: n×nrhs, work: lwork elements, info: 2 ints), none overlapping another;
@@ -151,14 +151,10 @@ impl CudaEngine {
                         .potrs(&matrix, nrhs32, b.raw_ptr(), n32, info.raw_ptr() + 4)
                 })
         };
-        // SAFETY: `work` came from `alloc` above and is freed once, ordered after the calls that
-        // use it (on the same lane).
-        if let Err(source) = unsafe { st.driver.free(Lane::Compute, work) } {
-            st.defer(Error::Driver {
-                call: "cuMemFreeAsync",
-                source,
-            });
-        }
+        let charge = Charge::new(Owner::Workspaces, work_bytes);
+        // SAFETY: `work` came from `alloc_for` above on the compute lane and is freed once,
+        // ordered after the calls that use it (on the same lane).
+        unsafe { st.free_on_lane(Lane::Compute, work, charge) };
         solved?;
         drop(st);
         Ok(SolverStatus {

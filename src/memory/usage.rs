@@ -1,0 +1,72 @@
+//! What an engine holds, asked of the engine: the snapshot by owner, a watch for other threads,
+//! the peaks' reset and the allocation history.
+//!
+//! The figures are the ledger's (`crate::ledger`), which every allocation and free of the levels
+//! above the core tells under the engine's lock; this module only hands them out. Reading them
+//! takes no lock that a transfer holds: the snapshot copies the ledger's atomics and asks the
+//! driver's waiting half for the device's figures.
+
+use super::tensor::device_memory;
+use crate::core::engine::{CudaEngine, Shared};
+use crate::ledger::{AllocationEvent, MemoryUse, MemoryWatch};
+use std::sync::Arc;
+
+impl Shared {
+    /// The device's figures, when the driver can say.
+    fn device_figures(&self) -> Option<crate::device::DeviceMemory> {
+        self.waits.memory_report().ok().map(device_memory)
+    }
+}
+
+impl CudaEngine {
+    /// Every kind of memory the engine holds, device and host, by owner (tensors, workspaces,
+    /// exports, imports, the pinned pool, the staging ring, registered memory, retired work),
+    /// with peaks, beside the device's free and total memory and the engine's pool
+    /// ([`MemoryUse`]; its `Display` is a table). Takes no lock that a transfer holds; to read it
+    /// from another thread while this one drives the engine, take a
+    /// [`memory_watch`](Self::memory_watch).
+    pub fn memory(&self) -> MemoryUse {
+        let mut memory = self.shared.cells.read();
+        memory.device = self.shared.device_figures();
+        memory
+    }
+
+    /// A handle that reads this engine's memory from any thread
+    /// ([`MemoryWatch::snapshot`]), without the engine and without a lock that a transfer
+    /// holds: for a thread that reports a service's memory while another drives the engine.
+    pub fn memory_watch(&self) -> MemoryWatch {
+        let (device, reset) = (Arc::clone(&self.shared), Arc::clone(&self.shared));
+        MemoryWatch {
+            cells: Arc::clone(&self.shared.cells),
+            device: Arc::new(move || device.device_figures()),
+            reset: Arc::new(move || reset.lock().ledger.reset_peaks()),
+        }
+    }
+
+    /// Makes every peak of [`memory`](Self::memory) the figure now, so later peaks cover only
+    /// what comes after (as [`MemoryWatch::reset_peaks`]).
+    pub fn reset_peak_memory(&mut self) {
+        self.shared.lock().ledger.reset_peaks();
+    }
+
+    /// Keeps the engine's last `last` allocations and frees, with their size, owner and the
+    /// caller's location, from now on; `0` turns the history off and forgets it (the default:
+    /// off, where it costs one branch per allocation). An out-of-memory error then carries the
+    /// history ([`OutOfMemory::history`](crate::error::OutOfMemory)), and
+    /// [`allocation_history`](Self::allocation_history) reads it.
+    ///
+    /// The location is the caller's for the methods that allocate on a caller's behalf and
+    /// track their caller ([`alloc_tensor`](Self::alloc_tensor),
+    /// [`upload_tensor`](crate::upload_tensor), [`PinnedHostBuffer::new`](crate::PinnedHostBuffer::new),
+    /// [`RegisteredBuffer::register`](crate::RegisteredBuffer::register), ...), and the crate's
+    /// own line for memory a route or a drop takes or gives back.
+    pub fn record_allocations(&mut self, last: usize) {
+        self.shared.lock().ledger.record_history(last);
+    }
+
+    /// The allocations and frees the history keeps, oldest first; empty when it is off
+    /// ([`record_allocations`](Self::record_allocations)).
+    pub fn allocation_history(&self) -> Vec<AllocationEvent> {
+        self.shared.lock().ledger.history()
+    }
+}
