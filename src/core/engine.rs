@@ -548,6 +548,12 @@ impl Shared {
 /// |  | [`pinned_pool_budget`](CudaEngine::pinned_pool_budget) | the pinned pool's idle-byte budget |
 /// |  | [`set_pinned_pool_budget`](CudaEngine::set_pinned_pool_budget) | sets that budget and trims the pool to it |
 /// |  | [`pinned_pool_stats`](CudaEngine::pinned_pool_stats) | the pinned pool's counters |
+/// |  | [`trim_host_memory`](CudaEngine::trim_host_memory) | gives back the idle page-locked memory of the pinned pool and the staging ring |
+/// |  | [`memory`](CudaEngine::memory) | everything the engine holds, device and host, by owner, with peaks |
+/// |  | [`memory_watch`](CudaEngine::memory_watch) | a handle that reads the same from any thread |
+/// |  | [`reset_peak_memory`](CudaEngine::reset_peak_memory) | makes every peak the figure now |
+/// |  | [`record_allocations`](CudaEngine::record_allocations) | keeps the last allocations and frees with their callers' lines |
+/// |  | [`allocation_history`](CudaEngine::allocation_history) | reads that history |
 /// |  | [`staging_lease`](CudaEngine::staging_lease) | leases a staging slot, for a chunked pipeline built by hand |
 /// |  | [`staging_config`](CudaEngine::staging_config) | the staging ring's settings |
 /// |  | [`set_staging_config`](CudaEngine::set_staging_config) | changes the staging ring's settings |

@@ -110,6 +110,19 @@ impl CudaEngine {
         Ok(())
     }
 
+    /// Gives back every page-locked host block the engine keeps idle for reuse: the pinned
+    /// pool's idle blocks and the staging ring's idle slots (their memory counted as
+    /// `reserved` beyond `in_use` in [`memory`](Self::memory)). Memory in use stays; the next
+    /// transfer that stages allocates its slots again. A free the driver refuses leaves that
+    /// memory pinned, and is reported at the next `flush` or `synchronize`.
+    ///
+    /// # Errors
+    /// [`Error::Driver`] when the engine's context cannot be made current.
+    pub fn trim_host_memory(&mut self) -> Result<()> {
+        self.enter()?.free_idle_pinned();
+        Ok(())
+    }
+
     /// The pinned pool's counters.
     pub fn pinned_pool_stats(&self) -> PinnedPoolStats {
         self.shared.lock().parts.get_mut::<PinnedPool>().stats()

@@ -116,6 +116,11 @@ fn staged_pending_and_registered_routes_are_counted_and_retired_work_shows_until
     assert_eq!(m.staging.peak_in_use, m.staging.reserved);
     assert_eq!(download_tensor(&mut engine, &tensor).unwrap(), data);
     drop(tensor);
+    // The idle slots and blocks go back on request; the peaks stay.
+    engine.trim_host_memory().unwrap();
+    let m = agrees(&mut engine, &sim);
+    assert_eq!((m.staging.reserved, m.pinned.reserved), (0, 0));
+    assert!(m.staging.peak_reserved >= chunk);
 
     // Pending: an upload dropped in flight is retired, holding its tensor and its buffer.
     sim.hold_clock(true);
