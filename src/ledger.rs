@@ -151,7 +151,10 @@ pub struct Retired {
 #[non_exhaustive]
 pub struct MemoryUse {
     /// The device's free and total memory, and what the engine's pool holds of it; `None`
-    /// when the driver could not say.
+    /// when the driver could not say. The pool's figures are read with the snapshot; the
+    /// device's free and total may come from a reading up to a millisecond old on CUDA, where
+    /// asking costs microseconds ([`CudaEngine::device_memory`](crate::CudaEngine::device_memory)
+    /// always asks).
     pub device: Option<DeviceMemory>,
     /// The engine's tensors ([`Owner::Tensors`]).
     pub tensors: Holding,
@@ -341,22 +344,22 @@ impl Line {
     }
 
     /// Applies one change. Only the ledger's one writer calls it, inside a write of the
-    /// sequence lock, so plain loads and stores suffice.
+    /// sequence lock, so plain loads and stores suffice. Every step takes back what an earlier
+    /// one added, so no figure goes below zero (a debug build checks).
     fn apply(&self, in_use: i64, reserved: i64, count: i64) {
         let step = |cell: &AtomicU64, delta: i64| {
-            let value = cell.load(Ordering::Relaxed).saturating_add_signed(delta);
+            let value = cell.load(Ordering::Relaxed).wrapping_add_signed(delta);
+            debug_assert!(value <= i64::MAX as u64, "a figure below zero");
             cell.store(value, Ordering::Relaxed);
             value
         };
         let used = step(&self.in_use, in_use);
         let held = step(&self.reserved, reserved);
         step(&self.count, count);
-        if used > self.peak_in_use.load(Ordering::Relaxed) {
-            self.peak_in_use.store(used, Ordering::Relaxed);
-        }
-        if held > self.peak_reserved.load(Ordering::Relaxed) {
-            self.peak_reserved.store(held, Ordering::Relaxed);
-        }
+        let peak = self.peak_in_use.load(Ordering::Relaxed).max(used);
+        self.peak_in_use.store(peak, Ordering::Relaxed);
+        let peak = self.peak_reserved.load(Ordering::Relaxed).max(held);
+        self.peak_reserved.store(peak, Ordering::Relaxed);
     }
 
     fn reset_peaks(&self) {
@@ -377,9 +380,49 @@ pub(crate) struct Cells {
     retired_records: AtomicU64,
     retired_bytes: AtomicU64,
     retained: AtomicU64,
+    /// The device's free and total memory as last read by a snapshot, and when (nanoseconds
+    /// after `opened`, plus one; zero: never), for a snapshot that may reuse a recent reading.
+    device_free: AtomicU64,
+    device_total: AtomicU64,
+    device_read: AtomicU64,
+    opened: OnceInstant,
+}
+
+/// The instant the cells were made.
+struct OnceInstant(std::time::Instant);
+
+impl Default for OnceInstant {
+    fn default() -> Self {
+        OnceInstant(std::time::Instant::now())
+    }
 }
 
 impl Cells {
+    /// The device's free and total memory as read within `max_age`, if a snapshot read them
+    /// that recently. Racing readings may mix one reading's free with another's time: both
+    /// are recent.
+    pub(crate) fn recent_device(&self, max_age: std::time::Duration) -> Option<(u64, u64)> {
+        let read = self.device_read.load(Ordering::Acquire);
+        if read == 0 || max_age.is_zero() {
+            return None;
+        }
+        let age = (self.opened.0.elapsed().as_nanos() as u64).saturating_sub(read - 1);
+        (age <= max_age.as_nanos() as u64).then(|| {
+            (
+                self.device_free.load(Ordering::Relaxed),
+                self.device_total.load(Ordering::Relaxed),
+            )
+        })
+    }
+
+    /// Keeps a reading of the device's free and total memory, made now.
+    pub(crate) fn device_read(&self, free: u64, total: u64) {
+        self.device_free.store(free, Ordering::Relaxed);
+        self.device_total.store(total, Ordering::Relaxed);
+        let now = self.opened.0.elapsed().as_nanos() as u64 + 1;
+        self.device_read.store(now, Ordering::Release);
+    }
+
     /// Every figure, copied out between two writes (never half of one). Takes no lock: a reader
     /// that meets a write under way tries again.
     pub(crate) fn read(&self) -> MemoryUse {

@@ -200,6 +200,16 @@ pub(crate) trait Waits: Send + Sync {
     /// The device's memory as the driver reports it (`cuMemGetInfo`), and what this driver's
     /// pool holds (`cuMemPoolGetAttribute`). Never waits, and takes no lock of the engine's.
     fn memory_report(&self) -> Result<MemoryReport, DriverError>;
+    /// What this driver's pool holds, reserved and in use (`cuMemPoolGetAttribute`): the cheap
+    /// half of [`memory_report`](Self::memory_report).
+    fn pool_usage(&self) -> Result<(u64, u64), DriverError>;
+    /// How old the device's free and total memory may be in a snapshot that is asked for often
+    /// ([`memory_report`](Self::memory_report)'s `cuMemGetInfo` asks the kernel driver and costs
+    /// microseconds); zero where asking costs nothing (the simulator, whose figures are then
+    /// always exact).
+    fn device_figures_max_age(&self) -> std::time::Duration {
+        std::time::Duration::ZERO
+    }
     /// How long an awaited transfer that is not complete at its first poll keeps asking its
     /// event before it asks the device for a wake: about one wake's latency on a real device,
     /// so a copy about to finish resolves as fast as a host wait would; zero where time does not

@@ -8,13 +8,29 @@
 
 use super::tensor::device_memory;
 use crate::core::engine::{CudaEngine, Shared};
+use crate::device::DeviceMemory;
 use crate::ledger::{AllocationEvent, MemoryUse, MemoryWatch};
 use std::sync::Arc;
 
 impl Shared {
-    /// The device's figures, when the driver can say.
-    fn device_figures(&self) -> Option<crate::device::DeviceMemory> {
-        self.waits.memory_report().ok().map(device_memory)
+    /// The device's figures, when the driver can say: the pool's asked now, the device's free
+    /// and total reused from a reading no older than the driver's
+    /// [`device_figures_max_age`](crate::driver::Waits::device_figures_max_age) (on CUDA,
+    /// `cuMemGetInfo` costs microseconds; on the simulator every snapshot asks).
+    fn device_figures(&self) -> Option<DeviceMemory> {
+        let max_age = self.waits.device_figures_max_age();
+        if let Some((free, total)) = self.cells.recent_device(max_age) {
+            let (pool_reserved, pool_in_use) = self.waits.pool_usage().ok()?;
+            return Some(DeviceMemory {
+                free,
+                total,
+                pool_reserved,
+                pool_in_use,
+            });
+        }
+        let report = self.waits.memory_report().ok()?;
+        self.cells.device_read(report.free, report.total);
+        Some(device_memory(report))
     }
 }
 
@@ -25,6 +41,11 @@ impl CudaEngine {
     /// ([`MemoryUse`]; its `Display` is a table). Takes no lock that a transfer holds; to read it
     /// from another thread while this one drives the engine, take a
     /// [`memory_watch`](Self::memory_watch).
+    ///
+    /// The engine's own figures and the pool's are read at the call. The device's free and
+    /// total memory come from `cuMemGetInfo`, which asks the kernel driver and costs several
+    /// microseconds, so a snapshot reuses a reading up to a millisecond old;
+    /// [`device_memory`](Self::device_memory) always asks.
     pub fn memory(&self) -> MemoryUse {
         let mut memory = self.shared.cells.read();
         memory.device = self.shared.device_figures();

@@ -705,10 +705,23 @@ impl Waits for CudaWaits {
             let code = unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) };
             DriverError::check(code)
         })?;
+        let (reserved, used) = self.pool_usage()?;
+        Ok(MemoryReport {
+            free: free as u64,
+            total: total as u64,
+            reserved,
+            used,
+            // CUDA has no query for it: free memory may be split, and other pools may grow.
+            largest: None,
+        })
+    }
+
+    fn pool_usage(&self) -> Result<(u64, u64), DriverError> {
         let attribute = |attribute| {
             let mut value = 0u64;
             // SAFETY: the attribute is one of the pool's `cuuint64_t` counters, which `value`
-            // is; the pool is the driver's, live while this value is (see `CudaWaits`).
+            // is; the pool is the driver's, live while this value is (see `CudaWaits`). A pool
+            // handle needs no current context.
             DriverError::check(unsafe {
                 sys::cuMemPoolGetAttribute(
                     self.pool,
@@ -719,14 +732,17 @@ impl Waits for CudaWaits {
             .map(|()| value)
         };
         use sys::CUmemPool_attribute as A;
-        Ok(MemoryReport {
-            free: free as u64,
-            total: total as u64,
-            reserved: attribute(A::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)?,
-            used: attribute(A::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)?,
-            // CUDA has no query for it: free memory may be split, and other pools may grow.
-            largest: None,
-        })
+        Ok((
+            attribute(A::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)?,
+            attribute(A::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)?,
+        ))
+    }
+
+    /// 1 ms: `cuMemGetInfo` asks the kernel driver (5 to 7 µs on an H100,
+    /// `docs/records/memory.md`), so a snapshot asked for often reuses a reading up to a
+    /// millisecond old; the pool's figures are asked each time.
+    fn device_figures_max_age(&self) -> std::time::Duration {
+        std::time::Duration::from_millis(1)
     }
 
     fn stream_query(&self) -> Result<bool, DriverError> {

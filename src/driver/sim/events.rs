@@ -394,6 +394,11 @@ impl Waits for SimWaits {
         Ok(s.streams_idle(self.lanes()))
     }
 
+    fn pool_usage(&self) -> Result<(u64, u64), DriverError> {
+        let report = self.memory_report()?;
+        Ok((report.reserved, report.used))
+    }
+
     fn memory_report(&self) -> Result<MemoryReport, DriverError> {
         let mut s = self.device.lock_as(self.pid);
         s.enter(SimOp::MemoryReport)?;
