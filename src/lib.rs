@@ -66,7 +66,7 @@
 //! ```
 
 // The levels, lowest first; a module never imports a level above its own (`tests/levels.rs`
-// checks it). `device`, `error`, `dtype`, `fd_passing` and `sync` sit below them all.
+// checks it). `device`, `error`, `dtype`, `fd_passing`, `ledger` and `sync` sit below them all.
 //
 // The seam: the one trait that names device operations, and its two implementations.
 mod driver;

@@ -17,7 +17,8 @@
 //! a peer, other ranks (collectives), other processes (sharing) and files (checkpoints). So a
 //! library's verdict read back in `work/` goes through the lifecycle's scalar band, never a route.
 //!
-//! Below them all sit `error.rs`, `dtype.rs` and `sync/` (the errors, the element tag they name,
+//! Below them all sit `error.rs`, `dtype.rs`, `ledger.rs` and `sync/` (the errors, the element tag
+//! they name, the engine's count of the memory it holds, which the errors carry,
 //! and the host concurrency: the synchronization primitives that a loom build swaps for loom's,
 //! in `sync/mod.rs`, the process's host-copy threads built on them, in `sync/copy_pool.rs`, and
 //! the one deadline of a whole exchange with a peer, in `sync/deadline.rs`, and the lock guard
@@ -53,11 +54,12 @@ use std::path::Path;
 const LEVELS: [&str; 6] = ["driver", "core", "memory", "lifecycle", "work", "routes"];
 
 /// The files below every level.
-const BASE: [&str; 8] = [
+const BASE: [&str; 9] = [
     "device.rs",
     "error.rs",
     "dtype.rs",
     "fd_passing.rs",
+    "ledger.rs",
     "sync/mod.rs",
     "sync/copy_pool.rs",
     "sync/deadline.rs",
