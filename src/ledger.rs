@@ -539,6 +539,22 @@ impl Ledger {
         self.change(owner, (0, -b, 0), Change::Released, bytes as u64, at);
     }
 
+    /// A block or slot of `owner`'s pool, `bytes` long, given back to the driver: an idle one
+    /// ([`released`](Self::released)) or one in use ([`freed`](Self::freed)).
+    pub(crate) fn gave_back(
+        &mut self,
+        owner: Owner,
+        bytes: usize,
+        idle: bool,
+        at: &'static Location<'static>,
+    ) {
+        if idle {
+            self.released(owner, bytes, at);
+        } else {
+            self.freed(owner, bytes, at);
+        }
+    }
+
     /// One live allocation of `bytes` moved from `from` to `to`.
     pub(crate) fn moved(
         &mut self,

@@ -183,12 +183,7 @@ impl PinnedPool {
         match unsafe { driver.host_free(block.ptr()) } {
             Ok(()) => {
                 self.frees += 1;
-                let here = Location::caller();
-                if idle {
-                    ledger.released(Owner::Pinned, block.capacity, here);
-                } else {
-                    ledger.freed(Owner::Pinned, block.capacity, here);
-                }
+                ledger.gave_back(Owner::Pinned, block.capacity, idle, Location::caller());
                 Ok(())
             }
             Err(source) => {

@@ -302,12 +302,7 @@ pub(crate) fn free_slot(
     // SAFETY: a slot comes back to the ring only from a proven lease (or a record whose event
     // proved completion), so nothing queued names its memory; it is freed once.
     unsafe { driver.host_free(slot.ptr.as_ptr()) }.map_err(Error::driver("cuMemFreeHost"))?;
-    let here = Location::caller();
-    if idle {
-        ledger.released(Owner::Staging, slot.bytes, here);
-    } else {
-        ledger.freed(Owner::Staging, slot.bytes, here);
-    }
+    ledger.gave_back(Owner::Staging, slot.bytes, idle, Location::caller());
     Ok(())
 }
 

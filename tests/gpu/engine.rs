@@ -138,9 +138,11 @@ fn device_memory_is_reported_kept_trimmed_and_explained_when_it_runs_out() {
 }
 
 /// The host time of a 256 MiB allocation and its free, in a loop: the engine's
-/// (`alloc_tensor`, then the drop) beside the raw pair on a pool of the same settings
-/// (`cuMemAllocFromPoolAsync` / `cuMemFreeAsync` on a stream of the engine's context, the
-/// release threshold at its maximum), and the engine's pool's reserved bytes around its loop.
+/// (`alloc_tensor`, then the drop) beside the raw pair (`cuMemAllocFromPoolAsync` /
+/// `cuMemFreeAsync` on a stream of the engine's context, the release threshold at its maximum)
+/// on two pools of the test's own: one of the engine's settings (its blocks exportable to other
+/// processes as POSIX descriptors, as the engine's pool is where the device can) and a plain one;
+/// and the engine's pool's reserved bytes around its loop.
 #[test]
 #[ignore = "needs a CUDA device"]
 fn measure_device_allocation_against_the_raw_pool() {
@@ -155,18 +157,29 @@ fn measure_device_allocation_against_the_raw_pool() {
     let ctx = engine
         .with_raw(|r| Ok::<_, cuferry::Error>(r.context().as_raw() as usize))
         .unwrap() as sys::CUcontext;
-    // The raw pair, on a pool of its own.
-    let raw = {
+    // SAFETY: the engine's live context, made current on this thread for the raw calls below.
+    check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(ctx) });
+    let mut stream = std::ptr::null_mut();
+    // SAFETY: one out pointer; the stream is the test's, destroyed once below.
+    check("cuStreamCreate", unsafe {
+        sys::cuStreamCreate(
+            &mut stream,
+            sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
+        )
+    });
+    let make_pool = |exportable: bool| {
         let mut pool = std::ptr::null_mut();
-        let mut stream = std::ptr::null_mut();
-        // SAFETY: the engine's live context made current; every out pointer is valid; the pool
-        // and stream are this test's, destroyed after the stream is synchronized.
+        // SAFETY: an all-zero description is the documented default; the fields that matter
+        // are set; every out pointer is valid; the pool is the test's, destroyed once below.
         unsafe {
-            check("cuCtxSetCurrent", sys::cuCtxSetCurrent(ctx));
             let mut props: sys::CUmemPoolProps = std::mem::zeroed();
             props.allocType = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
             props.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
             props.location.id = 0;
+            if exportable {
+                props.handleTypes =
+                    sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+            }
             check("cuMemPoolCreate", sys::cuMemPoolCreate(&mut pool, &props));
             let mut threshold = u64::MAX;
             check(
@@ -177,36 +190,31 @@ fn measure_device_allocation_against_the_raw_pool() {
                     (&mut threshold as *mut u64).cast(),
                 ),
             );
+        }
+        pool
+    };
+    let (exportable, plain) = (make_pool(true), make_pool(false));
+    let raw_pair = |pool: sys::CUmemoryPool| {
+        let mut ptr = 0;
+        // SAFETY: the test's live pool and stream, in the engine's context (current); the
+        // allocation is freed at once, stream-ordered, and never touched.
+        unsafe {
             check(
-                "cuStreamCreate",
-                sys::cuStreamCreate(
-                    &mut stream,
-                    sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
-                ),
+                "cuMemAllocFromPoolAsync",
+                sys::cuMemAllocFromPoolAsync(&mut ptr, BYTES, pool, stream),
             );
-            let (p, st) = (pool, stream);
-            let pair = move || {
-                let mut ptr = 0;
-                check(
-                    "cuMemAllocFromPoolAsync",
-                    sys::cuMemAllocFromPoolAsync(&mut ptr, BYTES, p, st),
-                );
-                check("cuMemFreeAsync", sys::cuMemFreeAsync(ptr, st));
-            };
-            for _ in 0..100 {
-                pair();
-            }
-            (pool, stream, pair)
+            check("cuMemFreeAsync", sys::cuMemFreeAsync(ptr, stream));
         }
     };
-    let (pool, stream, raw_pair) = raw;
-    // The engine's pair.
     let engine_pair = |engine: &mut cuferry::CudaEngine| {
         drop(engine.alloc_tensor::<u8>(&[BYTES]).unwrap());
     };
     for _ in 0..100 {
+        raw_pair(exportable);
+        raw_pair(plain);
         engine_pair(&mut engine);
     }
+    engine.synchronize().unwrap();
     let time = |pair: &mut dyn FnMut()| {
         let start = Instant::now();
         for _ in 0..PAIRS {
@@ -214,30 +222,16 @@ fn measure_device_allocation_against_the_raw_pool() {
         }
         start.elapsed() / PAIRS
     };
-    // Rounds of each, interleaved, so both see the same machine; the medians compared.
-    let (mut ours, mut raws) = (Vec::new(), Vec::new());
-    let mut before = None;
+    // Rounds of each, interleaved, so all see the same machine; the medians compared.
+    let (mut ours, mut same, mut plains) = (Vec::new(), Vec::new(), Vec::new());
+    let before = engine.device_memory().unwrap();
     for _ in 0..7 {
-        // The raw pair's pool and stream live until they are destroyed below.
-        raws.push(time(&mut || raw_pair()));
-        if before.is_none() {
-            before = Some(engine.device_memory().unwrap());
-        }
+        same.push(time(&mut || raw_pair(exportable)));
+        plains.push(time(&mut || raw_pair(plain)));
         ours.push(time(&mut || engine_pair(&mut engine)));
     }
-    // SAFETY: the test's own stream and pool, idle once synchronized, destroyed once.
-    unsafe {
-        check("cuCtxSetCurrent", sys::cuCtxSetCurrent(ctx));
-        check("cuStreamSynchronize", sys::cuStreamSynchronize(stream));
-        check("cuStreamDestroy", sys::cuStreamDestroy_v2(stream));
-        check("cuMemPoolDestroy", sys::cuMemPoolDestroy(pool));
-    }
-    ours.sort();
-    raws.sort();
-    let (rounds, raw_rounds) = (ours.clone(), raws.clone());
-    let (ours, raw) = (ours[3], raws[3]);
-    // What entering the engine costs the pair: two context queries (one per call), the rest of
-    // the gap being the engine's own bookkeeping.
+    let after = engine.device_memory().unwrap();
+    // What entering the engine costs the pair: two context queries (one per call).
     let query = {
         let start = Instant::now();
         for _ in 0..PAIRS {
@@ -249,14 +243,30 @@ fn measure_device_allocation_against_the_raw_pool() {
         }
         start.elapsed() / PAIRS
     };
-    let before = before.unwrap();
-    let after = engine.device_memory().unwrap();
+    // SAFETY: the test's own stream and pools, idle once the stream is synchronized, each
+    // destroyed once.
+    unsafe {
+        check("cuCtxSetCurrent", sys::cuCtxSetCurrent(ctx));
+        check("cuStreamSynchronize", sys::cuStreamSynchronize(stream));
+        check("cuStreamDestroy", sys::cuStreamDestroy_v2(stream));
+        check("cuMemPoolDestroy", sys::cuMemPoolDestroy(exportable));
+        check("cuMemPoolDestroy", sys::cuMemPoolDestroy(plain));
+    }
     engine.synchronize().unwrap();
+    for rounds in [&mut ours, &mut same, &mut plains] {
+        rounds.sort();
+    }
+    let ratio = |a: std::time::Duration, b: std::time::Duration| a.as_secs_f64() / b.as_secs_f64();
     println!(
-        "256 MiB allocation and free, host time per pair (median of 7 rounds of {PAIRS}): \
-         engine {ours:?}, raw pool {raw:?}: {:.2}x; rounds: engine {rounds:?}, raw \
-         {raw_rounds:?}; one cuCtxGetCurrent: {query:?}",
-        ours.as_secs_f64() / raw.as_secs_f64(),
+        "256 MiB allocation and free, host time per pair (median of 7 rounds of {PAIRS}): engine \
+         {:?}; raw on a pool of the engine's settings (exportable) {:?}: {:.2}x; raw on a plain \
+         pool {:?}: {:.2}x; rounds: engine {ours:?}, exportable {same:?}, plain {plains:?}; one \
+         cuCtxGetCurrent: {query:?}",
+        ours[3],
+        same[3],
+        ratio(ours[3], same[3]),
+        plains[3],
+        ratio(ours[3], plains[3]),
     );
     println!(
         "the engine's pool around {} pairs: reserved {} then {} bytes, in use {} then {}",
