@@ -212,9 +212,8 @@ impl State {
         call: &'static str,
         release: impl FnOnce(&mut dyn Driver, Lane) -> std::result::Result<(), DriverError>,
     ) -> Option<Lane> {
-        let uses = [Use::Write(ptr)];
-        let lane = self.order.free_lane(ptr);
-        if let Err(refused) = self.order.prepare(&mut *self.driver, lane, &uses) {
+        let (lane, prepared) = self.order.prepare_free(&mut *self.driver, ptr);
+        if let Err(refused) = prepared {
             self.defer(refused);
             let upto = self.order.positions();
             if let Err(source) = waits.stream_synchronize() {

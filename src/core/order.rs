@@ -238,19 +238,26 @@ impl Order {
         }
     }
 
-    /// The lane to free a value on: the one lane whose uses of it the host has not proven
-    /// complete, which needs no wait for them; the compute lane when none or several have.
-    pub(crate) fn free_lane(&self, ptr: DevicePtr) -> Lane {
-        let Some(touch) = self.touches.get(&ptr) else {
-            return Lane::Compute;
-        };
+    /// Each lane's last use of the value at `ptr` (its allocation, its last write, its reads
+    /// since): what its free must follow.
+    fn last_uses(&self, ptr: DevicePtr) -> [u64; 3] {
         let mut last = [0u64; 3];
+        let Some(touch) = self.touches.get(&ptr) else {
+            return last;
+        };
         for (lane, pos) in [touch.alloc, touch.write] {
             last[lane] = last[lane].max(pos);
         }
         for (lane, &pos) in touch.reads.iter().enumerate() {
             last[lane] = last[lane].max(pos);
         }
+        last
+    }
+
+    /// The lane to free a value on, given each lane's `last` use of it: the one lane whose uses
+    /// the host has not proven complete, which needs no wait for them; the compute lane when
+    /// none or several have.
+    fn free_lane_after(&self, last: [u64; 3]) -> Lane {
         let mut unproven = Lane::ALL
             .into_iter()
             .filter(|lane| last[lane.index()] > self.proven.get(lane.index()));
@@ -258,6 +265,30 @@ impl Order {
             (Some(lane), None) => lane,
             _ => Lane::Compute,
         }
+    }
+
+    /// Chooses the lane to free the value at `ptr` on ([`free_lane_after`](Self::free_lane_after)) and
+    /// makes it wait for the value's uses on the other lanes (as [`prepare`](Self::prepare) with
+    /// a write of it): one lookup for both. Returns the lane, and the refusal of a wait when
+    /// one was refused (the free must then not be queued without another proof).
+    pub(crate) fn prepare_free(
+        &mut self,
+        driver: &mut dyn Driver,
+        ptr: DevicePtr,
+    ) -> (Lane, Result<()>) {
+        let last = self.last_uses(ptr);
+        let lane = self.free_lane_after(last);
+        let me = lane.index();
+        for other in Lane::ALL {
+            let o = other.index();
+            if o != me
+                && last[o] > self.seen[me][o].max(self.proven.get(o))
+                && let Err(refused) = self.wait_for(driver, lane, other)
+            {
+                return (lane, Err(refused));
+            }
+        }
+        (lane, Ok(()))
     }
 
     /// Folds the uses of the value `from` into those of `into`, and forgets `from`: for a

@@ -29,6 +29,9 @@ thread_local! {
     static ENGINE_LOCKS: Cell<usize> = const { Cell::new(0) };
     /// Wakes that came due while this thread held an engine lock, to run once it holds none.
     static DEFERRED: RefCell<Vec<Wake>> = const { RefCell::new(Vec::new()) };
+    /// Whether `DEFERRED` may hold wakes: the check every lock release makes, without the
+    /// borrow of the list.
+    static HAS_DEFERRED: Cell<bool> = const { Cell::new(false) };
     /// Whether this thread is running a wake.
     static IN_WAKE: Cell<bool> = const { Cell::new(false) };
 }
@@ -64,6 +67,7 @@ pub(crate) fn call(wakes: Vec<Wake>) {
     }
     if engine_locks_held() > 0 || std::thread::panicking() {
         DEFERRED.with(|deferred| deferred.borrow_mut().extend(wakes));
+        HAS_DEFERRED.with(|has| has.set(true));
         return;
     }
     run(wakes);
@@ -71,13 +75,14 @@ pub(crate) fn call(wakes: Vec<Wake>) {
 
 /// Runs the wakes deferred on this thread, once it holds no engine lock (and no panic unwinds).
 pub(crate) fn run_deferred() {
-    if engine_locks_held() > 0 || std::thread::panicking() {
+    if !HAS_DEFERRED.with(Cell::get) || engine_locks_held() > 0 || std::thread::panicking() {
         return;
     }
     // Wakes may come due while these run (a wake that registers another): loop until none is
     // left.
     loop {
         let wakes = DEFERRED.with(|deferred| std::mem::take(&mut *deferred.borrow_mut()));
+        HAS_DEFERRED.with(|has| has.set(false));
         if wakes.is_empty() {
             return;
         }
