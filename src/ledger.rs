@@ -647,7 +647,7 @@ pub struct MemoryWatch {
     /// The device's figures, when they can be asked (the engine's driver's waiting half).
     pub(crate) device: Arc<dyn Fn() -> Option<DeviceMemory> + Send + Sync>,
     /// Resets the peaks (under the engine's lock, the ledger's one writer).
-    pub(crate) reset: Arc<dyn Fn() + Send + Sync>,
+    pub(crate) reset: Arc<dyn Fn() -> crate::error::Result<()> + Send + Sync>,
 }
 
 impl fmt::Debug for MemoryWatch {
@@ -673,8 +673,13 @@ impl MemoryWatch {
 
     /// Makes every peak the figure now, so the next snapshot's peaks cover only what comes
     /// after. Takes the engine's lock for the moment of the reset.
-    pub fn reset_peaks(&self) {
-        (self.reset)();
+    ///
+    /// # Errors
+    /// [`UsageError::InDeviceCallback`](crate::error::UsageError::InDeviceCallback) inside a
+    /// wake (a waker run as the device's callback), where the engine's lock may be held by a
+    /// thread that waits for that very callback; nothing is reset then.
+    pub fn reset_peaks(&self) -> crate::error::Result<()> {
+        (self.reset)()
     }
 }
 

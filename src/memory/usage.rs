@@ -60,7 +60,12 @@ impl CudaEngine {
         MemoryWatch {
             cells: Arc::clone(&self.shared.cells),
             device: Arc::new(move || device.device_figures()),
-            reset: Arc::new(move || reset.lock().ledger.reset_peaks()),
+            reset: Arc::new(move || {
+                // Refused inside a wake (as every engine call is): the lock may be held by a
+                // thread that waits for the wake's callback.
+                reset.enter()?.ledger.reset_peaks();
+                Ok(())
+            }),
         }
     }
 

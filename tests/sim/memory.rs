@@ -316,3 +316,53 @@ fn an_out_of_memory_error_carries_what_the_engine_holds_and_its_history() {
     );
     drop(held);
 }
+
+/// A waker that resets a watch's peaks: refused with a typed error (the wake may run where the
+/// engine's lock is held by a thread waiting for it), and nothing is reset; outside a wake it
+/// resets.
+#[test]
+fn a_watch_refuses_to_reset_its_peaks_inside_a_wake() {
+    use std::future::IntoFuture;
+    use std::pin::Pin;
+    use std::sync::{Arc, Mutex};
+    use std::task::{Context, Wake, Waker};
+
+    struct ResetInWake {
+        watch: cuferry::engine::MemoryWatch,
+        result: Mutex<Option<Result<(), String>>>,
+    }
+    impl Wake for ResetInWake {
+        fn wake(self: Arc<Self>) {
+            self.wake_by_ref();
+        }
+        fn wake_by_ref(self: &Arc<Self>) {
+            let reset = self.watch.reset_peaks().map_err(|e| e.to_string());
+            *self.result.lock().unwrap() = Some(reset);
+        }
+    }
+
+    let (mut engine, _sim) = engine();
+    let big = engine.alloc_tensor::<u8>(&[1 << 20]).unwrap();
+    drop(big);
+    let buffer = PinnedHostBuffer::from_slice(&mut engine, &[1u8; 64]).unwrap();
+    let target = engine.alloc_tensor::<u8>(&[64]).unwrap();
+    let mut future = upload_pending(&mut engine, buffer, target)
+        .unwrap()
+        .into_future();
+    let hook = Arc::new(ResetInWake {
+        watch: engine.memory_watch(),
+        result: Mutex::new(None),
+    });
+    let waker = Waker::from(Arc::clone(&hook));
+    // The simulator's clock is free: registering the wake runs the copy, and the wake comes
+    // due inside this poll, on this thread, marked as the device's callback.
+    let _ = Pin::new(&mut future).poll(&mut Context::from_waker(&waker));
+    let refused = hook.result.lock().unwrap().take().expect("the wake ran");
+    assert!(refused.unwrap_err().contains("inside a wake"));
+    assert_eq!(engine.memory().tensors.peak_in_use, 1 << 20, "not reset");
+    hook.watch.reset_peaks().unwrap();
+    let m = engine.memory();
+    assert_eq!(m.tensors.peak_in_use, m.tensors.in_use, "reset");
+    assert!(m.tensors.in_use <= 64);
+    drop(future);
+}
