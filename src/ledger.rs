@@ -118,7 +118,8 @@ pub struct Holding {
     /// Bytes held from the driver: in use, and kept idle for reuse (the pinned pool's idle
     /// blocks, the staging ring's idle slots). Equal to `in_use` for the other owners.
     pub reserved: u64,
-    /// Live allocations (a block of small checkpoint tensors counts once).
+    /// Allocations in use: a pool's idle blocks and slots are not counted, and a block of
+    /// small checkpoint tensors counts once.
     pub count: u64,
     /// The most `in_use` has been since the engine opened or since the last
     /// [`reset_peaks`](MemoryWatch::reset_peaks).
