@@ -129,9 +129,21 @@ impl State {
         bytes: usize,
         owner: Owner,
     ) -> std::result::Result<DevicePtr, DriverError> {
+        self.alloc_at(lane, bytes, owner, Location::caller())
+    }
+
+    /// As [`alloc_for`](Self::alloc_for), counted as made by the code at `at` (for a caller
+    /// whose own caller's line cannot pass through a closure).
+    pub(crate) fn alloc_at(
+        &mut self,
+        lane: Lane,
+        bytes: usize,
+        owner: Owner,
+        at: &'static Location<'static>,
+    ) -> std::result::Result<DevicePtr, DriverError> {
         let ptr = self.driver.alloc(lane, bytes)?;
         self.order.mark(lane, &[Use::Alloc(ptr)]);
-        self.ledger.allocated(owner, bytes, Location::caller());
+        self.ledger.allocated(owner, bytes, at);
         Ok(ptr)
     }
 

@@ -235,7 +235,10 @@ pub(crate) fn alloc_device(
     owner: Owner,
 ) -> Result<DevicePtr> {
     let at = Location::caller();
-    let attempt = |st: &mut State, _| alloc_counted(st, lane, bytes, owner, at);
+    let attempt = |st: &mut State, _| {
+        st.alloc_at(lane, bytes, owner, at)
+            .map_err(Error::driver("cuMemAllocFromPoolAsync"))
+    };
     match shared.allocate(Memory::Device, attempt) {
         Ok((_st, ptr)) => Ok(ptr),
         Err(error) if crate::memory::pressure::out_of_memory(&error) => {
@@ -258,37 +261,18 @@ pub(crate) fn alloc_device(
     }
 }
 
-/// One attempt of [`alloc_device`]: [`State::alloc_for`], counted as the caller at `at`.
-fn alloc_counted(
-    st: &mut State,
-    lane: Lane,
-    bytes: usize,
-    owner: Owner,
-    at: &'static Location<'static>,
-) -> Result<DevicePtr> {
-    let ptr = st
-        .driver
-        .alloc(lane, bytes)
-        .map_err(|source| Error::Driver {
-            call: "cuMemAllocFromPoolAsync",
-            source,
-        })?;
-    st.order.mark(lane, &[Use::Alloc(ptr)]);
-    st.ledger.allocated(owner, bytes, at);
-    Ok(ptr)
-}
-
 impl State {
     /// Why an allocation of `asked` bytes found no memory: the device's and the pool's figures
     /// now, the retired work still waiting for its proof, what the engine holds by owner, and
     /// the allocation history when it is kept.
     fn out_of_memory(&mut self, shared: &Shared, asked: usize) -> OutOfMemory {
         let report = shared.waits.memory_report().ok();
+        let memory = report.map(device_memory);
         let mut held = shared.cells.read();
-        held.device = report.map(device_memory);
+        held.device = memory;
         OutOfMemory {
             asked,
-            memory: report.map(device_memory),
+            memory,
             waiting: self.retire.stats().pending,
             largest: report.and_then(|r| r.largest),
             held,
