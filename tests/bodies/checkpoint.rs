@@ -273,17 +273,37 @@ pub(crate) fn a_load_converts_element_types_on_the_device(dev: Device) {
     Device::no_violations(&engine);
 }
 
-/// A reader that records the bytes each positioned read returned, by offset.
+/// A reader that records the bytes each positioned read returned, by offset, and hands out
+/// readers of its own (which record into the same list) when a load asks for one per thread.
 pub(crate) struct Counting<'a> {
     pub(crate) bytes: &'a [u8],
     pub(crate) reads: std::sync::Mutex<Vec<(u64, usize)>>,
+    /// Reads through readers `reopen` handed out.
+    pub(crate) reads_of_own: std::sync::atomic::AtomicUsize,
+}
+
+impl Counting<'_> {
+    fn record(&self, buf: &mut [u8], offset: u64) -> std::io::Result<usize> {
+        let n = checkpoint::ReadAt::read_at(&self.bytes, buf, offset)?;
+        self.reads.lock().unwrap().push((offset, n));
+        Ok(n)
+    }
 }
 
 impl checkpoint::ReadAt for Counting<'_> {
     fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<usize> {
-        let n = self.bytes.read_at(buf, offset)?;
-        self.reads.lock().unwrap().push((offset, n));
-        Ok(n)
+        self.record(buf, offset)
+    }
+
+    fn reopen(&self) -> Option<Box<dyn checkpoint::ReadAt + '_>> {
+        struct Own<'c, 'a>(&'c Counting<'a>);
+        impl checkpoint::ReadAt for Own<'_, '_> {
+            fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<usize> {
+                (self.0.reads_of_own).fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                self.0.record(buf, offset)
+            }
+        }
+        Some(Box::new(Own(self)))
     }
 }
 
@@ -401,6 +421,7 @@ pub(crate) fn every_slice_kind_reads_only_its_bytes(dev: Device) {
         let reader = Counting {
             bytes: &file,
             reads: std::sync::Mutex::new(Vec::new()),
+            reads_of_own: Default::default(),
         };
         let options = LoadOptions::new()
             .readers(3)
@@ -438,6 +459,19 @@ pub(crate) fn every_slice_kind_reads_only_its_bytes(dev: Device) {
             .map(|(_, n)| n)
             .sum();
         assert_eq!(read, want_bytes + 1, "plan {p}");
+        // The runs of a slice of columns (a part of each of several rows) are read through
+        // readers of the threads' own.
+        let columns = tensors.iter().any(|(name, _, shape, _)| {
+            let rows: usize = shape.iter().rev().skip(1).product();
+            matches!(plan(name, shape).unwrap(), Slice::Columns(r)
+                if !r.is_empty() && r.len() < shape[shape.len() - 1] && rows > 1)
+        });
+        let own = reader.reads_of_own.into_inner();
+        assert_eq!(
+            own > 0,
+            columns,
+            "plan {p}: {own} reads of the threads' own"
+        );
     }
     engine.synchronize().unwrap();
     Device::no_violations(&engine);

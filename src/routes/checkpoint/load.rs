@@ -697,7 +697,8 @@ fn read_span(
 }
 
 /// Reads the runs of a chunk of a slice of columns into `slot`, one positioned read per run
-/// (the first and the last may be parts of runs), in `split` parts read at once.
+/// (the first and the last may be parts of runs), in `split` parts read at once, each through
+/// a reader of its own where the file can give one ([`ReadAt::reopen`]).
 fn read_runs(
     source: Source<'_>,
     chunk: &Chunk,
@@ -714,12 +715,14 @@ fn read_runs(
         .next_multiple_of(runs.len as usize)
         .max(1);
     let read = |(k, buf): (usize, &mut [u8])| {
+        let own = source.file.reopen();
+        let file = own.as_deref().unwrap_or(source.file);
         let mut at = chunk.start - origin + (k * part) as u64;
         let mut done = 0;
         while done < buf.len() {
             let n = ((runs.len - at % runs.len) as usize).min(buf.len() - done);
             let offset = runs.file_offset(origin, at);
-            header::read_exact_at(source.path, source.file, offset, &mut buf[done..done + n])?;
+            header::read_exact_at(source.path, file, offset, &mut buf[done..done + n])?;
             done += n;
             at += n as u64;
         }
@@ -729,7 +732,8 @@ fn read_runs(
 }
 
 /// Reads each piece of a packed chunk into its place in `slot` (one positioned read each, of
-/// the tensor's bytes), the pieces split between `split` threads.
+/// the tensor's bytes), the pieces split between `split` threads, each through a reader of its
+/// own where the file can give one.
 fn read_pieces(
     source: Source<'_>,
     tensors: &[Entry],
@@ -751,10 +755,12 @@ fn read_pieces(
         taken = end;
     }
     let read = |(pieces, base, buf): (&[Piece], usize, &mut [u8])| {
+        let own = source.file.reopen();
+        let file = own.as_deref().unwrap_or(source.file);
         pieces.iter().try_for_each(|p| {
             let at = tensors[p.tensor].start + p.at as u64;
             let into = &mut buf[p.from - base..p.from - base + p.len];
-            header::read_exact_at(source.path, source.file, at, into)
+            header::read_exact_at(source.path, file, at, into)
         })
     };
     at_once(jobs, read)

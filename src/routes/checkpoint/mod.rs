@@ -42,11 +42,38 @@ pub trait ReadAt: Sync {
     /// # Errors
     /// The operating system's, as [`std::io::Error`].
     fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<usize>;
+
+    /// Another reader of the same bytes that shares no state with this one, for a thread of
+    /// its own; `None` (the default) where there is none, and every thread reads through
+    /// `self`.
+    ///
+    /// A load asks for one per thread where it reads many small runs (a slice of columns,
+    /// packed small tensors). Threads that read one open file at once contend on its open file
+    /// description, which the kernel takes a reference on for every read; a
+    /// [`File`](std::fs::File) answers with the same file opened again, a description of its
+    /// own (the checkpoint record measures the difference).
+    fn reopen(&self) -> Option<Box<dyn ReadAt + '_>> {
+        None
+    }
 }
 
 impl ReadAt for std::fs::File {
     fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<usize> {
         std::os::unix::fs::FileExt::read_at(self, buf, offset)
+    }
+
+    /// The same file opened again through `/proc/self/fd`, which names the open file and not
+    /// its path (a file renamed over the path since is not the one read), and only if it is a
+    /// regular file (opening a pipe would wait for a writer) and the new descriptor's device
+    /// and inode are this one's.
+    fn reopen(&self) -> Option<Box<dyn ReadAt + '_>> {
+        use std::os::unix::fs::MetadataExt;
+        use std::os::unix::io::AsRawFd;
+        let this = self.metadata().ok().filter(std::fs::Metadata::is_file)?;
+        let again = std::fs::File::open(format!("/proc/self/fd/{}", self.as_raw_fd())).ok()?;
+        let that = again.metadata().ok()?;
+        (this.dev() == that.dev() && this.ino() == that.ino())
+            .then(|| Box::new(again) as Box<dyn ReadAt>)
     }
 }
 
@@ -1018,5 +1045,29 @@ mod tests {
             matches!(err, crate::Error::Io(_) | crate::Error::Malformed(_)),
             "{err}"
         );
+    }
+
+    #[test]
+    fn a_file_reopened_for_a_thread_reads_the_open_file_not_what_its_path_names_now() {
+        use std::os::unix::io::AsRawFd;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("m.safetensors");
+        std::fs::write(&path, b"the file that was opened").unwrap();
+        let file = std::fs::File::open(&path).unwrap();
+        // Another file renamed over the path after the open.
+        let other = dir.path().join("other");
+        std::fs::write(&other, b"a file planted afterwards").unwrap();
+        std::fs::rename(&other, &path).unwrap();
+        let own = file.reopen().expect("a regular file opens again");
+        let mut buf = [0u8; 24];
+        header::read_exact_at(&path, &*own, 0, &mut buf).unwrap();
+        assert_eq!(&buf, b"the file that was opened");
+        // A pipe is no regular file: opening it again could wait for a writer.
+        let (pipe, _writer) = std::io::pipe().unwrap();
+        let pipe = std::fs::File::from(std::os::fd::OwnedFd::from(pipe));
+        assert!(pipe.as_raw_fd() >= 0);
+        assert!(pipe.reopen().is_none());
+        // A reader of bytes in memory has no other reader to give.
+        assert!((&buf[..]).reopen().is_none());
     }
 }
