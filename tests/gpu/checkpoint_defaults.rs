@@ -180,6 +180,60 @@ impl checkpoint::ReadAt for Counted<'_> {
     }
 }
 
+/// A file's reader with no reader of its own to give: every thread reads through the one
+/// open file description (the loader's reads before `ReadAt::reopen`).
+struct Shared<'f>(&'f std::fs::File);
+
+impl checkpoint::ReadAt for Shared<'_> {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<usize> {
+        std::os::unix::fs::FileExt::read_at(self.0, buf, offset)
+    }
+}
+
+/// The same-run limit for a rank's columns: `threads` threads, each with the file opened again
+/// (a description of its own), reading `run` bytes at `skip` of every `row`-byte row of the
+/// `tensors` tensors of `tensor_bytes` each from `data` on, into 16 MiB of pinned memory each;
+/// best of three, GiB/s of bytes read.
+fn column_limit(
+    engine: &mut CudaEngine,
+    path: &Path,
+    (data, tensors, tensor_bytes): (u64, u64, u64),
+    (row, run, skip): (u64, usize, u64),
+    threads: usize,
+) -> f64 {
+    const SLOT: usize = 16 << 20;
+    let mut pinned = cuferry::PinnedHostBuffer::<u8>::new(engine, threads * SLOT).unwrap();
+    let rows = tensors * tensor_bytes / row;
+    (0..3)
+        .map(|_| {
+            let start = std::time::Instant::now();
+            std::thread::scope(|s| {
+                for (t, slot) in pinned.as_mut_slice().chunks_mut(SLOT).enumerate() {
+                    let f = std::fs::File::open(path).unwrap();
+                    s.spawn(move || {
+                        let per = rows.div_ceil(threads as u64);
+                        let mut out = 0;
+                        for r in t as u64 * per..((t as u64 + 1) * per).min(rows) {
+                            if out + run > SLOT {
+                                out = 0;
+                            }
+                            let at = data + r * row + skip;
+                            std::os::unix::fs::FileExt::read_exact_at(
+                                &f,
+                                &mut slot[out..out + run],
+                                at,
+                            )
+                            .unwrap();
+                            out += run;
+                        }
+                    });
+                }
+            });
+            (rows * run as u64) as f64 / start.elapsed().as_secs_f64() / GIB
+        })
+        .fold(0.0, f64::max)
+}
+
 /// Times `load` three times (the engine synchronized before each, the loaded tensors dropped
 /// after): seconds each.
 fn timed(engine: &mut CudaEngine, mut load: impl FnMut(&mut CudaEngine)) -> Vec<f64> {
@@ -247,6 +301,30 @@ fn measure_checkpoints_for_every_rank() {
         drop(checkpoint::load_from(&mut engine, &path, &counted, len, options()).unwrap());
         let read = counted.bytes.swap(0, std::sync::atomic::Ordering::Relaxed);
         let share = tensor_bytes / 8;
+        if what == "columns" {
+            let header = len - tensor_bytes;
+            for threads in [16, 24] {
+                let rate = column_limit(
+                    &mut engine,
+                    &path,
+                    (header, 64, 128 << 20),
+                    (8192 * 2, 1024 * 2, 3 * 1024 * 2),
+                    threads,
+                );
+                println!(
+                    "rank 3 of 8, columns, raw: {threads} threads, a descriptor each, 2 KiB of each row into pinned memory: {rate:.1} GiB/s"
+                );
+            }
+            let shared = Shared(&f);
+            let secs = timed(&mut engine, |e| {
+                drop(checkpoint::load_from(e, &path, &shared, len, options()).unwrap());
+            });
+            let rate = share as f64 / median(&secs) / GIB;
+            println!(
+                "rank 3 of 8, columns, every thread through one descriptor: median {rate:.1} GiB/s ({})",
+                rates(secs.iter().map(|s| share as f64 / s / GIB).collect())
+            );
+        }
         for readers in [None, Some(16), Some(32)] {
             let options = || match readers {
                 Some(n) => options().readers(n),
