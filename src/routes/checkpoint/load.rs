@@ -1181,6 +1181,20 @@ pub(super) mod tests {
             }
             self.bytes.read_at(buf, offset)
         }
+
+        /// The threads' own readers count and fail with this one's reads.
+        fn reopen(&self) -> Option<Box<dyn ReadAt + '_>> {
+            Some(Box::new(Through(self)))
+        }
+    }
+
+    /// A reader a test reader hands out as a thread's own: its reads are the test reader's.
+    struct Through<'r, R: ReadAt>(&'r R);
+
+    impl<R: ReadAt> ReadAt for Through<'_, R> {
+        fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<usize> {
+            self.0.read_at(buf, offset)
+        }
     }
 
     /// After a failed load: nothing freed under a copy, nothing left once the engine is gone,
@@ -1260,33 +1274,46 @@ pub(super) mod tests {
             }
             self.bytes.read_at(buf, offset)
         }
+
+        /// Asking for a thread's own reader is a step that may panic too; the reader handed
+        /// out panics with this one's reads.
+        fn reopen(&self) -> Option<Box<dyn ReadAt + '_>> {
+            if self.reads.fetch_add(1, Ordering::SeqCst) + 1 == self.panic_at {
+                panic!("injected panic asking for a reader");
+            }
+            Some(Box::new(Through(self)))
+        }
     }
 
     #[test]
     fn a_reader_that_panics_at_any_read_frees_nothing_under_a_copy() {
         let (bytes, _) = checkpoint();
         // Every read panics in turn (the header's, the chunks' on the readers, the length
-        // probes'), until one past the last, which loads.
-        for panic_at in 1.. {
-            let (mut engine, sim) = engine();
-            let file = Panicking {
-                bytes: &bytes,
-                panic_at,
-                reads: AtomicUsize::new(0),
-            };
-            let loaded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                load_all(&mut engine, &file, bytes.len() as u64)
-            }));
-            if let Ok(loaded) = loaded {
-                assert!(
-                    panic_at > 6,
-                    "read {panic_at}: the panic did not reach the caller"
-                );
-                assert_eq!(loaded.unwrap().len(), 4);
+        // probes'), until one past the last, which loads: with small slots, and with 64 KiB
+        // ones, where the small tensors are packed and read by threads that each ask for a
+        // reader of their own (a step that panics in turn too).
+        for chunk in [4096, 64 << 10] {
+            for panic_at in 1.. {
+                let (mut engine, sim) = engine_with(chunk);
+                let file = Panicking {
+                    bytes: &bytes,
+                    panic_at,
+                    reads: AtomicUsize::new(0),
+                };
+                let loaded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    load_all(&mut engine, &file, bytes.len() as u64)
+                }));
+                if let Ok(loaded) = loaded {
+                    assert!(
+                        panic_at > 6,
+                        "{chunk}: read {panic_at}: the panic did not reach the caller"
+                    );
+                    assert_eq!(loaded.unwrap().len(), 4);
+                    recovers(engine, &sim, &bytes);
+                    break;
+                }
                 recovers(engine, &sim, &bytes);
-                break;
             }
-            recovers(engine, &sim, &bytes);
         }
     }
 
