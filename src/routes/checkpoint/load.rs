@@ -715,18 +715,18 @@ fn read_runs(
         .next_multiple_of(runs.len as usize)
         .max(1);
     let read = |(k, buf): (usize, &mut [u8])| {
-        let own = source.file.reopen();
-        let file = own.as_deref().unwrap_or(source.file);
-        let mut at = chunk.start - origin + (k * part) as u64;
-        let mut done = 0;
-        while done < buf.len() {
-            let n = ((runs.len - at % runs.len) as usize).min(buf.len() - done);
-            let offset = runs.file_offset(origin, at);
-            header::read_exact_at(source.path, file, offset, &mut buf[done..done + n])?;
-            done += n;
-            at += n as u64;
-        }
-        Ok::<(), Error>(())
+        through_own_reader(source, |file| {
+            let mut at = chunk.start - origin + (k * part) as u64;
+            let mut done = 0;
+            while done < buf.len() {
+                let n = ((runs.len - at % runs.len) as usize).min(buf.len() - done);
+                let offset = runs.file_offset(origin, at);
+                header::read_exact_at(source.path, file, offset, &mut buf[done..done + n])?;
+                done += n;
+                at += n as u64;
+            }
+            Ok(())
+        })
     };
     in_parts(&mut slot[..len], part, read)
 }
@@ -755,15 +755,23 @@ fn read_pieces(
         taken = end;
     }
     let read = |(pieces, base, buf): (&[Piece], usize, &mut [u8])| {
-        let own = source.file.reopen();
-        let file = own.as_deref().unwrap_or(source.file);
-        pieces.iter().try_for_each(|p| {
-            let at = tensors[p.tensor].start + p.at as u64;
-            let into = &mut buf[p.from - base..p.from - base + p.len];
-            header::read_exact_at(source.path, file, at, into)
+        through_own_reader(source, |file| {
+            pieces.iter().try_for_each(|p| {
+                let at = tensors[p.tensor].start + p.at as u64;
+                let into = &mut buf[p.from - base..p.from - base + p.len];
+                header::read_exact_at(source.path, file, at, into)
+            })
         })
     };
     at_once(jobs, read)
+}
+
+/// Runs `read` with a reader of this thread's own where the source's file can give one
+/// ([`ReadAt::reopen`]), else with the file every thread shares: threads that read many small
+/// runs of one open file at once contend on it.
+fn through_own_reader<T>(source: Source<'_>, read: impl FnOnce(&dyn ReadAt) -> T) -> T {
+    let own = source.file.reopen();
+    read(own.as_deref().unwrap_or(source.file))
 }
 
 /// Runs `read` on each `part`-byte part of `buf` (with its index), the first on this thread and
