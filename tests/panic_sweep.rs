@@ -217,7 +217,7 @@ fn workload(a: &mut CudaEngine, b: &mut CudaEngine, wrong: &Wrong) -> Result<(),
 fn checkpoints(a: &mut CudaEngine, wrong: &Wrong) -> Result<(), Error> {
     use cuferry::AnyTensor;
     use cuferry::checkpoint::{self, LoadOptions, SaveOptions};
-    let dir = std::env::temp_dir().join(format!("cuferry-panic-sweep-{}", std::process::id()));
+    let dir = scratch_dir();
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("model.safetensors");
     let large = distinct(400_000, 12); // 1.5 MiB: two slots
@@ -415,6 +415,12 @@ fn clean_calls() -> Vec<u64> {
     OPS.iter().map(|&op| sim.calls(op)).collect()
 }
 
+/// The checkpoint files' folder: one per child process, shared by its runs, removed when its
+/// sweep ends.
+fn scratch_dir() -> std::path::PathBuf {
+    std::env::temp_dir().join(format!("cuferry-panic-sweep-{}", std::process::id()))
+}
+
 /// The sweep itself, in a process whose copy pool has `threads` threads.
 fn sweep(threads: usize) {
     cuferry::staging::set_copy_threads(threads).unwrap();
@@ -450,6 +456,7 @@ fn sweep(threads: usize) {
             }
         }
     }
+    let _ = std::fs::remove_dir_all(scratch_dir());
     assert!(
         failures.is_empty(),
         "{} of {runs} runs with {threads} copy threads failed:\n{}",
