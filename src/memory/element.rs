@@ -70,9 +70,11 @@ pub(crate) fn dtype_byte_len(dtype: DType, count: usize, what: &'static str) -> 
     count
         .checked_mul(dtype.size_bytes())
         .filter(|&b| b <= isize::MAX as usize)
-        .ok_or(Error::Usage(UsageError::SizeOverflow {
-            what,
-            count,
-            element_bytes: dtype.size_bytes(),
-        }))
+        .ok_or_else(|| {
+            Error::Usage(UsageError::SizeOverflow {
+                what,
+                count,
+                element_bytes: dtype.size_bytes(),
+            })
+        })
 }

@@ -561,12 +561,12 @@ impl Group for NcclGroup<'_> {
             .comms
             .as_ref()
             .expect("an open group holds its communicators");
-        let comm = *comms
-            .get(rank)
-            .ok_or(Error::Usage(UsageError::RootOutOfRange {
+        let comm = *comms.get(rank).ok_or_else(|| {
+            Error::Usage(UsageError::RootOutOfRange {
                 root: rank,
                 ranks: comms.len(),
-            }))?;
+            })
+        })?;
         let nccl = self.owner.nccl;
         // NCCL may make the rank's device current: the caller's context is restored after.
         // SAFETY: the caller's contract: the buffers hold what the part names on the rank's
