@@ -71,13 +71,14 @@ impl State {
 #[track_caller]
 fn acquire_pinned(engine: &mut CudaEngine, bytes: usize) -> Result<Block> {
     let at = Location::caller();
-    let capacity = bytes.checked_next_multiple_of(GRANULE).ok_or_else(|| {
-        Error::Usage(UsageError::SizeOverflow {
-            what: "pinned buffer",
-            count: bytes,
-            element_bytes: 1,
-        })
-    })?;
+    let capacity =
+        bytes
+            .checked_next_multiple_of(GRANULE)
+            .ok_or(Error::Usage(UsageError::SizeOverflow {
+                what: "pinned buffer",
+                count: bytes,
+                element_bytes: 1,
+            }))?;
     let shared = &*engine.shared;
     let (_st, block) = shared.allocate(Memory::PageLocked, |st, under_pressure| {
         st.try_acquire_pinned(&*shared.waits, bytes, capacity, under_pressure, at)

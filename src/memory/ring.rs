@@ -315,7 +315,7 @@ fn new_slot(
     let ptr = driver
         .host_alloc(bytes)
         .map_err(Error::driver("cuMemHostAlloc (staging)"))?;
-    let ptr = NonNull::new(ptr).ok_or_else(|| Error::Driver {
+    let ptr = NonNull::new(ptr).ok_or(Error::Driver {
         call: "cuMemHostAlloc (staging)",
         source: DriverError::OUT_OF_MEMORY,
     })?;

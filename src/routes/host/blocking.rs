@@ -194,7 +194,7 @@ fn next_lease(
     }
     let oldest = in_flight
         .pop_front()
-        .ok_or_else(|| Error::Staging(StagingError::Exhausted { depth }))?;
+        .ok_or(Error::Staging(StagingError::Exhausted { depth }))?;
     oldest.end_chunk()
 }
 

@@ -128,15 +128,13 @@ fn check_operand(
     } else {
         ld.checked_mul(cols - 1)
             .and_then(|x| x.checked_add(rows))
-            .ok_or_else(|| {
-                Error::Usage(UsageError::MatrixOverflow {
-                    operation,
-                    matrix: name,
-                    rows,
-                    cols,
-                    leading_dimension: ld,
-                })
-            })?
+            .ok_or(Error::Usage(UsageError::MatrixOverflow {
+                operation,
+                matrix: name,
+                rows,
+                cols,
+                leading_dimension: ld,
+            }))?
     };
     if len < needed {
         return Err(Error::Usage(UsageError::MatrixExceedsTensor {
