@@ -201,9 +201,63 @@ pub(crate) fn read_exact_at(
                 }
                 .into());
             }
+            Ok(n) if n > buf.len() => return Err(overlong(path, buf.len(), n)),
             Ok(n) => {
                 offset += n as u64;
                 buf = &mut buf[n..];
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(source) => {
+                return Err(IoError::File {
+                    path: path.to_owned(),
+                    operation: "read",
+                    source,
+                }
+                .into());
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The error of a reader that says it read more than it was asked to (a reader of the
+/// caller's; the bytes past the buffer cannot have been written).
+fn overlong(path: &Path, asked: usize, said: usize) -> Error {
+    IoError::File {
+        path: path.to_owned(),
+        operation: "read",
+        source: std::io::Error::other(format!("a read of {asked} bytes said it read {said}")),
+    }
+    .into()
+}
+
+/// Reads exactly the bytes `bufs` hold in all, from `offset` on, into `bufs` in turn
+/// ([`ReadAt::read_vectored_at`], again while the file gives fewer), or says why not.
+pub(crate) fn read_exact_vectored_at(
+    path: &Path,
+    file: &dyn ReadAt,
+    mut offset: u64,
+    mut bufs: &mut [std::io::IoSliceMut<'_>],
+) -> Result<(), Error> {
+    // Buffers already full (or empty from the start) are passed over before each read.
+    std::io::IoSliceMut::advance_slices(&mut bufs, 0);
+    while !bufs.is_empty() {
+        match file.read_vectored_at(bufs, offset) {
+            Ok(0) => {
+                return Err(MalformedError::ShortRead {
+                    path: path.to_owned(),
+                    offset,
+                    missing: bufs.iter().map(|b| b.len()).sum(),
+                }
+                .into());
+            }
+            Ok(n) => {
+                let asked: usize = bufs.iter().map(|b| b.len()).sum();
+                if n > asked {
+                    return Err(overlong(path, asked, n));
+                }
+                offset += n as u64;
+                std::io::IoSliceMut::advance_slices(&mut bufs, n);
             }
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
             Err(source) => {

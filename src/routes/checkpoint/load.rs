@@ -731,9 +731,10 @@ fn read_runs(
     in_parts(&mut slot[..len], part, read)
 }
 
-/// Reads each piece of a packed chunk into its place in `slot` (one positioned read each, of
-/// the tensor's bytes), the pieces split between `split` threads, each through a reader of its
-/// own where the file can give one.
+/// Reads each piece of a packed chunk into its place in `slot`, the pieces split between
+/// `split` threads, each through a reader of its own where the file can give one. Pieces that
+/// follow each other in the file are read together, each into its own place, with one
+/// vectored read ([`ReadAt::read_vectored_at`]) per run of them.
 fn read_pieces(
     source: Source<'_>,
     tensors: &[Entry],
@@ -756,14 +757,31 @@ fn read_pieces(
     }
     let read = |(pieces, base, buf): (&[Piece], usize, &mut [u8])| {
         through_own_reader(source, |file| {
-            pieces.iter().try_for_each(|p| {
-                let at = tensors[p.tensor].start + p.at as u64;
-                let into = &mut buf[p.from - base..p.from - base + p.len];
-                header::read_exact_at(source.path, file, at, into)
-            })
+            let at = |p: &Piece| tensors[p.tensor].start + p.at as u64;
+            // Each piece's place in `buf`, cut off in turn (the pieces come in slot order).
+            let mut rest = buf;
+            let mut cut = base;
+            let mut places = pieces.iter().map(|p| {
+                let (_gap, after) = std::mem::take(&mut rest).split_at_mut(p.from - cut);
+                let (place, after) = after.split_at_mut(p.len);
+                rest = after;
+                cut = p.from + p.len;
+                std::io::IoSliceMut::new(place)
+            });
+            for run in runs_in_file(pieces, at) {
+                let mut bufs: Vec<_> = places.by_ref().take(run.len()).collect();
+                header::read_exact_vectored_at(source.path, file, at(&run[0]), &mut bufs)?;
+            }
+            Ok(())
         })
     };
     at_once(jobs, read)
+}
+
+/// `pieces` cut into runs that follow each other in the file (each piece's bytes begin where
+/// the one before it ends, by `at`), in order.
+fn runs_in_file(pieces: &[Piece], at: impl Fn(&Piece) -> u64) -> impl Iterator<Item = &[Piece]> {
+    pieces.chunk_by(move |a, b| at(a) + a.len as u64 == at(b))
 }
 
 /// Runs `read` with a reader of this thread's own where the source's file can give one

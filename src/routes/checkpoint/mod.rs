@@ -43,6 +43,35 @@ pub trait ReadAt: Sync {
     /// The operating system's, as [`std::io::Error`].
     fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<usize>;
 
+    /// Reads the bytes at `offset` on into `bufs` in turn (the first buffer filled, then the
+    /// next), and returns how many were read; zero only at the end of the file (or when every
+    /// buffer is empty). Like [`read_at`](Self::read_at), it may read fewer than asked.
+    ///
+    /// A load reads runs of small tensors that follow each other in the file, each into a
+    /// place of its own in a staging slot, with one such read. The default reads into the first
+    /// buffer that is not empty, through `read_at`; a [`File`](std::fs::File) reads into all
+    /// of them with one `preadv`.
+    ///
+    /// # Errors
+    /// The operating system's, as [`std::io::Error`].
+    fn read_vectored_at(
+        &self,
+        bufs: &mut [std::io::IoSliceMut<'_>],
+        offset: u64,
+    ) -> std::io::Result<usize> {
+        let Some(buf) = bufs.iter_mut().find(|buf| !buf.is_empty()) else {
+            return Ok(0);
+        };
+        let n = self.read_at(buf, offset)?;
+        if n > buf.len() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("a read of {} bytes said it read {n}", buf.len()),
+            ));
+        }
+        Ok(n)
+    }
+
     /// Another reader of the same bytes that shares no state with this one, for a thread of
     /// its own; `None` (the default) where there is none, and every thread reads through
     /// `self`.
@@ -62,6 +91,36 @@ impl ReadAt for std::fs::File {
         std::os::unix::fs::FileExt::read_at(self, buf, offset)
     }
 
+    /// One `preadv` into at most `IOV_MAX` of the buffers (the rest wait for the next call).
+    fn read_vectored_at(
+        &self,
+        bufs: &mut [std::io::IoSliceMut<'_>],
+        offset: u64,
+    ) -> std::io::Result<usize> {
+        use std::os::unix::io::AsRawFd;
+        let offset = libc::off_t::try_from(offset).map_err(|_| {
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                "an offset past the largest a file can have",
+            )
+        })?;
+        let count = bufs.len().min(IOV_MAX);
+        // SAFETY: `IoSliceMut` is ABI-compatible with `iovec` on Unix (std's documented
+        // guarantee), and each of the first `count` describes memory the caller lends mutably
+        // for the call; the kernel writes at most their lengths into them. The descriptor is
+        // this file's, open while `self` is borrowed.
+        let read = unsafe {
+            libc::preadv(
+                self.as_raw_fd(),
+                bufs.as_ptr().cast::<libc::iovec>(),
+                count as libc::c_int,
+                offset,
+            )
+        };
+        // A negative count is the call's failure, in `errno`.
+        usize::try_from(read).map_err(|_| std::io::Error::last_os_error())
+    }
+
     /// The same file opened again through `/proc/self/fd`, which names the open file and not
     /// its path (a file renamed over the path since is not the one read), and only if it is a
     /// regular file (opening a pipe would wait for a writer) and the new descriptor's device
@@ -76,6 +135,12 @@ impl ReadAt for std::fs::File {
             .then(|| Box::new(again) as Box<dyn ReadAt>)
     }
 }
+
+/// The most buffers one `preadv` takes: Linux's `UIO_MAXIOV`, else the least POSIX allows.
+#[cfg(target_os = "linux")]
+const IOV_MAX: usize = libc::UIO_MAXIOV as usize;
+#[cfg(not(target_os = "linux"))]
+const IOV_MAX: usize = 16;
 
 impl ReadAt for &[u8] {
     fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<usize> {
@@ -1004,6 +1069,7 @@ pub fn save_with(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::{IoError, MalformedError};
 
     #[test]
     fn retry_runs_an_interrupted_call_again_and_passes_every_other_answer_on() {
@@ -1069,5 +1135,154 @@ mod tests {
         assert!(pipe.reopen().is_none());
         // A reader of bytes in memory has no other reader to give.
         assert!((&buf[..]).reopen().is_none());
+    }
+
+    /// `bufs` over `places`, lent mutably for a read.
+    fn slices(places: &mut [Vec<u8>]) -> Vec<std::io::IoSliceMut<'_>> {
+        places
+            .iter_mut()
+            .map(|p| std::io::IoSliceMut::new(p))
+            .collect()
+    }
+
+    #[test]
+    fn a_file_reads_runs_into_many_places_with_one_call_and_all_of_them_in_the_end() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("f");
+        let bytes: Vec<u8> = (0..4000u32).map(|i| (i * 7 + i / 256) as u8).collect();
+        std::fs::write(&path, &bytes).unwrap();
+        let file = std::fs::File::open(&path).unwrap();
+        // Places of 0, 1, 2, ... bytes: one call fills them in turn.
+        let mut places: Vec<Vec<u8>> = (0..40).map(|n| vec![0; n]).collect();
+        let mut bufs = slices(&mut places);
+        let n = file.read_vectored_at(&mut bufs, 100).unwrap();
+        assert_eq!(n, (0..40).sum::<usize>());
+        let got: Vec<u8> = places.concat();
+        assert_eq!(got, bytes[100..100 + n]);
+        // More places than one `preadv` takes: the exact read goes on until all are full.
+        let mut places: Vec<Vec<u8>> = (0..IOV_MAX + 500).map(|_| vec![0; 2]).collect();
+        let mut bufs = slices(&mut places);
+        let first = file.read_vectored_at(&mut bufs, 0).unwrap();
+        assert_eq!(first, 2 * IOV_MAX, "one call reads into IOV_MAX places");
+        header::read_exact_vectored_at(&path, &file, 0, &mut bufs).unwrap();
+        assert_eq!(places.concat(), bytes[..2 * (IOV_MAX + 500)]);
+        // Past the end: short, and said to be, with the bytes it lacked.
+        let mut places = vec![vec![0; 30], vec![0; 30]];
+        let mut bufs = slices(&mut places);
+        let short = header::read_exact_vectored_at(&path, &file, 3960, &mut bufs);
+        assert!(
+            matches!(
+                short,
+                Err(Error::Malformed(MalformedError::ShortRead {
+                    offset: 4000,
+                    missing: 20,
+                    ..
+                }))
+            ),
+            "{short:?}"
+        );
+        // An offset no file can have is refused, not wrapped.
+        let mut places = vec![vec![0; 1]];
+        let err = file
+            .read_vectored_at(&mut slices(&mut places), u64::MAX)
+            .unwrap_err();
+        assert_eq!(err.kind(), std::io::ErrorKind::InvalidInput);
+    }
+
+    /// A reader of `bytes` that gives at most `most` bytes a call and is interrupted every
+    /// third call.
+    struct Trickle<'a> {
+        bytes: &'a [u8],
+        most: usize,
+        calls: std::sync::atomic::AtomicUsize,
+    }
+
+    impl ReadAt for Trickle<'_> {
+        fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<usize> {
+            let call = self
+                .calls
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            if call % 3 == 2 {
+                return Err(std::io::ErrorKind::Interrupted.into());
+            }
+            let take = buf.len().min(self.most);
+            self.bytes.read_at(&mut buf[..take], offset)
+        }
+    }
+
+    /// A reader that says it read one byte more than it was asked for, and wrote nothing;
+    /// with `vectored`, its vectored reads say so too (else they are the default's).
+    struct Liar {
+        vectored: bool,
+    }
+
+    impl ReadAt for Liar {
+        fn read_at(&self, buf: &mut [u8], _: u64) -> std::io::Result<usize> {
+            Ok(buf.len() + 1)
+        }
+
+        fn read_vectored_at(
+            &self,
+            bufs: &mut [std::io::IoSliceMut<'_>],
+            _: u64,
+        ) -> std::io::Result<usize> {
+            if !self.vectored {
+                let Some(buf) = bufs.iter_mut().find(|b| !b.is_empty()) else {
+                    return Ok(0);
+                };
+                return Ok(buf.len() + 1);
+            }
+            Ok(bufs.iter().map(|b| b.len()).sum::<usize>() + 1)
+        }
+    }
+
+    #[test]
+    fn exact_reads_go_on_through_short_and_interrupted_reads_and_refuse_a_reader_that_says_too_much()
+     {
+        let path = Path::new("trickle");
+        let bytes: Vec<u8> = (0..=255).collect();
+        for most in [1, 3, 7, 64] {
+            let reader = Trickle {
+                bytes: &bytes,
+                most,
+                calls: Default::default(),
+            };
+            let mut places: Vec<Vec<u8>> = [5, 0, 9, 1, 0, 30].map(|n| vec![0; n]).into();
+            header::read_exact_vectored_at(path, &reader, 10, &mut slices(&mut places)).unwrap();
+            assert_eq!(places.concat(), bytes[10..55], "at most {most} a call");
+            let mut one = vec![0; 45];
+            header::read_exact_at(path, &reader, 10, &mut one).unwrap();
+            assert_eq!(one, bytes[10..55]);
+        }
+        // A reader that says it read more than it was asked for is an error, not a panic and
+        // not bytes taken as read: through `read_at`, the default vectored read and a vectored
+        // read of its own.
+        let mut one = vec![0; 8];
+        let said = header::read_exact_at(path, &Liar { vectored: false }, 0, &mut one);
+        assert!(
+            matches!(said, Err(Error::Io(IoError::File { .. }))),
+            "{said:?}"
+        );
+        for vectored in [false, true] {
+            let mut places = vec![vec![0; 8], vec![0; 8]];
+            let liar = Liar { vectored };
+            let said = header::read_exact_vectored_at(path, &liar, 0, &mut slices(&mut places));
+            assert!(
+                matches!(said, Err(Error::Io(IoError::File { .. }))),
+                "{said:?}"
+            );
+        }
+        // The default, through a reader whose `read_at` says too much, says so itself.
+        struct OnlyReadAt(Liar);
+        impl ReadAt for OnlyReadAt {
+            fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<usize> {
+                self.0.read_at(buf, offset)
+            }
+        }
+        let mut places = vec![vec![0; 8], vec![0; 8]];
+        let err = OnlyReadAt(Liar { vectored: false })
+            .read_vectored_at(&mut slices(&mut places), 0)
+            .unwrap_err();
+        assert_eq!(err.kind(), std::io::ErrorKind::InvalidData);
     }
 }
