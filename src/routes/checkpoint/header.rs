@@ -188,36 +188,10 @@ impl<V> Entries<V> {
 pub(crate) fn read_exact_at(
     path: &Path,
     file: &dyn ReadAt,
-    mut offset: u64,
-    mut buf: &mut [u8],
+    offset: u64,
+    buf: &mut [u8],
 ) -> Result<(), Error> {
-    while !buf.is_empty() {
-        match file.read_at(buf, offset) {
-            Ok(0) => {
-                return Err(MalformedError::ShortRead {
-                    path: path.to_owned(),
-                    offset,
-                    missing: buf.len(),
-                }
-                .into());
-            }
-            Ok(n) if n > buf.len() => return Err(overlong(path, buf.len(), n)),
-            Ok(n) => {
-                offset += n as u64;
-                buf = &mut buf[n..];
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(source) => {
-                return Err(IoError::File {
-                    path: path.to_owned(),
-                    operation: "read",
-                    source,
-                }
-                .into());
-            }
-        }
-    }
-    Ok(())
+    read_exact_vectored_at(path, file, offset, &mut [std::io::IoSliceMut::new(buf)])
 }
 
 /// The error of a reader that says it read more than it was asked to (a reader of the
