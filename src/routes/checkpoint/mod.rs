@@ -1285,4 +1285,25 @@ mod tests {
             .unwrap_err();
         assert_eq!(err.kind(), std::io::ErrorKind::InvalidData);
     }
+
+    #[test]
+    fn a_writer_that_says_it_wrote_more_than_it_was_given_is_an_error_not_a_panic() {
+        struct Boaster;
+        impl WriteAt for Boaster {
+            fn write_at(&self, buf: &[u8], _: u64) -> std::io::Result<usize> {
+                Ok(buf.len() + 1)
+            }
+        }
+        let said = save::write_exact_at(Path::new("boast"), &Boaster, &[1, 2, 3], 0);
+        assert!(
+            matches!(
+                said,
+                Err(Error::Io(IoError::File {
+                    operation: "write",
+                    ..
+                }))
+            ),
+            "{said:?}"
+        );
+    }
 }

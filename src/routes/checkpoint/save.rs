@@ -392,6 +392,16 @@ pub(crate) fn write_exact_at(
                 }
                 .into());
             }
+            // A writer of the caller's that says it wrote more than it was given.
+            Ok(n) if n > bytes.len() => {
+                let said = format!("a write of {} bytes said it wrote {n}", bytes.len());
+                return Err(IoError::File {
+                    path: path.to_owned(),
+                    operation: "write",
+                    source: std::io::Error::other(said),
+                }
+                .into());
+            }
             Ok(n) => {
                 bytes = &bytes[n..];
                 offset += n as u64;
