@@ -646,7 +646,15 @@ fn file_len(path: &Path, file: &dyn ReadAt, len: u64) -> Result<u64, Error> {
         operation: "read",
         source,
     };
-    let mut read = |at| super::retry(|| file.read_at(&mut probe, at)).map_err(io);
+    let mut read = |at| {
+        let n = super::retry(|| file.read_at(&mut probe, at)).map_err(io)?;
+        // A reader of the caller's that says it read more than the one byte asked for.
+        if n > 1 {
+            let said = format!("a read of 1 byte said it read {n}");
+            return Err(io(std::io::Error::other(said)));
+        }
+        Ok(n)
+    };
     if len > 0 && read(len - 1)? == 0 {
         return Ok(len - 1);
     }
@@ -1189,21 +1197,33 @@ pub(super) mod tests {
         );
     }
 
-    /// A reader that fails, or comes back short, at its `n`-th read.
+    /// How a [`Faulty`] reader's read goes wrong.
+    #[derive(Clone, Copy, Debug, PartialEq)]
+    enum Fault {
+        /// An error.
+        Fails,
+        /// Nothing read, as at the end of the file.
+        Short,
+        /// One byte more than asked said to be read, and nothing written.
+        Overlong,
+    }
+
+    /// A reader whose `n`-th read goes wrong, as `fault` says.
     struct Faulty<'a> {
         bytes: &'a [u8],
         fail_at: usize,
-        short: bool,
+        fault: Fault,
         reads: AtomicUsize,
     }
 
     impl ReadAt for Faulty<'_> {
         fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<usize> {
             if self.reads.fetch_add(1, Ordering::SeqCst) + 1 == self.fail_at {
-                if self.short {
-                    return Ok(0);
-                }
-                return Err(std::io::Error::other("injected"));
+                return match self.fault {
+                    Fault::Fails => Err(std::io::Error::other("injected")),
+                    Fault::Short => Ok(0),
+                    Fault::Overlong => Ok(buf.len() + 1),
+                };
             }
             self.bytes.read_at(buf, offset)
         }
@@ -1255,7 +1275,7 @@ pub(super) mod tests {
                 let file = Faulty {
                     bytes: &bytes,
                     fail_at: 0,
-                    short: false,
+                    fault: Fault::Fails,
                     reads: AtomicUsize::new(0),
                 };
                 let (mut engine, _sim) = engine_with(chunk);
@@ -1264,21 +1284,25 @@ pub(super) mod tests {
             };
             assert!(reads >= 6, "{reads} reads");
             for fail_at in 1..=reads {
-                for short in [false, true] {
+                for fault in [Fault::Fails, Fault::Short, Fault::Overlong] {
                     let (mut engine, sim) = engine_with(chunk);
                     let file = Faulty {
                         bytes: &bytes,
                         fail_at,
-                        short,
+                        fault,
                         reads: AtomicUsize::new(0),
                     };
                     match load_all_with(&mut engine, &file, bytes.len() as u64, staging) {
                         // The last read asks past the end, where reading nothing is the truth.
-                        Ok(_) if short && fail_at == reads => {}
+                        Ok(_) if fault == Fault::Short && fail_at == reads => {}
+                        // A read that says it read more than it was asked for is the reader's
+                        // error, at any step.
+                        Err(Error::Io(IoError::File { .. })) if fault == Fault::Overlong => {}
                         Err(Error::Io(IoError::File { .. }))
                         | Err(Error::Malformed(MalformedError::ShortRead { .. }))
-                        | Err(Error::Malformed(MalformedError::LengthChanged { .. })) => {}
-                        other => panic!("{chunk}: read {fail_at} (short: {short}): {other:?}"),
+                        | Err(Error::Malformed(MalformedError::LengthChanged { .. }))
+                            if fault != Fault::Overlong => {}
+                        other => panic!("{chunk}: read {fail_at} ({fault:?}): {other:?}"),
                     }
                     recovers(engine, &sim, &bytes);
                 }
