@@ -99,6 +99,18 @@ impl Hasher for AddressHasher {
     }
 }
 
+impl Touch {
+    /// Each lane's last use of the value (its allocation, its last write, its reads since):
+    /// what a write or a free of it must follow.
+    fn last(&self) -> [u64; 3] {
+        let mut last = self.reads;
+        for (lane, pos) in [self.alloc, self.write] {
+            last[lane] = last[lane].max(pos);
+        }
+        last
+    }
+}
+
 /// The positions the host has proven complete, per lane. Shared between the engine's order and
 /// the proofs of completion it hands out, which record what they prove without the engine's
 /// lock (a stale read only costs a wait that was not needed).
@@ -154,8 +166,21 @@ impl Order {
         lane: Lane,
         uses: &[Use],
     ) -> Result<()> {
-        let me = lane.index();
         let need = self.needs(uses);
+        self.wait_for_needs(driver, lane, need)
+    }
+
+    /// Makes `lane` wait for each other lane up to `need` (its position there), where it has
+    /// not already waited that far and the host has not proven it.
+    // Inlined: it runs on every tensor's free, where a call of its own cost more than its loop.
+    #[inline(always)]
+    fn wait_for_needs(
+        &mut self,
+        driver: &mut dyn Driver,
+        lane: Lane,
+        need: [u64; 3],
+    ) -> Result<()> {
+        let me = lane.index();
         for other in Lane::ALL {
             let o = other.index();
             if o != me && need[o] > self.seen[me][o].max(self.proven.get(o)) {
@@ -172,14 +197,17 @@ impl Order {
             let Some(touch) = self.touches.get(&u.ptr()) else {
                 continue;
             };
-            let (wlane, wpos) = touch.write;
-            need[wlane] = need[wlane].max(wpos);
-            if let Use::Write(_) | Use::Alloc(_) = u {
-                let (alane, apos) = touch.alloc;
-                need[alane] = need[alane].max(apos);
-                for (other, &pos) in touch.reads.iter().enumerate() {
-                    need[other] = need[other].max(pos);
+            let after = match u {
+                // A read follows the last write only.
+                Use::Read(_) => {
+                    let mut write = [0; 3];
+                    write[touch.write.0] = touch.write.1;
+                    write
                 }
+                Use::Write(_) | Use::Alloc(_) => touch.last(),
+            };
+            for (need, after) in need.iter_mut().zip(after) {
+                *need = (*need).max(after);
             }
         }
         need
@@ -199,14 +227,7 @@ impl Order {
     /// # Errors
     /// As [`Order::prepare`].
     pub(crate) fn join(&mut self, driver: &mut dyn Driver, lane: Lane) -> Result<()> {
-        let me = lane.index();
-        for other in Lane::ALL {
-            let o = other.index();
-            if o != me && self.next[o] > self.seen[me][o].max(self.proven.get(o)) {
-                self.wait_for(driver, lane, other)?;
-            }
-        }
-        Ok(())
+        self.wait_for_needs(driver, lane, self.next)
     }
 
     /// Records `uses` as made by the operation just queued on `lane`.
@@ -238,22 +259,6 @@ impl Order {
         }
     }
 
-    /// Each lane's last use of the value at `ptr` (its allocation, its last write, its reads
-    /// since): what its free must follow.
-    fn last_uses(&self, ptr: DevicePtr) -> [u64; 3] {
-        let mut last = [0u64; 3];
-        let Some(touch) = self.touches.get(&ptr) else {
-            return last;
-        };
-        for (lane, pos) in [touch.alloc, touch.write] {
-            last[lane] = last[lane].max(pos);
-        }
-        for (lane, &pos) in touch.reads.iter().enumerate() {
-            last[lane] = last[lane].max(pos);
-        }
-        last
-    }
-
     /// The lane to free a value on, given each lane's `last` use of it: the one lane whose uses
     /// the host has not proven complete, which needs no wait for them; the compute lane when
     /// none or several have.
@@ -276,19 +281,10 @@ impl Order {
         driver: &mut dyn Driver,
         ptr: DevicePtr,
     ) -> (Lane, Result<()>) {
-        let last = self.last_uses(ptr);
+        // A free follows every use of the value, as a write does.
+        let last = self.touches.get(&ptr).map_or([0; 3], Touch::last);
         let lane = self.free_lane_after(last);
-        let me = lane.index();
-        for other in Lane::ALL {
-            let o = other.index();
-            if o != me
-                && last[o] > self.seen[me][o].max(self.proven.get(o))
-                && let Err(refused) = self.wait_for(driver, lane, other)
-            {
-                return (lane, Err(refused));
-            }
-        }
-        (lane, Ok(()))
+        (lane, self.wait_for_needs(driver, lane, last))
     }
 
     /// Folds the uses of the value `from` into those of `into`, and forgets `from`: for a
@@ -305,10 +301,7 @@ impl Order {
             return;
         };
         let whole = self.touches.entry(into).or_default();
-        for (lane, pos) in [part.alloc, part.write] {
-            whole.reads[lane] = whole.reads[lane].max(pos);
-        }
-        for (read, &pos) in whole.reads.iter_mut().zip(&part.reads) {
+        for (read, pos) in whole.reads.iter_mut().zip(part.last()) {
             *read = (*read).max(pos);
         }
     }
