@@ -208,13 +208,22 @@ pub(crate) fn read_exact_at(
     read_exact_vectored_at(path, file, offset, &mut [std::io::IoSliceMut::new(buf)])
 }
 
-/// The error of a reader that says it read more than it was asked to (a reader of the
-/// caller's; the bytes past the buffer cannot have been written).
-fn overlong(path: &Path, asked: usize, said: usize) -> Error {
+/// The error of a reader or writer of the caller's that says it moved more than it was given
+/// (`said` of `asked` bytes, in an `operation` of "read" or "write"): the bytes past the
+/// buffer cannot have been moved, and the count is not taken.
+pub(crate) fn overstated(path: &Path, operation: &'static str, asked: usize, said: usize) -> Error {
+    let done = if operation == "write" {
+        "wrote"
+    } else {
+        "read"
+    };
+    let unit = if asked == 1 { "byte" } else { "bytes" };
     IoError::File {
         path: path.to_owned(),
-        operation: "read",
-        source: std::io::Error::other(format!("a read of {asked} bytes said it read {said}")),
+        operation,
+        source: std::io::Error::other(format!(
+            "a {operation} of {asked} {unit} said it {done} {said}"
+        )),
     }
     .into()
 }
@@ -242,7 +251,7 @@ pub(crate) fn read_exact_vectored_at(
             Ok(n) => {
                 let asked: usize = bufs.iter().map(|b| b.len()).sum();
                 if n > asked {
-                    return Err(overlong(path, asked, n));
+                    return Err(overstated(path, "read", asked, n));
                 }
                 offset += n as u64;
                 std::io::IoSliceMut::advance_slices(&mut bufs, n);

@@ -648,10 +648,8 @@ fn file_len(path: &Path, file: &dyn ReadAt, len: u64) -> Result<u64, Error> {
     };
     let mut read = |at| {
         let n = super::retry(|| file.read_at(&mut probe, at)).map_err(io)?;
-        // A reader of the caller's that says it read more than the one byte asked for.
-        if n > 1 {
-            let said = format!("a read of 1 byte said it read {n}");
-            return Err(io(std::io::Error::other(said)));
+        if n > probe.len() {
+            return Err(header::overstated(path, "read", probe.len(), n));
         }
         Ok(n)
     };

@@ -392,15 +392,8 @@ pub(crate) fn write_exact_at(
                 }
                 .into());
             }
-            // A writer of the caller's that says it wrote more than it was given.
             Ok(n) if n > bytes.len() => {
-                let said = format!("a write of {} bytes said it wrote {n}", bytes.len());
-                return Err(IoError::File {
-                    path: path.to_owned(),
-                    operation: "write",
-                    source: std::io::Error::other(said),
-                }
-                .into());
+                return Err(header::overstated(path, "write", bytes.len(), n));
             }
             Ok(n) => {
                 bytes = &bytes[n..];
