@@ -657,11 +657,16 @@ pub fn load_with(
     options: LoadOptions<'_>,
 ) -> Result<Checkpoint> {
     let mut tensors = Vec::new();
+    let room = std::cell::Cell::new(0);
     load_indexed(
         engine,
         path.as_ref(),
         options,
+        &mut |planned| room.set(planned),
         &mut |_, i, file, name, tensor| {
+            if tensors.capacity() == 0 {
+                tensors.reserve_exact(room.get());
+            }
             tensors.push((i, Arc::clone(file), name, tensor));
             Ok(())
         },
@@ -691,6 +696,7 @@ pub fn load_each(
         engine,
         path.as_ref(),
         options,
+        &mut |_| {},
         &mut |engine, _, _, name, tensor| each(engine, name, tensor),
     )
 }
@@ -722,16 +728,19 @@ impl Checkpoint {
     }
 }
 
-/// Loads `path` (one file, or the shards of an index) through `options`, handing each tensor
-/// to `each`.
+/// Loads `path` (one file, or the shards of an index) through `options`, telling `planned`
+/// how many tensors the plan holds before the first is read, and handing each tensor to
+/// `each`.
 fn load_indexed(
     engine: &mut CudaEngine,
     path: &Path,
     mut options: LoadOptions<'_>,
+    planned: &mut dyn FnMut(usize),
     each: &mut Handoff<'_>,
 ) -> Result<()> {
     let staging = options.staging.validate("readers")?;
     let shards = plan_shards(path, &mut options, staging)?;
+    planned(shards.iter().map(|s| s.tensors.len()).sum());
     let total = shards.iter().map(|s| load::plan_bytes(&s.tensors)).sum();
     let mut tally = Tally::new(total, &mut *options.progress);
     let convert = &mut *options.convert;
@@ -935,7 +944,7 @@ pub fn load_from(
         direct: None,
         len,
     };
-    let mut out = Vec::new();
+    let mut out = Vec::with_capacity(tensors.len());
     let convert = &mut *options.convert;
     let mut each = |engine: &mut CudaEngine, i, file: &Arc<Path>, name: String, tensor| {
         let tensor = converted(engine, &mut *convert, &name, tensor)?;
