@@ -77,6 +77,32 @@ fn a_file_the_format_wrote_loads_typed_and_saves_back_the_same_bytes() {
 }
 
 #[test]
+fn a_checkpoint_keeps_file_order_whatever_order_its_tensors_come_in() {
+    use safetensors::Dtype;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("order.safetensors");
+    // "a" and "b" hold bytes; "c" holds none, lies last in the file, and is handed over first.
+    let (a, b) = (vec![1u8; 64], vec![2u8; 32]);
+    fn view(data: &[u8]) -> safetensors::tensor::TensorView<'_> {
+        safetensors::tensor::TensorView::new(Dtype::U8, vec![data.len()], data).unwrap()
+    }
+    let views = vec![("a", view(&a)), ("b", view(&b)), ("c", view(&[]))];
+    safetensors::serialize_to_file(views, None, &path).unwrap();
+    let mut engine = CudaEngine::simulated(SimConfig::default());
+    let mut came = Vec::new();
+    checkpoint::load_each(&mut engine, &path, LoadOptions::new(), |_, name, _| {
+        came.push(name);
+        Ok(())
+    })
+    .unwrap();
+    assert_eq!(came.first().map(String::as_str), Some("c"), "{came:?}");
+    let loaded = checkpoint::load(&mut engine, &path).unwrap();
+    assert_eq!(loaded.names().collect::<Vec<_>>(), ["a", "b", "c"]);
+    assert_eq!(loaded.len(), 3);
+    assert_eq!(loaded.get("c").unwrap().len(), 0);
+}
+
+#[test]
 fn a_selection_loads_only_what_it_names() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("model.safetensors");

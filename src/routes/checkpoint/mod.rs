@@ -710,21 +710,32 @@ type Handoff<'e> =
 type Placed = (usize, Arc<Path>, String, AnyTensor);
 
 impl Checkpoint {
-    /// The tensors handed out by a load, put back in file order.
-    fn ordered(mut tensors: Vec<Placed>) -> Checkpoint {
-        tensors.sort_unstable_by_key(|(i, ..)| *i);
-        let mut checkpoint = Checkpoint {
-            tensors: Vec::with_capacity(tensors.len()),
-            by_name: std::collections::HashMap::with_capacity(tensors.len()),
-        };
-        for (_, file, name, tensor) in tensors {
-            // A load hands out each name once (a file or an index naming one twice is refused);
-            // were one to come twice, the first would be the one found.
-            let at = checkpoint.tensors.len();
-            checkpoint.by_name.entry(name.clone()).or_insert(at);
-            checkpoint.tensors.push(Some(Held { name, tensor, file }));
+    /// The tensors handed out by a load, put back in file order: each straight into its place
+    /// (a load's places are `0..n`, each given once), not sorted there.
+    ///
+    /// # Panics
+    /// When a place lies outside `0..n`.
+    fn ordered(tensors: Vec<Placed>) -> Checkpoint {
+        let mut places: Vec<Option<Held>> = std::iter::repeat_with(|| None)
+            .take(tensors.len())
+            .collect();
+        for (i, file, name, tensor) in tensors {
+            let place = &mut places[i];
+            debug_assert!(place.is_none(), "place {i} is given twice");
+            *place = Some(Held { name, tensor, file });
         }
-        checkpoint
+        let mut by_name = std::collections::HashMap::with_capacity(places.len());
+        for (at, held) in places.iter().enumerate() {
+            if let Some(held) = held {
+                // A load hands out each name once (a file or an index naming one twice is
+                // refused); were one to come twice, the first would be the one found.
+                by_name.entry(held.name.clone()).or_insert(at);
+            }
+        }
+        Checkpoint {
+            tensors: places,
+            by_name,
+        }
     }
 }
 
