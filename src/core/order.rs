@@ -312,6 +312,12 @@ impl Order {
         self.touches.remove(&ptr);
     }
 
+    /// How many values the order tracks.
+    #[cfg(test)]
+    pub(crate) fn values(&self) -> usize {
+        self.touches.len()
+    }
+
     /// Each lane's position now: what a host wait that starts now covers.
     pub(crate) fn positions(&self) -> [u64; 3] {
         self.next

@@ -236,7 +236,9 @@ pub(crate) struct Source<'f> {
 /// The device tensors a pipeline copies into, one per planned entry: who holds them, and what
 /// happens to one once every copy into it is queued.
 pub(crate) trait Targets {
-    /// The tensor of entry `i`, while copies into it are still to be queued.
+    /// The tensor of entry `i`, while copies into it are still to be queued. Not asked of an
+    /// entry packed into a group's allocation ([`groups`](Self::groups)): its copy is the
+    /// group's.
     fn target(&self, i: usize) -> &DeviceTensor<u8>;
 
     /// The groups of small entries packed into one allocation each: none unless the targets
@@ -266,12 +268,41 @@ pub(crate) type Each<'e> = dyn FnMut(&mut CudaEngine, usize, AnyTensor) -> Resul
 /// A load's targets: tensors it allocated, each handed to `each` once its copies are queued.
 struct Loaded<'a, 'e> {
     entries: &'a [Entry],
-    tensors: Vec<Option<DeviceTensor<u8>>>,
+    tensors: Vec<Target>,
     each: &'a mut Each<'e>,
     groups: Vec<Group>,
     /// Each group's allocation, whole: a part of its arena held until the load ends, so the
     /// arena outlives the making of its other parts.
     blocks: Vec<DeviceTensor<u8>>,
+    /// Each group's arena, of which a packed entry's tensor is made when it is handed out.
+    arenas: Vec<std::sync::Arc<Arena>>,
+}
+
+/// What a load holds for one entry until it hands the entry's tensor out.
+enum Target {
+    /// A tensor of its own.
+    Own(DeviceTensor<u8>),
+    /// `len` bytes at `at` of group `group`'s allocation: the part is made only when it is
+    /// handed out (a part costs a lock of the engine's, and most of a load of many small
+    /// tensors would otherwise go to making them before the first byte is read).
+    Packed { group: usize, at: usize, len: usize },
+    /// Handed out.
+    Gone,
+}
+
+impl Drop for Loaded<'_, '_> {
+    fn drop(&mut self) {
+        // A packed entry not handed out (the load stopped): a copy into it may have recorded
+        // its use under the part's address, which a part's drop folds into the allocation's.
+        // Made and dropped here, as if it had been made at the start and dropped now.
+        for target in &mut self.tensors {
+            if let Target::Packed { group, at, len } = std::mem::replace(target, Target::Gone) {
+                // SAFETY: as in `queued`: the part lies inside the group's allocation, apart
+                // from every other part.
+                drop(unsafe { self.arenas[group].part(at, len) });
+            }
+        }
+    }
 }
 
 impl Targets for Loaded<'_, '_> {
@@ -284,15 +315,21 @@ impl Targets for Loaded<'_, '_> {
     }
 
     fn target(&self, i: usize) -> &DeviceTensor<u8> {
-        self.tensors[i]
-            .as_ref()
-            .expect("a tensor is handed out after its last copy is queued")
+        match &self.tensors[i] {
+            Target::Own(tensor) => tensor,
+            _ => unreachable!("a tensor of its own, not yet handed out"),
+        }
     }
 
     fn queued(&mut self, engine: &mut CudaEngine, i: usize) -> Result<()> {
-        let bytes = self.tensors[i]
-            .take()
-            .expect("each tensor is handed out once");
+        let bytes = match std::mem::replace(&mut self.tensors[i], Target::Gone) {
+            Target::Own(tensor) => tensor,
+            // SAFETY: `groups` lays the group's tensors out one after another, each at its own
+            // aligned offset inside the allocation: no two parts overlap. The group's whole
+            // allocation (`blocks`) is only the target of its copy, never handed out.
+            Target::Packed { group, at, len } => unsafe { self.arenas[group].part(at, len) },
+            Target::Gone => unreachable!("each tensor is handed out once"),
+        };
         let entry = &self.entries[i];
         // SAFETY: every copy into the bytes is queued, of the file's bytes for this tensor, and
         // the reader refused a `bool` tensor holding a byte other than 0 or 1 before its copy
@@ -327,29 +364,29 @@ pub(crate) fn load(
         tensors: Vec::with_capacity(tensors.len()),
         each,
         blocks: Vec::with_capacity(groups.len()),
+        arenas: Vec::with_capacity(groups.len()),
         groups,
     };
-    let mut packed = loaded.groups.iter().peekable();
+    let mut packed = loaded.groups.iter().enumerate().peekable();
     let mut i = 0;
     while i < tensors.len() {
-        if let Some(group) = packed.next_if(|g| g.first == i) {
-            // One allocation for the group: each tensor a part of it.
+        if let Some((g, group)) = packed.next_if(|(_, g)| g.first == i) {
+            // One allocation for the group: each tensor a part of it, made when handed out.
             let arena = Arena::new(engine.alloc_tensor::<u8>(&[group.bytes])?);
             // SAFETY: the whole allocation stays the load's, the target of the group's one
             // copy, never handed out.
             loaded.blocks.push(unsafe { arena.part(0, group.bytes) });
+            loaded.arenas.push(arena);
             for (k, &at) in group.offsets.iter().enumerate() {
                 let len = (tensors[i + k].end - tensors[i + k].start) as usize;
-                // SAFETY: `groups` lays the tensors out one after another, each at its own
-                // aligned offset: no two overlap.
-                (loaded.tensors).push(Some(unsafe { arena.part(at, len) }));
+                (loaded.tensors).push(Target::Packed { group: g, at, len });
             }
             i += group.offsets.len();
             continue;
         }
         let t = &tensors[i];
         let bytes = engine.alloc_tensor::<u8>(&[(t.end - t.start) as usize])?;
-        loaded.tensors.push(Some(bytes));
+        loaded.tensors.push(Target::Own(bytes));
         i += 1;
     }
     upload(engine, source, tensors, staging, tally, &mut loaded)?;
@@ -457,8 +494,8 @@ struct Run<'a, 'e> {
 }
 
 impl Run<'_, '_> {
-    /// Queues the copies of `chunk`, read into `lease`, and tells the targets of each tensor
-    /// whose last piece it holds.
+    /// Queues the copies of `chunk`, read into `lease`, and counts its bytes; the targets are
+    /// told of its tensors by [`hand_over`](Self::hand_over).
     fn land(
         &mut self,
         chunk: &Chunk,
@@ -470,12 +507,14 @@ impl Run<'_, '_> {
         let copies: Vec<Scatter<'_>> = match chunk.group {
             // One copy fills the group's allocation, every tensor in it at once.
             Some(g) => {
+                // Each piece's place in the slot is its tensor's in the allocation.
+                let block = targets.block(g);
                 parts = (chunk.pieces.iter())
-                    .map(|p| targets.target(p.tensor).raw_ptr())
+                    .map(|p| block.raw_ptr() + p.from as u64)
                     .collect();
                 let end = targets.groups()[g].bytes;
                 vec![Scatter {
-                    tensor: targets.block(g),
+                    tensor: block,
                     at: ARENA_ALIGN,
                     from: ARENA_ALIGN,
                     len: end - ARENA_ALIGN,
@@ -499,6 +538,11 @@ impl Run<'_, '_> {
             return Err(error);
         }
         self.tally.add(chunk.bytes());
+        Ok(())
+    }
+
+    /// Tells the targets of each tensor whose last piece `chunk` (landed) holds.
+    fn hand_over(&mut self, chunk: &Chunk) -> Result<()> {
         for piece in &chunk.pieces {
             self.remaining[piece.tensor] -= 1;
             if self.remaining[piece.tensor] == 0 {
@@ -541,6 +585,10 @@ fn pipeline(
         let mut next = 0;
         let mut failure: Option<Error> = None;
         let mut panicked = None;
+        // Chunks whose copies are queued and whose tensors are still to be handed over: the
+        // copies of every read already done are queued first, and the next reads handed out,
+        // before the calling thread spends time on the tensors.
+        let mut landed: Vec<usize> = Vec::new();
         loop {
             // Reads are handed out while a reader is idle and a slot can be had: an idle one,
             // a new one while the budget allows, or the oldest in flight once proven.
@@ -582,27 +630,39 @@ fn pipeline(
                 next += 1;
                 reading += 1;
             }
+            for i in landed.drain(..) {
+                if failure.is_none()
+                    && let Err(error) = run.hand_over(&chunks[i])
+                {
+                    failure = Some(error);
+                }
+            }
             if reading == 0 {
                 break;
             }
-            let Ok(((i, lease), read)) = answers.recv() else {
+            let Ok(first) = answers.recv() else {
                 failure.get_or_insert(readers_gone(source.path));
                 break;
             };
-            reading -= 1;
-            let read = match read {
-                Ok(read) => read,
-                Err(payload) => {
-                    panicked.get_or_insert(payload);
-                    failure.get_or_insert(readers_gone(source.path));
-                    continue;
+            // This answer and every other already in.
+            let mut answer = Some(first);
+            while let Some(((i, lease), read)) = answer.take() {
+                reading -= 1;
+                match read {
+                    Err(payload) => {
+                        panicked.get_or_insert(payload);
+                        failure.get_or_insert(readers_gone(source.path));
+                    }
+                    // Draining: the slot goes back to the ring.
+                    Ok(_) if failure.is_some() => drop(lease),
+                    Ok(read) => {
+                        match read.and_then(|()| run.land(&chunks[i], lease, &mut flying)) {
+                            Ok(()) => landed.push(i),
+                            Err(error) => failure = Some(error),
+                        }
+                    }
                 }
-            };
-            if failure.is_some() {
-                continue; // draining: the slot goes back to the ring
-            }
-            if let Err(error) = read.and_then(|()| run.land(&chunks[i], lease, &mut flying)) {
-                failure = Some(error);
+                answer = answers.try_recv().ok();
             }
         }
         drop(jobs);
@@ -1330,6 +1390,60 @@ pub(super) mod tests {
                 panic!("injected panic asking for a reader");
             }
             Some(Box::new(Through(self)))
+        }
+    }
+
+    #[test]
+    fn a_load_stopped_before_packed_tensors_are_handed_out_leaves_no_trace_of_them() {
+        // 64 KiB slots: the small tensors are packed into one allocation, copied at once, and
+        // handed out one by one; the caller refuses the `stop`-th.
+        let (bytes, _) = checkpoint();
+        let path = Path::new("model.safetensors");
+        let file: &dyn ReadAt = &&bytes[..];
+        let len = bytes.len() as u64;
+        let tensors = plan(path, file, len, &mut |_| true).unwrap();
+        let source = Source {
+            path,
+            file,
+            direct: None,
+            len,
+        };
+        for stop in 1..=tensors.len() {
+            let (mut engine, sim) = engine_with(64 << 10);
+            let values = |engine: &mut CudaEngine| engine.shared.enter().unwrap().order.values();
+            let before = values(&mut engine);
+            let mut handed = 0;
+            let mut each = |_: &mut CudaEngine, _: usize, _: AnyTensor| {
+                handed += 1;
+                if handed == stop {
+                    return Err(Error::Usage(crate::error::UsageError::ZeroLength {
+                        what: "the caller's refusal",
+                    }));
+                }
+                Ok(())
+            };
+            let staging = Staging {
+                bytes: 4 << 16,
+                threads: 3,
+                direct: false,
+            };
+            let stopped = load(
+                &mut engine,
+                source,
+                &tensors,
+                staging,
+                &mut Tally::silent(),
+                &mut each,
+            );
+            assert!(
+                matches!(stopped, Err(Error::Usage(_))),
+                "{stop}: {stopped:?}"
+            );
+            engine.synchronize().unwrap();
+            // Every part's use was folded into its allocation, which was freed after them: the
+            // order tracks no value the load made.
+            assert_eq!(values(&mut engine), before, "{stop}");
+            recovers(engine, &sim, &bytes);
         }
     }
 
