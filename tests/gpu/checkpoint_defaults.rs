@@ -408,6 +408,106 @@ impl checkpoint::ReadAt for Timed<'_> {
     }
 }
 
+/// A reader that notes when each read starts and ends (nanoseconds from `start`) and how many
+/// bytes it moved, through a descriptor of each thread's own as the file itself gives one.
+struct Timeline<'f> {
+    file: &'f dyn checkpoint::ReadAt,
+    /// This thread's own reader, once asked for.
+    own: Option<Box<dyn checkpoint::ReadAt + 'f>>,
+    start: std::time::Instant,
+    reads: &'f std::sync::Mutex<Vec<(u64, u64, usize)>>,
+}
+
+impl Timeline<'_> {
+    fn note(&self, read: impl FnOnce() -> std::io::Result<usize>) -> std::io::Result<usize> {
+        let from = self.start.elapsed().as_nanos() as u64;
+        let n = read()?;
+        let to = self.start.elapsed().as_nanos() as u64;
+        self.reads.lock().unwrap().push((from, to, n));
+        Ok(n)
+    }
+
+    fn reader(&self) -> &dyn checkpoint::ReadAt {
+        self.own.as_deref().unwrap_or(self.file)
+    }
+}
+
+impl checkpoint::ReadAt for Timeline<'_> {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<usize> {
+        self.note(|| self.reader().read_at(buf, offset))
+    }
+    fn read_vectored_at(
+        &self,
+        bufs: &mut [std::io::IoSliceMut<'_>],
+        offset: u64,
+    ) -> std::io::Result<usize> {
+        self.note(|| self.reader().read_vectored_at(bufs, offset))
+    }
+    fn reopen(&self) -> Option<Box<dyn checkpoint::ReadAt + '_>> {
+        let again = self.file.reopen()?;
+        Some(Box::new(Timeline {
+            file: self.file,
+            own: Some(again),
+            start: self.start,
+            reads: self.reads,
+        }))
+    }
+}
+
+/// Where one load of `path` spends its time: its reads (each thread's, through a descriptor of
+/// its own) and the moments its chunks' copies are queued, from the load's start.
+fn timeline(engine: &mut CudaEngine, path: &std::path::Path) -> String {
+    let f = std::fs::File::open(path).unwrap();
+    let len = f.metadata().unwrap().len();
+    let reads = std::sync::Mutex::new(Vec::new());
+    engine.synchronize().unwrap();
+    let start = std::time::Instant::now();
+    let file = Timeline {
+        file: &f,
+        own: None,
+        start,
+        reads: &reads,
+    };
+    let mut landed = Vec::new();
+    let options = LoadOptions::new().progress(|_| landed.push(start.elapsed().as_nanos() as u64));
+    let loaded = checkpoint::load_from(engine, path, &file, len, options).unwrap();
+    let end = start.elapsed().as_nanos() as u64;
+    drop(loaded);
+    drop(file);
+    let reads = reads.into_inner().unwrap();
+    let ms = |ns: u64| ns as f64 / 1e6;
+    // The header's reads come first; the data's are the large ones.
+    let data: Vec<_> = reads.iter().filter(|r| r.2 >= 4096).collect();
+    let mut ends: Vec<u64> = data.iter().map(|r| r.1).collect();
+    ends.sort_unstable();
+    let first = data.iter().map(|r| r.0).min().unwrap_or(0);
+    let busy: u64 = data.iter().map(|r| r.1 - r.0).sum();
+    let q = |f: f64| {
+        ends.get(((ends.len() as f64 - 1.0) * f) as usize)
+            .copied()
+            .unwrap_or(0)
+    };
+    format!(
+        "{} reads ({} of data, {:.2} ms of threads' time); the first data read starts at {:.2} ms, \
+         data reads end at {:.2} / {:.2} / {:.2} / {:.2} / {:.2} ms (first, quartiles, last); \
+         copies queued at {:?} ms; returned at {:.2} ms",
+        reads.len(),
+        data.len(),
+        ms(busy),
+        ms(first),
+        ms(q(0.0)),
+        ms(q(0.25)),
+        ms(q(0.5)),
+        ms(q(0.75)),
+        ms(q(1.0)),
+        landed
+            .iter()
+            .map(|&t| (ms(t) * 100.0).round() / 100.0)
+            .collect::<Vec<_>>(),
+        ms(end)
+    )
+}
+
 #[test]
 #[ignore = "needs a CUDA device"]
 fn measure_small_tensors() {
@@ -462,6 +562,9 @@ fn measure_small_tensors() {
         "  through a timed reader: {:.2} ms each; {reads} reads taking {in_reads:.2} ms of threads' time",
         median(&secs) * 1e3
     );
+    for _ in 0..3 {
+        println!("  timeline: {}", timeline(&mut engine, &path));
+    }
     // When each tensor is handed over.
     for _ in 0..3 {
         engine.synchronize().unwrap();
