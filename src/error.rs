@@ -1302,8 +1302,9 @@ pub enum IoError {
     File {
         /// The file.
         path: std::path::PathBuf,
-        /// What was asked of it: `open`, `stat`, `read`, `create`, `write`, `flush`, `rename`
-        /// or `flush the directory` (the path is then the directory's).
+        /// What was asked of it: `open`, `stat`, `read`, `create`, `write`, `flush`, `rename`,
+        /// `flush the directory` (the path is then the directory's) or `start a reader thread`
+        /// (for a load whose first reader thread the system would not start).
         operation: &'static str,
         /// The operating system's error.
         source: std::io::Error,

@@ -2,22 +2,22 @@
 //! and the copies overlapped with them.
 //!
 //! The route is a composition of staging leases ([`StagingLease`]): each chunk of a tensor is
-//! read (a positioned read, on a thread of its own) into a leased pinned slot, then queued as a
-//! copy into the tensor, after which the lease is [`Unproven`] until its event proves the copy
-//! done; only then is the slot read into again. A window of `ring_depth` leases (the engine's
-//! [`StagingConfig`](crate::staging::StagingConfig)) bounds the pinned memory the load holds,
-//! and half of it is read into while the other half is on the wire. Every failure (a read, a
-//! copy, a proof) stops the load: the leases in flight retire into the engine (their slots come
-//! back once their copies are proven, never before), the tensors made so far are dropped, which
+//! read into a leased pinned slot (in parts, by the load's crew of reader threads: see
+//! [`crew`](super::crew)), then queued as a copy into the tensor, after which the lease is
+//! [`Unproven`] until its event proves the copy done; only then is the slot read into again.
+//! The load's staging setting bounds the pinned memory it holds, in slots of the engine's
+//! [`StagingConfig`](crate::staging::StagingConfig) chunk size. Every failure (a read, a copy, a
+//! proof) stops the load: the leases in flight retire into the engine (their slots come back
+//! once their copies are proven, never before), the tensors made so far are dropped, which
 //! frees them after their copies, and the error names the file (and the tensor, for bad data).
 
+use super::Staging;
+use super::crew::{self, Answer, Crew, Part};
 use super::header::{self, Entry, Header};
 use super::slice::Runs;
-use super::{Done, Job, Staging, file_threads};
 use super::{ReadAt, Tally};
 use crate::core::engine::CudaEngine;
 use crate::driver::DevicePtr;
-use crate::dtype::DType;
 use crate::error::{Error, IoError, MalformedError, Result};
 use crate::lifecycle::lease::{Proven, Scatter, StagingLease, Unproven, released};
 use crate::memory::any_tensor::AnyTensor;
@@ -25,16 +25,16 @@ use crate::memory::arena::{ALIGN as ARENA_ALIGN, Arena};
 use crate::memory::tensor::DeviceTensor;
 use std::collections::VecDeque;
 use std::path::Path;
-use std::sync::{Mutex, mpsc};
+use std::sync::mpsc;
 
 /// Where a piece of a chunk goes: `len` bytes at byte `from` of the slot into tensor
 /// `tensor` at byte `at`.
 #[derive(Clone, Copy, Debug)]
-struct Piece {
-    tensor: usize,
-    at: usize,
-    from: usize,
-    len: usize,
+pub(super) struct Piece {
+    pub(super) tensor: usize,
+    pub(super) at: usize,
+    pub(super) from: usize,
+    pub(super) len: usize,
 }
 
 /// One read of the load: file bytes `start..end` into one staging slot at byte `skew` (a
@@ -45,16 +45,16 @@ struct Piece {
 /// then offsets into the slice's bytes from `origin` (the slice's first byte in the file), and
 /// byte `b` of them lies at `runs.file_offset(origin, b - origin)`.
 #[derive(Clone, Debug)]
-struct Chunk {
-    start: u64,
-    end: u64,
-    skew: usize,
-    pieces: Vec<Piece>,
-    runs: Option<(u64, Runs)>,
+pub(super) struct Chunk {
+    pub(super) start: u64,
+    pub(super) end: u64,
+    pub(super) skew: usize,
+    pub(super) pieces: Vec<Piece>,
+    pub(super) runs: Option<(u64, Runs)>,
     /// For a chunk of small tensors packed into one allocation: the group (of the targets'
     /// [`groups`](Targets::groups)) it fills. Its pieces are read one by one into their places
     /// in the slot, which are their places in the allocation.
-    group: Option<usize>,
+    pub(super) group: Option<usize>,
 }
 
 impl Chunk {
@@ -121,14 +121,19 @@ pub(crate) fn groups(entries: &[Entry], capacity: usize) -> Vec<Group> {
 }
 
 /// The block size direct reads align their offsets, lengths and buffers to.
-const BLOCK: u64 = 4096;
+pub(super) const BLOCK: u64 = 4096;
 
 /// The smallest slot that direct reads use (a chunk gives up two blocks to alignment).
 const DIRECT_MIN_SLOT: usize = 64 << 10;
 
 /// The chunks that read `tensors` into slots of `capacity` bytes, in file order: tensors that
 /// follow each other in the file share a chunk, a large one spans several.
-fn chunks(tensors: &[Entry], capacity: usize, direct: bool, groups: &[Group]) -> Vec<Chunk> {
+pub(super) fn chunks(
+    tensors: &[Entry],
+    capacity: usize,
+    direct: bool,
+    groups: &[Group],
+) -> Vec<Chunk> {
     // A direct read may start up to a block before its first byte and end up to a block after
     // its last.
     let room = if direct {
@@ -553,9 +558,10 @@ impl Run<'_, '_> {
     }
 }
 
-/// Reads `chunks` on `staging.threads` reader threads into at most `staging.bytes` of staging
-/// slots (`first` one of them), each slot's copies queued as soon as its read is done, and the
-/// slot read into again once its copies are proven.
+/// Reads `chunks` into at most `staging.bytes` of staging slots (`first` one of them) through a
+/// crew of `staging.threads` reader threads that take the parts of each slot's read in the order
+/// the slots were handed out ([`crew`](super::crew)); each slot's copies are queued as soon as
+/// the last part of its read is in, and the slot read into again once they are proven.
 fn pipeline(
     run: &mut Run<'_, '_>,
     source: Source<'_>,
@@ -563,22 +569,37 @@ fn pipeline(
     staging: Staging,
     first: StagingLease<Proven>,
 ) -> Result<()> {
-    let mut slots = (staging.bytes / first.capacity()).max(2);
-    let threads = staging.threads.clamp(1, slots).min(chunks.len());
-    // More reads in flight than slots: each slot's read is split between threads.
-    let split = staging.threads.div_ceil(threads);
+    let capacity = first.capacity();
+    let mut slots = (staging.bytes / capacity).max(2);
+    let most = staging.threads.max(1);
+    let direct = source.direct.is_some();
+    // No more threads than the file has parts to read.
+    let mut parts = 0;
+    for chunk in chunks {
+        parts += crew::cut(chunk, capacity, direct, most).len();
+        if parts >= most {
+            break;
+        }
+    }
+    let size = most.min(parts);
     run.engine.reserve_route_slots(slots.min(chunks.len()));
-    let (jobs, queue) = mpsc::channel::<Job>();
-    let queue = Mutex::new(queue);
-    let (report, answers) = mpsc::channel::<Done>();
-    let tensors = run.entries;
-    let read = |i: usize, slot: &mut [u8]| read_chunk(source, tensors, &chunks[i], slot, split);
+    let (jobs, queue) = mpsc::channel::<Part>();
+    let crew = Crew::new(queue, source, run.entries, chunks);
+    // The slots being read into, by chunk, with the parts of each still out. Each is held here,
+    // outside the crew's scope, from its first part's hand-out until its last part's answer: a
+    // panic on this thread drops them only after the scope has joined every reader.
+    let mut reading: Vec<Option<StagingLease<Proven>>> = Vec::new();
+    reading.resize_with(chunks.len(), || None);
+    let mut left = vec![0usize; chunks.len()];
     std::thread::scope(|scope| {
-        file_threads(scope, threads, &queue, &report, &read);
-        drop(report);
+        let jobs = jobs;
+        let (report, answers) = mpsc::channel::<Answer>();
+        crew.start(scope, size, report)?;
         let mut free = vec![first];
         let mut made = 1;
-        let mut reading = 0;
+        // Chunks handed to the crew and not yet answered in full, and parts handed out.
+        let mut in_read = 0;
+        let mut sent = 0;
         // Sized by what the file needs, never by the setting alone.
         let mut flying: VecDeque<StagingLease<Unproven>> =
             VecDeque::with_capacity(slots.min(chunks.len()));
@@ -590,9 +611,10 @@ fn pipeline(
         // before the calling thread spends time on the tensors.
         let mut landed: Vec<usize> = Vec::new();
         loop {
-            // Reads are handed out while a reader is idle and a slot can be had: an idle one,
-            // a new one while the budget allows, or the oldest in flight once proven.
-            while failure.is_none() && next < chunks.len() && reading < threads {
+            // Slots are handed out while one can be had: an idle one, a new one while the
+            // budget allows, or, once the crew would run out of parts, the oldest in flight
+            // once proven.
+            while failure.is_none() && next < chunks.len() {
                 let lease = if let Some(lease) = free.pop() {
                     lease
                 } else if made < slots {
@@ -602,7 +624,7 @@ fn pipeline(
                             lease
                         }
                         // Pinned memory ran out: the load goes on with the slots it has.
-                        Err(_) if reading + flying.len() > 0 => {
+                        Err(_) if in_read + flying.len() > 0 => {
                             slots = made;
                             continue;
                         }
@@ -611,7 +633,9 @@ fn pipeline(
                             break;
                         }
                     }
-                } else if let Some(oldest) = flying.pop_front() {
+                } else if sent - crew.taken() < size
+                    && let Some(oldest) = flying.pop_front()
+                {
                     match oldest.end_chunk() {
                         Ok(lease) => lease,
                         Err(error) => {
@@ -620,15 +644,28 @@ fn pipeline(
                         }
                     }
                 } else {
-                    break; // every slot is being read into
+                    break; // the crew has parts enough, or every slot is being read into
                 };
-                if jobs.send((next, lease)).is_err() {
-                    // Every reader is gone (a read panicked; the scope rethrows it).
-                    failure = Some(readers_gone(source.path));
-                    break;
+                let mut lease = lease;
+                let bytes = lease.as_mut_bytes();
+                for (what, range) in crew::cut(&chunks[next], capacity, direct, most) {
+                    let (at, len) = (range.start, range.len());
+                    let ptr = bytes[range].as_mut_ptr();
+                    let part = Part {
+                        chunk: next,
+                        what,
+                        at,
+                        ptr,
+                        len,
+                    };
+                    // The queue's receiver is the crew's, which outlives the scope.
+                    jobs.send(part).expect("the crew's queue outlives the load");
+                    left[next] += 1;
+                    sent += 1;
                 }
+                reading[next] = Some(lease);
                 next += 1;
-                reading += 1;
+                in_read += 1;
             }
             for i in landed.drain(..) {
                 if failure.is_none()
@@ -637,26 +674,39 @@ fn pipeline(
                     failure = Some(error);
                 }
             }
-            if reading == 0 {
+            if failure.is_some() {
+                crew.stop();
+            }
+            if in_read == 0 {
                 break;
             }
             let Ok(first) = answers.recv() else {
+                // Every reader is gone (one could not be started, or a read panicked
+                // outside its catch); the slots they held come back after the scope.
                 failure.get_or_insert(readers_gone(source.path));
                 break;
             };
             // This answer and every other already in.
             let mut answer = Some(first);
-            while let Some(((i, lease), read)) = answer.take() {
-                reading -= 1;
+            while let Some((i, read)) = answer.take() {
                 match read {
                     Err(payload) => {
                         panicked.get_or_insert(payload);
                         failure.get_or_insert(readers_gone(source.path));
                     }
-                    // Draining: the slot goes back to the ring.
-                    Ok(_) if failure.is_some() => drop(lease),
-                    Ok(read) => {
-                        match read.and_then(|()| run.land(&chunks[i], lease, &mut flying)) {
+                    Ok(Err(error)) => {
+                        failure.get_or_insert(error);
+                    }
+                    Ok(Ok(())) => {}
+                }
+                left[i] -= 1;
+                if left[i] == 0 {
+                    in_read -= 1;
+                    let lease = reading[i].take().expect("a chunk in read holds its slot");
+                    if failure.is_some() {
+                        drop(lease); // draining: the slot goes back to the ring
+                    } else {
+                        match run.land(&chunks[i], lease, &mut flying) {
                             Ok(()) => landed.push(i),
                             Err(error) => failure = Some(error),
                         }
@@ -665,6 +715,7 @@ fn pipeline(
                 answer = answers.try_recv().ok();
             }
         }
+        crew.stop();
         drop(jobs);
         if let Some(payload) = panicked {
             // The copies in flight retire (their slots come back once proven); then the
@@ -719,250 +770,11 @@ fn file_len(path: &Path, file: &dyn ReadAt, len: u64) -> Result<u64, Error> {
     Ok(len + read(len)? as u64)
 }
 
-/// Reads `chunk` into `slot`, in `split` parts read at once (one on this thread, the others on
-/// threads of their own), and checks the bytes of its `bool` pieces.
-fn read_chunk(
-    source: Source<'_>,
-    tensors: &[Entry],
-    chunk: &Chunk,
-    slot: &mut [u8],
-    split: usize,
-) -> Result<(), Error> {
-    match (chunk.runs, chunk.group) {
-        (Some((origin, runs)), _) => read_runs(source, chunk, origin, runs, slot, split)?,
-        (None, Some(_)) => read_pieces(source, tensors, chunk, slot, split)?,
-        (None, None) => read_span(source, chunk, slot, split)?,
-    }
-    check_bools(source, tensors, chunk, slot)
-}
-
-/// Reads a chunk of file bytes that follow each other into `slot`, in `split` parts read at
-/// once.
-fn read_span(
-    source: Source<'_>,
-    chunk: &Chunk,
-    slot: &mut [u8],
-    split: usize,
-) -> Result<(), Error> {
-    // The slot's bytes `..want` hold the file's from `base`; a direct read covers whole blocks.
-    let base = chunk.start - chunk.skew as u64;
-    let want = chunk.skew + (chunk.end - chunk.start) as usize;
-    let span = match source.direct {
-        Some(_) => want.next_multiple_of(BLOCK as usize).min(slot.len()),
-        None => want,
-    };
-    let part = span
-        .div_ceil(split.max(1))
-        .next_multiple_of(BLOCK as usize)
-        .max(1);
-    let read = |(k, buf): (usize, &mut [u8])| {
-        let need = want.saturating_sub(k * part).min(buf.len());
-        read_part(source, base + (k * part) as u64, buf, need)
-    };
-    in_parts(&mut slot[..span], part, read)
-}
-
-/// Reads the runs of a chunk of a slice of columns into `slot`, one positioned read per run
-/// (the first and the last may be parts of runs), in `split` parts read at once, each through
-/// a reader of its own where the file can give one ([`ReadAt::reopen`]).
-fn read_runs(
-    source: Source<'_>,
-    chunk: &Chunk,
-    origin: u64,
-    runs: Runs,
-    slot: &mut [u8],
-    split: usize,
-) -> Result<(), Error> {
-    let len = (chunk.end - chunk.start) as usize;
-    // Parts of a whole number of runs' lengths, so that a part splits no more runs than it
-    // must.
-    let part = len
-        .div_ceil(split.max(1))
-        .next_multiple_of(runs.len as usize)
-        .max(1);
-    let read = |(k, buf): (usize, &mut [u8])| {
-        through_own_reader(source, |file| {
-            let mut at = chunk.start - origin + (k * part) as u64;
-            let mut done = 0;
-            while done < buf.len() {
-                let n = ((runs.len - at % runs.len) as usize).min(buf.len() - done);
-                let offset = runs.file_offset(origin, at);
-                header::read_exact_at(source.path, file, offset, &mut buf[done..done + n])?;
-                done += n;
-                at += n as u64;
-            }
-            Ok(())
-        })
-    };
-    in_parts(&mut slot[..len], part, read)
-}
-
-/// Reads each piece of a packed chunk into its place in `slot`, the pieces split between
-/// `split` threads, each through a reader of its own where the file can give one. Pieces that
-/// follow each other in the file are read together, each into its own place, with one
-/// vectored read ([`ReadAt::read_vectored_at`]) per run of them.
-fn read_pieces(
-    source: Source<'_>,
-    tensors: &[Entry],
-    chunk: &Chunk,
-    slot: &mut [u8],
-    split: usize,
-) -> Result<(), Error> {
-    let per = chunk.pieces.len().div_ceil(split.max(1));
-    // Each thread's pieces, with the bytes of the slot they fill (the pieces come in slot
-    // order, so the slot splits between them).
-    let mut rest = slot;
-    let mut taken = 0;
-    let mut jobs = Vec::new();
-    for pieces in chunk.pieces.chunks(per) {
-        let end = pieces.last().map_or(taken, |p| p.from + p.len);
-        let (mine, after) = rest.split_at_mut(end - taken);
-        jobs.push((pieces, taken, mine));
-        rest = after;
-        taken = end;
-    }
-    let read = |(pieces, base, buf): (&[Piece], usize, &mut [u8])| {
-        through_own_reader(source, |file| {
-            let at = |p: &Piece| tensors[p.tensor].start + p.at as u64;
-            // Each piece's place in `buf`, cut off in turn (the pieces come in slot order).
-            let mut rest = buf;
-            let mut cut = base;
-            let mut places = pieces.iter().map(|p| {
-                let (_gap, after) = std::mem::take(&mut rest).split_at_mut(p.from - cut);
-                let (place, after) = after.split_at_mut(p.len);
-                rest = after;
-                cut = p.from + p.len;
-                std::io::IoSliceMut::new(place)
-            });
-            for run in runs_in_file(pieces, at) {
-                let mut bufs: Vec<_> = places.by_ref().take(run.len()).collect();
-                header::read_exact_vectored_at(source.path, file, at(&run[0]), &mut bufs)?;
-            }
-            Ok(())
-        })
-    };
-    at_once(jobs, read)
-}
-
-/// `pieces` cut into runs that follow each other in the file (each piece's bytes begin where
-/// the one before it ends, by `at`), in order.
-fn runs_in_file(pieces: &[Piece], at: impl Fn(&Piece) -> u64) -> impl Iterator<Item = &[Piece]> {
-    pieces.chunk_by(move |a, b| at(a) + a.len as u64 == at(b))
-}
-
-/// Runs `read` with a reader of this thread's own where the source's file can give one
-/// ([`ReadAt::reopen`]), else with the file every thread shares: threads that read many small
-/// runs of one open file at once contend on it.
-fn through_own_reader<T>(source: Source<'_>, read: impl FnOnce(&dyn ReadAt) -> T) -> T {
-    let own = source.file.reopen();
-    read(own.as_deref().unwrap_or(source.file))
-}
-
-/// Runs `read` on each `part`-byte part of `buf` (with its index), the first on this thread and
-/// the others on threads of their own, all at once; the first error, once all are done. A
-/// panic of one is rethrown here.
-fn in_parts(
-    buf: &mut [u8],
-    part: usize,
-    read: impl Fn((usize, &mut [u8])) -> Result<(), Error> + Sync,
-) -> Result<(), Error> {
-    if buf.len() <= part {
-        return read((0, buf));
-    }
-    at_once(buf.chunks_mut(part).enumerate(), read)
-}
-
-/// Runs `work` on each of `jobs` at once, the first on this thread and the others on threads
-/// of their own; the first error, once all are done. A panic of one is rethrown here.
-fn at_once<J: Send>(
-    jobs: impl IntoIterator<Item = J>,
-    work: impl Fn(J) -> Result<(), Error> + Sync,
-) -> Result<(), Error> {
-    let work = &work;
-    std::thread::scope(|scope| {
-        let mut jobs = jobs.into_iter();
-        let Some(first) = jobs.next() else {
-            return Ok(());
-        };
-        let others: Vec<_> = jobs.map(|job| scope.spawn(move || work(job))).collect();
-        let mut result = work(first);
-        for handle in others {
-            let joined = handle
-                .join()
-                .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
-            result = result.and(joined);
-        }
-        result
-    })
-}
-
-/// Refuses a chunk whose `bool` pieces hold a byte other than 0 or 1.
-fn check_bools(
-    source: Source<'_>,
-    tensors: &[Entry],
-    chunk: &Chunk,
-    slot: &[u8],
-) -> Result<(), Error> {
-    for piece in &chunk.pieces {
-        let t = &tensors[piece.tensor];
-        if t.dtype == DType::Bool
-            && slot[piece.from..piece.from + piece.len]
-                .iter()
-                .any(|&b| b > 1)
-        {
-            return Err(MalformedError::Header {
-                path: source.path.to_owned(),
-                tensor: Some(t.name.clone()),
-                reason: "a bool element is neither 0 nor 1".into(),
-            }
-            .into());
-        }
-    }
-    Ok(())
-}
-
-/// Reads the file from `offset` into `buf`, which needs its first `need` bytes (a direct read
-/// asks for all of `buf`, whole blocks, and may end early at the end of the file). A direct read
-/// that the file system or the buffer's memory refuses (`EINVAL`) is finished through the page
-/// cache.
-fn read_part(source: Source<'_>, offset: u64, buf: &mut [u8], need: usize) -> Result<(), Error> {
-    let Some(direct) = source.direct else {
-        return header::read_exact_at(source.path, source.file, offset, &mut buf[..need]);
-    };
-    let mut got = 0;
-    while got < need {
-        match std::os::unix::fs::FileExt::read_at(direct, &mut buf[got..], offset + got as u64) {
-            Ok(0) => {
-                return Err(MalformedError::ShortRead {
-                    path: source.path.to_owned(),
-                    offset: offset + got as u64,
-                    missing: need - got,
-                }
-                .into());
-            }
-            Ok(n) => got += n,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) if e.kind() == std::io::ErrorKind::InvalidInput => {
-                let rest = &mut buf[got..need];
-                return header::read_exact_at(source.path, source.file, offset + got as u64, rest);
-            }
-            Err(error) => {
-                return Err(IoError::File {
-                    path: source.path.to_owned(),
-                    operation: "read",
-                    source: error,
-                }
-                .into());
-            }
-        }
-    }
-    Ok(())
-}
-
 #[cfg(test)]
 pub(super) mod tests {
     use super::*;
     use crate::driver::sim::{SimConfig, SimDevice, SimOp};
+    use crate::dtype::DType;
     use crate::error::DriverError;
     use crate::memory::element::Element;
     use crate::memory::ring::StagingConfig;
@@ -1391,6 +1203,121 @@ pub(super) mod tests {
             }
             Some(Box::new(Through(self)))
         }
+    }
+
+    /// A file of one `u8` tensor of `len` bytes, each byte distinct from its neighbours.
+    fn one_tensor(len: usize) -> Vec<u8> {
+        let data: Vec<u8> = (0..len).map(|i| (i * 13 % 251) as u8).collect();
+        let view =
+            safetensors::tensor::TensorView::new(safetensors::Dtype::U8, vec![len], &data).unwrap();
+        safetensors::serialize([("t", view)], None::<HashMap<String, String>>).unwrap()
+    }
+
+    /// A reader whose reads at offsets in `gate` each wait until `crew` of them wait at once,
+    /// or give up after a while and say so.
+    struct Gathering<'a> {
+        bytes: &'a [u8],
+        gate: std::ops::Range<u64>,
+        crew: usize,
+        waiting: std::sync::Mutex<usize>,
+        arrived: std::sync::Condvar,
+        missed: std::sync::atomic::AtomicBool,
+    }
+
+    impl ReadAt for Gathering<'_> {
+        fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<usize> {
+            if self.gate.contains(&offset) {
+                let mut waiting = self.waiting.lock().unwrap();
+                *waiting += 1;
+                self.arrived.notify_all();
+                let wait = std::time::Duration::from_secs(10);
+                let (waiting, timeout) = (self.arrived)
+                    .wait_timeout_while(waiting, wait, |n| *n < self.crew)
+                    .unwrap();
+                drop(waiting);
+                if timeout.timed_out() {
+                    self.missed.store(true, Ordering::SeqCst);
+                }
+            }
+            self.bytes.read_at(buf, offset)
+        }
+    }
+
+    #[test]
+    fn every_reader_of_the_crew_takes_a_part_of_the_first_slot() {
+        // 64 KiB slots, four of them, four readers: the first slot's read is cut into four
+        // parts, and each reader takes one, so the four reads of it wait for each other at the
+        // gate. Slots read side by side, each by one thread, would leave one read at the gate.
+        let bytes = one_tensor(256 << 10);
+        let path = Path::new("model.safetensors");
+        let len = bytes.len() as u64;
+        let tensors = plan(path, &&bytes[..], len, &mut |_| true).unwrap();
+        let first = tensors[0].start;
+        let file = Gathering {
+            bytes: &bytes,
+            gate: first..first + (64 << 10),
+            crew: 4,
+            waiting: std::sync::Mutex::new(0),
+            arrived: std::sync::Condvar::new(),
+            missed: std::sync::atomic::AtomicBool::new(false),
+        };
+        let (mut engine, sim) = engine_with(64 << 10);
+        let staging = Staging {
+            bytes: 4 << 16,
+            threads: 4,
+            direct: false,
+        };
+        let loaded = load_planned(&mut engine, path, &file, len, &tensors, staging).unwrap();
+        assert!(
+            !file.missed.load(Ordering::SeqCst),
+            "the first slot's read was not shared by the crew"
+        );
+        assert_eq!(*file.waiting.lock().unwrap(), 4);
+        assert_eq!(
+            any_bytes(&mut engine, &loaded[0].1),
+            bytes[first as usize..]
+        );
+        drop(loaded);
+        drop(engine);
+        assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+        assert_eq!(sim.device_live().0, 0, "device memory left");
+    }
+
+    #[test]
+    fn a_load_starts_its_readers_once_not_per_slot() {
+        // Sixteen 64 KiB slots' reads through four slots by eight readers: the threads that read
+        // are the crew's eight, whatever the number of slots' reads.
+        let bytes = one_tensor(1 << 20);
+        let threads = std::sync::Mutex::new(std::collections::HashSet::new());
+        struct Counting<'a>(
+            &'a [u8],
+            &'a std::sync::Mutex<std::collections::HashSet<std::thread::ThreadId>>,
+        );
+        impl ReadAt for Counting<'_> {
+            fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<usize> {
+                self.1.lock().unwrap().insert(std::thread::current().id());
+                self.0.read_at(buf, offset)
+            }
+        }
+        let (mut engine, sim) = engine_with(64 << 10);
+        let staging = Staging {
+            bytes: 4 << 16,
+            threads: 8,
+            direct: false,
+        };
+        let file = Counting(&bytes, &threads);
+        let loaded = load_all_with(&mut engine, &file, bytes.len() as u64, staging).unwrap();
+        // The crew's eight, and the calling thread's reads of the header and the length.
+        let readers = threads.lock().unwrap().len();
+        assert!(readers <= 8 + 1, "{readers} threads read");
+        assert_eq!(
+            any_bytes(&mut engine, &loaded[0].1),
+            bytes[bytes.len() - (1 << 20)..]
+        );
+        drop(loaded);
+        drop(engine);
+        assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+        assert_eq!(sim.device_live().0, 0, "device memory left");
     }
 
     #[test]

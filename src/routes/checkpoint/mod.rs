@@ -11,6 +11,7 @@
 //! reads that several threads may issue at once on one open file, so that a test (or a storage
 //! layer of the caller's) can stand in for the file.
 
+mod crew;
 mod header;
 mod index;
 mod load;
@@ -257,9 +258,9 @@ impl<'a> Tally<'a> {
 /// copy engines read it (`docs/records/checkpoints.md` has the sweep behind the figure).
 pub const DEFAULT_STAGING_BYTES: usize = 128 << 20;
 
-/// The positioned reads a load keeps in flight, unless its options say otherwise: three per
-/// staging slot of the default staging, so each slot's read is split between three threads
-/// (`docs/records/checkpoints.md` has the sweep behind the figure).
+/// The reader threads a load runs, unless its options say otherwise: each slot's read is cut
+/// into parts that the readers take in turn (`docs/records/checkpoints.md` has the sweep behind
+/// the figure).
 pub const DEFAULT_READERS: usize = 24;
 
 /// The writer threads a save runs, unless its options say otherwise.
@@ -487,10 +488,12 @@ impl<'a> LoadOptions<'a> {
         self
     }
 
-    /// How many positioned reads the load keeps in flight, each on a thread of its own: one
-    /// thread per staging slot being read, and where there are more readers than slots, each
-    /// slot's read split between as many threads as it takes. Default [`DEFAULT_READERS`]; 1 to
-    /// 256, others refused when the load starts.
+    /// How many reader threads the load runs, each with one positioned read in flight: a crew
+    /// started once for the load, which takes the parts of each staging slot's read (down to
+    /// 16 KiB, at most one per reader) in the order the slots were handed out, so that the
+    /// first slot is read, and its copy queued, before the next. No more threads are started
+    /// than the file has parts. Default [`DEFAULT_READERS`]; 1 to 256, others refused when the
+    /// load starts.
     pub fn readers(mut self, readers: usize) -> Self {
         self.staging.threads = readers;
         self
@@ -629,9 +632,10 @@ impl IntoIterator for Checkpoint {
 /// path ending in `.index.json`, the sharded set that index names.
 ///
 /// The header is read and checked first; then each tensor is allocated and its bytes travel
-/// file → pinned staging → device: [`DEFAULT_READERS`] positioned reads in flight into staging
-/// slots of the engine's chunk size ([`DEFAULT_STAGING_BYTES`] of them in all), each slot's
-/// copies queued as soon as its read is done and the slot read into again once they are proven.
+/// file → pinned staging → device: [`DEFAULT_READERS`] reader threads take the parts of each
+/// staging slot's read in turn (slots of the engine's chunk size, [`DEFAULT_STAGING_BYTES`] of
+/// them in all), each slot's copies queued as soon as its read is done and the slot read into
+/// again once they are proven.
 /// Tensors that follow each other in the file share a slot. Returns once every copy is
 /// complete.
 ///
