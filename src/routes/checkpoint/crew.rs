@@ -6,8 +6,10 @@
 //! parts from its front, so the whole crew reads the first slot before it moves on to the next:
 //! the first slot's copy is queued while the later slots are still being read, where slots read
 //! side by side would all end at once and every copy wait for the last of them. No thread is
-//! started per slot, and the calling thread starts one: each thread of the crew starts the next
-//! two before it reads.
+//! started per slot: the crew is first the process's copy threads that are idle
+//! ([`copy_pool`](crate::sync::copy_pool), threads that are already running), and only the rest
+//! is started for the load (the calling thread starts one, and each thread started the next two
+//! before it reads).
 //!
 //! Each part's answer goes back to the calling thread, which queues a slot's copies once the
 //! last part of its read is in. The slots themselves stay with the calling thread's pipeline
@@ -137,20 +139,24 @@ unsafe impl Send for Part {}
 pub(super) type Answer = (usize, std::thread::Result<Result<(), Error>>);
 
 /// What the crew's threads share: the queue of parts, how many have been taken from it, whether
-/// the load has stopped (parts still queued are then answered unread), and what they read.
+/// the load has stopped (parts still queued are then answered unread), what they read, and where
+/// they answer.
 pub(super) struct Crew<'a> {
     queue: Mutex<Receiver<Part>>,
     taken: AtomicUsize,
     stopped: AtomicBool,
+    report: Sender<Answer>,
     source: Source<'a>,
     tensors: &'a [Entry],
     chunks: &'a [Chunk],
 }
 
 impl<'a> Crew<'a> {
-    /// A crew that reads `chunks` of `tensors` from `source`, taking its parts from `queue`.
+    /// A crew that reads `chunks` of `tensors` from `source`, taking its parts from `queue` and
+    /// answering each on `report`.
     pub(super) fn new(
         queue: Receiver<Part>,
+        report: Sender<Answer>,
         source: Source<'a>,
         tensors: &'a [Entry],
         chunks: &'a [Chunk],
@@ -159,6 +165,7 @@ impl<'a> Crew<'a> {
             queue: Mutex::new(queue),
             taken: AtomicUsize::new(0),
             stopped: AtomicBool::new(false),
+            report,
             source,
             tensors,
             chunks,
@@ -175,56 +182,61 @@ impl<'a> Crew<'a> {
         self.stopped.store(true, Ordering::Relaxed);
     }
 
-    /// Starts a crew of `size` threads in `scope`, answering each part on `report`: this thread
-    /// starts one, and each thread of the crew the next two before it reads. A thread that
-    /// cannot be started leaves the crew smaller; only the first failing stops the load.
+    /// A guard that tells the crew that the load stopped when it is dropped, on return or
+    /// unwind.
+    pub(super) fn stopper(&self) -> Stopper<'_, 'a> {
+        Stopper(self)
+    }
+
+    /// Starts the members `have..size` of a crew of `size` in `scope`, the first `have` being
+    /// threads that run [`work`](Self::work) already (the process's copy threads): this thread
+    /// starts one, and each thread started the next two before it reads. A thread that cannot
+    /// be started leaves the crew smaller.
     ///
     /// # Errors
-    /// [`IoError::File`] when not even the first thread could be started.
+    /// [`IoError::File`] when the crew would have no thread at all: none running, and not even
+    /// the first could be started.
     pub(super) fn start<'scope>(
         &'scope self,
         scope: &'scope Scope<'scope, '_>,
+        have: usize,
         size: usize,
-        report: Sender<Answer>,
     ) -> Result<(), Error> {
-        self.spawn(scope, 0, size, report)
-            .map_err(|source| IoError::File {
+        let more = size.saturating_sub(have);
+        match self.spawn(scope, 0, more) {
+            Err(source) if have == 0 => Err(IoError::File {
                 path: self.source.path.to_owned(),
                 operation: "start a reader thread",
                 source,
-            })
-            .map_err(Error::from)
+            }
+            .into()),
+            _ => Ok(()),
+        }
     }
 
-    /// Starts member `me` of a crew of `size`.
+    /// Starts member `me` of the `more` this load starts, if there is one.
     fn spawn<'scope>(
         &'scope self,
         scope: &'scope Scope<'scope, '_>,
         me: usize,
-        size: usize,
-        report: Sender<Answer>,
+        more: usize,
     ) -> std::io::Result<()> {
+        if me >= more {
+            return Ok(());
+        }
         std::thread::Builder::new()
             .name("cuferry-reader".into())
-            .spawn_scoped(scope, move || self.member(scope, me, size, report))
+            .spawn_scoped(scope, move || {
+                // A member that cannot be started leaves the crew smaller.
+                let _ = self.spawn(scope, 2 * me + 1, more);
+                let _ = self.spawn(scope, 2 * me + 2, more);
+                self.work();
+            })
             .map(drop)
     }
 
-    /// The work of member `me`: start the next two members, then read parts until the queue
-    /// closes or no one listens.
-    fn member<'scope>(
-        &'scope self,
-        scope: &'scope Scope<'scope, '_>,
-        me: usize,
-        size: usize,
-        report: Sender<Answer>,
-    ) {
-        for next in [2 * me + 1, 2 * me + 2] {
-            if next < size {
-                // A member that cannot be started leaves the crew smaller.
-                let _ = self.spawn(scope, next, size, report.clone());
-            }
-        }
+    /// A member's work: read parts until the queue closes.
+    pub(super) fn work(&self) {
         let mut own = Own::Unasked;
         loop {
             // The lock is held only to take a part, never across a read.
@@ -245,7 +257,7 @@ impl<'a> Crew<'a> {
                     self.read(&part, buf, &mut own)
                 }))
             };
-            if report.send((part.chunk, done)).is_err() {
+            if self.report.send((part.chunk, done)).is_err() {
                 break;
             }
         }
@@ -294,6 +306,15 @@ impl<'a> Crew<'a> {
             }
         }
         check_bools(source, self.tensors, chunk, part.at, buf)
+    }
+}
+
+/// Tells its crew that the load stopped when dropped ([`Crew::stopper`]).
+pub(super) struct Stopper<'c, 'a>(&'c Crew<'a>);
+
+impl Drop for Stopper<'_, '_> {
+    fn drop(&mut self) {
+        self.0.stop();
     }
 }
 

@@ -23,6 +23,7 @@ use crate::lifecycle::lease::{Proven, Scatter, StagingLease, Unproven, released}
 use crate::memory::any_tensor::AnyTensor;
 use crate::memory::arena::{ALIGN as ARENA_ALIGN, Arena};
 use crate::memory::tensor::DeviceTensor;
+use crate::sync::copy_pool;
 use std::collections::VecDeque;
 use std::path::Path;
 use std::sync::mpsc;
@@ -584,156 +585,168 @@ fn pipeline(
     let size = most.min(parts);
     run.engine.reserve_route_slots(slots.min(chunks.len()));
     let (jobs, queue) = mpsc::channel::<Part>();
-    let crew = Crew::new(queue, source, run.entries, chunks);
+    let (report, answers) = mpsc::channel::<Answer>();
+    let crew = Crew::new(queue, report, source, run.entries, chunks);
     // The slots being read into, by chunk, with the parts of each still out. Each is held here,
-    // outside the crew's scope, from its first part's hand-out until its last part's answer: a
-    // panic on this thread drops them only after the scope has joined every reader.
+    // outside the crew's threads' scopes, from its first part's hand-out until its last part's
+    // answer: a panic on this thread drops them only after every reader has returned.
     let mut reading: Vec<Option<StagingLease<Proven>>> = Vec::new();
     reading.resize_with(chunks.len(), || None);
     let mut left = vec![0usize; chunks.len()];
-    std::thread::scope(|scope| {
-        let jobs = jobs;
-        let (report, answers) = mpsc::channel::<Answer>();
-        crew.start(scope, size, report)?;
-        let mut free = vec![first];
-        let mut made = 1;
-        // Chunks handed to the crew and not yet answered in full, and parts handed out.
-        let mut in_read = 0;
-        let mut sent = 0;
-        // Sized by what the file needs, never by the setting alone.
-        let mut flying: VecDeque<StagingLease<Unproven>> =
-            VecDeque::with_capacity(slots.min(chunks.len()));
-        let mut next = 0;
-        let mut failure: Option<Error> = None;
-        let mut panicked = None;
-        // Chunks whose copies are queued and whose tensors are still to be handed over: the
-        // copies of every read already done are queued first, and the next reads handed out,
-        // before the calling thread spends time on the tensors.
-        let mut landed: Vec<usize> = Vec::new();
-        loop {
-            // Slots are handed out while one can be had: an idle one, a new one while the
-            // budget allows, or, once the crew would run out of parts, the oldest in flight
-            // once proven.
-            while failure.is_none() && next < chunks.len() {
-                let lease = if let Some(lease) = free.pop() {
-                    lease
-                } else if made < slots {
-                    match run.engine.route_lease() {
-                        Ok(lease) => {
-                            made += 1;
-                            lease
+    // The crew: the process's copy threads that are idle, and threads of the load's own for
+    // the rest. The copy threads return once the queue closes, which this thread's part of the
+    // work (`lead`) does as it returns or unwinds.
+    let lead = |have: usize| {
+        std::thread::scope(|scope| {
+            let jobs = jobs;
+            // However this ends, the parts still queued are then answered unread.
+            let _stop = crew.stopper();
+            crew.start(scope, have, size)?;
+            let crew = &crew;
+            let mut free = vec![first];
+            let mut made = 1;
+            // Chunks handed to the crew and not yet answered in full, and parts handed out.
+            let mut in_read = 0;
+            let mut sent = 0;
+            // Sized by what the file needs, never by the setting alone.
+            let mut flying: VecDeque<StagingLease<Unproven>> =
+                VecDeque::with_capacity(slots.min(chunks.len()));
+            let mut next = 0;
+            let mut failure: Option<Error> = None;
+            let mut panicked = None;
+            // Chunks whose copies are queued and whose tensors are still to be handed over: the
+            // copies of every read already done are queued first, and the next reads handed out,
+            // before the calling thread spends time on the tensors.
+            let mut landed: Vec<usize> = Vec::new();
+            loop {
+                // Slots are handed out while one can be had: an idle one, a new one while the
+                // budget allows, or, once the crew would run out of parts, the oldest in flight
+                // once proven.
+                while failure.is_none() && next < chunks.len() {
+                    let lease = if let Some(lease) = free.pop() {
+                        lease
+                    } else if made < slots {
+                        match run.engine.route_lease() {
+                            Ok(lease) => {
+                                made += 1;
+                                lease
+                            }
+                            // Pinned memory ran out: the load goes on with the slots it has.
+                            Err(_) if in_read + flying.len() > 0 => {
+                                slots = made;
+                                continue;
+                            }
+                            Err(error) => {
+                                failure = Some(error);
+                                break;
+                            }
                         }
-                        // Pinned memory ran out: the load goes on with the slots it has.
-                        Err(_) if in_read + flying.len() > 0 => {
-                            slots = made;
-                            continue;
+                    } else if sent - crew.taken() < size
+                        && let Some(oldest) = flying.pop_front()
+                    {
+                        match oldest.end_chunk() {
+                            Ok(lease) => lease,
+                            Err(error) => {
+                                failure = Some(error);
+                                break;
+                            }
                         }
-                        Err(error) => {
-                            failure = Some(error);
-                            break;
-                        }
-                    }
-                } else if sent - crew.taken() < size
-                    && let Some(oldest) = flying.pop_front()
-                {
-                    match oldest.end_chunk() {
-                        Ok(lease) => lease,
-                        Err(error) => {
-                            failure = Some(error);
-                            break;
-                        }
-                    }
-                } else {
-                    break; // the crew has parts enough, or every slot is being read into
-                };
-                let mut lease = lease;
-                let bytes = lease.as_mut_bytes();
-                for (what, range) in crew::cut(&chunks[next], capacity, direct, most) {
-                    let (at, len) = (range.start, range.len());
-                    let ptr = bytes[range].as_mut_ptr();
-                    let part = Part {
-                        chunk: next,
-                        what,
-                        at,
-                        ptr,
-                        len,
-                    };
-                    // The queue's receiver is the crew's, which outlives the scope.
-                    jobs.send(part).expect("the crew's queue outlives the load");
-                    left[next] += 1;
-                    sent += 1;
-                }
-                reading[next] = Some(lease);
-                next += 1;
-                in_read += 1;
-            }
-            for i in landed.drain(..) {
-                if failure.is_none()
-                    && let Err(error) = run.hand_over(&chunks[i])
-                {
-                    failure = Some(error);
-                }
-            }
-            if failure.is_some() {
-                crew.stop();
-            }
-            if in_read == 0 {
-                break;
-            }
-            let Ok(first) = answers.recv() else {
-                // Every reader is gone (one could not be started, or a read panicked
-                // outside its catch); the slots they held come back after the scope.
-                failure.get_or_insert(readers_gone(source.path));
-                break;
-            };
-            // This answer and every other already in.
-            let mut answer = Some(first);
-            while let Some((i, read)) = answer.take() {
-                match read {
-                    Err(payload) => {
-                        panicked.get_or_insert(payload);
-                        failure.get_or_insert(readers_gone(source.path));
-                    }
-                    Ok(Err(error)) => {
-                        failure.get_or_insert(error);
-                    }
-                    Ok(Ok(())) => {}
-                }
-                left[i] -= 1;
-                if left[i] == 0 {
-                    in_read -= 1;
-                    let lease = reading[i].take().expect("a chunk in read holds its slot");
-                    if failure.is_some() {
-                        drop(lease); // draining: the slot goes back to the ring
                     } else {
-                        match run.land(&chunks[i], lease, &mut flying) {
-                            Ok(()) => landed.push(i),
-                            Err(error) => failure = Some(error),
-                        }
+                        break; // the crew has parts enough, or every slot is being read into
+                    };
+                    let mut lease = lease;
+                    let bytes = lease.as_mut_bytes();
+                    for (what, range) in crew::cut(&chunks[next], capacity, direct, most) {
+                        let (at, len) = (range.start, range.len());
+                        let ptr = bytes[range].as_mut_ptr();
+                        let part = Part {
+                            chunk: next,
+                            what,
+                            at,
+                            ptr,
+                            len,
+                        };
+                        // The queue's receiver is the crew's, which outlives the scope.
+                        jobs.send(part).expect("the crew's queue outlives the load");
+                        left[next] += 1;
+                        sent += 1;
+                    }
+                    reading[next] = Some(lease);
+                    next += 1;
+                    in_read += 1;
+                }
+                for i in landed.drain(..) {
+                    if failure.is_none()
+                        && let Err(error) = run.hand_over(&chunks[i])
+                    {
+                        failure = Some(error);
                     }
                 }
-                answer = answers.try_recv().ok();
+                if failure.is_some() {
+                    crew.stop();
+                }
+                if in_read == 0 {
+                    break;
+                }
+                let Ok(first) = answers.recv() else {
+                    // The crew holds a sender of its own, so the channel stays open while a
+                    // reader can answer; a closed one stops the load rather than waiting.
+                    failure.get_or_insert(readers_gone(source.path));
+                    break;
+                };
+                // This answer and every other already in.
+                let mut answer = Some(first);
+                while let Some((i, read)) = answer.take() {
+                    match read {
+                        Err(payload) => {
+                            panicked.get_or_insert(payload);
+                            failure.get_or_insert(readers_gone(source.path));
+                        }
+                        Ok(Err(error)) => {
+                            failure.get_or_insert(error);
+                        }
+                        Ok(Ok(())) => {}
+                    }
+                    left[i] -= 1;
+                    if left[i] == 0 {
+                        in_read -= 1;
+                        let lease = reading[i].take().expect("a chunk in read holds its slot");
+                        if failure.is_some() {
+                            drop(lease); // draining: the slot goes back to the ring
+                        } else {
+                            match run.land(&chunks[i], lease, &mut flying) {
+                                Ok(()) => landed.push(i),
+                                Err(error) => failure = Some(error),
+                            }
+                        }
+                    }
+                    answer = answers.try_recv().ok();
+                }
             }
-        }
-        crew.stop();
-        drop(jobs);
-        if let Some(payload) = panicked {
-            // The copies in flight retire (their slots come back once proven); then the
-            // reader's panic goes on to the caller.
-            drop(flying);
-            drop(free);
-            std::panic::resume_unwind(payload);
-        }
-        if let Some(error) = failure {
-            return Err(error);
-        }
-        // The last copies are proven before the load returns, so their slots go back to the
-        // ring at once (a retired lease would hold its place until the engine next polls).
-        for lease in flying {
-            lease.end_chunk()?.release();
-        }
-        Ok(())
-    })
+            drop(jobs);
+            if let Some(payload) = panicked {
+                // The copies in flight retire (their slots come back once proven); then the
+                // reader's panic goes on to the caller.
+                drop(flying);
+                drop(free);
+                std::panic::resume_unwind(payload);
+            }
+            if let Some(error) = failure {
+                return Err(error);
+            }
+            // The last copies are proven before the load returns, so their slots go back to the
+            // ring at once (a retired lease would hold its place until the engine next polls).
+            for lease in flying {
+                lease.end_chunk()?.release();
+            }
+            Ok(())
+        })
+    };
+    match copy_pool::pool() {
+        Ok(pool) => pool.join(size, &|| crew.work(), lead),
+        // No copy threads to be had: the load starts all of its own.
+        Err(_) => lead(0),
+    }
 }
 
 /// The error of a load whose reader threads ended early: one panicked, and its panic goes on

@@ -259,9 +259,9 @@ impl<'a> Tally<'a> {
 pub const DEFAULT_STAGING_BYTES: usize = 128 << 20;
 
 /// The reader threads a load runs, unless its options say otherwise: each slot's read is cut
-/// into parts that the readers take in turn (`docs/records/checkpoints.md` has the sweep behind
-/// the figure).
-pub const DEFAULT_READERS: usize = 24;
+/// into parts that the readers take in turn. Eight read as fast as more from the page cache and
+/// start sooner (`docs/records/checkpoints.md` has the sweep behind the figure).
+pub const DEFAULT_READERS: usize = 8;
 
 /// The writer threads a save runs, unless its options say otherwise.
 pub const DEFAULT_WRITERS: usize = 16;

@@ -51,8 +51,8 @@ fn range(path: &Path, offset: u64, bytes: usize) -> Result<u64> {
 }
 
 /// Uploads the bytes of `file` at `offset..offset + tensor.len()` into `tensor`, through the
-/// engine's pinned staging: [`DEFAULT_READERS`] positioned reads in flight, each slot's copy
-/// queued as soon as its read is done. Returns once the copies are complete. `path` names the
+/// engine's pinned staging: a load's crew of [`DEFAULT_READERS`] reader threads takes the parts
+/// of each slot's read in turn, and each slot's copy is queued as soon as its read is done. Returns once the copies are complete. `path` names the
 /// file in errors.
 ///
 /// # Errors
