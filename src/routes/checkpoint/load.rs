@@ -121,6 +121,21 @@ pub(crate) fn groups(entries: &[Entry], capacity: usize) -> Vec<Group> {
     out
 }
 
+/// How many chunks at least a load that fits in fewer slots is cut into.
+const SPREAD: u64 = 16;
+
+/// The smallest chunk a load is cut to for [`SPREAD`].
+const MIN_CHUNK: u64 = 1 << 20;
+
+/// The most bytes one chunk of a load of `bytes` in all holds, through slots of `capacity`
+/// bytes: a slot, but for a load of fewer than [`SPREAD`] slots' worth, a [`SPREAD`]th of it (at
+/// least [`MIN_CHUNK`]). The copies to the device wait for the first chunk's read, and a file of
+/// a few slots would otherwise be read almost whole before its first copy starts.
+pub(crate) fn chunk_bytes(capacity: usize, bytes: u64) -> usize {
+    let spread = (bytes / SPREAD).max(MIN_CHUNK);
+    usize::try_from(spread).map_or(capacity, |spread| spread.min(capacity))
+}
+
 /// The block size direct reads align their offsets, lengths and buffers to.
 pub(super) const BLOCK: u64 = 4096;
 
@@ -364,7 +379,8 @@ pub(crate) fn load(
     tally: &mut Tally<'_>,
     each: &mut Each<'_>,
 ) -> Result<()> {
-    let groups = groups(tensors, engine.staging_config().chunk_bytes);
+    let capacity = engine.staging_config().chunk_bytes;
+    let groups = groups(tensors, chunk_bytes(capacity, plan_bytes(tensors)));
     let mut loaded = Loaded {
         entries: tensors,
         tensors: Vec::with_capacity(tensors.len()),
@@ -473,7 +489,8 @@ pub(crate) fn upload(
     }
     let first = run.engine.route_lease()?;
     let direct = source.direct.is_some() && first.capacity() >= DIRECT_MIN_SLOT;
-    let chunks = chunks(entries, first.capacity(), direct, run.targets.groups());
+    let room = chunk_bytes(first.capacity(), plan_bytes(entries));
+    let chunks = chunks(entries, room, direct, run.targets.groups());
     for piece in chunks.iter().flat_map(|c| &c.pieces) {
         run.remaining[piece.tensor] += 1;
     }
@@ -1294,6 +1311,33 @@ pub(super) mod tests {
         drop(engine);
         assert!(sim.violations().is_empty(), "{:?}", sim.violations());
         assert_eq!(sim.device_live().0, 0, "device memory left");
+    }
+
+    #[test]
+    fn a_load_of_a_few_slots_is_cut_into_sixteen_chunks_so_its_copies_start_early() {
+        // One 16 MiB tensor through 16 MiB slots: sixteen chunks of 1 MiB, each copied once
+        // read, where one slot's worth would be read whole before its one copy.
+        let bytes = one_tensor(16 << 20);
+        let (mut engine, sim) = engine_with(16 << 20);
+        let staging = Staging {
+            bytes: 4 << 24,
+            threads: 4,
+            direct: false,
+        };
+        let copies = sim.calls(SimOp::CopyHtoD);
+        let loaded = load_all_with(&mut engine, &&bytes[..], bytes.len() as u64, staging).unwrap();
+        assert_eq!(sim.calls(SimOp::CopyHtoD) - copies, 16);
+        assert_eq!(
+            any_bytes(&mut engine, &loaded[0].1),
+            bytes[bytes.len() - (16 << 20)..]
+        );
+        // A load of many slots' worth keeps whole slots.
+        assert_eq!(chunk_bytes(16 << 20, 8 << 30), 16 << 20);
+        assert_eq!(chunk_bytes(16 << 20, 64 << 20), 4 << 20);
+        assert_eq!(chunk_bytes(4096, 64 << 20), 4096);
+        drop(loaded);
+        drop(engine);
+        assert!(sim.violations().is_empty(), "{:?}", sim.violations());
     }
 
     #[test]
