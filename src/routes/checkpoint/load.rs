@@ -11,10 +11,10 @@
 //! once their copies are proven, never before), the tensors made so far are dropped, which
 //! frees them after their copies, and the error names the file (and the tensor, for bad data).
 
-use super::Staging;
 use super::crew::{self, Answer, Crew, Part};
 use super::header::{self, Entry, Header};
 use super::slice::Runs;
+use super::{COLUMN_READERS, Staging};
 use super::{ReadAt, Tally};
 use crate::core::engine::CudaEngine;
 use crate::driver::DevicePtr;
@@ -589,7 +589,13 @@ fn pipeline(
 ) -> Result<()> {
     let capacity = first.capacity();
     let mut slots = (staging.bytes / capacity).max(2);
-    let most = staging.threads.max(1);
+    // Column slices read a row's run a call: more threads keep more calls in flight.
+    let columns = !staging.given && chunks.iter().any(|c| c.runs.is_some());
+    let most = if columns {
+        COLUMN_READERS
+    } else {
+        staging.threads.max(1)
+    };
     let direct = source.direct.is_some();
     // No more threads than the file has parts to read.
     let mut parts = 0;
@@ -808,6 +814,7 @@ pub(super) mod tests {
     use crate::error::DriverError;
     use crate::memory::element::Element;
     use crate::memory::ring::StagingConfig;
+    use crate::routes::checkpoint::DEFAULT_READERS;
     use crate::routes::download_tensor;
     use std::collections::HashMap;
     use std::sync::atomic::{AtomicUsize, Ordering};
@@ -913,6 +920,7 @@ pub(super) mod tests {
         Staging {
             bytes: 4 * 4096,
             threads: 3,
+            given: true,
             direct: false,
         }
     }
@@ -1168,6 +1176,7 @@ pub(super) mod tests {
         let split = Staging {
             bytes: 4 << 16,
             threads: 8,
+            given: true,
             direct: false,
         };
         for (chunk, staging) in [(4096, staging()), (64 << 10, split)] {
@@ -1295,6 +1304,7 @@ pub(super) mod tests {
         let staging = Staging {
             bytes: 4 << 16,
             threads: 4,
+            given: true,
             direct: false,
         };
         let loaded = load_planned(&mut engine, path, &file, len, &tensors, staging).unwrap();
@@ -1322,6 +1332,7 @@ pub(super) mod tests {
         let staging = Staging {
             bytes: 4 << 24,
             threads: 4,
+            given: true,
             direct: false,
         };
         let copies = sim.calls(SimOp::CopyHtoD);
@@ -1338,6 +1349,86 @@ pub(super) mod tests {
         drop(loaded);
         drop(engine);
         assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+    }
+
+    #[test]
+    fn a_load_of_column_slices_runs_more_readers_unless_told_how_many() {
+        // A 1024 x 1024 u8 tensor's first 512 columns: a run of 512 bytes per row, through
+        // 64 KiB slots, eight of them at once. Each reader's first read waits until as many
+        // readers wait as the load should run: `COLUMN_READERS` by default, and the setting's
+        // count where one is given.
+        let data: Vec<u8> = (0..1 << 20).map(|i| (i * 7 % 253) as u8).collect();
+        let view =
+            safetensors::tensor::TensorView::new(safetensors::Dtype::U8, vec![1024, 1024], &data)
+                .unwrap();
+        let bytes = safetensors::serialize([("w", view)], None::<HashMap<String, String>>).unwrap();
+        let path = Path::new("model.safetensors");
+        let len = bytes.len() as u64;
+        let planned = plan(path, &&bytes[..], len, &mut |_| true).unwrap();
+        let mut columns =
+            |_: &str, _: &[usize]| Ok(crate::routes::checkpoint::Slice::Columns(0..512));
+        let tensors = crate::routes::checkpoint::slice::apply(planned, &mut columns).unwrap();
+        for (given, crew) in [(false, COLUMN_READERS), (true, 4)] {
+            let file = FirstReads {
+                bytes: &bytes,
+                crew,
+                seen: std::sync::Mutex::new(std::collections::HashSet::new()),
+                arrived: std::sync::Condvar::new(),
+                missed: std::sync::atomic::AtomicBool::new(false),
+            };
+            let (mut engine, sim) = engine_with(64 << 10);
+            let staging = Staging {
+                bytes: 8 << 16,
+                given,
+                threads: if given { crew } else { DEFAULT_READERS },
+                direct: false,
+            };
+            let loaded = load_planned(&mut engine, path, &file, len, &tensors, staging).unwrap();
+            assert!(
+                !file.missed.load(Ordering::SeqCst),
+                "given: {given}: fewer than {crew} readers"
+            );
+            let back = any_bytes(&mut engine, &loaded[0].1);
+            let want: Vec<u8> = data
+                .chunks(1024)
+                .flat_map(|row| row[..512].to_vec())
+                .collect();
+            assert!(back == want, "given: {given}");
+            drop(loaded);
+            drop(engine);
+            assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+        }
+    }
+
+    /// A reader whose threads' first reads of the data each wait until `crew` threads wait at
+    /// once, or give up after a while and say so.
+    struct FirstReads<'a> {
+        bytes: &'a [u8],
+        crew: usize,
+        seen: std::sync::Mutex<std::collections::HashSet<std::thread::ThreadId>>,
+        arrived: std::sync::Condvar,
+        missed: std::sync::atomic::AtomicBool,
+    }
+
+    impl ReadAt for FirstReads<'_> {
+        fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<usize> {
+            let data = offset >= 8 + 64 && offset < self.bytes.len() as u64 - 1;
+            let mut seen = self.seen.lock().unwrap();
+            if data && seen.insert(std::thread::current().id()) {
+                self.arrived.notify_all();
+                let wait = std::time::Duration::from_secs(10);
+                let (seen, timeout) = (self.arrived)
+                    .wait_timeout_while(seen, wait, |seen| seen.len() < self.crew)
+                    .unwrap();
+                drop(seen);
+                if timeout.timed_out() {
+                    self.missed.store(true, Ordering::SeqCst);
+                }
+            } else {
+                drop(seen);
+            }
+            self.bytes.read_at(buf, offset)
+        }
     }
 
     #[test]
@@ -1360,6 +1451,7 @@ pub(super) mod tests {
         let staging = Staging {
             bytes: 4 << 16,
             threads: 8,
+            given: true,
             direct: false,
         };
         let file = Counting(&bytes, &threads);
@@ -1409,6 +1501,7 @@ pub(super) mod tests {
             let staging = Staging {
                 bytes: 4 << 16,
                 threads: 3,
+                given: true,
                 direct: false,
             };
             let stopped = load(

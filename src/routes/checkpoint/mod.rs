@@ -263,6 +263,11 @@ pub const DEFAULT_STAGING_BYTES: usize = 128 << 20;
 /// start sooner (`docs/records/checkpoints.md` has the sweep behind the figure).
 pub const DEFAULT_READERS: usize = 8;
 
+/// The reader threads a load of column slices runs unless its options say otherwise: each of
+/// its reads is one row's run, so it waits on system calls rather than on memory, and more
+/// threads keep more of them in flight (`docs/records/checkpoints.md`, run 10).
+pub const COLUMN_READERS: usize = 16;
+
 /// The writer threads a save runs, unless its options say otherwise.
 pub const DEFAULT_WRITERS: usize = 16;
 
@@ -286,11 +291,13 @@ pub(crate) fn retry<T>(mut op: impl FnMut() -> std::io::Result<T>) -> std::io::R
 }
 
 /// How a load or a save stages its bytes: at most `bytes` of pinned slots (the engine's
-/// chunk size each, at least two), `threads` file threads, and for a load, direct reads.
+/// chunk size each, at least two), `threads` file threads (`given` by a setting, or the default,
+/// which a load of column slices raises to [`COLUMN_READERS`]), and for a load, direct reads.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Staging {
     pub(crate) bytes: usize,
     pub(crate) threads: usize,
+    pub(crate) given: bool,
     pub(crate) direct: bool,
 }
 
@@ -300,6 +307,7 @@ impl Staging {
         Staging {
             bytes: DEFAULT_STAGING_BYTES,
             threads: DEFAULT_READERS,
+            given: false,
             direct: false,
         }
     }
@@ -492,10 +500,12 @@ impl<'a> LoadOptions<'a> {
     /// started once for the load, which takes the parts of each staging slot's read (down to
     /// 16 KiB, at most one per reader) in the order the slots were handed out, so that the
     /// first slot is read, and its copy queued, before the next. No more threads are started
-    /// than the file has parts. Default [`DEFAULT_READERS`]; 1 to 256, others refused when the
-    /// load starts.
+    /// than the file has parts. Default [`DEFAULT_READERS`], or [`COLUMN_READERS`] for a load
+    /// that takes column slices (whose reads are one row's run each); 1 to 256, others refused
+    /// when the load starts.
     pub fn readers(mut self, readers: usize) -> Self {
         self.staging.threads = readers;
+        self.staging.given = true;
         self
     }
 

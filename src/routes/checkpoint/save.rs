@@ -579,6 +579,7 @@ mod tests {
         Staging {
             bytes: 4 * 4096,
             threads: 2,
+            given: true,
             direct: false,
         }
     }
