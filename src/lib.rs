@@ -197,10 +197,10 @@ pub mod raw {
 #[cfg(feature = "safetensors")]
 pub mod checkpoint {
     pub use crate::routes::checkpoint::{
-        COLUMN_READERS, Checkpoint, DEFAULT_READERS, DEFAULT_STAGING_BYTES, DEFAULT_WRITERS,
-        LoadOptions, Progress, ReadAt, SaveOptions, SaveTensor, Slice, TensorParallel, WriteAt,
-        load, load_each, load_from, load_shared, load_with, read_into, read_pending, save,
-        save_with, write_from, write_returned,
+        Checkpoint, DEFAULT_READERS, DEFAULT_STAGING_BYTES, DEFAULT_WRITERS, LoadOptions, Progress,
+        ReadAt, SMALL_LOAD_READERS, SaveOptions, SaveTensor, Slice, TensorParallel, WriteAt, load,
+        load_each, load_from, load_shared, load_with, read_into, read_pending, save, save_with,
+        write_from, write_returned,
     };
 }
 

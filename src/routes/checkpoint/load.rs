@@ -14,8 +14,8 @@
 use super::crew::{self, Answer, Crew, Part};
 use super::header::{self, Entry, Header};
 use super::slice::Runs;
-use super::{COLUMN_READERS, Staging};
 use super::{ReadAt, Tally};
+use super::{SMALL_LOAD_READERS, Staging};
 use crate::core::engine::CudaEngine;
 use crate::driver::DevicePtr;
 use crate::error::{Error, IoError, MalformedError, Result};
@@ -589,10 +589,10 @@ fn pipeline(
 ) -> Result<()> {
     let capacity = first.capacity();
     let mut slots = (staging.bytes / capacity).max(2);
-    // Column slices read a row's run a call: more threads keep more calls in flight.
-    let columns = !staging.given && chunks.iter().any(|c| c.runs.is_some());
-    let most = if columns {
-        COLUMN_READERS
+    // A load of a few slots' worth (cut into `SPREAD` chunks) runs fewer readers by default.
+    let small = capacity as u64 * SPREAD > plan_bytes(run.entries);
+    let most = if small && !staging.given {
+        SMALL_LOAD_READERS
     } else {
         staging.threads.max(1)
     };
@@ -814,7 +814,7 @@ pub(super) mod tests {
     use crate::error::DriverError;
     use crate::memory::element::Element;
     use crate::memory::ring::StagingConfig;
-    use crate::routes::checkpoint::DEFAULT_READERS;
+    use crate::routes::checkpoint::{DEFAULT_READERS, SMALL_LOAD_READERS};
     use crate::routes::download_tensor;
     use std::collections::HashMap;
     use std::sync::atomic::{AtomicUsize, Ordering};
@@ -1352,23 +1352,32 @@ pub(super) mod tests {
     }
 
     #[test]
-    fn a_load_of_column_slices_runs_more_readers_unless_told_how_many() {
-        // A 1024 x 1024 u8 tensor's first 512 columns: a run of 512 bytes per row, through
-        // 64 KiB slots, eight of them at once. Each reader's first read waits until as many
-        // readers wait as the load should run: `COLUMN_READERS` by default, and the setting's
-        // count where one is given.
-        let data: Vec<u8> = (0..1 << 20).map(|i| (i * 7 % 253) as u8).collect();
-        let view =
-            safetensors::tensor::TensorView::new(safetensors::Dtype::U8, vec![1024, 1024], &data)
-                .unwrap();
-        let bytes = safetensors::serialize([("w", view)], None::<HashMap<String, String>>).unwrap();
-        let path = Path::new("model.safetensors");
-        let len = bytes.len() as u64;
-        let planned = plan(path, &&bytes[..], len, &mut |_| true).unwrap();
-        let mut columns =
-            |_: &str, _: &[usize]| Ok(crate::routes::checkpoint::Slice::Columns(0..512));
-        let tensors = crate::routes::checkpoint::slice::apply(planned, &mut columns).unwrap();
-        for (given, crew) in [(false, COLUMN_READERS), (true, 4)] {
+    fn a_load_runs_its_default_readers_fewer_for_a_few_slots_and_a_given_count_as_given() {
+        // The first 512 columns of a u8 tensor of 1024 columns, a run of 512 bytes per row,
+        // through 64 KiB slots, eight at once. Each reader's first read waits until as many
+        // readers wait as the load should run, and no more ever read: `DEFAULT_READERS` for
+        // 2048 rows (sixteen slots' worth), `SMALL_LOAD_READERS` for 1024, and a count given by
+        // the setting as given.
+        for (rows, given, crew) in [
+            (2048, None, DEFAULT_READERS),
+            (1024, None, SMALL_LOAD_READERS),
+            (2048, Some(4), 4),
+        ] {
+            let data: Vec<u8> = (0..rows * 1024).map(|i| (i * 7 % 253) as u8).collect();
+            let view = safetensors::tensor::TensorView::new(
+                safetensors::Dtype::U8,
+                vec![rows, 1024],
+                &data,
+            )
+            .unwrap();
+            let bytes =
+                safetensors::serialize([("w", view)], None::<HashMap<String, String>>).unwrap();
+            let path = Path::new("model.safetensors");
+            let len = bytes.len() as u64;
+            let planned = plan(path, &&bytes[..], len, &mut |_| true).unwrap();
+            let mut columns =
+                |_: &str, _: &[usize]| Ok(crate::routes::checkpoint::Slice::Columns(0..512));
+            let tensors = crate::routes::checkpoint::slice::apply(planned, &mut columns).unwrap();
             let file = FirstReads {
                 bytes: &bytes,
                 crew,
@@ -1379,21 +1388,23 @@ pub(super) mod tests {
             let (mut engine, sim) = engine_with(64 << 10);
             let staging = Staging {
                 bytes: 8 << 16,
-                given,
-                threads: if given { crew } else { DEFAULT_READERS },
+                threads: given.unwrap_or(DEFAULT_READERS),
+                given: given.is_some(),
                 direct: false,
             };
             let loaded = load_planned(&mut engine, path, &file, len, &tensors, staging).unwrap();
+            let what = format!("{rows} rows, readers {given:?}");
             assert!(
                 !file.missed.load(Ordering::SeqCst),
-                "given: {given}: fewer than {crew} readers"
+                "{what}: fewer than {crew}"
             );
+            assert_eq!(file.seen.lock().unwrap().len(), crew, "{what}");
             let back = any_bytes(&mut engine, &loaded[0].1);
             let want: Vec<u8> = data
                 .chunks(1024)
                 .flat_map(|row| row[..512].to_vec())
                 .collect();
-            assert!(back == want, "given: {given}");
+            assert!(back == want, "{what}");
             drop(loaded);
             drop(engine);
             assert!(sim.violations().is_empty(), "{:?}", sim.violations());

@@ -259,14 +259,14 @@ impl<'a> Tally<'a> {
 pub const DEFAULT_STAGING_BYTES: usize = 128 << 20;
 
 /// The reader threads a load runs, unless its options say otherwise: each slot's read is cut
-/// into parts that the readers take in turn. Eight read as fast as more from the page cache and
-/// start sooner (`docs/records/checkpoints.md` has the sweep behind the figure).
-pub const DEFAULT_READERS: usize = 8;
+/// into parts that the readers take in turn. A load of fewer than sixteen slots' worth runs
+/// [`SMALL_LOAD_READERS`] instead (`docs/records/checkpoints.md` has the sweeps behind both).
+pub const DEFAULT_READERS: usize = 16;
 
-/// The reader threads a load of column slices runs unless its options say otherwise: each of
-/// its reads is one row's run, so it waits on system calls rather than on memory, and more
-/// threads keep more of them in flight (`docs/records/checkpoints.md`, run 10).
-pub const COLUMN_READERS: usize = 16;
+/// The reader threads a load of fewer than sixteen slots' worth runs, unless its options say
+/// otherwise: its reads are few and short, and threads past eight cost it more to set going
+/// than they read.
+pub const SMALL_LOAD_READERS: usize = 8;
 
 /// The writer threads a save runs, unless its options say otherwise.
 pub const DEFAULT_WRITERS: usize = 16;
@@ -292,7 +292,8 @@ pub(crate) fn retry<T>(mut op: impl FnMut() -> std::io::Result<T>) -> std::io::R
 
 /// How a load or a save stages its bytes: at most `bytes` of pinned slots (the engine's
 /// chunk size each, at least two), `threads` file threads (`given` by a setting, or the default,
-/// which a load of column slices raises to [`COLUMN_READERS`]), and for a load, direct reads.
+/// which a load of a few slots' worth lowers to [`SMALL_LOAD_READERS`]), and for a load, direct
+/// reads.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Staging {
     pub(crate) bytes: usize,
@@ -500,9 +501,9 @@ impl<'a> LoadOptions<'a> {
     /// started once for the load, which takes the parts of each staging slot's read (down to
     /// 16 KiB, at most one per reader) in the order the slots were handed out, so that the
     /// first slot is read, and its copy queued, before the next. No more threads are started
-    /// than the file has parts. Default [`DEFAULT_READERS`], or [`COLUMN_READERS`] for a load
-    /// that takes column slices (whose reads are one row's run each); 1 to 256, others refused
-    /// when the load starts.
+    /// than the file has parts. Default [`DEFAULT_READERS`], or [`SMALL_LOAD_READERS`] for a
+    /// load of fewer than sixteen of the engine's slots' worth; 1 to 256, others refused when
+    /// the load starts.
     pub fn readers(mut self, readers: usize) -> Self {
         self.staging.threads = readers;
         self.staging.given = true;
