@@ -408,8 +408,8 @@ fn read_part(source: Source<'_>, offset: u64, buf: &mut [u8], need: usize) -> Re
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::routes::checkpoint::load::tests::layout;
     use crate::routes::checkpoint::load::{chunks, groups};
-    use crate::routes::checkpoint::slice::Runs;
 
     proptest::proptest! {
         /// The parts of any chunk are at most `most`, disjoint and in slot order, and between
@@ -424,27 +424,7 @@ mod tests {
             most in 1usize..40,
         ) {
             // Tensors in file order, with gaps, some of them slices of columns.
-            let mut at = 4_321u64;
-            let tensors: Vec<Entry> = sizes
-                .iter()
-                .enumerate()
-                .map(|(i, &(gap, len, cols))| {
-                    at += gap * 1000;
-                    let runs = (cols > 0).then(|| Runs { stride: 3 * cols * 64, len: cols * 64 });
-                    let len = runs.map_or(len, |r| len.next_multiple_of(r.len));
-                    let span = runs.map_or(len, |r| len / r.len * r.stride);
-                    let t = Entry {
-                        name: format!("t{i}"),
-                        dtype: DType::U8,
-                        shape: vec![len as usize],
-                        start: at,
-                        end: at + len,
-                        runs,
-                    };
-                    at += span;
-                    t
-                })
-                .collect();
+            let tensors = layout(sizes.iter().copied());
             let groups = if pack { groups(&tensors, capacity) } else { Vec::new() };
             for chunk in chunks(&tensors, capacity, direct, &groups) {
                 let direct = direct && chunk.runs.is_none();

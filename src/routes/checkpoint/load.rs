@@ -814,6 +814,7 @@ pub(super) mod tests {
     use crate::error::DriverError;
     use crate::memory::element::Element;
     use crate::memory::ring::StagingConfig;
+    use crate::routes::checkpoint::slice::Runs;
     use crate::routes::checkpoint::{DEFAULT_READERS, SMALL_LOAD_READERS};
     use crate::routes::download_tensor;
     use std::collections::HashMap;
@@ -976,6 +977,45 @@ pub(super) mod tests {
         Ok(out)
     }
 
+    /// `u8` tensors in file order from byte 4,321 on, each after a gap of `gap` thousand bytes
+    /// and `len` bytes long, or, where `cols` is not 0, a slice of columns: runs of `cols * 64`
+    /// bytes every `3 * cols * 64`, `len` rounded up to whole runs.
+    pub(in crate::routes::checkpoint) fn layout(
+        sizes: impl Iterator<Item = (u64, u64, u64)>,
+    ) -> Vec<Entry> {
+        let mut at = 4_321u64;
+        sizes
+            .enumerate()
+            .map(|(i, (gap, len, cols))| {
+                at += gap * 1000;
+                let runs = (cols > 0).then(|| Runs {
+                    stride: 3 * cols * 64,
+                    len: cols * 64,
+                });
+                let len = runs.map_or(len, |r| len.next_multiple_of(r.len));
+                let span = runs.map_or(len, |r| len / r.len * r.stride);
+                let t = Entry {
+                    name: format!("t{i}"),
+                    dtype: DType::U8,
+                    shape: vec![len as usize],
+                    start: at,
+                    end: at + len,
+                    runs,
+                };
+                at += span;
+                t
+            })
+            .collect()
+    }
+
+    /// Drops `engine`, and checks that nothing was freed under a copy and no device memory is
+    /// left.
+    fn ends_clean(engine: CudaEngine, sim: &SimDevice) {
+        drop(engine);
+        assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+        assert_eq!(sim.device_live().0, 0, "device memory left");
+    }
+
     proptest::proptest! {
         /// The chunks of any layout read every selected byte once, into its tensor at its place,
         /// within the slot, and a direct chunk's read starts on a block boundary.
@@ -987,24 +1027,7 @@ pub(super) mod tests {
             pack: bool,
         ) {
             // Tensors in file order, some with gaps between them (not selected ones).
-            let mut at = 4_321u64;
-            let tensors: Vec<Entry> = sizes
-                .iter()
-                .enumerate()
-                .map(|(i, &(gap, len))| {
-                    at += gap * 1000;
-                    let t = Entry {
-                        name: format!("t{i}"),
-                        dtype: DType::U8,
-                        shape: vec![len as usize],
-                        start: at,
-                        end: at + len,
-                        runs: None,
-                    };
-                    at += len;
-                    t
-                })
-                .collect();
+            let tensors = layout(sizes.iter().map(|&(gap, len)| (gap, len, 0)));
             let mut seen: Vec<Vec<bool>> =
                 tensors.iter().map(|t| vec![false; (t.end - t.start) as usize]).collect();
             let groups = if pack { groups(&tensors, capacity) } else { Vec::new() };
@@ -1318,9 +1341,7 @@ pub(super) mod tests {
             bytes[first as usize..]
         );
         drop(loaded);
-        drop(engine);
-        assert!(sim.violations().is_empty(), "{:?}", sim.violations());
-        assert_eq!(sim.device_live().0, 0, "device memory left");
+        ends_clean(engine, &sim);
     }
 
     #[test]
@@ -1347,8 +1368,7 @@ pub(super) mod tests {
         assert_eq!(chunk_bytes(16 << 20, 64 << 20), 4 << 20);
         assert_eq!(chunk_bytes(4096, 64 << 20), 4096);
         drop(loaded);
-        drop(engine);
-        assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+        ends_clean(engine, &sim);
     }
 
     #[test]
@@ -1406,8 +1426,7 @@ pub(super) mod tests {
                 .collect();
             assert!(back == want, "{what}");
             drop(loaded);
-            drop(engine);
-            assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+            ends_clean(engine, &sim);
         }
     }
 
@@ -1475,9 +1494,7 @@ pub(super) mod tests {
             bytes[bytes.len() - (1 << 20)..]
         );
         drop(loaded);
-        drop(engine);
-        assert!(sim.violations().is_empty(), "{:?}", sim.violations());
-        assert_eq!(sim.device_live().0, 0, "device memory left");
+        ends_clean(engine, &sim);
     }
 
     #[test]
