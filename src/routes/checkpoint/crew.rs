@@ -13,9 +13,9 @@
 //!
 //! Each part's answer goes back to the calling thread, which queues a slot's copies once the
 //! last part of its read is in. The slots themselves stay with the calling thread's pipeline
-//! (`load::pipeline`), which holds each from the hand-out of its first part to the answer of
-//! its last, outside the crew's scope, so that not even a panic lets a slot go while a part of
-//! it may still be read into.
+//! (`load::pipeline`), which holds each from before the hand-out of its first part to the answer
+//! of its last, in a table that outlives every thread of the crew, so that not even a panic lets
+//! a slot go while a part of it may still be read into.
 
 use super::ReadAt;
 use super::header::{self, Entry};
@@ -128,8 +128,11 @@ pub(super) struct Part {
 }
 
 // SAFETY: a part's pointer is into a staging slot's pinned memory, which is not freed while it
-// is leased, and the pipeline keeps the slot leased, and touches no byte of the part, from the
-// part's hand-out until its answer comes back (or the crew's scope has ended); the parts of a
+// is leased. The pipeline holds the slot's lease, in a table declared before the crew starts,
+// from before the part is handed out until its answer comes back, or, should the load end
+// early (an error, a panic), until every thread of the crew has returned (the scope of the
+// threads started for the load, and the copy pool's `join` for its threads, both wait for them
+// before the table is dropped); it touches no byte of the part meanwhile, and the parts of a
 // slot are disjoint. So the one thread that takes the part is the only one to reach those
 // bytes, wherever it runs.
 unsafe impl Send for Part {}

@@ -679,22 +679,24 @@ fn pipeline(
                     };
                     let mut lease = lease;
                     let bytes = lease.as_mut_bytes();
-                    for (what, range) in crew::cut(&chunks[next], capacity, direct, most) {
-                        let (at, len) = (range.start, range.len());
-                        let ptr = bytes[range].as_mut_ptr();
-                        let part = Part {
+                    let parts: Vec<Part> = crew::cut(&chunks[next], capacity, direct, most)
+                        .into_iter()
+                        .map(|(what, range)| Part {
                             chunk: next,
                             what,
-                            at,
-                            ptr,
-                            len,
-                        };
+                            at: range.start,
+                            len: range.len(),
+                            ptr: bytes[range].as_mut_ptr(),
+                        })
+                        .collect();
+                    // The slot is held here before any part of it is handed out.
+                    reading[next] = Some(lease);
+                    for part in parts {
                         // The queue's receiver is the crew's, which outlives the scope.
                         jobs.send(part).expect("the crew's queue outlives the load");
                         left[next] += 1;
                         sent += 1;
                     }
-                    reading[next] = Some(lease);
                     next += 1;
                     in_read += 1;
                 }
