@@ -917,15 +917,20 @@ pub(super) mod tests {
         (engine, sim)
     }
 
-    /// Staging of four slots (of the test engine's 4 KiB) and three readers, so the reads run in
-    /// parallel even on a machine of few cores.
-    pub(in crate::routes::checkpoint) fn staging() -> Staging {
+    /// Staging of `bytes` and `threads` readers, both as a load's settings would give them.
+    pub(in crate::routes::checkpoint) fn given(bytes: usize, threads: usize) -> Staging {
         Staging {
-            bytes: 4 * 4096,
-            threads: 3,
+            bytes,
+            threads,
             given: true,
             direct: false,
         }
+    }
+
+    /// Staging of four slots (of the test engine's 4 KiB) and three readers, so the reads run in
+    /// parallel even on a machine of few cores.
+    pub(in crate::routes::checkpoint) fn staging() -> Staging {
+        given(4 * 4096, 3)
     }
 
     pub(in crate::routes::checkpoint) fn load_all(
@@ -1198,12 +1203,7 @@ pub(super) mod tests {
     fn a_read_that_fails_or_comes_back_short_at_any_step_is_reported_and_loses_nothing() {
         let (bytes, _) = checkpoint();
         // Small slots, three readers; then one 64 KiB slot whose read is split in three.
-        let split = Staging {
-            bytes: 4 << 16,
-            threads: 8,
-            given: true,
-            direct: false,
-        };
+        let split = given(4 << 16, 8);
         for (chunk, staging) in [(4096, staging()), (64 << 10, split)] {
             let reads = {
                 let file = Faulty {
@@ -1326,12 +1326,7 @@ pub(super) mod tests {
             missed: std::sync::atomic::AtomicBool::new(false),
         };
         let (mut engine, sim) = engine_with(64 << 10);
-        let staging = Staging {
-            bytes: 4 << 16,
-            threads: 4,
-            given: true,
-            direct: false,
-        };
+        let staging = given(4 << 16, 4);
         let loaded = load_planned(&mut engine, path, &file, len, &tensors, staging).unwrap();
         assert!(
             !file.missed.load(Ordering::SeqCst),
@@ -1352,12 +1347,7 @@ pub(super) mod tests {
         // read, where one slot's worth would be read whole before its one copy.
         let bytes = one_tensor(16 << 20);
         let (mut engine, sim) = engine_with(16 << 20);
-        let staging = Staging {
-            bytes: 4 << 24,
-            threads: 4,
-            given: true,
-            direct: false,
-        };
+        let staging = given(4 << 24, 4);
         let copies = sim.calls(SimOp::CopyHtoD);
         let loaded = load_all_with(&mut engine, &&bytes[..], bytes.len() as u64, staging).unwrap();
         assert_eq!(sim.calls(SimOp::CopyHtoD) - copies, 16);
@@ -1480,12 +1470,7 @@ pub(super) mod tests {
             }
         }
         let (mut engine, sim) = engine_with(64 << 10);
-        let staging = Staging {
-            bytes: 4 << 16,
-            threads: 8,
-            given: true,
-            direct: false,
-        };
+        let staging = given(4 << 16, 8);
         let file = Counting(&bytes, &threads);
         let loaded = load_all_with(&mut engine, &file, bytes.len() as u64, staging).unwrap();
         // The crew's eight, and the calling thread's reads of the header and the length.
@@ -1528,12 +1513,7 @@ pub(super) mod tests {
                 }
                 Ok(())
             };
-            let staging = Staging {
-                bytes: 4 << 16,
-                threads: 3,
-                given: true,
-                direct: false,
-            };
+            let staging = given(4 << 16, 3);
             let stopped = load(
                 &mut engine,
                 source,
