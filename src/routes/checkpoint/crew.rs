@@ -240,7 +240,7 @@ impl<'a> Crew<'a> {
 
     /// A member's work: read parts until the queue closes.
     pub(super) fn work(&self) {
-        let mut own = Own::Unasked;
+        let mut own: Own<'_> = None;
         loop {
             // The lock is held only to take a part, never across a read.
             let part = self
@@ -275,7 +275,7 @@ impl<'a> Crew<'a> {
             What::Span { offset, need } => read_part(source, offset, buf, need)?,
             What::Runs { at } => {
                 let (origin, runs) = chunk.runs.expect("a part of runs is of a chunk of runs");
-                let file = own.get(source.file);
+                let file = own_reader(own, source.file);
                 let mut at = at;
                 let mut done = 0;
                 while done < buf.len() {
@@ -290,7 +290,7 @@ impl<'a> Crew<'a> {
                 let pieces = &chunk.pieces[first..first + count];
                 let tensors = self.tensors;
                 let at = |p: &Piece| tensors[p.tensor].start + p.at as u64;
-                let file = own.get(source.file);
+                let file = own_reader(own, source.file);
                 // Each piece's place in `buf`, cut off in turn (the pieces come in slot order).
                 let mut rest = &mut *buf;
                 let mut cut = part.at;
@@ -321,25 +321,16 @@ impl Drop for Stopper<'_, '_> {
     }
 }
 
-/// A crew member's own reader of the file, opened at the first part that reads many small runs
-/// or pieces: threads that read many small runs of one open file at once contend on it
-/// ([`ReadAt::reopen`]).
-enum Own<'a> {
-    Unasked,
-    Reopened(Option<Box<dyn ReadAt + 'a>>),
-}
+/// A crew member's own reader of the file: not yet asked for, or what [`ReadAt::reopen`] gave.
+type Own<'a> = Option<Option<Box<dyn ReadAt + 'a>>>;
 
-impl<'a> Own<'a> {
-    /// This thread's reader: its own where the file can give one, else `file`.
-    fn get<'s>(&'s mut self, file: &'a dyn ReadAt) -> &'s dyn ReadAt {
-        if let Own::Unasked = self {
-            *self = Own::Reopened(file.reopen());
-        }
-        match self {
-            Own::Reopened(Some(own)) => &**own,
-            _ => file,
-        }
-    }
+/// A crew member's reader: its own of the file, asked for at its first part that reads many
+/// small runs or pieces (threads that read many small runs of one open file at once contend on
+/// it, [`ReadAt::reopen`]), where the file can give one; else `file`.
+fn own_reader<'s, 'a>(own: &'s mut Own<'a>, file: &'a dyn ReadAt) -> &'s dyn ReadAt {
+    own.get_or_insert_with(|| file.reopen())
+        .as_deref()
+        .unwrap_or(file)
 }
 
 /// Refuses a part whose `bool` bytes (of `chunk`'s pieces that fall in `buf`, the slot's bytes
