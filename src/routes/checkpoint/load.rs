@@ -11,11 +11,11 @@
 //! once their copies are proven, never before), the tensors made so far are dropped, which
 //! frees them after their copies, and the error names the file (and the tensor, for bad data).
 
+use super::Staging;
 use super::crew::{self, Answer, Crew, Part};
 use super::header::{self, Entry, Header};
 use super::slice::Runs;
 use super::{ReadAt, Tally};
-use super::{SMALL_LOAD_READERS, Staging};
 use crate::core::engine::CudaEngine;
 use crate::driver::DevicePtr;
 use crate::error::{Error, IoError, MalformedError, Result};
@@ -127,13 +127,23 @@ const SPREAD: u64 = 16;
 /// The smallest chunk a load is cut to for [`SPREAD`].
 const MIN_CHUNK: u64 = 1 << 20;
 
+/// Whether a load of `bytes` in all, through slots of `capacity` bytes, is of fewer than
+/// [`SPREAD`] slots' worth: one that is cut into smaller chunks ([`chunk_bytes`]) and runs fewer
+/// readers by default ([`Staging::readers`]).
+pub(crate) fn few_slots(capacity: usize, bytes: u64) -> bool {
+    bytes < capacity as u64 * SPREAD
+}
+
 /// The most bytes one chunk of a load of `bytes` in all holds, through slots of `capacity`
-/// bytes: a slot, but for a load of fewer than [`SPREAD`] slots' worth, a [`SPREAD`]th of it (at
-/// least [`MIN_CHUNK`]). The copies to the device wait for the first chunk's read, and a file of
-/// a few slots would otherwise be read almost whole before its first copy starts.
+/// bytes: a slot, but for a load of [`few_slots`], a [`SPREAD`]th of it (at least
+/// [`MIN_CHUNK`]). The copies to the device wait for the first chunk's read, and a file of a
+/// few slots would otherwise be read almost whole before its first copy starts.
 pub(crate) fn chunk_bytes(capacity: usize, bytes: u64) -> usize {
-    let spread = (bytes / SPREAD).max(MIN_CHUNK);
-    usize::try_from(spread).map_or(capacity, |spread| spread.min(capacity))
+    if !few_slots(capacity, bytes) {
+        return capacity;
+    }
+    // Less than `capacity`, so it fits a `usize`.
+    (bytes / SPREAD).max(MIN_CHUNK).min(capacity as u64) as usize
 }
 
 /// The block size direct reads align their offsets, lengths and buffers to.
@@ -489,8 +499,10 @@ pub(crate) fn upload(
     }
     let first = run.engine.route_lease()?;
     let direct = source.direct.is_some() && first.capacity() >= DIRECT_MIN_SLOT;
-    let room = chunk_bytes(first.capacity(), plan_bytes(entries));
+    let bytes = plan_bytes(entries);
+    let room = chunk_bytes(first.capacity(), bytes);
     let chunks = chunks(entries, room, direct, run.targets.groups());
+    let readers = staging.readers(few_slots(first.capacity(), bytes));
     for piece in chunks.iter().flat_map(|c| &c.pieces) {
         run.remaining[piece.tensor] += 1;
     }
@@ -503,7 +515,7 @@ pub(crate) fn upload(
             run.targets.queued(run.engine, i)?;
         }
     }
-    pipeline(&mut run, source, &chunks, staging, first)
+    pipeline(&mut run, source, &chunks, staging.bytes, readers, first)
 }
 
 /// The state a pipeline works on, on the calling thread.
@@ -576,26 +588,21 @@ impl Run<'_, '_> {
     }
 }
 
-/// Reads `chunks` into at most `staging.bytes` of staging slots (`first` one of them) through a
-/// crew of `staging.threads` reader threads that take the parts of each slot's read in the order
+/// Reads `chunks` into at most `staging_bytes` of staging slots (`first` one of them) through a
+/// crew of up to `readers` reader threads that take the parts of each slot's read in the order
 /// the slots were handed out ([`crew`](super::crew)); each slot's copies are queued as soon as
 /// the last part of its read is in, and the slot read into again once they are proven.
 fn pipeline(
     run: &mut Run<'_, '_>,
     source: Source<'_>,
     chunks: &[Chunk],
-    staging: Staging,
+    staging_bytes: usize,
+    readers: usize,
     first: StagingLease<Proven>,
 ) -> Result<()> {
     let capacity = first.capacity();
-    let mut slots = (staging.bytes / capacity).max(2);
-    // A load of a few slots' worth (cut into `SPREAD` chunks) runs fewer readers by default.
-    let small = capacity as u64 * SPREAD > plan_bytes(run.entries);
-    let most = if small && !staging.given {
-        SMALL_LOAD_READERS
-    } else {
-        staging.threads.max(1)
-    };
+    let mut slots = (staging_bytes / capacity).max(2);
+    let most = readers.max(1);
     let direct = source.direct.is_some();
     // No more threads than the file has parts to read.
     let mut parts = 0;

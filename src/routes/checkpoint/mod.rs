@@ -313,6 +313,16 @@ impl Staging {
         }
     }
 
+    /// The reader threads a load runs: as given, or by default [`DEFAULT_READERS`], and
+    /// [`SMALL_LOAD_READERS`] for a load of a few slots' worth (`few_slots`).
+    pub(crate) fn readers(self, few_slots: bool) -> usize {
+        if few_slots && !self.given {
+            SMALL_LOAD_READERS
+        } else {
+            self.threads
+        }
+    }
+
     /// A save's defaults.
     pub(crate) fn save() -> Self {
         Staging {
