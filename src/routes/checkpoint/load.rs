@@ -1284,31 +1284,50 @@ pub(super) mod tests {
         safetensors::serialize([("t", view)], None::<HashMap<String, String>>).unwrap()
     }
 
-    /// A reader whose reads at offsets in `gate` each wait until `crew` of them wait at once,
-    /// or give up after a while and say so.
-    struct Gathering<'a> {
+    /// A reader whose threads' first reads at offsets in `gate` each wait until `crew` threads
+    /// wait at once, or give up after a while and say so (`missed`).
+    struct Gate<'a> {
         bytes: &'a [u8],
         gate: std::ops::Range<u64>,
         crew: usize,
-        waiting: std::sync::Mutex<usize>,
+        seen: std::sync::Mutex<std::collections::HashSet<std::thread::ThreadId>>,
         arrived: std::sync::Condvar,
         missed: std::sync::atomic::AtomicBool,
     }
 
-    impl ReadAt for Gathering<'_> {
+    impl<'a> Gate<'a> {
+        fn new(bytes: &'a [u8], gate: std::ops::Range<u64>, crew: usize) -> Self {
+            Gate {
+                bytes,
+                gate,
+                crew,
+                seen: Default::default(),
+                arrived: Default::default(),
+                missed: Default::default(),
+            }
+        }
+
+        /// How many threads came to the gate.
+        fn arrivals(&self) -> usize {
+            self.seen.lock().unwrap().len()
+        }
+    }
+
+    impl ReadAt for Gate<'_> {
         fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<usize> {
-            if self.gate.contains(&offset) {
-                let mut waiting = self.waiting.lock().unwrap();
-                *waiting += 1;
+            let mut seen = self.seen.lock().unwrap();
+            if self.gate.contains(&offset) && seen.insert(std::thread::current().id()) {
                 self.arrived.notify_all();
                 let wait = std::time::Duration::from_secs(10);
-                let (waiting, timeout) = (self.arrived)
-                    .wait_timeout_while(waiting, wait, |n| *n < self.crew)
+                let (seen, timeout) = (self.arrived)
+                    .wait_timeout_while(seen, wait, |seen| seen.len() < self.crew)
                     .unwrap();
-                drop(waiting);
+                drop(seen);
                 if timeout.timed_out() {
                     self.missed.store(true, Ordering::SeqCst);
                 }
+            } else {
+                drop(seen);
             }
             self.bytes.read_at(buf, offset)
         }
@@ -1324,14 +1343,7 @@ pub(super) mod tests {
         let len = bytes.len() as u64;
         let tensors = plan(path, &&bytes[..], len, &mut |_| true).unwrap();
         let first = tensors[0].start;
-        let file = Gathering {
-            bytes: &bytes,
-            gate: first..first + (64 << 10),
-            crew: 4,
-            waiting: std::sync::Mutex::new(0),
-            arrived: std::sync::Condvar::new(),
-            missed: std::sync::atomic::AtomicBool::new(false),
-        };
+        let file = Gate::new(&bytes, first..first + (64 << 10), 4);
         let (mut engine, sim) = engine_with(64 << 10);
         let staging = given(4 << 16, 4);
         let loaded = load_planned(&mut engine, path, &file, len, &tensors, staging).unwrap();
@@ -1339,7 +1351,7 @@ pub(super) mod tests {
             !file.missed.load(Ordering::SeqCst),
             "the first slot's read was not shared by the crew"
         );
-        assert_eq!(*file.waiting.lock().unwrap(), 4);
+        assert_eq!(file.arrivals(), 4);
         assert_eq!(
             any_bytes(&mut engine, &loaded[0].1),
             bytes[first as usize..]
@@ -1397,13 +1409,8 @@ pub(super) mod tests {
             let mut columns =
                 |_: &str, _: &[usize]| Ok(crate::routes::checkpoint::Slice::Columns(0..512));
             let tensors = crate::routes::checkpoint::slice::apply(planned, &mut columns).unwrap();
-            let file = FirstReads {
-                bytes: &bytes,
-                crew,
-                seen: std::sync::Mutex::new(std::collections::HashSet::new()),
-                arrived: std::sync::Condvar::new(),
-                missed: std::sync::atomic::AtomicBool::new(false),
-            };
+            // The data: past the prefix and the header, short of the length's probe.
+            let file = Gate::new(&bytes, 8 + 64..len - 1, crew);
             let (mut engine, sim) = engine_with(64 << 10);
             let staging = Staging {
                 bytes: 8 << 16,
@@ -1417,7 +1424,7 @@ pub(super) mod tests {
                 !file.missed.load(Ordering::SeqCst),
                 "{what}: fewer than {crew}"
             );
-            assert_eq!(file.seen.lock().unwrap().len(), crew, "{what}");
+            assert_eq!(file.arrivals(), crew, "{what}");
             let back = any_bytes(&mut engine, &loaded[0].1);
             let want: Vec<u8> = data
                 .chunks(1024)
@@ -1426,37 +1433,6 @@ pub(super) mod tests {
             assert!(back == want, "{what}");
             drop(loaded);
             ends_clean(engine, &sim);
-        }
-    }
-
-    /// A reader whose threads' first reads of the data each wait until `crew` threads wait at
-    /// once, or give up after a while and say so.
-    struct FirstReads<'a> {
-        bytes: &'a [u8],
-        crew: usize,
-        seen: std::sync::Mutex<std::collections::HashSet<std::thread::ThreadId>>,
-        arrived: std::sync::Condvar,
-        missed: std::sync::atomic::AtomicBool,
-    }
-
-    impl ReadAt for FirstReads<'_> {
-        fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<usize> {
-            let data = offset >= 8 + 64 && offset < self.bytes.len() as u64 - 1;
-            let mut seen = self.seen.lock().unwrap();
-            if data && seen.insert(std::thread::current().id()) {
-                self.arrived.notify_all();
-                let wait = std::time::Duration::from_secs(10);
-                let (seen, timeout) = (self.arrived)
-                    .wait_timeout_while(seen, wait, |seen| seen.len() < self.crew)
-                    .unwrap();
-                drop(seen);
-                if timeout.timed_out() {
-                    self.missed.store(true, Ordering::SeqCst);
-                }
-            } else {
-                drop(seen);
-            }
-            self.bytes.read_at(buf, offset)
         }
     }
 
