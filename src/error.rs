@@ -1331,8 +1331,10 @@ pub enum IoError {
 
 /// What a file, a peer or a launcher sent is not so: a checkpoint whose header or length is not
 /// what the format allows, bytes on a socket that are not the protocol, a claim past what the
-/// driver or the kernel measures. Found before anything is allocated, mapped or counted for it:
-/// nothing of what it claims is in use.
+/// driver or the kernel measures. Found before anything is allocated, mapped or counted on its
+/// word: nothing of what it claims is in use. (A checkpoint of small tensors may have begun to
+/// land by then, in memory sized by the file's length as the kernel reports it; that memory is
+/// freed after its copies.)
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum MalformedError {

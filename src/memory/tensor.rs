@@ -483,8 +483,9 @@ impl<T: Element> DeviceTensor<T> {
 #[cfg(any(feature = "safetensors", feature = "dlpack"))]
 impl DeviceTensor<u8> {
     /// The same memory as a tensor of `T` of `shape`, whose elements fill these bytes exactly;
-    /// `None` (and the bytes dropped, stream-ordered as ever) when they do not. The allocation
-    /// is the driver's, aligned far beyond any element.
+    /// `None` (and the bytes dropped, stream-ordered as ever) when they do not. The bytes are
+    /// aligned to the element: an allocation of the driver's, or a part of one at a multiple of
+    /// the element's size (a checkpoint's small tensors).
     ///
     /// # Safety
     /// Once the work queued on the memory so far has run, every `size_of::<T>()` bytes of it are

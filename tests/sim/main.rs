@@ -23,6 +23,8 @@ mod checkpoint;
 #[cfg(feature = "dlpack")]
 mod dlpack;
 mod handoff;
+#[cfg(feature = "safetensors")]
+mod landing;
 mod pending;
 mod registered;
 mod transfers;

@@ -1,5 +1,6 @@
 //! The header of a safetensors file, read from the file and checked before any tensor is
-//! allocated or any byte of data is read.
+//! allocated or handed out (a file of small tensors has its data landing meanwhile, in memory
+//! sized by the file's length: see `landing`).
 //!
 //! A safetensors file is an 8-byte little-endian header length `n`, `n` bytes of UTF-8 JSON
 //! naming each tensor's element type, shape and byte range (relative to the data, which starts
@@ -23,7 +24,7 @@ use std::path::Path;
 pub(crate) const MAX_HEADER: u64 = 100_000_000;
 
 /// The length prefix's size.
-const PREFIX: u64 = 8;
+pub(crate) const PREFIX: u64 = 8;
 
 /// The name under which the format keeps free-form metadata; not a tensor.
 pub(crate) const METADATA_KEY: &str = "__metadata__";
@@ -269,6 +270,18 @@ pub(crate) fn read_exact_vectored_at(
         }
     }
     Ok(())
+}
+
+/// Where the data of the file `path` (`len` bytes long) starts, as its prefix claims it: after
+/// the prefix and a header of at most [`MAX_HEADER`] bytes, inside the file. `None` when the
+/// prefix cannot be read or claims otherwise, for [`read`] to say what is wrong.
+pub(crate) fn data_start(path: &Path, file: &dyn ReadAt, len: u64) -> Option<u64> {
+    let mut prefix = [0u8; PREFIX as usize];
+    if len < PREFIX || read_exact_at(path, file, 0, &mut prefix).is_err() {
+        return None;
+    }
+    let n = u64::from_le_bytes(prefix);
+    Some(PREFIX + n).filter(|&start| n <= MAX_HEADER && start <= len)
 }
 
 /// Reads and checks the header of the file `path`, `len` bytes long.

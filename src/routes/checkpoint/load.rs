@@ -77,7 +77,7 @@ pub(crate) struct Group {
 }
 
 /// The largest tensor a load packs with others into one allocation.
-const PACK_MAX: usize = 256 << 10;
+pub(super) const PACK_MAX: usize = 256 << 10;
 
 /// The groups of small tensors among `entries` that a load through slots of `capacity` bytes
 /// packs: runs of at least two tensors of at most [`PACK_MAX`] bytes (and an eighth of a slot),
@@ -290,6 +290,16 @@ pub(crate) trait Targets {
     /// # Errors
     /// Whatever stops the pipeline (a caller's error).
     fn queued(&mut self, engine: &mut CudaEngine, i: usize) -> Result<()>;
+
+    /// Whether the pipeline is to go on: asked before each slot is handed out to the readers
+    /// and after each batch of their answers.
+    ///
+    /// # Errors
+    /// Why the load is to stop: the pipeline stops as on a failure (the reads not yet begun
+    /// are not made) and returns it.
+    fn proceed(&self) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// What a loaded tensor is handed to: its index in the plan, and the tensor, as soon as every
@@ -426,7 +436,7 @@ pub(crate) fn load(
 }
 
 /// Refuses a file whose length changed since its header was read.
-fn unchanged(source: Source<'_>) -> Result<()> {
+pub(super) fn unchanged(source: Source<'_>) -> Result<()> {
     let current = file_len(source.path, source.file, source.len)?;
     if current != source.len {
         return Err(MalformedError::LengthChanged {
@@ -649,6 +659,11 @@ fn pipeline(
             // before the calling thread spends time on the tensors.
             let mut landed: Vec<usize> = Vec::new();
             loop {
+                if failure.is_none()
+                    && let Err(error) = run.targets.proceed()
+                {
+                    failure = Some(error);
+                }
                 // Slots are handed out while one can be had: an idle one, a new one while the
                 // budget allows, or, once the crew would run out of parts, the oldest in flight
                 // once proven.

@@ -7,13 +7,16 @@
 //! length beyond the file or any sane limit, text that is not UTF-8 or not JSON, an element type
 //! the crate has no type for, a shape that does not fit its range, ranges that overlap or leave
 //! the data, a name given twice) is a typed [`MalformedError`](crate::error::MalformedError) naming the file and the tensor,
-//! found before a byte of device memory is allocated. Reads go through [`ReadAt`], positioned
+//! found before any tensor is allocated on its word (a file of small tensors lands its data
+//! while the header is checked, in memory sized by the file's length, freed again when the
+//! header is bad). Reads go through [`ReadAt`], positioned
 //! reads that several threads may issue at once on one open file, so that a test (or a storage
 //! layer of the caller's) can stand in for the file.
 
 mod crew;
 mod header;
 mod index;
+mod landing;
 mod load;
 mod range;
 mod save;
@@ -365,6 +368,8 @@ type Convert<'a> = dyn FnMut(&str, DType) -> DType + 'a;
 /// tells how far it has come.
 pub struct LoadOptions<'a> {
     select: Box<dyn FnMut(&str) -> bool + 'a>,
+    /// Whether `select` was given.
+    selected: bool,
     slices: Box<slice::Slicer<'a>>,
     /// Whether `slices` was given.
     sliced: bool,
@@ -387,6 +392,7 @@ impl Default for LoadOptions<'_> {
     fn default() -> Self {
         LoadOptions {
             select: Box::new(|_| true),
+            selected: false,
             slices: Box::new(|_, _| Ok(Slice::Whole)),
             sliced: false,
             progress: Box::new(|_| {}),
@@ -402,10 +408,16 @@ impl<'a> LoadOptions<'a> {
         Self::default()
     }
 
+    /// Whether the load takes every tensor whole: no selection, no slices.
+    fn whole(&self) -> bool {
+        !self.selected && !self.sliced
+    }
+
     /// Loads only the tensors whose names `select` accepts: the others are neither allocated
     /// nor read.
     pub fn select(mut self, select: impl FnMut(&str) -> bool + 'a) -> Self {
         self.select = Box::new(select);
+        self.selected = true;
         self
     }
 
@@ -456,7 +468,8 @@ impl<'a> LoadOptions<'a> {
     }
 
     /// Calls `progress` after each chunk's copy is queued, with the bytes done of the bytes
-    /// selected.
+    /// selected. A landing that the header stops (see [`load`]) has counted from zero to
+    /// where it stopped, and the load counts again from zero.
     pub fn progress(mut self, progress: impl FnMut(Progress) + 'a) -> Self {
         self.progress = Box::new(progress);
         self
@@ -660,6 +673,13 @@ impl IntoIterator for Checkpoint {
 /// Tensors that follow each other in the file share a slot. Returns once every copy is
 /// complete.
 ///
+/// A file of small tensors (each at most 256 KiB, as norms and biases are) of fewer than
+/// sixteen slots' worth, loaded whole, is landed instead: its data is read and copied to one
+/// device allocation, as it lies in the file, while another thread checks the header, and each
+/// tensor is then the part of that allocation at its place in the file (aligned to its
+/// element). A header that names a large tensor, a `bool` one or one out of its element's
+/// alignment stops the landing, and the file is loaded as above, its data read again.
+///
 /// # Errors
 /// [`Error::Io`](crate::Error::Io) naming the file for a file that cannot be opened or read;
 /// [`Error::Malformed`](crate::Error::Malformed) naming the file (and the tensor, where one is at
@@ -706,7 +726,8 @@ pub fn load_with(
 /// once; that work is ordered after the tensor's copies on the device (the engine's one
 /// order), so a model's first layers can run while the rest of the file is still loading. The
 /// tensors come in the order their last bytes are read, which with several readers need not be
-/// file order. A tensor of no bytes comes first.
+/// file order. A tensor of no bytes comes first. A landed file's tensors (see [`load`]) come
+/// once all of its data is in, in file order.
 ///
 /// # Errors
 /// As [`load_with`], and `each`'s error, which stops the load. The tensors already handed out
@@ -765,7 +786,7 @@ impl Checkpoint {
 }
 
 /// Loads `path` (one file, or the shards of an index) through `options`, telling `planned`
-/// how many tensors the plan holds before the first is read, and handing each tensor to
+/// how many tensors the plan holds before the first is handed out, and handing each tensor to
 /// `each`.
 fn load_indexed(
     engine: &mut CudaEngine,
@@ -775,6 +796,18 @@ fn load_indexed(
     each: &mut Handoff<'_>,
 ) -> Result<()> {
     let staging = options.staging.validate("readers")?;
+    if !is_index(path) {
+        let file = open(path)?;
+        let len = file_len(path, &file)?;
+        let direct = staging.direct.then(|| open_direct(path)).flatten();
+        let source = load::Source {
+            path,
+            file: &file,
+            direct: direct.as_ref(),
+            len,
+        };
+        return load_file(engine, source, options, staging, planned, each);
+    }
     let shards = plan_shards(path, &mut options, staging)?;
     planned(shards.iter().map(|s| s.tensors.len()).sum());
     let total = shards.iter().map(|s| load::plan_bytes(&s.tensors)).sum();
@@ -806,10 +839,74 @@ fn load_indexed(
     Ok(())
 }
 
+/// Whether `path` names the index of a sharded checkpoint.
+fn is_index(path: &Path) -> bool {
+    path.to_string_lossy().ends_with(".index.json")
+}
+
+/// Loads the one file `source` through `options`: landed when it is a file of small tensors
+/// loaded whole ([`landing`]), else planned from its header and read tensor by tensor. Tells
+/// `planned` how many tensors the plan holds before the first is handed out, and hands each
+/// tensor to `each`.
+fn load_file(
+    engine: &mut CudaEngine,
+    source: load::Source<'_>,
+    options: LoadOptions<'_>,
+    staging: Staging,
+    planned: &mut dyn FnMut(usize),
+    each: &mut Handoff<'_>,
+) -> Result<()> {
+    let whole = options.whole();
+    let LoadOptions {
+        mut select,
+        mut slices,
+        mut progress,
+        mut convert,
+        ..
+    } = options;
+    let file: Arc<Path> = source.path.into();
+    let mut each = |engine: &mut CudaEngine, i, name: String, tensor| {
+        let tensor = converted(engine, &mut *convert, &name, tensor)?;
+        each(engine, i, &file, name, tensor)
+    };
+    let mut header = None;
+    if whole {
+        let landed = landing::load(
+            engine,
+            source,
+            staging,
+            &mut *progress,
+            &mut *planned,
+            &mut |engine, i, entry, tensor| each(engine, i, entry.name, tensor),
+        )?;
+        match landed {
+            landing::Landing::Loaded => return Ok(()),
+            landing::Landing::Declined(read) => header = Some(read),
+            landing::Landing::Untried => {}
+        }
+    }
+    let header = match header {
+        Some(header) => header,
+        None => header::read(source.path, source.file, source.len)?,
+    };
+    let tensors = header.tensors.into_iter().filter(|t| select(&t.name));
+    let tensors = slice::apply(tensors.collect(), &mut *slices)?;
+    planned(tensors.len());
+    let mut tally = Tally::new(load::plan_bytes(&tensors), &mut *progress);
+    load::load(
+        engine,
+        source,
+        &tensors,
+        staging,
+        &mut tally,
+        &mut |engine, i, tensor| each(engine, i, tensors[i].name.clone(), tensor),
+    )
+}
+
 /// The files of a load of `path` (one file, or the shards of an index), each with its planned
 /// tensors: those `options` selects, cut to the slices it names.
 fn plan_shards(path: &Path, options: &mut LoadOptions<'_>, staging: Staging) -> Result<Vec<Shard>> {
-    let mut shards = if path.to_string_lossy().ends_with(".index.json") {
+    let mut shards = if is_index(path) {
         index::plan(path, &mut *options.select, staging.direct)?
     } else {
         let file = open(path)?;
@@ -968,26 +1065,27 @@ pub fn load_from(
     path: &Path,
     file: &dyn ReadAt,
     len: u64,
-    mut options: LoadOptions<'_>,
+    options: LoadOptions<'_>,
 ) -> Result<Checkpoint> {
     let staging = options.staging.validate("readers")?;
-    let tensors = load::plan(path, file, len, &mut *options.select)?;
-    let tensors = slice::apply(tensors, &mut *options.slices)?;
-    let mut tally = Tally::new(load::plan_bytes(&tensors), &mut *options.progress);
     let source = load::Source {
         path,
         file,
         direct: None,
         len,
     };
-    let mut out = Vec::with_capacity(tensors.len());
-    let convert = &mut *options.convert;
-    let mut each = |engine: &mut CudaEngine, i, file: &Arc<Path>, name: String, tensor| {
-        let tensor = converted(engine, &mut *convert, &name, tensor)?;
-        out.push((i, Arc::clone(file), name, tensor));
-        Ok(())
-    };
-    load_shard(engine, source, &tensors, 0, staging, &mut tally, &mut each)?;
+    let mut out = Vec::new();
+    load_file(
+        engine,
+        source,
+        options,
+        staging,
+        &mut |_| {},
+        &mut |_, i, file, name, tensor| {
+            out.push((i, Arc::clone(file), name, tensor));
+            Ok(())
+        },
+    )?;
     Ok(Checkpoint::ordered(out))
 }
 
