@@ -579,6 +579,36 @@ fn measure_small_tensors() {
         median(&plan) * 1e3,
         median(&dropped) * 1e3
     );
+    // The landing (the default for this file) against the load that plans first (a selection
+    // of every tensor is never landed), in turns, with the limit read again after them.
+    let (mut landed, mut planned) = (Vec::new(), Vec::new());
+    for _ in 0..5 {
+        for (times, select) in [(&mut landed, false), (&mut planned, true)] {
+            engine.synchronize().unwrap();
+            let start = std::time::Instant::now();
+            let options = if select {
+                LoadOptions::new().select(|_| true)
+            } else {
+                LoadOptions::new()
+            };
+            let loaded = checkpoint::load_with(&mut engine, &path, options).unwrap();
+            times.push(start.elapsed().as_secs_f64());
+            drop(loaded);
+        }
+    }
+    let after = self::limit(&mut engine, &path);
+    let rate = |t: &[f64]| len as f64 / median(t) / GIB;
+    println!(
+        "  landed vs planned first, in turns: landed median {:.2} ms ({:.1} GiB/s, {:.2}x the limit before, {:.2}x the limit after {after:.1}); planned first {:.2} ms ({:.1} GiB/s, {:.2}x, {:.2}x)",
+        median(&landed) * 1e3,
+        rate(&landed),
+        rate(&landed) / limit,
+        rate(&landed) / after,
+        median(&planned) * 1e3,
+        rate(&planned),
+        rate(&planned) / limit,
+        rate(&planned) / after,
+    );
     let reader = Timed {
         file: &f,
         nanos: Default::default(),
