@@ -232,8 +232,22 @@ impl Order {
 
     /// Records `uses` as made by the operation just queued on `lane`.
     pub(crate) fn mark(&mut self, lane: Lane, uses: &[Use]) {
+        self.next[lane.index()] += 1;
+        self.record(lane, uses);
+    }
+
+    /// Records `uses` as made by the work queued on `lane` so far, at the lane's position now
+    /// (no new one): for memory that work wrote as part of a larger value, which becomes a
+    /// value of its own only now. Later work that must follow the uses waits for the lane up
+    /// to its position now, which covers that work.
+    #[cfg(feature = "safetensors")]
+    pub(crate) fn mark_queued(&mut self, lane: Lane, uses: &[Use]) {
+        self.record(lane, uses);
+    }
+
+    /// Records `uses` at `lane`'s position now.
+    fn record(&mut self, lane: Lane, uses: &[Use]) {
         let me = lane.index();
-        self.next[me] += 1;
         let pos = self.next[me];
         for &u in uses {
             if u.ptr() == 0 {

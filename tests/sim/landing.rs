@@ -536,3 +536,63 @@ fn a_landing_stops_reading_once_the_header_names_a_large_tensor() {
     );
     holds(&mut engine, &loaded, &expected);
 }
+
+#[test]
+fn work_queued_on_a_landed_tensor_as_it_is_handed_over_follows_its_copies() {
+    // Each tensor is handed over once every copy into the data is queued, before they are
+    // proven; a copy of it queued at once on the compute stream must still see the file's
+    // bytes, whatever order the device runs its streams in.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("small.safetensors");
+    let (file, expected) = small(120);
+    std::fs::write(&path, &file).unwrap();
+    for seed in 0..16 {
+        let sim = SimDevice::new(SimConfig::default());
+        sim.set_schedule(cuferry::sim::Schedule::Interleaved { seed });
+        let mut engine = CudaEngine::simulated_on(&sim);
+        let mut config = cuferry::staging::StagingConfig::default();
+        config.chunk_bytes = 16 << 10;
+        config.cutoff_bytes = 1024;
+        engine.set_staging_config(config).unwrap();
+        let mut copies = Vec::new();
+        checkpoint::load_each(
+            &mut engine,
+            &path,
+            LoadOptions::new(),
+            |engine, name, tensor| {
+                let copy = match tensor.dtype() {
+                    DType::U8 => {
+                        AnyTensor::from(engine.copy_tensor(tensor.as_typed::<u8>().unwrap())?)
+                    }
+                    DType::F32 => {
+                        AnyTensor::from(engine.copy_tensor(tensor.as_typed::<f32>().unwrap())?)
+                    }
+                    DType::BF16 => {
+                        AnyTensor::from(engine.copy_tensor(tensor.as_typed::<bf16>().unwrap())?)
+                    }
+                    _ => AnyTensor::from(engine.copy_tensor(tensor.as_typed::<f64>().unwrap())?),
+                };
+                // Odd seeds drop the tensor at once, while its copies may still run.
+                if seed % 2 == 0 {
+                    copies.push((name.clone(), tensor));
+                }
+                copies.push((name, copy));
+                Ok(())
+            },
+        )
+        .unwrap();
+        for (name, tensor) in &copies {
+            let (_, _, data) = expected.iter().find(|(n, _, _)| n == name).unwrap();
+            let back = crate::support::any_tensor::any_bytes(&mut engine, tensor).unwrap();
+            assert!(back == *data, "seed {seed}: {name}");
+        }
+        drop(copies);
+        drop(engine);
+        assert!(
+            sim.violations().is_empty(),
+            "seed {seed}: {:?}",
+            sim.violations()
+        );
+        assert_eq!(sim.device_live().0, 0, "seed {seed}: device memory left");
+    }
+}

@@ -26,6 +26,8 @@ use super::header::{self, Entry, Header};
 use super::load::{self, PACK_MAX, Source, Targets};
 use super::{Progress, Staging, Tally};
 use crate::core::engine::CudaEngine;
+use crate::core::order::Use;
+use crate::driver::Lane;
 use crate::dtype::DType;
 use crate::error::{IoError, Result};
 use crate::memory::any_tensor::AnyTensor;
@@ -67,21 +69,65 @@ fn serves(header: &Header) -> bool {
     })
 }
 
-/// The landed data: one target, filled by the copies of the data's one entry, until the
-/// header says the data cannot serve (`stop`).
-struct Data<'t> {
-    tensor: &'t DeviceTensor<u8>,
-    stop: &'t AtomicBool,
-    path: &'t std::path::Path,
+/// Where a landing's header comes from: the thread parsing it, or, where no thread could be
+/// had, a read on the calling thread; kept once known.
+struct Parse<'a, 'scope> {
+    thread: Option<std::thread::ScopedJoinHandle<'scope, Result<Header>>>,
+    read: &'a (dyn Fn() -> Result<Header> + Sync),
+    header: Option<Result<Header>>,
 }
 
-impl Targets for Data<'_> {
+impl Parse<'_, '_> {
+    /// The header, read and checked: waits for the thread parsing it the first time.
+    fn header(&mut self) -> &Result<Header> {
+        if self.header.is_none() {
+            let header = match self.thread.take() {
+                Some(thread) => thread
+                    .join()
+                    .unwrap_or_else(|panic| std::panic::resume_unwind(panic)),
+                None => (self.read)(),
+            };
+            self.header = Some(header);
+        }
+        self.header.as_ref().expect("known from here on")
+    }
+}
+
+/// A landing's one target: the whole allocation, the data from byte [`ALIGN`] on, filled by the
+/// copies of the data's one entry. Once they are all queued, the tensors are handed out, each
+/// the part of the allocation at its place, while the copies still run; a header the data
+/// cannot serve stops the landing instead (`stop`).
+struct Data<'a, 'scope, 'e> {
+    whole: &'a DeviceTensor<u8>,
+    arena: &'a std::sync::Arc<Arena>,
+    data_start: u64,
+    parse: Parse<'a, 'scope>,
+    stop: &'a AtomicBool,
+    path: &'a std::path::Path,
+    planned: &'a mut dyn FnMut(usize),
+    each: &'a mut Each<'e>,
+    /// Set once a tensor has been handed out.
+    handed: bool,
+}
+
+impl Targets for Data<'_, '_, '_> {
     fn target(&self, _: usize) -> &DeviceTensor<u8> {
-        self.tensor
+        self.whole
     }
 
-    fn queued(&mut self, _: &mut CudaEngine, _: usize) -> Result<()> {
-        Ok(())
+    fn at(&self, _: usize) -> usize {
+        ALIGN
+    }
+
+    fn queued(&mut self, engine: &mut CudaEngine, _: usize) -> Result<()> {
+        // A header the data cannot serve, or a bad one, is told once the landing returns.
+        if !self.parse.header().as_ref().is_ok_and(serves) {
+            return Ok(());
+        }
+        match self.parse.header.take() {
+            Some(Ok(header)) => self.hand_out(engine, header),
+            _ => Ok(()),
+        }
     }
 
     fn proceed(&self) -> Result<()> {
@@ -98,10 +144,70 @@ impl Targets for Data<'_> {
     }
 }
 
+impl Data<'_, '_, '_> {
+    /// Hands out every tensor the header names, once every copy into the data is queued: those
+    /// of no bytes first, then the others in file order, each the part of the allocation at its
+    /// place in the data. Each is recorded first as written by the copies queued so far on the
+    /// upload lane, so that later work on it waits for them.
+    fn hand_out(&mut self, engine: &mut CudaEngine, header: Header) -> Result<()> {
+        (self.planned)(header.tensors.len());
+        let base = self.whole.raw_ptr() + ALIGN as u64 - self.data_start;
+        let empty = |t: &Entry| t.end == t.start;
+        let written: Vec<Use> = (header.tensors.iter())
+            .filter(|t| !empty(t))
+            .map(|t| Use::Write(base + t.start))
+            .collect();
+        engine.enter()?.order.mark_queued(Lane::Upload, &written);
+        let order: Vec<usize> = (header.tensors.iter().enumerate())
+            .filter(|(_, t)| empty(t))
+            .chain(header.tensors.iter().enumerate().filter(|(_, t)| !empty(t)))
+            .map(|(i, _)| i)
+            .collect();
+        let mut tensors: Vec<Option<Entry>> = header.tensors.into_iter().map(Some).collect();
+        let mut handed = Ok(());
+        for i in order {
+            let t = tensors[i].take().expect("each tensor is handed out once");
+            let len = (t.end - t.start) as usize;
+            let bytes = if len == 0 {
+                match engine.alloc_tensor::<u8>(&[0]) {
+                    Ok(bytes) => bytes,
+                    Err(error) => {
+                        handed = handed.and(Err(error));
+                        continue;
+                    }
+                }
+            } else {
+                let at = ALIGN + (t.start - self.data_start) as usize;
+                // SAFETY: the header's ranges tile the data without overlap, so no two tensors
+                // made here overlap; `whole` spans them all and is never handed out.
+                unsafe { self.arena.part(at, len) }
+            };
+            if handed.is_err() {
+                // The load stopped: the part is dropped at once, which folds the use recorded
+                // for it above into the allocation's, so that the allocation's free waits for
+                // the copies and the order keeps nothing of it.
+                continue;
+            }
+            // SAFETY: every copy of the file's bytes into the data is queued, and the tensor is
+            // recorded as written by them: work on it is ordered after them. It is not `bool`
+            // (`serves`), so any bytes are valid values of its type. The allocation is 256-byte
+            // aligned, and the tensor starts at a multiple of its element's size from it
+            // (`serves`).
+            let tensor = unsafe { AnyTensor::from_bytes(bytes, t.dtype, &t.shape) };
+            let tensor =
+                tensor.expect("the header checked that the shape fills the tensor's bytes");
+            self.handed = true;
+            handed = (self.each)(engine, i, t, tensor);
+        }
+        handed
+    }
+}
+
 /// Lands the data of `source` when it is a file to land (see the module's doc), telling
 /// `planned` how many tensors the header names and handing each tensor to `each` once every
-/// copy is proven complete: those of no bytes first, then the others in file order.
-/// `progress` hears of each chunk's copy, out of the data's bytes.
+/// copy into the data is queued: those of no bytes first, then the others in file order.
+/// Returns once every copy is proven complete. `progress` hears of each chunk's copy, out of
+/// the data's bytes.
 ///
 /// # Errors
 /// The header's error, when it is malformed (before any other); a read's, a copy's or a
@@ -129,14 +235,12 @@ pub(super) fn load(
     // Fewer bytes than sixteen slots: a `usize`.
     let bytes = data as usize;
     // The data from byte `ALIGN` of the allocation on, so that no tensor sits at the
-    // allocation's own address, where the arena folds the uses of its parts.
+    // allocation's own address, where the copies' uses are recorded and the arena folds those
+    // of its parts.
     let arena = Arena::new(engine.alloc_tensor::<u8>(&[ALIGN + bytes])?);
-    // SAFETY: the whole allocation, held until the load ends so that the arena outlives the
-    // making of its parts; never handed out.
+    // SAFETY: the whole allocation: the copies' target, held until the load ends so that the
+    // arena outlives the making of its parts; never handed out.
     let whole = unsafe { arena.part(0, ALIGN + bytes) };
-    // SAFETY: the data's bytes, only the target of the copies, and dropped before any tensor
-    // is made of them.
-    let landing = unsafe { arena.part(ALIGN, bytes) };
     let entry = Entry {
         name: String::new(),
         dtype: DType::U8,
@@ -155,15 +259,27 @@ pub(super) fn load(
         }
         header
     };
-    let (header, landed) = std::thread::scope(|scope| {
-        let parse = std::thread::Builder::new()
+    let (header, landed, handed) = std::thread::scope(|scope| {
+        let thread = std::thread::Builder::new()
             .name("cuferry-header".into())
-            .spawn_scoped(scope, read);
+            .spawn_scoped(scope, read)
+            // No thread to be had: the header is read once the copies are queued.
+            .ok();
         let mut tally = Tally::new(data, progress);
         let mut target = Data {
-            tensor: &landing,
+            whole: &whole,
+            arena: &arena,
+            data_start,
+            parse: Parse {
+                thread,
+                read: &read,
+                header: None,
+            },
             stop: &stop,
             path: source.path,
+            planned,
+            each,
+            handed: false,
         };
         let landed = load::upload(
             engine,
@@ -173,56 +289,29 @@ pub(super) fn load(
             &mut tally,
             &mut target,
         );
-        let header = match parse {
-            Ok(parse) => parse
-                .join()
-                .unwrap_or_else(|panic| std::panic::resume_unwind(panic)),
-            // No thread to be had: the header is read now.
-            Err(_) => read(),
+        // Known already, unless the tensors were handed out (which took it).
+        let header = if target.handed {
+            None
+        } else {
+            target.parse.header();
+            target.parse.header.take()
         };
-        (header, landed)
+        (header, landed, target.handed)
     });
-    // A malformed header is what the usual load would report, before any read of the data;
-    // a header the data cannot serve sends the load the usual way, whatever the landing met
-    // (it may have been stopped for it).
-    let header = header?;
+    if handed {
+        landed?;
+        load::unchanged(source)?;
+        return Ok(Landing::Loaded);
+    }
+    // Nothing was handed out. A malformed header is what the usual load would report, before
+    // any read of the data; a header the data cannot serve sends the load the usual way,
+    // whatever the landing met (it may have been stopped for it).
+    let header = header.expect("known once the landing ends")?;
     if !serves(&header) {
         return Ok(Landing::Declined(header));
     }
+    // A landing whose copies are all queued hands its tensors out, so the landing failed.
     landed?;
-    load::unchanged(source)?;
-    // Its copies are proven complete (`upload` returns once they are): its uses fold into the
-    // allocation's, and the tensors made below start with none.
-    drop(landing);
-    planned(header.tensors.len());
-    // A tensor of no bytes first, as every load hands them over; then the others in file order.
-    let empty = |t: &Entry| t.end == t.start;
-    let order: Vec<usize> = (header.tensors.iter().enumerate())
-        .filter(|(_, t)| empty(t))
-        .chain(header.tensors.iter().enumerate().filter(|(_, t)| !empty(t)))
-        .map(|(i, _)| i)
-        .collect();
-    let mut tensors: Vec<Option<Entry>> = header.tensors.into_iter().map(Some).collect();
-    for i in order {
-        let t = tensors[i].take().expect("each tensor is handed over once");
-        let len = (t.end - t.start) as usize;
-        let bytes = if len == 0 {
-            engine.alloc_tensor::<u8>(&[0])?
-        } else {
-            // Inside the data: the header's ranges tile it.
-            let at = ALIGN + (t.start - data_start) as usize;
-            // SAFETY: the header's ranges tile the data without overlap, so no two tensors made
-            // here overlap; `whole` spans them all and is never handed out.
-            unsafe { arena.part(at, len) }
-        };
-        // SAFETY: every copy into the data is proven complete, of the file's bytes for this
-        // tensor at its place, and it is not `bool` (`serves`): the bytes are valid values of
-        // its type. The allocation is 256-byte aligned and the tensor starts at a multiple of
-        // its element's size from it (`serves`).
-        let tensor = unsafe { AnyTensor::from_bytes(bytes, t.dtype, &t.shape) };
-        let tensor = tensor.expect("the header checked that the shape fills the tensor's bytes");
-        each(engine, i, t, tensor)?;
-    }
-    drop(whole);
-    Ok(Landing::Loaded)
+    // Not reached; were it, the file is loaded the usual way.
+    Ok(Landing::Declined(header))
 }

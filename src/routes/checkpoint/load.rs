@@ -272,6 +272,11 @@ pub(crate) trait Targets {
     /// group's.
     fn target(&self, i: usize) -> &DeviceTensor<u8>;
 
+    /// The byte of [`target`](Self::target)'s tensor where entry `i`'s bytes begin.
+    fn at(&self, _i: usize) -> usize {
+        0
+    }
+
     /// The groups of small entries packed into one allocation each: none unless the targets
     /// made them ([`groups`]).
     fn groups(&self) -> &[Group] {
@@ -569,7 +574,7 @@ impl Run<'_, '_> {
             None => (chunk.pieces.iter())
                 .map(|p| Scatter {
                     tensor: targets.target(p.tensor),
-                    at: p.at,
+                    at: targets.at(p.tensor) + p.at,
                     from: p.from,
                     len: p.len,
                     parts: &[],
