@@ -256,10 +256,11 @@ impl<'a> Tally<'a> {
 }
 
 /// The pinned staging a load or a save stages its bytes through, unless its options say
-/// otherwise: 128 MiB (eight slots of the engine's default 16 MiB chunk). More staging is
+/// otherwise: 64 MiB (four slots of the engine's default 16 MiB chunk). More staging is
 /// slower, not faster: the reads land in memory the processor's caches no longer hold when the
-/// copy engines read it (`docs/records/checkpoints.md` has the sweep behind the figure).
-pub const DEFAULT_STAGING_BYTES: usize = 128 << 20;
+/// copy engines read it, and with the reader crew taking each slot's parts in turn, four slots
+/// keep the copies busy (`docs/records/checkpoints.md` has the sweeps behind the figure).
+pub const DEFAULT_STAGING_BYTES: usize = 64 << 20;
 
 /// The reader threads a load runs, unless its options say otherwise: each slot's read is cut
 /// into parts that the readers take in turn. A load of fewer than sixteen slots' worth runs
