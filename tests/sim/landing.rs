@@ -596,3 +596,71 @@ fn work_queued_on_a_landed_tensor_as_it_is_handed_over_follows_its_copies() {
         assert_eq!(sim.device_live().0, 0, "seed {seed}: device memory left");
     }
 }
+
+/// A reader whose read of the data's last bytes (from `last` on) waits until `handed` is set,
+/// or gives up after two seconds and says so (`missed`); its first read of the data (from
+/// `data` on) takes 50 ms, long enough for any header to be parsed meanwhile.
+struct LastWaits<'a> {
+    bytes: &'a [u8],
+    data: u64,
+    last: u64,
+    slow: AtomicBool,
+    handed: Mutex<bool>,
+    set: Condvar,
+    missed: AtomicBool,
+}
+
+impl ReadAt for LastWaits<'_> {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<usize> {
+        if offset >= self.data && !self.slow.swap(true, Ordering::SeqCst) {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        if offset < self.bytes.len() as u64 && offset + buf.len() as u64 > self.last {
+            let handed = self.handed.lock().unwrap();
+            let (handed, _) = self
+                .set
+                .wait_timeout_while(handed, Duration::from_secs(2), |handed| !*handed)
+                .unwrap();
+            if !*handed {
+                self.missed.store(true, Ordering::SeqCst);
+            }
+        }
+        self.bytes.read_at(buf, offset)
+    }
+}
+
+#[test]
+fn a_landed_tensor_is_handed_over_once_its_own_bytes_are_queued_not_the_whole_files() {
+    // About 300 KiB of small tensors through 64 KiB slots: the first tensors are handed over
+    // (seen here as the load asks which element type to give each) while the data's last
+    // bytes are still to be read.
+    let (file, expected) = small(300);
+    let (mut engine, sim) = engine_with(64 << 10);
+    let data = 8 + u64::from_le_bytes(file[..8].try_into().unwrap());
+    let reader = LastWaits {
+        bytes: &file,
+        data,
+        last: file.len() as u64 - 1024,
+        slow: AtomicBool::new(false),
+        handed: Mutex::new(false),
+        set: Condvar::new(),
+        missed: AtomicBool::new(false),
+    };
+    let options = LoadOptions::new().readers(3).convert(|_, dtype| {
+        *reader.handed.lock().unwrap() = true;
+        reader.set.notify_all();
+        dtype
+    });
+    let path = Path::new("small.safetensors");
+    let loaded =
+        checkpoint::load_from(&mut engine, path, &reader, file.len() as u64, options).unwrap();
+    assert!(
+        !reader.missed.load(Ordering::SeqCst),
+        "no tensor was handed over before the data's last bytes were read"
+    );
+    holds(&mut engine, &loaded, &expected);
+    drop(loaded);
+    drop(engine);
+    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+    assert_eq!(sim.device_live().0, 0, "device memory left");
+}
