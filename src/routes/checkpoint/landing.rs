@@ -7,12 +7,7 @@
 //! is read and copied, as it lies in the file, into one device allocation (in sixteen chunks
 //! through the load's staging and reader crew, as any load of a few slots' worth) while another
 //! thread parses the header. Each tensor is then a part of that allocation at its place in the
-//! file ([`Arena`]): nothing is copied twice. Once the header is known, each tensor is handed
-//! over as soon as the copies up to its last byte are queued, recorded as written by them (so
-//! work on it follows them on the device), while the later chunks are still read and copied.
-//!
-//! A header that is bad, or that the landed data cannot serve (below), stops the landing as
-//! soon as it is known: the reads not yet begun are not made.
+//! file ([`Arena`]): nothing is copied twice.
 //!
 //! Whether to land is decided before the header is known, from what its prefix and the file's
 //! length say: a load of the whole file (no selection, no slices) of fewer than sixteen slots'
@@ -28,7 +23,7 @@
 //! data is read a second time.
 
 use super::header::{self, Entry, Header};
-use super::load::{self, PACK_MAX, Piece, Source, Targets};
+use super::load::{self, PACK_MAX, Source, Targets};
 use super::{Progress, Staging, Tally};
 use crate::core::engine::CudaEngine;
 use crate::core::order::Use;
@@ -75,7 +70,7 @@ fn serves(header: &Header) -> bool {
 }
 
 /// Where a landing's header comes from: the thread parsing it, or, where no thread could be
-/// had, a read on the calling thread once every copy is queued; kept once known.
+/// had, a read on the calling thread; kept once known.
 struct Parse<'a, 'scope> {
     thread: Option<std::thread::ScopedJoinHandle<'scope, Result<Header>>>,
     read: &'a (dyn Fn() -> Result<Header> + Sync),
@@ -96,28 +91,12 @@ impl Parse<'_, '_> {
         }
         self.header.as_ref().expect("known from here on")
     }
-
-    /// The header if its thread is done with it, without waiting.
-    fn ready(&mut self) -> Option<&Result<Header>> {
-        if self.header.is_none() && self.thread.as_ref().is_some_and(|t| t.is_finished()) {
-            self.header();
-        }
-        self.header.as_ref()
-    }
-}
-
-/// The tensors of a landing being handed out: the header's, in file order, each taken when it
-/// is handed out (those of no bytes first, all at once), and the next in file order.
-struct Handing {
-    tensors: Vec<Option<Entry>>,
-    next: usize,
 }
 
 /// A landing's one target: the whole allocation, the data from byte [`ALIGN`] on, filled by the
-/// copies of the data's one entry. Once the header is known and every copy up to a tensor's
-/// last byte is queued, the tensor is handed out, the part of the allocation at its place,
-/// while later copies are still queued and run; a header the data cannot serve stops the
-/// landing instead (`stop`).
+/// copies of the data's one entry. Once they are all queued, the tensors are handed out, each
+/// the part of the allocation at its place, while the copies still run; a header the data
+/// cannot serve stops the landing instead (`stop`).
 struct Data<'a, 'scope, 'e> {
     whole: &'a DeviceTensor<u8>,
     arena: &'a std::sync::Arc<Arena>,
@@ -127,12 +106,6 @@ struct Data<'a, 'scope, 'e> {
     path: &'a std::path::Path,
     planned: &'a mut dyn FnMut(usize),
     each: &'a mut Each<'e>,
-    /// The pieces of the data whose copies are queued past `queued`, by where they start.
-    pieces: std::collections::BTreeMap<u64, u64>,
-    /// How far from its start the data's copies are all queued.
-    queued: u64,
-    /// The tensors being handed out, once the header is known and serves.
-    handing: Option<Handing>,
     /// Set once a tensor has been handed out.
     handed: bool,
 }
@@ -146,29 +119,15 @@ impl Targets for Data<'_, '_, '_> {
         ALIGN
     }
 
-    fn piece_queued(&mut self, engine: &mut CudaEngine, piece: &Piece) -> Result<()> {
-        self.pieces
-            .insert(piece.at as u64, (piece.at + piece.len) as u64);
-        while let Some(end) = self.pieces.remove(&self.queued) {
-            self.queued = end;
-        }
-        if self.handing.is_none() {
-            match self.parse.ready() {
-                Some(Ok(header)) if serves(header) => {}
-                // Not known yet (asked again at the next piece), or told once the landing
-                // returns.
-                _ => return Ok(()),
-            }
-        }
-        self.hand_out(engine)
-    }
-
     fn queued(&mut self, engine: &mut CudaEngine, _: usize) -> Result<()> {
         // A header the data cannot serve, or a bad one, is told once the landing returns.
-        if self.handing.is_none() && !self.parse.header().as_ref().is_ok_and(serves) {
+        if !self.parse.header().as_ref().is_ok_and(serves) {
             return Ok(());
         }
-        self.hand_out(engine)
+        match self.parse.header.take() {
+            Some(Ok(header)) => self.hand_out(engine, header),
+            _ => Ok(()),
+        }
     }
 
     fn proceed(&self) -> Result<()> {
@@ -186,60 +145,28 @@ impl Targets for Data<'_, '_, '_> {
 }
 
 impl Data<'_, '_, '_> {
-    /// Hands out the tensors whose bytes the queued copies cover, in file order (the first time,
-    /// every tensor of no bytes first), once the header is known and serves (the caller has
-    /// checked). Each is recorded first as written by the copies queued so far on the upload
-    /// lane, so that later work on it waits for them.
-    fn hand_out(&mut self, engine: &mut CudaEngine) -> Result<()> {
-        if self.handing.is_none() {
-            let Some(Ok(header)) = self.parse.header.take() else {
-                return Ok(());
-            };
-            (self.planned)(header.tensors.len());
-            let empty: Vec<usize> = (header.tensors.iter().enumerate())
-                .filter(|(_, t)| t.end == t.start)
-                .map(|(i, _)| i)
-                .collect();
-            let tensors = header.tensors.into_iter().map(Some).collect();
-            self.handing = Some(Handing { tensors, next: 0 });
-            self.hand(engine, &empty)?;
-        }
-        let handing = self.handing.as_mut().expect("made above");
-        let from = handing.next;
-        let covered = self.data_start + self.queued;
-        while let Some(t) = handing.tensors.get(handing.next) {
-            if t.as_ref().is_some_and(|t| t.end > covered) {
-                break;
-            }
-            handing.next += 1;
-        }
-        let batch: Vec<usize> = (from..handing.next)
-            .filter(|&i| handing.tensors[i].is_some())
-            .collect();
-        self.hand(engine, &batch)
-    }
-
-    /// Hands out the tensors `batch` names, each taken from [`Handing`]: first recorded, all at
-    /// once, as written by the copies queued so far on the upload lane, then made and handed to
-    /// `each` in turn. Once `each` refuses one, the rest are made and dropped at once, which
-    /// folds the use recorded for each into the allocation's.
-    fn hand(&mut self, engine: &mut CudaEngine, batch: &[usize]) -> Result<()> {
-        if batch.is_empty() {
-            return Ok(());
-        }
-        let handing = self.handing.as_mut().expect("handing out");
+    /// Hands out every tensor the header names, once every copy into the data is queued: those
+    /// of no bytes first, then the others in file order, each the part of the allocation at its
+    /// place in the data. Each is recorded first as written by the copies queued so far on the
+    /// upload lane, so that later work on it waits for them.
+    fn hand_out(&mut self, engine: &mut CudaEngine, header: Header) -> Result<()> {
+        (self.planned)(header.tensors.len());
         let base = self.whole.raw_ptr() + ALIGN as u64 - self.data_start;
-        let written: Vec<Use> = (batch.iter())
-            .filter_map(|&i| handing.tensors[i].as_ref())
-            .filter(|t| t.end > t.start)
+        let empty = |t: &Entry| t.end == t.start;
+        let written: Vec<Use> = (header.tensors.iter())
+            .filter(|t| !empty(t))
             .map(|t| Use::Write(base + t.start))
             .collect();
         engine.enter()?.order.mark_queued(Lane::Upload, &written);
+        let order: Vec<usize> = (header.tensors.iter().enumerate())
+            .filter(|(_, t)| empty(t))
+            .chain(header.tensors.iter().enumerate().filter(|(_, t)| !empty(t)))
+            .map(|(i, _)| i)
+            .collect();
+        let mut tensors: Vec<Option<Entry>> = header.tensors.into_iter().map(Some).collect();
         let mut handed = Ok(());
-        for &i in batch {
-            let t = handing.tensors[i]
-                .take()
-                .expect("each tensor is handed out once");
+        for i in order {
+            let t = tensors[i].take().expect("each tensor is handed out once");
             let len = (t.end - t.start) as usize;
             let bytes = if len == 0 {
                 match engine.alloc_tensor::<u8>(&[0]) {
@@ -256,13 +183,16 @@ impl Data<'_, '_, '_> {
                 unsafe { self.arena.part(at, len) }
             };
             if handed.is_err() {
-                continue; // dropped at once: see above
+                // The load stopped: the part is dropped at once, which folds the use recorded
+                // for it above into the allocation's, so that the allocation's free waits for
+                // the copies and the order keeps nothing of it.
+                continue;
             }
-            // SAFETY: every copy of the file's bytes up to the tensor's last byte is queued,
-            // and the tensor is recorded as written by them: work on it is ordered after them.
-            // It is not `bool` (`serves`), so any bytes are valid values of its type. The
-            // allocation is 256-byte aligned, and the tensor starts at a multiple of its
-            // element's size from it (`serves`).
+            // SAFETY: every copy of the file's bytes into the data is queued, and the tensor is
+            // recorded as written by them: work on it is ordered after them. It is not `bool`
+            // (`serves`), so any bytes are valid values of its type. The allocation is 256-byte
+            // aligned, and the tensor starts at a multiple of its element's size from it
+            // (`serves`).
             let tensor = unsafe { AnyTensor::from_bytes(bytes, t.dtype, &t.shape) };
             let tensor =
                 tensor.expect("the header checked that the shape fills the tensor's bytes");
@@ -274,9 +204,9 @@ impl Data<'_, '_, '_> {
 }
 
 /// Lands the data of `source` when it is a file to land (see the module's doc), telling
-/// `planned` how many tensors the header names and handing each tensor to `each` once the
-/// copies up to its last byte are queued: those of no bytes first, then the others in file
-/// order. Returns once every copy is proven complete. `progress` hears of each chunk's copy, out of
+/// `planned` how many tensors the header names and handing each tensor to `each` once every
+/// copy into the data is queued: those of no bytes first, then the others in file order.
+/// Returns once every copy is proven complete. `progress` hears of each chunk's copy, out of
 /// the data's bytes.
 ///
 /// # Errors
@@ -349,9 +279,6 @@ pub(super) fn load(
             path: source.path,
             planned,
             each,
-            pieces: std::collections::BTreeMap::new(),
-            queued: 0,
-            handing: None,
             handed: false,
         };
         let landed = load::upload(

@@ -296,15 +296,6 @@ pub(crate) trait Targets {
     /// Whatever stops the pipeline (a caller's error).
     fn queued(&mut self, engine: &mut CudaEngine, i: usize) -> Result<()>;
 
-    /// The copy of `piece` is queued (told of every piece, before [`queued`](Self::queued) for
-    /// the entry whose last piece it is).
-    ///
-    /// # Errors
-    /// Whatever stops the pipeline (a caller's error).
-    fn piece_queued(&mut self, _engine: &mut CudaEngine, _piece: &Piece) -> Result<()> {
-        Ok(())
-    }
-
     /// Whether the pipeline is to go on: asked before each slot is handed out to the readers
     /// and after each batch of their answers.
     ///
@@ -603,7 +594,6 @@ impl Run<'_, '_> {
     /// Tells the targets of each tensor whose last piece `chunk` (landed) holds.
     fn hand_over(&mut self, chunk: &Chunk) -> Result<()> {
         for piece in &chunk.pieces {
-            self.targets.piece_queued(self.engine, piece)?;
             self.remaining[piece.tensor] -= 1;
             if self.remaining[piece.tensor] == 0 {
                 self.targets.queued(self.engine, piece.tensor)?;

@@ -727,8 +727,8 @@ pub fn load_with(
 /// once; that work is ordered after the tensor's copies on the device (the engine's one
 /// order), so a model's first layers can run while the rest of the file is still loading. The
 /// tensors come in the order their last bytes are read, which with several readers need not be
-/// file order. A tensor of no bytes comes first. A landed file's tensors (see [`load`]) come in
-/// file order, each once the copies up to its last byte are queued.
+/// file order. A tensor of no bytes comes first. A landed file's tensors (see [`load`]) come
+/// together once every copy of its data is queued, in file order.
 ///
 /// # Errors
 /// As [`load_with`], and `each`'s error, which stops the load. The tensors already handed out
