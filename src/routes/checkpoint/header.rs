@@ -161,7 +161,7 @@ impl<'de> Visitor<'de> for Top<'_> {
 
 /// The fewest bytes of header text a tensor's entry takes:
 /// `"":{"dtype":"U8","shape":[],"data_offsets":[0,0]},`.
-const SHORTEST_ENTRY: usize = 50;
+pub(crate) const SHORTEST_ENTRY: usize = 50;
 
 /// The most entries a header's list makes room for before it reads them.
 const MOST_ROOM: usize = 1 << 16;

@@ -12,8 +12,8 @@
 //! Whether to land is decided before the header is known, from what its prefix and the file's
 //! length say: a load of the whole file (no selection, no slices) of fewer than sixteen slots'
 //! worth, whose data could be small tensors only. Every tensor entry of a header takes at least
-//! [`LEAST_ENTRY`] bytes, so a header of `n` bytes names at most `n / 50 + 1` tensors, and data
-//! longer than that many small tensors holds a large one.
+//! fifty bytes (`header::SHORTEST_ENTRY`), so a header of `n` bytes names at most `n / 50 + 1`
+//! tensors, and data longer than that many small tensors holds a large one.
 //!
 //! Once the header is read and checked, the landed data serves when every tensor is small, none
 //! is `bool` (whose bytes the host checks before they reach the device), and each starts at a
@@ -35,10 +35,6 @@ use crate::memory::arena::{ALIGN, Arena};
 use crate::memory::tensor::DeviceTensor;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-/// The fewest bytes a tensor's entry in a header takes:
-/// `"":{"dtype":"U8","shape":[],"data_offsets":[0,1]},`.
-const LEAST_ENTRY: u64 = 50;
-
 /// How a landing went.
 pub(super) enum Landing {
     /// Every tensor was handed over.
@@ -56,7 +52,7 @@ pub(super) type Each<'e> = dyn FnMut(&mut CudaEngine, usize, Entry, AnyTensor) -
 
 /// Whether data of `data` bytes after a header of `header` bytes could be small tensors only.
 fn could_be_small(header: u64, data: u64) -> bool {
-    (header / LEAST_ENTRY + 1).saturating_mul(PACK_MAX as u64) >= data
+    (header / header::SHORTEST_ENTRY as u64 + 1).saturating_mul(PACK_MAX as u64) >= data
 }
 
 /// Whether the landed data serves every tensor `header` names: see the module's doc.
