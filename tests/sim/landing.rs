@@ -63,6 +63,25 @@ fn write(tensors: &[Written]) -> (Vec<u8>, Vec<Expected>) {
     (file, expected)
 }
 
+/// The file of `count` small tensors of `dtype`, `n` elements each (tensor `i`'s bytes all
+/// `i`), then `last`, and what a load must give back.
+fn among(
+    count: usize,
+    dtype: safetensors::Dtype,
+    n: usize,
+    last: Written,
+) -> (Vec<u8>, Vec<Expected>) {
+    let size = match dtype {
+        safetensors::Dtype::F32 => 4,
+        _ => 1,
+    };
+    let mut tensors: Vec<Written> = (0..count)
+        .map(|i| (format!("n{i:03}"), dtype, n, vec![i as u8; n * size]))
+        .collect();
+    tensors.push(last);
+    write(&tensors)
+}
+
 /// A simulated engine whose staging slots are `chunk` bytes, and its device.
 fn engine_with(chunk: usize) -> (CudaEngine, SimDevice) {
     let mut engine = CudaEngine::simulated(SimConfig::default());
@@ -212,16 +231,8 @@ fn a_file_the_landing_cannot_serve_loads_from_its_header_read_again() {
     use safetensors::Dtype as Sd;
     // A `bool` tensor among small ones: its bytes are checked on the host, so the file is read
     // again the usual way.
-    let mut tensors: Vec<Written> = (0..40)
-        .map(|i| (format!("n{i:02}"), Sd::F32, 50, vec![i as u8; 200]))
-        .collect();
-    tensors.push((
-        "mask".into(),
-        Sd::BOOL,
-        30,
-        (0..30).map(|j| (j % 2) as u8).collect(),
-    ));
-    let (file, expected) = write(&tensors);
+    let mask = (0..30).map(|j| (j % 2) as u8).collect();
+    let (file, expected) = among(40, Sd::F32, 50, ("mask".into(), Sd::BOOL, 30, mask));
     let (mut engine, sim) = engine_with(64 << 10);
     let reader = Watch::new(&file);
     let loaded = load(&mut engine, &reader, file.len()).unwrap();
@@ -509,16 +520,8 @@ fn a_landing_stops_reading_once_the_header_names_a_large_tensor() {
     // 200 small tensors and one of 512 KiB: a header this long could name small tensors only,
     // so the data starts landing; once the header is parsed, the large tensor stops it, and the
     // file is read the usual way.
-    let mut tensors: Vec<Written> = (0..200)
-        .map(|i| (format!("n{i:03}"), Sd::U8, 100, vec![i as u8; 100]))
-        .collect();
-    tensors.push((
-        "big".into(),
-        Sd::U8,
-        512 << 10,
-        (0..512 << 10).map(|j| (j % 253) as u8).collect(),
-    ));
-    let (file, expected) = write(&tensors);
+    let big = (0..512 << 10).map(|j| (j % 253) as u8).collect();
+    let (file, expected) = among(200, Sd::U8, 100, ("big".into(), Sd::U8, 512 << 10, big));
     let data_start = 8 + u64::from_le_bytes(file[..8].try_into().unwrap());
     let data = file.len() as u64 - data_start;
     let (mut engine, _sim) = engine_with(64 << 10);
