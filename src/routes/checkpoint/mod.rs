@@ -798,16 +798,8 @@ fn load_indexed(
 ) -> Result<()> {
     let staging = options.staging.validate("readers")?;
     if !is_index(path) {
-        let file = open(path)?;
-        let len = file_len(path, &file)?;
-        let direct = staging.direct.then(|| open_direct(path)).flatten();
-        let source = load::Source {
-            path,
-            file: &file,
-            direct: direct.as_ref(),
-            len,
-        };
-        return load_file(engine, source, options, staging, planned, each);
+        let shard = Shard::open(path, staging.direct)?;
+        return load_file(engine, shard.source(), options, staging, planned, each);
     }
     let shards = plan_shards(path, &mut options, staging)?;
     planned(shards.iter().map(|s| s.tensors.len()).sum());
@@ -820,15 +812,9 @@ fn load_indexed(
     };
     let mut base = 0;
     for shard in &shards {
-        let source = load::Source {
-            path: &shard.path,
-            file: &shard.file,
-            direct: shard.direct.as_ref(),
-            len: shard.len,
-        };
         load_shard(
             engine,
-            source,
+            shard.source(),
             &shard.tensors,
             base,
             staging,
@@ -910,17 +896,9 @@ fn plan_shards(path: &Path, options: &mut LoadOptions<'_>, staging: Staging) -> 
     let mut shards = if is_index(path) {
         index::plan(path, &mut *options.select, staging.direct)?
     } else {
-        let file = open(path)?;
-        let len = file_len(path, &file)?;
-        let tensors = load::plan(path, &file, len, &mut *options.select)?;
-        let direct = staging.direct.then(|| open_direct(path)).flatten();
-        vec![Shard {
-            path: path.to_owned(),
-            file,
-            direct,
-            len,
-            tensors,
-        }]
+        let mut shard = Shard::open(path, staging.direct)?;
+        shard.tensors = load::plan(path, &shard.file, shard.len, &mut *options.select)?;
+        vec![shard]
     };
     for shard in &mut shards {
         let planned = std::mem::take(&mut shard.tensors);
@@ -979,6 +957,32 @@ pub(crate) struct Shard {
     pub(crate) direct: Option<std::fs::File>,
     pub(crate) len: u64,
     pub(crate) tensors: Vec<header::Entry>,
+}
+
+impl Shard {
+    /// The file `path`, opened (and opened again for direct reads where `direct` asks for
+    /// them and the system allows it), with no tensor planned yet.
+    fn open(path: &Path, direct: bool) -> Result<Shard> {
+        let file = open(path)?;
+        let len = file_len(path, &file)?;
+        Ok(Shard {
+            path: path.to_owned(),
+            direct: direct.then(|| open_direct(path)).flatten(),
+            file,
+            len,
+            tensors: Vec::new(),
+        })
+    }
+
+    /// Where a load of the shard reads.
+    pub(crate) fn source(&self) -> load::Source<'_> {
+        load::Source {
+            path: &self.path,
+            file: &self.file,
+            direct: self.direct.as_ref(),
+            len: self.len,
+        }
+    }
 }
 
 /// Loads the planned `tensors` of one file, handing each to `each` with its place (`base` on).

@@ -8,8 +8,8 @@
 //! the usual pipeline, and a broadcast from the rank that read each tensor gives it to the
 //! others, so the file is read from storage once in total.
 
-use super::load::{self, Source};
-use super::{Checkpoint, LoadOptions, Shard, Tally, converted, plan_shards};
+use super::load;
+use super::{Checkpoint, LoadOptions, Tally, converted, plan_shards};
 use crate::core::engine::CudaEngine;
 use crate::error::{Result, UsageError};
 use crate::memory::any_tensor::AnyTensor;
@@ -127,8 +127,8 @@ pub fn load_shared(
                 .filter(|&i| reads(i))
                 .map(|i| shard.tensors[i].clone())
                 .collect();
-            let mut read =
-                load::load_bytes(engine, source(shard), &entries, staging, &mut tally)?.into_iter();
+            let mut read = load::load_bytes(engine, shard.source(), &entries, staging, &mut tally)?
+                .into_iter();
             for (i, t) in shard.tensors.iter().enumerate() {
                 tensors.push(Some(if reads(i) {
                     read.next().expect("one tensor per read entry")
@@ -185,16 +185,6 @@ pub fn load_shared(
         out.push(Checkpoint::ordered(placed));
     }
     Ok(out)
-}
-
-/// Where a load reads `shard`.
-fn source(shard: &Shard) -> Source<'_> {
-    Source {
-        path: &shard.path,
-        file: &shard.file,
-        direct: shard.direct.as_ref(),
-        len: shard.len,
-    }
 }
 
 /// The index in `planned` of the first tensor of shard `s`.
