@@ -250,6 +250,27 @@ fn checkpoints(a: &mut CudaEngine, wrong: &Wrong) -> Result<(), Error> {
     let (_, large_copy) = copies.iter().find(|(n, _)| n == "large").expect("loaded");
     let back = download_tensor(a, large_copy.as_typed::<u32>().expect("a u32 tensor"))?;
     expect(wrong, "checkpoint::load_each", &back, &large);
+    // A file of small tensors, landed: its data copied into one allocation while the header is
+    // parsed, each tensor a part of it.
+    let norms: Vec<Vec<u32>> = (0..30u32).map(|i| distinct(50, 20 + i)).collect();
+    let bytes: Vec<Vec<u8>> = (norms.iter())
+        .map(|n| n.iter().flat_map(|v| v.to_le_bytes()).collect())
+        .collect();
+    let views = (bytes.iter().enumerate()).map(|(i, b)| {
+        let view = safetensors::tensor::TensorView::new(safetensors::Dtype::U32, vec![50], b);
+        (format!("norm.{i:02}"), view.expect("a valid view"))
+    });
+    let small_path = dir.join("norms.safetensors");
+    safetensors::serialize_to_file(views, None, &small_path).unwrap();
+    let landed = checkpoint::load_with(a, &small_path, LoadOptions::new().readers(3))?;
+    let norm = landed.get("norm.17").expect("loaded").as_typed::<u32>();
+    expect(
+        wrong,
+        "a landed load",
+        &download_tensor(a, norm.expect("a u32 tensor"))?,
+        &norms[17],
+    );
+    drop(landed);
     // A load that converts one tensor on the device (a cast queued after its copies).
     let options = LoadOptions::new()
         .readers(3)
