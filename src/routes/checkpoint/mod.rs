@@ -34,6 +34,7 @@ use crate::error::{Error, IoError, Result, UsageError};
 use crate::memory::any_tensor::AnyTensor;
 use crate::memory::element::Element;
 use crate::memory::tensor::DeviceTensor;
+use std::hash::BuildHasher;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -553,8 +554,11 @@ impl<'a> LoadOptions<'a> {
 pub struct Checkpoint {
     /// In file order; a tensor taken out leaves its place empty.
     tensors: Vec<Option<Held>>,
-    /// Each name's place in `tensors`.
-    by_name: std::collections::HashMap<String, usize>,
+    /// The places in `tensors` of the tensors held, by a hash of their names (the names are
+    /// `tensors`' own, not copies).
+    by_name: hashbrown::HashTable<usize>,
+    /// The names' hasher: keyed at random, so that no file can choose names that collide.
+    hasher: std::hash::RandomState,
 }
 
 /// A tensor a checkpoint holds: its name, the tensor, and the file it came from (for errors).
@@ -568,8 +572,10 @@ struct Held {
 impl Checkpoint {
     /// The place of the tensor named `name`, while the checkpoint holds it.
     fn place(&self, name: &str) -> Option<usize> {
-        let &at = self.by_name.get(name)?;
-        self.tensors[at].is_some().then_some(at)
+        let hash = self.hasher.hash_one(name);
+        let tensors = &self.tensors;
+        let &at = self.by_name.find(hash, |&at| named(tensors, at, name))?;
+        Some(at)
     }
 
     /// The tensor named `name`.
@@ -580,8 +586,12 @@ impl Checkpoint {
 
     /// Takes the tensor named `name` out of the checkpoint.
     pub fn remove(&mut self, name: &str) -> Option<AnyTensor> {
-        let at = self.place(name)?;
-        self.by_name.remove(name);
+        let hash = self.hasher.hash_one(name);
+        let tensors = &self.tensors;
+        let (at, _) = (self.by_name)
+            .find_entry(hash, |&at| named(tensors, at, name))
+            .ok()?
+            .remove();
         self.tensors[at].take().map(|h| h.tensor)
     }
 
@@ -702,22 +712,18 @@ pub fn load_with(
     path: impl AsRef<Path>,
     options: LoadOptions<'_>,
 ) -> Result<Checkpoint> {
-    let mut tensors = Vec::new();
-    let room = std::cell::Cell::new(0);
+    let filling = std::cell::RefCell::new(Filling::new(0));
     load_indexed(
         engine,
         path.as_ref(),
         options,
-        &mut |planned| room.set(planned),
+        &mut |planned| *filling.borrow_mut() = Filling::new(planned),
         &mut |_, i, file, name, tensor| {
-            if tensors.capacity() == 0 {
-                tensors.reserve_exact(room.get());
-            }
-            tensors.push((i, Arc::clone(file), name, tensor));
+            filling.borrow_mut().put(i, file, name, tensor);
             Ok(())
         },
     )?;
-    Ok(Checkpoint::ordered(tensors))
+    Ok(filling.into_inner().done())
 }
 
 /// As [`load_with`], handing each tensor to `each` as soon as every copy into it is queued,
@@ -753,35 +759,62 @@ pub fn load_each(
 type Handoff<'e> =
     dyn FnMut(&mut CudaEngine, usize, &Arc<Path>, String, AnyTensor) -> Result<()> + 'e;
 
-/// A tensor handed out by a load: its place, file, name and the tensor.
-type Placed = (usize, Arc<Path>, String, AnyTensor);
+/// Whether the tensor at place `at` of `tensors` is held and named `name`.
+fn named(tensors: &[Option<Held>], at: usize, name: &str) -> bool {
+    tensors[at].as_ref().is_some_and(|h| h.name == name)
+}
 
-impl Checkpoint {
-    /// The tensors handed out by a load, put back in file order: each straight into its place
-    /// (a load's places are `0..n`, each given once), not sorted there.
+/// A checkpoint being filled by a load: each tensor put straight into its place in file order
+/// as it is handed out, the names' table made once the load is done.
+struct Filling {
+    tensors: Vec<Option<Held>>,
+}
+
+impl Filling {
+    /// Room for `places` tensors.
+    fn new(places: usize) -> Filling {
+        Filling {
+            tensors: std::iter::repeat_with(|| None).take(places).collect(),
+        }
+    }
+
+    /// Puts `tensor`, named `name`, from `file`, at `place`.
     ///
     /// # Panics
-    /// When a place lies outside `0..n`.
-    fn ordered(tensors: Vec<Placed>) -> Checkpoint {
-        let mut places: Vec<Option<Held>> = std::iter::repeat_with(|| None)
-            .take(tensors.len())
-            .collect();
-        for (i, file, name, tensor) in tensors {
-            let place = &mut places[i];
-            debug_assert!(place.is_none(), "place {i} is given twice");
-            *place = Some(Held { name, tensor, file });
-        }
-        let mut by_name = std::collections::HashMap::with_capacity(places.len());
-        for (at, held) in places.iter().enumerate() {
-            if let Some(held) = held {
-                // A load hands out each name once (a file or an index naming one twice is
-                // refused); were one to come twice, the first would be the one found.
-                by_name.entry(held.name.clone()).or_insert(at);
+    /// When `place` lies outside the room made, or was given before: a load's places are
+    /// `0..n`, each given once.
+    fn put(&mut self, place: usize, file: &Arc<Path>, name: String, tensor: AnyTensor) {
+        let at = &mut self.tensors[place];
+        assert!(at.is_none(), "place {place} is given twice");
+        *at = Some(Held {
+            name,
+            tensor,
+            file: Arc::clone(file),
+        });
+    }
+
+    /// The checkpoint, its names' table made.
+    fn done(self) -> Checkpoint {
+        let hasher = std::hash::RandomState::new();
+        let tensors = self.tensors;
+        let mut by_name = hashbrown::HashTable::with_capacity(tensors.len());
+        for (at, held) in tensors.iter().enumerate() {
+            let Some(held) = held else { continue };
+            let hash = hasher.hash_one(held.name.as_str());
+            // A load hands out each name once (a file or an index naming one twice is
+            // refused); were one to come twice, the first would be the one found.
+            if let hashbrown::hash_table::Entry::Vacant(vacant) = by_name.entry(
+                hash,
+                |&other| named(&tensors, other, &held.name),
+                |&other| hasher.hash_one(tensors[other].as_ref().map_or("", |h| h.name.as_str())),
+            ) {
+                vacant.insert(at);
             }
         }
         Checkpoint {
-            tensors: places,
+            tensors,
             by_name,
+            hasher,
         }
     }
 }
@@ -1079,19 +1112,19 @@ pub fn load_from(
         direct: None,
         len,
     };
-    let mut out = Vec::new();
+    let filling = std::cell::RefCell::new(Filling::new(0));
     load_file(
         engine,
         source,
         options,
         staging,
-        &mut |_| {},
+        &mut |planned| *filling.borrow_mut() = Filling::new(planned),
         &mut |_, i, file, name, tensor| {
-            out.push((i, Arc::clone(file), name, tensor));
+            filling.borrow_mut().put(i, file, name, tensor);
             Ok(())
         },
     )?;
-    Ok(Checkpoint::ordered(out))
+    Ok(filling.into_inner().done())
 }
 
 /// Writes `tensors` (names with tensors of `engine`, borrowed) to the safetensors file `path`,
@@ -1238,6 +1271,38 @@ mod tests {
         });
         assert_eq!(got.unwrap_err().kind(), std::io::ErrorKind::WouldBlock);
         assert_eq!(calls, 1, "another error is not retried");
+    }
+
+    #[test]
+    fn a_filled_checkpoint_finds_each_name_at_its_place_and_forgets_those_taken_out() {
+        let (mut engine, _sim) = load::tests::engine();
+        let file: Arc<Path> = Path::new("m.safetensors").into();
+        let names = ["b", "a", "c", "a", "d"];
+        let mut filling = Filling::new(names.len());
+        // Handed out in another order than the file's, as a load's readers may.
+        for at in [3, 0, 4, 2, 1] {
+            let tensor = engine.alloc_tensor::<u8>(&[at + 1]).unwrap();
+            filling.put(at, &file, names[at].into(), tensor.into());
+        }
+        let mut loaded = filling.done();
+        // A name given twice is found at its first place; both stay in file order.
+        assert_eq!(loaded.len(), 4);
+        assert_eq!(loaded.names().collect::<Vec<_>>(), names);
+        let len = |c: &Checkpoint, n| c.get(n).map(|t| t.shape().to_vec());
+        assert_eq!(len(&loaded, "b"), Some(vec![1]));
+        assert_eq!(len(&loaded, "a"), Some(vec![2]));
+        assert_eq!(len(&loaded, "d"), Some(vec![5]));
+        assert_eq!(len(&loaded, "e"), None);
+        let c = loaded.take::<u8>("c").unwrap();
+        assert_eq!(c.shape(), &[3]);
+        assert!(loaded.get("c").is_none());
+        assert!(loaded.remove("c").is_none());
+        assert_eq!(loaded.len(), 3);
+        assert_eq!(loaded.remove("a").unwrap().shape(), &[2]);
+        assert_eq!(len(&loaded, "b"), Some(vec![1]));
+        assert_eq!(len(&loaded, "d"), Some(vec![5]));
+        assert_eq!(loaded.len(), 2);
+        assert_eq!(loaded.names().collect::<Vec<_>>(), ["b", "a", "d"]);
     }
 
     #[test]

@@ -9,7 +9,7 @@
 //! others, so the file is read from storage once in total.
 
 use super::load;
-use super::{Checkpoint, LoadOptions, Tally, converted, plan_shards};
+use super::{Checkpoint, Filling, LoadOptions, Tally, converted, plan_shards};
 use crate::core::engine::CudaEngine;
 use crate::error::{Result, UsageError};
 use crate::memory::any_tensor::AnyTensor;
@@ -169,7 +169,7 @@ pub fn load_shared(
     let convert = &mut *options.convert;
     let mut out = Vec::with_capacity(engines.len());
     for (engine, tensors) in engines.iter_mut().zip(held) {
-        let mut placed = Vec::with_capacity(planned.len());
+        let mut filling = Filling::new(planned.len());
         for ((j, bytes), &(s, i)) in tensors.into_iter().enumerate().zip(&planned) {
             let entry = &shards[s].tensors[i];
             let bytes = bytes.expect("every tensor came back");
@@ -180,9 +180,9 @@ pub fn load_shared(
             let tensor = unsafe { AnyTensor::from_bytes(bytes, entry.dtype, &entry.shape) }
                 .expect("the header checked that the shape fills the tensor's bytes");
             let tensor = converted(engine, &mut *convert, &entry.name, tensor)?;
-            placed.push((j, Arc::clone(&files[s]), entry.name.clone(), tensor));
+            filling.put(j, &files[s], entry.name.clone(), tensor);
         }
-        out.push(Checkpoint::ordered(placed));
+        out.push(filling.done());
     }
     Ok(out)
 }
