@@ -242,6 +242,8 @@ impl Order {
     /// to its position now, which covers that work.
     #[cfg(feature = "safetensors")]
     pub(crate) fn mark_queued(&mut self, lane: Lane, uses: &[Use]) {
+        // Thousands of uses at once (a landed file's tensors): room made once.
+        self.touches.reserve(uses.len());
         self.record(lane, uses);
     }
 

@@ -27,7 +27,7 @@ use super::load::{self, PACK_MAX, Source, Targets};
 use super::{Progress, Staging, Tally};
 use crate::core::engine::CudaEngine;
 use crate::core::order::Use;
-use crate::driver::Lane;
+use crate::driver::{DevicePtr, Lane};
 use crate::dtype::DType;
 use crate::error::{IoError, Result};
 use crate::memory::any_tensor::AnyTensor;
@@ -65,27 +65,91 @@ fn serves(header: &Header) -> bool {
     })
 }
 
-/// Where a landing's header comes from: the thread parsing it, or, where no thread could be
-/// had, a read on the calling thread; kept once known.
+/// What the header's thread found: a header the landed data serves, its tensors made ready to
+/// hand out, or one it does not serve.
+enum Parsed {
+    Serves(Ready),
+    Declines(Header),
+}
+
+/// The tensors of a header the landed data serves, made while the copies still run, to be
+/// handed out once they are all queued.
+struct Ready {
+    /// How many tensors the header names.
+    count: usize,
+    /// The uses to record for the tensors: each written by the copies.
+    written: Vec<Use>,
+    /// The tensors of no bytes, which get allocations of their own, with their places.
+    empty: Vec<(usize, Entry)>,
+    /// The others, in file order, with their places: each the part of the allocation at its
+    /// place in the data, not yet reachable by any caller.
+    tensors: Vec<(usize, Entry, AnyTensor)>,
+}
+
+impl Ready {
+    /// The tensors of `header`, which the data serves (`serves`), each the part of `arena`
+    /// at its place, the data starting at byte [`ALIGN`] of it and at `data_start` in the file.
+    fn new(
+        header: Header,
+        arena: &std::sync::Arc<Arena>,
+        base: DevicePtr,
+        data_start: u64,
+    ) -> Ready {
+        let count = header.tensors.len();
+        let (empty, full): (Vec<_>, Vec<_>) =
+            (header.tensors.into_iter().enumerate()).partition(|(_, t)| t.end == t.start);
+        let written = (full.iter())
+            .map(|(_, t)| Use::Write(base + ALIGN as u64 + (t.start - data_start)))
+            .collect();
+        let tensors = (full.into_iter())
+            .map(|(i, t)| {
+                let at = ALIGN + (t.start - data_start) as usize;
+                // SAFETY: the header's ranges tile the data without overlap, so no two tensors
+                // made here overlap; the whole allocation, which spans them all, is the
+                // landing's own and never handed out.
+                let bytes = unsafe { arena.part(at, (t.end - t.start) as usize) };
+                // SAFETY: the tensor is handed out only once every copy of the file's bytes
+                // into the data is queued and it is recorded as written by them
+                // (`Data::hand_out`), so work on it is ordered after them; until then nothing
+                // reaches it. It is not `bool` (`serves`), so any bytes are valid values of its
+                // type. The allocation is 256-byte aligned, and the tensor starts at a multiple
+                // of its element's size from it (`serves`).
+                let tensor = unsafe { AnyTensor::from_bytes(bytes, t.dtype, &t.shape) };
+                let tensor =
+                    tensor.expect("the header checked that the shape fills the tensor's bytes");
+                (i, t, tensor)
+            })
+            .collect();
+        Ready {
+            count,
+            written,
+            empty,
+            tensors,
+        }
+    }
+}
+
+/// Where a landing's header comes from: the thread parsing it (and making its tensors ready),
+/// or, where no thread could be had, a read on the calling thread; kept once known.
 struct Parse<'a, 'scope> {
-    thread: Option<std::thread::ScopedJoinHandle<'scope, Result<Header>>>,
-    read: &'a (dyn Fn() -> Result<Header> + Sync),
-    header: Option<Result<Header>>,
+    thread: Option<std::thread::ScopedJoinHandle<'scope, Result<Parsed>>>,
+    read: &'a (dyn Fn() -> Result<Parsed> + Sync),
+    parsed: Option<Result<Parsed>>,
 }
 
 impl Parse<'_, '_> {
-    /// The header, read and checked: waits for the thread parsing it the first time.
-    fn header(&mut self) -> &Result<Header> {
-        if self.header.is_none() {
-            let header = match self.thread.take() {
+    /// What the header says: waits for the thread parsing it the first time.
+    fn parsed(&mut self) -> &Result<Parsed> {
+        if self.parsed.is_none() {
+            let parsed = match self.thread.take() {
                 Some(thread) => thread
                     .join()
                     .unwrap_or_else(|panic| std::panic::resume_unwind(panic)),
                 None => (self.read)(),
             };
-            self.header = Some(header);
+            self.parsed = Some(parsed);
         }
-        self.header.as_ref().expect("known from here on")
+        self.parsed.as_ref().expect("known from here on")
     }
 }
 
@@ -95,8 +159,6 @@ impl Parse<'_, '_> {
 /// cannot serve stops the landing instead (`stop`).
 struct Data<'a, 'scope, 'e> {
     whole: &'a DeviceTensor<u8>,
-    arena: &'a std::sync::Arc<Arena>,
-    data_start: u64,
     parse: Parse<'a, 'scope>,
     stop: &'a AtomicBool,
     path: &'a std::path::Path,
@@ -117,11 +179,11 @@ impl Targets for Data<'_, '_, '_> {
 
     fn queued(&mut self, engine: &mut CudaEngine, _: usize) -> Result<()> {
         // A header the data cannot serve, or a bad one, is told once the landing returns.
-        if !self.parse.header().as_ref().is_ok_and(serves) {
+        if !matches!(self.parse.parsed(), Ok(Parsed::Serves(_))) {
             return Ok(());
         }
-        match self.parse.header.take() {
-            Some(Ok(header)) => self.hand_out(engine, header),
+        match self.parse.parsed.take() {
+            Some(Ok(Parsed::Serves(ready))) => self.hand_out(engine, ready),
             _ => Ok(()),
         }
     }
@@ -141,57 +203,34 @@ impl Targets for Data<'_, '_, '_> {
 }
 
 impl Data<'_, '_, '_> {
-    /// Hands out every tensor the header names, once every copy into the data is queued: those
-    /// of no bytes first, then the others in file order, each the part of the allocation at its
-    /// place in the data. Each is recorded first as written by the copies queued so far on the
-    /// upload lane, so that later work on it waits for them.
-    fn hand_out(&mut self, engine: &mut CudaEngine, header: Header) -> Result<()> {
-        (self.planned)(header.tensors.len());
-        let base = self.whole.raw_ptr() + ALIGN as u64 - self.data_start;
-        let empty = |t: &Entry| t.end == t.start;
-        let written: Vec<Use> = (header.tensors.iter())
-            .filter(|t| !empty(t))
-            .map(|t| Use::Write(base + t.start))
-            .collect();
-        engine.enter()?.order.mark_queued(Lane::Upload, &written);
-        let order: Vec<usize> = (header.tensors.iter().enumerate())
-            .filter(|(_, t)| empty(t))
-            .chain(header.tensors.iter().enumerate().filter(|(_, t)| !empty(t)))
-            .map(|(i, _)| i)
-            .collect();
-        let mut tensors: Vec<Option<Entry>> = header.tensors.into_iter().map(Some).collect();
+    /// Hands out every tensor of `ready`, once every copy into the data is queued: those of no
+    /// bytes first, then the others in file order. Each is recorded first as written by the
+    /// copies queued so far on the upload lane, so that later work on it waits for them.
+    fn hand_out(&mut self, engine: &mut CudaEngine, ready: Ready) -> Result<()> {
+        (self.planned)(ready.count);
+        engine
+            .enter()?
+            .order
+            .mark_queued(Lane::Upload, &ready.written);
         let mut handed = Ok(());
-        for i in order {
-            let t = tensors[i].take().expect("each tensor is handed out once");
-            let len = (t.end - t.start) as usize;
-            let bytes = if len == 0 {
-                match engine.alloc_tensor::<u8>(&[0]) {
-                    Ok(bytes) => bytes,
-                    Err(error) => {
-                        handed = handed.and(Err(error));
-                        continue;
-                    }
-                }
-            } else {
-                let at = ALIGN + (t.start - self.data_start) as usize;
-                // SAFETY: the header's ranges tile the data without overlap, so no two tensors
-                // made here overlap; `whole` spans them all and is never handed out.
-                unsafe { self.arena.part(at, len) }
-            };
+        for (i, t) in ready.empty {
+            let tensor = engine.alloc_tensor::<u8>(&[0]).map(|bytes| {
+                // SAFETY: a tensor of no bytes: nothing to order or validate.
+                let tensor = unsafe { AnyTensor::from_bytes(bytes, t.dtype, &t.shape) };
+                tensor.expect("the header checked that the shape holds no element")
+            });
+            handed = handed.and(tensor).and_then(|tensor| {
+                self.handed = true;
+                (self.each)(engine, i, t, tensor)
+            });
+        }
+        for (i, t, tensor) in ready.tensors {
             if handed.is_err() {
-                // The load stopped: the part is dropped at once, which folds the use recorded
-                // for it above into the allocation's, so that the allocation's free waits for
-                // the copies and the order keeps nothing of it.
+                // The load stopped: the tensor is dropped at once, which folds the use
+                // recorded for it above into the allocation's, so that the allocation's free
+                // waits for the copies and the order keeps nothing of it.
                 continue;
             }
-            // SAFETY: every copy of the file's bytes into the data is queued, and the tensor is
-            // recorded as written by them: work on it is ordered after them. It is not `bool`
-            // (`serves`), so any bytes are valid values of its type. The allocation is 256-byte
-            // aligned, and the tensor starts at a multiple of its element's size from it
-            // (`serves`).
-            let tensor = unsafe { AnyTensor::from_bytes(bytes, t.dtype, &t.shape) };
-            let tensor =
-                tensor.expect("the header checked that the shape fills the tensor's bytes");
             self.handed = true;
             handed = (self.each)(engine, i, t, tensor);
         }
@@ -248,12 +287,15 @@ pub(super) fn load(
     // Set once the header is known to be bad, or to name a tensor the landed data cannot
     // serve: the landing stops then, rather than read on.
     let stop = AtomicBool::new(false);
-    let read = || {
-        let header = header::read(source.path, source.file, source.len);
-        if !header.as_ref().is_ok_and(serves) {
-            stop.store(true, Ordering::Release);
+    let base = whole.raw_ptr();
+    let read = || match header::read(source.path, source.file, source.len) {
+        Ok(header) if serves(&header) => {
+            Ok(Parsed::Serves(Ready::new(header, &arena, base, data_start)))
         }
-        header
+        parsed => {
+            stop.store(true, Ordering::Release);
+            parsed.map(Parsed::Declines)
+        }
     };
     let (header, landed, handed) = std::thread::scope(|scope| {
         let thread = std::thread::Builder::new()
@@ -264,12 +306,10 @@ pub(super) fn load(
         let mut tally = Tally::new(data, progress);
         let mut target = Data {
             whole: &whole,
-            arena: &arena,
-            data_start,
             parse: Parse {
                 thread,
                 read: &read,
-                header: None,
+                parsed: None,
             },
             stop: &stop,
             path: source.path,
@@ -286,13 +326,13 @@ pub(super) fn load(
             &mut target,
         );
         // Known already, unless the tensors were handed out (which took it).
-        let header = if target.handed {
+        let parsed = if target.handed {
             None
         } else {
-            target.parse.header();
-            target.parse.header.take()
+            target.parse.parsed();
+            target.parse.parsed.take()
         };
-        (header, landed, target.handed)
+        (parsed, landed, target.handed)
     });
     if handed {
         landed?;
@@ -302,12 +342,17 @@ pub(super) fn load(
     // Nothing was handed out. A malformed header is what the usual load would report, before
     // any read of the data; a header the data cannot serve sends the load the usual way,
     // whatever the landing met (it may have been stopped for it).
-    let header = header.expect("known once the landing ends")?;
-    if !serves(&header) {
-        return Ok(Landing::Declined(header));
+    match header.expect("known once the landing ends")? {
+        Parsed::Declines(header) => Ok(Landing::Declined(header)),
+        Parsed::Serves(ready) => {
+            // Its tensors were not handed out: dropped, each folded into the allocation,
+            // which is freed after the copies.
+            drop(ready);
+            // A landing whose copies are all queued hands its tensors out, so the landing
+            // failed.
+            landed?;
+            // Not reached; were it, the file is loaded the usual way.
+            Ok(Landing::Untried)
+        }
     }
-    // A landing whose copies are all queued hands its tensors out, so the landing failed.
-    landed?;
-    // Not reached; were it, the file is loaded the usual way.
-    Ok(Landing::Declined(header))
 }
