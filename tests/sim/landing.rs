@@ -438,12 +438,23 @@ fn a_reader_that_panics_at_any_read_of_a_landing_frees_nothing_under_a_copy() {
 
 #[test]
 fn a_landing_stopped_at_any_tensor_keeps_those_handed_out_and_frees_the_rest_after_its_copies() {
+    stopped_at(40, 16 << 10, 1..=40);
+    // Across the batches the header's thread makes (256 tensors each): in the first, at the
+    // first of the second, while the second is being made, at the last.
+    stopped_at(600, 128 << 10, [1, 255, 256, 257, 300, 511, 512, 513, 600]);
+}
+
+/// Lands a file of `count` small tensors through slots of `chunk` bytes, stopping (the
+/// callback refusing) at each tensor of `stops` in turn: those handed out hold the file's
+/// bytes, and nothing else is kept.
+fn stopped_at(count: usize, chunk: usize, stops: impl IntoIterator<Item = usize>) {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("small.safetensors");
-    let (file, expected) = small(40);
+    let (file, expected) = small(count);
     std::fs::write(&path, &file).unwrap();
-    for stop in 1..=expected.len() {
-        let (mut engine, sim) = engine_with(16 << 10);
+    assert!(file.len() < 16 * chunk, "a file to land");
+    for stop in stops {
+        let (mut engine, sim) = engine_with(chunk);
         let mut kept = Vec::new();
         let stopped =
             checkpoint::load_each(&mut engine, &path, LoadOptions::new(), |_, name, tensor| {
@@ -547,22 +558,32 @@ fn work_queued_on_a_landed_tensor_as_it_is_handed_over_follows_its_copies() {
     // bytes, whatever order the device runs its streams in.
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("small.safetensors");
-    let (file, expected) = small(120);
+    // More tensors than the header's thread makes in one batch: the later batches are
+    // recorded as the first is.
+    let (file, expected) = small(300);
+    assert!(file.len() < 16 * (64 << 10), "a file to land");
     std::fs::write(&path, &file).unwrap();
     for seed in 0..16 {
         let sim = SimDevice::new(SimConfig::default());
         sim.set_schedule(cuferry::sim::Schedule::Interleaved { seed });
         let mut engine = CudaEngine::simulated_on(&sim);
         let mut config = cuferry::staging::StagingConfig::default();
-        config.chunk_bytes = 16 << 10;
+        config.chunk_bytes = 64 << 10;
         config.cutoff_bytes = 1024;
         engine.set_staging_config(config).unwrap();
         let mut copies = Vec::new();
+        let mut handed = 0;
         checkpoint::load_each(
             &mut engine,
             &path,
             LoadOptions::new(),
             |engine, name, tensor| {
+                handed += 1;
+                // From seed 8 on, the first work queued is on a tensor of the second batch.
+                if seed >= 8 && handed <= 256 {
+                    copies.push((name, tensor));
+                    return Ok(());
+                }
                 let copy = match tensor.dtype() {
                     DType::U8 => {
                         AnyTensor::from(engine.copy_tensor(tensor.as_typed::<u8>().unwrap())?)

@@ -33,7 +33,9 @@ use crate::error::{IoError, Result};
 use crate::memory::any_tensor::AnyTensor;
 use crate::memory::arena::{ALIGN, Arena};
 use crate::memory::tensor::DeviceTensor;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{Receiver, Sender};
 
 /// How a landing went.
 pub(super) enum Landing {
@@ -65,49 +67,61 @@ fn serves(header: &Header) -> bool {
     })
 }
 
-/// What the header's thread found: a header the landed data serves, its tensors made ready to
-/// hand out, or one it does not serve.
+/// What the header's thread found: a header the landed data serves, its tensors to be made
+/// and handed out, or one it does not serve.
 enum Parsed {
     Serves(Ready),
     Declines(Header),
 }
 
-/// The tensors of a header the landed data serves, made while the copies still run, to be
-/// handed out once they are all queued.
+/// How many tensors the header's thread makes before it sends them on: the calling thread
+/// hands one batch out while the next is made.
+const BATCH: usize = 256;
+
+/// The tensors of a header the landed data serves, to be handed out once every copy is
+/// queued.
 struct Ready {
     /// How many tensors the header names.
     count: usize,
-    /// The uses to record for the tensors: each written by the copies.
-    written: Vec<Use>,
     /// The tensors of no bytes, which get allocations of their own, with their places.
     empty: Vec<(usize, Entry)>,
-    /// The others, in file order, with their places: each the part of the allocation at its
-    /// place in the data, not yet reachable by any caller.
+    /// How many others there are.
+    full: usize,
+    /// The others, in file order, in batches as the header's thread makes them.
+    batches: Receiver<Batch>,
+}
+
+/// Tensors made on the header's thread, not yet reachable by any caller: each the part of the
+/// allocation at its place in the data, with its place in the file and its entry, and the uses
+/// to record for them (each written by the copies).
+struct Batch {
+    written: Vec<Use>,
     tensors: Vec<(usize, Entry, AnyTensor)>,
 }
 
-impl Ready {
-    /// The tensors of `header`, which the data serves (`serves`), each the part of `arena`
-    /// at its place, the data starting at byte [`ALIGN`] of it and at `data_start` in the file.
-    fn new(
-        header: Header,
-        arena: &std::sync::Arc<Arena>,
-        base: DevicePtr,
-        data_start: u64,
-    ) -> Ready {
-        let count = header.tensors.len();
-        let (empty, full): (Vec<_>, Vec<_>) =
-            (header.tensors.into_iter().enumerate()).partition(|(_, t)| t.end == t.start);
-        let written = (full.iter())
-            .map(|(_, t)| Use::Write(base + ALIGN as u64 + (t.start - data_start)))
+/// Where the landed data lies: the arena, its address, and where the data starts in the file
+/// (it starts at byte [`ALIGN`] of the arena).
+#[derive(Clone, Copy)]
+struct Place<'a> {
+    arena: &'a Arc<Arena>,
+    base: DevicePtr,
+    data_start: u64,
+}
+
+impl Place<'_> {
+    /// The tensors of `entries`, which the data serves (`serves`), each the part of the arena
+    /// at its place.
+    fn make(self, entries: Vec<(usize, Entry)>) -> Batch {
+        let written = (entries.iter())
+            .map(|(_, t)| Use::Write(self.base + ALIGN as u64 + (t.start - self.data_start)))
             .collect();
-        let tensors = (full.into_iter())
+        let tensors = (entries.into_iter())
             .map(|(i, t)| {
-                let at = ALIGN + (t.start - data_start) as usize;
+                let at = ALIGN + (t.start - self.data_start) as usize;
                 // SAFETY: the header's ranges tile the data without overlap, so no two tensors
                 // made here overlap; the whole allocation, which spans them all, is the
                 // landing's own and never handed out.
-                let bytes = unsafe { arena.part(at, (t.end - t.start) as usize) };
+                let bytes = unsafe { self.arena.part(at, (t.end - t.start) as usize) };
                 // SAFETY: the tensor is handed out only once every copy of the file's bytes
                 // into the data is queued and it is recorded as written by them
                 // (`Data::hand_out`), so work on it is ordered after them; until then nothing
@@ -120,36 +134,85 @@ impl Ready {
                 (i, t, tensor)
             })
             .collect();
-        Ready {
-            count,
-            written,
-            empty,
-            tensors,
+        Batch { written, tensors }
+    }
+}
+
+/// Reads and checks the header of `source`, tells `told` what it says, and when the landed
+/// data at `place` serves it, makes its tensors in batches, in file order, sending each on as
+/// it is made; stops once the batches are no longer taken (the landing stopped). A header that
+/// is bad or does not serve sets `stop`.
+fn parse_and_make(
+    source: &Source<'_>,
+    place: Place<'_>,
+    stop: &AtomicBool,
+    told: Sender<Result<Parsed>>,
+) {
+    let header = match header::read(source.path, source.file, source.len) {
+        Ok(header) if serves(&header) => header,
+        parsed => {
+            stop.store(true, Ordering::Release);
+            let _ = told.send(parsed.map(Parsed::Declines));
+            return;
+        }
+    };
+    let count = header.tensors.len();
+    let (empty, full): (Vec<_>, Vec<_>) =
+        (header.tensors.into_iter().enumerate()).partition(|(_, t)| t.end == t.start);
+    let (send, batches) = std::sync::mpsc::channel();
+    let ready = Ready {
+        count,
+        empty,
+        full: full.len(),
+        batches,
+    };
+    if told.send(Ok(Parsed::Serves(ready))).is_err() {
+        return;
+    }
+    let mut full = full.into_iter();
+    loop {
+        let entries: Vec<_> = full.by_ref().take(BATCH).collect();
+        // A batch not taken is dropped here, its tensors folded into the allocation.
+        if entries.is_empty() || send.send(place.make(entries)).is_err() {
+            return;
         }
     }
 }
 
-/// Where a landing's header comes from: the thread parsing it (and making its tensors ready),
-/// or, where no thread could be had, a read on the calling thread; kept once known.
+/// What the header says, from the thread that parses it and makes its tensors (or, where no
+/// thread could be had, from a parse on the calling thread); kept once known.
 struct Parse<'a, 'scope> {
-    thread: Option<std::thread::ScopedJoinHandle<'scope, Result<Parsed>>>,
-    read: &'a (dyn Fn() -> Result<Parsed> + Sync),
+    thread: Option<std::thread::ScopedJoinHandle<'scope, ()>>,
+    /// The thread's first word.
+    told: Receiver<Result<Parsed>>,
+    /// The header read, checked and its tensors made on the calling thread.
+    inline: &'a (dyn Fn() -> Result<Parsed> + Sync),
     parsed: Option<Result<Parsed>>,
 }
 
 impl Parse<'_, '_> {
-    /// What the header says: waits for the thread parsing it the first time.
+    /// What the header says: waits for the thread's word the first time.
     fn parsed(&mut self) -> &Result<Parsed> {
         if self.parsed.is_none() {
-            let parsed = match self.thread.take() {
-                Some(thread) => thread
-                    .join()
-                    .unwrap_or_else(|panic| std::panic::resume_unwind(panic)),
-                None => (self.read)(),
+            let parsed = match self.thread {
+                Some(_) => match self.told.recv() {
+                    Ok(parsed) => parsed,
+                    Err(_) => self.rethrow("the header's thread tells what the header says"),
+                },
+                None => (self.inline)(),
             };
             self.parsed = Some(parsed);
         }
         self.parsed.as_ref().expect("known from here on")
+    }
+
+    /// Once the header's thread has ended with less said than it promised: its panic, passed
+    /// on to the calling thread.
+    fn rethrow(&mut self, promise: &str) -> ! {
+        match self.thread.take().map(|thread| thread.join()) {
+            Some(Err(panic)) => std::panic::resume_unwind(panic),
+            _ => panic!("{promise}"),
+        }
     }
 }
 
@@ -208,10 +271,6 @@ impl Data<'_, '_, '_> {
     /// copies queued so far on the upload lane, so that later work on it waits for them.
     fn hand_out(&mut self, engine: &mut CudaEngine, ready: Ready) -> Result<()> {
         (self.planned)(ready.count);
-        engine
-            .enter()?
-            .order
-            .mark_queued(Lane::Upload, &ready.written);
         let mut handed = Ok(());
         for (i, t) in ready.empty {
             let tensor = engine.alloc_tensor::<u8>(&[0]).map(|bytes| {
@@ -224,16 +283,31 @@ impl Data<'_, '_, '_> {
                 (self.each)(engine, i, t, tensor)
             });
         }
-        for (i, t, tensor) in ready.tensors {
-            if handed.is_err() {
-                // The load stopped: the tensor is dropped at once, which folds the use
-                // recorded for it above into the allocation's, so that the allocation's free
-                // waits for the copies and the order keeps nothing of it.
-                continue;
+        let mut made = 0;
+        while handed.is_ok()
+            && made < ready.full
+            && let Ok(batch) = ready.batches.recv()
+        {
+            made += batch.tensors.len();
+            handed = engine
+                .enter()
+                .map(|mut st| st.order.mark_queued(Lane::Upload, &batch.written));
+            for (i, t, tensor) in batch.tensors {
+                if handed.is_err() {
+                    // The load stopped: the tensor is dropped at once, which folds the use
+                    // recorded for it above into the allocation's, so that the allocation's
+                    // free waits for the copies and the order keeps nothing of it.
+                    continue;
+                }
+                self.handed = true;
+                handed = (self.each)(engine, i, t, tensor);
             }
-            self.handed = true;
-            handed = (self.each)(engine, i, t, tensor);
         }
+        if handed.is_ok() && made < ready.full {
+            self.parse
+                .rethrow("the header's thread makes every tensor it tells of");
+        }
+        // Batches not yet made are not: the thread stops once `ready.batches` is dropped.
         handed
     }
 }
@@ -287,20 +361,22 @@ pub(super) fn load(
     // Set once the header is known to be bad, or to name a tensor the landed data cannot
     // serve: the landing stops then, rather than read on.
     let stop = AtomicBool::new(false);
-    let base = whole.raw_ptr();
-    let read = || match header::read(source.path, source.file, source.len) {
-        Ok(header) if serves(&header) => {
-            Ok(Parsed::Serves(Ready::new(header, &arena, base, data_start)))
-        }
-        parsed => {
-            stop.store(true, Ordering::Release);
-            parsed.map(Parsed::Declines)
-        }
+    let place = Place {
+        arena: &arena,
+        base: whole.raw_ptr(),
+        data_start,
     };
+    let inline = || {
+        let (told, word) = std::sync::mpsc::channel();
+        parse_and_make(&source, place, &stop, told);
+        word.recv()
+            .expect("the header is told before anything is made")
+    };
+    let (told, word) = std::sync::mpsc::channel();
     let (header, landed, handed) = std::thread::scope(|scope| {
         let thread = std::thread::Builder::new()
             .name("cuferry-header".into())
-            .spawn_scoped(scope, read)
+            .spawn_scoped(scope, || parse_and_make(&source, place, &stop, told))
             // No thread to be had: the header is read once the copies are queued.
             .ok();
         let mut tally = Tally::new(data, progress);
@@ -308,7 +384,8 @@ pub(super) fn load(
             whole: &whole,
             parse: Parse {
                 thread,
-                read: &read,
+                told: word,
+                inline: &inline,
                 parsed: None,
             },
             stop: &stop,
