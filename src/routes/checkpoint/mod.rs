@@ -712,18 +712,7 @@ pub fn load_with(
     path: impl AsRef<Path>,
     options: LoadOptions<'_>,
 ) -> Result<Checkpoint> {
-    let filling = std::cell::RefCell::new(Filling::new(0));
-    load_indexed(
-        engine,
-        path.as_ref(),
-        options,
-        &mut |planned| *filling.borrow_mut() = Filling::new(planned),
-        &mut |_, i, file, name, tensor| {
-            filling.borrow_mut().put(i, file, name, tensor);
-            Ok(())
-        },
-    )?;
-    Ok(filling.into_inner().done())
+    Filling::filled_by(|planned, each| load_indexed(engine, path.as_ref(), options, planned, each))
 }
 
 /// As [`load_with`], handing each tensor to `each` as soon as every copy into it is queued,
@@ -776,6 +765,22 @@ impl Filling {
         Filling {
             tensors: std::iter::repeat_with(|| None).take(places).collect(),
         }
+    }
+
+    /// The checkpoint `load` fills: it tells how many tensors it plans (the room made), then
+    /// hands each out with its place.
+    fn filled_by(
+        load: impl FnOnce(&mut dyn FnMut(usize), &mut Handoff<'_>) -> Result<()>,
+    ) -> Result<Checkpoint> {
+        let filling = std::cell::RefCell::new(Filling::new(0));
+        load(
+            &mut |planned| *filling.borrow_mut() = Filling::new(planned),
+            &mut |_, place, file, name, tensor| {
+                filling.borrow_mut().put(place, file, name, tensor);
+                Ok(())
+            },
+        )?;
+        Ok(filling.into_inner().done())
     }
 
     /// Puts `tensor`, named `name`, from `file`, at `place`.
@@ -1112,19 +1117,7 @@ pub fn load_from(
         direct: None,
         len,
     };
-    let filling = std::cell::RefCell::new(Filling::new(0));
-    load_file(
-        engine,
-        source,
-        options,
-        staging,
-        &mut |planned| *filling.borrow_mut() = Filling::new(planned),
-        &mut |_, i, file, name, tensor| {
-            filling.borrow_mut().put(i, file, name, tensor);
-            Ok(())
-        },
-    )?;
-    Ok(filling.into_inner().done())
+    Filling::filled_by(|planned, each| load_file(engine, source, options, staging, planned, each))
 }
 
 /// Writes `tensors` (names with tensors of `engine`, borrowed) to the safetensors file `path`,
