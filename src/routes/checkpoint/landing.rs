@@ -1,13 +1,15 @@
 //! A load of a file of small tensors: its data copied to the device while its header is parsed.
 //!
 //! A file of thousands of small tensors (norms, biases) spends a good part of its load on its
-//! header: 2,000 entries take about half a millisecond to parse and check, as long as the
-//! file's 64 MiB take to read from the page cache, and a load that plans first reads nothing
-//! until the plan is made. Such a file is landed instead: its data (the bytes after the header)
-//! is read and copied, as it lies in the file, into one device allocation (in sixteen chunks
-//! through the load's staging and reader crew, as any load of a few slots' worth) while another
-//! thread parses the header. Each tensor is then a part of that allocation at its place in the
-//! file ([`Arena`]): nothing is copied twice.
+//! header: 2,000 entries take half a millisecond to a millisecond to parse and check, as long
+//! as the file's 64 MiB take to read from the page cache, and a load that plans first reads
+//! nothing until the plan is made. Such a file is landed instead: its data (the bytes after the
+//! header) is read and copied, as it lies in the file, into one device allocation (in sixteen
+//! chunks through the load's staging and reader crew, as any load of a few slots' worth) while
+//! another thread parses the header and then makes the tensors. Each tensor is a part of that
+//! allocation at its place in the file ([`Arena`]): nothing is copied twice. The thread sends
+//! the tensors on in batches as it makes them; once every copy is queued, the calling thread
+//! records and hands out each batch while the next is made.
 //!
 //! Whether to land is decided before the header is known, from what its prefix and the file's
 //! length say: a load of the whole file (no selection, no slices) of fewer than sixteen slots'
@@ -373,7 +375,7 @@ pub(super) fn load(
             .expect("the header is told before anything is made")
     };
     let (told, word) = std::sync::mpsc::channel();
-    let (header, landed, handed) = std::thread::scope(|scope| {
+    let (parsed, landed, handed) = std::thread::scope(|scope| {
         let thread = std::thread::Builder::new()
             .name("cuferry-header".into())
             .spawn_scoped(scope, || parse_and_make(&source, place, &stop, told))
@@ -419,7 +421,7 @@ pub(super) fn load(
     // Nothing was handed out. A malformed header is what the usual load would report, before
     // any read of the data; a header the data cannot serve sends the load the usual way,
     // whatever the landing met (it may have been stopped for it).
-    match header.expect("known once the landing ends")? {
+    match parsed.expect("known once the landing ends")? {
         Parsed::Declines(header) => Ok(Landing::Declined(header)),
         Parsed::Serves(ready) => {
             // Its tensors were not handed out: dropped, each folded into the allocation,
