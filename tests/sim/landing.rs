@@ -84,13 +84,18 @@ fn among(
 
 /// A simulated engine whose staging slots are `chunk` bytes, and its device.
 fn engine_with(chunk: usize) -> (CudaEngine, SimDevice) {
-    let mut engine = CudaEngine::simulated(SimConfig::default());
+    let sim = SimDevice::new(SimConfig::default());
+    (engine_on(&sim, chunk), sim)
+}
+
+/// An engine on `sim` whose staging slots are `chunk` bytes.
+fn engine_on(sim: &SimDevice, chunk: usize) -> CudaEngine {
+    let mut engine = CudaEngine::simulated_on(sim);
     let mut config = cuferry::staging::StagingConfig::default();
     config.chunk_bytes = chunk;
     config.cutoff_bytes = 1024;
     engine.set_staging_config(config).unwrap();
-    let sim = engine.sim().unwrap();
-    (engine, sim)
+    engine
 }
 
 /// Loads `file` through `reader` with three readers.
@@ -566,11 +571,7 @@ fn work_queued_on_a_landed_tensor_as_it_is_handed_over_follows_its_copies() {
     for seed in 0..16 {
         let sim = SimDevice::new(SimConfig::default());
         sim.set_schedule(cuferry::sim::Schedule::Interleaved { seed });
-        let mut engine = CudaEngine::simulated_on(&sim);
-        let mut config = cuferry::staging::StagingConfig::default();
-        config.chunk_bytes = 64 << 10;
-        config.cutoff_bytes = 1024;
-        engine.set_staging_config(config).unwrap();
+        let mut engine = engine_on(&sim, 64 << 10);
         let mut copies = Vec::new();
         let mut handed = 0;
         checkpoint::load_each(
@@ -584,18 +585,7 @@ fn work_queued_on_a_landed_tensor_as_it_is_handed_over_follows_its_copies() {
                     copies.push((name, tensor));
                     return Ok(());
                 }
-                let copy = match tensor.dtype() {
-                    DType::U8 => {
-                        AnyTensor::from(engine.copy_tensor(tensor.as_typed::<u8>().unwrap())?)
-                    }
-                    DType::F32 => {
-                        AnyTensor::from(engine.copy_tensor(tensor.as_typed::<f32>().unwrap())?)
-                    }
-                    DType::BF16 => {
-                        AnyTensor::from(engine.copy_tensor(tensor.as_typed::<bf16>().unwrap())?)
-                    }
-                    _ => AnyTensor::from(engine.copy_tensor(tensor.as_typed::<f64>().unwrap())?),
-                };
+                let copy = crate::support::any_tensor::copy_any(engine, &tensor)?;
                 // Odd seeds drop the tensor at once, while its copies may still run.
                 if seed % 2 == 0 {
                     copies.push((name.clone(), tensor));
